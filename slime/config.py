@@ -1,0 +1,331 @@
+"""The job configuration: pydantic models, YAML files, `a.b=value` command-line overrides.
+
+Every model forbids unknown keys, so a typo fails at load with the field's dotted path.
+Cross-field rules live in `model_validator`s and name the fields they compare.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field and the reason."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Strict):
+    """The built-in default policy: a Qwen3-MoE built in code with a character-level tokenizer."""
+
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    num_experts: int = Field(8, gt=0)
+    experts_per_token: int = Field(2, gt=0)
+    expert_hidden_size: int = Field(128, gt=0)
+    max_position_embeddings: int = Field(512, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.tiny.hidden_size must be divisible by model.tiny.num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.tiny.num_heads must be divisible by model.tiny.num_kv_heads")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError("model.tiny.experts_per_token cannot exceed model.tiny.num_experts")
+        return self
+
+
+class WarmstartConfig(_Strict):
+    """Short supervised pass on generated demonstrations of the example task (cached on disk)."""
+
+    enabled: bool = True
+    steps: int = Field(300, ge=0)
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    num_examples: int = Field(4000, gt=0)
+
+
+class ModelConfig(_Strict):
+    path: str | None = Field(
+        None, description="Local Hugging Face causal LM directory (with tokenizer); None builds the tiny MoE."
+    )
+    tiny: TinyModelConfig = TinyModelConfig()
+    warmstart: WarmstartConfig = WarmstartConfig()
+    cache_dir: str = Field("~/.cache/slime-april", description="Where the built tiny model is cached.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+
+
+class DataConfig(_Strict):
+    path: str | None = Field(
+        None, description="JSONL, Parquet or a local HF dataset directory; None generates the example task."
+    )
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    task_key: str = "task"
+    apply_chat_template: bool = False
+    max_prompt_tokens: int = Field(256, gt=0)
+    shuffle: bool = True
+    seed: int = 0
+    num_generated: int = Field(2000, gt=0, description="Prompts generated for the example task when path is None.")
+
+
+class RolloutConfig(_Strict):
+    num_workers: int = Field(1, gt=0)
+    batch_size: int = Field(8, gt=0, description="Prompt groups per training step.")
+    n_samples_per_prompt: int = Field(4, gt=0)
+    max_new_tokens: int = Field(96, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings (single tokens); EOS always stops.")
+    max_running_requests: int = Field(64, gt=0, description="Engine batch slots (continuous batching).")
+    chunk_tokens: int = Field(16, gt=0, description="Tokens per chunk a worker writes to the buffer.")
+    device: str = "cpu"
+
+
+class AprilConfig(_Strict):
+    enabled: bool = False
+    oversample: float = Field(2.0, ge=1.0, description="Keep ceil(oversample * batch_size) groups in flight.")
+
+
+class StagedKL(_Strict):
+    until_step: int = Field(..., ge=0)
+    coef: float = Field(..., ge=0)
+
+
+class AdaptiveClip(_Strict):
+    """GLM-5 report 4.7: shrink the clip range when measured KL overshoots the target, widen it below."""
+
+    enabled: bool = False
+    kl_target: float = Field(0.01, gt=0)
+    shrink: float = Field(0.9, gt=0, lt=1)
+    grow: float = Field(1.1, gt=1)
+    min_clip: float = Field(0.05, gt=0)
+    max_clip: float = Field(0.4, gt=0)
+
+
+class AlgorithmConfig(_Strict):
+    name: Literal["ppo", "grpo"] = "grpo"
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.28, gt=0)
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip c for negative advantages; None disables.")
+    value_clip: float | None = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    kl_schedule: list[StagedKL] = Field(default_factory=list, description="Staged KL coefficient; overrides kl_coef.")
+    adaptive_clip: AdaptiveClip = AdaptiveClip()
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    normalize_advantages: bool = True
+    grpo_std_normalize: bool = True
+    router_aux_coef: float = Field(0.001, ge=0, description="MoE router load-balancing loss weight.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AlgorithmConfig":
+        steps = [s.until_step for s in self.kl_schedule]
+        if steps != sorted(steps):
+            raise ValueError("algorithm.kl_schedule: until_step values must increase")
+        if self.adaptive_clip.min_clip > self.adaptive_clip.max_clip:
+            raise ValueError("algorithm.adaptive_clip.min_clip must not exceed max_clip")
+        return self
+
+
+class LearnerConfig(_Strict):
+    lr: float = Field(1e-3, gt=0)
+    critic_lr: float = Field(2e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, gt=0)
+    num_minibatches: int = Field(1, gt=0)
+    micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward; gradients accumulate.")
+    recompute_old_logprobs: bool = Field(
+        False,
+        description="Recompute pi_old with the learner before the update; otherwise the first forward's "
+        "detached logprobs are pi_old (identical when ppo_epochs=num_minibatches=1).",
+    )
+    device: str = "cpu"
+
+
+class TaskWeighting(_Strict):
+    """GLM-5 report 4.7: weights rise (x grow) for tasks scoring below their target, then renormalise."""
+
+    weights: dict[str, float] = Field(default_factory=dict)
+    targets: dict[str, float] = Field(default_factory=dict)
+    grow: float = Field(1.1, gt=1)
+
+
+class CurriculumStage(_Strict):
+    name: str
+    filter: dict[str, Any] = Field(default_factory=dict, description="Metadata equalities a prompt must match.")
+    advance_at_reward: float | None = Field(None, description="Mean reward (recent window) that ends the stage.")
+
+
+class SamplingConfig(_Strict):
+    tasks: TaskWeighting | None = None
+    curriculum: list[CurriculumStage] = Field(default_factory=list)
+    window: int = Field(4, gt=0, description="Steps of reward history used by task weights and curriculum.")
+
+
+class RewardConfig(_Strict):
+    fn: str = Field(
+        "envs.repeat:reward", description="`package.module:function` or `path/to/file.py:function`."
+    )
+    timeout_s: float = Field(30.0, gt=0)
+    max_concurrency: int = Field(8, gt=0)
+
+
+class BufferConfig(_Strict):
+    url: str | None = Field(None, description="redis://host:port/db; None starts a local redis-server.")
+    aof: bool = True
+    lease_seconds: float = Field(10.0, gt=0)
+
+
+class ClusterConfig(_Strict):
+    ray_address: str | None = None
+    num_cpus: int | None = Field(None, gt=0)
+    torch_threads: int = Field(1, gt=0, description="torch threads per actor (2-core boxes: keep 1).")
+
+
+class LoggingConfig(_Strict):
+    jsonl: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+
+
+class JobConfig(_Strict):
+    job_name: str = Field("slime", pattern=r"^[A-Za-z0-9_.-]+$")
+    output_dir: str = "outputs/slime"
+    mode: Literal["sync", "async"] = "sync"
+    steps: int = Field(30, gt=0)
+    max_staleness: int = Field(1, ge=0, description="Async: most policy versions a trained token may lag.")
+    seed: int = 0
+    checkpoint_every: int = Field(0, ge=0, description="0 saves only at the end.")
+    resume: str | None = Field(None, description="A checkpoint directory, or 'auto' for the latest in output_dir.")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    april: AprilConfig = AprilConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    learner: LearnerConfig = LearnerConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    reward: RewardConfig = RewardConfig()
+    buffer: BufferConfig = BufferConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobConfig":
+        if self.algorithm.name == "grpo" and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                "rollout.n_samples_per_prompt must be >= 2 for algorithm.name=grpo "
+                "(group-normalised advantages need a group)"
+            )
+        if self.mode == "async" and self.max_staleness < 1:
+            raise ValueError("max_staleness must be >= 1 when mode=async (0 would make the loop synchronous)")
+        n_seqs = self.rollout.batch_size * self.rollout.n_samples_per_prompt
+        if self.learner.num_minibatches > n_seqs:
+            raise ValueError(
+                f"learner.num_minibatches={self.learner.num_minibatches} exceeds the "
+                f"{n_seqs} sequences per step (rollout.batch_size * rollout.n_samples_per_prompt)"
+            )
+        if self.sampling.tasks is not None and self.data.task_key == "":
+            raise ValueError("data.task_key must be set when sampling.tasks is configured")
+        return self
+
+    @property
+    def groups_in_flight(self) -> int:
+        ratio = self.april.oversample if self.april.enabled else 1.0
+        return math.ceil(ratio * self.rollout.batch_size)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir).expanduser()
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see slime/config.py for the fields)"
+        lines.append(f"  {path}: {msg}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`learner.lr=1e-5` -> (['learner', 'lr'], 1e-05). Values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.path=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+    # YAML reads 1e-5 as a string; users mean a number.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML ({exc})") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def dump_config(cfg: JobConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,148 @@
+"""The trajectory record that flows through the whole system (DESIGN.md, "Sample / Trajectory").
+
+Token-in/token-out: the prompt and response are token ids; every response token carries the
+behaviour logprob, the policy version that produced it and a loss mask (0 for env/tool tokens).
+The per-token arrays always have the same length; `append` refuses chunks that would break that.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+
+class Status(str, Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    ABORTED = "aborted"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    FAILED = "failed"
+
+
+FINAL_STATUSES = frozenset({Status.COMPLETED, Status.TRUNCATED, Status.FAILED})
+
+TOKEN_DTYPE = np.int32
+LOGPROB_DTYPE = np.float32
+VERSION_DTYPE = np.int32
+MASK_DTYPE = np.int8
+
+
+class ChunkLengthError(ValueError):
+    """A chunk whose per-token arrays do not have one entry per token."""
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _empty(dtype: type) -> np.ndarray:
+    return np.zeros(0, dtype=dtype)
+
+
+@dataclass
+class Sample:
+    group_id: str
+    index: int
+    prompt_ids: np.ndarray
+    max_new_tokens: int
+    id: str = field(default_factory=new_id)
+    response_ids: np.ndarray = field(default_factory=lambda: _empty(TOKEN_DTYPE))
+    logprobs: np.ndarray = field(default_factory=lambda: _empty(LOGPROB_DTYPE))
+    versions: np.ndarray = field(default_factory=lambda: _empty(VERSION_DTYPE))
+    loss_mask: np.ndarray = field(default_factory=lambda: _empty(MASK_DTYPE))
+    status: Status = Status.PENDING
+    reward: float | None = None
+    # Per-token rewards (e.g. a process reward model's step scores placed on step-end tokens);
+    # same length as response_ids when set.
+    token_rewards: np.ndarray | None = None
+    failure: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=TOKEN_DTYPE)
+        self.response_ids = np.asarray(self.response_ids, dtype=TOKEN_DTYPE)
+        self.logprobs = np.asarray(self.logprobs, dtype=LOGPROB_DTYPE)
+        self.versions = np.asarray(self.versions, dtype=VERSION_DTYPE)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=MASK_DTYPE)
+        self.status = Status(self.status)
+        n = len(self.response_ids)
+        if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n):
+            raise ChunkLengthError(
+                f"sample {self.id}: per-token arrays differ in length: response_ids={n}, "
+                f"logprobs={len(self.logprobs)}, versions={len(self.versions)}, loss_mask={len(self.loss_mask)}"
+            )
+
+    def append(
+        self,
+        token_ids: np.ndarray | list[int],
+        logprobs: np.ndarray | list[float],
+        version: int | np.ndarray | list[int],
+        loss_mask: int | np.ndarray | list[int] = 1,
+    ) -> None:
+        """Append one chunk. A scalar `version`/`loss_mask` applies to every token of the chunk."""
+        tokens, lps, vers, mask = normalize_chunk(token_ids, logprobs, version, loss_mask)
+        self.response_ids = np.concatenate([self.response_ids, tokens])
+        self.logprobs = np.concatenate([self.logprobs, lps])
+        self.versions = np.concatenate([self.versions, vers])
+        self.loss_mask = np.concatenate([self.loss_mask, mask])
+        self.updated_at = time.time()
+
+    @property
+    def response_length(self) -> int:
+        return int(len(self.response_ids))
+
+    @property
+    def remaining_tokens(self) -> int:
+        """What a resumed generation may still produce: max_new_tokens less what it already has."""
+        return max(0, self.max_new_tokens - self.response_length)
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+    @property
+    def version_span(self) -> int:
+        """How many policy versions the response tokens cover (0 when one version made them all)."""
+        if len(self.versions) == 0:
+            return 0
+        return int(self.versions.max() - self.versions.min())
+
+    @property
+    def min_version(self) -> int | None:
+        return int(self.versions.min()) if len(self.versions) else None
+
+
+def normalize_chunk(
+    token_ids: np.ndarray | list[int],
+    logprobs: np.ndarray | list[float],
+    version: int | np.ndarray | list[int],
+    loss_mask: int | np.ndarray | list[int] = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Turn one chunk into four equal-length arrays of the stored dtypes, or raise ChunkLengthError."""
+    tokens = np.asarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
+    lps = np.asarray(logprobs, dtype=LOGPROB_DTYPE).reshape(-1)
+    n = len(tokens)
+    vers = (
+        np.full(n, version, dtype=VERSION_DTYPE)
+        if np.isscalar(version)
+        else np.asarray(version, dtype=VERSION_DTYPE).reshape(-1)
+    )
+    mask = (
+        np.full(n, loss_mask, dtype=MASK_DTYPE)
+        if np.isscalar(loss_mask)
+        else np.asarray(loss_mask, dtype=MASK_DTYPE).reshape(-1)
+    )
+    if not (len(lps) == len(vers) == len(mask) == n):
+        raise ChunkLengthError(
+            f"chunk arrays differ in length: tokens={n}, logprobs={len(lps)}, "
+            f"versions={len(vers)}, loss_mask={len(mask)}"
+        )
+    return tokens, lps, vers, mask
