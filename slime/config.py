@@ -196,6 +196,17 @@ class BufferConfig(_Strict):
     lease_seconds: float = Field(10.0, gt=0)
 
 
+class WeightsConfig(_Strict):
+    transport: Literal["auto", "shm", "cuda_ipc", "file"] = Field(
+        "auto", description="auto: cuda_ipc when the learner is on CUDA, else shared memory."
+    )
+    bucket_mb: float = Field(64.0, gt=0)
+    check_every: int = Field(
+        1, ge=0, description="Compare engine and learner logprobs on a probe after every Nth update (0: never)."
+    )
+    check_tolerance: float = Field(1e-3, gt=0)
+
+
 class ClusterConfig(_Strict):
     ray_address: str | None = None
     num_cpus: int | None = Field(None, gt=0)
@@ -227,6 +238,7 @@ class JobConfig(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     reward: RewardConfig = RewardConfig()
     buffer: BufferConfig = BufferConfig()
+    weights: WeightsConfig = WeightsConfig()
     cluster: ClusterConfig = ClusterConfig()
     logging: LoggingConfig = LoggingConfig()
 

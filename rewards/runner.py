@@ -1,0 +1,423 @@
+"""Calling the user's reward function without letting it stall or crash the job.
+
+The native reward signature (sync or async):
+
+    def reward(prompt: str, response: str, label: Any, metadata: dict) -> float
+    async def reward(prompt: str, response: str, label: Any, metadata: dict) -> float
+
+It is called with keywords: `fn(prompt=..., response=..., label=..., metadata=...)`; `label` and
+`metadata` are passed only when the function has a parameter of that name (or `**kwargs`), so
+`def reward(prompt, response)` works too. It may return a number (a bool counts as 0.0/1.0) or a
+dict with a "score" key (as verl allows). Other frameworks' signatures need an adapter.
+
+`RewardRunner.submit` returns a future that always resolves to a `RewardResult` (never raises):
+a reward, or `failure` saying why not (raised, timed out, not a number, NaN/inf). The timeout
+counts from when the call starts running; waiting for a free slot is not counted.
+
+Sync functions run on the runner's worker threads, `max_concurrency` of them. A sync call that
+times out cannot be killed: its thread is written off as hung and a fresh worker takes its place,
+so the runner keeps serving; the hung thread rejoins the pool if its call ever returns. After
+`max_hung_calls` hung threads no more replacements start, and once no worker is left every call
+fails at once, naming the cause. Async functions run on one event loop owned by the runner, at
+most `max_concurrency` at a time; a timed-out coroutine is cancelled. An `async def` that blocks
+(time.sleep instead of asyncio.sleep) stalls the other async calls; their futures still resolve
+at the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import inspect
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_SIGNATURE = "fn(prompt, response, label, metadata)"
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    reward: float | None  # None when the call failed
+    failure: str | None  # why there is no reward; names the function
+    latency_s: float  # time the call ran (queueing excluded)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+@dataclass(eq=False)
+class _Call:
+    kwargs: dict[str, Any]
+    future: Future  # Future[RewardResult]
+    started: float | None = None  # time.monotonic() when it began running
+    settled: bool = False  # guarded by RewardRunner._lock: the future is (being) resolved
+    timed_out: bool = False
+
+
+class RewardRunner:
+    """Runs `fn` with a per-call timeout and a concurrency limit; see the module docstring."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        timeout_s: float,
+        max_concurrency: int,
+        *,
+        name: str | None = None,
+        max_hung_calls: int | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"RewardRunner: fn must be callable, got {type(fn).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"RewardRunner: timeout_s must be > 0, got {timeout_s}")
+        if max_concurrency < 1:
+            raise ValueError(f"RewardRunner: max_concurrency must be >= 1, got {max_concurrency}")
+        self.name = name or _describe(fn)
+        self.timeout_s = float(timeout_s)
+        self.max_concurrency = int(max_concurrency)
+        self.max_hung_calls = 4 * self.max_concurrency if max_hung_calls is None else int(max_hung_calls)
+        self._fn = fn
+        self._pass_label, self._pass_metadata = _keyword_plan(fn, self.name)
+        self._is_async = _is_async(fn)
+
+        self._lock = threading.Lock()
+        self._closed = False
+        self._unsettled: set[_Call] = set()
+        self._seq = itertools.count()
+        # Watchdog: resolves calls whose deadline passed, whatever their thread or loop is doing.
+        self._deadlines: list[tuple[float, int, _Call]] = []
+        self._wake = threading.Condition(self._lock)
+        self._watchdog = threading.Thread(target=self._watchdog_loop, name="reward-watchdog", daemon=True)
+        self._watchdog.start()
+
+        # Threads are daemons (not a ThreadPoolExecutor, whose workers are joined at interpreter
+        # exit): a hung reward must not keep the process alive.
+        self._live = 0  # worker threads serving the queue
+        self._hung = 0  # written-off threads still inside a timed-out call
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+        if self._is_async:
+            self._loop = asyncio.new_event_loop()
+            self._loop_thread = threading.Thread(target=self._run_loop, name="reward-loop", daemon=True)
+            self._loop_thread.start()
+        else:
+            with self._lock:
+                for _ in range(self.max_concurrency):
+                    self._spawn_worker()
+
+    # --- public ------------------------------------------------------------------------------
+
+    def submit(self, prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Future:
+        """Start one call; the returned Future[RewardResult] always resolves, never raises."""
+        kwargs: dict[str, Any] = {"prompt": prompt, "response": response}
+        if self._pass_label:
+            kwargs["label"] = label
+        if self._pass_metadata:
+            kwargs["metadata"] = dict(metadata) if metadata else {}
+        future: Future = Future()
+        future.set_running_or_notify_cancel()  # callers cannot cancel it; it always gets a result
+        call = _Call(kwargs, future)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"RewardRunner for {self.name} is closed")
+            no_worker = not self._is_async and self._live == 0
+            if not no_worker:
+                self._unsettled.add(call)
+                if not self._is_async:
+                    self._queue.put(call)
+        if no_worker:
+            future.set_result(RewardResult(None, self._no_worker_message(), 0.0))
+        elif self._is_async:
+            assert self._loop is not None
+            try:
+                asyncio.run_coroutine_threadsafe(self._run_async(call), self._loop)
+            except RuntimeError:  # the loop closed under a concurrent close()
+                self._settle(call, None, self._closed_message())
+        return future
+
+    def score(self, prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> RewardResult:
+        """Blocking `submit`: waits for a free slot, then at most about timeout_s."""
+        return self.submit(prompt, response, label, metadata).result()
+
+    @property
+    def hung_calls(self) -> int:
+        """Sync calls that timed out and are still running on a written-off thread."""
+        return self._hung
+
+    def close(self) -> None:
+        """Stop the workers; calls not finished yet resolve as failures. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._unsettled)
+            self._unsettled.clear()
+            for call in pending:
+                call.settled = True
+            live = self._live
+            self._wake.notify_all()
+        for call in pending:
+            call.future.set_result(RewardResult(None, self._closed_message(), _elapsed(call)))
+        if self._is_async:
+            assert self._loop is not None
+            try:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            except RuntimeError:
+                pass  # already closed
+            self._loop_thread.join(timeout=2.0)
+        else:
+            for _ in range(live):
+                self._queue.put(None)
+        self._watchdog.join(timeout=2.0)
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- sync path ---------------------------------------------------------------------------
+
+    def _spawn_worker(self) -> None:  # caller holds self._lock
+        self._live += 1
+        threading.Thread(target=self._worker_loop, name="reward-worker", daemon=True).start()
+
+    def _worker_loop(self) -> None:
+        while True:
+            call = self._queue.get()
+            if call is None:
+                return
+            with self._lock:
+                if call.settled:
+                    continue
+                self._start(call)
+            reward, failure = self._invoke_sync(call.kwargs)
+            self._settle(call, reward, failure)
+            with self._lock:
+                if not call.timed_out:
+                    continue
+                # This thread was written off and replaced while it hung; now that it is free,
+                # it rejoins only if the pool is short (max_hung_calls stopped replacements).
+                self._hung -= 1
+                if self._closed or self._live >= self.max_concurrency:
+                    return
+                self._live += 1
+
+    def _invoke_sync(self, kwargs: dict[str, Any]) -> tuple[float | None, str | None]:
+        try:
+            value = self._fn(**kwargs)
+            if inspect.isawaitable(value):  # a sync wrapper that returned a coroutine
+                value = asyncio.run(_await(value))
+        # BaseException: a SystemExit from user code must not silently end the worker thread
+        # (KeyboardInterrupt is only ever raised in the main thread).
+        except BaseException as exc:
+            return None, self._raised_message(exc)
+        return self._check(value)
+
+    # --- async path --------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        assert self._loop is not None
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+        tasks = asyncio.all_tasks(self._loop)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            self._loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
+        self._loop.close()
+
+    async def _run_async(self, call: _Call) -> None:
+        if self._semaphore is None:  # created here: only the loop thread touches it
+            self._semaphore = asyncio.Semaphore(self.max_concurrency)
+        async with self._semaphore:
+            with self._lock:
+                if call.settled:
+                    return
+                self._start(call)
+            try:
+                task = asyncio.ensure_future(self._fn(**call.kwargs))
+            except Exception as exc:  # bad arguments, or it did not return an awaitable
+                self._settle(call, None, self._raised_message(exc))
+                return
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+            if not done:
+                task.cancel()
+                self._settle(call, None, self._timeout_message(), timed_out=True)
+                return
+            try:
+                value = task.result()
+            except (Exception, asyncio.CancelledError) as exc:
+                self._settle(call, None, self._raised_message(exc))
+                return
+            self._settle(call, *self._check(value))
+
+    # --- shared ------------------------------------------------------------------------------
+
+    def _start(self, call: _Call) -> None:  # caller holds self._lock
+        call.started = time.monotonic()
+        heapq.heappush(self._deadlines, (call.started + self.timeout_s, next(self._seq), call))
+        self._wake.notify()
+
+    def _settle(self, call: _Call, reward: float | None, failure: str | None, timed_out: bool = False) -> bool:
+        with self._lock:
+            if call.settled:
+                return False
+            call.settled = True
+            call.timed_out = timed_out
+            self._unsettled.discard(call)
+        call.future.set_result(RewardResult(reward, failure, _elapsed(call)))
+        return True
+
+    def _watchdog_loop(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    now = time.monotonic()
+                    if self._deadlines and self._deadlines[0][0] <= now:
+                        break
+                    self._wake.wait(self._deadlines[0][0] - now if self._deadlines else None)
+                expired = []
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    expired.append(heapq.heappop(self._deadlines)[2])
+            for call in expired:
+                self._on_deadline(call)
+
+    def _on_deadline(self, call: _Call) -> None:
+        drained: list[_Call] = []
+        with self._lock:
+            if call.settled:
+                return
+            call.settled = call.timed_out = True
+            self._unsettled.discard(call)
+            if not self._is_async:
+                self._live -= 1
+                self._hung += 1
+                if not self._closed and self._hung <= self.max_hung_calls:
+                    self._spawn_worker()
+                elif self._live == 0:
+                    drained = self._drain_queue()
+            hung = self._hung
+        call.future.set_result(RewardResult(None, self._timeout_message(), _elapsed(call)))
+        for other in drained:
+            other.future.set_result(RewardResult(None, self._no_worker_message(), 0.0))
+        if not self._is_async:
+            log.warning(
+                "reward function %s timed out after %gs; its thread cannot be stopped and is written off "
+                "(%d hung now, max_hung_calls=%d)",
+                self.name, self.timeout_s, hung, self.max_hung_calls,
+            )
+
+    def _drain_queue(self) -> list[_Call]:  # caller holds self._lock
+        drained = []
+        while True:
+            try:
+                call = self._queue.get_nowait()
+            except queue.Empty:
+                return drained
+            if call is not None and not call.settled:
+                call.settled = True
+                self._unsettled.discard(call)
+                drained.append(call)
+
+    def _check(self, value: Any) -> tuple[float | None, str | None]:
+        """A returned value as a finite float, or the reason it is not one."""
+        try:
+            if isinstance(value, Mapping):
+                if "score" not in value:
+                    keys = sorted(str(k) for k in value)[:10]
+                    return None, f"reward function {self.name} returned a dict without a 'score' key (keys: {keys})"
+                value = value["score"]
+            if value is None:
+                return None, f"reward function {self.name} returned None (a missing return statement?)"
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+                return None, f"reward function {self.name} returned {type(value).__name__} {value!r:.80}, not a number"
+            reward = float(value)  # bool -> 0.0/1.0; numpy scalars and 1-element tensors too
+        except Exception as exc:
+            return None, f"reward function {self.name} returned an unusable {type(value).__name__}: {exc}"
+        if not math.isfinite(reward):
+            return None, f"reward function {self.name} returned {reward}, not a finite number"
+        return reward, None
+
+    def _raised_message(self, exc: BaseException) -> str:
+        where = ""
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})"
+        return f"reward function {self.name} raised {type(exc).__name__}: {exc}{where}"
+
+    def _timeout_message(self) -> str:
+        return f"reward function {self.name} timed out after {self.timeout_s:g}s"
+
+    def _closed_message(self) -> str:
+        return f"reward function {self.name} did not finish: the RewardRunner was closed"
+
+    def _no_worker_message(self) -> str:
+        return (
+            f"reward function {self.name} not called: all worker threads are stuck in calls that timed out "
+            f"({self._hung} hung, max_hung_calls={self.max_hung_calls}); fix the hang or raise timeout_s"
+        )
+
+
+def _elapsed(call: _Call) -> float:
+    return time.monotonic() - call.started if call.started is not None else 0.0
+
+
+async def _await(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    target = getattr(fn, "func", fn)  # functools.partial
+    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    module = getattr(target, "__module__", None)
+    return f"{module}.{qualname}" if module else qualname
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    # The second test covers objects with an `async def __call__`.
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _keyword_plan(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:
+    """Whether to pass `label` and `metadata`; raises TypeError if fn cannot take the native call."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no introspectable signature (some builtins): pass everything
+        return True, True
+    params = sig.parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def accepts(arg: str) -> bool:
+        p = params.get(arg)
+        return takes_kwargs or (p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+    missing = [arg for arg in ("prompt", "response") if not accepts(arg)]
+    native = {"prompt", "response", "label", "metadata"}
+    unsupplied = [
+        n for n, p in params.items()
+        if n not in native and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if missing or unsupplied:
+        why = f"does not take {missing} as keyword arguments" if missing else f"requires {unsupplied}, which are never passed"
+        raise TypeError(
+            f"reward function {name}{sig} {why}; the native reward signature is {_SIGNATURE} "
+            f"(see rewards/runner.py); other signatures need an adapter"
+        )
+    return accepts("label"), accepts("metadata")

@@ -1,0 +1,91 @@
+"""GRPO: group-relative advantages, no critic (Shao et al. 2024, DeepSeekMath).
+
+For the G responses o_1..o_G sampled for one prompt, with scalar rewards r_1..r_G:
+
+  Â_i = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + eps)     then Â_{i,t} = Â_i for every token t of o_i
+
+std is the population std (unbiased=False): DeepSeekMath/verl use the sample std, which is larger
+by sqrt(G/(G−1)) and so gives slightly smaller advantages. std_normalize=False keeps only the
+centring (Dr. GRPO), which does not up-weight groups that are nearly solved or nearly failed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime.algorithms.core import AggMode, aggregate_loss, policy_loss
+
+
+@torch.no_grad()
+def group_advantages(
+    scores: torch.Tensor,
+    group_index: torch.Tensor,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Â_i [N] from scores [N] and integer group ids [N] (any ids, in any order).
+
+    The scores must be of valid samples only: the caller drops failed samples (no reward) first.
+    A group whose rewards are all equal (including a group of one) carries no signal: its Â is
+    exactly 0.
+    """
+    scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
+    _, group = torch.unique(group_index, return_inverse=True)
+    num_groups = int(group.max().item()) + 1 if group.numel() else 0
+    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
+    count.index_add_(0, group, torch.ones_like(scores))
+    mean = torch.zeros_like(count).index_add_(0, group, scores) / count
+    centered = scores - mean[group]
+    if std_normalize:
+        var = torch.zeros_like(count).index_add_(0, group, centered**2) / count
+        centered = centered / (var.sqrt()[group] + eps)
+    # Float round-off in the mean would leave tiny non-zero advantages in a constant group.
+    high = torch.full_like(count, -torch.inf).scatter_reduce(0, group, scores, "amax")
+    low = torch.full_like(count, torch.inf).scatter_reduce(0, group, scores, "amin")
+    constant = (high == low)[group]
+    return torch.where(constant, 0.0, centered)
+
+
+def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Â_{i,t} = Â_i on every trainable token of response i: [N] x [N, T] -> [N, T]."""
+    return advantages[:, None].to(mask.dtype) * mask
+
+
+def grpo_loss(
+    *,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    agg_mode: AggMode,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    router_aux: torch.Tensor | None = None,
+    router_aux_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """L = L_clip − c_H·H + β·KL(π_θ ‖ π_ref) + c_aux·L_aux; advantages are token-level [N, T].
+
+    entropy: per-token H [N, T]; kl: per-token kl_penalty(logp, ref_logp) [N, T], None when unused;
+    router_aux: scalar MoE load-balancing loss. stats: policy_loss's, plus entropy, kl,
+    router_aux (when given) and loss.
+    """
+    loss, stats = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg_mode, is_weights)
+    if entropy is not None:
+        ent = aggregate_loss(entropy, mask, agg_mode)
+        loss = loss - entropy_coef * ent
+        stats["entropy"] = ent.item()
+    if kl is not None:
+        kl_term = aggregate_loss(kl, mask, agg_mode)
+        loss = loss + kl_coef * kl_term
+        stats["kl"] = kl_term.item()
+    if router_aux is not None:
+        loss = loss + router_aux_coef * router_aux
+        stats["router_aux"] = router_aux.item()
+    stats["loss"] = loss.item()
+    return loss, stats

@@ -1,0 +1,614 @@
+"""The durable store of every trajectory, finished or not (DESIGN.md, "Buffer (Redis)").
+
+Key layout, all under `slime:<job>:` so jobs sharing a server never see each other:
+
+    sample:<sid>                hash: group_id, index, status, prompt_ids (int32 bytes), max_new_tokens,
+                                reward, token_rewards (float32 bytes), failure, metadata (JSON),
+                                created_at, updated_at, lease_owner (absent fields mean None)
+    sample:<sid>:tok|lp|ver|mask  per-token arrays as little-endian int32/float32/int32/int8 bytes,
+                                grown with APPEND so a chunk costs O(chunk)
+    group:<gid>                 hash: n, done, status (open|ready|claimed|trained), metadata, created_at,
+                                claimed_step
+    group:<gid>:samples         list of sample ids in index order
+    groups                      zset gid -> created_at
+    queue:resume / queue:new    lists of sample ids; lease pops resume first (partials before new prompts)
+    queue:ready                 list of complete group ids, consumed by claim_groups
+    leases                      zset sid -> lease expiry (Redis server time, seconds)
+    claimed / trained           zsets gid -> training step
+    status_counts               hash status -> number of samples
+    stats                       hash name -> float (generated_tokens, ...)
+    policy_version              string
+
+Every state change is one Lua script, so it is atomic. Lease times come from the Redis server's
+clock (`TIME`), so workers on machines with skewed clocks agree on who has expired. The scripts
+build key names from the job prefix, so they need a standalone (or Sentinel) Redis, not Cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import redis
+
+from slime.sample import (
+    FINAL_STATUSES,
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    ChunkLengthError,
+    Sample,
+    Status,
+    new_id,
+    normalize_chunk,
+)
+
+# On-the-wire dtypes: fixed little-endian so any host reads what any other wrote.
+WIRE_TOKEN = "<i4"
+WIRE_LOGPROB = "<f4"
+WIRE_VERSION = "<i4"
+WIRE_MASK = "i1"
+
+JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+# Codes the scripts return as the first element of their reply.
+_OK, _LEASE_LOST, _BAD_CHUNK, _STORED_MISMATCH, _NO_SAMPLE = 0, -1, -2, -3, -4
+
+
+class LeaseLostError(RuntimeError):
+    """The caller no longer holds the lease on this sample (it expired and was requeued, or finished)."""
+
+
+# ARGV[1] is always the job prefix.
+_PRELUDE = """
+local P = ARGV[1]
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function fmt(x) return string.format('%.6f', x) end
+local function move_count(from, to)
+  redis.call('HINCRBY', P .. 'status_counts', from, -1)
+  redis.call('HINCRBY', P .. 'status_counts', to, 1)
+end
+-- nil when `worker` holds the lease on `sid`, else the current owner ('' for none)
+local function lost_lease(sid, worker)
+  local owner = redis.call('HGET', P .. 'sample:' .. sid, 'lease_owner')
+  if owner == worker and redis.call('ZSCORE', P .. 'leases', sid) then return nil end
+  return owner or ''
+end
+"""
+
+# ARGV: prefix, gid, n, max_new_tokens, prompt bytes, metadata json, sample ids (n of them)
+_ADD_GROUP = """
+local gid, n = ARGV[2], tonumber(ARGV[3])
+local gkey = P .. 'group:' .. gid
+if redis.call('EXISTS', gkey) == 1 then return 0 end
+local t = fmt(now())
+redis.call('HSET', gkey, 'n', n, 'done', 0, 'status', 'open', 'created_at', t, 'metadata', ARGV[6])
+redis.call('ZADD', P .. 'groups', t, gid)
+for i = 1, n do
+  local sid = ARGV[6 + i]
+  redis.call('HSET', P .. 'sample:' .. sid, 'group_id', gid, 'index', i - 1, 'status', 'pending',
+    'prompt_ids', ARGV[5], 'max_new_tokens', ARGV[4], 'metadata', ARGV[6], 'created_at', t, 'updated_at', t)
+  redis.call('RPUSH', gkey .. ':samples', sid)
+  redis.call('RPUSH', P .. 'queue:new', sid)
+end
+redis.call('HINCRBY', P .. 'status_counts', 'pending', n)
+return 1
+"""
+
+# ARGV: prefix, worker, max_items, lease_seconds
+_LEASE = """
+local worker, max_items, lease_s = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local t = now()
+local leased = {}
+for _, queue in ipairs({'queue:resume', 'queue:new'}) do
+  while #leased < max_items do
+    local sid = redis.call('LPOP', P .. queue)
+    if not sid then break end
+    local skey = P .. 'sample:' .. sid
+    local status = redis.call('HGET', skey, 'status')
+    -- anything else is a stale entry (sample deleted or already leased): drop it
+    if status == 'pending' or status == 'aborted' then
+      redis.call('HSET', skey, 'status', 'running', 'lease_owner', worker, 'updated_at', fmt(t))
+      redis.call('ZADD', P .. 'leases', fmt(t + lease_s), sid)
+      move_count(status, 'running')
+      leased[#leased + 1] = sid
+    end
+  end
+end
+return leased
+"""
+
+# ARGV: prefix, sid, worker, lease_seconds, tok, lp, ver, mask
+_APPEND = """
+local sid, worker = ARGV[2], ARGV[3]
+local skey = P .. 'sample:' .. sid
+if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
+local lost = lost_lease(sid, worker)
+if lost then return {-1, lost} end
+local tok, lp, ver, mask = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local n = #mask
+if #tok ~= 4 * n or #lp ~= 4 * n or #ver ~= 4 * n then
+  return {-2, string.format('chunk bytes tok=%d lp=%d ver=%d mask=%d', #tok, #lp, #ver, #mask)}
+end
+local len_tok = redis.call('STRLEN', skey .. ':tok')
+local len_lp = redis.call('STRLEN', skey .. ':lp')
+local len_ver = redis.call('STRLEN', skey .. ':ver')
+local len_mask = redis.call('STRLEN', skey .. ':mask')
+if len_tok ~= 4 * len_mask or len_lp ~= 4 * len_mask or len_ver ~= 4 * len_mask then
+  return {-3, string.format('stored bytes tok=%d lp=%d ver=%d mask=%d', len_tok, len_lp, len_ver, len_mask)}
+end
+if n > 0 then
+  redis.call('APPEND', skey .. ':tok', tok)
+  redis.call('APPEND', skey .. ':lp', lp)
+  redis.call('APPEND', skey .. ':ver', ver)
+  redis.call('APPEND', skey .. ':mask', mask)
+  redis.call('HINCRBYFLOAT', P .. 'stats', 'generated_tokens', n)
+end
+local t = now()
+redis.call('HSET', skey, 'updated_at', fmt(t))
+redis.call('ZADD', P .. 'leases', fmt(t + tonumber(ARGV[4])), sid)
+return {0, len_mask + n}
+"""
+
+# ARGV: prefix, worker, lease_seconds, sample ids...
+_RENEW = """
+local worker = ARGV[2]
+local expiry = fmt(now() + tonumber(ARGV[3]))
+local lost = {}
+for i = 4, #ARGV do
+  local sid = ARGV[i]
+  if lost_lease(sid, worker) then
+    lost[#lost + 1] = sid
+  else
+    redis.call('ZADD', P .. 'leases', expiry, sid)
+  end
+end
+return lost
+"""
+
+# ARGV: prefix, sid, worker, status, reward ('' = none), failure ('' = none),
+#       has_token_rewards ('0'|'1'), token_rewards bytes, metadata json ('' = unchanged)
+_FINISH = """
+local sid, worker, status = ARGV[2], ARGV[3], ARGV[4]
+local skey = P .. 'sample:' .. sid
+if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
+local lost = lost_lease(sid, worker)
+if lost then return {-1, lost} end
+if ARGV[7] == '1' and #ARGV[8] ~= 4 * redis.call('STRLEN', skey .. ':mask') then
+  return {-2, string.format('token_rewards has %d values, the response %d tokens',
+    #ARGV[8] / 4, redis.call('STRLEN', skey .. ':mask'))}
+end
+local t = fmt(now())
+redis.call('HSET', skey, 'status', status, 'updated_at', t)
+if ARGV[5] ~= '' then redis.call('HSET', skey, 'reward', ARGV[5]) end
+if ARGV[6] ~= '' then redis.call('HSET', skey, 'failure', ARGV[6]) end
+if ARGV[7] == '1' then redis.call('HSET', skey, 'token_rewards', ARGV[8]) end
+if ARGV[9] ~= '' then redis.call('HSET', skey, 'metadata', ARGV[9]) end
+redis.call('HDEL', skey, 'lease_owner')
+redis.call('ZREM', P .. 'leases', sid)
+move_count('running', status)
+local gid = redis.call('HGET', skey, 'group_id')
+local gkey = P .. 'group:' .. gid
+local done = redis.call('HINCRBY', gkey, 'done', 1)
+if done >= tonumber(redis.call('HGET', gkey, 'n')) and redis.call('HGET', gkey, 'status') == 'open' then
+  redis.call('HSET', gkey, 'status', 'ready')
+  redis.call('RPUSH', P .. 'queue:ready', gid)
+  return {0, 1}
+end
+return {0, 0}
+"""
+
+# ARGV: prefix, sid, worker
+_RELEASE = """
+local sid, worker = ARGV[2], ARGV[3]
+local skey = P .. 'sample:' .. sid
+if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
+local lost = lost_lease(sid, worker)
+if lost then return {-1, lost} end
+redis.call('HSET', skey, 'status', 'aborted', 'updated_at', fmt(now()))
+redis.call('HDEL', skey, 'lease_owner')
+redis.call('ZREM', P .. 'leases', sid)
+move_count('running', 'aborted')
+redis.call('LPUSH', P .. 'queue:resume', sid)
+return {0, 0}
+"""
+
+# ARGV: prefix
+_REAP = """
+local t = now()
+local expired = redis.call('ZRANGEBYSCORE', P .. 'leases', '-inf', fmt(t))
+local requeued = {}
+for _, sid in ipairs(expired) do
+  redis.call('ZREM', P .. 'leases', sid)
+  local skey = P .. 'sample:' .. sid
+  if redis.call('HGET', skey, 'status') == 'running' then
+    redis.call('HSET', skey, 'status', 'aborted', 'updated_at', fmt(t))
+    redis.call('HDEL', skey, 'lease_owner')
+    move_count('running', 'aborted')
+    redis.call('LPUSH', P .. 'queue:resume', sid)
+    requeued[#requeued + 1] = sid
+  end
+end
+return requeued
+"""
+
+# ARGV: prefix, max_groups, step
+_CLAIM = """
+local max_groups, step = tonumber(ARGV[2]), ARGV[3]
+local claimed = {}
+while #claimed < max_groups do
+  local gid = redis.call('LPOP', P .. 'queue:ready')
+  if not gid then break end
+  local gkey = P .. 'group:' .. gid
+  if redis.call('HGET', gkey, 'status') == 'ready' then
+    redis.call('HSET', gkey, 'status', 'claimed', 'claimed_step', step)
+    redis.call('ZADD', P .. 'claimed', step, gid)
+    claimed[#claimed + 1] = gid
+  end
+end
+return claimed
+"""
+
+# ARGV: prefix, step
+_COMMIT = """
+local step = ARGV[2]
+local gids = redis.call('ZRANGEBYSCORE', P .. 'claimed', step, step)
+for _, gid in ipairs(gids) do
+  redis.call('ZREM', P .. 'claimed', gid)
+  redis.call('ZADD', P .. 'trained', step, gid)
+  redis.call('HSET', P .. 'group:' .. gid, 'status', 'trained')
+end
+return #gids
+"""
+
+# ARGV: prefix, after_step ('' = every uncommitted claim)
+_REQUEUE = """
+local low = '-inf'
+if ARGV[2] ~= '' then low = '(' .. ARGV[2] end
+local gids = redis.call('ZRANGEBYSCORE', P .. 'claimed', low, '+inf')
+-- pushed to the front in reverse, so the earliest claimed group is first in line again
+for i = #gids, 1, -1 do
+  local gid = gids[i]
+  redis.call('ZREM', P .. 'claimed', gid)
+  redis.call('HSET', P .. 'group:' .. gid, 'status', 'ready')
+  redis.call('HDEL', P .. 'group:' .. gid, 'claimed_step')
+  redis.call('LPUSH', P .. 'queue:ready', gid)
+end
+return #gids
+"""
+
+
+def _float_text(value: float) -> str:
+    return repr(float(value))
+
+
+class RedisBuffer:
+    """Trajectories, groups, leases and queues of one job in one Redis server."""
+
+    def __init__(self, url: str, job: str, lease_seconds: float = 10.0) -> None:
+        if not JOB_NAME_PATTERN.match(job):
+            raise ValueError(f"job name {job!r} must match {JOB_NAME_PATTERN.pattern} (it becomes a key prefix)")
+        if lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be > 0, got {lease_seconds}")
+        self.url = url
+        self.job = job
+        self.lease_seconds = float(lease_seconds)
+        self.prefix = f"slime:{job}:"
+        self.redis = redis.Redis.from_url(url, decode_responses=False)
+        self._add_group = self.redis.register_script(_PRELUDE + _ADD_GROUP)
+        self._lease = self.redis.register_script(_PRELUDE + _LEASE)
+        self._append = self.redis.register_script(_PRELUDE + _APPEND)
+        self._renew = self.redis.register_script(_PRELUDE + _RENEW)
+        self._finish = self.redis.register_script(_PRELUDE + _FINISH)
+        self._release = self.redis.register_script(_PRELUDE + _RELEASE)
+        self._reap = self.redis.register_script(_PRELUDE + _REAP)
+        self._claim = self.redis.register_script(_PRELUDE + _CLAIM)
+        self._commit = self.redis.register_script(_PRELUDE + _COMMIT)
+        self._requeue = self.redis.register_script(_PRELUDE + _REQUEUE)
+
+    # Ray actors and worker processes get their own connection from the same (url, job).
+    def __reduce__(self) -> tuple[type, tuple[str, str, float]]:
+        return (RedisBuffer, (self.url, self.job, self.lease_seconds))
+
+    def __repr__(self) -> str:
+        return f"RedisBuffer(job={self.job!r}, url={self.url!r})"
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def _key(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def add_group(
+        self,
+        prompt_ids: np.ndarray | Sequence[int],
+        n: int,
+        max_new_tokens: int,
+        metadata: dict[str, Any],
+        group_id: str | None = None,
+    ) -> str:
+        """Create a group of n PENDING samples of one prompt, queued on `new`. Returns the group id."""
+        if n < 1:
+            raise ValueError(f"a group needs n >= 1 samples, got {n}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        group_id = group_id or new_id()
+        prompt = np.asarray(prompt_ids, dtype=TOKEN_DTYPE).reshape(-1).astype(WIRE_TOKEN).tobytes()
+        sample_ids = [new_id() for _ in range(n)]
+        created = self._add_group(
+            args=[self.prefix, group_id, n, int(max_new_tokens), prompt, json.dumps(metadata), *sample_ids]
+        )
+        if not created:
+            raise ValueError(f"group {group_id!r} already exists in job {self.job!r}")
+        return group_id
+
+    def lease(self, worker_id: str, max_items: int) -> list[Sample]:
+        """Lease up to max_items samples, resume queue first, then new prompts; they become RUNNING."""
+        if max_items <= 0:
+            return []
+        sample_ids = self._lease(args=[self.prefix, worker_id, int(max_items), self.lease_seconds])
+        return self._load_samples([sid.decode() for sid in sample_ids])
+
+    def append_chunk(
+        self,
+        sample_id: str,
+        worker_id: str,
+        token_ids: np.ndarray | Sequence[int],
+        logprobs: np.ndarray | Sequence[float],
+        version: int | np.ndarray | Sequence[int],
+        loss_mask: int | np.ndarray | Sequence[int] = 1,
+    ) -> int:
+        """Append one chunk to the four per-token arrays and refresh the lease. Returns the new length."""
+        tokens, lps, versions, mask = normalize_chunk(token_ids, logprobs, version, loss_mask)
+        code, detail = self._append(
+            args=[
+                self.prefix,
+                sample_id,
+                worker_id,
+                self.lease_seconds,
+                tokens.astype(WIRE_TOKEN).tobytes(),
+                lps.astype(WIRE_LOGPROB).tobytes(),
+                versions.astype(WIRE_VERSION).tobytes(),
+                mask.astype(WIRE_MASK).tobytes(),
+            ]
+        )
+        self._raise_for(code, detail, sample_id, worker_id)
+        return int(detail)
+
+    def renew_leases(self, worker_id: str, sample_ids: Sequence[str]) -> list[str]:
+        """Extend the leases worker_id still holds; returns the ids it no longer owns."""
+        if not sample_ids:
+            return []
+        lost = self._renew(args=[self.prefix, worker_id, self.lease_seconds, *sample_ids])
+        return [sid.decode() for sid in lost]
+
+    def finish(
+        self,
+        sample_id: str,
+        worker_id: str,
+        status: Status,
+        reward: float | None = None,
+        failure: str | None = None,
+        token_rewards: np.ndarray | Sequence[float] | None = None,
+        metadata_update: dict[str, Any] | None = None,
+    ) -> bool:
+        """Give a leased sample its final status; True when this completed its group (group now ready)."""
+        status = Status(status)
+        if status not in FINAL_STATUSES:
+            finals = ", ".join(sorted(s.value for s in FINAL_STATUSES))
+            raise ValueError(f"finish needs a final status ({finals}), got {status.value}")
+        token_reward_bytes = b""
+        if token_rewards is not None:
+            token_reward_bytes = np.asarray(token_rewards, dtype=WIRE_LOGPROB).reshape(-1).tobytes()
+        metadata_json = ""
+        if metadata_update:
+            # Only the lease holder writes a sample's metadata, and the script rejects a lost lease,
+            # so reading, merging here and writing in the script cannot drop another writer's update.
+            stored = self.redis.hget(self._key("sample", sample_id), "metadata")
+            merged = json.loads(stored) if stored else {}
+            merged.update(metadata_update)
+            metadata_json = json.dumps(merged)
+        code, detail = self._finish(
+            args=[
+                self.prefix,
+                sample_id,
+                worker_id,
+                status.value,
+                "" if reward is None else _float_text(reward),
+                failure or "",
+                "0" if token_rewards is None else "1",
+                token_reward_bytes,
+                metadata_json,
+            ]
+        )
+        self._raise_for(code, detail, sample_id, worker_id)
+        return bool(detail)
+
+    def release(self, sample_id: str, worker_id: str) -> None:
+        """Abort a leased sample: ABORTED, tokens kept, lease released, first in the resume queue."""
+        code, detail = self._release(args=[self.prefix, sample_id, worker_id])
+        self._raise_for(code, detail, sample_id, worker_id)
+
+    def reap_expired_leases(self) -> list[str]:
+        """Requeue (ABORTED, tokens kept, front of resume) every sample whose lease expired."""
+        return [sid.decode() for sid in self._reap(args=[self.prefix])]
+
+    def claim_groups(self, max_groups: int, step: int) -> list[list[Sample]]:
+        """Pop up to max_groups complete groups for training `step`; each group's samples by index."""
+        if max_groups <= 0:
+            return []
+        group_ids = [gid.decode() for gid in self._claim(args=[self.prefix, int(max_groups), int(step)])]
+        return [self.get_group(gid) for gid in group_ids]
+
+    def commit_step(self, step: int) -> int:
+        """Mark the groups claimed by `step` as trained. Returns how many."""
+        return int(self._commit(args=[self.prefix, int(step)]))
+
+    def requeue_uncommitted(self, after_step: int | None = None) -> int:
+        """Put claimed-but-uncommitted groups (claimed by a step > after_step; all if None) back to ready."""
+        return int(self._requeue(args=[self.prefix, "" if after_step is None else int(after_step)]))
+
+    def incr_stat(self, name: str, amount: float = 1.0) -> float:
+        return float(self.redis.hincrbyfloat(self._key("stats"), name, amount))
+
+    def set_policy_version(self, version: int) -> None:
+        self.redis.set(self._key("policy_version"), int(version))
+
+    def delete_job(self) -> int:
+        """Delete every key of this job (and only this job). Returns how many keys were removed."""
+        removed = 0
+        batch: list[bytes] = []
+        for key in self.redis.scan_iter(match=self.prefix + "*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                removed += self.redis.unlink(*batch)
+                batch = []
+        if batch:
+            removed += self.redis.unlink(*batch)
+        return removed
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    def get_sample(self, sample_id: str) -> Sample:
+        samples = self._load_samples([sample_id])
+        if not samples:
+            raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
+        return samples[0]
+
+    def get_group(self, group_id: str) -> list[Sample]:
+        sample_ids = [sid.decode() for sid in self.redis.lrange(self._key("group", group_id, "samples"), 0, -1)]
+        if not sample_ids:
+            raise KeyError(f"group {group_id!r} not found in job {self.job!r}")
+        return sorted(self._load_samples(sample_ids), key=lambda s: s.index)
+
+    def counts(self) -> dict[str, int]:
+        """Samples by status, queue lengths, groups by stage and running leases (all O(1) reads)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(self._key("status_counts"))
+        pipe.llen(self._key("queue", "resume"))
+        pipe.llen(self._key("queue", "new"))
+        pipe.llen(self._key("queue", "ready"))
+        pipe.zcard(self._key("groups"))
+        pipe.zcard(self._key("claimed"))
+        pipe.zcard(self._key("trained"))
+        pipe.zcard(self._key("leases"))
+        by_status, resume, new, ready, groups, claimed, trained, leases = pipe.execute()
+        counts = {status.value: int(by_status.get(status.value.encode(), 0)) for status in Status}
+        counts.update(
+            queue_resume=resume,
+            queue_new=new,
+            queue_ready=ready,
+            groups_total=groups,
+            groups_ready=ready,
+            groups_claimed=claimed,
+            groups_trained=trained,
+            leases=leases,
+        )
+        return counts
+
+    def stats(self) -> dict[str, float]:
+        return {name.decode(): float(value) for name, value in self.redis.hgetall(self._key("stats")).items()}
+
+    def get_policy_version(self) -> int:
+        value = self.redis.get(self._key("policy_version"))
+        return int(value) if value is not None else 0
+
+    def running_ids(self) -> list[str]:
+        return [sid.decode() for sid in self.redis.zrange(self._key("leases"), 0, -1)]
+
+    def iter_samples(self, status: Status | None = None, batch_size: int = 256) -> Iterator[Sample]:
+        """Every sample of the job (SCAN order), optionally only one status. For dashboards and tests."""
+        wanted = Status(status) if status is not None else None
+        head = self._key("sample", "")
+        batch: list[str] = []
+        # The per-token arrays share the `sample:` prefix but are strings; TYPE keeps only the hashes.
+        for key in self.redis.scan_iter(match=head + "*", count=1000, _type="hash"):
+            batch.append(key.decode()[len(head) :])
+            if len(batch) >= batch_size:
+                yield from (s for s in self._load_samples(batch) if wanted is None or s.status == wanted)
+                batch = []
+        if batch:
+            yield from (s for s in self._load_samples(batch) if wanted is None or s.status == wanted)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _raise_for(self, code: int, detail: bytes | int, sample_id: str, worker_id: str) -> None:
+        if code == _OK:
+            return
+        text = detail.decode() if isinstance(detail, bytes) else str(detail)
+        if code == _LEASE_LOST:
+            raise LeaseLostError(
+                f"job {self.job!r}: worker {worker_id!r} no longer holds the lease on sample {sample_id!r} "
+                f"(lease owner now: {text or 'none'})"
+            )
+        if code == _NO_SAMPLE:
+            raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
+        if code in (_BAD_CHUNK, _STORED_MISMATCH):
+            raise ChunkLengthError(f"sample {sample_id!r}: per-token arrays would differ in length ({text})")
+        raise RuntimeError(f"sample {sample_id!r}: unexpected buffer script reply {code}: {text}")
+
+    def _load_samples(self, sample_ids: Sequence[str]) -> list[Sample]:
+        """Read samples (hash and arrays) in one MULTI/EXEC, so each is a consistent snapshot."""
+        if not sample_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=True)
+        for sid in sample_ids:
+            key = self._key("sample", sid)
+            pipe.hgetall(key)
+            pipe.get(key + ":tok")
+            pipe.get(key + ":lp")
+            pipe.get(key + ":ver")
+            pipe.get(key + ":mask")
+        replies = pipe.execute()
+        samples = []
+        for i, sid in enumerate(sample_ids):
+            fields, tok, lp, ver, mask = replies[5 * i : 5 * i + 5]
+            if fields:
+                samples.append(_decode_sample(sid, fields, tok, lp, ver, mask))
+        return samples
+
+
+def _array(data: bytes | None, wire_dtype: str, dtype: type) -> np.ndarray:
+    # astype copies, so the Sample owns writable arrays (frombuffer alone would be read-only).
+    return np.frombuffer(data or b"", dtype=wire_dtype).astype(dtype)
+
+
+def _decode_sample(
+    sample_id: str,
+    raw_fields: dict[bytes, bytes],
+    tok: bytes | None,
+    lp: bytes | None,
+    ver: bytes | None,
+    mask: bytes | None,
+) -> Sample:
+    fields = {name.decode(): value for name, value in raw_fields.items()}
+    token_rewards = fields.get("token_rewards")
+    reward = fields.get("reward")
+    failure = fields.get("failure")
+    return Sample(
+        id=sample_id,
+        group_id=fields["group_id"].decode(),
+        index=int(fields["index"]),
+        prompt_ids=_array(fields["prompt_ids"], WIRE_TOKEN, TOKEN_DTYPE),
+        max_new_tokens=int(fields["max_new_tokens"]),
+        response_ids=_array(tok, WIRE_TOKEN, TOKEN_DTYPE),
+        logprobs=_array(lp, WIRE_LOGPROB, LOGPROB_DTYPE),
+        versions=_array(ver, WIRE_VERSION, VERSION_DTYPE),
+        loss_mask=_array(mask, WIRE_MASK, MASK_DTYPE),
+        status=Status(fields["status"].decode()),
+        reward=float(reward) if reward is not None else None,
+        token_rewards=_array(token_rewards, WIRE_LOGPROB, np.float32) if token_rewards is not None else None,
+        failure=failure.decode() if failure is not None else None,
+        metadata=json.loads(fields["metadata"]),
+        created_at=float(fields["created_at"]),
+        updated_at=float(fields["updated_at"]),
+    )

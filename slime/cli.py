@@ -1,0 +1,67 @@
+"""`slime train [CONFIG.yaml] [key.path=value ...]`"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from slime.config import ConfigError, JobConfig, load_config
+
+
+def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def _absolute_paths(cfg: JobConfig) -> JobConfig:
+    """Ray actors may run elsewhere; user files named relative to the launch directory become absolute."""
+    fn = cfg.reward.fn
+    module, sep, name = fn.rpartition(":")
+    if sep and module.endswith(".py"):
+        cfg.reward.fn = f"{Path(module).expanduser().resolve()}:{name}"
+    for section, field in ((cfg.model, "path"), (cfg.data, "path")):
+        value = getattr(section, field)
+        if value is not None:
+            setattr(section, field, str(Path(value).expanduser().resolve()))
+    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slime", description="Asynchronous RL post-training with APRIL.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="run a training job")
+    p_train.add_argument("args", nargs="*", help="[CONFIG.yaml] then key.path=value overrides")
+    p_show = sub.add_parser("config", help="print the resolved config")
+    p_show.add_argument("args", nargs="*")
+    ns = parser.parse_args(argv)
+
+    config_path, overrides = _split_args(ns.args)
+    try:
+        cfg = load_config(config_path, overrides)
+    except ConfigError as exc:
+        print(f"slime: {exc}", file=sys.stderr)
+        return 2
+
+    if ns.command == "config":
+        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        return 0
+
+    from slime.train import train
+
+    history = train(_absolute_paths(cfg))
+    if history:
+        first, last = history[0], history[-1]
+        print(
+            f"done: {len(history)} steps, reward {first.get('reward_mean', float('nan')):.3f} -> "
+            f"{last.get('reward_mean', float('nan')):.3f}; metrics in {cfg.run_dir / 'metrics.jsonl'}, "
+            f"plot {cfg.run_dir / 'training.png'}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

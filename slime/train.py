@@ -1,0 +1,311 @@
+"""The driver: `slime train`. Two short loops over the parts that `RunningJob` starts.
+
+sync:  schedule a batch of groups -> wait until they are complete -> train -> push weights.
+async: keep groups in flight all the time; train on complete groups while the workers go on
+       generating; groups whose oldest token lags more than `max_staleness` versions are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from slime.config import JobConfig, dump_config
+from slime.data import PromptRecord, load_prompts, write_jsonl
+from slime.metrics import MetricsLogger
+from slime.model import ensure_model_dir, load_tokenizer
+from slime.sampling import PromptSampler
+
+
+class WeightSyncError(RuntimeError):
+    """An engine's logprobs on the probe differ from the learner's after a weight update."""
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+def sync_loop(job: "RunningJob") -> None:
+    cfg = job.cfg
+    for step in range(job.start_step, cfg.steps):
+        job.schedule_groups()
+        job.wait_for_ready_groups(cfg.rollout.batch_size)
+        metrics = job.train_step(step, max_staleness=None)
+        job.push_weights(step)
+        job.end_step(step, metrics)
+
+
+def async_loop(job: "RunningJob") -> None:
+    cfg = job.cfg
+    for step in range(job.start_step, cfg.steps):
+        job.wait_for_ready_groups(cfg.rollout.batch_size)  # scheduling as it waits
+        # The workers keep generating the next groups while the learner trains on these.
+        metrics = job.train_step(step, max_staleness=cfg.max_staleness)
+        job.push_weights(step)
+        job.end_step(step, metrics)
+
+
+def train(cfg: JobConfig) -> list[dict]:
+    with RunningJob(cfg) as job:
+        (sync_loop if cfg.mode == "sync" else async_loop)(job)
+        return job.logger.history
+
+
+class RunningJob:
+    """Starts and stops the parts of one job: Redis, Ray, the learner and the rollout workers."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.redis_server = None
+        self.ray_started = False
+        self.workers: list = []
+        self.learner = None
+
+    # ---- start / stop ------------------------------------------------------------------------
+    def __enter__(self) -> "RunningJob":
+        import ray
+
+        from slime.buffer import RedisBuffer
+        from slime.learner import Learner
+        from slime.redis_server import connect_or_start
+        from slime.rollout import RolloutWorker
+
+        cfg = self.cfg
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.run_dir / "config.yaml")
+            self.redis_url, self.redis_server = connect_or_start(cfg.buffer.url, self.run_dir / "redis", cfg.buffer.aof)
+            self.buffer = RedisBuffer(self.redis_url, cfg.job_name, cfg.buffer.lease_seconds)
+            self.model_dir = str(ensure_model_dir(cfg.model))
+            self.tokenizer = load_tokenizer(self.model_dir)
+            self.records = self._load_records()
+            self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
+            checkpoint = self._find_checkpoint()
+            if checkpoint is None and cfg.resume is None:
+                self.buffer.delete_job()  # a fresh run starts from an empty buffer
+
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            if not ray.is_initialized():
+                ray.init(
+                    address=cfg.cluster.ray_address,
+                    num_cpus=cfg.cluster.num_cpus,
+                    include_dashboard=False,
+                    logging_level="warning",
+                    log_to_driver=True,
+                )
+                self.ray_started = True
+            # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
+            self.learner = ray.remote(num_cpus=0)(Learner).remote(cfg, self.model_dir, self.redis_url)
+            self.workers = [
+                ray.remote(num_cpus=0)(RolloutWorker).remote(cfg, self.model_dir, self.redis_url, f"w{i}")
+                for i in range(cfg.rollout.num_workers)
+            ]
+            self.start_step = 0
+            if checkpoint is not None:
+                self.start_step = self._restore(checkpoint)
+            ray.get([w.health.remote() for w in self.workers] + [self.learner.publish_weights.remote()])
+            if checkpoint is not None:
+                self.push_weights(self.start_step - 1)
+            self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.steps, self.start_step)
+            self.step_started = time.time()
+            self.tokens_at_step_start = self.buffer.stats().get("generated_tokens", 0.0)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        if hasattr(self, "logger"):
+            self.logger.close()
+        if self.workers:
+            try:
+                ray.get([w.stop.remote() for w in self.workers], timeout=60)
+            except Exception:
+                pass
+        if self.learner is not None:
+            try:
+                ray.get(self.learner.close.remote(), timeout=30)
+            except Exception:
+                pass
+        for actor in self.workers + ([self.learner] if self.learner is not None else []):
+            ray.kill(actor)
+        if self.ray_started:
+            ray.shutdown()
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+    def _load_records(self) -> list[PromptRecord]:
+        cfg = self.cfg
+        path = cfg.data.path
+        if path is None:
+            from envs import repeat
+
+            path = str(self.run_dir / "repeat_task.jsonl")
+            if not Path(path).exists():
+                write_jsonl(repeat.make_dataset(cfg.data.num_generated, cfg.data.seed), path)
+        return load_prompts(cfg.data, self.tokenizer, path)
+
+    # ---- the steps the loops are made of -------------------------------------------------------
+    def schedule_groups(self) -> int:
+        """Top the buffer up with new groups, one per prompt.
+
+        sync: `groups_in_flight` groups per step, ready ones included. async: `groups_in_flight`
+        unfinished groups at all times, with at most one batch of ready groups waiting on top.
+        """
+        cfg = self.cfg
+        c = self.buffer.counts()
+        unfinished = c["groups_total"] - c["groups_ready"] - c["groups_claimed"] - c["groups_trained"]
+        target = cfg.groups_in_flight
+        if cfg.mode == "sync":
+            missing = target - unfinished - c["groups_ready"]
+        else:
+            missing = min(target - unfinished, target + cfg.rollout.batch_size - unfinished - c["groups_ready"])
+        for _ in range(max(0, missing)):
+            record = self.sampler.next()
+            metadata = {**record.metadata, "label": record.label, "prompt_text": _prompt_text(record),
+                        "record_index": record.index}
+            self.buffer.add_group(record.prompt_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens, metadata)
+        return max(0, missing)
+
+    def wait_for_ready_groups(self, needed: int) -> None:
+        import ray
+
+        last_health = time.time()
+        while True:
+            counts = self.buffer.counts()
+            if counts["groups_ready"] >= needed:
+                return
+            if self.cfg.mode == "async":
+                self.schedule_groups()
+            self.logger.waiting(counts, needed)
+            if time.time() - last_health > 2.0:
+                self.check_workers(ray)
+                last_health = time.time()
+            time.sleep(0.02)
+
+    def check_workers(self, ray) -> list[dict]:
+        healths = []
+        for w in self.workers:
+            try:
+                h = ray.get(w.health.remote(), timeout=30)
+            except ray.exceptions.RayActorError as exc:
+                h = {"alive": False, "error": f"actor died: {exc}"}
+            if h.get("error"):
+                raise WorkerFailed(f"rollout worker failed:\n{h['error']}")
+            healths.append(h)
+        if healths and not any(h.get("alive") for h in healths):
+            raise WorkerFailed("every rollout worker has stopped")
+        return healths
+
+    def train_step(self, step: int, max_staleness: int | None) -> dict:
+        import ray
+
+        generated = self.buffer.stats().get("generated_tokens", 0.0) - self.tokens_at_step_start
+        rollout_seconds = time.time() - self.step_started
+        ref = self.learner.train_step.remote(step, self.cfg.rollout.batch_size, max_staleness)
+        while self.cfg.mode == "async" and not ray.wait([ref], timeout=0.05)[0]:
+            self.schedule_groups()
+        metrics = ray.get(ref)
+        metrics["rollout_seconds"] = rollout_seconds
+        metrics["rollout_tokens_per_s"] = generated / max(rollout_seconds, 1e-9)
+        metrics["generated_tokens"] = generated
+        return metrics
+
+    def push_weights(self, step: int) -> None:
+        import ray
+
+        t0 = time.time()
+        handle = ray.get(self.learner.publish_weights.remote())
+        ray.get([w.update_weights.remote(handle) for w in self.workers])
+        self.weight_sync_seconds = time.time() - t0
+        every = self.cfg.weights.check_every
+        if every and (step + 1) % every == 0:
+            self.check_weights()
+
+    def check_weights(self) -> float:
+        """Engine and learner must give the same logprobs for a fixed probe after an update."""
+        import ray
+
+        record = self.records[0]
+        probe = [int(t) for t in (self.tokenizer(str(record.label or "probe"), add_special_tokens=False)["input_ids"] or [0])]
+        expected = ray.get(self.learner.probe_logprobs.remote(record.prompt_ids, probe))
+        worst = 0.0
+        for w in self.workers:
+            got = ray.get(w.probe_logprobs.remote(record.prompt_ids, probe))
+            diff = float(np.max(np.abs(got - expected)))
+            worst = max(worst, diff)
+            if diff > self.cfg.weights.check_tolerance:
+                raise WeightSyncError(
+                    f"after the weight update the engine's probe logprobs differ from the learner's by {diff:.2e} "
+                    f"(weights.check_tolerance={self.cfg.weights.check_tolerance}); the engine does not hold the "
+                    "learner's weights (e.g. tied embeddings not refreshed)"
+                )
+        return worst
+
+    def end_step(self, step: int, metrics: dict) -> None:
+        import ray
+
+        metrics["weight_sync_seconds"] = self.weight_sync_seconds
+        metrics["step_seconds"] = time.time() - self.step_started
+        metrics["buffer"] = self.buffer.counts()
+        healths = ray.get([w.health.remote() for w in self.workers])
+        uptime = sum(h["uptime_seconds"] for h in healths)
+        metrics["engine_busy_fraction"] = sum(h["busy_seconds"] for h in healths) / max(uptime, 1e-9)
+        rewards_by_task = metrics.get("reward_by_task", {})
+        self.sampler.observe({k: [v] for k, v in rewards_by_task.items()})
+        if self.sampler.current_stage is not None:
+            metrics["curriculum_stage"] = self.sampler.current_stage
+        if self.sampler.task_weights:
+            metrics["task_weight"] = self.sampler.task_weights
+        self.logger.log(step, metrics)
+        every = self.cfg.checkpoint_every
+        if (every and (step + 1) % every == 0) or step + 1 == self.cfg.steps:
+            self.save_checkpoint(step)
+        self.step_started = time.time()
+        self.tokens_at_step_start = self.buffer.stats().get("generated_tokens", 0.0)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> Path:
+        import ray
+
+        path = self.run_dir / "checkpoints" / f"step_{step + 1:06d}"
+        ray.get(self.learner.save.remote(str(path)))
+        state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
+        (path / "driver_state.json").write_text(json.dumps(state))
+        (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+        return path
+
+    def _find_checkpoint(self) -> Path | None:
+        resume = self.cfg.resume
+        if resume is None:
+            return None
+        if resume == "auto":
+            latest = self.run_dir / "checkpoints" / "latest"
+            return self.run_dir / "checkpoints" / latest.read_text().strip() if latest.exists() else None
+        path = Path(resume).expanduser()
+        if not (path / "driver_state.json").is_file():
+            raise FileNotFoundError(f"resume={resume}: not a checkpoint directory (no driver_state.json)")
+        return path
+
+    def _restore(self, checkpoint: Path) -> int:
+        import ray
+
+        state = json.loads((checkpoint / "driver_state.json").read_text())
+        ray.get(self.learner.load.remote(str(checkpoint)))
+        self.sampler.load_state_dict(state["sampler"])
+        # Groups claimed by a step that never committed go back to the ready queue.
+        self.buffer.requeue_uncommitted()
+        return int(state["next_step"])
+
+
+def _prompt_text(record: PromptRecord) -> str:
+    if isinstance(record.prompt, str):
+        return record.prompt
+    return "\n".join(m.get("content", "") for m in record.prompt)

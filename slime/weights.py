@@ -1,0 +1,204 @@
+"""Weight transport from the learner to the rollout engines (DESIGN.md, "Weight transport").
+
+The learner `publish`es a version: tensors are packed into buckets of `bucket_mb` and a small,
+picklable `WeightHandle` describes them. Each engine `receive`s the handle and gets
+(name, tensor) pairs that it copies into its own parameters in place.
+
+- SharedMemoryTransport: CPU, one host. Buckets are POSIX shared-memory segments that stay
+  allocated across versions; the receiver's tensors are zero-copy views of them.
+- CudaIpcTransport: learner and engine on the same GPU. Buckets are CUDA tensors whose IPC
+  handles travel in the WeightHandle; the receiver maps the learner's memory, no host copy.
+- FileTransport: safetensors files in a directory, the fallback any engine can read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str  # e.g. "float32"
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int  # bytes from the start of the bucket
+    nbytes: int
+
+
+@dataclass
+class WeightHandle:
+    version: int
+    transport: str
+    metas: list[TensorMeta]
+    buckets: list[Any] = field(default_factory=list)  # transport-specific: segment names, IPC handles, paths
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+_ALIGN = 64  # keep every tensor cache-line aligned inside its bucket
+
+
+def plan_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[TensorMeta], list[int]]:
+    """Assign tensors to buckets in order; a tensor larger than a bucket gets a bucket of its own."""
+    metas: list[TensorMeta] = []
+    sizes: list[int] = []
+    bucket, offset = 0, 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if offset and offset + nbytes > bucket_bytes:
+            sizes.append(offset)
+            bucket, offset = bucket + 1, 0
+        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), bucket, offset, nbytes))
+        offset += math.ceil(nbytes / _ALIGN) * _ALIGN
+    if offset or not sizes:
+        sizes.append(max(offset, _ALIGN))
+    return metas, sizes
+
+
+def _views(buffers: list[torch.Tensor], metas: list[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    for m in metas:
+        raw = buffers[m.bucket][m.offset : m.offset + m.nbytes]
+        yield m.name, raw.view(_dtype(m.dtype)).view(m.shape)
+
+
+def _pack(named: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], buffers: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for (name, src), (_, dst) in zip(named, _views(buffers, metas)):
+            dst.copy_(src.detach().reshape(dst.shape))
+
+
+class SharedMemoryTransport:
+    name = "shm"
+
+    def __init__(self, prefix: str, bucket_mb: float = 64.0):
+        self.prefix = prefix
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self._owned: list[shared_memory.SharedMemory] = []
+        self._attached: dict[str, shared_memory.SharedMemory] = {}
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightHandle:
+        named = [(n, t.detach().cpu()) for n, t in named_tensors]
+        metas, sizes = plan_buckets(named, self.bucket_bytes)
+        if [s.size for s in self._owned] != sizes:
+            self._release_owned()
+            self._owned = [
+                shared_memory.SharedMemory(name=f"{self.prefix}_w{i}", create=True, size=size)
+                for i, size in enumerate(sizes)
+            ]
+        buffers = [torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size) for seg in self._owned]
+        _pack(named, metas, buffers)
+        del buffers  # a live view would keep the segment's buffer exported and block close()
+        return WeightHandle(version, self.name, metas, [seg.name for seg in self._owned])
+
+    def receive(self, handle: WeightHandle) -> Iterator[tuple[str, torch.Tensor]]:
+        buffers = []
+        for seg_name in handle.buckets:
+            seg = self._attached.get(seg_name)
+            if seg is None:
+                seg = shared_memory.SharedMemory(name=seg_name, create=False)
+                # Attaching registers the segment with this process's resource tracker, which would
+                # unlink it when this process exits; the publisher owns it.
+                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+                self._attached[seg_name] = seg
+            buffers.append(torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size))
+        yield from _views(buffers, handle.metas)
+
+    def _release_owned(self) -> None:
+        for seg in self._owned:
+            seg.close()
+            seg.unlink()
+        self._owned = []
+
+    def close(self) -> None:
+        self._release_owned()
+        for seg in self._attached.values():
+            try:
+                seg.close()
+            except BufferError:  # a caller still holds a view; the OS frees it at exit
+                pass
+        self._attached = {}
+
+
+class CudaIpcTransport:
+    """Learner and engines on one GPU: buckets stay on the device, engines map them by IPC handle."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, bucket_mb: float = 512.0):
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self._buffers: list[torch.Tensor] = []  # kept alive until the next publish: engines read them
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightHandle:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        named = [(n, t.detach()) for n, t in named_tensors]
+        device = named[0][1].device
+        if device.type != "cuda":
+            raise ValueError(f"CudaIpcTransport needs CUDA tensors, got {device}")
+        metas, sizes = plan_buckets(named, self.bucket_bytes)
+        if [b.numel() for b in self._buffers] != sizes:
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+        _pack(named, metas, self._buffers)
+        torch.cuda.current_stream(device).synchronize()
+        return WeightHandle(version, self.name, metas, [reduce_tensor(b) for b in self._buffers])
+
+    def receive(self, handle: WeightHandle) -> Iterator[tuple[str, torch.Tensor]]:
+        buffers = [rebuild(*args) for rebuild, args in handle.buckets]
+        yield from _views(buffers, handle.metas)
+
+    def close(self) -> None:
+        self._buffers = []
+
+
+class FileTransport:
+    name = "file"
+
+    def __init__(self, directory: str | Path, keep: int = 2):
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightHandle:
+        from safetensors.torch import save_file
+
+        named = {n: t.detach().cpu().contiguous() for n, t in named_tensors}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"weights_v{version}.safetensors"
+        save_file(named, str(path))
+        for old in sorted(self.directory.glob("weights_v*.safetensors"), key=lambda p: p.stat().st_mtime)[: -self.keep]:
+            old.unlink(missing_ok=True)
+        metas = [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), 0, 0, t.numel() * t.element_size()) for n, t in named.items()]
+        return WeightHandle(version, self.name, metas, [str(path)])
+
+    def receive(self, handle: WeightHandle) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors.torch import load_file
+
+        yield from load_file(handle.buckets[0]).items()
+
+    def close(self) -> None:
+        pass
+
+
+WeightTransport = SharedMemoryTransport | CudaIpcTransport | FileTransport
+
+
+def make_transport(kind: str, *, prefix: str, directory: Path, bucket_mb: float) -> WeightTransport:
+    if kind == "shm":
+        return SharedMemoryTransport(prefix, bucket_mb)
+    if kind == "cuda_ipc":
+        return CudaIpcTransport(bucket_mb)
+    if kind == "file":
+        return FileTransport(directory)
+    raise ValueError(f"weights.transport={kind!r}: expected shm, cuda_ipc or file")

@@ -1,0 +1,302 @@
+"""Hand-computed checks of the PPO/GAE, GRPO, KL and schedule math (expected values in plain Python)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from slime.algorithms.core import aggregate_loss, entropy_from_logits, masked_mean, masked_whiten, policy_loss
+from slime.algorithms.grpo import broadcast_to_tokens, group_advantages, grpo_loss
+from slime.algorithms.kl import kl_penalty
+from slime.algorithms.ppo import gae, ppo_loss, token_level_rewards, value_loss
+from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
+from slime.config import AdaptiveClip as AdaptiveClipConfig
+from slime.config import StagedKL
+
+
+def t(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def close(actual: torch.Tensor, expected) -> None:
+    torch.testing.assert_close(actual, t(expected), rtol=0, atol=1e-9)
+
+
+# ---------------------------------------------------------------- GAE
+
+GAMMA, LAM = 0.9, 0.8
+
+
+def test_gae_by_hand() -> None:
+    r = [0.1, 0.0, -0.2, 1.0]
+    v = [0.5, 0.6, 0.7, 0.8]
+    d3 = r[3] + GAMMA * 0.0 - v[3]  # terminal: V(s_4) = 0
+    d2 = r[2] + GAMMA * v[3] - v[2]
+    d1 = r[1] + GAMMA * v[2] - v[1]
+    d0 = r[0] + GAMMA * v[1] - v[0]
+    a3 = d3
+    a2 = d2 + GAMMA * LAM * a3
+    a1 = d1 + GAMMA * LAM * a2
+    a0 = d0 + GAMMA * LAM * a1
+    adv, ret = gae(t([r]), t([v]), t([[1, 1, 1, 1]]), GAMMA, LAM)
+    close(adv, [[a0, a1, a2, a3]])
+    close(ret, [[a0 + v[0], a1 + v[1], a2 + v[2], a3 + v[3]]])
+    # spot check of the closed form Â_0 = Σ (γλ)^l δ_l
+    g = GAMMA * LAM
+    assert adv[0, 0].item() == pytest.approx(d0 + g * d1 + g**2 * d2 + g**3 * d3, abs=1e-12)
+
+
+def test_gae_skips_tool_token_in_the_middle() -> None:
+    # position 1 is a tool-output token: its reward and value are ignored and token 2 is "t+1" of token 0
+    r = [0.1, 5.0, -0.2, 1.0]
+    v = [0.5, 9.9, 0.7, 0.8]
+    d3 = r[3] - v[3]
+    d2 = r[2] + GAMMA * v[3] - v[2]
+    d0 = r[0] + GAMMA * v[2] - v[0]
+    a3 = d3
+    a2 = d2 + GAMMA * LAM * a3
+    a0 = d0 + GAMMA * LAM * a2
+    adv, ret = gae(t([r]), t([v]), t([[1, 0, 1, 1]]), GAMMA, LAM)
+    close(adv, [[a0, 0.0, a2, a3]])
+    close(ret, [[a0 + v[0], 0.0, a2 + v[2], a3 + v[3]]])
+
+
+def test_gae_bootstraps_unfinished_trajectory() -> None:
+    r = [0.0, 0.0, 0.0]
+    v = [0.2, 0.3, 0.4]
+    v_boot = 0.5
+    d2 = r[2] + GAMMA * v_boot - v[2]  # truncated: the last δ uses γ·V(s_stop)
+    d1 = r[1] + GAMMA * v[2] - v[1]
+    d0 = r[0] + GAMMA * v[1] - v[0]
+    a2 = d2
+    a1 = d1 + GAMMA * LAM * a2
+    a0 = d0 + GAMMA * LAM * a1
+    adv, _ = gae(t([r]), t([v]), t([[1, 1, 1]]), GAMMA, LAM, bootstrap_values=t([v_boot]))
+    close(adv, [[a0, a1, a2]])
+
+
+def test_gae_padding_after_the_end_is_zero() -> None:
+    r = [0.0, 1.0, 7.0, 7.0]
+    v = [0.3, 0.4, 9.0, 9.0]
+    d1 = r[1] - v[1]
+    d0 = r[0] + GAMMA * v[1] - v[0]
+    a1 = d1
+    a0 = d0 + GAMMA * LAM * a1
+    # second row: same sequence unpadded, batched with the padded one
+    adv, ret = gae(t([r, r]), t([v, v]), t([[1, 1, 0, 0], [1, 1, 1, 1]]), GAMMA, LAM)
+    close(adv[0], [a0, a1, 0.0, 0.0])
+    close(ret[0], [a0 + v[0], a1 + v[1], 0.0, 0.0])
+
+
+def test_token_level_rewards_places_score_on_last_trainable_token() -> None:
+    mask = t([[1, 1, 0, 1, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    kl = torch.full((3, 5), 0.1, dtype=torch.float64)
+    beta = 0.5
+    prm = t([[0.3, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    rewards = token_level_rewards(t([1.0, 2.0, 3.0]), mask, kl=kl, kl_coef=beta, token_rewards=prm)
+    pen = -beta * 0.1
+    close(rewards, [[0.3 + pen, pen, 0, 1.0 + pen, 0], [2.0 + pen, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    close(token_level_rewards(t([1.0, 2.0, 3.0]), mask), [[0, 0, 0, 1, 0], [2, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+
+
+# ---------------------------------------------------------------- policy loss
+
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+
+
+def _logp(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return t([[math.log(x) for x in ratios]]), t([[0.0] * len(ratios)])
+
+
+def test_policy_loss_clip_cases_by_hand() -> None:
+    ratios = [1.1, 1.5, 0.5, 0.5, 1.5]
+    adv = [1.0, 1.0, -1.0, 1.0, -1.0]
+    expected = [
+        -1.1,  # inside the range: −r·A
+        -(1 + EPS_HIGH),  # A>0, r above 1+ε_high: clipped to −(1+ε_high)·A
+        (1 - EPS_LOW),  # A<0, r below 1−ε_low: clipped, −(1−ε_low)·A
+        -0.5,  # A>0, r below the range: min picks r·A, unclipped
+        1.5,  # A<0, r above the range: min picks r·A, unclipped
+    ]
+    logp, old = _logp(ratios)
+    loss, stats = policy_loss(logp, old, t([adv]), t([[1] * 5]), EPS_LOW, EPS_HIGH, None, "token_mean")
+    assert loss.item() == pytest.approx(sum(expected) / 5, abs=1e-12)
+    assert stats["clipfrac"] == pytest.approx(2 / 5)
+    assert stats["ratio_mean"] == pytest.approx(sum(ratios) / 5)
+    assert stats["ratio_max"] == pytest.approx(1.5)
+    k3 = [(x - 1) - math.log(x) for x in ratios]
+    assert stats["approx_kl"] == pytest.approx(sum(k3) / 5)
+
+
+def test_policy_loss_dual_clip() -> None:
+    c = 3.0
+    logp, old = _logp([5.0, 2.0, 5.0])
+    adv = t([[-1.0, -1.0, 1.0]])
+    loss, stats = policy_loss(logp, old, adv, t([[1, 1, 1]]), EPS_LOW, EPS_HIGH, c, "token_mean")
+    # token 0: PPO loss 5.0 capped at −c·A = 3; token 1: 2.0 < 3 stays; token 2 (A>0): −(1+ε_high)
+    assert loss.item() == pytest.approx((3.0 + 2.0 - (1 + EPS_HIGH)) / 3, abs=1e-12)
+    assert stats["dual_clipfrac"] == pytest.approx(1 / 3)
+    loss_no_dual, _ = policy_loss(logp, old, adv, t([[1, 1, 1]]), EPS_LOW, EPS_HIGH, None, "token_mean")
+    assert loss_no_dual.item() == pytest.approx((5.0 + 2.0 - (1 + EPS_HIGH)) / 3, abs=1e-12)
+
+
+def test_policy_loss_is_weights_scale_tokens() -> None:
+    logp, old = _logp([1.0, 1.0])
+    adv, mask, w = t([[1.0, 2.0]]), t([[1, 1]]), t([[0.5, 1.0]])
+    loss, _ = policy_loss(logp, old, adv, mask, EPS_LOW, EPS_HIGH, None, "token_mean", is_weights=w)
+    assert loss.item() == pytest.approx((-1.0 * 0.5 - 2.0 * 1.0) / 2)
+
+
+def test_aggregation_modes_on_ragged_mask() -> None:
+    loss_mat = t([[1, 2, 3], [4, 5, 99], [7, 7, 7]])
+    mask = t([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    assert aggregate_loss(loss_mat, mask, "token_mean").item() == pytest.approx((1 + 2 + 3 + 4 + 5) / 5)
+    # the all-masked third row is not a sequence of the mean
+    assert aggregate_loss(loss_mat, mask, "seq_mean_token_sum").item() == pytest.approx(((1 + 2 + 3) + (4 + 5)) / 2)
+    want = ((1 + 2 + 3) / 3 + (4 + 5) / 2) / 2
+    assert aggregate_loss(loss_mat, mask, "seq_mean_token_mean").item() == pytest.approx(want)
+    # the same modes through policy_loss: ratio 1 everywhere makes ℓ = −A
+    logp = torch.zeros(3, 3, dtype=torch.float64)
+    for mode, want in [("token_mean", -3.0), ("seq_mean_token_sum", -7.5), ("seq_mean_token_mean", -3.25)]:
+        loss, _ = policy_loss(logp, logp, loss_mat, mask, EPS_LOW, EPS_HIGH, None, mode)
+        assert loss.item() == pytest.approx(want), mode
+
+
+def test_policy_loss_gradient_zero_when_clipped() -> None:
+    # token 0: r = 1 (unclipped), A = 2; token 1: r = 1.5 > 1+ε_high with A = 1 (clipped); token 2: padding
+    logp = t([[0.0, math.log(1.5), 0.3]]).requires_grad_(True)
+    old = t([[0.0, 0.0, 0.0]])
+    adv = t([[2.0, 1.0, 4.0]])
+    loss, _ = policy_loss(logp, old, adv, t([[1, 1, 0]]), EPS_LOW, EPS_HIGH, None, "token_mean")
+    loss.backward()
+    num_tokens = 2
+    close(logp.grad, [[-2.0 / num_tokens, 0.0, 0.0]])
+
+
+# ---------------------------------------------------------------- value loss
+
+def test_value_loss_clipped_and_unclipped() -> None:
+    v, v_old, ret = t([[1.0, 2.0]]), t([[0.5, 2.1]]), t([[2.0, 1.0]])
+    mask = t([[1, 1]])
+    # token 0: (V−R)² = 1; V_clip = 0.5 + 0.2 = 0.7 -> (0.7−2)² = 1.69 is larger
+    # token 1: (V−R)² = 1; V_clip = 2.1 − 0.1 = 2.0 -> 1.0 (not larger)
+    loss, stats = value_loss(v, v_old, ret, mask, 0.2, "token_mean")
+    assert loss.item() == pytest.approx((0.5 * 1.69 + 0.5 * 1.0) / 2)
+    assert stats["vf_clipfrac"] == pytest.approx(0.5)
+    assert stats["value_mean"] == pytest.approx(1.5)
+    loss, stats = value_loss(v, v_old, ret, mask, None, "token_mean")
+    assert loss.item() == pytest.approx((0.5 * 1.0 + 0.5 * 1.0) / 2)
+    assert stats["vf_clipfrac"] == 0.0
+
+
+def test_ppo_and_grpo_loss_compose_the_terms() -> None:
+    logp = t([[-1.0, -2.0]])
+    mask = t([[1, 1]])
+    adv = t([[1.0, -1.0]])
+    ent = t([[0.5, 1.5]])
+    kl = t([[0.1, 0.3]])
+    aux = torch.tensor(2.0, dtype=torch.float64)
+    pg = -(1.0 * 1.0) + 1.0  # ratio 1: ℓ = −A -> −1, +1
+    vf = 0.5 * ((0.0 - 1.0) ** 2 + (0.0 - 1.0) ** 2) / 2
+    kw = dict(logp=logp, old_logp=logp, advantages=adv, mask=mask, clip_low=0.2, clip_high=0.28, dual_clip=None,
+              agg_mode="token_mean", entropy=ent, entropy_coef=0.1, kl=kl, kl_coef=0.5, router_aux=aux,
+              router_aux_coef=0.01)
+    loss, stats = grpo_loss(**kw)
+    want = pg / 2 - 0.1 * 1.0 + 0.5 * 0.2 + 0.01 * 2.0
+    assert loss.item() == pytest.approx(want)
+    assert stats["loss"] == pytest.approx(want) and stats["entropy"] == pytest.approx(1.0)
+    loss, stats = ppo_loss(**kw, values=t([[0.0, 0.0]]), old_values=t([[0.0, 0.0]]), returns=t([[1.0, 1.0]]),
+                           value_clip=0.2, vf_coef=0.5)
+    assert loss.item() == pytest.approx(want + 0.5 * vf)
+    keys = {"pg_loss", "clipfrac", "approx_kl", "vf_loss", "vf_clipfrac", "value_mean", "kl", "router_aux"}
+    assert keys <= set(stats)
+
+
+# ---------------------------------------------------------------- GRPO
+
+def test_group_advantages_by_hand() -> None:
+    scores = t([1.0, 0.0, 0.0, 0.5, 0.5, 0.1, 0.1, 0.1, 2.0])
+    groups = torch.tensor([7, 7, 7, 3, 3, 5, 5, 5, 9])  # non-contiguous ids; group 9 has one member
+    eps = 1e-6
+    mean = 1 / 3
+    std = math.sqrt(((1 - mean) ** 2 + 2 * (0 - mean) ** 2) / 3)  # population std
+    hi, lo = (1 - mean) / (std + eps), (0 - mean) / (std + eps)
+    adv = group_advantages(scores, groups, std_normalize=True, eps=eps)
+    close(adv, [hi, lo, lo, 0, 0, 0, 0, 0, 0])  # 0.1×3 stays exactly 0 despite float round-off
+    close(group_advantages(scores, groups, std_normalize=False), [1 - mean, -mean, -mean, 0, 0, 0, 0, 0, 0])
+    close(broadcast_to_tokens(t([1.5, -2.0]), t([[1, 0, 1], [1, 1, 0]])), [[1.5, 0, 1.5], [-2.0, -2.0, 0]])
+
+
+# ---------------------------------------------------------------- KL, entropy, helpers
+
+def test_kl_estimators_by_hand() -> None:
+    logp, ref = t([-1.0, -2.0]), t([-1.5, -1.0])
+    d = [-1.0 - -1.5, -2.0 - -1.0]  # logp − ref
+    close(kl_penalty(logp, ref, "k1"), d)
+    close(kl_penalty(logp, ref, "k2"), [0.5 * x * x for x in d])
+    k3 = [math.exp(-x) + x - 1 for x in d]  # exp(ref−logp) − (ref−logp) − 1
+    close(kl_penalty(logp, ref, "k3"), k3)
+    close(kl_penalty(logp, ref, "low_var_kl"), k3)
+    with pytest.raises(ValueError, match="k5"):
+        kl_penalty(logp, ref, "k5")  # type: ignore[arg-type]
+
+
+def test_low_var_kl_clamps_and_keeps_gradients_finite() -> None:
+    logp = t([0.0, 0.0, 0.0]).requires_grad_(True)
+    ref = t([-15.0, 100.0, -0.1])  # k3 = 14 -> 10; k3 = e^100 -> 10; small one untouched
+    kl = kl_penalty(logp, ref, "low_var_kl")
+    close(kl.detach(), [10.0, 10.0, math.exp(-0.1) + 0.1 - 1])
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    assert logp.grad[0].item() == 0.0 and logp.grad[1].item() == 0.0
+
+
+def test_entropy_from_logits() -> None:
+    V = 7
+    close(entropy_from_logits(torch.zeros(2, 3, V, dtype=torch.float64)), [[math.log(V)] * 3] * 2)
+    p = [0.5, 0.25, 0.25]
+    logits = t([[math.log(x) + 3.0 for x in p]])  # a shift does not change the distribution
+    close(entropy_from_logits(logits), [-sum(x * math.log(x) for x in p)])
+    close(entropy_from_logits(t([[1000.0, 1000.0, -math.inf]])), [math.log(2)])
+
+
+def test_masked_mean_and_whiten() -> None:
+    x, mask = t([[1.0, 2.0, 3.0, 100.0]]), t([[1, 1, 1, 0]])
+    assert masked_mean(x, mask).item() == pytest.approx(2.0)
+    close(masked_mean(t([[1, 3], [5, 5]]), t([[1, 1], [0, 0]]), dim=-1), [2.0, 0.0])
+    s = math.sqrt(2 / 3 + 1e-8)
+    close(masked_whiten(x, mask), [[-1 / s, 0.0, 1 / s, 0.0]])
+    close(masked_whiten(x, mask, shift_mean=False), [[-1 / s + 2, 2.0, 1 / s + 2, 0.0]])
+
+
+# ---------------------------------------------------------------- schedules
+
+def test_adaptive_clip_shrinks_grows_and_clamps() -> None:
+    cfg = AdaptiveClipConfig(enabled=True, kl_target=0.01, shrink=0.5, grow=2.0, min_clip=0.05, max_clip=0.4)
+    clip = AdaptiveClip(cfg, 0.2, 0.28)
+    assert clip.update(0.0151) == pytest.approx((0.1, 0.14))  # > 1.5·target: shrink
+    assert clip.update(0.015) == pytest.approx((0.1, 0.14))  # the band edges are inside: unchanged
+    assert clip.update(0.005) == pytest.approx((0.1, 0.14))
+    assert clip.update(0.0049) == pytest.approx((0.2, 0.28))  # < 0.5·target: grow
+    assert clip.update(0.0) == pytest.approx((0.4, 0.4))  # 0.56 clamped to max_clip
+    state = clip.state_dict()
+    for _ in range(6):
+        clip.update(1.0)
+    assert clip.update(1.0) == pytest.approx((0.05, 0.05))  # min_clip
+    clip.load_state_dict(state)
+    assert (clip.clip_low, clip.clip_high) == pytest.approx((0.4, 0.4))
+    off = AdaptiveClip(AdaptiveClipConfig(enabled=False), 0.2, 0.28)
+    assert off.update(1.0) == (0.2, 0.28)
+
+
+def test_staged_kl_coef_boundaries() -> None:
+    schedule = [StagedKL(until_step=10, coef=0.1), StagedKL(until_step=20, coef=0.01)]
+    assert staged_kl_coef(0, schedule, 0.5) == 0.1
+    assert staged_kl_coef(9, schedule, 0.5) == 0.1
+    assert staged_kl_coef(10, schedule, 0.5) == 0.01
+    assert staged_kl_coef(19, schedule, 0.5) == 0.01
+    assert staged_kl_coef(20, schedule, 0.5) == 0.01  # past the last stage: its coef stays
+    assert staged_kl_coef(1000, schedule, 0.5) == 0.01
+    assert staged_kl_coef(3, [], 0.5) == 0.5

@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from slime.config import DataConfig
+from slime.data import DatasetError, PromptRecord, load_prompts, write_jsonl
+
+try:
+    from tests.helpers import make_char_tokenizer
+except ImportError:  # tests/ itself on sys.path
+    from helpers import make_char_tokenizer
+
+TEXT_ROWS = [
+    {"prompt": "add 1 2", "label": "3", "task": "math", "source": "gen"},
+    {"prompt": "no label here", "label": None, "task": "math", "source": "web"},
+]
+# A column holds one type in Arrow, so chat prompts are their own dataset.
+CHAT_ROWS = [
+    {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "label": "hello", "task": "chat"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_char_tokenizer()
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def save_all_formats(rows: list[dict], d: Path) -> list[Path]:
+    d.mkdir()
+    paths = [write_jsonl(rows, d / "d.jsonl"), d / "d.parquet", d / "hf", d / "hfdict"]
+    pq.write_table(pa.Table.from_pylist(rows), d / "d.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(d / "hf"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(d / "hfdict"))
+    return paths
+
+
+@pytest.mark.parametrize("rows", [TEXT_ROWS, CHAT_ROWS], ids=["text", "chat"])
+def test_jsonl_parquet_and_hf_dir_give_the_same_records(tmp_path: Path, tok, rows: list[dict]) -> None:
+    first, *others = save_all_formats(rows, tmp_path / "data")
+    expected = load_prompts(DataConfig(), tok, str(first))
+    assert len(expected) == len(rows)
+    for path in others:
+        assert load_prompts(DataConfig(), tok, str(path)) == expected, path
+
+
+def test_text_records(tmp_path: Path, tok) -> None:
+    labeled, unlabeled = load_prompts(DataConfig(), tok, str(write_jsonl(TEXT_ROWS, tmp_path / "d.jsonl")))
+    assert labeled == PromptRecord(0, "add 1 2", ids(tok, "add 1 2"), "3", {"task": "math", "source": "gen"})
+    assert unlabeled.label is None and unlabeled.index == 1
+
+
+def test_chat_records_get_the_template(tmp_path: Path, tok) -> None:
+    (chat,) = load_prompts(DataConfig(), tok, str(write_jsonl(CHAT_ROWS, tmp_path / "d.jsonl")))
+    assert chat.prompt == CHAT_ROWS[0]["prompt"]
+    assert tok.decode(chat.prompt_ids) == "<|system|>be brief<|user|>hi<|assistant|>"
+    assert chat.label == "hello" and chat.metadata == {"task": "chat"}
+
+
+def test_cfg_path_keys_and_chat_template_flag(tmp_path: Path, tok) -> None:
+    path = write_jsonl([{"q": "2+2", "answer": 4, "kind": "arith", "id": 7}], tmp_path / "x.json")
+    cfg = DataConfig(path=str(path), prompt_key="q", label_key="answer", task_key="kind", apply_chat_template=True)
+    (rec,) = load_prompts(cfg, tok)
+    assert tok.decode(rec.prompt_ids) == "<|user|>2+2<|assistant|>"
+    assert rec.label == 4
+    assert rec.metadata == {"kind": "arith", "id": 7, "task": "arith"}
+
+
+def test_blank_lines_are_skipped(tmp_path: Path, tok) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text('\n{"prompt": "a"}\n   \n{"prompt": "b"}\n\n')
+    assert [r.prompt for r in load_prompts(DataConfig(), tok, str(path))] == ["a", "b"]
+
+
+def write_lines(path: Path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_bad_json_names_file_and_line(tmp_path: Path, tok) -> None:
+    path = write_lines(tmp_path / "file.jsonl", ['{"prompt": "a"}', '{"prompt": "b"}', '{"prompt": "c",'])
+    with pytest.raises(DatasetError, match=r"file\.jsonl:3: malformed JSON"):
+        load_prompts(DataConfig(), tok, path)
+
+
+@pytest.mark.parametrize(
+    "row, cause",
+    [
+        ({"text": "a"}, r"d\.jsonl:2: missing the prompt column 'prompt' .*\['text'\]"),
+        ({"prompt": 5}, r"d\.jsonl:2: the prompt \('prompt'\) must be a string or a list .* got int"),
+        ({"prompt": "   "}, r"d\.jsonl:2: the prompt \('prompt'\) is empty"),
+        ({"prompt": []}, r"d\.jsonl:2: .*empty list of messages"),
+        ({"prompt": ["hi"]}, r"d\.jsonl:2: chat message 0 .* got str"),
+        ({"prompt": [{"role": "user"}]}, r"d\.jsonl:2: chat message 0 .*'content' must be a string, got missing"),
+        ({"prompt": "x" * 20}, r"d\.jsonl:2: the prompt has 20 tokens, more than data\.max_prompt_tokens=10"),
+    ],
+)
+def test_bad_rows(tmp_path: Path, tok, row: dict, cause: str) -> None:
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": "ok"}), json.dumps(row)])
+    with pytest.raises(DatasetError, match=cause):
+        load_prompts(DataConfig(max_prompt_tokens=10), tok, path)
+
+
+def test_bad_parquet_row_names_the_row(tmp_path: Path, tok) -> None:
+    pq.write_table(pa.Table.from_pylist([{"prompt": "ok"}, {"prompt": ""}]), tmp_path / "d.parquet")
+    with pytest.raises(DatasetError, match=r"d\.parquet:row 1: the prompt \('prompt'\) is empty"):
+        load_prompts(DataConfig(), tok, str(tmp_path / "d.parquet"))
+
+
+def test_chat_messages_need_a_chat_template(tmp_path: Path) -> None:
+    path = write_jsonl([{"prompt": [{"role": "user", "content": "hi"}]}], tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match=r"d\.jsonl:1: .*has no chat_template"):
+        load_prompts(DataConfig(), make_char_tokenizer(chat_template=None), str(path))
+
+
+def test_whole_file_errors(tmp_path: Path, tok) -> None:
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DatasetError, match=r"empty\.jsonl: the dataset has no rows"):
+        load_prompts(DataConfig(), tok, str(tmp_path / "empty.jsonl"))
+
+    (tmp_path / "d.csv").write_text("prompt\na\n")
+    with pytest.raises(DatasetError, match=r"d\.csv: unsupported dataset format '\.csv'; supported: JSON Lines"):
+        load_prompts(DataConfig(), tok, str(tmp_path / "d.csv"))
+
+    with pytest.raises(DatasetError, match=r"dataset not found: .*nope\.jsonl"):
+        load_prompts(DataConfig(), tok, str(tmp_path / "nope.jsonl"))
+
+    with pytest.raises(DatasetError, match=r"no dataset path"):
+        load_prompts(DataConfig(), tok)
+
+    (tmp_path / "arr.json").write_text('[{"prompt": "a"},\n {"prompt": "b"}]\n')
+    with pytest.raises(DatasetError, match=r"arr\.json:1: .*JSON array"):
+        load_prompts(DataConfig(), tok, str(tmp_path / "arr.json"))
+
+    (tmp_path / "notds").mkdir()
+    with pytest.raises(DatasetError, match=r"notds: a directory, but not loadable"):
+        load_prompts(DataConfig(), tok, str(tmp_path / "notds"))
+
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(TEXT_ROWS)}).save_to_disk(str(tmp_path / "nosplit"))
+    with pytest.raises(DatasetError, match=r"without a 'train' split; its splits are \['test'\]"):
+        load_prompts(DataConfig(), tok, str(tmp_path / "nosplit"))
+
+
+def test_dataset_error_is_a_value_error() -> None:
+    assert issubclass(DatasetError, ValueError)

@@ -1,0 +1,267 @@
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rewards.plugin import PluginError, load_function
+from rewards.runner import RewardResult, RewardRunner
+
+# --- plugin loading --------------------------------------------------------------------------
+
+PLUGIN_SOURCE = '''
+LIMIT = 3
+
+def score(prompt, response, label, metadata):
+    return float(response == label)
+
+def _private():
+    pass
+
+class Judge:
+    def __call__(self, prompt, response):
+        return 1.0
+'''
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    pkg = tmp_path / "slime_test_plugins"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "good.py").write_text(PLUGIN_SOURCE)
+    (pkg / "needs_dep.py").write_text("import not_a_real_dependency_xyz\n")
+    (pkg / "explodes.py").write_text("raise RuntimeError('bad config at import')\n")
+    (tmp_path / "rw").mkdir()
+    (tmp_path / "rw" / "my_reward.py").write_text(PLUGIN_SOURCE)
+    return tmp_path
+
+
+def test_load_module_and_file_specs(plugin_dir: Path) -> None:
+    by_module = load_function("slime_test_plugins.good:score")
+    by_file = load_function("rw/my_reward.py:score")
+    assert by_module("p", "a", "a", {}) == 1.0 and by_file("p", "a", "b", {}) == 0.0
+    assert load_function("rw/my_reward.py:score") is by_file  # a file is loaded once
+    assert load_function(f"{plugin_dir}/rw/my_reward.py:score") is by_file  # absolute path, same file
+    assert load_function("slime_test_plugins.good:Judge") is not None
+
+
+@pytest.mark.parametrize(
+    "spec, cause",
+    [
+        ("slime_test_plugins.good.score", r"has no ':'"),
+        ("slime_test_plugins.good:", r"empty function name"),
+        ("no_such_module_abc:score", r"module 'no_such_module_abc' not found"),
+        ("slime_test_plugins.nope:score", r"module 'slime_test_plugins\.nope' not found"),
+        (
+            "slime_test_plugins.needs_dep:score",
+            r"importing module 'slime_test_plugins\.needs_dep' failed: ModuleNotFoundError: "
+            r"No module named 'not_a_real_dependency_xyz'",
+        ),
+        ("slime_test_plugins.explodes:score", r"failed: RuntimeError: bad config at import"),
+        ("rw/missing.py:score", r"file not found: .*rw/missing\.py"),
+        ("slime_test_plugins.good:scor", r"has no attribute 'scor'; callables it defines: Judge, score$"),
+        ("rw/my_reward.py:scor", r"has no attribute 'scor'; callables it defines: Judge, score$"),
+        ("slime_test_plugins.good:LIMIT", r"LIMIT is a int, not callable"),
+    ],
+)
+def test_plugin_errors(plugin_dir: Path, spec: str, cause: str) -> None:
+    with pytest.raises(PluginError, match=cause):
+        load_function(spec)
+
+
+def test_file_plugin_that_raises_on_import(plugin_dir: Path) -> None:
+    (plugin_dir / "broken.py").write_text("x = 1\nraise ValueError('no key')\n")
+    with pytest.raises(PluginError, match=r"running .*broken\.py failed: ValueError: no key"):
+        load_function("broken.py:score")
+
+
+# --- runner ----------------------------------------------------------------------------------
+
+
+def exact(prompt: str, response: str, label, metadata: dict) -> float:
+    return float(response == label)
+
+
+def test_sync_function() -> None:
+    with RewardRunner(exact, timeout_s=5, max_concurrency=2) as runner:
+        result = runner.score("q", "4", "4", {})
+        assert result == RewardResult(1.0, None, result.latency_s) and result.ok
+        assert runner.submit("q", "5", "4", {}).result().reward == 0.0
+
+
+def test_async_function() -> None:
+    async def slow_exact(prompt, response, label, metadata):
+        await asyncio.sleep(0.01)
+        return response == label
+
+    with RewardRunner(slow_exact, timeout_s=5, max_concurrency=4) as runner:
+        futures = [runner.submit("q", str(i % 2), "1", {}) for i in range(8)]
+        assert [f.result().reward for f in futures] == [0.0, 1.0] * 4
+
+
+def test_raising_function_fails_that_call_only() -> None:
+    def picky(prompt, response, label, metadata):
+        if response == "bad":
+            raise ValueError("cannot parse 'bad'")
+        return 1.0
+
+    with RewardRunner(picky, timeout_s=5, max_concurrency=1) as runner:
+        bad = runner.score("q", "bad", None, {})
+        assert bad.reward is None
+        assert "picky raised ValueError: cannot parse 'bad' (at test_rewards_runner.py:" in bad.failure
+        assert runner.score("q", "good", None, {}).reward == 1.0
+
+
+def test_hanging_sync_function_times_out_and_the_runner_keeps_serving() -> None:
+    release = threading.Event()
+
+    def sometimes_hangs(prompt, response, label, metadata):
+        if response == "hang":
+            release.wait(30)
+        return 1.0
+
+    with RewardRunner(sometimes_hangs, timeout_s=0.5, max_concurrency=1) as runner:
+        try:
+            t0 = time.monotonic()
+            hung = runner.score("q", "hang", None, {})
+            assert time.monotonic() - t0 < 1.0
+            assert "sometimes_hangs timed out after 0.5s" in hung.failure and hung.reward is None
+            assert runner.hung_calls == 1
+            t0 = time.monotonic()
+            assert runner.score("q", "fine", None, {}).reward == 1.0  # a fresh worker took its place
+            assert time.monotonic() - t0 < 0.5
+        finally:
+            release.set()
+
+
+def test_hung_threads_are_capped_and_rejoin_when_free() -> None:
+    release = threading.Event()
+
+    def hangs(prompt, response):
+        if response == "hang":
+            release.wait(30)
+        return 1.0
+
+    with RewardRunner(hangs, timeout_s=0.2, max_concurrency=1, max_hung_calls=0) as runner:
+        assert "timed out" in runner.score("q", "hang").failure
+        refused = runner.score("q", "fine")
+        assert "not called: all worker threads are stuck" in refused.failure
+        release.set()
+        deadline = time.monotonic() + 2
+        while runner.hung_calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runner.score("q", "fine").reward == 1.0  # the freed thread rejoined the pool
+
+
+def test_hanging_async_function_is_cancelled() -> None:
+    async def hangs(prompt, response, label, metadata):
+        if response == "hang":
+            await asyncio.sleep(30)
+        return 0.25
+
+    with RewardRunner(hangs, timeout_s=0.5, max_concurrency=1) as runner:
+        t0 = time.monotonic()
+        assert "timed out after 0.5s" in runner.score("q", "hang").failure
+        assert time.monotonic() - t0 < 1.0
+        assert runner.score("q", "fine").reward == 0.25
+
+
+@pytest.mark.parametrize(
+    "value, reward, failure",
+    [
+        (True, 1.0, None),
+        (False, 0.0, None),
+        (3, 3.0, None),
+        ({"score": 0.5, "acc": True}, 0.5, None),
+        (float("nan"), None, "returned nan, not a finite number"),
+        (-math.inf, None, "returned -inf, not a finite number"),
+        ("abc", None, "returned str 'abc', not a number"),
+        (None, None, "returned None"),
+        ({"acc": 1.0}, None, "returned a dict without a 'score' key (keys: ['acc'])"),
+        ([1.0], None, "returned list [1.0], not a number"),
+    ],
+)
+def test_return_values(value, reward: float | None, failure: str | None) -> None:
+    def constant(prompt, response, label, metadata):
+        return value
+
+    with RewardRunner(constant, timeout_s=5, max_concurrency=1) as runner:
+        result = runner.score("q", "r", None, {})
+    assert result.reward == reward
+    if failure is None:
+        assert result.failure is None
+    else:
+        assert f"constant {failure}" in result.failure
+
+
+def test_only_accepted_keywords_are_passed() -> None:
+    seen: list[dict] = []
+
+    def no_metadata(prompt, response, label):
+        return float(label)
+
+    def everything(prompt, response, **kwargs):
+        seen.append(kwargs)
+        return 0.0
+
+    with RewardRunner(no_metadata, timeout_s=5, max_concurrency=1) as runner:
+        assert runner.score("q", "r", 1, {"task": "x"}).reward == 1.0
+    with RewardRunner(everything, timeout_s=5, max_concurrency=1) as runner:
+        runner.score("q", "r", "L", {"task": "x"})
+    assert seen == [{"label": "L", "metadata": {"task": "x"}}]
+
+
+def test_signature_that_cannot_take_the_native_call_fails_at_construction() -> None:
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.0
+
+    with pytest.raises(TypeError, match=r"does not take \['prompt', 'response'\] as keyword arguments"):
+        RewardRunner(compute_score, timeout_s=1, max_concurrency=1)
+
+    def needs_more(prompt, response, tokenizer):
+        return 0.0
+
+    with pytest.raises(TypeError, match=r"requires \['tokenizer'\], which are never passed"):
+        RewardRunner(needs_more, timeout_s=1, max_concurrency=1)
+
+
+def test_concurrency_limit() -> None:
+    running = peak = 0
+    lock = threading.Lock()
+
+    def slow(prompt, response):
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+        return 1.0
+
+    with RewardRunner(slow, timeout_s=5, max_concurrency=2) as runner:
+        results = [f.result() for f in [runner.submit("q", "r") for _ in range(6)]]
+    assert all(r.ok for r in results) and peak == 2
+
+
+def test_close_resolves_pending_calls_and_refuses_new_ones() -> None:
+    release = threading.Event()
+
+    def waits(prompt, response):
+        release.wait(5)
+        return 1.0
+
+    runner = RewardRunner(waits, timeout_s=5, max_concurrency=1)
+    futures = [runner.submit("q", "r") for _ in range(3)]
+    runner.close()
+    release.set()
+    assert all("RewardRunner was closed" in f.result(timeout=1).failure for f in futures)
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.submit("q", "r")

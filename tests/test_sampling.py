@@ -1,0 +1,145 @@
+"""PromptSampler: seeded order, resume from state_dict, task weights, curriculum."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slime.config import CurriculumStage, SamplingConfig, TaskWeighting
+from slime.data import PromptRecord
+from slime.sampling import PromptSampler
+
+
+def make_records(n: int = 10) -> list[PromptRecord]:
+    return [
+        PromptRecord(
+            index=i,
+            prompt=f"p{i}",
+            prompt_ids=[i],
+            metadata={"task": "math" if i % 2 == 0 else "code", "level": "easy" if i < n // 2 else "hard"},
+        )
+        for i in range(n)
+    ]
+
+
+def draw(sampler: PromptSampler, n: int) -> list[int]:
+    return [sampler.next().index for _ in range(n)]
+
+
+def test_plain_order_is_seeded_and_covers_each_epoch() -> None:
+    records = make_records(10)
+    a = draw(PromptSampler(records, SamplingConfig(), "task", seed=3, shuffle=True), 30)
+    b = draw(PromptSampler(records, SamplingConfig(), "task", seed=3, shuffle=True), 30)
+    c = draw(PromptSampler(records, SamplingConfig(), "task", seed=4, shuffle=True), 30)
+    assert a == b
+    assert a != c
+    for epoch in range(3):
+        assert sorted(a[epoch * 10 : (epoch + 1) * 10]) == list(range(10))
+    assert a[:10] != a[10:20]  # reshuffled per epoch
+    assert draw(PromptSampler(records, SamplingConfig(), "task", seed=3, shuffle=False), 12) == [*range(10), 0, 1]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(),
+        SamplingConfig(tasks=TaskWeighting(weights={"math": 1.0, "code": 3.0}, targets={"math": 0.9})),
+        SamplingConfig(
+            curriculum=[
+                CurriculumStage(name="easy", filter={"level": "easy"}, advance_at_reward=0.5),
+                CurriculumStage(name="hard", filter={"level": "hard"}),
+            ],
+            window=2,
+        ),
+    ],
+    ids=["plain", "tasks", "curriculum"],
+)
+def test_state_dict_round_trip_resumes_the_same_sequence(cfg: SamplingConfig) -> None:
+    records = make_records(10)
+    original = PromptSampler(records, cfg, "task", seed=7, shuffle=True)
+    draw(original, 7)
+    original.observe({"math": [0.1, 0.2], "code": [0.9]})
+    original.observe({"math": [0.8], "code": [0.7]})
+    draw(original, 5)
+    state = json.loads(json.dumps(original.state_dict()))
+    expected = draw(original, 25)
+
+    resumed = PromptSampler(records, cfg, "task", seed=7, shuffle=True)
+    resumed.load_state_dict(state)
+    assert resumed.current_stage == original.current_stage
+    assert draw(resumed, 25) == expected
+    assert resumed.task_weights == original.task_weights
+
+
+def test_state_from_another_dataset_is_refused() -> None:
+    state = PromptSampler(make_records(10), SamplingConfig(), "task", seed=0, shuffle=True).state_dict()
+    with pytest.raises(ValueError, match="10 prompt records"):
+        PromptSampler(make_records(12), SamplingConfig(), "task", seed=0, shuffle=True).load_state_dict(state)
+
+
+def test_task_weight_rises_for_an_under_target_task() -> None:
+    tasks = TaskWeighting(weights={"math": 1.0, "code": 1.0}, targets={"math": 0.8, "code": 0.2}, grow=1.1)
+    sampler = PromptSampler(make_records(10), SamplingConfig(tasks=tasks, window=2), "task", seed=0, shuffle=True)
+    assert sampler.task_weights == pytest.approx({"math": 0.5, "code": 0.5})
+    sampler.observe({"math": [0.1, 0.3], "code": [0.9]})  # math mean 0.2 < 0.8; code 0.9 ≥ 0.2
+    math_w = 0.5 * 1.1 / (0.5 * 1.1 + 0.5)
+    assert sampler.task_weights == pytest.approx({"math": math_w, "code": 1 - math_w})
+    sampler.observe({"math": [1.0], "code": [0.9]})  # math window (0.2 + 1.0)/2 = 0.6, still under
+    math_w2 = math_w * 1.1 / (math_w * 1.1 + (1 - math_w))
+    assert sampler.task_weights["math"] == pytest.approx(math_w2)
+    sampler.observe({"math": [1.0], "code": [0.9]})  # window (1.0 + 1.0)/2 reaches the target: unchanged
+    assert sampler.task_weights["math"] == pytest.approx(math_w2)
+    # every drawn record belongs to a weighted task, each task in its own order
+    drawn = [sampler.next() for _ in range(40)]
+    assert {r.metadata["task"] for r in drawn} == {"math", "code"}
+
+
+def test_curriculum_advances_at_the_threshold() -> None:
+    cfg = SamplingConfig(
+        curriculum=[
+            CurriculumStage(name="easy", filter={"level": "easy"}, advance_at_reward=0.5),
+            CurriculumStage(name="hard", filter={"level": "hard"}, advance_at_reward=0.9),
+        ],
+        window=2,
+    )
+    sampler = PromptSampler(make_records(10), cfg, "task", seed=1, shuffle=True)
+    assert sampler.current_stage == "easy"
+    assert {sampler.next().metadata["level"] for _ in range(12)} == {"easy"}
+    sampler.observe({"math": [0.9]})
+    assert sampler.current_stage == "easy"  # the window is not full yet
+    sampler.observe({"math": [0.0, 0.2]})  # window mean (0.9 + 0.1)/2 = 0.5 reaches 0.5
+    assert sampler.current_stage == "hard"
+    assert {sampler.next().metadata["level"] for _ in range(12)} == {"hard"}
+    for _ in range(5):
+        sampler.observe({"math": [1.0]})
+    assert sampler.current_stage == "hard"  # the last stage stays
+
+
+def test_curriculum_below_threshold_stays() -> None:
+    cfg = SamplingConfig(
+        curriculum=[CurriculumStage(name="easy", filter={"level": "easy"}, advance_at_reward=0.5),
+                    CurriculumStage(name="hard", filter={"level": "hard"})],
+        window=2,
+    )
+    sampler = PromptSampler(make_records(10), cfg, "task", seed=1, shuffle=True)
+    sampler.observe({"math": [0.4]})
+    sampler.observe({"math": [0.5]})  # (0.4 + 0.5)/2 = 0.45 < 0.5
+    assert sampler.current_stage == "easy"
+
+
+def test_curriculum_stage_without_records_is_an_error() -> None:
+    cfg = SamplingConfig(
+        curriculum=[
+            CurriculumStage(name="easy", filter={"level": "easy"}, advance_at_reward=0.5),
+            CurriculumStage(name="olympiad", filter={"level": "olympiad"}),
+        ]
+    )
+    with pytest.raises(ValueError, match="'olympiad'"):
+        PromptSampler(make_records(10), cfg, "task", seed=0, shuffle=True)
+
+
+def test_unknown_weighted_task_is_an_error() -> None:
+    cfg = SamplingConfig(tasks=TaskWeighting(weights={"math": 1.0, "poetry": 1.0}))
+    with pytest.raises(ValueError, match="'poetry'"):
+        PromptSampler(make_records(10), cfg, "task", seed=0, shuffle=True)
