@@ -41,7 +41,8 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
         raise DatasetError("load_prompts: no dataset path (data.path is None and no path was given)")
     p = Path(raw).expanduser()
     if not p.exists():
-        raise DatasetError(f"dataset not found: {p} (data.path)")
+        source = "data.path" if path is None else "load_prompts(path=...)"
+        raise DatasetError(f"dataset not found: {p} (from {source})")
 
     records: list[PromptRecord] = []
     for where, row in _read_rows(p):

@@ -57,7 +57,9 @@ class RolloutWorker:
             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
             stop_token_ids=stop_token_ids(self.tokenizer, r.stop),
         )
-        self.rewards = RewardRunner(load_function(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.max_concurrency)
+        self.rewards = RewardRunner(
+            load_function(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.max_concurrency, name=cfg.reward.fn
+        )
         kind = cfg.weights.transport
         if kind == "auto":
             kind = "cuda_ipc" if cfg.learner.device.startswith("cuda") else "shm"

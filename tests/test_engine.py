@@ -1,0 +1,311 @@
+"""The built-in rollout engine (slime/engine.py) on a tiny random Qwen3-MoE, float32, CPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from slime.engine import GenerationChunk, GenerationRequest, RolloutEngine, SamplingParams  # noqa: E402
+
+VOCAB = 64
+
+
+def tiny_moe(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
+    return transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(min(2, old))
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_moe(0)
+
+
+@pytest.fixture()
+def engine(model):
+    return RolloutEngine(model, max_running_requests=16, seed=0)
+
+
+def prompts(n: int, seed: int = 1, lo: int = 1, hi: int = 20) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy(n: int, stop=()) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=list(stop))
+
+
+def run_alone(engine: RolloutEngine, prompt, params, rid="solo", response_ids=()) -> GenerationChunk:
+    return engine.generate([GenerationRequest(rid, list(prompt), params, list(response_ids))])[rid]
+
+
+def drain(engine: RolloutEngine, out: dict[str, list[int]], finals: dict[str, GenerationChunk] | None = None):
+    for c in engine.step():
+        out.setdefault(c.request_id, []).extend(c.token_ids)
+        if c.finished and finals is not None:
+            finals[c.request_id] = c
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+def test_greedy_batched_with_staggered_arrival_equals_alone(engine):
+    ps = prompts(7, seed=3, lo=1, hi=24)
+    budgets = [24, 9, 30, 17, 24, 5, 28]
+    alone = [run_alone(engine, p, greedy(n)).token_ids for p, n in zip(ps, budgets)]
+
+    out: dict[str, list[int]] = {}
+    finals: dict[str, GenerationChunk] = {}
+    arrivals = {0: [0, 1], 3: [2], 4: [3, 4], 11: [5], 20: [6]}  # step -> newcomers, mid-decode
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for i in arrivals.get(step, []):
+            engine.add_request(GenerationRequest(f"r{i}", ps[i], greedy(budgets[i])))
+        drain(engine, out, finals)
+        step += 1
+    for i, want in enumerate(alone):
+        assert out[f"r{i}"] == want, f"request {i} (prompt length {len(ps[i])}) differs when batched"
+        assert finals[f"r{i}"].finish_reason == "length" and len(want) == budgets[i]
+    h = engine.health()
+    assert h["running"] == 0 and h["waiting"] == 0 and h["kv_len"] == 0
+
+
+def test_cache_is_trimmed_when_long_rows_finish(engine):
+    long_p, short_p = prompts(1, seed=5, lo=60, hi=60)[0], prompts(1, seed=6, lo=2, hi=2)[0]
+    engine.add_request(GenerationRequest("long", long_p, greedy(1)))
+    engine.add_request(GenerationRequest("short", short_p, greedy(20)))
+    engine.step()  # both prefilled; "long" finishes on its first token
+    assert engine.num_running() == 1
+    assert engine.health()["kv_len"] <= len(short_p) + 2  # the 60 columns of padding are gone
+
+
+def test_max_running_requests_is_respected(model):
+    eng = RolloutEngine(model, max_running_requests=3)
+    for i, p in enumerate(prompts(8, seed=7)):
+        eng.add_request(GenerationRequest(str(i), p, greedy(4 + i)))
+    assert eng.num_waiting() == 8
+    done = {}
+    while eng.has_unfinished():
+        for c in eng.step():
+            if c.finished:
+                done[c.request_id] = c
+        assert eng.num_running() <= 3
+    assert sorted(done) == [str(i) for i in range(8)]
+
+
+# ---------------------------------------------------------------------------- abort / resume
+
+
+def test_abort_at_random_points_then_resume_equals_uninterrupted(engine):
+    ps = prompts(4, seed=11, lo=3, hi=15)
+    budget = 24
+    full = [run_alone(engine, p, greedy(budget)).token_ids for p in ps]
+    rng = random.Random(0)
+    for trial in range(3):
+        cut = rng.randint(1, budget - 3)  # steps before the abort
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(ps):
+            engine.add_request(GenerationRequest(f"t{trial}-{i}", p, greedy(budget)))
+        for _ in range(cut):
+            drain(engine, out)
+        aborted = engine.abort([f"t{trial}-0", f"t{trial}-2", "not-there"])
+        assert sorted(c.request_id for c in aborted) == [f"t{trial}-0", f"t{trial}-2"]
+        assert all(c.finished and c.finish_reason == "abort" and c.token_ids == [] for c in aborted)
+        # Resume the aborted ones while the others keep decoding.
+        for i in (0, 2):
+            have = out[f"t{trial}-{i}"]
+            assert have == full[i][: len(have)]
+            engine.add_request(GenerationRequest(f"t{trial}-{i}", ps[i], greedy(budget), response_ids=have))
+        while engine.has_unfinished():
+            drain(engine, out)
+        for i in range(4):
+            assert out[f"t{trial}-{i}"] == full[i], f"trial {trial}: cut at step {cut}, request {i}"
+
+
+def test_abort_all_clears_waiting_and_running(model):
+    eng = RolloutEngine(model, max_running_requests=2)
+    for i, p in enumerate(prompts(4)):
+        eng.add_request(GenerationRequest(str(i), p, greedy(10)))
+    eng.step()
+    assert eng.num_running() == 2 and eng.num_waiting() == 2
+    chunks = eng.abort()
+    assert sorted(c.request_id for c in chunks) == ["0", "1", "2", "3"]
+    assert not eng.has_unfinished() and eng.abort() == [] and eng.step() == []
+    # the ids are free again
+    out = eng.generate([GenerationRequest("0", [1, 2, 3], greedy(2))])
+    assert len(out["0"].token_ids) == 2
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (0.7, 5), (0.0, 0)])
+def test_logprobs_equal_full_forward(engine, model, temperature, top_k):
+    ps = prompts(4, seed=13, lo=2, hi=18)
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=12)
+    out = engine.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(ps)])
+    t = temperature if temperature > 0 else 1.0
+    for i, p in enumerate(ps):
+        c = out[str(i)]
+        assert len(c.token_ids) == len(c.logprobs) == 12
+        seq = torch.tensor([p + c.token_ids])
+        with torch.inference_mode():
+            logits = model(seq).logits[0].float()
+        # logits at position j predict token j+1; the full tempered distribution (pre top-k).
+        logp = torch.log_softmax(logits[len(p) - 1 : -1] / t, dim=-1)
+        want = logp.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------- stopping, truncation
+
+
+def test_stop_token_included_and_length_reason(engine):
+    p = prompts(1, seed=17)[0]
+    free = run_alone(engine, p, greedy(20))
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+    stop = free.token_ids[6]
+    first = free.token_ids.index(stop)
+    stopped = run_alone(engine, p, greedy(20, stop=[stop]))
+    assert stopped.token_ids == free.token_ids[: first + 1]  # the stop token is part of the output
+    assert stopped.finish_reason == "stop" and stopped.finished
+    short = run_alone(engine, p, greedy(3))
+    assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
+    # resume budget: max_new_tokens counts the tokens already generated
+    resumed = run_alone(engine, p, greedy(8), response_ids=free.token_ids[:5])
+    assert resumed.token_ids == free.token_ids[5:8] and resumed.finish_reason == "length"
+    done = run_alone(engine, p, greedy(5), response_ids=free.token_ids[:5])
+    assert done.token_ids == [] and done.finish_reason == "length"
+
+
+def test_max_seq_len_truncates(model):
+    eng = RolloutEngine(model, max_seq_len=16)
+    p = prompts(1, seed=19, lo=10, hi=10)[0]
+    c = run_alone(eng, p, greedy(50))
+    assert len(c.token_ids) == 6 and c.finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(engine):
+    ps = prompts(3, seed=23)
+    want = {str(i): run_alone(engine, p, greedy(15)).token_ids for i, p in enumerate(ps)}
+    for params in (
+        SamplingParams(temperature=1.0, top_k=1, max_new_tokens=15),
+        SamplingParams(temperature=1.3, top_p=1e-6, max_new_tokens=15),
+    ):
+        out = engine.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(ps)])
+        assert {k: c.token_ids for k, c in out.items()} == want
+
+
+def test_mixed_params_in_one_batch(engine):
+    ps = prompts(3, seed=29)
+    g = run_alone(engine, ps[0], greedy(10)).token_ids
+    out = engine.generate(
+        [
+            GenerationRequest("g", ps[0], greedy(10)),
+            GenerationRequest("s", ps[1], SamplingParams(temperature=1.0, max_new_tokens=10)),
+            GenerationRequest("k", ps[2], SamplingParams(temperature=0.8, top_k=3, top_p=0.9, max_new_tokens=10)),
+        ]
+    )
+    assert out["g"].token_ids == g
+    assert all(len(c.token_ids) == 10 for c in out.values())
+
+
+def test_seed_makes_sampling_reproducible(model):
+    ps = prompts(4, seed=31)
+
+    def sample(seed):
+        eng = RolloutEngine(model, seed=seed)
+        params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16)
+        out = eng.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(ps)])
+        return [out[str(i)].token_ids for i in range(len(ps))]
+
+    a, b, c = sample(7), sample(7), sample(8)
+    assert a == b
+    assert a != c
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def test_update_weights_switches_to_new_model_in_place(engine):
+    other = tiny_moe(1)
+    ps = prompts(3, seed=37)
+    ref = RolloutEngine(other)
+    want = {str(i): run_alone(ref, p, greedy(12)).token_ids for i, p in enumerate(ps)}
+    before = {str(i): run_alone(engine, p, greedy(12)).token_ids for i, p in enumerate(ps)}
+    assert before != want
+    ptrs = {n: t.data_ptr() for n, t in engine.model.named_parameters()}
+    engine.update_weights(3, other.state_dict().items())
+    assert engine.version == 3 and engine.health()["version"] == 3
+    assert ptrs == {n: t.data_ptr() for n, t in engine.model.named_parameters()}  # no re-allocation
+    out = engine.generate([GenerationRequest(str(i), p, greedy(12)) for i, p in enumerate(ps)])
+    assert {k: c.token_ids for k, c in out.items()} == want
+    assert all(c.version == 3 for c in out.values())
+
+
+def test_update_weights_while_running(engine):
+    other = tiny_moe(2)
+    engine.add_request(GenerationRequest("a", prompts(1)[0], greedy(10)))
+    versions = []
+    for _ in range(3):
+        versions += [c.version for c in engine.step()]
+    engine.update_weights(1, other.named_parameters())
+    while engine.has_unfinished():
+        versions += [c.version for c in engine.step()]
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+
+
+def test_update_weights_rejects_bad_name_and_shape(engine):
+    with pytest.raises(ValueError, match="model.layers.0.bogus"):
+        engine.update_weights(1, [("model.layers.0.bogus", torch.zeros(3))])
+    name = "model.embed_tokens.weight"
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        engine.update_weights(1, [(name, torch.zeros(3, 3))])
+    assert engine.version == 0
+
+
+# ---------------------------------------------------------------------------- boundary
+
+
+def test_request_validation(engine):
+    engine.add_request(GenerationRequest("dup", [1, 2], greedy(2)))
+    with pytest.raises(ValueError, match="dup"):
+        engine.add_request(GenerationRequest("dup", [1, 2], greedy(2)))
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request(GenerationRequest("x", [1, VOCAB], greedy(2)))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(GenerationRequest("y", [], greedy(2)))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request(GenerationRequest("z", [1], SamplingParams(top_p=0.0)))
+    with pytest.raises(RuntimeError):
+        engine.generate([GenerationRequest("w", [1], greedy(2))])
+    engine.abort()

@@ -1,0 +1,103 @@
+"""Weight transport: bucketing, shared memory across real processes, files, and engine == learner after an update."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+from slime.model import load_model
+from slime.weights import FileTransport, SharedMemoryTransport, WeightHandle, plan_buckets
+
+
+def _named(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("a", torch.randn(100, generator=g)),
+        ("b", torch.randn(3, 7, generator=g).to(torch.bfloat16)),
+        ("c", torch.randint(0, 100, (5,), generator=g)),
+        ("d", torch.randn(300, generator=g)),
+    ]
+
+
+def test_plan_buckets_splits_and_aligns():
+    metas, sizes = plan_buckets(_named(0), bucket_bytes=512)
+    assert [m.bucket for m in metas] == [0, 0, 0, 1]  # 400 + 42 + 40 (aligned) fit; d (1200 B) alone
+    assert all(m.offset % 64 == 0 for m in metas)
+    assert sizes[1] >= 1200
+    assert sum(m.nbytes for m in metas) == 400 + 42 + 40 + 1200
+
+
+def _receive_in_child(handle: WeightHandle, queue: mp.Queue) -> None:
+    transport = SharedMemoryTransport("unused")
+    queue.put({name: t.clone() for name, t in transport.receive(handle)})
+    transport.close()
+
+
+def test_shared_memory_roundtrip_across_processes():
+    transport = SharedMemoryTransport(f"slime_test_{mp.current_process().pid}", bucket_mb=0.001)
+    try:
+        for version, seed in ((1, 0), (2, 1)):  # the second publish reuses the segments
+            named = _named(seed)
+            handle = transport.publish(version, named)
+            assert handle.version == version and len(handle.buckets) >= 2
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            child = ctx.Process(target=_receive_in_child, args=(handle, queue))
+            child.start()
+            received = queue.get(timeout=60)
+            child.join(timeout=60)
+            assert child.exitcode == 0
+            for name, tensor in named:
+                assert received[name].dtype == tensor.dtype
+                assert torch.equal(received[name], tensor), name
+    finally:
+        transport.close()
+
+
+def test_file_transport_roundtrip(tmp_path):
+    transport = FileTransport(tmp_path, keep=1)
+    named = _named(3)
+    transport.publish(1, named)
+    handle = transport.publish(2, named)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1  # older versions are pruned
+    got = dict(transport.receive(handle))
+    for name, tensor in named:
+        assert torch.equal(got[name], tensor)
+
+
+@pytest.mark.parametrize("transport_kind", ["shm", "file"])
+def test_engine_matches_learner_after_update(tiny_model_dir, tmp_path, transport_kind):
+    torch.manual_seed(0)
+    learner_model = load_model(tiny_model_dir)
+    engine_model = load_model(tiny_model_dir)
+    # The learner moves away from the engine's weights (as after a few RL steps).
+    with torch.no_grad():
+        for p in learner_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompt = [6, 7, 77, 61, 86]  # "ab*3="
+    engine = RolloutEngine(engine_model, max_running_requests=4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    before = engine.generate([GenerationRequest("r", prompt, params)])["r"].token_ids
+
+    transport = SharedMemoryTransport("slime_test_engine") if transport_kind == "shm" else FileTransport(tmp_path)
+    try:
+        handle = transport.publish(7, learner_model.named_parameters())
+        engine.update_weights(handle.version, transport.receive(handle))
+    finally:
+        transport.close()
+    assert engine.version == 7
+
+    ids = torch.tensor([prompt + before])
+    with torch.no_grad():
+        want = learner_model(input_ids=ids).logits
+        got = engine_model(input_ids=ids).logits
+    assert torch.allclose(want, got, atol=1e-5)
+    after = engine.generate([GenerationRequest("r2", prompt, params)])["r2"].token_ids
+    expected = learner_model.generate(
+        torch.tensor([prompt]), max_new_tokens=len(after), do_sample=False, eos_token_id=None,
+        pad_token_id=0, min_new_tokens=len(after),
+    )[0, len(prompt):].tolist()
+    assert after == expected
