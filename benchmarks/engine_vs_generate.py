@@ -43,14 +43,15 @@ def tiny_moe(seed: int = 0) -> torch.nn.Module:
     return transformers.Qwen3MoeForCausalLM(cfg).float().eval()
 
 
-def best_of(fn, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up
-    best, result = float("inf"), None
+def best_of(fns: dict, repeats: int) -> dict[str, tuple[float, object]]:
+    """Warm up each fn, then time them interleaved (fair under background load); keep the best."""
+    results = {name: (float("inf"), fn()) for name, fn in fns.items()}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, result
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out = fn()
+            results[name] = (min(results[name][0], time.perf_counter() - t0), out)
+    return results
 
 
 def main() -> None:
@@ -97,8 +98,8 @@ def main() -> None:
         out = engine.generate(reqs)
         return [out[str(i)].token_ids for i in range(B)]
 
-    t_hf, hf_tokens = best_of(hf_generate, args.repeats)
-    t_engine, engine_tokens = best_of(engine_generate, args.repeats)
+    timed = best_of({"hf": hf_generate, "engine": engine_generate}, args.repeats)
+    (t_hf, hf_tokens), (t_engine, engine_tokens) = timed["hf"], timed["engine"]
     assert all(len(t) == N for t in hf_tokens) and all(len(t) == N for t in engine_tokens)
 
     total = B * N

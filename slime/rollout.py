@@ -55,7 +55,7 @@ class RolloutWorker:
         r = cfg.rollout
         self.params = SamplingParams(
             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-            stop_token_ids=stop_token_ids(self.tokenizer, r.stop),
+            stop_token_ids=[] if r.ignore_eos else stop_token_ids(self.tokenizer, r.stop),
         )
         self.rewards = RewardRunner(
             load_function(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.max_concurrency, name=cfg.reward.fn

@@ -26,3 +26,26 @@ def buffer(redis_url: str) -> Iterator[RedisBuffer]:
     yield buf
     buf.delete_job()
     buf.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The default tiny MoE with a short warm-start, built once per session (as a job would)."""
+    from slime.config import ModelConfig, WarmstartConfig
+    from slime.model import ensure_model_dir
+
+    cfg = ModelConfig(cache_dir=str(tmp_path_factory.mktemp("models")), warmstart=WarmstartConfig(steps=40))
+    return ensure_model_dir(cfg)
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray for the tests that need actors (starting Ray costs seconds)."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import shutil
 import threading
 import time
@@ -277,6 +278,7 @@ def test_jobs_sharing_a_server_are_isolated(redis_url: str) -> None:
         second.set_policy_version(7)
         assert {s.group_id for s in first.lease("w", 10)} == {first_gid}
         assert first.get_policy_version() == 0 and second.get_policy_version() == 7
+        assert pickle.loads(pickle.dumps(second)).get_policy_version() == 7  # how Ray actors receive it
 
         assert first.delete_job() > 0
         assert list(first.redis.scan_iter(match=first.prefix + "*")) == []
