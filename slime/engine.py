@@ -35,6 +35,7 @@ The engine is not thread-safe: drive it from one thread (the rollout worker's lo
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -225,16 +226,25 @@ class RolloutEngine:
         return len(self._waiting)
 
     def stream(self, requests: Iterable[GenerationRequest]) -> Iterator[GenerationChunk]:
-        """Add ``requests`` and yield their chunks until all are finished.
+        """Add ``requests`` (now, not lazily) and return an iterator over the engine's chunks
+        until all of them are finished.
 
-        Drives the engine itself, so it refuses to start while other requests are pending
+        It drives the engine itself, so it refuses to start while other requests are pending
         (their chunks would otherwise be lost); use add_request/step for mixed workloads.
         """
-        requests = list(requests)
         if self.has_unfinished():
             raise RuntimeError("stream()/generate() need an idle engine; use add_request()/step() instead")
-        for req in requests:
-            self.add_request(req)
+        added = []
+        try:
+            for req in requests:
+                self.add_request(req)
+                added.append(req.request_id)
+        except BaseException:
+            self.abort(added)
+            raise
+        return self._drain()
+
+    def _drain(self) -> Iterator[GenerationChunk]:
         while self.has_unfinished():
             yield from self.step()
 
@@ -262,7 +272,7 @@ class RolloutEngine:
         Running requests keep their KV cache (computed with the old weights) and continue.
         """
         applied = 0
-        with torch.no_grad():
+        with torch.no_grad(), _synchronized(self.device):
             for name, tensor in named_tensors:
                 target = self._tensors.get(name)
                 if target is None:
@@ -272,10 +282,8 @@ class RolloutEngine:
                         f"update_weights: shape mismatch for {name!r}: engine has {tuple(target.shape)}, "
                         f"got {tuple(tensor.shape)} ({applied} tensors already applied)"
                     )
-                target.data.copy_(tensor, non_blocking=True)
+                target.data.copy_(tensor, non_blocking=target.is_cuda)
                 applied += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the sources may be freed/reused by the caller
         self._version = int(version)
 
     def health(self) -> dict:
@@ -492,6 +500,17 @@ class RolloutEngine:
         tok = torch.where(greedy, logits.argmax(-1), tok)
         lp = logp.gather(1, tok[:, None]).squeeze(1)
         return tok, lp
+
+
+@contextlib.contextmanager
+def _synchronized(device: torch.device):
+    """On CUDA, wait for the (non-blocking) copies on exit, also on error: the caller may free
+    or reuse the source tensors as soon as update_weights returns."""
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def _cache_select(cache: DynamicCache, idx: torch.Tensor) -> None:
