@@ -14,8 +14,10 @@ picklable `WeightHandle` describes them. Each engine `receive`s the handle and g
 from __future__ import annotations
 
 import math
+import mmap
+import os
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -87,7 +89,7 @@ class SharedMemoryTransport:
         self.prefix = prefix
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._owned: list[shared_memory.SharedMemory] = []
-        self._attached: dict[str, shared_memory.SharedMemory] = {}
+        self._attached: dict[str, mmap.mmap] = {}
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightHandle:
         named = [(n, t.detach().cpu()) for n, t in named_tensors]
@@ -108,13 +110,20 @@ class SharedMemoryTransport:
         for seg_name in handle.buckets:
             seg = self._attached.get(seg_name)
             if seg is None:
-                seg = shared_memory.SharedMemory(name=seg_name, create=False)
-                # Attaching registers the segment with this process's resource tracker, which would
-                # unlink it when this process exits; the publisher owns it.
-                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+                seg = self._attach(seg_name)
                 self._attached[seg_name] = seg
-            buffers.append(torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size))
+            buffers.append(torch.frombuffer(seg, dtype=torch.uint8, count=len(seg)))
         yield from _views(buffers, handle.metas)
+
+    @staticmethod
+    def _attach(seg_name: str) -> mmap.mmap:
+        # Mapped directly rather than through SharedMemory, whose resource tracker would unlink
+        # the publisher's segment when this process exits.
+        fd = os.open(f"/dev/shm/{seg_name.lstrip('/')}", os.O_RDWR)
+        try:
+            return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_WRITE)
+        finally:
+            os.close(fd)
 
     def _release_owned(self) -> None:
         for seg in self._owned:
