@@ -167,7 +167,7 @@ class RolloutEngine:
         p = req.params
         if req.request_id in self._ids:
             raise ValueError(f"request {req.request_id!r} is already waiting or running")
-        if not req.prompt_ids and not req.response_ids:
+        if len(req.prompt_ids) == 0 and len(req.response_ids) == 0:
             raise ValueError(f"request {req.request_id!r}: prompt_ids and response_ids are both empty")
         if p.temperature < 0:
             raise ValueError(f"request {req.request_id!r}: temperature must be >= 0, got {p.temperature}")
@@ -177,11 +177,13 @@ class RolloutEngine:
             raise ValueError(f"request {req.request_id!r}: top_k must be >= 0, got {p.top_k}")
         if p.max_new_tokens < 0:
             raise ValueError(f"request {req.request_id!r}: max_new_tokens must be >= 0, got {p.max_new_tokens}")
-        ids = list(req.prompt_ids) + list(req.response_ids)
+        # Snapshot as plain ints (callers may pass numpy arrays, or mutate their lists later).
+        prompt, response = [int(t) for t in req.prompt_ids], [int(t) for t in req.response_ids]
+        ids = prompt + response
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"request {req.request_id!r}: token id out of range [0, {self.vocab_size})")
         self._ids.add(req.request_id)
-        self._waiting.append(req)
+        self._waiting.append(GenerationRequest(req.request_id, prompt, p, response))
 
     def step(self) -> list[GenerationChunk]:
         if not self._waiting and not self._running:
@@ -336,7 +338,7 @@ class RolloutEngine:
             return
 
         dev = self.device
-        ctx = [list(r.prompt_ids) + list(r.response_ids) for r in new_reqs]
+        ctx = [r.prompt_ids + r.response_ids for r in new_reqs]
         width = max(len(c) for c in ctx)
         ids = torch.zeros(len(ctx), width, dtype=torch.long)
         mask = torch.zeros(len(ctx), width, dtype=torch.bool)

@@ -156,8 +156,11 @@ class RunningJob:
     def schedule_groups(self) -> int:
         """Top the buffer up with new groups, one per prompt.
 
-        sync: `groups_in_flight` groups per step, ready ones included. async: `groups_in_flight`
-        unfinished groups at all times, with at most one batch of ready groups waiting on top.
+        sync: `groups_in_flight` groups per step, ready ones included.
+        async: `groups_in_flight` unfinished groups at all times, but no group is started that
+        would be trained more than `max_staleness` versions after the version current now:
+        group k is trained at step k // batch_size, so at most (version + 1 + max_staleness)
+        batches may ever have been started.
         """
         cfg = self.cfg
         c = self.buffer.counts()
@@ -166,7 +169,9 @@ class RunningJob:
         if cfg.mode == "sync":
             missing = target - unfinished - c["groups_ready"]
         else:
-            missing = min(target - unfinished, target + cfg.rollout.batch_size - unfinished - c["groups_ready"])
+            version = self.buffer.get_policy_version()
+            started_cap = (version + 1 + cfg.max_staleness) * cfg.rollout.batch_size
+            missing = min(target - unfinished, started_cap - c["groups_total"])
         for _ in range(max(0, missing)):
             record = self.sampler.next()
             metadata = {**record.metadata, "label": record.label, "prompt_text": _prompt_text(record),

@@ -55,9 +55,10 @@ def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp
     ]))
     assert len(history) == 3
     for h in history:
-        assert h["groups"] + h["dropped_stale_groups"] == 3
+        # Admission control starts no group that would exceed the staleness bound, so none is dropped.
+        assert h["groups"] == 3 and h["dropped_stale_groups"] == 0
         assert 0.0 <= h["off_policy_token_share"] <= 1.0
-        assert "vf_loss" in h or h["groups"] == 0
+        assert "vf_loss" in h
     buffer = RedisBuffer(redis_url, job)
     assert buffer.counts()["groups_trained"] == 9
     buffer.delete_job()
