@@ -493,11 +493,11 @@ class RolloutEngine:
                 kept = kept / kept.sum(-1, keepdim=True)
                 # Drop a token once the mass strictly before it already reaches top_p.
                 before = kept.cumsum(-1) - kept
-                drop |= before >= top_p[:, None]
+                drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # no rounding drops at 1
             drop[:, 0] = False  # always keep the most likely token
             probs = probs.masked_fill(drop.scatter(1, order, drop), 0.0)
         # Exponential race: argmax(p / E), E ~ Exp(1), samples from p (no host sync, seeded).
-        race = torch.empty_like(probs).exponential_(generator=self._generator)
+        race = torch.empty_like(probs).exponential_(generator=self._generator).clamp_(min=1e-20)
         tok = (probs / race).argmax(-1)
         tok = torch.where(greedy, logits.argmax(-1), tok)
         lp = logp.gather(1, tok[:, None]).squeeze(1)

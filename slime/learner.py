@@ -246,6 +246,9 @@ class Learner:
                         self.policy, sub, self.temperature, with_entropy=True, with_aux=self.is_moe and algo.router_aux_coef > 0
                     )
                     old = old_logp[part] if old_logp is not None else logp.detach()
+                    # Engine vs learner logprobs of the same tokens: ~0 on-policy; large means the
+                    # engine and learner disagree (stale weights, numerics, or a bug).
+                    st_extra = {"behaviour_logp_abs_diff": masked_mean((logp.detach() - sub.behaviour_logp).abs(), sub.mask).item()}
                     kl_loss = None
                     if ref_logp is not None and algo.kl_mode == "loss":
                         kl_loss = kl_penalty(logp, ref_logp[part], algo.kl_estimator)
@@ -263,6 +266,7 @@ class Learner:
                     else:
                         loss, st = grpo.grpo_loss(**common)
                     (loss * weight).backward()
+                    st.update(st_extra)
                     for k, v in st.items():
                         stats.setdefault(k, []).append(v)
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), lc.grad_clip)))

@@ -75,7 +75,20 @@ def drain(engine: RolloutEngine, out: dict[str, list[int]], finals: dict[str, Ge
 # ---------------------------------------------------------------------------- batching
 
 
-def test_greedy_batched_with_staggered_arrival_equals_alone(engine):
+@pytest.fixture(params=["sdpa", "eager"])
+def any_attn_engine(request, model):
+    """The SDPA model (4-D decode-mask fast path) and an eager-attention one (HF builds masks)."""
+    if request.param == "sdpa":
+        return RolloutEngine(model, max_running_requests=16)
+    eager = tiny_moe(0)
+    eager.set_attn_implementation("eager")
+    eng = RolloutEngine(eager, max_running_requests=16)
+    assert not eng._decode_mask_4d
+    return eng
+
+
+def test_greedy_batched_with_staggered_arrival_equals_alone(any_attn_engine):
+    engine = any_attn_engine
     ps = prompts(7, seed=3, lo=1, hi=24)
     budgets = [24, 9, 30, 17, 24, 5, 28]
     alone = [run_alone(engine, p, greedy(n)).token_ids for p, n in zip(ps, budgets)]
@@ -181,6 +194,21 @@ def test_logprobs_equal_full_forward(engine, model, temperature, top_k):
         logp = torch.log_softmax(logits[len(p) - 1 : -1] / t, dim=-1)
         want = logp.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
+        if top_k:  # truncation applies to sampling only: every token is among the top k
+            rank = (logp > want[:, None]).sum(-1)
+            assert int(rank.max()) < top_k
+
+
+def test_sampling_follows_the_tempered_distribution(model):
+    eng = RolloutEngine(model, max_running_requests=256, seed=5)
+    p, n, t = [5, 9, 2], 1024, 0.15  # peaked: top token ~0.28, so a uniform sampler fails
+    with torch.inference_mode():
+        probs = torch.softmax(model(torch.tensor([p])).logits[0, -1].float() / t, -1)
+    params = SamplingParams(temperature=t, max_new_tokens=1)
+    out = eng.generate([GenerationRequest(str(i), p, params) for i in range(n)])
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out.values()]), minlength=VOCAB).float()
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert bool(((counts / n - probs).abs() <= 5 * sigma + 1e-3).all())
 
 
 # ---------------------------------------------------------------------------- stopping, truncation
