@@ -286,6 +286,56 @@ end
 return #gids
 """
 
+# ARGV: prefix, gid, reason. Only a group waiting in the ready queue can be dropped.
+_DROP_READY = """
+local gid, reason = ARGV[2], ARGV[3]
+if redis.call('LREM', P .. 'queue:ready', 0, gid) == 0 then return 0 end
+local gkey = P .. 'group:' .. gid
+redis.call('HSET', gkey, 'status', 'dropped', 'drop_reason', reason)
+redis.call('ZADD', P .. 'dropped', fmt(now()), gid)
+local tokens = 0
+for _, sid in ipairs(redis.call('LRANGE', gkey .. ':samples', 0, -1)) do
+  tokens = tokens + redis.call('STRLEN', P .. 'sample:' .. sid .. ':mask')
+end
+redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_groups:' .. reason, 1)
+redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_tokens:' .. reason, tokens)
+return 1
+"""
+
+# ARGV: prefix, sid, worker. Discard a leased sample's tokens so it starts over (staleness budget).
+_RESTART = """
+local sid, worker = ARGV[2], ARGV[3]
+local skey = P .. 'sample:' .. sid
+if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
+local lost = lost_lease(sid, worker)
+if lost then return {-1, lost} end
+local n = redis.call('STRLEN', skey .. ':mask')
+redis.call('DEL', skey .. ':tok', skey .. ':lp', skey .. ':ver', skey .. ':mask')
+redis.call('HINCRBYFLOAT', P .. 'stats', 'restarted_tokens', n)
+redis.call('HINCRBYFLOAT', P .. 'stats', 'restarted_samples', 1)
+redis.call('HSET', skey, 'updated_at', fmt(now()))
+return {0, n}
+"""
+
+# ARGV: prefix. Every leased sample back to the resume queue (a restarted job: the old workers are gone).
+_REQUEUE_LEASED = """
+local t = fmt(now())
+local sids = redis.call('ZRANGE', P .. 'leases', 0, -1)
+local n = 0
+for _, sid in ipairs(sids) do
+  redis.call('ZREM', P .. 'leases', sid)
+  local skey = P .. 'sample:' .. sid
+  if redis.call('HGET', skey, 'status') == 'running' then
+    redis.call('HSET', skey, 'status', 'aborted', 'updated_at', t)
+    redis.call('HDEL', skey, 'lease_owner')
+    move_count('running', 'aborted')
+    redis.call('LPUSH', P .. 'queue:resume', sid)
+    n = n + 1
+  end
+end
+return n
+"""
+
 
 def _float_text(value: float) -> str:
     return repr(float(value))
@@ -315,6 +365,9 @@ class RedisBuffer:
         self._claim = self.redis.register_script(_PRELUDE + _CLAIM)
         self._commit = self.redis.register_script(_PRELUDE + _COMMIT)
         self._requeue = self.redis.register_script(_PRELUDE + _REQUEUE)
+        self._drop_ready = self.redis.register_script(_PRELUDE + _DROP_READY)
+        self._restart = self.redis.register_script(_PRELUDE + _RESTART)
+        self._requeue_leased = self.redis.register_script(_PRELUDE + _REQUEUE_LEASED)
 
     # Ray actors and worker processes get their own connection from the same (url, job).
     def __reduce__(self) -> tuple[type, tuple[str, str, float]]:
@@ -460,6 +513,26 @@ class RedisBuffer:
         """Put claimed-but-uncommitted groups (claimed by a step > after_step; all if None) back to ready."""
         return int(self._requeue(args=[self.prefix, "" if after_step is None else int(after_step)]))
 
+    def ready_group_ids(self) -> list[str]:
+        return [gid.decode() for gid in self.redis.lrange(self._key("queue", "ready"), 0, -1)]
+
+    def drop_ready_group(self, group_id: str, reason: str) -> bool:
+        """Take a complete group out of the ready queue for good (e.g. a dynamic-sampling filter);
+        counted in stats as dropped_groups:<reason> and dropped_tokens:<reason>."""
+        return bool(self._drop_ready(args=[self.prefix, group_id, reason]))
+
+    def restart_sample(self, sample_id: str, worker_id: str) -> int:
+        """Discard a leased sample's tokens so it is generated afresh; returns how many were discarded
+        (counted in stats as restarted_tokens)."""
+        code, detail = self._restart(args=[self.prefix, sample_id, worker_id])
+        self._raise_for(code, detail, sample_id, worker_id)
+        return int(detail)
+
+    def requeue_all_leased(self) -> int:
+        """Every RUNNING sample back to the resume queue, tokens kept: for a job restarted after its
+        workers died, without waiting for their leases to expire."""
+        return int(self._requeue_leased(args=[self.prefix]))
+
     def incr_stat(self, name: str, amount: float = 1.0) -> float:
         return float(self.redis.hincrbyfloat(self._key("stats"), name, amount))
 
@@ -504,7 +577,8 @@ class RedisBuffer:
         pipe.zcard(self._key("claimed"))
         pipe.zcard(self._key("trained"))
         pipe.zcard(self._key("leases"))
-        by_status, resume, new, ready, groups, claimed, trained, leases = pipe.execute()
+        pipe.zcard(self._key("dropped"))
+        by_status, resume, new, ready, groups, claimed, trained, leases, dropped = pipe.execute()
         counts = {status.value: int(by_status.get(status.value.encode(), 0)) for status in Status}
         counts.update(
             queue_resume=resume,
@@ -514,6 +588,8 @@ class RedisBuffer:
             groups_ready=ready,
             groups_claimed=claimed,
             groups_trained=trained,
+            groups_dropped=dropped,
+            groups_open=groups - ready - claimed - trained - dropped,  # still being generated
             leases=leases,
         )
         return counts

@@ -96,8 +96,29 @@ class RolloutConfig(_Strict):
 
 
 class AprilConfig(_Strict):
+    """Active Partial Rollouts: over-provision, abort the long tail at the batch boundary, resume later."""
+
     enabled: bool = False
     oversample: float = Field(2.0, ge=1.0, description="Keep ceil(oversample * batch_size) groups in flight.")
+    oversample_groups: int | None = Field(
+        None, gt=0, description="Absolute number of groups in flight; overrides oversample."
+    )
+    off_policy: Literal["none", "mask_stale", "tis"] = Field(
+        "tis",
+        description="Tokens of resumed partials made by older policies: train as is, mask them from the "
+        "loss, or weight them by truncated importance sampling min(pi_old/pi_behaviour, tis_cap).",
+    )
+    tis_cap: float = Field(2.0, gt=0)
+    max_version_span: int | None = Field(
+        None, ge=0, description="Staleness budget: most versions a partial's oldest token may lag the policy."
+    )
+    beyond_budget: Literal["restart", "drop"] = Field(
+        "restart", description="A partial over the budget: regenerate it from scratch, or fail it (counted)."
+    )
+    filter_zero_variance: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal.")
+    max_filtered_per_step: int | None = Field(
+        None, ge=0, description="Fallback: after this many drops in a step, keep groups (default: batch_size)."
+    )
 
 
 class StagedKL(_Strict):
@@ -258,14 +279,24 @@ class JobConfig(_Strict):
                 f"learner.num_minibatches={self.learner.num_minibatches} exceeds the "
                 f"{n_seqs} sequences per step (rollout.batch_size * rollout.n_samples_per_prompt)"
             )
+        if self.april.enabled and self.april.oversample_groups is not None and (
+            self.april.oversample_groups < self.rollout.batch_size
+        ):
+            raise ValueError(
+                f"april.oversample_groups={self.april.oversample_groups} is below rollout.batch_size="
+                f"{self.rollout.batch_size}: the batch could never fill"
+            )
         if self.sampling.tasks is not None and self.data.task_key == "":
             raise ValueError("data.task_key must be set when sampling.tasks is configured")
         return self
 
     @property
     def groups_in_flight(self) -> int:
-        ratio = self.april.oversample if self.april.enabled else 1.0
-        return math.ceil(ratio * self.rollout.batch_size)
+        if not self.april.enabled:
+            return self.rollout.batch_size
+        if self.april.oversample_groups is not None:
+            return self.april.oversample_groups
+        return math.ceil(self.april.oversample * self.rollout.batch_size)
 
     @property
     def run_dir(self) -> Path:

@@ -126,6 +126,13 @@ class ValueModel(torch.nn.Module):
         return self.head(h).squeeze(-1).float()
 
 
+def _histogram(values: list[int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in sorted(values):
+        out[str(v)] = out.get(str(v), 0) + 1
+    return out
+
+
 def _micro_batches(n: int, size: int) -> list[torch.Tensor]:
     return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
 
@@ -172,8 +179,11 @@ class Learner:
                 wasted_tokens += sum(s.response_length for s in g)
             else:
                 kept.append(g)
+        if dropped_stale:
+            self.buffer.incr_stat("dropped_groups:stale", dropped_stale)
+            self.buffer.incr_stat("dropped_tokens:stale", wasted_tokens)
         metrics: dict = {"step": step, "groups": len(kept), "dropped_stale_groups": dropped_stale,
-                         "wasted_tokens": wasted_tokens}
+                         "dropped_stale_tokens": wasted_tokens}
         samples = [s for g in kept for s in g]
         if samples:
             metrics.update(self._update(samples, [gi for gi, g in enumerate(kept) for _ in g], step))
@@ -189,6 +199,10 @@ class Learner:
         batch = collate(samples, group_ids, self.pad_id)
         batch = Batch(**{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()})
         kl_coef = staged_kl_coef(step, algo.kl_schedule, algo.kl_coef)
+        off_policy = self.cfg.april.off_policy
+        stale = (batch.versions < self.version) & (batch.mask > 0)
+        if off_policy == "mask_stale":
+            batch.mask = batch.mask * (~stale).float()
         n = batch.input_ids.shape[0]
         valid = batch.mask.sum(-1) > 0
         mb = lc.micro_batch_size
@@ -249,6 +263,10 @@ class Learner:
                     # Engine vs learner logprobs of the same tokens: ~0 on-policy; large means the
                     # engine and learner disagree (stale weights, numerics, or a bug).
                     st_extra = {"behaviour_logp_abs_diff": masked_mean((logp.detach() - sub.behaviour_logp).abs(), sub.mask).item()}
+                    is_weights = None
+                    if off_policy == "tis":
+                        # Truncated IS: tokens sampled by an older policy, weighted by pi_old / pi_behaviour.
+                        is_weights = torch.exp(old - sub.behaviour_logp).clamp(max=self.cfg.april.tis_cap)
                     kl_loss = None
                     if ref_logp is not None and algo.kl_mode == "loss":
                         kl_loss = kl_penalty(logp, ref_logp[part], algo.kl_estimator)
@@ -256,7 +274,7 @@ class Learner:
                         logp=logp, old_logp=old, advantages=advantages[part], mask=sub.mask, clip_low=clip_low,
                         clip_high=clip_high, dual_clip=algo.dual_clip, agg_mode=algo.loss_agg, entropy=entropy,
                         entropy_coef=algo.entropy_coef, kl=kl_loss, kl_coef=kl_coef, router_aux=aux,
-                        router_aux_coef=algo.router_aux_coef,
+                        router_aux_coef=algo.router_aux_coef, is_weights=is_weights,
                     )
                     if self.critic is not None:
                         loss, st = ppo.ppo_loss(
@@ -280,7 +298,7 @@ class Learner:
             self.clip.update(out["approx_kl"])
         with torch.no_grad():
             tokens = batch.mask.sum()
-            off_policy = ((batch.versions < self.version).float() * batch.mask).sum()
+            off_policy_tokens = stale.float().sum()
             if algo.name == "ppo":
                 out["advantage_mean"] = masked_mean(advantages, batch.mask).item()
                 out["return_mean"] = masked_mean(returns, batch.mask).item()
@@ -300,7 +318,11 @@ class Learner:
             response_len_p50=float(np.percentile(lengths, 50)),
             response_len_p99=float(np.percentile(lengths, 99)),
             trained_tokens=int(tokens.item()),
-            off_policy_token_share=float(off_policy / tokens.clamp_min(1)),
+            # Share of the batch's generated tokens that an older policy produced (before any masking).
+            off_policy_token_share=float(off_policy_tokens / max(1, sum(s.response_length for s in samples))),
+            version_lag_hist=_histogram([self.version - s.min_version for s in samples if s.min_version is not None]),
+            version_span_hist=_histogram([s.version_span for s in samples]),
+            resumed_samples=sum(1 for s in samples if s.version_span > 0),
             grad_norm=float(np.mean(grad_norms)),
             kl_coef=kl_coef,
             clip_low=clip_low,

@@ -110,6 +110,8 @@ class RolloutWorker:
         if free <= 0:
             return
         for sample in self.buffer.lease(self.worker_id, free):
+            if not self._within_staleness_budget(sample):
+                continue
             if sample.remaining_tokens == 0:  # aborted exactly at its budget: nothing left to generate
                 self._finalize(_Pending(sample), "length")
                 continue
@@ -118,6 +120,23 @@ class RolloutWorker:
             self.engine.add_request(
                 GenerationRequest(sample.id, sample.prompt_ids.tolist(), params, sample.response_ids.tolist())
             )
+
+    def _within_staleness_budget(self, sample: Sample) -> bool:
+        """APRIL's staleness budget for a resumed partial: continue it, restart it, or fail it."""
+        budget = self.cfg.april.max_version_span
+        if budget is None or sample.min_version is None or self.engine.version - sample.min_version <= budget:
+            return True
+        lag = self.engine.version - sample.min_version
+        if self.cfg.april.beyond_budget == "restart":
+            self.buffer.restart_sample(sample.id, self.worker_id)
+            sample.response_ids, sample.logprobs = sample.response_ids[:0], sample.logprobs[:0]
+            sample.versions, sample.loss_mask = sample.versions[:0], sample.loss_mask[:0]
+            return True
+        self.buffer.finish(
+            sample.id, self.worker_id, Status.FAILED,
+            failure=f"stale partial: oldest token is {lag} policy versions old (april.max_version_span={budget})",
+        )
+        return False
 
     def _absorb(self, chunks: list[GenerationChunk]) -> None:
         for chunk in chunks:
@@ -188,7 +207,9 @@ class RolloutWorker:
         return time.time() - t0
 
     def abort_all(self) -> int:
-        """Abort every running request; their partials go to the front of the resume queue."""
+        """Pause, then abort every request in the engine: each partial (tokens, logprobs, versions)
+        is written to the buffer and goes to the front of the resume queue. Returns how many."""
+        self.paused.set()
         with self.lock:
             chunks = self.engine.abort(None)
             self._absorb(chunks)
@@ -222,6 +243,7 @@ class RolloutWorker:
             "waiting": self.engine.num_waiting(),
             "scoring": len(self.scoring),
             "generated_tokens": self.generated_tokens,
+            "engine_tokens_generated": self.engine.health()["tokens_generated"],
             "busy_seconds": self.busy_seconds,
             "uptime_seconds": time.time() - self.started_at,
         }

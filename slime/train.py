@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from slime.config import JobConfig, dump_config
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.metrics import MetricsLogger
 from slime.model import ensure_model_dir, load_tokenizer
+from slime.sample import new_id
 from slime.sampling import PromptSampler
 
 
@@ -33,10 +35,12 @@ def sync_loop(job: "RunningJob") -> None:
     cfg = job.cfg
     for step in range(job.start_step, cfg.steps):
         job.schedule_groups()
-        job.wait_for_ready_groups(cfg.rollout.batch_size)
+        job.wait_for_ready_groups(cfg.rollout.batch_size)  # APRIL: refills one group at a time
+        aborted = job.abort_rollouts() if cfg.april.enabled else 0  # the long tail waits for the next step
         metrics = job.train_step(step, max_staleness=None)
         job.push_weights(step)
-        job.end_step(step, metrics)
+        job.resume_rollouts()
+        job.end_step(step, metrics | {"aborted_samples": aborted})
 
 
 def async_loop(job: "RunningJob") -> None:
@@ -49,10 +53,29 @@ def async_loop(job: "RunningJob") -> None:
         job.end_step(step, metrics)
 
 
+class JobInterrupted(KeyboardInterrupt):
+    """SIGTERM: stop like Ctrl-C, storing every partial trajectory on the way out."""
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise JobInterrupted(f"received signal {signum}")
+
+
 def train(cfg: JobConfig) -> list[dict]:
-    with RunningJob(cfg) as job:
-        (sync_loop if cfg.mode == "sync" else async_loop)(job)
-        return job.logger.history
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if _main_thread() else None
+    try:
+        with RunningJob(cfg) as job:
+            (sync_loop if cfg.mode == "sync" else async_loop)(job)
+            return job.logger.history
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 class RunningJob:
@@ -86,8 +109,12 @@ class RunningJob:
             self.records = self._load_records()
             self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
             checkpoint = self._find_checkpoint()
-            if checkpoint is None and cfg.resume is None:
+            if cfg.resume is None:
                 self.buffer.delete_job()  # a fresh run starts from an empty buffer
+            else:
+                # The previous run's workers are gone: their trajectories go back to the queue now,
+                # tokens kept, instead of after their leases expire.
+                self.buffer.requeue_all_leased()
 
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             if not ray.is_initialized():
@@ -100,9 +127,10 @@ class RunningJob:
                 )
                 self.ray_started = True
             # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
+            run_id = new_id()[:6]  # lease owner names never collide with a previous run's workers
             self.learner = ray.remote(num_cpus=0)(Learner).remote(cfg, self.model_dir, self.redis_url)
             self.workers = [
-                ray.remote(num_cpus=0)(RolloutWorker).remote(cfg, self.model_dir, self.redis_url, f"w{i}")
+                ray.remote(num_cpus=0)(RolloutWorker).remote(cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}")
                 for i in range(cfg.rollout.num_workers)
             ]
             self.start_step = 0
@@ -112,8 +140,7 @@ class RunningJob:
             if checkpoint is not None:
                 self.push_weights(self.start_step - 1)
             self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.steps, self.start_step)
-            self.step_started = time.time()
-            self.tokens_at_step_start = self.buffer.stats().get("generated_tokens", 0.0)
+            self._reset_step_counters()
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -125,6 +152,10 @@ class RunningJob:
         if hasattr(self, "logger"):
             self.logger.close()
         if self.workers:
+            try:  # store every partial trajectory before the engines go away
+                ray.get([w.abort_all.remote() for w in self.workers], timeout=60)
+            except Exception:
+                pass
             try:
                 ray.get([w.stop.remote() for w in self.workers], timeout=60)
             except Exception:
@@ -156,7 +187,8 @@ class RunningJob:
     def schedule_groups(self) -> int:
         """Top the buffer up with new groups, one per prompt.
 
-        sync: `groups_in_flight` groups per step, ready ones included.
+        sync: `groups_in_flight` groups per step, ready ones included; with APRIL,
+        `groups_in_flight` (over-provisioned) unfinished groups, each finished group replaced.
         async: `groups_in_flight` unfinished groups at all times, but no group is started that
         would be trained more than `max_staleness` versions after the version current now:
         group k is trained at step k // batch_size, so at most (version + 1 + max_staleness)
@@ -164,10 +196,12 @@ class RunningJob:
         """
         cfg = self.cfg
         c = self.buffer.counts()
-        unfinished = c["groups_total"] - c["groups_ready"] - c["groups_claimed"] - c["groups_trained"]
+        unfinished = c["groups_open"]
         target = cfg.groups_in_flight
-        if cfg.mode == "sync":
+        if cfg.mode == "sync" and not cfg.april.enabled:
             missing = target - unfinished - c["groups_ready"]
+        elif cfg.mode == "sync":  # APRIL: over-provisioned; a finished group is replaced at once
+            missing = target - unfinished
         else:
             version = self.buffer.get_policy_version()
             started_cap = (version + 1 + cfg.max_staleness) * cfg.rollout.batch_size
@@ -184,16 +218,46 @@ class RunningJob:
 
         last_health = time.time()
         while True:
+            if self.cfg.april.filter_zero_variance:
+                self.filter_ready_groups()
             counts = self.buffer.counts()
             if counts["groups_ready"] >= needed:
                 return
-            if self.cfg.mode == "async":
-                self.schedule_groups()
+            self.schedule_groups()  # refill as groups finish or are filtered, one group at a time
             self.logger.waiting(counts, needed)
             if time.time() - last_health > 2.0:
                 self.check_workers(ray)
                 last_health = time.time()
             time.sleep(0.02)
+
+    def filter_ready_groups(self) -> None:
+        """DAPO dynamic sampling: a group whose rewards are all equal has no signal; drop it and let
+        the scheduler start another. After max_filtered_per_step drops, keep groups (fallback)."""
+        limit = self.cfg.april.max_filtered_per_step
+        limit = self.cfg.rollout.batch_size if limit is None else limit
+        for gid in self.buffer.ready_group_ids():
+            if gid in self.filter_checked:
+                continue
+            self.filter_checked.add(gid)
+            rewards = {s.reward for s in self.buffer.get_group(gid) if s.reward is not None and s.failure is None}
+            if len(rewards) > 1:
+                continue
+            if self.filtered_this_step >= limit:
+                self.step_counters["filter_kept_by_fallback"] += 1
+            elif self.buffer.drop_ready_group(gid, "zero_variance"):
+                self.filtered_this_step += 1
+                self.step_counters["filtered_zero_variance"] += 1
+
+    def abort_rollouts(self) -> int:
+        """APRIL's active abort: every engine stops, its partials are stored and go first next step."""
+        import ray
+
+        return int(sum(ray.get([w.abort_all.remote() for w in self.workers])))
+
+    def resume_rollouts(self) -> None:
+        import ray
+
+        ray.get([w.resume.remote() for w in self.workers])
 
     def check_workers(self, ray) -> list[dict]:
         healths = []
@@ -259,7 +323,14 @@ class RunningJob:
 
         metrics["weight_sync_seconds"] = self.weight_sync_seconds
         metrics["step_seconds"] = time.time() - self.step_started
-        metrics["buffer"] = self.buffer.counts()
+        metrics["buffer"] = counts = self.buffer.counts()
+        metrics.update(self.step_counters)
+        stats = self.buffer.stats()
+        metrics["partial_samples"] = counts["aborted"]
+        # Generated but never trained on (restarted beyond the staleness budget, dropped groups).
+        metrics["wasted_tokens_total"] = stats.get("restarted_tokens", 0.0) + sum(
+            v for k, v in stats.items() if k.startswith("dropped_tokens:")
+        )
         healths = ray.get([w.health.remote() for w in self.workers])
         uptime = sum(h["uptime_seconds"] for h in healths)
         metrics["engine_busy_fraction"] = sum(h["busy_seconds"] for h in healths) / max(uptime, 1e-9)
@@ -273,8 +344,14 @@ class RunningJob:
         every = self.cfg.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.steps:
             self.save_checkpoint(step)
+        self._reset_step_counters()
+
+    def _reset_step_counters(self) -> None:
         self.step_started = time.time()
         self.tokens_at_step_start = self.buffer.stats().get("generated_tokens", 0.0)
+        self.filter_checked: set[str] = set()
+        self.filtered_this_step = 0
+        self.step_counters = {"filtered_zero_variance": 0, "filter_kept_by_fallback": 0}
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
