@@ -168,7 +168,10 @@ class Learner:
         )
 
     # ---- one training step -------------------------------------------------------------------
-    def train_step(self, step: int, num_groups: int, max_staleness: int | None = None) -> dict:
+    def train_step(self, step: int, num_groups: int, max_staleness: int | None = None, commit: bool = True) -> dict:
+        """Claim up to num_groups complete groups and run one update. With commit=False the groups stay
+        claimed until the caller commits the step (the driver does at each checkpoint, so a crash
+        before the checkpoint requeues them for the restored weights: each group trains exactly once)."""
         started = time.time()
         groups = self.buffer.claim_groups(num_groups, step)
         kept, dropped_stale, wasted_tokens = [], 0, 0
@@ -189,7 +192,8 @@ class Learner:
             metrics.update(self._update(samples, [gi for gi, g in enumerate(kept) for _ in g], step))
         self.version += 1
         self.buffer.set_policy_version(self.version)
-        self.buffer.commit_step(step)
+        if commit:
+            self.buffer.commit_step(step)
         metrics["policy_version"] = self.version
         metrics["learner_seconds"] = time.time() - started
         return metrics

@@ -8,6 +8,9 @@ replays the AOF, so the buffer (partial trajectories included) survives a restar
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import signal
 import shutil
 import socket
 import subprocess
@@ -92,6 +95,7 @@ class LocalRedisServer:
         self.port = 0
         self._process: subprocess.Popen[bytes] | None = None
         self._finalizer: weakref.finalize | None = None
+        self._stop_leftover_server()
         self._start(start_timeout_s)
 
     @property
@@ -129,6 +133,7 @@ class LocalRedisServer:
             if error is None:
                 self.port = port
                 self._process = process
+                self._pid_file.write_text(json.dumps({"pid": process.pid, "port": port}))
                 self._finalizer = weakref.finalize(self, _terminate, process)
                 return
             _terminate(process)
@@ -136,6 +141,26 @@ class LocalRedisServer:
             if "Address already in use" not in last_error:
                 break
         raise RuntimeError(f"redis-server ({self.binary}) did not start in {self.data_dir}: {last_error}")
+
+    @property
+    def _pid_file(self) -> Path:
+        return self.data_dir / "server.json"
+
+    def _stop_leftover_server(self) -> None:
+        """A job killed with SIGKILL leaves its redis-server running on this data_dir; two servers
+        must never write one AOF. SIGTERM makes it flush the AOF and exit; then we take over."""
+        try:
+            info = json.loads(self._pid_file.read_text())
+            pid = int(info["pid"])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError, KeyError):
+            return
+        if b"redis-server" not in cmdline:
+            return  # the pid was reused by something else
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.05)
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes], port: int, timeout_s: float) -> str | None:
         """None once the server answers PING (after replaying its AOF), else why it did not."""
@@ -177,6 +202,7 @@ class LocalRedisServer:
                 _terminate(process)
         if self._finalizer is not None:
             self._finalizer.detach()
+        self._pid_file.unlink(missing_ok=True)
 
     def __enter__(self) -> "LocalRedisServer":
         return self

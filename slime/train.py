@@ -136,6 +136,9 @@ class RunningJob:
             self.start_step = 0
             if checkpoint is not None:
                 self.start_step = self._restore(checkpoint)
+            elif cfg.resume is not None:
+                self.buffer.requeue_uncommitted()  # no checkpoint yet: no step's update survived
+            self.last_committed_step = self.start_step - 1
             ray.get([w.health.remote() for w in self.workers] + [self.learner.publish_weights.remote()])
             if checkpoint is not None:
                 self.push_weights(self.start_step - 1)
@@ -278,7 +281,7 @@ class RunningJob:
 
         generated = self.buffer.stats().get("generated_tokens", 0.0) - self.tokens_at_step_start
         rollout_seconds = time.time() - self.step_started
-        ref = self.learner.train_step.remote(step, self.cfg.rollout.batch_size, max_staleness)
+        ref = self.learner.train_step.remote(step, self.cfg.rollout.batch_size, max_staleness, commit=False)
         while self.cfg.mode == "async" and not ray.wait([ref], timeout=0.05)[0]:
             self.schedule_groups()
         metrics = ray.get(ref)
@@ -362,6 +365,10 @@ class RunningJob:
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
         (path / "driver_state.json").write_text(json.dumps(state))
         (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+        # Groups become "trained" only once the weights that learned from them are on disk.
+        for s in range(self.last_committed_step + 1, step + 1):
+            self.buffer.commit_step(s)
+        self.last_committed_step = step
         return path
 
     def _find_checkpoint(self) -> Path | None:

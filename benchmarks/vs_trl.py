@@ -1,0 +1,275 @@
+"""Wall-clock time to a reward threshold: our GRPO job vs TRL's `GRPOTrainer`, side by side, CPU.
+
+Both sides start from the same weakly warm-started tiny Qwen3-MoE (`ensure_model_dir` with
+`model.warmstart.steps=100`), train on the same prompts (`envs.repeat.make_dataset(2000, seed=0)`,
+plain text, no chat template) with the same reward (`envs.repeat.reward`) and batch shape:
+
+    16 prompts x 8 samples = 128 completions per optimizer step, max 96 new tokens,
+    temperature 1.0, top_p 1, AdamW lr 1e-3 (constant), grad clip 1.0, no KL (beta=0),
+    clip 0.2 low / 0.28 high, token-mean loss over completion tokens of the whole batch,
+    group-std-normalised advantages, MoE router aux loss 0.001, no gradient checkpointing,
+    float32, no checkpoints, no external loggers.
+
+Our side: `RunningJob` + `sync_loop` from `slime.train` (exactly what `train(cfg)` runs for
+mode=sync) with default cluster settings (1 rollout worker + 1 learner Ray actor, 1 torch thread
+each), so the loop can be stopped at the threshold or the budget.
+TRL side: in-process, `torch.set_num_threads(2)`, default transformers `generate` path (no vLLM),
+per_device_train_batch_size=32 x gradient_accumulation_steps=4 (TRL counts completions, not
+prompts; the generation batch defaults to 32 x 4 = 128 = 16 prompts x num_generations 8, generated
+once per optimizer step).
+
+Clock: both sides start at their first training step. Excluded: building/warm-starting the model,
+imports, and framework start-up (ours: Redis, Ray, actors loading the model, first weight publish;
+TRL: dataset, config, trainer construction, and Trainer.train's set-up before `on_train_begin`).
+Each side stops when the 5-step moving average of the batch-mean reward reaches the threshold,
+or at the wall-clock budget.
+
+    python benchmarks/vs_trl.py [--threshold 0.42] [--budget-s 240] [--sides slime,trl]
+
+Prints a small table, then LAST one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS, SAMPLES, MAX_NEW, LR, WARMSTART_STEPS = 16, 8, 96, 1e-3, 100
+NUM_PROMPTS, DATA_SEED = 2000, 0
+
+
+def moving_average_crossing(times: list[float], rewards: list[float], window: int, threshold: float, budget: float):
+    """(seconds when the trailing `window`-step mean first reaches `threshold` within budget, last full-window mean)."""
+    crossed, last_ma = None, None
+    for i in range(window - 1, len(rewards)):
+        ma = sum(rewards[i - window + 1 : i + 1]) / window
+        last_ma = ma
+        if crossed is None and ma >= threshold and times[i] <= budget:
+            crossed = times[i]
+    return crossed, last_ma
+
+
+class _Stop(Exception):
+    pass
+
+
+def should_stop(times: list[float], rewards: list[float], args) -> bool:
+    if times and times[-1] >= args.budget_s:
+        return True
+    if args.full_budget:
+        return False
+    return moving_average_crossing(times, rewards, args.window, args.threshold, args.budget_s)[0] is not None
+
+
+def run_slime(args, out_dir: str) -> dict:
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from slime.config import load_config
+    from slime.train import RunningJob, sync_loop
+
+    cfg = load_config(
+        None,
+        [
+            f"model.warmstart.steps={WARMSTART_STEPS}",
+            f"rollout.batch_size={PROMPTS}",
+            f"rollout.n_samples_per_prompt={SAMPLES}",
+            f"rollout.max_new_tokens={MAX_NEW}",
+            f"learner.lr={LR}",
+            f"steps={args.max_steps}",
+            f"data.num_generated={NUM_PROMPTS}",
+            f"data.seed={DATA_SEED}",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.plot=false",
+            f"output_dir={out_dir}",
+        ],
+    )
+    t_start = time.time()
+    times: list[float] = []
+    rewards: list[float] = []
+    with RunningJob(cfg) as job:
+        startup = time.time() - t_start
+        original_end_step = job.end_step
+
+        def end_step(step: int, metrics: dict) -> None:
+            original_end_step(step, metrics)
+            last = job.logger.history[-1]
+            times.append(last["wall_seconds"])
+            rewards.append(last["reward_mean"])
+            if args.verbose:
+                print(f"  slime step {step:3d} t={times[-1]:6.1f}s reward={rewards[-1]:.3f}", flush=True)
+            if should_stop(times, rewards, args):
+                raise _Stop
+
+        job.end_step = end_step
+        try:
+            sync_loop(job)
+        except _Stop:
+            pass
+        history = job.logger.history
+    completions = sum(h.get("samples", PROMPTS * SAMPLES) for h in history)
+    return {"startup_s": startup, "times": times, "rewards": rewards, "completions": completions}
+
+
+def run_trl(args, model_dir: str, out_dir: str) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    t_start = time.time()
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from envs import repeat
+
+    def repeat_reward(prompts, completions, label, **kwargs) -> list[float]:
+        return [repeat.reward(p, c, lab) for p, c, lab in zip(prompts, completions, label)]
+
+    times: list[float] = []
+    rewards: list[float] = []
+
+    class Timer(TrainerCallback):
+        started = None
+
+        def on_train_begin(self, a, state, control, **kw):
+            self.started = time.time()
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if not logs or "reward" not in logs:
+                return control
+            times.append(time.time() - self.started)
+            rewards.append(float(logs["reward"]))
+            if args.verbose:
+                print(f"  trl   step {state.global_step:3d} t={times[-1]:6.1f}s reward={rewards[-1]:.3f}", flush=True)
+            if should_stop(times, rewards, args):
+                control.should_training_stop = True
+            return control
+
+    dataset = Dataset.from_list(repeat.make_dataset(NUM_PROMPTS, DATA_SEED))
+    config = GRPOConfig(
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        max_steps=args.max_steps,
+        # 128 completions per optimizer step: 32 per micro-batch x 4 accumulation steps, generated at once.
+        per_device_train_batch_size=32,
+        gradient_accumulation_steps=4,
+        num_generations=SAMPLES,
+        max_completion_length=MAX_NEW,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        num_iterations=1,
+        loss_type="dapo",  # token mean over the whole accumulated batch (= our token_mean)
+        scale_rewards="group",
+        router_aux_loss_coef=0.001,
+        gradient_checkpointing=False,
+        use_vllm=False,
+        dataloader_num_workers=0,
+    )
+    assert config.generation_batch_size == PROMPTS * SAMPLES and config.steps_per_generation == 4
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    timer = Timer()
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    trainer.train()
+    startup = timer.started - t_start
+    return {"startup_s": startup, "times": times, "rewards": rewards, "completions": PROMPTS * SAMPLES * len(times)}
+
+
+def summarize(name: str, res: dict, args) -> dict:
+    times, rewards = res["times"], res["rewards"]
+    crossed, last_ma = moving_average_crossing(times, rewards, args.window, args.threshold, args.budget_s)
+    elapsed = times[-1] if times else float("nan")
+    return {
+        f"{name}_seconds_to_threshold": None if crossed is None else round(crossed, 1),
+        f"{name}_steps": len(times),
+        f"{name}_train_seconds": round(elapsed, 1),
+        f"{name}_startup_seconds": round(res["startup_s"], 1),
+        f"{name}_seconds_per_step": round(elapsed / len(times), 2) if times else None,
+        f"{name}_completions_per_s": round(res["completions"] / elapsed, 2) if times else None,
+        f"{name}_first_reward": round(rewards[0], 3) if rewards else None,
+        f"{name}_final_reward_ma5": None if last_ma is None else round(last_ma, 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threshold", type=float, default=0.42, help="5-step moving-average reward to reach.")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="Training wall-clock cap per side.")
+    ap.add_argument("--window", type=int, default=5)
+    ap.add_argument("--max-steps", type=int, default=10000, help="Step cap (the budget normally ends a side first).")
+    ap.add_argument("--sides", default="slime,trl")
+    ap.add_argument("--full-budget", action="store_true", help="Keep training after the threshold until the budget.")
+    ap.add_argument("--verbose", action="store_true", help="Print every step.")
+    args = ap.parse_args()
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+
+    from slime.config import load_config
+    from slime.model import ensure_model_dir
+
+    t0 = time.time()
+    model_dir = str(ensure_model_dir(load_config(None, [f"model.warmstart.steps={WARMSTART_STEPS}"]).model))
+    print(f"model {model_dir} (ready in {time.time() - t0:.1f}s, excluded)", flush=True)
+
+    summary: dict = {"threshold_reward": args.threshold, "ma_window_steps": args.window, "budget_seconds": args.budget_s,
+                     "completions_per_step": PROMPTS * SAMPLES}
+    tmp = tempfile.mkdtemp(prefix="vs_trl-")
+    try:
+        for side in sides:
+            print(f"running {side} ...", flush=True)
+            if side == "slime":
+                res = run_slime(args, os.path.join(tmp, "slime"))
+            elif side == "trl":
+                res = run_trl(args, model_dir, os.path.join(tmp, "trl"))
+            else:
+                raise SystemExit(f"unknown side {side!r}")
+            summary.update(summarize(side, res, args))
+            summary[f"{side}_reward_per_step"] = [round(r, 3) for r in res["rewards"]]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    a, b = summary.get("slime_seconds_to_threshold"), summary.get("trl_seconds_to_threshold")
+    summary["trl_over_slime_time_ratio"] = round(b / a, 2) if a and b else None
+
+    print(f"\nthreshold: 5-step MA of batch-mean reward >= {args.threshold}, budget {args.budget_s:.0f}s per side")
+    cols = ["seconds_to_threshold", "steps", "seconds_per_step", "completions_per_s", "first_reward",
+            "final_reward_ma5", "startup_seconds"]
+    print(f"{'':22s}" + "".join(f"{s:>12s}" for s in sides))
+    for c in cols:
+        print(f"{c:22s}" + "".join(f"{str(summary.get(f'{s}_{c}')):>12s}" for s in sides))
+    print(f"{'trl/slime time ratio':22s}{str(summary['trl_over_slime_time_ratio']):>12s}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
