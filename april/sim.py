@@ -1,11 +1,12 @@
 """Rollout simulator for capacity planning: sync vs APRIL vs one-step async vs bounded-staleness async.
 
 A discrete-event model of E continuous-batching engines (S slots, a KV budget of K tokens each)
-and one learner. Every engine runs decode steps of `t0 + k * batch` seconds in which each running
-request emits one token; a step that admits requests also pays `p * prefix_tokens` of prefill.
-Between two events nothing changes the batch, so an engine runs a whole run of identical steps
-as one event ("macro step") and is cut back to the next step boundary when something happens
-(a request arrives while slots are free, an abort, a weight-sync pause). The clock is exact.
+and one learner. Every engine runs decode steps of `t0 + k * batch (+ t_kv * cached_tokens)`
+seconds in which each running request emits one token; a step that admits requests also pays
+`p * prefix_tokens` of prefill. Between two events nothing changes the batch, so an engine runs a
+whole run of steps as one event ("macro step") and is cut back to the next step boundary when
+something happens (a request arrives while slots are free, an abort, a weight-sync pause).
+No time is discretised: every step boundary is where the model puts it.
 
 Policies (same seed => the same groups with the same lengths, in the same order):
   sync            B groups, wait for every response, train, sync weights.
@@ -39,7 +40,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from slime.config import ConfigError, JobConfig, load_config, parse_override
 
-Policy = Literal["sync", "april", "april_drop", "one_step_async", "async_bounded"]
 POLICIES: tuple[str, ...] = ("sync", "april", "april_drop", "one_step_async", "async_bounded")
 
 
@@ -52,7 +52,7 @@ class SimConfig(BaseModel):
     engines: int = Field(8, gt=0, description="Rollout engines (one per GPU / rollout worker).")
     slots: int = Field(64, gt=0, description="Max concurrent requests per engine (max_running_requests).")
     kv_tokens: int = Field(
-        400_000, gt=0, description="KV budget K per engine, tokens (prompt + generated) of running requests."
+        350_000, gt=0, description="KV budget K per engine, tokens (prompt + generated) of running requests."
     )
     # workload
     batch_size: int = Field(64, gt=0, description="B: prompt groups per training step.")
@@ -66,13 +66,16 @@ class SimConfig(BaseModel):
         None, description="Empirical response lengths, sampled with replacement (replaces the log-normal)."
     )
     # engine timing (seconds)
-    t0: float = Field(0.008, ge=0, description="Decode step time at batch 0 (weights read, launch overhead).")
-    k: float = Field(0.0002, ge=0, description="Decode step time per running request.")
-    p: float = Field(4e-5, ge=0, description="Prefill time per prefix token of an admitted request.")
+    t0: float = Field(0.006, ge=0, description="Decode step time at batch 0 (weights read, launch overhead).")
+    k: float = Field(5e-5, ge=0, description="Decode step time per running request (MLP, sampling).")
+    t_kv: float = Field(
+        5e-8, ge=0, description="Decode step time per cached KV token of the running requests (attention reads)."
+    )
+    p: float = Field(2e-5, ge=0, description="Prefill time per prefix token of an admitted request.")
     # learner timing (seconds)
     t_sync: float = Field(5.0, ge=0, description="Weight sync (learner -> engines) per step.")
-    t_train0: float = Field(5.0, ge=0, description="Fixed cost of a training step.")
-    t_train_per_token: float = Field(1.2e-5, ge=0, description="Training cost per (prompt + response) token.")
+    t_train0: float = Field(10.0, ge=0, description="Fixed cost of a training step.")
+    t_train_per_token: float = Field(2e-5, ge=0, description="Training cost per (prompt + response) token.")
     # run
     steps: int = Field(20, gt=0, description="Training steps simulated per policy.")
     oversample: float = Field(2.0, ge=1.0, description="APRIL default over-provisioning ratio.")
@@ -98,15 +101,23 @@ class SimConfig(BaseModel):
 
 
 PRESETS: dict[str, SimConfig] = {
-    # The APRIL paper's setting: 8 engines x 64 slots, 16k cap, 2x over-provisioning, a long-tailed
-    # reasoning workload (median 2k, mean ~2.7k, tail to the cap). One H100-class GPU per engine
-    # serving a ~4B model: weights read + launches ~8 ms/step, ~0.2 ms per running request at
-    # ~3k context, prefill ~25k tok/s, ~400k KV tokens. Colocated training ~80k tok/s on 8 GPUs.
+    # The APRIL paper's setting: 8 engines x 64 slots, 16k cap, 2x over-provisioning, B*n = 512 =
+    # the slots, a long-tailed reasoning workload (median 2k, mean ~2.75k, 0.3% at the cap).
+    # One H100 per engine serving a ~4B model (Qwen3-4B-like: 8 GB bf16 weights, 36 layers x 8 KV
+    # heads x 128 dims = 147 KB of KV per token, ~3 TB/s HBM, ~1 PFLOP/s bf16):
+    #   t0   = 6 ms      weights read (8 GB / 3 TB/s = 2.7 ms) + launch, sampling, scheduler
+    #   k    = 50 us     per request: MLP/projection FLOPs (8 GFLOP at ~50% MFU) + bookkeeping
+    #   t_kv = 50 ns     per cached token per step: its 147 KB of KV read at ~3 TB/s
+    #   p    = 20 us     per prefilled token: 8 GFLOP at ~50% MFU, plus attention
+    #   K    = 350k      tokens of KV pool (~52 GB after weights and activations)
+    # Colocated training on the same 8 GPUs: ~58 GFLOP per token (old/ref log-prob forwards,
+    # forward, backward, recompute) at 40% MFU -> ~50k tok/s -> 2e-5 s/token, 10 s fixed
+    # (offload/onload, optimizer), 5 s weight sync.
     "paper": SimConfig(),
     # This machine's CPU engine with the tiny MoE on the example (repeat) task; to be calibrated.
     "cpu_tiny": SimConfig(
         engines=1, slots=64, kv_tokens=64 * 512, batch_size=8, n_samples=4, prompt_tokens=6, max_tokens=96,
-        median_tokens=6.0, sigma_prompt=0.9, sigma_sample=0.75, t0=0.006, k=0.0003, p=2e-5,
+        median_tokens=6.0, sigma_prompt=0.9, sigma_sample=0.75, t0=0.006, k=0.0003, t_kv=0.0, p=2e-5,
         t_sync=0.05, t_train0=0.3, t_train_per_token=2e-4, steps=30,
     ),
 }
@@ -160,7 +171,6 @@ class Request:
 @dataclass(eq=False)
 class Group:
     gid: int
-    start_version: int
     requests: list[Request] = field(default_factory=list)
     n_done: int = 0
     state: Literal["open", "trained", "dropped"] = "open"
@@ -180,8 +190,10 @@ class Group:
 class Engine:
     """Continuous batching: a FIFO waiting queue, a running list, a KV budget, preemption.
 
-    The current "macro step" is `n` identical decode steps of `dt` seconds from `start` (plus
-    `extra` seconds of prefill when requests were admitted; such a step is never merged).
+    Step time: t0 + k*batch + t_kv*kv (kv = cached tokens the step's attention reads), plus
+    p*prefix for the requests admitted in that step. The current "macro step" is `n` decode
+    steps with the same batch from `start`: step j lasts `a + g*j` (g = t_kv*batch, the KV
+    growth), after `extra` seconds of prefill (a step that admits requests is never merged).
     `epoch` changes whenever the macro step is replaced, so a stale end-event is ignored.
     """
 
@@ -194,7 +206,7 @@ class Engine:
         self.hold = False  # set by the controller: finish the current step, then stop
         self.busy = False
         self.epoch = 0
-        self.start = self.dt = self.extra = 0.0
+        self.start = self.a = self.g = self.extra = 0.0
         self.n = 0
         # statistics
         self.step_time = 0.0  # seconds spent stepping
@@ -207,9 +219,29 @@ class Engine:
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    def elapsed(self, m: int) -> float:
+        """Seconds from `start` to the end of the macro step's m-th step."""
+        return self.extra + m * self.a + self.g * m * (m - 1) / 2
+
     @property
     def end(self) -> float:
-        return self.start + self.extra + self.n * self.dt
+        return self.start + self.elapsed(self.n)
+
+    def steps_done(self, now: float) -> int:
+        """Steps of the macro step completed by `now` (the largest m with start + elapsed(m) <= now)."""
+        rel = now - self.start - self.extra + 1e-9
+        if rel <= 0:
+            return 0
+        if self.g == 0:
+            m = int(rel / self.a)
+        else:  # g/2 m^2 + (a - g/2) m = rel
+            h = self.a - self.g / 2
+            m = int((-h + math.sqrt(h * h + 2 * self.g * rel)) / self.g)
+        while m > 0 and self.elapsed(m) - self.extra > rel:
+            m -= 1
+        while m < self.n and self.elapsed(m + 1) - self.extra <= rel:
+            m += 1
+        return min(m, self.n)
 
     def plan(self, now: float) -> float | None:
         """Admit from the queue, preempt if the KV budget overflows, pick the macro step; its end."""
@@ -232,7 +264,8 @@ class Engine:
             self.busy = False
             return None
         b = len(self.running)
-        self.dt = c.t0 + c.k * b
+        self.a = c.t0 + c.k * b + c.t_kv * self.kv
+        self.g = c.t_kv * b
         if prefill:
             self.n, self.extra = 1, c.p * prefill
             self.prefill_tokens += prefill
@@ -254,19 +287,21 @@ class Engine:
         self.epoch += 1  # the caller schedules the (possibly unchanged) end again
         if self.extra > 0:
             return self.end  # a prefill step is one step: it always completes
-        begun = math.ceil((now - self.start) / self.dt - 1e-9)
-        if begun <= 0:
+        m = self.steps_done(now)
+        if m < self.n and self.start + self.elapsed(m) < now - 1e-9:
+            m += 1  # the step in progress completes
+        if m == 0:
             self.busy = False
             return None
-        self.n = min(self.n, begun)
+        self.n = m
         return self.end
 
     def finish(self) -> list[Request]:
         """Apply the macro step's tokens; return the requests that reached their length."""
-        b, n = len(self.running), self.n
+        n = self.n
         for r in self.running:
             r.add(n, self.version)
-        self._account(n, self.extra + n * self.dt)
+        self._account(n, self.elapsed(n))
         done = [r for r in self.running if r.remaining == 0]
         if done:
             self.running = [r for r in self.running if r.remaining > 0]
@@ -278,10 +313,9 @@ class Engine:
         """End of the simulation: keep only the steps completed by `now` (tokens stay in requests)."""
         if not self.busy:
             return
-        steps = 0 if now < self.start + self.extra else int((now - self.start - self.extra) / self.dt + 1e-9)
-        steps = min(steps, self.n)
-        for r in self.running:
-            if steps:
+        steps = self.steps_done(now)
+        if steps:
+            for r in self.running:
                 r.add(steps, self.version)
         self._account(steps, min(now, self.end) - self.start)
         self.busy = False
@@ -431,7 +465,7 @@ class Simulation:
 
     # ---- work
     def new_group(self) -> Group:
-        g = Group(gid=len(self.groups), start_version=self.version)
+        g = Group(gid=len(self.groups))
         g.requests = [Request(g, self.cfg.prompt_tokens, n) for n in self.sampler.group()]
         self.groups.append(g)
         return g
@@ -741,13 +775,13 @@ def headline(results: list[SimResult]) -> dict[str, float]:
 def format_table(results: list[SimResult]) -> str:
     base = next((r.throughput for r in results if r.policy == "sync"), results[0].throughput)
     head = (
-        f"{'policy':<18} {'tok/s':>9} {'vs sync':>8} {'step s':>8} {'engine busy':>11} "
+        f"{'policy':<18} {'tok/s':>9} {'vs sync':>8} {'trained/s':>9} {'step s':>8} {'engine busy':>11} "
         f"{'off-policy':>10} {'max span':>8} {'wasted tok':>10}"
     )
     rows = [head, "-" * len(head)]
     for r in results:
         rows.append(
-            f"{r.policy:<18} {r.throughput:>9.0f} {r.throughput / base:>7.2f}x {r.step_s:>8.2f} "
+            f"{r.policy:<18} {r.throughput:>9.0f} {r.throughput / base:>7.2f}x {r.trained_throughput:>9.0f} {r.step_s:>8.2f} "
             f"{100 * r.engine_busy:>10.1f}% {100 * r.off_policy_share:>9.1f}% {r.max_span:>8d} {r.wasted_tokens:>10d}"
         )
     return "\n".join(rows)
@@ -764,11 +798,13 @@ def plot(results: list[SimResult], path: str | Path) -> Path:
     names = [r.policy for r in results]
     x = np.arange(len(results))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    ax1.bar(x, [r.throughput / base for r in results], color="tab:blue")
+    bars = ax1.bar(x, [r.throughput / base for r in results], color="tab:blue")
+    ax1.bar_label(bars, fmt="%.2f", fontsize=8)
     ax1.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax1.set_title("rollout throughput vs sync")
     ax1.set_ylabel("ratio")
-    ax2.bar(x, [100 * r.off_policy_share for r in results], color="tab:orange")
+    bars = ax2.bar(x, [100 * r.off_policy_share for r in results], color="tab:orange")
+    ax2.bar_label(bars, fmt="%.0f%%", fontsize=8)
     ax2.set_title("off-policy token share")
     ax2.set_ylabel("% of trained tokens")
     for ax in (ax1, ax2):
@@ -796,7 +832,8 @@ def sim_config_from_job(job: JobConfig, overrides: dict[str, Any] | None = None)
         seed=job.seed,
     )
     if job.rollout.device == "cpu":  # the CPU engine has no KV pool to exhaust: room for every slot
-        base["kv_tokens"] = max(base["kv_tokens"], r.max_running_requests * (base["prompt_tokens"] + r.max_new_tokens))
+        per_request = base["prompt_tokens"] + r.max_new_tokens
+        base["kv_tokens"] = max(base["kv_tokens"], r.max_running_requests * per_request)
     base.update(overrides or {})
     return _validate(base)
 
@@ -889,8 +926,8 @@ def main_simulate(args: list[str]) -> int:
     results = compare(cfg)
     print(
         f"{cfg.engines} engines x {cfg.slots} slots, B={cfg.batch_size} groups x {cfg.n_samples}, "
-        f"max {cfg.max_tokens} tokens, {cfg.steps} steps, t0={cfg.t0 * 1e3:g} ms k={cfg.k * 1e3:g} ms/req "
-        f"p={cfg.p * 1e6:g} us/token"
+        f"max {cfg.max_tokens} tokens, {cfg.steps} steps; t0={cfg.t0 * 1e3:g} ms, k={cfg.k * 1e3:g} ms/request, "
+        f"t_kv={cfg.t_kv * 1e9:g} ns/KV token, p={cfg.p * 1e6:g} us/prefill token"
     )
     print(format_table(results))
     print(f"plot: {plot(results, out)}")

@@ -121,7 +121,7 @@ def run_slime(args, out_dir: str) -> dict:
 def run_trl(args, model_dir: str, out_dir: str) -> dict:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.trl_threads)
     t_start = time.time()
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -229,6 +229,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--max-steps", type=int, default=10000, help="Step cap (the budget normally ends a side first).")
     ap.add_argument("--sides", default="slime,trl")
+    ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the in-process TRL trainer.")
     ap.add_argument("--full-budget", action="store_true", help="Keep training after the threshold until the budget.")
     ap.add_argument("--verbose", action="store_true", help="Print every step.")
     args = ap.parse_args()

@@ -37,7 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("args", nargs="*", help="[CONFIG.yaml] then key.path=value overrides")
     p_show = sub.add_parser("config", help="print the resolved config")
     p_show.add_argument("args", nargs="*")
+    p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim.py)")
+    p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
     ns = parser.parse_args(argv)
+
+    if ns.command == "simulate":
+        from april.sim import main_simulate
+
+        return main_simulate(ns.args)
 
     config_path, overrides = _split_args(ns.args)
     try:

@@ -96,14 +96,22 @@ class SharedMemoryTransport:
         metas, sizes = plan_buckets(named, self.bucket_bytes)
         if [s.size for s in self._owned] != sizes:
             self._release_owned()
-            self._owned = [
-                shared_memory.SharedMemory(name=f"{self.prefix}_w{i}", create=True, size=size)
-                for i, size in enumerate(sizes)
-            ]
+            self._owned = [self._create(f"{self.prefix}_w{i}", size) for i, size in enumerate(sizes)]
         buffers = [torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size) for seg in self._owned]
         _pack(named, metas, buffers)
         del buffers  # a live view would keep the segment's buffer exported and block close()
         return WeightHandle(version, self.name, metas, [seg.name for seg in self._owned])
+
+    @staticmethod
+    def _create(name: str, size: int) -> shared_memory.SharedMemory:
+        try:
+            return shared_memory.SharedMemory(name=name, create=True, size=size)
+        except FileExistsError:
+            # Left behind by a run of this job that was killed (SIGKILL) before it could unlink it.
+            stale = shared_memory.SharedMemory(name=name, create=False)
+            stale.close()
+            stale.unlink()
+            return shared_memory.SharedMemory(name=name, create=True, size=size)
 
     def receive(self, handle: WeightHandle) -> Iterator[tuple[str, torch.Tensor]]:
         buffers = []

@@ -1,0 +1,185 @@
+"""The rollout simulator (april/sim.py): exact small cases, the APRIL mechanism, accounting, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from april.sim import (
+    PRESETS,
+    Engine,
+    Group,
+    LengthSampler,
+    Request,
+    SimConfig,
+    compare,
+    main_simulate,
+    plot,
+    sim_config_from_job,
+    simulate,
+)
+from slime.config import load_config
+
+# A small cluster: 2 engines x 16 slots, B*n = 32 requests (= the slots), GPU-like step costs.
+SMALL = dict(
+    engines=2, slots=16, kv_tokens=100_000, batch_size=8, n_samples=4, prompt_tokens=32, max_tokens=1024,
+    median_tokens=128.0, sigma_prompt=0.6, sigma_sample=0.5, t0=0.006, k=5e-5, t_kv=0.0, p=2e-5,
+    t_sync=0.5, t_train0=0.5, t_train_per_token=2e-5, steps=12,
+)
+
+
+def small(**overrides) -> SimConfig:
+    return SimConfig(**{**SMALL, **overrides})
+
+
+def test_hand_checked_single_slot():
+    # 1 engine, 1 slot, one sample of L tokens: L decode steps of t0 = 1 s (k = 0, no prefill cost),
+    # then training t_train0 + t_train_per_token * (prompt + L), then the weight sync.
+    L, prompt, t_train0, per_token, t_sync = 10, 4, 3.0, 0.5, 2.0
+    cfg = SimConfig(
+        engines=1, slots=1, kv_tokens=100, batch_size=1, n_samples=1, prompt_tokens=prompt, max_tokens=50,
+        lengths=[L], t0=1.0, k=0.0, t_kv=0.0, p=0.0, t_sync=t_sync, t_train0=t_train0,
+        t_train_per_token=per_token, steps=3,
+    )
+    r = simulate("sync", cfg)
+    t_train = t_train0 + per_token * (prompt + L)  # 3 + 7 = 10 s
+    step = L * 1.0 + t_train + t_sync  # 10 + 10 + 2 = 22 s
+    assert r.step_times == pytest.approx([step] * 3)
+    assert r.throughput == pytest.approx(L / step)  # 10 / 22 tok/s
+    assert r.engine_stepping == pytest.approx(L / step)
+    assert r.engine_busy == pytest.approx(L / step)
+    assert r.learner_busy == pytest.approx(t_train / step)
+    assert r.generated_tokens == r.trained_tokens == 3 * L
+
+
+def test_deterministic_with_seed():
+    cfg = small(steps=5)
+    assert simulate("april", cfg, seed=3) == simulate("april", cfg, seed=3)
+    assert simulate("sync", cfg, seed=3) != simulate("sync", cfg, seed=4)
+
+
+def test_no_tail_april_equals_sync():
+    cfg = small(lengths=[300])
+    sync, april = simulate("sync", cfg), simulate("april", cfg, oversample=2.0)
+    assert abs(april.throughput / sync.throughput - 1) < 0.05
+    assert april.off_policy_share < 0.02  # only requests admitted a step late get cut off
+
+
+def test_long_tail_april_beats_sync_and_wastes_nothing():
+    cfg = small()
+    sync = simulate("sync", cfg)
+    april = simulate("april", cfg, oversample=2.0)
+    assert april.throughput > 1.15 * sync.throughput
+    assert april.step_s < sync.step_s
+    assert april.engine_busy > sync.engine_busy
+    # every generated token is trained or still held (partials, complete-but-untrained groups)
+    assert april.wasted_tokens == 0
+    assert april.generated_tokens == april.trained_tokens + april.held_tokens
+    assert april.partials > 0 and april.held_tokens > 0
+    assert april.off_policy_share > 0
+    # without recycling, over-provisioning throws work away
+    drop = simulate("april_drop", cfg, oversample=2.0)
+    assert drop.wasted_tokens > 0
+    assert drop.generated_tokens == drop.trained_tokens + drop.wasted_tokens + drop.held_tokens
+
+
+def test_version_accounting_per_policy():
+    cfg = small(steps=8)
+    sync = simulate("sync", cfg)
+    assert sync.off_policy_share == 0.0 and sync.max_span == 0 and sync.wasted_tokens == 0
+    assert set(sync.span_histogram) == {0}
+    one = simulate("one_step_async", cfg)
+    assert one.max_span == 1 and one.wasted_tokens == 0
+    assert one.span_histogram[0] == cfg.batch_size * cfg.n_samples  # only the first batch is on-policy
+    for s in (1, 2):
+        bounded = simulate("async_bounded", cfg, max_staleness=s)
+        assert bounded.max_span <= s
+        assert bounded.wasted_tokens == 0
+        assert bounded.generated_tokens == bounded.trained_tokens + bounded.held_tokens
+    # every trained sample appears once in the histogram
+    assert sum(sync.span_histogram.values()) == cfg.steps * cfg.batch_size * cfg.n_samples
+
+
+def test_preemption_when_kv_is_small_costs_throughput():
+    roomy = simulate("sync", small(kv_tokens=100_000))
+    tight = simulate("sync", small(kv_tokens=1_500))
+    assert roomy.preemptions == 0
+    assert tight.preemptions > 0
+    assert tight.prefill_tokens > roomy.prefill_tokens  # preempted requests re-prefill their prefix
+    assert tight.throughput < roomy.throughput
+    assert tight.trained_tokens == roomy.trained_tokens  # same work, just slower
+
+
+def test_empirical_lengths_are_used_as_given():
+    cfg = small(lengths=[3, 7, 5000], max_tokens=1024)
+    sampler = LengthSampler(cfg, seed=0)
+    drawn = [n for _ in range(200) for n in sampler.group()]
+    assert set(drawn) == {3, 7, 1024}  # sampled with replacement, capped at max_tokens
+    one_length = simulate("sync", small(lengths=[40], steps=3))
+    assert one_length.trained_tokens == 3 * 8 * 4 * 40
+
+
+def test_engine_step_boundaries_with_kv_term():
+    cfg = small(t_kv=1e-4)
+    e = Engine(cfg)
+    g = Group(0)
+    e.running = [Request(g, 10, 50), Request(g, 10, 80)]
+    e.kv = 20
+    end = e.plan(0.0)
+    assert e.n == 50 and e.extra == 0
+    # brute force: step j lasts t0 + k*b + t_kv*(kv + j*b)
+    t, ends = 0.0, []
+    for j in range(50):
+        t += cfg.t0 + cfg.k * 2 + cfg.t_kv * (20 + 2 * j)
+        ends.append(t)
+    assert end == pytest.approx(ends[-1])
+    for j in (0, 9, 30):
+        assert e.steps_done(ends[j]) == j + 1
+        assert e.steps_done(ends[j] - 1e-6) == j
+    mid = (ends[9] + ends[10]) / 2
+    assert e.cut(mid) == pytest.approx(ends[10])  # finishes the step in progress
+    assert e.n == 11
+
+
+def test_compare_and_plot(tmp_path):
+    results = compare(small(steps=4))
+    names = [r.policy for r in results]
+    assert names == [
+        "sync", "april_x1.5", "april_x2", "april_x3", "one_step_async", "async_bounded_s1", "async_bounded_s2",
+    ]
+    out = plot(results, tmp_path / "sim.png")
+    assert out.stat().st_size > 1000
+
+
+def test_sim_config_from_job():
+    job = load_config(None, [
+        "rollout.batch_size=16", "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=64",
+        "rollout.num_workers=2", "rollout.max_running_requests=32", "april.oversample=3",
+    ])
+    cfg = sim_config_from_job(job, {"steps": 5})
+    assert (cfg.batch_size, cfg.n_samples, cfg.max_tokens, cfg.engines, cfg.slots) == (16, 8, 64, 2, 32)
+    assert cfg.oversample == 3.0 and cfg.steps == 5
+    assert cfg.t0 == PRESETS["cpu_tiny"].t0  # a CPU job gets the CPU engine's timings
+
+
+def test_cli_sim_yaml_and_job_yaml(tmp_path, capsys):
+    sim_yaml = tmp_path / "sim.yaml"
+    sim_yaml.write_text(yaml.safe_dump({"sim": {"preset": "cpu_tiny", "steps": 4}}))
+    assert main_simulate([str(sim_yaml), "batch_size=4", f"out={tmp_path / 'a.png'}"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    ratios = json.loads(lines[-1])
+    assert set(ratios) == {"april_x1.5", "april_x2", "april_x3", "one_step_async", "async_bounded_s1",
+                           "async_bounded_s2"}
+    assert (tmp_path / "a.png").exists()
+    assert any(line.startswith("sync") for line in lines)
+
+    job_yaml = Path(__file__).resolve().parents[1] / "examples" / "repeat_grpo.yaml"
+    assert main_simulate([str(job_yaml), "rollout.batch_size=4", "sim.steps=3", f"out={tmp_path / 'b.png'}"]) == 0
+    json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    assert main_simulate(["cpu_tiny", "no_such_field=1"]) == 2
+    assert "no_such_field" in capsys.readouterr().err
+    assert main_simulate(["not_a_preset"]) == 2
