@@ -86,7 +86,10 @@ class SharedMemoryTransport:
     name = "shm"
 
     def __init__(self, prefix: str, bucket_mb: float = 64.0):
-        self.prefix = prefix
+        # The publisher's pid in the name: two live jobs never share a segment, and a segment whose
+        # publisher died (SIGKILL) can be recognised and freed.
+        self.prefix = f"{prefix}_{os.getpid()}"
+        self.job_prefix = prefix
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._owned: list[shared_memory.SharedMemory] = []
         self._attached: dict[str, mmap.mmap] = {}
@@ -102,16 +105,19 @@ class SharedMemoryTransport:
         del buffers  # a live view would keep the segment's buffer exported and block close()
         return WeightHandle(version, self.name, metas, [seg.name for seg in self._owned])
 
-    @staticmethod
-    def _create(name: str, size: int) -> shared_memory.SharedMemory:
-        try:
-            return shared_memory.SharedMemory(name=name, create=True, size=size)
-        except FileExistsError:
-            # Left behind by a run of this job that was killed (SIGKILL) before it could unlink it.
-            stale = shared_memory.SharedMemory(name=name, create=False)
-            stale.close()
-            stale.unlink()
-            return shared_memory.SharedMemory(name=name, create=True, size=size)
+    def _create(self, name: str, size: int) -> shared_memory.SharedMemory:
+        self._free_orphans()
+        return shared_memory.SharedMemory(name=name, create=True, size=size)
+
+    def _free_orphans(self) -> None:
+        """Unlink this job's segments whose publisher process is gone (a run killed by SIGKILL)."""
+        shm_dir = Path("/dev/shm")
+        if not shm_dir.is_dir():
+            return
+        for path in shm_dir.glob(f"{self.job_prefix}_*_w*"):
+            pid_text = path.name[len(self.job_prefix) + 1 :].split("_w")[0]
+            if pid_text.isdigit() and not Path(f"/proc/{pid_text}").exists():
+                path.unlink(missing_ok=True)
 
     def receive(self, handle: WeightHandle) -> Iterator[tuple[str, torch.Tensor]]:
         buffers = []
