@@ -13,10 +13,16 @@ plain text, no chat template) with the same reward (`envs.repeat.reward`) and ba
 Our side: `RunningJob` + `sync_loop` from `slime.train` (exactly what `train(cfg)` runs for
 mode=sync) with default cluster settings (1 rollout worker + 1 learner Ray actor, 1 torch thread
 each), so the loop can be stopped at the threshold or the budget.
-TRL side: in-process, `torch.set_num_threads(2)`, default transformers `generate` path (no vLLM),
+TRL side: in-process, `torch.set_num_threads(--trl-threads)`, default transformers `generate` path (no vLLM),
 per_device_train_batch_size=32 x gradient_accumulation_steps=4 (TRL counts completions, not
 prompts; the generation batch defaults to 32 x 4 = 128 = 16 prompts x num_generations 8, generated
 once per optimizer step).
+
+Threads: our two actors use 1 torch thread each and, in sync mode, mostly take turns, so about one
+core computes at a time; TRL gets 1 thread by default for the same reason. `--trl-threads 2` is
+allowed, but on a 2-core box that also runs anything else, 2 intra-op threads for this tiny model
+are many times slower than 1 (HF generate of 128 x 48 tokens: ~0.5 s with 1 thread, 1-10 s with 2),
+so that setting measures CPU contention rather than TRL.
 
 Clock: both sides start at their first training step. Excluded: building/warm-starting the model,
 imports, and framework start-up (ours: Redis, Ray, actors loading the model, first weight publish;
@@ -24,7 +30,7 @@ TRL: dataset, config, trainer construction, and Trainer.train's set-up before `o
 Each side stops when the 5-step moving average of the batch-mean reward reaches the threshold,
 or at the wall-clock budget.
 
-    python benchmarks/vs_trl.py [--threshold 0.42] [--budget-s 240] [--sides slime,trl]
+    python benchmarks/vs_trl.py [--threshold 0.45] [--budget-s 240] [--sides slime,trl] [--trl-threads 1]
 
 Prints a small table, then LAST one JSON line.
 """
@@ -115,7 +121,8 @@ def run_slime(args, out_dir: str) -> dict:
             pass
         history = job.logger.history
     completions = sum(h.get("samples", PROMPTS * SAMPLES) for h in history)
-    return {"startup_s": startup, "times": times, "rewards": rewards, "completions": completions}
+    return {"startup_s": startup, "times": times, "rewards": rewards, "completions": completions,
+            "threads": cfg.cluster.torch_threads}
 
 
 def run_trl(args, model_dir: str, out_dir: str) -> dict:
@@ -124,7 +131,7 @@ def run_trl(args, model_dir: str, out_dir: str) -> dict:
     torch.set_num_threads(args.trl_threads)
     t_start = time.time()
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from envs import repeat
@@ -201,6 +208,7 @@ def run_trl(args, model_dir: str, out_dir: str) -> dict:
         processing_class=tokenizer,
         callbacks=[timer],
     )
+    trainer.remove_callback(PrinterCallback)  # the per-step log dicts; --verbose prints a short line instead
     trainer.train()
     startup = timer.started - t_start
     return {"startup_s": startup, "times": times, "rewards": rewards, "completions": PROMPTS * SAMPLES * len(times)}
@@ -224,12 +232,12 @@ def summarize(name: str, res: dict, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threshold", type=float, default=0.42, help="5-step moving-average reward to reach.")
+    ap.add_argument("--threshold", type=float, default=0.45, help="5-step moving-average reward to reach.")
     ap.add_argument("--budget-s", type=float, default=240.0, help="Training wall-clock cap per side.")
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--max-steps", type=int, default=10000, help="Step cap (the budget normally ends a side first).")
     ap.add_argument("--sides", default="slime,trl")
-    ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the in-process TRL trainer.")
+    ap.add_argument("--trl-threads", type=int, default=1, help="torch threads of the in-process TRL trainer.")
     ap.add_argument("--full-budget", action="store_true", help="Keep training after the threshold until the budget.")
     ap.add_argument("--verbose", action="store_true", help="Print every step.")
     args = ap.parse_args()
@@ -243,7 +251,7 @@ def main() -> None:
     print(f"model {model_dir} (ready in {time.time() - t0:.1f}s, excluded)", flush=True)
 
     summary: dict = {"threshold_reward": args.threshold, "ma_window_steps": args.window, "budget_seconds": args.budget_s,
-                     "completions_per_step": PROMPTS * SAMPLES}
+                     "completions_per_step": PROMPTS * SAMPLES, "trl_torch_threads": args.trl_threads}
     tmp = tempfile.mkdtemp(prefix="vs_trl-")
     try:
         for side in sides:
@@ -255,6 +263,8 @@ def main() -> None:
             else:
                 raise SystemExit(f"unknown side {side!r}")
             summary.update(summarize(side, res, args))
+            if side == "slime":
+                summary["slime_torch_threads_per_actor"] = res["threads"]
             summary[f"{side}_reward_per_step"] = [round(r, 3) for r in res["rewards"]]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -336,6 +336,54 @@ end
 return n
 """
 
+# ARGV: prefix, chunk_tokens, max_segments, dry ('1': only count). Streaming (GLM-5 variant):
+# a segment is every untrained token of a sample once there are >= chunk of them, or once the
+# sample is final. A final sample whose tokens were all trained already yields its last token
+# again (start = end - 1), so its reward still reaches the learner.
+_CLAIM_SEGMENTS = """
+local chunk, max_segments, dry = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1'
+local set = P .. 'stream:untrained'
+local out, count = {}, 0
+for _, sid in ipairs(redis.call('SMEMBERS', set)) do
+  if count >= max_segments then break end
+  local skey = P .. 'sample:' .. sid
+  local status = redis.call('HGET', skey, 'status')
+  if not status then
+    redis.call('SREM', set, sid)
+  else
+    local len = redis.call('STRLEN', skey .. ':mask')
+    local upto = tonumber(redis.call('HGET', skey, 'trained_upto') or '0')
+    local final = status == 'completed' or status == 'truncated' or status == 'failed'
+    if len - upto >= chunk or (final and len > 0) then
+      count = count + 1
+      if not dry then
+        local start = upto
+        if final and start >= len then start = len - 1 end
+        redis.call('HSET', skey, 'trained_upto', len)
+        if final then
+          redis.call('SREM', set, sid)
+          local gid = redis.call('HGET', skey, 'group_id')
+          local gkey = P .. 'group:' .. gid
+          if redis.call('HINCRBY', gkey, 'trained_members', 1) >= tonumber(redis.call('HGET', gkey, 'n')) then
+            redis.call('LREM', P .. 'queue:ready', 0, gid)
+            redis.call('HSET', gkey, 'status', 'trained')
+            redis.call('ZADD', P .. 'trained', fmt(now()), gid)
+          end
+        end
+        out[#out + 1] = sid
+        out[#out + 1] = tostring(start)
+        out[#out + 1] = tostring(len)
+        out[#out + 1] = final and '1' or '0'
+      end
+    elseif final then
+      redis.call('SREM', set, sid)  -- final with no tokens at all: nothing to train
+    end
+  end
+end
+if dry then return count end
+return out
+"""
+
 
 def _float_text(value: float) -> str:
     return repr(float(value))
@@ -368,6 +416,7 @@ class RedisBuffer:
         self._drop_ready = self.redis.register_script(_PRELUDE + _DROP_READY)
         self._restart = self.redis.register_script(_PRELUDE + _RESTART)
         self._requeue_leased = self.redis.register_script(_PRELUDE + _REQUEUE_LEASED)
+        self._claim_segments = self.redis.register_script(_PRELUDE + _CLAIM_SEGMENTS)
 
     # Ray actors and worker processes get their own connection from the same (url, job).
     def __reduce__(self) -> tuple[type, tuple[str, str, float]]:
@@ -532,6 +581,29 @@ class RedisBuffer:
         """Every RUNNING sample back to the resume queue, tokens kept: for a job restarted after its
         workers died, without waiting for their leases to expire."""
         return int(self._requeue_leased(args=[self.prefix]))
+
+    def track_streaming(self, group_id: str) -> None:
+        """Streaming mode: the group's samples are trained segment by segment (claim_segments)."""
+        sample_ids = self.redis.lrange(self._key("group", group_id, "samples"), 0, -1)
+        if sample_ids:
+            self.redis.sadd(self._key("stream", "untrained"), *sample_ids)
+
+    def count_segments(self, chunk_tokens: int) -> int:
+        return int(self._claim_segments(args=[self.prefix, int(chunk_tokens), 1 << 30, "1"]))
+
+    def claim_segments(self, chunk_tokens: int, max_segments: int) -> list[tuple[Sample, int, bool]]:
+        """Atomically take up to max_segments trainable segments: (sample as stored now, start, final).
+        The sample's tokens [start, response_length) are the segment; each token is claimed once."""
+        flat = self._claim_segments(args=[self.prefix, int(chunk_tokens), int(max_segments), "0"])
+        out = []
+        for i in range(0, len(flat), 4):
+            sid, start, end, final = flat[i].decode(), int(flat[i + 1]), int(flat[i + 2]), flat[i + 3] == b"1"
+            sample = self.get_sample(sid)
+            # A worker may have appended more since the claim: the segment ends where the claim did.
+            sample.response_ids, sample.logprobs = sample.response_ids[:end], sample.logprobs[:end]
+            sample.versions, sample.loss_mask = sample.versions[:end], sample.loss_mask[:end]
+            out.append((sample, start, final))
+        return out
 
     def incr_stat(self, name: str, amount: float = 1.0) -> float:
         return float(self.redis.hincrbyfloat(self._key("stats"), name, amount))

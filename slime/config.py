@@ -119,6 +119,14 @@ class AprilConfig(_Strict):
     max_filtered_per_step: int | None = Field(
         None, ge=0, description="Fallback: after this many drops in a step, keep groups (default: batch_size)."
     )
+    streaming_chunk_tokens: int | None = Field(
+        None, gt=0,
+        description="GLM-5 streaming variant (PPO): train on each trajectory every N new tokens before it "
+        "finishes, bootstrapping unfinished returns with the critic; None = abort-and-resume.",
+    )
+    chunk_sampler: str | None = Field(
+        None, description="Active sampler hook `module:function(state) -> temperature | None`, called per chunk."
+    )
 
 
 class StagedKL(_Strict):
@@ -286,6 +294,14 @@ class JobConfig(_Strict):
                 f"april.oversample_groups={self.april.oversample_groups} is below rollout.batch_size="
                 f"{self.rollout.batch_size}: the batch could never fill"
             )
+        if self.april.streaming_chunk_tokens is not None:
+            if self.algorithm.name != "ppo":
+                raise ValueError(
+                    "april.streaming_chunk_tokens needs algorithm.name=ppo: unfinished trajectories are "
+                    "bootstrapped with the critic's value (GRPO has no critic and needs final rewards)"
+                )
+            if self.mode != "sync":
+                raise ValueError("april.streaming_chunk_tokens runs its own loop: leave mode=sync")
         if self.sampling.tasks is not None and self.data.task_key == "":
             raise ValueError("data.task_key must be set when sampling.tasks is configured")
         return self

@@ -218,6 +218,18 @@ class RolloutEngine:
         self._ids.difference_update(aborted)
         return [GenerationChunk(rid, [], [], self._version, True, "abort") for rid in aborted]
 
+    def set_temperature(self, request_id: str, temperature: float) -> bool:
+        """Change a running (sampled, not greedy) request's temperature from its next token on: the
+        hook of the GLM-5 report's active sampler. False when the request is not running."""
+        if temperature <= 0:
+            raise ValueError(f"set_temperature: temperature must be > 0, got {temperature}")
+        for i, s in enumerate(self._running):
+            if s.request_id == request_id and not s.greedy:
+                with torch.inference_mode():
+                    self._temp[i] = temperature
+                return True
+        return False
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 

@@ -39,6 +39,7 @@ class Batch:
     token_rewards: torch.Tensor | None  # [N, T]
     group_index: torch.Tensor  # [N]
     truncated: torch.Tensor  # [N] bool
+    last_pos: torch.Tensor  # [N] position of the last response token: V there is V(s_end)
 
     def rows(self, idx: torch.Tensor) -> "Batch":
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -89,6 +90,7 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
         token_rewards=token_rewards,
         group_index=torch.tensor(group_ids),
         truncated=torch.tensor([s.status == Status.TRUNCATED for s in samples]),
+        last_pos=torch.tensor([len(s.prompt_ids) + s.response_length - 1 for s in samples]),
     )
 
 
@@ -118,12 +120,17 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch, with_last: bool = False):
+        """V(s_t) for every response token [N, T]; with_last also V(s_end) after the last token [N]."""
         hidden = self.backbone(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
         ).last_hidden_state
         h = hidden.gather(1, batch.response_pos[..., None].expand(-1, -1, hidden.shape[-1]))
-        return self.head(h).squeeze(-1).float()
+        values = self.head(h).squeeze(-1).float()
+        if not with_last:
+            return values
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), batch.last_pos]
+        return values, self.head(last).squeeze(-1).float()
 
 
 def _histogram(values: list[int]) -> dict[str, int]:
@@ -198,7 +205,9 @@ class Learner:
         metrics["learner_seconds"] = time.time() - started
         return metrics
 
-    def _update(self, samples: list[Sample], group_ids: list[int], step: int) -> dict:
+    def _update(self, samples: list[Sample], group_ids: list[int], step: int, unfinished: list[bool] | None = None) -> dict:
+        """One update. `unfinished` (streaming): rows whose trajectory goes on; their return is
+        bootstrapped with the critic's V(s_end) instead of a terminal reward (truncated GAE)."""
         algo, lc = self.algo, self.cfg.learner
         batch = collate(samples, group_ids, self.pad_id)
         batch = Batch(**{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()})
@@ -216,8 +225,13 @@ class Learner:
             ref_logp = old_values = old_logp = None
             if self.ref is not None and kl_coef > 0:
                 ref_logp = torch.cat([response_logprobs(self.ref, batch.rows(i), self.temperature)[0] for i in _micro_batches(n, mb)])
+            bootstrap = None
             if self.critic is not None:
-                old_values = torch.cat([self.critic(batch.rows(i)) for i in _micro_batches(n, mb)])
+                parts = [self.critic(batch.rows(i), with_last=True) for i in _micro_batches(n, mb)]
+                old_values = torch.cat([v for v, _ in parts])
+                if unfinished is not None:
+                    still_going = torch.tensor(unfinished, device=self.device)
+                    bootstrap = torch.where(still_going, torch.cat([b for _, b in parts]), 0.0)
             multiple_updates = lc.ppo_epochs * lc.num_minibatches > 1
             if lc.recompute_old_logprobs or multiple_updates:
                 old_logp = torch.cat([response_logprobs(self.policy, batch.rows(i), self.temperature)[0] for i in _micro_batches(n, mb)])
@@ -235,7 +249,7 @@ class Learner:
                 if algo.kl_mode == "reward" and ref_logp is not None:
                     kl_reward = kl_penalty(batch.behaviour_logp, ref_logp, algo.kl_estimator)
                 rewards = ppo.token_level_rewards(batch.scores, batch.mask, kl_reward, kl_coef, batch.token_rewards)
-                advantages, returns = ppo.gae(rewards, old_values, batch.mask, algo.gamma, algo.lam)
+                advantages, returns = ppo.gae(rewards, old_values, batch.mask, algo.gamma, algo.lam, bootstrap)
                 if algo.normalize_advantages:
                     advantages = masked_whiten(advantages, batch.mask) * batch.mask
 
@@ -336,6 +350,28 @@ class Learner:
         if critic_grad_norms:
             out["critic_grad_norm"] = float(np.mean(critic_grad_norms))
         return out
+
+    def train_segments(self, step: int, max_segments: int, chunk_tokens: int) -> dict:
+        """Streaming variant: train on every trajectory's new tokens (>= chunk_tokens of them, or its
+        end) before the trajectory finishes. Earlier tokens are context only (loss mask 0)."""
+        started = time.time()
+        claimed = self.buffer.claim_segments(chunk_tokens, max_segments)
+        samples, unfinished = [], []
+        for sample, start, final in claimed:
+            sample.loss_mask = sample.loss_mask.copy()
+            sample.loss_mask[:start] = 0
+            if not final:
+                sample.reward = None  # the return comes from the critic's bootstrap
+            samples.append(sample)
+            unfinished.append(not final)
+        metrics: dict = {"step": step, "segments": len(samples), "final_segments": unfinished.count(False)}
+        if samples:
+            metrics.update(self._update(samples, list(range(len(samples))), step, unfinished))
+        self.version += 1
+        self.buffer.set_policy_version(self.version)
+        metrics["policy_version"] = self.version
+        metrics["learner_seconds"] = time.time() - started
+        return metrics
 
     # ---- weights -----------------------------------------------------------------------------
     def publish_weights(self) -> WeightHandle:

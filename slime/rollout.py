@@ -60,6 +60,7 @@ class RolloutWorker:
         self.rewards = RewardRunner(
             load_function(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.max_concurrency, name=cfg.reward.fn
         )
+        self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
         kind = cfg.weights.transport
         if kind == "auto":
             kind = "cuda_ipc" if cfg.learner.device.startswith("cuda") else "shm"
@@ -171,7 +172,23 @@ class RolloutWorker:
             return False
         p.sample.append(p.tokens, p.logprobs, np.array(p.versions))
         p.tokens, p.logprobs, p.versions = [], [], []
+        if self.chunk_sampler is not None:
+            self._sample_next_chunk(p.sample)
         return True
+
+    def _sample_next_chunk(self, sample: Sample) -> None:
+        """The active sampler (GLM-5 report): after each chunk a user hook may pick the temperature
+        of the next one from the trajectory's state. The stored behaviour logprobs follow it, and
+        the learner's importance weights correct for the difference."""
+        state = {
+            "response_length": sample.response_length,
+            "response_tail": self.tokenizer.decode(sample.response_ids[-32:].tolist(), skip_special_tokens=True),
+            "policy_version": self.engine.version,
+            "metadata": sample.metadata,
+        }
+        temperature = self.chunk_sampler(state)
+        if temperature is not None:
+            self.engine.set_temperature(sample.id, float(temperature))
 
     def _finalize(self, p: _Pending, finish_reason: str | None) -> None:
         sample = p.sample

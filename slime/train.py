@@ -61,11 +61,26 @@ def _raise_interrupted(signum, frame) -> None:
     raise JobInterrupted(f"received signal {signum}")
 
 
+def streaming_loop(job: "RunningJob") -> None:
+    """GLM-5's streaming variant: trajectories are trained chunk by chunk while they grow; later
+    chunks come from newer policies; unfinished returns are bootstrapped by the critic."""
+    cfg = job.cfg
+    segments = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    for step in range(job.start_step, cfg.steps):
+        job.wait_for_segments(segments)  # scheduling as it waits
+        metrics = job.train_segments(step, segments)
+        job.push_weights(step)
+        job.end_step(step, metrics)
+
+
 def train(cfg: JobConfig) -> list[dict]:
     previous = signal.signal(signal.SIGTERM, _raise_interrupted) if _main_thread() else None
     try:
         with RunningJob(cfg) as job:
-            (sync_loop if cfg.mode == "sync" else async_loop)(job)
+            if cfg.april.streaming_chunk_tokens is not None:
+                streaming_loop(job)
+            else:
+                (sync_loop if cfg.mode == "sync" else async_loop)(job)
             return job.logger.history
     finally:
         if previous is not None:
@@ -201,7 +216,9 @@ class RunningJob:
         c = self.buffer.counts()
         unfinished = c["groups_open"]
         target = cfg.groups_in_flight
-        if cfg.mode == "sync" and not cfg.april.enabled:
+        if cfg.april.streaming_chunk_tokens is not None:
+            missing = target - unfinished - c["groups_ready"]  # ready: final, last segments untrained
+        elif cfg.mode == "sync" and not cfg.april.enabled:
             missing = target - unfinished - c["groups_ready"]
         elif cfg.mode == "sync":  # APRIL: over-provisioned; a finished group is replaced at once
             missing = target - unfinished
@@ -213,7 +230,9 @@ class RunningJob:
             record = self.sampler.next()
             metadata = {**record.metadata, "label": record.label, "prompt_text": _prompt_text(record),
                         "record_index": record.index}
-            self.buffer.add_group(record.prompt_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens, metadata)
+            gid = self.buffer.add_group(record.prompt_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens, metadata)
+            if cfg.april.streaming_chunk_tokens is not None:
+                self.buffer.track_streaming(gid)
         return max(0, missing)
 
     def wait_for_ready_groups(self, needed: int) -> None:
@@ -232,6 +251,32 @@ class RunningJob:
                 self.check_workers(ray)
                 last_health = time.time()
             time.sleep(0.02)
+
+    def wait_for_segments(self, needed: int) -> None:
+        import ray
+
+        chunk = self.cfg.april.streaming_chunk_tokens
+        last_health = time.time()
+        while self.buffer.count_segments(chunk) < needed:
+            self.schedule_groups()
+            self.logger.waiting(self.buffer.counts(), needed)
+            if time.time() - last_health > 2.0:
+                self.check_workers(ray)
+                last_health = time.time()
+            time.sleep(0.02)
+
+    def train_segments(self, step: int, segments: int) -> dict:
+        import ray
+
+        generated = self.buffer.stats().get("generated_tokens", 0.0) - self.tokens_at_step_start
+        rollout_seconds = time.time() - self.step_started
+        ref = self.learner.train_segments.remote(step, segments, self.cfg.april.streaming_chunk_tokens)
+        while not ray.wait([ref], timeout=0.05)[0]:
+            self.schedule_groups()  # the workers keep generating while the learner trains
+        metrics = ray.get(ref)
+        metrics.update(rollout_seconds=rollout_seconds, generated_tokens=generated,
+                       rollout_tokens_per_s=generated / max(rollout_seconds, 1e-9))
+        return metrics
 
     def filter_ready_groups(self) -> None:
         """DAPO dynamic sampling: a group whose rewards are all equal has no signal; drop it and let

@@ -1,0 +1,103 @@
+"""GLM-5's streaming variant: trajectories trained chunk by chunk before they finish, with the
+critic's value bootstrapping unfinished returns (truncated GAE)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime.buffer import RedisBuffer
+from slime.config import ConfigError, load_config
+from slime.learner import Learner
+from slime.sample import Status
+
+
+def test_segments_are_claimed_once_in_chunks(buffer):
+    gid = buffer.add_group([1, 2], 2, 32, {})
+    buffer.track_streaming(gid)
+    a, b = buffer.lease("w", 2)
+    buffer.append_chunk(a.id, "w", [5] * 6, [-1.0] * 6, 0)
+    buffer.append_chunk(b.id, "w", [5] * 3, [-1.0] * 3, 0)
+    assert buffer.count_segments(4) == 1  # b has only 3 new tokens
+    ((seg, start, final),) = buffer.claim_segments(4, 10)
+    assert (seg.id, start, final, seg.response_length) == (a.id, 0, False, 6)
+    assert buffer.claim_segments(4, 10) == []  # nothing claimed twice
+
+    buffer.append_chunk(a.id, "w", [6, 7], [-1.0, -1.0], 1)
+    buffer.finish(a.id, "w", Status.COMPLETED, reward=1.0)
+    buffer.finish(b.id, "w", Status.TRUNCATED, reward=0.0)
+    segs = {s.id: (start, final, s.response_length) for s, start, final in buffer.claim_segments(4, 10)}
+    assert segs == {a.id: (6, True, 8), b.id: (0, True, 3)}
+    assert buffer.counts()["groups_trained"] == 1  # every member's last segment trained
+    assert buffer.count_segments(1) == 0
+
+
+def test_final_sample_with_everything_trained_yields_its_last_token(buffer):
+    gid = buffer.add_group([1, 2], 1, 32, {})
+    buffer.track_streaming(gid)
+    (a,) = buffer.lease("w", 1)
+    buffer.append_chunk(a.id, "w", [5] * 4, [-1.0] * 4, 0)
+    assert [start for _, start, _ in buffer.claim_segments(4, 10)] == [0]
+    buffer.finish(a.id, "w", Status.COMPLETED, reward=1.0)
+    ((seg, start, final),) = buffer.claim_segments(4, 10)
+    assert (start, final, seg.response_length) == (3, True, 4)  # the reward still reaches the learner
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_bootstrapped_advantages_by_hand(tiny_model_dir, redis_url, tmp_path, final):
+    """With V(s) = c everywhere (critic head: zero weights, bias c), γ = λ = 1 and reward r at the
+    end: an unfinished segment bootstraps V(s_end) = c, so δ_t = 0 and Â_t = 0 on every token;
+    a final one ends in the terminal state: δ_T = r − c, so Â_t = r − c on every token."""
+    job = f"stream-adv-{final}"
+    buffer = RedisBuffer(redis_url, job)
+    buffer.delete_job()
+    gid = buffer.add_group([6, 7, 77, 61, 86], 1, 32, {})
+    buffer.track_streaming(gid)
+    (s,) = buffer.lease("w", 1)
+    buffer.append_chunk(s.id, "w", [6, 7, 6, 7], [-0.5] * 4, 0)
+    if final:
+        buffer.finish(s.id, "w", Status.COMPLETED, reward=1.0)
+    cfg = load_config(None, [
+        f"job_name={job}", f"output_dir={tmp_path}", "algorithm.name=ppo", "algorithm.gamma=1",
+        "algorithm.lam=1", "algorithm.normalize_advantages=false", "april.streaming_chunk_tokens=4",
+    ])
+    learner = Learner(cfg, str(tiny_model_dir), redis_url)
+    c = 0.5
+    with torch.no_grad():
+        learner.critic.head.bias.fill_(c)
+    m = learner.train_segments(0, max_segments=4, chunk_tokens=4)
+    assert m["segments"] == 1 and m["final_segments"] == int(final)
+    expected = (1.0 - c) if final else 0.0
+    assert m["advantage_mean"] == pytest.approx(expected, abs=1e-6)
+    assert m["return_mean"] == pytest.approx(1.0 if final else c, abs=1e-6)
+    buffer.delete_job()
+
+
+def test_streaming_needs_ppo():
+    with pytest.raises(ConfigError, match="streaming_chunk_tokens needs algorithm.name=ppo"):
+        load_config(None, ["april.streaming_chunk_tokens=8", "algorithm.name=grpo"])
+
+
+@pytest.mark.slow
+def test_streaming_job_trains_unfinished_trajectories(ray_session, tiny_model_dir, redis_url, tmp_path):
+    from slime.train import train
+
+    sampler = tmp_path / "active_sampler.py"
+    sampler.write_text(
+        "def temperature(state):\n"
+        "    return 0.7 if state['response_length'] > 8 else None\n"
+    )
+    job = "stream-e2e"
+    history = train(load_config(None, [
+        f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
+        "rollout.batch_size=2", "rollout.n_samples_per_prompt=3", "rollout.max_new_tokens=48",
+        "rollout.ignore_eos=true", "rollout.chunk_tokens=4", "data.num_generated=64", "logging.progress=false",
+        "algorithm.name=ppo", "april.streaming_chunk_tokens=8", "steps=5", f"april.chunk_sampler={sampler}:temperature",
+    ]))
+    assert len(history) == 5
+    assert all(h["segments"] == 6 for h in history)
+    assert sum(h["segments"] - h["final_segments"] for h in history) > 0  # trained before the end
+    assert max(h["off_policy_token_share"] for h in history) > 0  # later chunks: newer policies
+    buffer = RedisBuffer(redis_url, job)
+    assert buffer.counts()["groups_trained"] >= 1
+    buffer.delete_job()
