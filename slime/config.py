@@ -49,7 +49,7 @@ class WarmstartConfig(_Strict):
     """Short supervised pass on generated demonstrations of the example task (cached on disk)."""
 
     enabled: bool = True
-    steps: int = Field(300, ge=0)
+    steps: int = Field(100, ge=0)
     batch_size: int = Field(32, gt=0)
     lr: float = Field(3e-3, gt=0)
     num_examples: int = Field(4000, gt=0)
