@@ -17,30 +17,16 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slime.config import TinyModelConfig  # noqa: E402
 from slime.engine import GenerationRequest, RolloutEngine, SamplingParams  # noqa: E402
+from slime.model import build_tiny_moe  # noqa: E402
 
 
 def tiny_moe(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    )
-    return transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+    """The default tiny MoE architecture (slime.model), random init."""
+    return build_tiny_moe(TinyModelConfig(), 64, seed).float().eval()
 
 
 def best_of(fns: dict, repeats: int) -> dict[str, tuple[float, object]]:

@@ -40,7 +40,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 __all__ = ["GenerationChunk", "GenerationRequest", "RolloutEngine", "SamplingParams"]

@@ -23,7 +23,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from envs import repeat
-from slime.config import ModelConfig
+from slime.config import ModelConfig, TinyModelConfig
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -49,13 +49,15 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_moe(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
+def build_tiny_moe(
+    t: TinyModelConfig, vocab_size: int, seed: int = 0, pad_token_id: int = 0, eos_token_id: int = 1
+) -> torch.nn.Module:
+    """The default policy's architecture, randomly initialised from `seed`."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    t = cfg.tiny
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(seed)
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=t.hidden_size,
         intermediate_size=2 * t.hidden_size,
         moe_intermediate_size=t.expert_hidden_size,
@@ -70,8 +72,8 @@ def build_tiny_moe(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torc
         # Untied: the engines' in-place weight update must reach the output head too.
         tie_word_embeddings=False,
         max_position_embeddings=t.max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
         bos_token_id=None,
     )
     return Qwen3MoeForCausalLM(config)
@@ -140,7 +142,7 @@ def ensure_model_dir(cfg: ModelConfig) -> Path:
         return target
     cache_root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_moe(cfg, tokenizer)
+    model = build_tiny_moe(cfg.tiny, len(tokenizer), cfg.seed, tokenizer.pad_token_id, tokenizer.eos_token_id)
     started = time.time()
     info = warmstart(model, tokenizer, cfg) if cfg.warmstart.enabled else {}
     info["warmstart_seconds"] = round(time.time() - started, 2)

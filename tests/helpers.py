@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 from transformers import PreTrainedTokenizerFast
 
 from slime.model import CHAT_TEMPLATE, build_char_tokenizer
@@ -12,3 +16,14 @@ def make_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrained
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll until predicate() is truthy; its value, or an AssertionError naming what never happened."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

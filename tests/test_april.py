@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from slime.buffer import RedisBuffer
+from tests.helpers import wait_for
 from slime.config import load_config
 from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
 from slime.model import load_model
@@ -22,15 +22,6 @@ from slime.sample import FINAL_STATUSES, Status
 
 PROMPTS = [[6, 7, 77, 61, 86], [8, 77, 62, 64, 86], [9, 10, 11, 77, 63, 86]]
 
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _worker_cfg(tmp_path, job: str, *extra: str):
@@ -90,7 +81,7 @@ def test_staleness_budget_restarts_or_drops(tiny_model_dir, redis_url, tmp_path)
         cfg = _worker_cfg(tmp_path, job, "april.max_version_span=2", f"april.beyond_budget={policy}")
         worker = RolloutWorker(cfg, str(tiny_model_dir), redis_url, "w0")
         try:
-            _wait(lambda: buffer.counts()["groups_ready"] == 1, 60, "the group to complete")
+            wait_for(lambda: buffer.counts()["groups_ready"] == 1, 60, "the group to complete")
         finally:
             worker.stop()
         (final,) = buffer.get_group(gid)
@@ -205,7 +196,7 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = _run_cli([*args, "steps=40"], env)
     metrics = out / "metrics.jsonl"
-    _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two steps")
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two steps")
     time.sleep(0.5)
     os.killpg(proc.pid, sig) if sig == signal.SIGKILL else proc.send_signal(sig)
     proc.wait(timeout=120)

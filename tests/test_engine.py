@@ -7,31 +7,16 @@ import random
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-
-from slime.engine import GenerationChunk, GenerationRequest, RolloutEngine, SamplingParams  # noqa: E402
+from slime.config import TinyModelConfig
+from slime.engine import GenerationChunk, GenerationRequest, RolloutEngine, SamplingParams
+from slime.model import build_tiny_moe
 
 VOCAB = 64
 
 
 def tiny_moe(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    )
-    return transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+    """The default tiny MoE architecture (slime.model), random init."""
+    return build_tiny_moe(TinyModelConfig(), VOCAB, seed).float().eval()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -3,26 +3,17 @@ loses no trajectory, and the tokens it had stored are continued, not regenerated
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
 
 from slime.buffer import RedisBuffer
+from tests.helpers import wait_for
 from slime.config import load_config
 from slime.sample import FINAL_STATUSES, Status
 
 pytestmark = pytest.mark.slow
 
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_killed_worker_loses_no_trajectory(ray_session, tiny_model_dir, redis_url, tmp_path):
@@ -44,7 +35,7 @@ def test_killed_worker_loses_no_trajectory(ray_session, tiny_model_dir, redis_ur
     Worker = ray.remote(num_cpus=0)(RolloutWorker)
 
     w0 = Worker.remote(cfg, str(tiny_model_dir), redis_url, "w0")
-    running = _wait(
+    running = wait_for(
         lambda: [s for s in buffer.iter_samples(Status.RUNNING) if s.response_length >= 4],
         120, "w0 to store partial tokens",
     )
@@ -53,7 +44,7 @@ def test_killed_worker_loses_no_trajectory(ray_session, tiny_model_dir, redis_ur
     assert partial
 
     w1 = Worker.remote(cfg, str(tiny_model_dir), redis_url, "w1")
-    _wait(lambda: buffer.counts()["groups_ready"] == len(groups), 180, "every group to complete after the kill")
+    wait_for(lambda: buffer.counts()["groups_ready"] == len(groups), 180, "every group to complete after the kill")
 
     samples = [s for gid in groups for s in buffer.get_group(gid)]
     assert len(samples) == 12 and all(s.status in FINAL_STATUSES for s in samples)

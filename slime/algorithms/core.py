@@ -120,3 +120,31 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     p = logp.exp()
     return -(p * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
+
+
+def add_regularizers(
+    loss: torch.Tensor,
+    stats: dict[str, float],
+    mask: torch.Tensor,
+    agg_mode: AggMode,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+    kl: torch.Tensor | None,
+    kl_coef: float,
+    router_aux: torch.Tensor | None,
+    router_aux_coef: float,
+) -> torch.Tensor:
+    """loss − c_H·H + β·KL + c_aux·L_aux (per-token terms aggregated like the loss); fills stats."""
+    if entropy is not None:
+        ent = aggregate_loss(entropy, mask, agg_mode)
+        loss = loss - entropy_coef * ent
+        stats["entropy"] = ent.item()
+    if kl is not None:
+        kl_term = aggregate_loss(kl, mask, agg_mode)
+        loss = loss + kl_coef * kl_term
+        stats["kl"] = kl_term.item()
+    if router_aux is not None:
+        loss = loss + router_aux_coef * router_aux
+        stats["router_aux"] = router_aux.item()
+    stats["loss"] = loss.item()
+    return loss

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from slime.algorithms.core import AggMode, aggregate_loss, policy_loss
+from slime.algorithms.core import AggMode, add_regularizers, policy_loss
 
 
 @torch.no_grad()
@@ -76,16 +76,7 @@ def grpo_loss(
     router_aux (when given) and loss.
     """
     loss, stats = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg_mode, is_weights)
-    if entropy is not None:
-        ent = aggregate_loss(entropy, mask, agg_mode)
-        loss = loss - entropy_coef * ent
-        stats["entropy"] = ent.item()
-    if kl is not None:
-        kl_term = aggregate_loss(kl, mask, agg_mode)
-        loss = loss + kl_coef * kl_term
-        stats["kl"] = kl_term.item()
-    if router_aux is not None:
-        loss = loss + router_aux_coef * router_aux
-        stats["router_aux"] = router_aux.item()
-    stats["loss"] = loss.item()
+    loss = add_regularizers(
+        loss, stats, mask, agg_mode, entropy, entropy_coef, kl, kl_coef, router_aux, router_aux_coef
+    )
     return loss, stats

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from slime.algorithms.core import AggMode, aggregate_loss, masked_mean, policy_loss
+from slime.algorithms.core import AggMode, add_regularizers, aggregate_loss, masked_mean, policy_loss
 
 
 @torch.no_grad()
@@ -145,16 +145,7 @@ def ppo_loss(
     vf, vf_stats = value_loss(values, old_values, returns, mask, value_clip, agg_mode)
     stats.update(vf_stats)
     loss = loss + vf_coef * vf
-    if entropy is not None:
-        ent = aggregate_loss(entropy, mask, agg_mode)
-        loss = loss - entropy_coef * ent
-        stats["entropy"] = ent.item()
-    if kl is not None:
-        kl_term = aggregate_loss(kl, mask, agg_mode)
-        loss = loss + kl_coef * kl_term
-        stats["kl"] = kl_term.item()
-    if router_aux is not None:
-        loss = loss + router_aux_coef * router_aux
-        stats["router_aux"] = router_aux.item()
-    stats["loss"] = loss.item()
+    loss = add_regularizers(
+        loss, stats, mask, agg_mode, entropy, entropy_coef, kl, kl_coef, router_aux, router_aux_coef
+    )
     return loss, stats
