@@ -40,12 +40,24 @@ class Batch:
     group_index: torch.Tensor  # [N]
     truncated: torch.Tensor  # [N] bool
     last_pos: torch.Tensor  # [N] position of the last response token: V there is V(s_end)
+    response_len: torch.Tensor  # [N]
 
     def rows(self, idx: torch.Tensor) -> "Batch":
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[idx]
+        """The rows `idx`, cut to their own widths (no compute on other rows' padding)."""
+        width = int(self.last_pos[idx].max()) + 1
+        t_len = max(1, int(self.response_len[idx].max()))
 
-        return Batch(**{k: pick(v) for k, v in self.__dict__.items()})
+        def pick(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            t = t[idx]
+            if name in ("input_ids", "attention_mask"):
+                return t[:, :width]
+            return t[:, :t_len] if t.dim() == 2 else t
+
+        sub = Batch(**{k: pick(k, v) for k, v in self.__dict__.items()})
+        sub.response_pos = sub.response_pos.clamp(max=width - 1)
+        return sub
 
 
 def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
@@ -91,6 +103,7 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
         group_index=torch.tensor(group_ids),
         truncated=torch.tensor([s.status == Status.TRUNCATED for s in samples]),
         last_pos=torch.tensor([len(s.prompt_ids) + s.response_length - 1 for s in samples]),
+        response_len=torch.tensor([s.response_length for s in samples]),
     )
 
 
@@ -140,8 +153,21 @@ def _histogram(values: list[int]) -> dict[str, int]:
     return out
 
 
-def _micro_batches(n: int, size: int) -> list[torch.Tensor]:
-    return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
+def _micro_batches(batch: Batch, idx: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """`idx` in micro-batches of similar lengths: long-tail batches would otherwise pad every row
+    to the longest response. Accumulation weights make the order irrelevant to the gradient."""
+    order = idx[torch.argsort(batch.last_pos[idx], stable=True)]
+    return list(order.split(size))
+
+
+def _per_row(batch: Batch, size: int, fn) -> torch.Tensor:
+    """fn(micro-batch) -> [rows, T'] for every row, assembled into [N, T] (zeros beyond T')."""
+    n, t = batch.mask.shape
+    out = torch.zeros((n, t), device=batch.mask.device)
+    for idx in _micro_batches(batch, torch.arange(n, device=batch.mask.device), size):
+        values = fn(batch.rows(idx))
+        out[idx, : values.shape[1]] = values
+    return out
 
 
 class Learner:
@@ -224,17 +250,18 @@ class Learner:
         with torch.no_grad():
             ref_logp = old_values = old_logp = None
             if self.ref is not None and kl_coef > 0:
-                ref_logp = torch.cat([response_logprobs(self.ref, batch.rows(i), self.temperature)[0] for i in _micro_batches(n, mb)])
+                ref_logp = _per_row(batch, mb, lambda sub: response_logprobs(self.ref, sub, self.temperature)[0])
             bootstrap = None
             if self.critic is not None:
-                parts = [self.critic(batch.rows(i), with_last=True) for i in _micro_batches(n, mb)]
-                old_values = torch.cat([v for v, _ in parts])
+                old_values = _per_row(batch, mb, self.critic)
                 if unfinished is not None:
-                    still_going = torch.tensor(unfinished, device=self.device)
-                    bootstrap = torch.where(still_going, torch.cat([b for _, b in parts]), 0.0)
+                    last_values = torch.zeros(n, device=self.device)
+                    for idx in _micro_batches(batch, torch.arange(n, device=self.device), mb):
+                        last_values[idx] = self.critic(batch.rows(idx), with_last=True)[1]
+                    bootstrap = torch.where(torch.tensor(unfinished, device=self.device), last_values, 0.0)
             multiple_updates = lc.ppo_epochs * lc.num_minibatches > 1
             if lc.recompute_old_logprobs or multiple_updates:
-                old_logp = torch.cat([response_logprobs(self.policy, batch.rows(i), self.temperature)[0] for i in _micro_batches(n, mb)])
+                old_logp = _per_row(batch, mb, lambda sub: response_logprobs(self.policy, sub, self.temperature)[0])
 
             if algo.name == "grpo":
                 adv_seq = torch.zeros(n, device=self.device)
@@ -264,8 +291,9 @@ class Learner:
                     self.critic_optim.zero_grad(set_to_none=True)
                 mini_tokens = batch.mask[mini].sum().clamp_min(1)
                 mini_seqs = (batch.mask[mini].sum(-1) > 0).sum().clamp_min(1)
-                for part in mini.split(mb):
+                for part in _micro_batches(batch, mini, mb):
                     sub = batch.rows(part)
+                    t_sub = sub.mask.shape[1]
                     # Each micro-batch's aggregate is weighted by its share of the minibatch's
                     # tokens (token_mean) or sequences, so accumulation equals one big batch.
                     if algo.loss_agg == "token_mean":
@@ -277,7 +305,7 @@ class Learner:
                     logp, entropy, aux = response_logprobs(
                         self.policy, sub, self.temperature, with_entropy=True, with_aux=self.is_moe and algo.router_aux_coef > 0
                     )
-                    old = old_logp[part] if old_logp is not None else logp.detach()
+                    old = old_logp[part, :t_sub] if old_logp is not None else logp.detach()
                     # Engine vs learner logprobs of the same tokens: ~0 on-policy; large means the
                     # engine and learner disagree (stale weights, numerics, or a bug).
                     st_extra = {"behaviour_logp_abs_diff": masked_mean((logp.detach() - sub.behaviour_logp).abs(), sub.mask).item()}
@@ -287,16 +315,17 @@ class Learner:
                         is_weights = torch.exp(old - sub.behaviour_logp).clamp(max=self.cfg.april.tis_cap)
                     kl_loss = None
                     if ref_logp is not None and algo.kl_mode == "loss":
-                        kl_loss = kl_penalty(logp, ref_logp[part], algo.kl_estimator)
+                        kl_loss = kl_penalty(logp, ref_logp[part, :t_sub], algo.kl_estimator)
                     common = dict(
-                        logp=logp, old_logp=old, advantages=advantages[part], mask=sub.mask, clip_low=clip_low,
+                        logp=logp, old_logp=old, advantages=advantages[part, :t_sub], mask=sub.mask, clip_low=clip_low,
                         clip_high=clip_high, dual_clip=algo.dual_clip, agg_mode=algo.loss_agg, entropy=entropy,
                         entropy_coef=algo.entropy_coef, kl=kl_loss, kl_coef=kl_coef, router_aux=aux,
                         router_aux_coef=algo.router_aux_coef, is_weights=is_weights,
                     )
                     if self.critic is not None:
                         loss, st = ppo.ppo_loss(
-                            **common, values=self.critic(sub), old_values=old_values[part], returns=returns[part],
+                            **common, values=self.critic(sub), old_values=old_values[part, :t_sub],
+                            returns=returns[part, :t_sub],
                             value_clip=algo.value_clip, vf_coef=algo.vf_coef,
                         )
                     else:

@@ -47,11 +47,13 @@ def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, r
     RedisBuffer(redis_url, job).delete_job()
 
 
-def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp_path):
-    job = "e2e-async"
+@pytest.mark.parametrize("april", [False, True])
+def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp_path, april):
+    job = f"e2e-async-{april}"
     history = train(load_config(None, [
         f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
         *SMALL, "steps=3", "mode=async", "max_staleness=1", "algorithm.name=ppo", "algorithm.kl_coef=0.01",
+        f"april.enabled={str(april).lower()}",  # APRIL in the async loop: over-provisioned, same bound
     ]))
     assert len(history) == 3
     for h in history:
