@@ -112,3 +112,346 @@ def run_setting(name: str, overrides: list[str], args, redis_url: str) -> dict:
     }
 
 
+
+def summarize(run: dict, warmup: int) -> dict:
+    """Time figures over the steps after `warmup`; rewards over every step."""
+    all_h = run["history"]
+    h = all_h[warmup:]
+    gen = sum(m["generated_tokens"] for m in h)
+    rollout_s = sum(m["rollout_seconds"] for m in h)
+    step_s = sum(m["step_seconds"] for m in h)
+    learner_s = sum(m["learner_seconds"] for m in h)
+    spans = [int(k.split("/", 1)[1]) for m in all_h for k, v in m.items() if k.startswith("version_span_hist/") and v > 0]
+    # Share of all trained response tokens that an older policy produced, over the run.
+    resp = [m.get("response_len_mean", 0.0) * m.get("samples", 0.0) for m in all_h]
+    off = sum(m.get("off_policy_token_share", 0.0) * t for m, t in zip(all_h, resp)) / max(1.0, sum(resp))
+    return {
+        "steps": len(h),
+        "generated_tokens": gen,
+        "rollout_tok_s": gen / max(rollout_s, 1e-9),
+        "wall_tok_s": gen / max(step_s, 1e-9),
+        "step_s_mean": step_s / len(h),
+        "rollout_s_mean": rollout_s / len(h),
+        "learner_s_mean": learner_s / len(h),
+        "other_s_mean": (step_s - rollout_s - learner_s) / len(h),
+        "sync_s_mean": statistics.mean(m.get("weight_sync_seconds", 0.0) for m in h),
+        "engine_busy": run["engine_busy_s"] / run["loop_wall_s"],
+        "engine_busy_in_rollout": run["engine_busy_s"] / sum(m["rollout_seconds"] for m in all_h),
+        "learner_busy": sum(m["learner_seconds"] for m in all_h) / run["loop_wall_s"],
+        "off_policy": off,
+        "max_span": max(spans, default=0),
+        "resumed_per_step": statistics.mean(m.get("resumed_samples", 0.0) for m in all_h),
+        "aborted_per_step": statistics.mean(m.get("aborted_samples", 0.0) for m in all_h),
+        "wasted_tokens": all_h[-1].get("wasted_tokens_total", 0.0),
+        "rewards": [m.get("reward_mean", float("nan")) for m in all_h],
+        "len_mean": statistics.mean(m.get("response_len_mean", 0.0) for m in all_h),
+        "padded_per_step": statistics.mean(run["padded_tokens"].get(int(m["step"]), 0) for m in h),
+        "trained_tokens_per_step": statistics.mean(m.get("trained_tokens", 0.0) for m in h),
+        "padded": [run["padded_tokens"].get(int(m["step"]), 0) for m in h],
+        "learner_s": [m["learner_seconds"] for m in h],
+    }
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int = 3) -> dict:
+    """Decode step time at batch 1..256 (best of `repeats` interleaved runs of 15 steps, fair under
+    background load), least squares t(b) = t0 + k*b over batch 1/8/32/64; prefill time per token
+    from admitting 128 requests of 30 context tokens (the size of a resumed partial)."""
+    import torch
+
+    from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+    from slime.model import load_model
+
+    torch.set_num_threads(threads)
+    model = load_model(model_dir)
+    prompt = [10 + (i % 40) for i in range(prompt_len)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=60)
+    batches = (1, 8, 32, 64, 128, 256)
+    step_s = {b: math.inf for b in batches}
+    prefill = math.inf
+    for r in range(repeats):
+        for b in batches:
+            engine = RolloutEngine(model, max_running_requests=b, seed=r)
+            for i in range(b):
+                engine.add_request(GenerationRequest(f"{r}-{i}", prompt, params))
+            for _ in range(4):  # prefill + warm-up
+                engine.step()
+            t = time.perf_counter()
+            for _ in range(15):
+                engine.step()
+            step_s[b] = min(step_s[b], (time.perf_counter() - t) / 15)
+        engine = RolloutEngine(model, max_running_requests=128, seed=r)
+        for i in range(128):
+            engine.add_request(GenerationRequest(f"p{r}-{i}", prompt, params, [11] * (30 - prompt_len)))
+        t = time.perf_counter()
+        engine.step()  # prefill of 128 x 30 tokens, then one decode step of 128
+        prefill = min(prefill, time.perf_counter() - t)
+    fit = [1, 8, 32, 64]
+    k, t0 = np.polyfit(fit, [step_s[b] for b in fit], 1)
+    p = max(0.0, (prefill - step_s[128]) / (128 * 30))
+    return {"step_s": step_s, "t0": float(max(t0, 0.0)), "k": float(max(k, 0.0)), "p": p}
+
+
+def evaluate(model_dir: str, policy_dir: Path | None, prompts: list[dict], threads: int) -> float:
+    """Mean reward of a policy, greedy, on held-out prompts of the repeat task (no selection bias)."""
+    import torch
+
+    from envs import repeat
+    from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+    from slime.model import load_model, load_tokenizer
+
+    torch.set_num_threads(threads)
+    tok = load_tokenizer(model_dir)
+    model = load_model(policy_dir or model_dir)
+    engine = RolloutEngine(model, max_running_requests=len(prompts))
+    params = SamplingParams(temperature=0.0, max_new_tokens=96, stop_token_ids=[tok.eos_token_id])
+    reqs = [GenerationRequest(str(i), tok(p["prompt"], add_special_tokens=False)["input_ids"], params)
+            for i, p in enumerate(prompts)]
+    out = engine.generate(reqs)
+    scores = []
+    for i, p in enumerate(prompts):
+        ids = [t for t in out[str(i)].token_ids if t != tok.eos_token_id]
+        scores.append(repeat.score(tok.decode(ids, skip_special_tokens=True), p["label"]))
+    return float(np.mean(scores))
+
+
+def lognormal_fit(groups: list[list[int]]) -> dict:
+    """median, sigma_prompt, sigma_sample of log-lengths: between-group and within-group spread."""
+    logs = [np.log(np.maximum(np.asarray(g, float), 1.0)) for g in groups if g]
+    means = np.array([x.mean() for x in logs])
+    within = np.concatenate([x - x.mean() for x in logs])
+    n = np.mean([len(x) for x in logs])
+    return {"median_tokens": float(np.exp(np.median(means))), "sigma_prompt": float(means.std()),
+            "sigma_sample": float(within.std() * math.sqrt(n / max(n - 1, 1)))}
+
+
+def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine: dict, args) -> dict:
+    from april.sim import sim_config_from_job, simulate
+
+    sync, warm = runs["sync"], args.warmup_steps
+    h = sync["history"][warm:]
+    prompt_tokens = sync["prompt_tokens"]
+    # Training cost, as the simulator models it: t_train0 + t_train_per_token * (prompt + response tokens).
+    tokens = np.array([m["samples"] * (prompt_tokens + m["response_len_mean"]) for m in h])
+    learn = np.array([m["learner_seconds"] for m in h])
+    per_token, fixed = np.polyfit(tokens, learn, 1)
+    if per_token < 0 or fixed < 0:  # noise: a pure per-token cost
+        per_token, fixed = float(learn.sum() / tokens.sum()), 0.0
+    # What the real learner costs: rows x widest row (right padding), fitted on the same sync steps.
+    pad_coef = float(np.sum(learn) / max(1, sum(sums["sync"]["padded"])))
+    # Everything in a sync step that is neither rollout nor training: weight sync and driver calls.
+    overhead = sums["sync"]["other_s_mean"]
+    cfg = sync["cfg"]
+    common = {
+        "t0": engine["t0"], "k": engine["k"], "t_kv": 0.0, "p": engine["p"],
+        "t_train0": float(fixed), "t_train_per_token": float(per_token), "t_sync": max(overhead, 0.0),
+        "prompt_tokens": int(round(prompt_tokens)), "steps": args.steps,
+        "kv_tokens": cfg.rollout.max_running_requests * (int(round(prompt_tokens)) + cfg.rollout.max_new_tokens),
+    }
+    empirical = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"]})
+    grouped = sim_config_from_job(cfg, {**common, **lognormal_fit(sync["group_lengths"])})
+    out = {"cfg": empirical, "train_fixed_s": float(fixed), "train_per_token_s": float(per_token),
+           "pad_coef": pad_coef, "overhead_s": overhead, "lognormal": lognormal_fit(sync["group_lengths"])}
+    for label, sc in (("empirical", empirical), ("grouped", grouped)):
+        res = {"sync": simulate("sync", sc, seed=args.seed), "april2": simulate("april", sc, oversample=2.0, seed=args.seed)}
+        per_step = {}
+        for k, r in res.items():
+            learner = r.learner_busy * r.wall_s / r.steps
+            rollout = r.step_s - learner - sc.t_sync
+            per_step[k] = {"step": r.step_s, "rollout": rollout, "learner": learner,
+                           "rollout_tok_s": r.generated_tokens / (rollout * r.steps)}
+        out[label] = {
+            "sim": res, "per_step": per_step,
+            "pred_wall": res["april2"].throughput / res["sync"].throughput,
+            "pred_rollout": per_step["april2"]["rollout_tok_s"] / per_step["sync"]["rollout_tok_s"],
+        }
+    out["meas_wall"] = sums["april2"]["wall_tok_s"] / sums["sync"]["wall_tok_s"]
+    out["meas_rollout"] = sums["april2"]["rollout_tok_s"] / sums["sync"]["rollout_tok_s"]
+    for label in ("empirical", "grouped"):
+        out[label]["err_wall_pct"] = 100 * (out[label]["pred_wall"] - out["meas_wall"]) / out["meas_wall"]
+        out[label]["err_rollout_pct"] = 100 * (out[label]["pred_rollout"] - out["meas_rollout"]) / out["meas_rollout"]
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def first_last(values: list[float], n: int = 5) -> tuple[float, float]:
+    v = [x for x in values if math.isfinite(x)]
+    return (float(np.mean(v[:n])), float(np.mean(v[-n:]))) if v else (math.nan, math.nan)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the time figures")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--extra", action="store_true", help="also run APRIL at oversample 1.5 and 3.0")
+    ap.add_argument("--eval-prompts", type=int, default=128)
+    ap.add_argument("--out", default="outputs/bench-april-vs-sync")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of calibration/eval (= cluster.torch_threads)")
+    args = ap.parse_args()
+    if args.steps <= args.warmup_steps + 2:
+        ap.error("--steps must exceed --warmup-steps by at least 3")
+    bench_started = time.time()
+
+    import ray
+
+    from envs import repeat
+    from slime.model import ensure_model_dir
+    from slime.redis_server import LocalRedisServer
+
+    t = time.time()
+    model_dir = str(ensure_model_dir(load_config(None, []).model))
+    model_s = time.time() - t
+    out = Path(args.out).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    args.out = str(out)
+    load_before = os.getloadavg()
+
+    settings = {**SETTINGS, **(EXTRA_SETTINGS if args.extra else {})}
+    # One Redis and one Ray for all settings (each job has its own key prefix and actors).
+    server = LocalRedisServer(out / "redis", aof=True)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+    runs: dict[str, dict] = {}
+    try:
+        for name, overrides in settings.items():
+            runs[name] = run_setting(name, overrides, args, server.url)
+            print(f"[{time.time() - bench_started:6.1f}s] {name}: {args.steps} steps in {runs[name]['loop_wall_s']:.1f}s "
+                  f"(job {runs[name]['job_s']:.1f}s, load avg {os.getloadavg()[0]:.1f})", flush=True)
+    finally:
+        ray.shutdown()
+        server.stop()
+    t = time.time()
+    engine = measure_engine(model_dir, args.threads, int(round(runs["sync"]["prompt_tokens"])))
+    calib_s = time.time() - t
+    t = time.time()
+    held_out = repeat.make_dataset(args.eval_prompts, seed=10_000 + args.seed)
+    evals = {"initial": evaluate(model_dir, None, held_out, args.threads)}
+    evals.update({name: evaluate(model_dir, r["policy_dir"], held_out, args.threads) for name, r in runs.items()})
+    eval_s = time.time() - t
+    sums = {name: summarize(r, args.warmup_steps) for name, r in runs.items()}
+    cal = calibrate_and_simulate(runs, sums, engine, args)
+
+    base, cols, w = sums["sync"], list(sums), 16
+    print()
+    print(f"APRIL vs sync: repeat task, tiny MoE (default warm start), 1 rollout worker, batch 16 x 8, "
+          f"96-token cap, T=1, 256 slots, {args.steps} steps (time figures: steps {args.warmup_steps}..{args.steps - 1}), "
+          f"seed {args.seed}")
+    print(f"{'':36s}" + "".join(f"{c:>{w}s}" for c in cols))
+
+    def row(label: str, fn, fmt: str = "{:.2f}") -> None:
+        print(f"{label:36s}" + "".join(f"{fmt.format(fn(sums[c], c)):>{w}s}" for c in cols))
+
+    row("generated tok / rollout s", lambda s, c: s["rollout_tok_s"], "{:.0f}")
+    row("  ratio vs sync", lambda s, c: s["rollout_tok_s"] / base["rollout_tok_s"], "{:.2f}x")
+    row("generated tok / wall s", lambda s, c: s["wall_tok_s"], "{:.0f}")
+    row("  ratio vs sync", lambda s, c: s["wall_tok_s"] / base["wall_tok_s"], "{:.2f}x")
+    row("step time, mean s", lambda s, c: s["step_s_mean"], "{:.3f}")
+    row("  ratio vs sync", lambda s, c: s["step_s_mean"] / base["step_s_mean"], "{:.2f}x")
+    row("  rollout s / step", lambda s, c: s["rollout_s_mean"], "{:.3f}")
+    row("  learner s / step", lambda s, c: s["learner_s_mean"], "{:.3f}")
+    row("  other s / step (sync, driver)", lambda s, c: s["other_s_mean"], "{:.3f}")
+    row("generated tok / step", lambda s, c: s["generated_tokens"] / s["steps"], "{:.0f}")
+    row("trained tok / step", lambda s, c: s["trained_tokens_per_step"], "{:.0f}")
+    row("learner padded tok / step", lambda s, c: s["padded_per_step"], "{:.0f}")
+    row("engine busy (busy s / wall)", lambda s, c: 100 * s["engine_busy"], "{:.1f}%")
+    row("engine busy during rollout", lambda s, c: 100 * s["engine_busy_in_rollout"], "{:.1f}%")
+    row("learner busy (learn s / wall)", lambda s, c: 100 * s["learner_busy"], "{:.1f}%")
+    row("off-policy token share", lambda s, c: 100 * s["off_policy"], "{:.1f}%")
+    row("max version span", lambda s, c: s["max_span"], "{:d}")
+    row("resumed samples / step", lambda s, c: s["resumed_per_step"], "{:.1f}")
+    row("aborted samples / step", lambda s, c: s["aborted_per_step"], "{:.1f}")
+    row("wasted tokens (total)", lambda s, c: s["wasted_tokens"], "{:.0f}")
+    row("trained response len, mean", lambda s, c: s["len_mean"], "{:.1f}")
+    row("train reward, first 5 steps", lambda s, c: first_last(s["rewards"])[0], "{:.3f}")
+    row("train reward, last 5 steps", lambda s, c: first_last(s["rewards"])[1], "{:.3f}")
+    row("train reward, std of step means", lambda s, c: float(np.nanstd(s["rewards"])), "{:.3f}")
+    row(f"held-out reward ({args.eval_prompts}, greedy)", lambda s, c: evals[c], "{:.3f}")
+    print(f"  (held-out reward of the initial warm-started model: {evals['initial']:.3f})")
+    print()
+    print("train reward curve (5-step moving average, every 5th step):")
+    for c in cols:
+        r = sums[c]["rewards"]
+        ma = [float(np.nanmean(r[max(0, i - 4): i + 1])) for i in range(len(r))]
+        print(f"  {c:16s}" + " ".join(f"{ma[i]:.3f}" for i in range(4, len(ma), 5)))
+
+    e = engine
+    print()
+    print("simulator (april/sim.py, preset cpu_tiny) calibrated on this machine:")
+    print("  engine decode step, ms at batch " + ", ".join(f"{b}: {1e3 * v:.2f}" for b, v in e["step_s"].items()))
+    print(f"    -> t0 {1e3 * e['t0']:.2f} ms + k {1e6 * e['k']:.1f} us x batch (fit on 1..64); "
+          f"prefill p {1e6 * e['p']:.1f} us/token")
+    print(f"  learner {cal['train_fixed_s']:.3f} s + {1e6 * cal['train_per_token_s']:.1f} us/token (sync steps); "
+          f"weight sync + driver {cal['overhead_s']:.3f} s/step")
+    lens = cal["cfg"].lengths
+    ln = cal["lognormal"]
+    print(f"  lengths: {len(lens)} from the sync run (p50 {np.percentile(lens, 50):.0f}, p99 {np.percentile(lens, 99):.0f}, "
+          f"max {max(lens)}); grouped log-normal fit: median {ln['median_tokens']:.1f}, sigma prompt "
+          f"{ln['sigma_prompt']:.2f}, sample {ln['sigma_sample']:.2f}")
+    print(f"  {'':34s}{'sim(empirical)':>15s}{'sim(grouped)':>14s}{'measured':>10s}{'error':>9s}")
+
+    def cmp(label: str, a: float, b: float, m: float, unit: str = "x") -> None:
+        print(f"  {label:34s}{a:>14.2f}{unit}{b:>13.2f}{unit}{m:>9.2f}{unit}{100 * (a - m) / m:>8.1f}%")
+
+    E, G = cal["empirical"], cal["grouped"]
+    cmp("april2/sync tok/s, wall-clock", E["pred_wall"], G["pred_wall"], cal["meas_wall"])
+    cmp("april2/sync tok/s, rollout time", E["pred_rollout"], G["pred_rollout"], cal["meas_rollout"])
+    for k in ("sync", "april2"):
+        for term, key in (("step", "step_s_mean"), ("rollout", "rollout_s_mean"), ("learner", "learner_s_mean")):
+            cmp(f"{k} {term} s / step", E["per_step"][k][term], G["per_step"][k][term], sums[k][key], " ")
+    a = E["sim"]["april2"]
+    print(f"  april2 off-policy share (sim / measured): {100 * a.off_policy_share:.1f}% / {100 * sums['april2']['off_policy']:.1f}%;"
+          f" max span {a.max_span} / {sums['april2']['max_span']}")
+    pc = cal["pad_coef"]
+    print(f"  learner as rows x widest row ({1e6 * pc:.2f} us per padded token, sync fit): predicts april2 "
+          f"{pc * sums['april2']['padded_per_step']:.3f} s/step vs measured {sums['april2']['learner_s_mean']:.3f}")
+    total_s = time.time() - bench_started
+    print(f"\nbenchmark wall {total_s:.0f} s (model dir {model_s:.1f} s, calibration {calib_s:.1f} s, eval {eval_s:.1f} s); "
+          f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+
+    def ratio(c: str, key: str) -> float:
+        return round(sums[c][key] / base[key], 3)
+
+    result: dict = {"steps": args.steps, "warmup_steps_excluded": args.warmup_steps,
+                    "sync_rollout_tokens_per_s": round(base["rollout_tok_s"], 1),
+                    "sync_wall_tokens_per_s": round(base["wall_tok_s"], 1), "sync_step_time_s": round(base["step_s_mean"], 3)}
+    for c in cols[1:]:
+        result[f"{c}_over_sync_rollout_tokens_per_s_ratio"] = ratio(c, "rollout_tok_s")
+        result[f"{c}_over_sync_wall_tokens_per_s_ratio"] = ratio(c, "wall_tok_s")
+        result[f"{c}_over_sync_step_time_ratio"] = ratio(c, "step_s_mean")
+    for c in cols:
+        s = sums[c]
+        result[f"{c}_engine_busy_fraction"] = round(s["engine_busy"], 3)
+        result[f"{c}_engine_busy_fraction_during_rollout"] = round(s["engine_busy_in_rollout"], 3)
+        result[f"{c}_learner_busy_fraction"] = round(s["learner_busy"], 3)
+        if c != "sync":
+            result[f"{c}_off_policy_token_share"] = round(s["off_policy"], 3)
+            result[f"{c}_max_version_span"] = int(s["max_span"])
+            result[f"{c}_resumed_samples_per_step"] = round(s["resumed_per_step"], 2)
+            result[f"{c}_wasted_tokens"] = int(s["wasted_tokens"])
+        result[f"{c}_train_reward_first5"] = round(first_last(s["rewards"])[0], 3)
+        result[f"{c}_train_reward_last5"] = round(first_last(s["rewards"])[1], 3)
+        result[f"{c}_heldout_reward"] = round(evals[c], 3)
+    result.update(
+        initial_heldout_reward=round(evals["initial"], 3),
+        sim_predicted_april2_ratio=round(E["pred_wall"], 3),
+        measured_april2_ratio=round(cal["meas_wall"], 3),
+        sim_error_pct=round(E["err_wall_pct"], 1),
+        sim_predicted_april2_rollout_ratio=round(E["pred_rollout"], 3),
+        measured_april2_rollout_ratio=round(cal["meas_rollout"], 3),
+        sim_rollout_error_pct=round(E["err_rollout_pct"], 1),
+        sim_grouped_predicted_april2_ratio=round(G["pred_wall"], 3),
+        sim_grouped_error_pct=round(G["err_wall_pct"], 1),
+        calib_t0_s=round(e["t0"], 5), calib_k_s_per_request=round(e["k"], 7), calib_prefill_s_per_token=round(e["p"], 8),
+        calib_train_fixed_s=round(cal["train_fixed_s"], 4), calib_train_s_per_token=round(cal["train_per_token_s"], 7),
+        calib_overhead_s_per_step=round(cal["overhead_s"], 4),
+        benchmark_wall_s=round(total_s, 1),
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -80,7 +80,13 @@ class MetricsLogger:
 
         t = [h["wall_seconds"] for h in self.history]
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-        ax1.plot(t, [h.get("reward_mean", math.nan) for h in self.history], marker="o", ms=3)
+        rewards = [h.get("reward_mean", math.nan) for h in self.history]
+        ax1.plot(t, rewards, marker="o", ms=3, alpha=0.5, label="per step")
+        window = 10
+        smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+                  for i in range(len(rewards))]
+        ax1.plot(t, smooth, color="tab:blue", lw=2, label=f"mean of last {window}")
+        ax1.legend(loc="lower right")
         ax1.set_ylabel("mean reward")
         ax1.grid(alpha=0.3)
         ax2.plot(t, [h.get("rollout_tokens_per_s", math.nan) for h in self.history], marker="o", ms=3, color="tab:orange")
