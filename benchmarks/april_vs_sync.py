@@ -6,7 +6,7 @@ the default warm start, the repeat task) with the same seeds; only `april.*` dif
     sync            the synchronous baseline (APRIL off)
     april2          APRIL, oversample 2.0, no staleness budget
     april2_budget2  APRIL, oversample 2.0, april.max_version_span=2 (beyond_budget=restart)
-    april1.5 / april3   optional (--extra)
+    sync_repeat, april1.5, april3   when time allows (--extra auto: if the projected total fits --budget-s)
 
 Then the simulator (`april/sim.py`, preset `cpu_tiny`) is calibrated from this machine: the engine's
 decode step time at several batch sizes (-> t0, k), prefill time per token (-> p), training time per
@@ -16,7 +16,7 @@ compared with the measured ratios.
 
 Prints a human table, then LAST one JSON line (names carry units).
 
-    python benchmarks/april_vs_sync.py [--steps 30] [--extra] [--out outputs/bench-april-vs-sync]
+    python benchmarks/april_vs_sync.py [--steps 30] [--extra auto|yes|no] [--budget-s 450]
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ SETTINGS: dict[str, list[str]] = {
                        "april.beyond_budget=restart"],
 }
 EXTRA_SETTINGS: dict[str, list[str]] = {
+    # The baseline again: run-to-run noise of every figure (the worker's sampling seed differs per run).
+    "sync_repeat": ["april.enabled=false"],
     "april1.5": ["april.enabled=true", "april.oversample=1.5"],
     "april3": ["april.enabled=true", "april.oversample=3.0"],
 }
@@ -130,6 +132,7 @@ def summarize(run: dict, warmup: int) -> dict:
         "generated_tokens": gen,
         "rollout_tok_s": gen / max(rollout_s, 1e-9),
         "wall_tok_s": gen / max(step_s, 1e-9),
+        "trained_tok_s": sum(m.get("trained_tokens", 0.0) for m in h) / max(step_s, 1e-9),
         "step_s_mean": step_s / len(h),
         "rollout_s_mean": rollout_s / len(h),
         "learner_s_mean": learner_s / len(h),
@@ -254,12 +257,20 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
     grouped = sim_config_from_job(cfg, {**common, **lognormal_fit(sync["group_lengths"])})
     out = {"cfg": empirical, "train_fixed_s": float(fixed), "train_per_token_s": float(per_token),
            "pad_coef": pad_coef, "overhead_s": overhead, "lognormal": lognormal_fit(sync["group_lengths"])}
-    for label, sc in (("empirical", empirical), ("grouped", grouped)):
+    variants = [("empirical", empirical), ("grouped", grouped), ("overhead", None)]
+    for label, sc in variants:
+        if sc is None:
+            # The sync rollout time the engine model does not explain (worker Redis writes, lease
+            # polling, driver polling, reward round trips) as a fixed per-step cost: sync then matches
+            # by construction, and what is left of the APRIL error is the engine model's.
+            missing = sums["sync"]["rollout_s_mean"] - out["empirical"]["per_step"]["sync"]["rollout"]
+            out["rollout_overhead_s"] = missing
+            sc = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"], "t_sync": max(overhead + missing, 0.0)})
         res = {"sync": simulate("sync", sc, seed=args.seed), "april2": simulate("april", sc, oversample=2.0, seed=args.seed)}
         per_step = {}
         for k, r in res.items():
             learner = r.learner_busy * r.wall_s / r.steps
-            rollout = r.step_s - learner - sc.t_sync
+            rollout = r.step_s - learner - sc.t_sync + (out.get("rollout_overhead_s", 0.0) if label == "overhead" else 0.0)
             per_step[k] = {"step": r.step_s, "rollout": rollout, "learner": learner,
                            "rollout_tok_s": r.generated_tokens / (rollout * r.steps)}
         out[label] = {
@@ -269,7 +280,7 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
         }
     out["meas_wall"] = sums["april2"]["wall_tok_s"] / sums["sync"]["wall_tok_s"]
     out["meas_rollout"] = sums["april2"]["rollout_tok_s"] / sums["sync"]["rollout_tok_s"]
-    for label in ("empirical", "grouped"):
+    for label, _ in variants:
         out[label]["err_wall_pct"] = 100 * (out[label]["pred_wall"] - out["meas_wall"]) / out["meas_wall"]
         out[label]["err_rollout_pct"] = 100 * (out[label]["pred_rollout"] - out["meas_rollout"]) / out["meas_rollout"]
     return out
@@ -288,7 +299,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the time figures")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--extra", action="store_true", help="also run APRIL at oversample 1.5 and 3.0")
+    ap.add_argument("--extra", choices=("auto", "yes", "no"), default="auto",
+                    help="also run APRIL at oversample 1.5 and 3.0 (auto: if the projected total fits --budget-s)")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock the whole benchmark should stay under")
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument("--out", default="outputs/bench-april-vs-sync")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of calibration/eval (= cluster.torch_threads)")
@@ -311,13 +324,19 @@ def main() -> None:
     args.out = str(out)
     load_before = os.getloadavg()
 
-    settings = {**SETTINGS, **(EXTRA_SETTINGS if args.extra else {})}
+    settings = {**SETTINGS, **(EXTRA_SETTINGS if args.extra != "no" else {})}
     # One Redis and one Ray for all settings (each job has its own key prefix and actors).
     server = LocalRedisServer(out / "redis", aof=True)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     runs: dict[str, dict] = {}
     try:
         for name, overrides in settings.items():
+            if name in EXTRA_SETTINGS and args.extra == "auto":
+                per_job = statistics.mean(r["job_s"] for r in runs.values())
+                projected = time.time() - bench_started + per_job * 1.2 + 40.0  # + calibration and eval
+                if projected > args.budget_s:
+                    print(f"skipping {name}: projected {projected:.0f}s > --budget-s {args.budget_s:.0f}", flush=True)
+                    continue
             runs[name] = run_setting(name, overrides, args, server.url)
             print(f"[{time.time() - bench_started:6.1f}s] {name}: {args.steps} steps in {runs[name]['loop_wall_s']:.1f}s "
                   f"(job {runs[name]['job_s']:.1f}s, load avg {os.getloadavg()[0]:.1f})", flush=True)
@@ -349,6 +368,8 @@ def main() -> None:
     row("  ratio vs sync", lambda s, c: s["rollout_tok_s"] / base["rollout_tok_s"], "{:.2f}x")
     row("generated tok / wall s", lambda s, c: s["wall_tok_s"], "{:.0f}")
     row("  ratio vs sync", lambda s, c: s["wall_tok_s"] / base["wall_tok_s"], "{:.2f}x")
+    row("trained tok / wall s", lambda s, c: s["trained_tok_s"], "{:.0f}")
+    row("  ratio vs sync", lambda s, c: s["trained_tok_s"] / base["trained_tok_s"], "{:.2f}x")
     row("step time, mean s", lambda s, c: s["step_s_mean"], "{:.3f}")
     row("  ratio vs sync", lambda s, c: s["step_s_mean"] / base["step_s_mean"], "{:.2f}x")
     row("  rollout s / step", lambda s, c: s["rollout_s_mean"], "{:.3f}")
@@ -391,17 +412,21 @@ def main() -> None:
     print(f"  lengths: {len(lens)} from the sync run (p50 {np.percentile(lens, 50):.0f}, p99 {np.percentile(lens, 99):.0f}, "
           f"max {max(lens)}); grouped log-normal fit: median {ln['median_tokens']:.1f}, sigma prompt "
           f"{ln['sigma_prompt']:.2f}, sample {ln['sigma_sample']:.2f}")
-    print(f"  {'':34s}{'sim(empirical)':>15s}{'sim(grouped)':>14s}{'measured':>10s}{'error':>9s}")
+    print(f"  sim(empirical): the sync run's lengths, i.i.d.; sim(grouped): log-normal with the groups' spread; "
+          f"sim(+overhead): sim(empirical) + {cal['rollout_overhead_s']:.3f} s/step of rollout time the engine "
+          "model leaves out (fitted on sync)")
+    print(f"  {'':32s}{'sim(empirical)':>15s}{'sim(grouped)':>14s}{'sim(+overhead)':>15s}{'measured':>10s}{'error':>8s}")
 
-    def cmp(label: str, a: float, b: float, m: float, unit: str = "x") -> None:
-        print(f"  {label:34s}{a:>14.2f}{unit}{b:>13.2f}{unit}{m:>9.2f}{unit}{100 * (a - m) / m:>8.1f}%")
+    def cmp(label: str, a: float, b: float, c: float, m: float, unit: str = "x") -> None:
+        print(f"  {label:32s}{a:>14.2f}{unit}{b:>13.2f}{unit}{c:>14.2f}{unit}{m:>9.2f}{unit}{100 * (a - m) / m:>7.1f}%")
 
-    E, G = cal["empirical"], cal["grouped"]
-    cmp("april2/sync tok/s, wall-clock", E["pred_wall"], G["pred_wall"], cal["meas_wall"])
-    cmp("april2/sync tok/s, rollout time", E["pred_rollout"], G["pred_rollout"], cal["meas_rollout"])
+    E, G, O = cal["empirical"], cal["grouped"], cal["overhead"]
+    cmp("april2/sync tok/s, wall-clock", E["pred_wall"], G["pred_wall"], O["pred_wall"], cal["meas_wall"])
+    cmp("april2/sync tok/s, rollout time", E["pred_rollout"], G["pred_rollout"], O["pred_rollout"], cal["meas_rollout"])
     for k in ("sync", "april2"):
         for term, key in (("step", "step_s_mean"), ("rollout", "rollout_s_mean"), ("learner", "learner_s_mean")):
-            cmp(f"{k} {term} s / step", E["per_step"][k][term], G["per_step"][k][term], sums[k][key], " ")
+            cmp(f"{k} {term} s / step", E["per_step"][k][term], G["per_step"][k][term], O["per_step"][k][term],
+                sums[k][key], " ")
     a = E["sim"]["april2"]
     print(f"  april2 off-policy share (sim / measured): {100 * a.off_policy_share:.1f}% / {100 * sums['april2']['off_policy']:.1f}%;"
           f" max span {a.max_span} / {sums['april2']['max_span']}")
@@ -421,13 +446,14 @@ def main() -> None:
     for c in cols[1:]:
         result[f"{c}_over_sync_rollout_tokens_per_s_ratio"] = ratio(c, "rollout_tok_s")
         result[f"{c}_over_sync_wall_tokens_per_s_ratio"] = ratio(c, "wall_tok_s")
+        result[f"{c}_over_sync_trained_tokens_per_s_ratio"] = ratio(c, "trained_tok_s")
         result[f"{c}_over_sync_step_time_ratio"] = ratio(c, "step_s_mean")
     for c in cols:
         s = sums[c]
         result[f"{c}_engine_busy_fraction"] = round(s["engine_busy"], 3)
         result[f"{c}_engine_busy_fraction_during_rollout"] = round(s["engine_busy_in_rollout"], 3)
         result[f"{c}_learner_busy_fraction"] = round(s["learner_busy"], 3)
-        if c != "sync":
+        if c.startswith("april"):
             result[f"{c}_off_policy_token_share"] = round(s["off_policy"], 3)
             result[f"{c}_max_version_span"] = int(s["max_span"])
             result[f"{c}_resumed_samples_per_step"] = round(s["resumed_per_step"], 2)
@@ -445,6 +471,8 @@ def main() -> None:
         sim_rollout_error_pct=round(E["err_rollout_pct"], 1),
         sim_grouped_predicted_april2_ratio=round(G["pred_wall"], 3),
         sim_grouped_error_pct=round(G["err_wall_pct"], 1),
+        sim_with_rollout_overhead_predicted_april2_ratio=round(O["pred_wall"], 3),
+        sim_with_rollout_overhead_error_pct=round(O["err_wall_pct"], 1),
         calib_t0_s=round(e["t0"], 5), calib_k_s_per_request=round(e["k"], 7), calib_prefill_s_per_token=round(e["p"], 8),
         calib_train_fixed_s=round(cal["train_fixed_s"], 4), calib_train_s_per_token=round(cal["train_per_token_s"], 7),
         calib_overhead_s_per_step=round(cal["overhead_s"], 4),

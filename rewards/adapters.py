@@ -1,0 +1,243 @@
+"""Other frameworks' reward functions, called unchanged through the native signature.
+
+`load_reward(spec)` loads a function with `rewards.plugin.load_function` and returns a callable
+with the native signature `fn(prompt, response, label, metadata)` (see rewards/runner.py). An
+`async def` stays async and a plain `def` stays sync, so the runner keeps sync code off its loop.
+
+The style is detected from the parameter NAMES (all four frameworks call by keyword, except
+slime, which calls `rm(args, sample)` positionally):
+
+    native  has parameters `prompt` and `response`             -> returned unchanged
+    slime   first two parameters are `args, sample`            -> rm(args, sample)
+    verl    has parameters `solution_str` and `ground_truth`   -> compute_score(data_source=...,
+                                                                  solution_str=..., ground_truth=...,
+                                                                  extra_info=...)
+    TRL     has a parameter `completions`                      -> f(prompts=[p], completions=[r], ...)
+
+A function matching none of these, or more than one, is refused with a message naming it and the
+accepted signatures; pass `style=` ("native", "slime", "verl", "trl") to decide explicitly (e.g. a
+`def f(*args, **kwargs)` wrapper).
+
+What each style receives (metadata = the sample's dataset columns and other per-sample data):
+
+* slime: `args` is a `types.SimpleNamespace` with `label`, `metadata`, `rm_type`
+  (metadata["rm_type"] or None) and every metadata key that is a valid identifier and does not
+  clash with those; `sample` is a `RewardSample` with `.prompt`, `.response`, `.label`,
+  `.metadata` (plus `.reward=None`, `.status="completed"`). It may return a number or a dict
+  with "score".
+* verl: `data_source` = metadata["data_source"], else metadata["task"], else None;
+  `ground_truth` = label; `extra_info` = metadata. Keywords the function does not take are not
+  passed (verl's own `compute_score(solution_str, ground_truth)` helpers work). A dict result
+  gives its "score".
+* TRL: keywords `prompts=[prompt]`, `completions=[response]`, every metadata column as a
+  one-element list (as TRL passes dataset columns), and `ground_truth=[label]`, `label=[label]`
+  unless metadata has columns of those names. Without `**kwargs` only the keywords it names are
+  passed; a required one that is absent is a clear error. Completions are plain strings (TRL's
+  "standard" format, not chat messages); `completion_ids`/`trainer_state` are not supplied. The
+  result must be a list (or tuple) of exactly one score.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from rewards.plugin import load_function
+from rewards.runner import _describe, _is_async, _keyword_plan
+
+STYLES = ("native", "slime", "verl", "trl")
+
+ACCEPTED_SIGNATURES = (
+    "native `fn(prompt, response, label, metadata)` (label/metadata optional, sync or async); "
+    "slime `async def rm(args, sample)`; "
+    "verl `compute_score(data_source, solution_str, ground_truth, extra_info=None)`; "
+    "TRL `f(completions, **kwargs)` (optionally `prompts=`) returning a list of floats"
+)
+
+
+class RewardSignatureError(TypeError):
+    """A reward function whose signature matches no supported style, or more than one."""
+
+
+@dataclass
+class RewardSample:
+    """The light stand-in for slime's Sample that a slime-style `rm(args, sample)` receives."""
+
+    prompt: str
+    response: str
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    reward: Any = None
+    status: str = "completed"
+
+
+def load_reward(spec: str, style: str | None = None) -> Callable[..., Any]:
+    """Load `spec` (`package.module:function` or `path/to/file.py:function`) as a native reward."""
+    return adapt(load_function(spec), style=style, name=spec)
+
+
+def adapt(fn: Callable[..., Any], style: str | None = None, name: str | None = None) -> Callable[..., Any]:
+    """Wrap an already-loaded function of any supported style as a native reward."""
+    name = name or _describe(fn)
+    if style is None:
+        style = detect_style(fn, name)
+    elif style not in STYLES:
+        raise ValueError(f"reward function {name}: unknown style {style!r}; choose one of {', '.join(STYLES)}")
+    if style == "native":
+        _keyword_plan(fn, name)  # raises a clear TypeError now rather than on every call
+        return fn
+    return {"slime": _slime, "verl": _verl, "trl": _trl}[style](fn, name)
+
+
+def detect_style(fn: Callable[..., Any], name: str | None = None) -> str:
+    """The style `fn`'s parameter names say it is written in; see the module docstring."""
+    name = name or _describe(fn)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise RewardSignatureError(
+            f"reward function {name}: its signature cannot be inspected ({exc}); pass style= explicitly. "
+            f"Accepted signatures: {ACCEPTED_SIGNATURES}"
+        ) from None
+    names = list(sig.parameters)
+    positional = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    matches = []
+    if "prompt" in names and "response" in names:
+        matches.append("native")
+    if positional[:2] == ["args", "sample"]:
+        matches.append("slime")
+    if "solution_str" in names and "ground_truth" in names:
+        matches.append("verl")
+    if "completions" in names:
+        matches.append("trl")
+    if len(matches) == 1:
+        return matches[0]
+    why = f"matches several styles ({', '.join(matches)})" if matches else "matches no supported style"
+    raise RewardSignatureError(
+        f"reward function {name}{sig} {why}; pass style= one of {', '.join(STYLES)} to choose. "
+        f"Accepted signatures: {ACCEPTED_SIGNATURES}"
+    )
+
+
+def native_caller(fn: Callable[..., Any], name: str | None = None) -> Callable[[str, str, Any, dict], Any]:
+    """`call(prompt, response, label, metadata)` passing only the keywords `fn` takes (as the runner does)."""
+    pass_label, pass_metadata = _keyword_plan(fn, name or _describe(fn))
+
+    def call(prompt: str, response: str, label: Any, metadata: dict[str, Any] | None) -> Any:
+        kwargs: dict[str, Any] = {"prompt": prompt, "response": response}
+        if pass_label:
+            kwargs["label"] = label
+        if pass_metadata:
+            kwargs["metadata"] = metadata if metadata is not None else {}
+        return fn(**kwargs)
+
+    return call
+
+
+# --- styles --------------------------------------------------------------------------------------
+
+
+def _native(fn: Callable[..., Any], name: str, build: Callable[..., tuple[tuple, dict]],
+            post: Callable[[Any], Any]) -> Callable[..., Any]:
+    """A native-signature function calling `fn(*args, **kwargs)` from `build`, sync or async like fn."""
+    if _is_async(fn):
+        async def reward(prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Any:
+            args, kwargs = build(prompt, response, label, dict(metadata or {}))
+            return post(await fn(*args, **kwargs))
+    else:
+        def reward(prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Any:
+            args, kwargs = build(prompt, response, label, dict(metadata or {}))
+            return post(fn(*args, **kwargs))
+    reward.__name__ = getattr(fn, "__name__", "reward")
+    reward.__qualname__ = name  # the runner names failures after this
+    reward.__module__ = ""
+    reward.__wrapped_reward__ = fn  # type: ignore[attr-defined]
+    return reward
+
+
+def _slime(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def build(prompt, response, label, metadata):
+        fields = {k: v for k, v in metadata.items() if isinstance(k, str) and k.isidentifier()}
+        fields.update(label=label, metadata=metadata, rm_type=metadata.get("rm_type"))
+        sample = RewardSample(prompt=prompt, response=response, label=label, metadata=metadata)
+        return (SimpleNamespace(**fields), sample), {}
+
+    return _native(fn, name, build, lambda value: value)
+
+
+def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    accepts = _acceptor(fn)
+
+    def build(prompt, response, label, metadata):
+        data_source = metadata.get("data_source", metadata.get("task"))
+        offered = {"data_source": data_source, "solution_str": response, "ground_truth": label, "extra_info": metadata}
+        return (), {k: v for k, v in offered.items() if accepts(k)}
+
+    def post(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            if "score" not in value:
+                raise ValueError(f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})")
+            return value["score"]
+        return value
+
+    return _native(fn, name, build, post)
+
+
+_TRL_RESERVED = ("prompts", "completions")
+
+
+def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    accepts = _acceptor(fn)
+    sig = inspect.signature(fn)
+    required = [
+        n for n, p in sig.parameters.items()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+    def build(prompt, response, label, metadata):
+        offered: dict[str, list[Any]] = {"prompts": [prompt], "completions": [response]}
+        for key, value in metadata.items():
+            if isinstance(key, str) and key not in _TRL_RESERVED:
+                offered[key] = [value]
+        offered.setdefault("ground_truth", [label])
+        offered.setdefault("label", [label])
+        missing = [n for n in required if n not in offered]
+        if missing:
+            raise TypeError(
+                f"TRL-style reward {name} requires {missing}, which this sample does not have "
+                f"(dataset columns in metadata: {sorted(k for k in offered if k not in _TRL_RESERVED)})"
+            )
+        return (), {k: v for k, v in offered.items() if accepts(k)}
+
+    def post(value: Any) -> Any:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(
+                f"TRL-style reward {name} returned {type(value).__name__} {value!r:.80}; "
+                f"expected a list with one score per completion"
+            )
+        if len(value) != 1:
+            raise ValueError(
+                f"TRL-style reward {name} returned {len(value)} scores for 1 completion; "
+                f"expected a list of exactly 1"
+            )
+        if value[0] is None:
+            raise ValueError(f"TRL-style reward {name} returned [None]: it does not apply to this sample")
+        return value[0]
+
+    return _native(fn, name, build, post)
+
+
+def _acceptor(fn: Callable[..., Any]) -> Callable[[str], bool]:
+    params = inspect.signature(fn).parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    @functools.cache
+    def accepts(arg: str) -> bool:
+        p = params.get(arg)
+        return takes_kwargs or (p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+    return accepts

@@ -1,0 +1,166 @@
+"""rewards.mix: WeightedSum, RouteByField and load_reward_spec, with every error message checked."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rewards.mix import (
+    NoRouteError,
+    RewardChildError,
+    RewardSpecError,
+    RouteByField,
+    WeightedSum,
+    load_reward_spec,
+)
+from rewards.rule import exact_match, f1
+from rewards.runner import RewardRunner
+
+
+def half(prompt, response):
+    return 0.5
+
+
+def verl_style(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str == ground_truth)}
+
+
+def trl_style(completions, **kwargs):
+    return [2.0 for _ in completions]
+
+
+def boom(prompt, response):
+    raise KeyError("missing")
+
+
+def not_a_number(prompt, response):
+    return "high"
+
+
+def test_weighted_sum_sync_mixes_styles():
+    fn = WeightedSum([(exact_match, 0.7), (f1, 0.2), (verl_style, 0.1), (trl_style, -0.05)])
+    assert not inspect.iscoroutinefunction(fn)
+    # exact 1*0.7 + f1 1*0.2 + verl 1*0.1 + trl 2*(-0.05)
+    assert fn("q", "the cat", "the cat", {}) == pytest.approx(0.7 + 0.2 + 0.1 - 0.1)
+    # exact 0, f1: [cat] vs [cat, sat] -> P=1, R=1/2, F1=2/3; verl 0; trl -0.1
+    assert fn("q", "cat", "cat sat", {}) == pytest.approx(0.2 * 2 / 3 - 0.1)
+    assert WeightedSum([("rewards.rule:exact_match", 2)])("q", "a", "a", {}) == 2.0
+
+
+def test_weighted_sum_async_runs_children_concurrently_and_sync_ones_off_the_loop():
+    loop_threads = []
+
+    async def slow_a(prompt, response):
+        loop_threads.append(threading.current_thread())
+        await asyncio.sleep(0.15)
+        return 1.0
+
+    async def slow_b(args, sample):  # slime style
+        await asyncio.sleep(0.15)
+        return 2.0
+
+    def sync_child(prompt, response):
+        assert threading.current_thread() is not loop_threads[0]
+        time.sleep(0.15)
+        return 4.0
+
+    fn = WeightedSum([(slow_a, 1.0), (slow_b, 0.5), (sync_child, 0.25)])
+    assert inspect.iscoroutinefunction(fn)
+    start = time.monotonic()
+    assert asyncio.run(fn("q", "r", None, {})) == pytest.approx(1.0 + 1.0 + 1.0)
+    assert time.monotonic() - start < 0.4  # sequential would take 0.45 s
+
+
+def test_weighted_sum_child_failures_name_the_child():
+    with pytest.raises(RewardChildError, match=r"child reward .*boom raised KeyError: 'missing'"):
+        WeightedSum([(half, 1.0), (boom, 1.0)])("q", "r", None, {})
+    with pytest.raises(RewardChildError, match=r"reward .*not_a_number returned str 'high', not a number"):
+        WeightedSum([(not_a_number, 1.0)])("q", "r", None, {})
+
+    async def async_boom(prompt, response):
+        raise ValueError("judge down")
+
+    with pytest.raises(RewardChildError, match=r"child reward .*async_boom raised ValueError: judge down"):
+        asyncio.run(WeightedSum([(half, 1.0), (async_boom, 1.0)])("q", "r", None, {}))
+
+
+def test_weighted_sum_bad_arguments():
+    with pytest.raises(ValueError, match="WeightedSum needs at least one"):
+        WeightedSum([])
+    with pytest.raises(ValueError, match=r"WeightedSum item 0: weight must be a finite number, got 'a lot'"):
+        WeightedSum([(half, "a lot")])
+    with pytest.raises(TypeError, match=r"WeightedSum item 0 must be a \(fn, weight\) pair"):
+        WeightedSum([half])
+    with pytest.raises(TypeError, match=r"a reward must be a callable or a spec string, got int 3"):
+        WeightedSum([(3, 1.0)])
+
+
+def test_route_by_field():
+    fn = RouteByField("task", {"qa": f1, "exact": exact_match}, default=half)
+    assert fn("q", "cat", "cat sat", {"task": "qa"}) == pytest.approx(2 / 3)
+    assert fn("q", "cat", "cat sat", {"task": "exact"}) == 0.0
+    assert fn("q", "cat", "cat sat", {"task": "other"}) == 0.5
+    assert fn("q", "cat", "cat sat", {}) == 0.5
+
+
+def test_route_without_match_names_the_value_and_routes():
+    fn = RouteByField("task", {"math": "rewards.rule:math_answer", "qa": f1})
+    with pytest.raises(NoRouteError, match=r"no reward for task='code'; known routes: \['math', 'qa'\] and no default"):
+        fn("q", "r", "l", {"task": "code"})
+    with pytest.raises(NoRouteError, match=r"no reward for no 'task' field; known routes: \['math', 'qa'\]"):
+        fn("q", "r", "l", {})
+    with RewardRunner(fn, 5.0, 1) as runner:  # the runner turns it into a failed sample
+        result = runner.score("q", "r", "l", {"task": "code"})
+        assert result.reward is None and "NoRouteError" in result.failure and "task='code'" in result.failure
+
+
+def test_route_async_when_any_route_is():
+    async def judge(prompt, response):
+        return 0.25
+
+    fn = RouteByField("task", {"chat": judge, "qa": f1})
+    assert inspect.iscoroutinefunction(fn)
+    assert asyncio.run(fn("q", "x", "x", {"task": "chat"})) == 0.25
+    assert asyncio.run(fn("q", "x", "x", {"task": "qa"})) == 1.0
+
+
+def test_load_reward_spec_recursive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "judge.py").write_text("def f(completions, **kwargs):\n    return [0.5 for _ in completions]\n")
+    spec = {
+        "route": "task",
+        "routes": {
+            "qa": {"mix": [{"fn": "rewards.rule:exact_match", "weight": 0.7}, {"fn": "judge.py:f", "weight": 0.3}]},
+            "math": "rewards.rule:math_answer",
+        },
+        "default": {"fn": "judge.py:f", "style": "trl"},
+    }
+    fn = load_reward_spec(spec)
+    assert fn("q", "Paris", "paris", {"task": "qa"}) == pytest.approx(0.7 + 0.15)
+    assert fn("q", r"\boxed{\frac{1}{2}}", "0.5", {"task": "math"}) == 1.0
+    assert fn("q", "x", "y", {"task": "poetry"}) == 0.5
+    assert load_reward_spec("rewards.rule:f1")("q", "a b", "a b", {}) == 1.0
+
+
+def test_load_reward_spec_errors_give_the_path():
+    with pytest.raises(RewardSpecError, match=r"reward\.mix\.0\.wieght: Extra inputs are not permitted"):
+        load_reward_spec({"mix": [{"fn": "rewards.rule:f1", "wieght": 1.0}]})
+    with pytest.raises(RewardSpecError, match=r"reward\.mix\.0\.weight: Field required"):
+        load_reward_spec({"mix": [{"fn": "rewards.rule:f1"}]})
+    with pytest.raises(RewardSpecError, match=r"reward\.mix\.0\.weight: Input should be a valid number"):
+        load_reward_spec({"mix": [{"fn": "rewards.rule:f1", "weight": "heavy"}]})
+    with pytest.raises(RewardSpecError, match=r"reward\.mix: List should have at least 1 item"):
+        load_reward_spec({"mix": []})
+    with pytest.raises(RewardSpecError, match=r"reward\.routes\.qa: unrecognised keys \['func'\]; expected a spec string"):
+        load_reward_spec({"route": "task", "routes": {"qa": {"func": "x:y"}}})
+    with pytest.raises(RewardSpecError, match=r"reward\.routes: Value error, routes must name at least one field value"):
+        load_reward_spec({"route": "task", "routes": {}})
+    with pytest.raises(RewardSpecError, match=r"reward\.style: Input should be 'native', 'slime', 'verl' or 'trl'"):
+        load_reward_spec({"fn": "rewards.rule:f1", "style": "openrlhf"})
+    with pytest.raises(RewardSpecError, match=r"reward\.mix\.0\.fn: expected a spec string .*; got int 5"):
+        load_reward_spec({"mix": [{"fn": 5, "weight": 1.0}]})
