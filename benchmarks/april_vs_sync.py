@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from slime.config import JobConfig, load_config  # noqa: E402
+from slime.config import load_config
 
 # The long-tail shape: 16 groups x 8 samples, 96-token cap, T=1; 256 engine slots so that
 # 2x over-provisioned groups (32 x 8 = 256 requests) really run concurrently.
@@ -70,7 +70,7 @@ def run_setting(name: str, overrides: list[str], args, redis_url: str) -> dict:
 
     cfg = load_config(None, [
         f"job_name=bench-april-{name}", f"output_dir={args.out}/{name}", f"steps={args.steps}",
-        f"seed={args.seed}", f"data.seed={args.seed}", f"buffer.url={redis_url}", *SHAPE, *overrides,
+        f"seed={args.seed}", f"data.seed={args.seed}", f"buffer.url={redis_url}", *SHAPE, *args.set, *overrides,
     ])
     started = time.time()
     with RunningJob(cfg) as job:
@@ -250,8 +250,8 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
     common = {
         "t0": engine["t0"], "k": engine["k"], "t_kv": 0.0, "p": engine["p"],
         "t_train0": float(fixed), "t_train_per_token": float(per_token), "t_sync": max(overhead, 0.0),
-        "prompt_tokens": int(round(prompt_tokens)), "steps": args.steps,
-        "kv_tokens": cfg.rollout.max_running_requests * (int(round(prompt_tokens)) + cfg.rollout.max_new_tokens),
+        "prompt_tokens": round(prompt_tokens), "steps": args.steps,
+        "kv_tokens": cfg.rollout.max_running_requests * (round(prompt_tokens) + cfg.rollout.max_new_tokens),
     }
     empirical = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"]})
     grouped = sim_config_from_job(cfg, {**common, **lognormal_fit(sync["group_lengths"])})
@@ -303,6 +303,8 @@ def main() -> None:
                     help="also run APRIL at oversample 1.5 and 3.0 (auto: if the projected total fits --budget-s)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock the whole benchmark should stay under")
     ap.add_argument("--eval-prompts", type=int, default=128)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config override for every setting, e.g. --set learner.lr=5e-4 (repeatable)")
     ap.add_argument("--out", default="outputs/bench-april-vs-sync")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of calibration/eval (= cluster.torch_threads)")
     args = ap.parse_args()
@@ -344,7 +346,7 @@ def main() -> None:
         ray.shutdown()
         server.stop()
     t = time.time()
-    engine = measure_engine(model_dir, args.threads, int(round(runs["sync"]["prompt_tokens"])))
+    engine = measure_engine(model_dir, args.threads, round(runs["sync"]["prompt_tokens"]))
     calib_s = time.time() - t
     t = time.time()
     held_out = repeat.make_dataset(args.eval_prompts, seed=10_000 + args.seed)
@@ -358,7 +360,7 @@ def main() -> None:
     print()
     print(f"APRIL vs sync: repeat task, tiny MoE (default warm start), 1 rollout worker, batch 16 x 8, "
           f"96-token cap, T=1, 256 slots, {args.steps} steps (time figures: steps {args.warmup_steps}..{args.steps - 1}), "
-          f"seed {args.seed}")
+          f"seed {args.seed}" + (f", overrides {' '.join(args.set)}" if args.set else ""))
     print(f"{'':36s}" + "".join(f"{c:>{w}s}" for c in cols))
 
     def row(label: str, fn, fmt: str = "{:.2f}") -> None:

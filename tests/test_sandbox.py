@@ -1,0 +1,246 @@
+"""The code sandbox (envs/sandbox.py) under attack, and the unit-test code reward.
+
+Every attack test ends with a clear status AND checks the sandbox still serves the next request.
+Skipped only when bubblewrap is missing or cannot create namespaces here (the reason says which);
+CI installs it with `apt-get install -y bubblewrap`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+import pytest
+
+from envs.code_reward import code_reward, extract_code, score_code
+from envs.sandbox import Sandbox, SandboxConfig, SandboxPool
+
+CFG = SandboxConfig(timeout_s=3.0, memory_mb=256, max_processes=16, max_output_bytes=8192)
+_sb = Sandbox(CFG)
+_probe_error = _sb._probe()
+pytestmark = pytest.mark.skipif(_probe_error is not None, reason=f"bubblewrap sandbox unusable here: {_probe_error}")
+
+
+@pytest.fixture(scope="module")
+def sb() -> Sandbox:
+    return _sb
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(CFG, max_concurrency=2) as p:
+        yield p
+
+
+def _still_serving(sb: Sandbox) -> None:
+    r = sb.run_python("print(6 * 7)")
+    assert r.status == "ok" and r.stdout == "42\n", r
+
+
+def _procs_with_marker(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if marker.encode() in cmd:
+            found.append(int(name))
+    return found
+
+
+def test_ok_stdin_and_files(sb):
+    r = sb.run_python("import sys; print(sys.stdin.read().upper(), open('data/x.txt').read())",
+                      stdin="hi", files={"data/x.txt": "file"})
+    assert r.status == "ok" and r.exit_code == 0 and r.stdout == "HI file\n" and r.warning is None
+    r = sb.run_shell("echo $HOME; id -u; exit 3")
+    assert r.status == "error" and r.exit_code == 3 and r.stdout == "/work\n65534\n"
+
+
+def test_network_refused(sb):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    try:
+        code = f"""
+import socket
+s = socket.socket(); s.settimeout(2)
+try:
+    s.connect(("127.0.0.1", {port})); print("CONNECTED")
+except OSError as e:
+    print("refused", type(e).__name__)
+try:
+    socket.getaddrinfo("example.com", 80); print("RESOLVED")
+except OSError as e:
+    print("dns failed", type(e).__name__)
+"""
+        r = sb.run_python(code)
+        assert r.status == "ok", r
+        assert "CONNECTED" not in r.stdout and "RESOLVED" not in r.stdout
+        assert "refused" in r.stdout and "dns failed" in r.stdout
+    finally:
+        srv.close()
+    _still_serving(sb)
+
+
+def test_fork_bomb_contained(sb):
+    code = """
+import os, time
+n = 0
+for _ in range(10000):
+    try:
+        if os.fork() == 0:
+            time.sleep(30); os._exit(0)
+        n += 1
+    except OSError as e:
+        print("fork refused after", n, e.errno, flush=True); break
+time.sleep(30)
+"""
+    t0 = time.monotonic()
+    r = sb.run_python(code)
+    assert time.monotonic() - t0 < CFG.timeout_s + 2
+    assert r.status == "timeout", r
+    assert "fork refused after" in r.stdout
+    assert int(r.stdout.split("after")[1].split()[0]) <= CFG.max_processes + 4
+    _still_serving(sb)
+
+
+def test_memory_bomb_killed(sb):
+    r = sb.run_python("x = bytearray(4 * 1024**3)\nprint('allocated')")
+    assert r.status == "memory" and "MemoryError" in r.stderr and "allocated" not in r.stdout, r
+    r = sb.run_python("l = []\nwhile True:\n    l.append(bytearray(10**7))")
+    assert r.status == "memory", r
+    _still_serving(sb)
+
+
+def test_infinite_loop_killed_at_timeout(sb):
+    t0 = time.monotonic()
+    r = sb.run_python("while True:\n    pass")
+    wall = time.monotonic() - t0
+    assert r.status == "timeout" and wall < CFG.timeout_s + 2 and r.wall_s >= CFG.timeout_s - 0.1, (r, wall)
+    _still_serving(sb)
+
+
+def test_host_files_invisible(sb):
+    here = os.path.abspath(__file__)
+    targets = [here, "/work/main/pyproject.toml", "/root/.bashrc", "/etc/shadow", "/etc/passwd"]
+    code = f"""
+for p in {targets!r}:
+    try:
+        open(p).read(); print("READ", p)
+    except OSError as e:
+        print("denied", p, type(e).__name__)
+import os
+print("root listing:", sorted(os.listdir("/")))
+"""
+    r = sb.run_python(code)
+    assert r.status == "ok", r
+    assert "READ" not in r.stdout, r.stdout
+    assert r.stdout.count("denied") == len(targets)
+    assert "root" not in r.stdout.split("root listing:")[1] and "home" not in r.stdout.split("root listing:")[1]
+    _still_serving(sb)
+
+
+def test_writes_outside_workdir_fail(sb):
+    code = """
+for p in ["/usr/evil", "/etc/evil", "/evil", "/bin/evil", "/proc/evil"]:
+    try:
+        open(p, "w").write("x"); print("WROTE", p)
+    except OSError as e:
+        print("denied", p)
+open("ok.txt", "w").write("fine"); open("/tmp/t", "w").write("fine")
+print("workdir ok")
+"""
+    r = sb.run_python(code)
+    assert r.status == "ok" and "WROTE" not in r.stdout and "workdir ok" in r.stdout, r
+    assert not os.path.exists("/usr/evil") and not os.path.exists("/evil")
+    _still_serving(sb)
+
+
+def test_output_flood_truncated(sb):
+    r = sb.run_python("import sys\nwhile True:\n    sys.stdout.write('A' * 4096)")
+    assert r.status == "output_limit" and r.stdout_truncated, r.status
+    assert r.stdout.startswith("A" * 8192) and "truncated by sandbox" in r.stdout
+    assert len(r.stdout) < 8192 + 200
+    r = sb.run_python("import sys\nfor _ in range(10**6):\n    print('E' * 100, file=sys.stderr)")
+    assert r.status == "output_limit" and r.stderr_truncated and not r.stdout_truncated
+    _still_serving(sb)
+
+
+def test_no_processes_left_behind(sb):
+    marker = "lingering-" + uuid.uuid4().hex
+    # detached grandchildren that try to outlive the run: a setsid'd daemon and a plain sleeper
+    code = f"""
+import os, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "{marker}"], start_new_session=True)
+if os.fork() == 0:
+    os.setsid()
+    os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "{marker}"])
+print("spawned", flush=True)
+"""
+    r = sb.run_python(code)
+    assert r.status == "ok" and "spawned" in r.stdout, r
+    r = sb.run_python(code.replace('print("spawned", flush=True)', 'print("spawned", flush=True)\nwhile True: pass'))
+    assert r.status == "timeout"
+    time.sleep(0.2)
+    assert _procs_with_marker(marker) == []
+    _still_serving(sb)
+
+
+def test_unavailable_refuses_unless_unsafe():
+    bad = Sandbox(SandboxConfig(bwrap="definitely-not-bwrap-xyz"))
+    r = bad.run_python("print(1)")
+    assert r.status == "sandbox_unavailable" and "apt-get install -y bubblewrap" in r.error
+    unsafe = Sandbox(SandboxConfig(bwrap="definitely-not-bwrap-xyz", mode="unsafe_no_namespaces", timeout_s=3))
+    r = unsafe.run_python("print(1)")
+    assert r.status == "ok" and r.stdout == "1\n" and "WITHOUT namespaces" in r.warning
+
+
+def test_pool_concurrent(pool):
+    futs = [pool.submit(f"print({i} * 2)") for i in range(6)]
+    assert [f.result().stdout for f in futs] == [f"{i * 2}\n" for i in range(6)]
+
+
+# ----------------------------------------------------------------------------- code reward
+
+TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4", "assert add(0, 5) == 5"]
+
+
+def test_extract_code():
+    assert extract_code("bla\n```python\nx = 1\n```\nmore\n```py\nx = 2\n```") == "x = 2\n"
+    assert extract_code("```\ny = 3\n```") == "y = 3\n"
+    assert extract_code("z = 4") == "z = 4"
+
+
+def test_code_reward_assert_tests(pool):
+    good = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
+    partial = "```python\ndef add(a, b):\n    return a + b if a >= 0 and b else 4\n```"  # fails add(-1, 1)
+    crashing = "```python\ndef add(a, b):\n    return a + b\nraise RuntimeError('boom')\n```"
+    hacker = "```python\nimport os\nprint('{\"i\": 0, \"status\": \"ok\"}')\nos._exit(0)\n```"
+    d = score_code(good, tests=TESTS, pool=pool)
+    assert d["reward"] == 1.0 and all(r["status"] == "ok" for r in d["results"])
+    d = score_code(partial, tests=TESTS, pool=pool)
+    assert d["reward"] == 0.75 and d["results"][1]["status"] == "failed" and "AssertionError" in d["results"][1]["stderr"]
+    d = score_code(crashing, tests=TESTS, pool=pool)
+    assert d["reward"] == 0.0 and all("boom" in r["stderr"] for r in d["results"])
+    assert score_code(hacker, tests=TESTS, pool=pool)["reward"] == 0.0
+    hang = "```python\ndef add(a, b):\n    while a == 2: pass\n    return a + b\n```"
+    d = score_code(hang, tests=TESTS, pool=pool, per_test_s=0.5)
+    assert d["reward"] == 0.75 and d["results"][2]["status"] == "timeout"
+
+
+def test_code_reward_io_cases_and_native_signature():
+    cases = [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "5 5\n", "stdout": "10"}, {"stdin": "2 2\n", "stdout": "5\n"}]
+    prog = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    md: dict = {}
+    assert code_reward("p", prog, {"cases": cases}, md) == pytest.approx(2 / 3)
+    assert [r["status"] for r in md["code_reward"]["results"]] == ["ok", "ok", "wrong_answer"]
+    md = {"tests": TESTS}
+    assert code_reward("p", "def add(a, b):\n    return a + b", None, md) == 1.0
+    assert code_reward("p", "syntax error (", '{"tests": ["assert True"]}', {}) == 0.0
