@@ -31,28 +31,28 @@ def _absolute_paths(cfg: JobConfig) -> JobConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # These own their flags (argparse would take their --help and options for its own).
+    if argv and argv[0] == "train-rm":
+        from rewards.reward_model import main_train_rm
+
+        return main_train_rm(argv[1:])
+    if argv and argv[0] == "train-prm":
+        from rewards.prm import main_train_prm
+
+        return main_train_prm(argv[1:])
     parser = argparse.ArgumentParser(prog="slime", description="Asynchronous RL post-training with APRIL.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a training job")
     p_train.add_argument("args", nargs="*", help="[CONFIG.yaml] then key.path=value overrides")
     p_show = sub.add_parser("config", help="print the resolved config")
     p_show.add_argument("args", nargs="*")
-    for name, what in (("train-rm", "train a Bradley-Terry reward model on preference JSONL"),
-                       ("train-prm", "train a process reward model on step-labelled JSONL")):
-        p = sub.add_parser(name, help=what, add_help=False)
-        p.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("train-rm", help="train a Bradley-Terry reward model on preference JSONL (--help for flags)")
+    sub.add_parser("train-prm", help="train a process reward model on step-labelled JSONL (--help for flags)")
     p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim.py)")
     p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
     ns = parser.parse_args(argv)
 
-    if ns.command == "train-rm":
-        from rewards.reward_model import main_train_rm
-
-        return main_train_rm(ns.args)
-    if ns.command == "train-prm":
-        from rewards.prm import main_train_prm
-
-        return main_train_prm(ns.args)
     if ns.command == "simulate":
         from april.sim import main_simulate
 
