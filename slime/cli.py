@@ -19,9 +19,10 @@ def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
 def _absolute_paths(cfg: JobConfig) -> JobConfig:
     """Ray actors may run elsewhere; user files named relative to the launch directory become absolute."""
     fn = cfg.reward.fn
-    module, sep, name = fn.rpartition(":")
-    if sep and module.endswith(".py"):
-        cfg.reward.fn = f"{Path(module).expanduser().resolve()}:{name}"
+    if isinstance(fn, str):
+        module, sep, name = fn.rpartition(":")
+        if sep and module.endswith(".py"):
+            cfg.reward.fn = f"{Path(module).expanduser().resolve()}:{name}"
     for section, field in ((cfg.model, "path"), (cfg.data, "path")):
         value = getattr(section, field)
         if value is not None:

@@ -213,8 +213,10 @@ class SamplingConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    fn: str = Field(
-        "envs.repeat:reward", description="`package.module:function` or `path/to/file.py:function`."
+    fn: str | dict[str, Any] = Field(
+        "envs.repeat:reward",
+        description="`package.module:function` or `path/to/file.py:function`, or a mix/route spec "
+        "({mix: [{fn, weight}, ...]} or {route: field, routes: {value: spec}, default: spec}).",
     )
     timeout_s: float = Field(30.0, gt=0)
     max_concurrency: int = Field(8, gt=0)

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from rewards.adapters import load_reward
+from rewards.mix import load_reward_spec
 from rewards.plugin import load_function
 from rewards.runner import RewardResult, RewardRunner
 from slime.buffer import LeaseLostError, RedisBuffer
@@ -59,7 +59,7 @@ class RolloutWorker:
             stop_token_ids=[] if r.ignore_eos else stop_token_ids(self.tokenizer, r.stop),
         )
         self.rewards = RewardRunner(
-            load_reward(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.max_concurrency, name=cfg.reward.fn
+            load_reward_spec(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.max_concurrency, name=str(cfg.reward.fn)
         )
         self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
         kind = cfg.weights.transport

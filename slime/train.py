@@ -115,6 +115,9 @@ class RunningJob:
 
         cfg = self.cfg
         try:
+            from rewards.mix import load_reward_spec
+
+            load_reward_spec(cfg.reward.fn)  # a bad reward spec fails here, before anything starts
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
             self.redis_url, self.redis_server = connect_or_start(cfg.buffer.url, self.run_dir / "redis", cfg.buffer.aof)

@@ -85,3 +85,11 @@ def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redi
     failed = [s for s in RedisBuffer(redis_url, job).iter_samples() if s.failure]
     assert failed and all("odd length" in s.failure for s in failed)
     RedisBuffer(redis_url, job).delete_job()
+
+
+def test_bad_reward_spec_fails_before_anything_starts(tmp_path):
+    from rewards.plugin import PluginError
+
+    with pytest.raises(PluginError, match="no_such_function"):
+        train(load_config(None, [f"output_dir={tmp_path}", "reward.fn=envs.repeat:no_such_function"]))
+    assert not (tmp_path / "redis").exists()
