@@ -489,6 +489,31 @@ class RedisBuffer:
         self._raise_for(code, detail, sample_id, worker_id)
         return int(detail)
 
+    def append_chunks(
+        self, worker_id: str, chunks: Sequence[tuple[str, Sequence[int], Sequence[float], Sequence[int]]]
+    ) -> list[int | Exception]:
+        """Many `append_chunk`s (sample_id, token_ids, logprobs, versions; loss mask 1) in one round
+        trip; each stays atomic on its own. Per chunk: the new length, or the error it raised."""
+        pipe = self.redis.pipeline(transaction=False)
+        for sample_id, token_ids, logprobs, versions in chunks:
+            tokens, lps, vers, mask = normalize_chunk(token_ids, logprobs, versions, 1)
+            self._append(
+                args=[
+                    self.prefix, sample_id, worker_id, self.lease_seconds,
+                    tokens.astype(WIRE_TOKEN).tobytes(), lps.astype(WIRE_LOGPROB).tobytes(),
+                    vers.astype(WIRE_VERSION).tobytes(), mask.astype(WIRE_MASK).tobytes(),
+                ],
+                client=pipe,
+            )
+        results: list[int | Exception] = []
+        for (sample_id, *_), (code, detail) in zip(chunks, pipe.execute()):
+            try:
+                self._raise_for(code, detail, sample_id, worker_id)
+                results.append(int(detail))
+            except (LeaseLostError, KeyError, ChunkLengthError, RuntimeError) as exc:
+                results.append(exc)
+        return results
+
     def renew_leases(self, worker_id: str, sample_ids: Sequence[str]) -> list[str]:
         """Extend the leases worker_id still holds; returns the ids it no longer owns."""
         if not sample_ids:

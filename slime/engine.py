@@ -347,7 +347,20 @@ class RolloutEngine:
             seqs.append(_Seq(req.request_id, remaining, p))
         if not new_reqs:
             return
+        # Resumed partials make newcomers' contexts very unequal; one left-padded prefill would
+        # compute mostly padding. Prefill in buckets of similar length instead.
+        order = sorted(range(len(new_reqs)), key=lambda i: len(new_reqs[i].prompt_ids) + len(new_reqs[i].response_ids))
+        bucket: list[int] = []
+        for i in order:
+            n_ctx = len(new_reqs[i].prompt_ids) + len(new_reqs[i].response_ids)
+            if bucket and n_ctx > 2 * (len(new_reqs[bucket[0]].prompt_ids) + len(new_reqs[bucket[0]].response_ids)) + 8:
+                self._prefill([new_reqs[j] for j in bucket], [seqs[j] for j in bucket], chunks)
+                bucket = []
+            bucket.append(i)
+        self._prefill([new_reqs[j] for j in bucket], [seqs[j] for j in bucket], chunks)
 
+    def _prefill(self, new_reqs: list[GenerationRequest], seqs: list[_Seq], chunks: dict[str, GenerationChunk]) -> None:
+        """Prefill one group of newcomers, sample their first token, merge them into the batch."""
         dev = self.device
         ctx = [r.prompt_ids + r.response_ids for r in new_reqs]
         width = max(len(c) for c in ctx)

@@ -39,7 +39,7 @@ class _Pending:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, worker_id: str):
+    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, worker_id: str, index: int = 0):
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
         self.worker_id = worker_id
@@ -50,7 +50,7 @@ class RolloutWorker:
             model,
             device=cfg.rollout.device,
             max_running_requests=cfg.rollout.max_running_requests,
-            seed=cfg.seed + hash(worker_id) % 10_000,
+            seed=cfg.seed + 1000 * index,  # reproducible across runs (worker_id carries a run nonce)
             version=self.buffer.get_policy_version(),
         )
         r = cfg.rollout
@@ -75,6 +75,7 @@ class RolloutWorker:
         self.stopped = threading.Event()
         self.error: str | None = None
         self.generated_tokens = 0
+        self.last_empty_lease = 0.0
         self.busy_seconds = 0.0
         self.started_at = time.time()
         self.thread = threading.Thread(target=self._run, name=f"rollout-{worker_id}", daemon=True)
@@ -109,9 +110,13 @@ class RolloutWorker:
 
     def _admit(self) -> None:
         free = self.cfg.rollout.max_running_requests - self.engine.num_running() - self.engine.num_waiting()
-        if free <= 0:
+        # An empty queue is asked again only every 20 ms, not on every decode step.
+        if free <= 0 or time.time() - self.last_empty_lease < 0.02:
             return
-        for sample in self.buffer.lease(self.worker_id, free):
+        leased = self.buffer.lease(self.worker_id, free)
+        if not leased:
+            self.last_empty_lease = time.time()
+        for sample in leased:
             if not self._within_staleness_budget(sample):
                 continue
             if sample.remaining_tokens == 0:  # aborted exactly at its budget: nothing left to generate
@@ -141,6 +146,8 @@ class RolloutWorker:
         return False
 
     def _absorb(self, chunks: list[GenerationChunk]) -> None:
+        to_flush: list[_Pending] = []
+        finished: list[tuple[_Pending, str | None]] = []
         for chunk in chunks:
             p = self.pending.get(chunk.request_id)
             if p is None:
@@ -149,33 +156,43 @@ class RolloutWorker:
             p.logprobs.extend(chunk.logprobs)
             p.versions.extend([chunk.version] * len(chunk.token_ids))
             self.generated_tokens += len(chunk.token_ids)
-            if chunk.finished or len(p.tokens) >= self.cfg.rollout.chunk_tokens:
-                if not self._flush(p):
-                    continue
+            if (chunk.finished or len(p.tokens) >= self.cfg.rollout.chunk_tokens) and p.tokens:
+                to_flush.append(p)
             if chunk.finished:
-                del self.pending[chunk.request_id]
-                if chunk.finish_reason == "abort":
-                    self.buffer.release(p.sample.id, self.worker_id)
-                else:
-                    self._finalize(p, chunk.finish_reason)
+                finished.append((p, chunk.finish_reason))
+        lost = self._flush(to_flush)
+        for p, reason in finished:
+            if p.sample.id in lost:
+                continue
+            del self.pending[p.sample.id]
+            if reason == "abort":
+                self.buffer.release(p.sample.id, self.worker_id)
+            else:
+                self._finalize(p, reason)
 
-    def _flush(self, p: _Pending) -> bool:
-        """Write the pending tokens as one chunk; False when this worker no longer owns the sample."""
-        if not p.tokens:
-            return True
-        try:
-            self.buffer.append_chunk(p.sample.id, self.worker_id, p.tokens, p.logprobs, np.array(p.versions))
-        except LeaseLostError:
-            # Our lease expired (we were too slow) and the trajectory went back to the queue with
-            # the tokens stored so far; another worker continues it. Drop our copy of it.
-            self.engine.abort([p.sample.id])
-            self.pending.pop(p.sample.id, None)
-            return False
-        p.sample.append(p.tokens, p.logprobs, np.array(p.versions))
-        p.tokens, p.logprobs, p.versions = [], [], []
-        if self.chunk_sampler is not None:
-            self._sample_next_chunk(p.sample)
-        return True
+    def _flush(self, pendings: list[_Pending]) -> set[str]:
+        """Write each one's pending tokens as a chunk, all in one round trip. Returns the ids this
+        worker no longer owns: their lease expired (we were too slow) and they went back to the
+        queue with the tokens stored so far; another worker continues them, we drop our copy."""
+        if not pendings:
+            return set()
+        results = self.buffer.append_chunks(
+            self.worker_id, [(p.sample.id, p.tokens, p.logprobs, p.versions) for p in pendings]
+        )
+        lost: set[str] = set()
+        for p, result in zip(pendings, results):
+            if isinstance(result, LeaseLostError):
+                self.engine.abort([p.sample.id])
+                self.pending.pop(p.sample.id, None)
+                lost.add(p.sample.id)
+                continue
+            if isinstance(result, Exception):
+                raise result
+            p.sample.append(p.tokens, p.logprobs, np.array(p.versions))
+            p.tokens, p.logprobs, p.versions = [], [], []
+            if self.chunk_sampler is not None:
+                self._sample_next_chunk(p.sample)
+        return lost
 
     def _sample_next_chunk(self, sample: Sample) -> None:
         """The active sampler (GLM-5 report): after each chunk a user hook may pick the temperature

@@ -148,7 +148,7 @@ class RunningJob:
             run_id = new_id()[:6]  # lease owner names never collide with a previous run's workers
             self.learner = ray.remote(num_cpus=0)(Learner).remote(cfg, self.model_dir, self.redis_url)
             self.workers = [
-                ray.remote(num_cpus=0)(RolloutWorker).remote(cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}")
+                ray.remote(num_cpus=0)(RolloutWorker).remote(cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i)
                 for i in range(cfg.rollout.num_workers)
             ]
             self.start_step = 0
