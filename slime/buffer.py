@@ -270,6 +270,18 @@ end
 return #gids
 """
 
+# ARGV: prefix, step. Every claim of a step <= step becomes trained (their update is in a checkpoint).
+_COMMIT_THROUGH = """
+local gids = redis.call('ZRANGEBYSCORE', P .. 'claimed', '-inf', ARGV[2])
+for _, gid in ipairs(gids) do
+  local step = redis.call('ZSCORE', P .. 'claimed', gid)
+  redis.call('ZREM', P .. 'claimed', gid)
+  redis.call('ZADD', P .. 'trained', step, gid)
+  redis.call('HSET', P .. 'group:' .. gid, 'status', 'trained')
+end
+return #gids
+"""
+
 # ARGV: prefix, after_step ('' = every uncommitted claim)
 _REQUEUE = """
 local low = '-inf'
@@ -414,6 +426,7 @@ class RedisBuffer:
         self._commit = self.redis.register_script(_PRELUDE + _COMMIT)
         self._requeue = self.redis.register_script(_PRELUDE + _REQUEUE)
         self._drop_ready = self.redis.register_script(_PRELUDE + _DROP_READY)
+        self._commit_through = self.redis.register_script(_PRELUDE + _COMMIT_THROUGH)
         self._restart = self.redis.register_script(_PRELUDE + _RESTART)
         self._requeue_leased = self.redis.register_script(_PRELUDE + _REQUEUE_LEASED)
         self._claim_segments = self.redis.register_script(_PRELUDE + _CLAIM_SEGMENTS)
@@ -582,6 +595,10 @@ class RedisBuffer:
     def commit_step(self, step: int) -> int:
         """Mark the groups claimed by `step` as trained. Returns how many."""
         return int(self._commit(args=[self.prefix, int(step)]))
+
+    def commit_through(self, step: int) -> int:
+        """Mark every group claimed by a step <= `step` as trained. Returns how many."""
+        return int(self._commit_through(args=[self.prefix, int(step)]))
 
     def requeue_uncommitted(self, after_step: int | None = None) -> int:
         """Put claimed-but-uncommitted groups (claimed by a step > after_step; all if None) back to ready."""

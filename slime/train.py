@@ -144,6 +144,8 @@ class RunningJob:
                     log_to_driver=True,
                 )
                 self.ray_started = True
+                if _main_thread():  # ray.init installs its own SIGTERM handler; ours stores partials
+                    signal.signal(signal.SIGTERM, _raise_interrupted)
             # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
             run_id = new_id()[:6]  # lease owner names never collide with a previous run's workers
             self.learner = ray.remote(num_cpus=0)(Learner).remote(cfg, self.model_dir, self.redis_url)
@@ -156,7 +158,6 @@ class RunningJob:
                 self.start_step = self._restore(checkpoint)
             elif cfg.resume is not None:
                 self.buffer.requeue_uncommitted()  # no checkpoint yet: no step's update survived
-            self.last_committed_step = self.start_step - 1
             ray.get([w.health.remote() for w in self.workers] + [self.learner.publish_weights.remote()])
             if checkpoint is not None:
                 self.push_weights(self.start_step - 1)
@@ -170,13 +171,14 @@ class RunningJob:
     def __exit__(self, *exc) -> None:
         import ray
 
-        if hasattr(self, "logger"):
-            self.logger.close()
         if self.workers:
-            try:  # store every partial trajectory before the engines go away
+            try:  # first of all, stop generating and store every partial trajectory
                 ray.get([w.abort_all.remote() for w in self.workers], timeout=60)
             except Exception:
                 pass
+        if hasattr(self, "logger"):
+            self.logger.close()
+        if self.workers:
             try:
                 ray.get([w.stop.remote() for w in self.workers], timeout=60)
             except Exception:
@@ -413,10 +415,9 @@ class RunningJob:
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
         (path / "driver_state.json").write_text(json.dumps(state))
         (self.run_dir / "checkpoints" / "latest").write_text(path.name)
-        # Groups become "trained" only once the weights that learned from them are on disk.
-        for s in range(self.last_committed_step + 1, step + 1):
-            self.buffer.commit_step(s)
-        self.last_committed_step = step
+        # Groups become "trained" only once the weights that learned from them are on disk. A crash
+        # between the line above and this one is repaired by _restore (commit_through).
+        self.buffer.commit_through(step)
         return path
 
     def _find_checkpoint(self) -> Path | None:
@@ -437,7 +438,9 @@ class RunningJob:
         state = json.loads((checkpoint / "driver_state.json").read_text())
         ray.get(self.learner.load.remote(str(checkpoint)))
         self.sampler.load_state_dict(state["sampler"])
-        # Groups claimed by a step that never committed go back to the ready queue.
+        # Claims of steps inside the checkpoint are trained (the process may have died before it
+        # marked them); claims of later steps go back to the ready queue, to train on these weights.
+        self.buffer.commit_through(int(state["next_step"]) - 1)
         self.buffer.requeue_uncommitted()
         return int(state["next_step"])
 
