@@ -38,7 +38,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from slime.config import ConfigError, JobConfig, load_config, parse_override
+from slime.config import ConfigError, JobConfig, format_validation_error, load_config, parse_override
 
 POLICIES: tuple[str, ...] = ("sync", "april", "april_drop", "one_step_async", "async_bounded")
 
@@ -842,14 +842,9 @@ def _validate(data: dict[str, Any]) -> SimConfig:
     try:
         return SimConfig.model_validate(data)
     except ValidationError as err:
-        lines = []
-        for e in err.errors():
-            where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-            msg = e["msg"].removeprefix("Value error, ")
-            if e["type"] == "extra_forbidden":
-                msg = "unknown field (see SimConfig in april/sim.py)"
-            lines.append(f"  sim.{where}: {msg}")
-        raise ConfigError("invalid simulator config:\n" + "\n".join(lines)) from None
+        raise ConfigError(
+            format_validation_error(err, "invalid simulator config", "sim.", "SimConfig in april/sim.py")
+        ) from None
 
 
 def _preset(name: str) -> dict[str, Any]:

@@ -48,7 +48,7 @@ import torch
 from rewards.reward_model import (
     CONFIG_NAME,
     ScalarHeadModel,
-    _set_lr,
+    _optimizer_step,
     cached_load,
     common_parser,
     read_jsonl,
@@ -333,11 +333,7 @@ def train_prm(
         logits = torch.cat(model.logits_at([b[0] for b in batch], [b[1] for b in batch]))
         target = torch.tensor([y for b in batch for y in b[2]], device=logits.device)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
-        _set_lr(optim, lr, step, steps, warmup_steps)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        _optimizer_step(model, optim, loss, lr, step, steps, warmup_steps)
         losses.append(loss.item())
         accs.append(((logits > 0).float() == target).float().mean().item())
         if log_every and (step + 1) % log_every == 0:

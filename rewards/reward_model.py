@@ -259,6 +259,17 @@ def _set_lr(optim: torch.optim.Optimizer, lr: float, step: int, steps: int, warm
         g["lr"] = lr * scale
 
 
+def _optimizer_step(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, loss: torch.Tensor, lr: float, step: int, steps: int, warmup: int
+) -> None:
+    """Warm-up + linear-decay lr, backward, clip to 1.0, step: one update of the RM/PRM trainers."""
+    _set_lr(optim, lr, step, steps, warmup)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
 def _pairwise_accuracy(model: RewardModel, rows: list[dict[str, Any]], batch_size: int) -> float | None:
     if not rows:
         return None
@@ -301,11 +312,7 @@ def train_reward_model(
         scores = model.forward_scores([c for c, _ in batch] + [r for _, r in batch])
         margin = scores[: len(batch)] - scores[len(batch) :]
         loss = -torch.nn.functional.logsigmoid(margin).mean()
-        _set_lr(optim, lr, step, steps, warmup_steps)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        _optimizer_step(model, optim, loss, lr, step, steps, warmup_steps)
         losses.append(loss.item())
         accs.append((margin > 0).float().mean().item())
         if log_every and (step + 1) % log_every == 0:

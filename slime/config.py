@@ -321,15 +321,18 @@ class JobConfig(_Strict):
         return Path(self.output_dir).expanduser()
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def format_validation_error(
+    err: ValidationError, title: str = "invalid config", prefix: str = "", where: str = "slime/config.py"
+) -> str:
+    """One line per problem, each naming the field's dotted path."""
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        path = prefix + (".".join(str(p) for p in e["loc"]) or "(top level)")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see slime/config.py for the fields)"
+            msg = f"unknown field (check the spelling; see {where} for the fields)"
         lines.append(f"  {path}: {msg}")
-    return "invalid config:\n" + "\n".join(lines)
+    return f"{title}:\n" + "\n".join(lines)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -385,7 +388,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return JobConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
 
 
 def dump_config(cfg: JobConfig, path: Path) -> None:
