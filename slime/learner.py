@@ -146,6 +146,25 @@ class ValueModel(torch.nn.Module):
         return values, self.head(last).squeeze(-1).float()
 
 
+def _reward_stats(samples: list[Sample]) -> dict[str, dict[str, float]]:
+    """Per task (route): reward mean/std, failures and the reward call's latency p50/p99."""
+    out: dict[str, dict[str, float]] = {}
+    by_task: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_task.setdefault(str(s.metadata.get("task", "default")), []).append(s)
+    for task, group in by_task.items():
+        rewards = [float(s.reward) for s in group if s.reward is not None and s.status != Status.FAILED]
+        latency = [float(s.metadata["reward_latency_s"]) for s in group if "reward_latency_s" in s.metadata]
+        out[task] = {
+            "mean": float(np.mean(rewards)) if rewards else float("nan"),
+            "std": float(np.std(rewards)) if rewards else float("nan"),
+            "failures": float(sum(s.status == Status.FAILED for s in group)),
+            "latency_p50_s": float(np.percentile(latency, 50)) if latency else float("nan"),
+            "latency_p99_s": float(np.percentile(latency, 99)) if latency else float("nan"),
+        }
+    return out
+
+
 def _histogram(values: list[int]) -> dict[str, int]:
     out: dict[str, int] = {}
     for v in sorted(values):
@@ -378,6 +397,7 @@ class Learner:
         )
         if critic_grad_norms:
             out["critic_grad_norm"] = float(np.mean(critic_grad_norms))
+        out["reward_stats"] = _reward_stats(samples)
         return out
 
     def train_segments(self, step: int, max_segments: int, chunk_tokens: int) -> dict:

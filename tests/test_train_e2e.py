@@ -82,6 +82,9 @@ def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redi
     assert len(history) == 2
     assert sum(h["failed_samples"] for h in history) > 0
     assert all(h["samples"] == 9 for h in history)
+    # Reward statistics per route (task) reach the metrics, failures and latency included.
+    assert sum(h["reward_stats/repeat/failures"] for h in history) == sum(h["failed_samples"] for h in history)
+    assert all(h["reward_stats/repeat/latency_p99_s"] >= 0 for h in history)
     failed = [s for s in RedisBuffer(redis_url, job).iter_samples() if s.failure]
     assert failed and all("odd length" in s.failure for s in failed)
     RedisBuffer(redis_url, job).delete_job()
