@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ import torch
 from rewards.reward_model import (
     CONFIG_NAME,
     ScalarHeadModel,
-    _optimizer_step,
+    fit,
     cached_load,
     common_parser,
     read_jsonl,
@@ -324,21 +323,14 @@ def train_prm(
         seq, pos, spans = model.encode(r["prompt"], model.delimiter.join(r["steps"]))
         assert len(spans) == len(r["steps"])
         encoded.append((seq, pos, [float(y) for y in r["labels"]]))
-    rng = random.Random(seed + 1)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    losses, accs = [], []
-    for step in range(steps):
-        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+
+    def step_loss(batch: list) -> tuple[torch.Tensor, float]:
         logits = torch.cat(model.logits_at([b[0] for b in batch], [b[1] for b in batch]))
         target = torch.tensor([y for b in batch for y in b[2]], device=logits.device)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
-        _optimizer_step(model, optim, loss, lr, step, steps, warmup_steps)
-        losses.append(loss.item())
-        accs.append(((logits > 0).float() == target).float().mean().item())
-        if log_every and (step + 1) % log_every == 0:
-            print(f"prm step {step + 1}/{steps} loss {loss.item():.4f} step-acc {accs[-1]:.3f}", flush=True)
-    model.eval()
+        return loss, ((logits > 0).float() == target).float().mean().item()
+
+    losses, accs = fit(model, encoded, step_loss, steps, lr, batch_size, seed, warmup_steps, log_every, "prm")
     acc_after = _step_accuracy(model, held, batch_size)
     model.meta["trained"] = {"data": str(data_path), "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed}
     model.save(out_dir)

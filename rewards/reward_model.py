@@ -259,6 +259,36 @@ def _set_lr(optim: torch.optim.Optimizer, lr: float, step: int, steps: int, warm
         g["lr"] = lr * scale
 
 
+def fit(
+    model: torch.nn.Module,
+    encoded: list,
+    batch_loss,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    warmup: int,
+    log_every: int,
+    tag: str,
+) -> tuple[list[float], list[float]]:
+    """The RM/PRM training loop: random batches of `encoded`, `batch_loss(batch) -> (loss, accuracy)`,
+    AdamW with warm-up and linear decay. Returns the per-step losses and accuracies."""
+    rng = random.Random(seed + 1)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses, accs = [], []
+    for step in range(steps):
+        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        loss, acc = batch_loss(batch)
+        _optimizer_step(model, optim, loss, lr, step, steps, warmup)
+        losses.append(loss.item())
+        accs.append(acc)
+        if log_every and (step + 1) % log_every == 0:
+            print(f"{tag} step {step + 1}/{steps} loss {loss.item():.4f} acc {acc:.3f}", flush=True)
+    model.eval()
+    return losses, accs
+
+
 def _optimizer_step(
     model: torch.nn.Module, optim: torch.optim.Optimizer, loss: torch.Tensor, lr: float, step: int, steps: int, warmup: int
 ) -> None:
@@ -303,20 +333,13 @@ def train_reward_model(
     started = time.time()
     acc_before = _pairwise_accuracy(model, held, batch_size)
     encoded = [(model.encode(r["prompt"], r["chosen"]), model.encode(r["prompt"], r["rejected"])) for r in train]
-    rng = random.Random(seed + 1)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    losses, accs = [], []
-    for step in range(steps):
-        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+
+    def pair_loss(batch: list) -> tuple[torch.Tensor, float]:
         scores = model.forward_scores([c for c, _ in batch] + [r for _, r in batch])
         margin = scores[: len(batch)] - scores[len(batch) :]
-        loss = -torch.nn.functional.logsigmoid(margin).mean()
-        _optimizer_step(model, optim, loss, lr, step, steps, warmup_steps)
-        losses.append(loss.item())
-        accs.append((margin > 0).float().mean().item())
-        if log_every and (step + 1) % log_every == 0:
-            print(f"rm step {step + 1}/{steps} loss {loss.item():.4f} acc {accs[-1]:.3f}", flush=True)
+        return -torch.nn.functional.logsigmoid(margin).mean(), (margin > 0).float().mean().item()
+
+    losses, accs = fit(model, encoded, pair_loss, steps, lr, batch_size, seed, warmup_steps, log_every, "rm")
     model.eval()
     acc_after = _pairwise_accuracy(model, held, batch_size)
     model.meta["trained"] = {"data": str(data_path), "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed}
