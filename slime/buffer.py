@@ -77,6 +77,15 @@ local function move_count(from, to)
   redis.call('HINCRBY', P .. 'status_counts', from, -1)
   redis.call('HINCRBY', P .. 'status_counts', to, 1)
 end
+-- A RUNNING sample goes back to the front of the resume queue, ABORTED, its tokens kept.
+local function requeue_running(sid)
+  local skey = P .. 'sample:' .. sid
+  redis.call('HSET', skey, 'status', 'aborted', 'updated_at', fmt(now()))
+  redis.call('HDEL', skey, 'lease_owner')
+  redis.call('ZREM', P .. 'leases', sid)
+  move_count('running', 'aborted')
+  redis.call('LPUSH', P .. 'queue:resume', sid)
+end
 -- nil when `worker` holds the lease on `sid`, else the current owner ('' for none)
 local function lost_lease(sid, worker)
   local owner = redis.call('HGET', P .. 'sample:' .. sid, 'lease_owner')
@@ -214,11 +223,7 @@ local skey = P .. 'sample:' .. sid
 if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
 local lost = lost_lease(sid, worker)
 if lost then return {-1, lost} end
-redis.call('HSET', skey, 'status', 'aborted', 'updated_at', fmt(now()))
-redis.call('HDEL', skey, 'lease_owner')
-redis.call('ZREM', P .. 'leases', sid)
-move_count('running', 'aborted')
-redis.call('LPUSH', P .. 'queue:resume', sid)
+requeue_running(sid)
 return {0, 0}
 """
 
@@ -229,12 +234,8 @@ local expired = redis.call('ZRANGEBYSCORE', P .. 'leases', '-inf', fmt(t))
 local requeued = {}
 for _, sid in ipairs(expired) do
   redis.call('ZREM', P .. 'leases', sid)
-  local skey = P .. 'sample:' .. sid
-  if redis.call('HGET', skey, 'status') == 'running' then
-    redis.call('HSET', skey, 'status', 'aborted', 'updated_at', fmt(t))
-    redis.call('HDEL', skey, 'lease_owner')
-    move_count('running', 'aborted')
-    redis.call('LPUSH', P .. 'queue:resume', sid)
+  if redis.call('HGET', P .. 'sample:' .. sid, 'status') == 'running' then
+    requeue_running(sid)
     requeued[#requeued + 1] = sid
   end
 end
@@ -331,17 +332,12 @@ return {0, n}
 
 # ARGV: prefix. Every leased sample back to the resume queue (a restarted job: the old workers are gone).
 _REQUEUE_LEASED = """
-local t = fmt(now())
 local sids = redis.call('ZRANGE', P .. 'leases', 0, -1)
 local n = 0
 for _, sid in ipairs(sids) do
   redis.call('ZREM', P .. 'leases', sid)
-  local skey = P .. 'sample:' .. sid
-  if redis.call('HGET', skey, 'status') == 'running' then
-    redis.call('HSET', skey, 'status', 'aborted', 'updated_at', t)
-    redis.call('HDEL', skey, 'lease_owner')
-    move_count('running', 'aborted')
-    redis.call('LPUSH', P .. 'queue:resume', sid)
+  if redis.call('HGET', P .. 'sample:' .. sid, 'status') == 'running' then
+    requeue_running(sid)
     n = n + 1
   end
 end
