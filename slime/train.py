@@ -413,8 +413,10 @@ class RunningJob:
         path = self.run_dir / "checkpoints" / f"step_{step + 1:06d}"
         ray.get(self.learner.save.remote(str(path)))
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
-        (path / "driver_state.json").write_text(json.dumps(state))
-        (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+        # Written last and atomically: a checkpoint directory counts only once this file exists,
+        # however the process is stopped while saving.
+        _write_atomic(path / "driver_state.json", json.dumps(state))
+        _write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
         # Groups become "trained" only once the weights that learned from them are on disk. A crash
         # between the line above and this one is repaired by _restore (commit_through).
         self.buffer.commit_through(step)
@@ -425,8 +427,8 @@ class RunningJob:
         if resume is None:
             return None
         if resume == "auto":
-            latest = self.run_dir / "checkpoints" / "latest"
-            return self.run_dir / "checkpoints" / latest.read_text().strip() if latest.exists() else None
+            complete = sorted((self.run_dir / "checkpoints").glob("step_*/driver_state.json"))
+            return complete[-1].parent if complete else None
         path = Path(resume).expanduser()
         if not (path / "driver_state.json").is_file():
             raise FileNotFoundError(f"resume={resume}: not a checkpoint directory (no driver_state.json)")
@@ -443,6 +445,12 @@ class RunningJob:
         self.buffer.commit_through(int(state["next_step"]) - 1)
         self.buffer.requeue_uncommitted()
         return int(state["next_step"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _prompt_text(record: PromptRecord) -> str:
