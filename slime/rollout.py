@@ -20,8 +20,9 @@ from rewards.plugin import load_function
 from rewards.runner import RewardResult, RewardRunner
 from slime.buffer import LeaseLostError, RedisBuffer
 from slime.config import JobConfig
-from slime.engine import GenerationChunk, GenerationRequest, RolloutEngine, SamplingParams
-from slime.model import load_model, load_tokenizer, stop_token_ids
+from slime.engine import GenerationChunk, GenerationRequest, SamplingParams
+from slime.engines import make_engine
+from slime.model import load_tokenizer, stop_token_ids
 from slime.sample import Sample, Status
 from slime.weights import WeightHandle, make_transport
 
@@ -44,15 +45,8 @@ class RolloutWorker:
         self.cfg = cfg
         self.worker_id = worker_id
         self.tokenizer = load_tokenizer(model_dir)
-        model = load_model(model_dir, cfg.model.dtype, cfg.rollout.device)
         self.buffer = RedisBuffer(redis_url, cfg.job_name, cfg.buffer.lease_seconds)
-        self.engine = RolloutEngine(
-            model,
-            device=cfg.rollout.device,
-            max_running_requests=cfg.rollout.max_running_requests,
-            seed=cfg.seed + 1000 * index,  # reproducible across runs (worker_id carries a run nonce)
-            version=self.buffer.get_policy_version(),
-        )
+        self.engine = make_engine(cfg, model_dir, index, self.buffer.get_policy_version())
         r = cfg.rollout
         self.params = SamplingParams(
             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
@@ -256,17 +250,9 @@ class RolloutWorker:
     def resume(self) -> None:
         self.paused.clear()
 
-    @torch.no_grad()
     def probe_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> np.ndarray:
         with self.lock:
-            model = self.engine.model
-            ids = torch.tensor([prompt_ids + response_ids], device=model.device)
-            logits = model(input_ids=ids, use_cache=False).logits[0].float()
-            t = self.params.temperature if self.params.temperature > 0 else 1.0
-            logp = torch.log_softmax(logits / t, -1)
-            start = len(prompt_ids) - 1
-            pos = torch.arange(start, start + len(response_ids), device=model.device)
-            return logp[pos, torch.tensor(response_ids, device=model.device)].cpu().numpy()
+            return np.asarray(self.engine.score_logprobs(prompt_ids, response_ids, self.params.temperature), np.float32)
 
     def health(self) -> dict:
         return {
