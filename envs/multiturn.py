@@ -1,0 +1,336 @@
+"""Multi-turn rollout: model turns and environment turns alternate in one trajectory.
+
+The environment contract (DESIGN.md, "Environment"):
+
+    env = EnvClass(**cfg.env.kwargs)              # one instance per episode
+    observation = env.reset(sample)               # str; may be "" (the prompt already says it all)
+    observation, reward, done, info = env.step(action_text)
+
+Token-in/token-out. A model turn's tokens are exactly what the engine produced (loss mask 1, the
+engine's logprobs); only the observation *text* is tokenised, and its tokens are appended with loss
+mask 0 and logprob 0. The next model turn is a resumed request over prompt + every response token
+so far, so nothing the engine made is ever decoded and encoded again (decoding a turn to hand the
+env its action text is fine: that text never goes back into the token stream).
+
+Turn state lives in the stored sample itself, so an APRIL-aborted trajectory resumes in the right
+turn on any worker: the model turns are the runs of loss mask 1, the observations the runs of
+mask 0 (so a non-final observation must be at least one token). A trailing mask-1 run is a finished
+turn whose observation is still owed when it ends with a stop token or has `max_turn_tokens`
+tokens (or the episode's token budget is spent); otherwise the model continues that turn. On
+resume the env is rebuilt by `reset` plus a replay of the stored actions (their observations are
+discarded: the stored tokens are the record), so env steps should be deterministic in the action
+history; the episode's return is the sum of the replayed and the new step rewards.
+
+Env calls (construction, reset, replay, step) run on a small thread pool, never on the
+generation thread; `MultiTurnRollout.poll` collects finished ones between two decode steps.
+Limits: `max_turns` model turns, `max_turn_tokens` per model turn, `max_observation_tokens` per
+observation (longer ones are cut), `rollout.max_new_tokens` for the whole response (observations
+included), `max_turn_seconds` per model turn and `max_episode_seconds` per episode (both end the
+episode as truncated; the episode clock restarts when a resumed episode is admitted), and
+`step_timeout_s` per env call (fails the sample, naming the limit).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from rewards.plugin import load_function
+from slime.buffer import LeaseLostError, RedisBuffer
+from slime.config import EnvConfig
+from slime.engine import GenerationRequest, SamplingParams
+from slime.sample import Sample, Status
+
+
+class Env(Protocol):
+    def reset(self, sample: Sample) -> str: ...
+
+    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]: ...
+
+
+@dataclass
+class TurnLayout:
+    """Where a stored response stands, read from its loss mask (and the stop tokens) alone."""
+
+    answered: list[tuple[int, int]]  # [start, end) of each model turn an observation already follows
+    open_turn: tuple[int, int] | None  # the trailing model turn, no observation after it yet
+    open_turn_finished: bool  # that turn is over: its observation is owed
+
+
+def read_layout(sample: Sample, stop_ids: set[int], max_turn_tokens: int) -> TurnLayout:
+    mask = sample.loss_mask
+    runs: list[tuple[int, int, int]] = []  # (mask value, start, end)
+    start = 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((int(mask[start]), start, i))
+            start = i
+    model_runs = [(s, e) for m, s, e in runs if m == 1]
+    if not runs or runs[-1][0] == 0:
+        return TurnLayout(model_runs, None, False)
+    s, e = model_runs[-1]
+    finished = (
+        int(sample.response_ids[e - 1]) in stop_ids or e - s >= max_turn_tokens or sample.remaining_tokens == 0
+    )
+    return TurnLayout(model_runs[:-1], (s, e), finished)
+
+
+@dataclass
+class EpisodeEnd:
+    status: Status  # COMPLETED (the env said done), TRUNCATED (a limit) or FAILED
+    reason: str  # "done", the limit's name, or why it failed
+    env_return: float  # sum of the env's step rewards
+    turns: int  # model turns the env answered
+    infos: list[dict[str, Any]] = field(default_factory=list)
+
+    def metadata(self) -> dict[str, Any]:
+        # Step infos are the env's own dicts: keep the last few, JSON-safe.
+        infos = json.loads(json.dumps(self.infos[-8:], default=str))
+        return {"env_turns": self.turns, "env_return": self.env_return, "env_end": self.reason, "env_infos": infos}
+
+
+@dataclass
+class _EnvOutcome:
+    observation_ids: list[int]  # appended with loss mask 0 (may be empty)
+    end: EpisodeEnd | None = None
+
+
+@dataclass(eq=False)
+class _Episode:
+    sample: Sample
+    started_at: float
+    env: Env | None = None
+    turns_done: int = 0
+    env_return: float = 0.0
+    infos: list[dict[str, Any]] = field(default_factory=list)
+    turn_started_at: float = 0.0
+    job: Future | None = None  # env work in flight; None while the model generates
+    job_started_at: float = 0.0
+    limit: str | None = None  # a time limit that aborted the model turn
+
+    def end(self, status: Status, reason: str) -> EpisodeEnd:
+        return EpisodeEnd(status, reason, self.env_return, self.turns_done, self.infos)
+
+
+class MultiTurnRollout:
+    """The multi-turn state machine of one rollout worker. Every method except the pool jobs runs on
+    the worker's generation thread (under its engine lock)."""
+
+    def __init__(
+        self,
+        cfg: EnvConfig,
+        tokenizer: Any,
+        params: SamplingParams,
+        buffer: RedisBuffer,
+        worker_id: str,
+        max_seq_len: int | None = None,
+    ):
+        if cfg.plugin is None:
+            raise ValueError("MultiTurnRollout needs env.plugin (the env class, `package.module:Class`)")
+        self.cfg = cfg
+        self.env_class = load_function(cfg.plugin)
+        self.tokenizer = tokenizer
+        # Fast tokenizers may raise "Already borrowed" when one is used by several threads at once.
+        self.tokenizer_lock = threading.Lock()
+        self.params = params
+        self.stop_ids = set(params.stop_token_ids)
+        self.buffer = buffer
+        self.worker_id = worker_id
+        self.max_seq_len = max_seq_len
+        self.pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="env")
+        self.episodes: dict[str, _Episode] = {}
+
+    # ---- hooks called by the rollout worker -----------------------------------------------------
+    def begin(self, sample: Sample) -> None:
+        """A leased sample (new or resumed): build its env and find its turn, off the generation thread."""
+        ep = _Episode(sample, started_at=time.time())
+        self.episodes[sample.id] = ep
+        self._submit(ep, self._restore, ep)
+
+    def model_turn_ended(self, sample: Sample, finish_reason: str | None) -> bool:
+        """The engine finished a model turn (its tokens are flushed). False: not ours to continue (a
+        plain abort, or unknown): the caller releases or finalises it as usual."""
+        ep = self.episodes.get(sample.id)
+        if ep is None:
+            return False
+        if finish_reason == "abort" and ep.limit is None:
+            del self.episodes[sample.id]
+            return False
+        if ep.limit is not None:
+            self._submit_done(ep, _EnvOutcome([], ep.end(Status.TRUNCATED, ep.limit)))
+        else:
+            layout = read_layout(sample, self.stop_ids, self.cfg.max_turn_tokens)
+            self._submit(ep, self._step, ep, self._action_text(sample, layout.open_turn))
+        return True
+
+    def poll(self, version: int) -> list[tuple[Sample, GenerationRequest | EpisodeEnd]]:
+        """Collect finished env work: append observations (loss mask 0) and say, per sample, what comes
+        next: the next model turn's request, or the end of the episode."""
+        out: list[tuple[Sample, GenerationRequest | EpisodeEnd]] = []
+        now = time.time()
+        for sid, ep in list(self.episodes.items()):
+            if ep.job is None:
+                continue
+            if not ep.job.done():
+                if now - ep.job_started_at <= self.cfg.step_timeout_s:
+                    continue
+                # The thread cannot be killed; its late result is ignored.
+                outcome = _EnvOutcome([], ep.end(Status.FAILED, f"env call exceeded env.step_timeout_s={self.cfg.step_timeout_s}"))
+            else:
+                try:
+                    outcome = ep.job.result()
+                except Exception as exc:
+                    outcome = _EnvOutcome([], ep.end(Status.FAILED, f"env {self.cfg.plugin} raised {type(exc).__name__}: {exc}"))
+            ep.job = None
+            if outcome.observation_ids:
+                ids = outcome.observation_ids
+                try:
+                    self.buffer.append_chunk(sid, self.worker_id, ids, np.zeros(len(ids)), version, loss_mask=0)
+                except (LeaseLostError, KeyError):
+                    del self.episodes[sid]  # requeued meanwhile: another worker has it now
+                    continue
+                ep.sample.append(ids, np.zeros(len(ids)), version, loss_mask=0)
+            end = outcome.end or self._limit_end(ep, now)
+            if end is not None:
+                del self.episodes[sid]
+                out.append((ep.sample, end))
+            else:
+                out.append((ep.sample, self._next_request(ep)))
+        return out
+
+    def overdue(self, now: float | None = None) -> list[str]:
+        """Samples whose model turn or episode ran past its time limit; the caller aborts them in the
+        engine and they come back through model_turn_ended as truncated episodes."""
+        now = time.time() if now is None else now
+        ids = []
+        for sid, ep in self.episodes.items():
+            if ep.job is not None or ep.limit is not None:
+                continue
+            if self.cfg.max_turn_seconds is not None and now - ep.turn_started_at > self.cfg.max_turn_seconds:
+                ep.limit = "max_turn_seconds"
+            elif self.cfg.max_episode_seconds is not None and now - ep.started_at > self.cfg.max_episode_seconds:
+                ep.limit = "max_episode_seconds"
+            else:
+                continue
+            ids.append(sid)
+        return ids
+
+    def abort_env_turns(self) -> list[str]:
+        """APRIL abort: forget every episode; returns those waiting on the env, for the caller to
+        release (their stored tokens end with a finished model turn, so the resumed episode redoes
+        that env step). Episodes in the engine come back as aborted chunks and are released there."""
+        waiting = [sid for sid, ep in self.episodes.items() if ep.job is not None]
+        for sid in waiting:
+            self.episodes.pop(sid).job.cancel()
+        return waiting
+
+    def env_turn_ids(self) -> list[str]:
+        """Samples waiting on the env (their leases need renewing like the engine's)."""
+        return [sid for sid, ep in self.episodes.items() if ep.job is not None]
+
+    def drop(self, sample_id: str) -> None:
+        self.episodes.pop(sample_id, None)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- generation-thread helpers --------------------------------------------------------------
+    def _submit(self, ep: _Episode, fn, *args) -> None:
+        ep.job = self.pool.submit(fn, *args)
+        ep.job_started_at = time.time()
+
+    def _submit_done(self, ep: _Episode, outcome: _EnvOutcome) -> None:
+        ep.job = Future()
+        ep.job.set_result(outcome)
+        ep.job_started_at = time.time()
+
+    def _turn_budget(self, sample: Sample) -> int:
+        layout = read_layout(sample, self.stop_ids, self.cfg.max_turn_tokens)
+        open_tokens = 0
+        if layout.open_turn is not None and not layout.open_turn_finished:
+            open_tokens = layout.open_turn[1] - layout.open_turn[0]
+        budget = min(self.cfg.max_turn_tokens - open_tokens, sample.remaining_tokens)
+        if self.max_seq_len is not None:
+            budget = min(budget, self.max_seq_len - len(sample.prompt_ids) - sample.response_length)
+        return budget
+
+    def _limit_end(self, ep: _Episode, now: float) -> EpisodeEnd | None:
+        if self.cfg.max_episode_seconds is not None and now - ep.started_at > self.cfg.max_episode_seconds:
+            return ep.end(Status.TRUNCATED, "max_episode_seconds")
+        if self._turn_budget(ep.sample) <= 0:
+            return ep.end(Status.TRUNCATED, "max_new_tokens")
+        return None
+
+    def _next_request(self, ep: _Episode) -> GenerationRequest:
+        sample = ep.sample
+        # The engine counts max_new_tokens over the whole response, resumed tokens included.
+        params = replace(self.params, max_new_tokens=sample.response_length + self._turn_budget(sample))
+        ep.turn_started_at = time.time()
+        return GenerationRequest(sample.id, sample.prompt_ids.tolist(), params, sample.response_ids.tolist())
+
+    def _action_text(self, sample: Sample, span: tuple[int, int] | None) -> str:
+        if span is None:
+            return ""
+        ids = [t for t in sample.response_ids[span[0] : span[1]].tolist() if t not in self.stop_ids]
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- pool jobs ------------------------------------------------------------------------------
+    def _restore(self, ep: _Episode) -> _EnvOutcome:
+        ep.env = self.env_class(**self.cfg.kwargs)
+        observation = ep.env.reset(ep.sample)
+        if not isinstance(observation, str):
+            raise TypeError(f"reset returned {type(observation).__name__}, expected str (the observation)")
+        sample = ep.sample
+        if sample.response_length == 0:
+            return _EnvOutcome(self._encode_observation(observation, sample))
+        layout = read_layout(sample, self.stop_ids, self.cfg.max_turn_tokens)
+        for span in layout.answered:  # replay: rebuild the env's state; the stored observations stand
+            _, _, done, _ = self._call_step(ep, self._action_text(sample, span))
+            if done:
+                return _EnvOutcome([], ep.end(Status.COMPLETED, "done"))
+        if layout.open_turn is not None and layout.open_turn_finished:
+            return self._step(ep, self._action_text(sample, layout.open_turn))
+        return _EnvOutcome([])
+
+    def _step(self, ep: _Episode, action: str) -> _EnvOutcome:
+        observation, _, done, _ = self._call_step(ep, action)
+        if done:
+            return _EnvOutcome([], ep.end(Status.COMPLETED, "done"))
+        if ep.turns_done >= self.cfg.max_turns:
+            return _EnvOutcome([], ep.end(Status.TRUNCATED, "max_turns"))
+        ids = self._encode_observation(observation, ep.sample)
+        if not ids:
+            if ep.sample.remaining_tokens <= 1:
+                return _EnvOutcome([], ep.end(Status.TRUNCATED, "max_new_tokens"))
+            raise ValueError(
+                "step returned an empty observation with done=False; a non-final observation needs at "
+                "least one token (turn boundaries are read from the loss mask)"
+            )
+        return _EnvOutcome(ids)
+
+    def _call_step(self, ep: _Episode, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        result = ep.env.step(action)
+        if not (isinstance(result, tuple) and len(result) == 4):
+            raise TypeError(f"step returned {type(result).__name__}, expected (observation, reward, done, info)")
+        observation, reward, done, info = result
+        if not isinstance(observation, str):
+            raise TypeError(f"step returned an observation of type {type(observation).__name__}, expected str")
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool):
+            raise TypeError(f"step returned a reward of type {type(reward).__name__}, expected a number")
+        ep.turns_done += 1
+        ep.env_return += float(reward)
+        ep.infos.append(dict(info or {}))
+        return observation, float(reward), bool(done), dict(info or {})
+
+    def _encode_observation(self, text: str, sample: Sample) -> list[int]:
+        with self.tokenizer_lock:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        # Leave room for at least one model token after it.
+        return list(ids[: max(0, min(self.cfg.max_observation_tokens, sample.remaining_tokens - 1))])

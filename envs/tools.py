@@ -1,0 +1,329 @@
+"""Tools for agent environments, and parsing tool calls out of model text.
+
+Tools (each takes one main text argument, so the XML style needs no attribute syntax):
+
+    calculator(expression)  arithmetic only, parsed with `ast` and evaluated by walking the tree (no eval)
+    search(query)           BM25 over a local JSONL of documents ({"id", "title", "text"} per line)
+    python(code)            runs in the sandbox (envs/sandbox.py), never in this process
+
+Call styles accepted in a model turn (several calls per turn are allowed, in order):
+
+    JSON:  {"tool": "calculator", "args": {"expression": "2+3"}}     ("name"/"arguments" also work,
+           and a bare string args is the main argument), optionally inside <tool_call>...</tool_call>
+    XML:   <calculator>2+3</calculator>   or   <tool name="calculator">2+3</tool>
+    final: <answer>5</answer>   or   {"answer": "5"}
+
+A call that cannot be parsed, names an unknown tool or lacks its argument becomes a ToolCallError
+whose message says what was wrong and what the right form is; the env sends it back as the
+observation, so the model can learn from it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from envs.sandbox import Sandbox, SandboxConfig
+
+
+class ToolCallError(ValueError):
+    """A tool call that cannot run; the message is meant for the model."""
+
+
+# ---- calculator --------------------------------------------------------------------------------
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+}
+_UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPRESSION_CHARS = 200
+MAX_EXPONENT = 64
+MAX_MAGNITUDE = 1e30
+
+
+def calculate(expression: str) -> int | float:
+    """Evaluate + - * / // % ** and parentheses over numbers; anything else raises ToolCallError."""
+    text = expression.strip()
+    if not text:
+        raise ToolCallError("calculator: empty expression")
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ToolCallError(f"calculator: expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(text.replace("^", "**"), mode="eval")
+    except SyntaxError:
+        raise ToolCallError(f"calculator: not an arithmetic expression: {text!r}") from None
+    value = _arith(tree.body)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
+
+
+def _arith(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_arith(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _arith(node.left), _arith(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ToolCallError(f"calculator: exponent {right} is larger than {MAX_EXPONENT}")
+        try:
+            value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ToolCallError("calculator: division by zero") from None
+        if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
+            raise ToolCallError("calculator: result out of range")
+        return value
+    raise ToolCallError(f"calculator: only numbers and + - * / // % ** ( ) are allowed, not {type(node).__name__}")
+
+
+def format_number(value: int | float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.10g}"
+
+
+# ---- search ------------------------------------------------------------------------------------
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+class DocumentIndex:
+    """Okapi BM25 over a small local collection (held in memory)."""
+
+    def __init__(self, docs: list[dict[str, Any]], k1: float = 1.5, b: float = 0.75):
+        if not docs:
+            raise ValueError("DocumentIndex needs at least one document")
+        self.docs = docs
+        self.k1, self.b = k1, b
+        self.terms = [Counter(_words(f"{d.get('title', '')} {d.get('text', '')}")) for d in docs]
+        self.lengths = [sum(t.values()) for t in self.terms]
+        self.avg_length = sum(self.lengths) / len(docs) or 1.0
+        df = Counter(w for t in self.terms for w in t)
+        n = len(docs)
+        self.idf = {w: math.log(1 + (n - f + 0.5) / (f + 0.5)) for w, f in df.items()}
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path) -> DocumentIndex:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"search documents: {p} not found (relative paths start at {Path.cwd()})")
+        docs = []
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{p}:{i}: not JSON ({exc})") from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+                raise ValueError(f'{p}:{i}: each line must be an object with a "text" string')
+            docs.append(doc)
+        return cls(docs)
+
+    def search(self, query: str, k: int = 3) -> list[tuple[float, dict[str, Any]]]:
+        words = _words(query)
+        scored = []
+        for doc, tf, length in zip(self.docs, self.terms, self.lengths):
+            score = 0.0
+            for w in words:
+                f = tf.get(w, 0)
+                if f:
+                    score += self.idf[w] * f * (self.k1 + 1) / (f + self.k1 * (1 - self.b + self.b * length / self.avg_length))
+            if score > 0:
+                scored.append((score, doc))
+        scored.sort(key=lambda pair: -pair[0])
+        return scored[:k]
+
+
+# ---- registry ----------------------------------------------------------------------------------
+@dataclass
+class Tool:
+    name: str
+    argument: str  # name of the main text argument
+    run: Callable[[str], str]
+    description: str
+
+
+@dataclass
+class ToolRegistry:
+    tools: dict[str, Tool] = field(default_factory=dict)
+
+    def add(self, tool: Tool) -> None:
+        if tool.name in self.tools:
+            raise ValueError(f"tool {tool.name!r} is registered twice")
+        self.tools[tool.name] = tool
+
+    def call(self, name: str, argument: str) -> str:
+        tool = self.tools.get(name)
+        if tool is None:
+            raise ToolCallError(f"unknown tool {name!r}; tools: {', '.join(self.tools)}")
+        return tool.run(argument)
+
+
+def calculator_tool() -> Tool:
+    return Tool("calculator", "expression", lambda e: format_number(calculate(e)), "arithmetic: + - * / // % ** ( )")
+
+
+def search_tool(index: DocumentIndex, k: int = 2, snippet_chars: int = 160) -> Tool:
+    def run(query: str) -> str:
+        if not query.strip():
+            raise ToolCallError("search: empty query")
+        hits = index.search(query, k)
+        if not hits:
+            return "no results"
+        return "\n".join(f"[{d.get('id', '?')}] {d.get('title', '')}: {d['text'][:snippet_chars]}" for _, d in hits)
+
+    return Tool("search", "query", run, "search the local documents")
+
+
+def python_tool(sandbox: Sandbox, max_chars: int = 400) -> Tool:
+    def run(code: str) -> str:
+        result = sandbox.run_python(code)
+        if result.status == "sandbox_unavailable":
+            raise ToolCallError(f"python: sandbox unavailable: {result.error}")
+        out = result.stdout[-max_chars:].rstrip()
+        if result.status != "ok":
+            out += f"\n[{result.status}, exit {result.exit_code}] {result.stderr[-max_chars:]}"
+        return out.strip() or "(no output)"
+
+    return Tool("python", "code", run, "run Python in a sandbox; print what you need")
+
+
+def build_registry(
+    names: list[str], docs_path: str | None = None, sandbox: SandboxConfig | dict | None = None
+) -> ToolRegistry:
+    registry = ToolRegistry()
+    for name in names:
+        if name == "calculator":
+            registry.add(calculator_tool())
+        elif name == "search":
+            if docs_path is None:
+                raise ValueError("the search tool needs docs_path (a JSONL of documents)")
+            registry.add(search_tool(DocumentIndex.from_jsonl(docs_path)))
+        elif name == "python":
+            registry.add(python_tool(Sandbox(sandbox)))
+        else:
+            raise ValueError(f"unknown tool {name!r}; built-in tools: calculator, search, python")
+    return registry
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+@dataclass
+class ToolCall:
+    name: str
+    argument: str
+
+
+@dataclass
+class ParsedTurn:
+    calls: list[ToolCall] = field(default_factory=list)
+    answer: str | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+FORMAT_HINT = 'call a tool as <NAME>ARG</NAME> or {"tool": NAME, "args": ARG}; finish with <answer>X</answer>'
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_XML = re.compile(r'<(\w+)(?:\s+name\s*=\s*"([^"]*)")?\s*>(.*?)</\1\s*>', re.DOTALL)
+_OPEN_TAG = re.compile(r"<(\w+)(?:\s+name\s*=\s*\"[^\"]*\")?\s*>")
+
+
+def parse_turn(text: str, registry: ToolRegistry) -> ParsedTurn:
+    """Tool calls, a final answer, or errors (for the observation) from one model turn."""
+    turn = ParsedTurn()
+    answer = _ANSWER.search(text)
+    if answer:
+        turn.answer = answer.group(1).strip()
+        return turn
+    covered: list[tuple[int, int]] = []
+    for m in _XML.finditer(text):
+        tag, name_attr, body = m.group(1), m.group(2), m.group(3)
+        covered.append(m.span())
+        if tag == "tool_call":
+            _parse_json_calls(body, registry, turn, require=True)
+        elif tag == "tool":
+            if not name_attr:
+                turn.errors.append('<tool> needs a name: <tool name="calculator">2+3</tool>')
+            else:
+                _add_call(turn, registry, name_attr, body)
+        elif tag in registry.tools:
+            _add_call(turn, registry, tag, body)
+        else:
+            turn.errors.append(f"unknown tool <{tag}>; tools: {', '.join(registry.tools)}")
+    rest = _blank(text, covered)
+    for m in _OPEN_TAG.finditer(rest):
+        turn.errors.append(f"<{m.group(1)}> is never closed; write <{m.group(1)}>...</{m.group(1)}>")
+    _parse_json_calls(rest, registry, turn, require=False)
+    if not turn.calls and not turn.errors and turn.answer is None:
+        turn.errors.append(f"no tool call or answer found; {FORMAT_HINT}")
+    return turn
+
+
+def _blank(text: str, spans: list[tuple[int, int]]) -> str:
+    chars = list(text)
+    for start, end in spans:
+        chars[start:end] = " " * (end - start)
+    return "".join(chars)
+
+
+def _parse_json_calls(text: str, registry: ToolRegistry, turn: ParsedTurn, require: bool) -> None:
+    decoder = json.JSONDecoder()
+    i, found = 0, False
+    while (start := text.find("{", i)) != -1:
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except ValueError as exc:
+            # Only text that looks like a call is a malformed call; other braces are prose.
+            if require or re.match(r'\{\s*"(tool|name|answer)"', text[start:]):
+                turn.errors.append(f"malformed JSON tool call: {exc.msg} at character {exc.pos - start}")
+                found = True
+            i = start + 1
+            continue
+        i = end
+        if not isinstance(obj, dict):
+            continue
+        if "answer" in obj and turn.answer is None:
+            turn.answer = str(obj["answer"]).strip()
+            found = True
+            continue
+        name = obj.get("tool", obj.get("name"))
+        if name is None:
+            continue
+        found = True
+        if not isinstance(name, str):
+            turn.errors.append('the "tool" field must be a tool name string')
+            continue
+        args = obj.get("args", obj.get("arguments", ""))
+        tool = registry.tools.get(name)
+        if isinstance(args, str) and args.strip().startswith("{"):
+            try:
+                args = json.loads(args)  # OpenAI style: arguments as a JSON string
+            except ValueError:
+                pass
+        if isinstance(args, dict):
+            if tool is not None and tool.argument not in args:
+                turn.errors.append(f'{name}: missing argument "{tool.argument}"')
+                continue
+            args = args.get(tool.argument, "") if tool is not None else ""
+        if not isinstance(args, (str, int, float)):
+            turn.errors.append(f"{name}: args must be a string or an object")
+            continue
+        _add_call(turn, registry, name, str(args))
+    if require and not found:
+        turn.errors.append(f"<tool_call> holds no JSON call; {FORMAT_HINT}")
+
+
+def _add_call(turn: ParsedTurn, registry: ToolRegistry, name: str, argument: str) -> None:
+    if name not in registry.tools:
+        turn.errors.append(f"unknown tool {name!r}; tools: {', '.join(registry.tools)}")
+    else:
+        turn.calls.append(ToolCall(name, argument.strip()))

@@ -1,0 +1,251 @@
+"""Multi-turn rollout on the real worker, engine, tiny model and Redis: a scripted env exchange whose
+token arrays, loss mask and logprobs line up exactly with a turn-by-turn reference run of the engine;
+APRIL aborts mid-turn, between a model turn and its observation, and after an observation resume in
+the right turn; every limit ends the episode with a status naming it."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from slime.buffer import RedisBuffer
+from slime.config import load_config
+from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+from slime.model import load_model, load_tokenizer
+from slime.sample import Sample, Status
+from tests.helpers import wait_for
+
+PROMPT = [6, 7, 77, 61, 86]  # "ab*3="
+TURN_TOKENS = 5
+
+
+class ScriptedEnv:
+    """Observation "[obs k]" after model turn k; done after `done_at` turns (0: never); 0.25 per step."""
+
+    def __init__(self, done_at: int = 0, sleep_s: float = 0.0, observation: str | None = None, fail_at: int = 0):
+        self.done_at, self.sleep_s, self.observation, self.fail_at = done_at, sleep_s, observation, fail_at
+        self.turn = 0
+
+    def reset(self, sample: Sample) -> str:
+        self.turn = 0
+        return ""
+
+    def step(self, action: str):
+        self.turn += 1
+        time.sleep(self.sleep_s)
+        if self.turn == self.fail_at:
+            raise RuntimeError("scripted failure")
+        observation = self.observation if self.observation is not None else f"[obs {self.turn}]"
+        return observation, 0.25, self.turn == self.done_at, {"turn": self.turn, "action": action}
+
+
+def obs_ids(tokenizer, k: int) -> list[int]:
+    return tokenizer(f"[obs {k}]", add_special_tokens=False)["input_ids"]
+
+
+def reference_episode(model_dir, turns: int) -> tuple[list[int], list[float], list[int]]:
+    """The exchange driven by hand on a standalone engine: greedy model turns of TURN_TOKENS tokens,
+    each followed by the scripted observation's tokens (loss mask 0, logprob 0)."""
+    tokenizer = load_tokenizer(model_dir)
+    engine = RolloutEngine(load_model(model_dir), max_running_requests=2)
+    ids: list[int] = []
+    lps: list[float] = []
+    mask: list[int] = []
+    for k in range(1, turns + 1):
+        params = SamplingParams(temperature=0, max_new_tokens=len(ids) + TURN_TOKENS, stop_token_ids=[])
+        engine.add_request(GenerationRequest("ref", PROMPT, params, list(ids)))
+        while engine.has_unfinished():
+            for chunk in engine.step():
+                ids += chunk.token_ids
+                lps += chunk.logprobs
+                mask += [1] * len(chunk.token_ids)
+        if k < turns:
+            o = obs_ids(tokenizer, k)
+            ids, lps, mask = ids + o, lps + [0.0] * len(o), mask + [0] * len(o)
+    return ids, lps, mask
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return reference_episode(tiny_model_dir, turns=3)
+
+
+def job_config(buffer: RedisBuffer, tmp_path, *overrides: str):
+    return load_config(None, [
+        f"job_name={buffer.job}", f"output_dir={tmp_path}", "rollout.temperature=0", "rollout.ignore_eos=true",
+        "rollout.max_new_tokens=80", "rollout.chunk_tokens=2", "rollout.max_running_requests=8",
+        "env.plugin=tests.test_multiturn:ScriptedEnv", f"env.max_turn_tokens={TURN_TOKENS}", "env.max_turns=6",
+        "env.kwargs={done_at: 3}", *overrides,
+    ])
+
+
+def run_worker(cfg, model_dir, redis_url, buffer, groups, timeout=120):
+    from slime.rollout import RolloutWorker
+
+    worker = RolloutWorker(cfg, str(model_dir), redis_url, "w-mt")
+    try:
+        wait_for(lambda: worker.error or buffer.counts()["groups_ready"] == len(groups), timeout, "episodes to finish")
+        assert worker.error is None, worker.error
+        return worker, [s for gid in groups for s in buffer.get_group(gid)]
+    finally:
+        worker.stop()
+
+
+def assert_matches_reference(sample: Sample, reference) -> None:
+    ids, lps, mask = reference
+    assert sample.response_ids.tolist() == ids
+    assert sample.loss_mask.tolist() == mask
+    np.testing.assert_allclose(sample.logprobs, lps, atol=1e-4)
+
+
+def test_scripted_exchange_lines_up_token_for_token(buffer, redis_url, tiny_model_dir, tmp_path, reference):
+    cfg = job_config(buffer, tmp_path)
+    groups = [buffer.add_group(PROMPT, 2, 80, {"label": "ababab"})]
+    worker, samples = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    engine = RolloutEngine(load_model(tiny_model_dir))
+    for s in samples:
+        assert s.status == Status.COMPLETED and s.reward == pytest.approx(0.75)
+        assert s.metadata["env_turns"] == 3 and s.metadata["env_end"] == "done"
+        assert [i["turn"] for i in s.metadata["env_infos"]] == [1, 2, 3]
+        # Layout: 5 model tokens, "[obs 1]", 5 model tokens, "[obs 2]", 5 model tokens.
+        o1, o2 = obs_ids(tokenizer, 1), obs_ids(tokenizer, 2)
+        expected_mask = [1] * 5 + [0] * len(o1) + [1] * 5 + [0] * len(o2) + [1] * 5
+        assert s.loss_mask.tolist() == expected_mask
+        assert s.response_ids[5 : 5 + len(o1)].tolist() == o1
+        assert s.response_ids[10 + len(o1) : 10 + len(o1) + len(o2)].tolist() == o2
+        assert len(s.response_ids) == len(s.logprobs) == len(s.versions) == len(s.loss_mask)
+        model = s.loss_mask == 1
+        assert np.all(s.logprobs[~model] == 0) and np.all(s.logprobs[model] < 0)
+        # The stored model tokens are the engine's own, with its logprobs: the reference run agrees,
+        # and one forward pass over prompt + response scores them the same.
+        assert_matches_reference(s, reference)
+        scored = np.array(engine.score_logprobs(PROMPT, s.response_ids.tolist()))
+        np.testing.assert_allclose(s.logprobs[model], scored[model], atol=1e-3)
+
+
+def _seed_partials(buffer: RedisBuffer, reference, cuts: list[int]) -> list[str]:
+    """One group per cut whose one sample holds the reference's first `cut` tokens, as an aborted
+    partial (leased all at once: a released sample goes to the resume queue, which lease pops first)."""
+    groups = [buffer.add_group(PROMPT, 1, 80, {"label": "ababab"}) for _ in cuts]
+    samples = buffer.lease("setup", len(cuts))
+    assert [s.group_id for s in samples] == groups
+    ids, lps, mask = reference
+    for sample, upto in zip(samples, cuts):
+        buffer.append_chunk(sample.id, "setup", ids[:upto], lps[:upto], 0, loss_mask=mask[:upto])
+        buffer.release(sample.id, "setup")
+        assert buffer.get_sample(sample.id).status == Status.ABORTED
+    return groups
+
+
+def test_aborted_partials_resume_in_the_right_turn(buffer, redis_url, tiny_model_dir, tmp_path, reference):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    o1 = len(obs_ids(tokenizer, 1))
+    cuts = {
+        "mid_turn_1": 3,  # the model continues turn 1 for 2 more tokens
+        "turn_1_done_no_obs": 5,  # between the model's turn end and the env's observation
+        "mid_obs_done": 5 + o1,  # observation 1 stored: turn 2 starts; the env replays turn 1
+        "mid_turn_2": 5 + o1 + 2,
+    }
+    groups = dict(zip(cuts, _seed_partials(buffer, reference, list(cuts.values()))))
+    cfg = job_config(buffer, tmp_path)
+    _, _ = run_worker(cfg, tiny_model_dir, redis_url, buffer, list(groups.values()))
+    for name, gid in groups.items():
+        (s,) = buffer.get_group(gid)
+        assert s.status == Status.COMPLETED, name
+        assert_matches_reference(s, reference)
+        # The env's step count survived the abort: three turns, observations numbered 1 and 2, once each.
+        assert s.metadata["env_turns"] == 3 and s.reward == pytest.approx(0.75), name
+
+
+def test_live_abort_while_env_steps_run_resumes_exactly(buffer, redis_url, tiny_model_dir, tmp_path, reference):
+    from slime.rollout import RolloutWorker
+
+    cfg = job_config(buffer, tmp_path, "env.kwargs={done_at: 3, sleep_s: 0.4}")
+    groups = [buffer.add_group(PROMPT, 2, 80, {"label": "ababab"}) for _ in range(2)]
+    worker = RolloutWorker(cfg, str(tiny_model_dir), redis_url, "w-live")
+    try:
+        # Wait until every episode is inside an env step (model turn 1 done, no observation yet).
+        wait_for(lambda: len(worker.multiturn.env_turn_ids()) == 4, 60, "all four episodes to wait on the env")
+        assert worker.abort_all() == 4
+        stored = list(buffer.iter_samples())
+        assert all(s.status == Status.ABORTED for s in stored)
+        assert all(s.loss_mask.tolist() == [1] * TURN_TOKENS for s in stored)
+        worker.resume()
+        wait_for(lambda: worker.error or buffer.counts()["groups_ready"] == 2, 120, "resumed episodes to finish")
+        assert worker.error is None, worker.error
+    finally:
+        worker.stop()
+    for s in (s for gid in groups for s in buffer.get_group(gid)):
+        assert s.status == Status.COMPLETED and s.metadata["env_turns"] == 3
+        assert_matches_reference(s, reference)
+
+
+@pytest.mark.parametrize("overrides, status, reason, check", [
+    (["env.kwargs={done_at: 0}", "env.max_turns=2"], Status.TRUNCATED, "max_turns",
+     lambda s: s.metadata["env_turns"] == 2 and int(np.sum(np.diff(s.loss_mask) == 1)) == 1),
+    (["rollout.max_new_tokens=14"], Status.TRUNCATED, "max_new_tokens", lambda s: s.response_length <= 14),
+    (["env.kwargs={done_at: 2, observation: 'a very long observation text'}", "env.max_observation_tokens=4"],
+     Status.COMPLETED, "done", lambda s: s.loss_mask.tolist() == [1] * 5 + [0] * 4 + [1] * 5),
+    (["env.kwargs={done_at: 0, sleep_s: 3}", "env.step_timeout_s=0.5"], Status.FAILED,
+     "env call exceeded env.step_timeout_s=0.5", lambda s: s.response_length == 5),
+    (["env.kwargs={fail_at: 2}"], Status.FAILED, "RuntimeError: scripted failure", lambda s: s.response_length > 5),
+    (["env.kwargs={observation: ''}"], Status.FAILED, "empty observation", lambda s: s.response_length == 5),
+    (["env.max_turn_tokens=480", "env.max_turn_seconds=0.1", "rollout.max_new_tokens=480"], Status.TRUNCATED,
+     "max_turn_seconds", lambda s: s.response_length < 480),
+    (["env.kwargs={done_at: 0, sleep_s: 0.3}", "env.max_episode_seconds=0.5", "env.max_turns=50"],
+     Status.TRUNCATED, "max_episode_seconds", lambda s: s.metadata["env_turns"] >= 1),
+])
+def test_limits_end_the_episode_and_say_which(buffer, redis_url, tiny_model_dir, tmp_path, overrides, status, reason, check):
+    cfg = job_config(buffer, tmp_path, *overrides)
+    groups = [buffer.add_group(PROMPT, 1, cfg.rollout.max_new_tokens, {"label": "ababab"})]
+    _, (s,) = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
+    assert s.status == status
+    assert reason in (s.failure if status == Status.FAILED else s.metadata["env_end"])
+    assert check(s), (s.response_length, s.loss_mask.tolist(), s.metadata)
+
+
+def test_reward_fn_mode_scores_the_transcript(buffer, redis_url, tiny_model_dir, tmp_path):
+    cfg = job_config(buffer, tmp_path, "env.reward=reward_fn", "reward.fn=envs.repeat:reward")
+    groups = [buffer.add_group(PROMPT, 1, 80, {"label": "ababab", "prompt_text": "ab*3="})]
+    _, (s,) = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
+    assert s.status == Status.COMPLETED and s.reward is not None and s.reward != pytest.approx(0.75)
+    assert s.metadata["env_return"] == pytest.approx(0.75) and s.metadata["env_turns"] == 3
+
+
+def test_tool_env_through_the_worker(buffer, redis_url, tiny_model_dir, tmp_path):
+    """The real ToolEnv as a plugin: every observation the worker stored is the tokenisation of a
+    tool reply (<result> or <error>, cut to max_observation_tokens), with mask 0."""
+    cfg = job_config(buffer, tmp_path, "env.plugin=envs.agent:ToolEnv", "env.kwargs={tools: [calculator]}",
+                     "env.max_turns=3", "env.max_turn_tokens=16", "env.max_observation_tokens=24",
+                     "rollout.temperature=1.0", "rollout.ignore_eos=false", "rollout.max_new_tokens=200")
+    groups = [buffer.add_group(PROMPT, 2, 200, {"label": "6"})]
+    _, samples = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    for s in samples:
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.reward is not None
+        mask = s.loss_mask.tolist()
+        runs, start = [], 0
+        for i in range(1, len(mask) + 1):
+            if i == len(mask) or mask[i] != mask[start]:
+                runs.append((mask[start], start, i))
+                start = i
+        observations = [tokenizer.decode(s.response_ids[a:b].tolist()) for m, a, b in runs if m == 0]
+        assert len(observations) == s.metadata["env_turns"] - (s.status == Status.COMPLETED or s.metadata["env_end"] == "max_turns")
+        for text in observations:
+            assert text.startswith(("<error>", "<result")), text
+            assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 24
+        assert np.all(s.logprobs[s.loss_mask == 0] == 0) and np.all(s.logprobs[s.loss_mask == 1] < 0)
+
+
+def test_bad_env_plugin_fails_at_config_and_at_load(buffer, tmp_path):
+    with pytest.raises(ValueError, match="env.plugin"):
+        job_config(buffer, tmp_path, "env.plugin=no_colon_here")
+    from rewards.plugin import PluginError
+    from envs.multiturn import MultiTurnRollout
+
+    cfg = job_config(buffer, tmp_path, "env.plugin=tests.test_multiturn:NoSuchEnv")
+    with pytest.raises(PluginError, match="NoSuchEnv"):
+        MultiTurnRollout(cfg.env, None, SamplingParams(), buffer, "w")
