@@ -14,6 +14,7 @@ sample's field value and no default raises `NoRouteError` naming the value and t
 From config, `load_reward_spec(spec)` takes a spec string, or a dict (recursive):
 
     {"fn": "pkg.mod:f", "style": "trl"}                  # one function; style optional
+    {"fn": "rewards.prm:prm_reward", "kwargs": {...}}    # a factory, called once with kwargs
     {"mix": [{"fn": SPEC, "weight": 0.7}, ...]}          # WeightedSum; SPEC is a string or a dict
     {"route": "task", "routes": {"math": SPEC, ...}, "default": SPEC}   # default optional
 """
@@ -28,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rewards.adapters import STYLES, adapt, load_reward, native_caller
+from rewards.plugin import load_function
 from rewards.runner import _describe, _is_async
 
 
@@ -175,6 +177,9 @@ class _Strict(BaseModel):
 class FnSpec(_Strict):
     fn: str = Field(min_length=1)
     style: Literal["native", "slime", "verl", "trl"] | None = None
+    # When given, `fn` is a factory called once with these keywords; it returns the reward
+    # (e.g. rewards.prm:prm_reward with model_dir, rewards.judge:llm_judge with a URL).
+    kwargs: dict[str, Any] | None = None
 
 
 class MixItem(_Strict):
@@ -226,7 +231,14 @@ def load_reward_spec(spec: str | dict, _path: str = "reward") -> Callable[..., A
         return RouteByField(model.route, routes, default)
     if "fn" in keys:
         model = _validate(FnSpec, spec, _path)
-        return load_reward(model.fn, style=model.style)
+        if model.kwargs is None:
+            return load_reward(model.fn, style=model.style)
+        factory = load_function(model.fn)
+        try:
+            reward = factory(**model.kwargs)
+        except Exception as exc:
+            raise RewardSpecError(f"{_path}: {model.fn}(**{model.kwargs}) failed: {type(exc).__name__}: {exc}") from exc
+        return adapt(reward, style=model.style, name=f"{model.fn}({', '.join(f'{k}={v!r}' for k, v in model.kwargs.items())})")
     raise RewardSpecError(f"{_path}: unrecognised keys {sorted(map(str, keys))}; expected {_FORMS}")
 
 

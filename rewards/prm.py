@@ -356,16 +356,28 @@ def train_prm(
 class PRMReward:
     """Native-signature reward: the aggregated step scores of a saved PRM (see `prm_reward`)."""
 
-    def __init__(self, model_dir: str | Path, aggregation: str = "min", device: str = "cpu", batch_size: int = 32):
+    def __init__(
+        self, model_dir: str | Path, aggregation: str = "min", device: str = "cpu", batch_size: int = 32,
+        token_level: bool = False,
+    ):
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         self.model: ProcessRewardModel = cached_load(ProcessRewardModel, model_dir, device)  # type: ignore[assignment]
         self.aggregation = aggregation
         self.batch_size = batch_size
+        self.token_level = token_level
         self.__name__ = f"prm_reward({model_dir}, {aggregation})"
 
-    def __call__(self, prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
-        return self.model.score([prompt], [response], self.aggregation)[0]
+    def __call__(self, prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float | dict:
+        """The aggregated score; with token_level, {"score", "step_scores", "step_ends"} where
+        step_ends[i] is the index of step i's last character (the rollout worker puts step i's
+        score on the token holding it, as `token_rewards` does)."""
+        scores = self.model.step_scores([prompt], [response])[0]
+        score = aggregate(scores, self.aggregation)
+        if not self.token_level:
+            return score
+        ends = [end - 1 for _, end in step_spans(response, self.model.delimiter)]
+        return {"score": score, "step_scores": scores, "step_ends": ends}
 
     def score_batch(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
         return self.model.score(prompts, responses, self.aggregation, self.batch_size)
@@ -377,9 +389,12 @@ class PRMReward:
         return self.model.token_rewards(prompt, response_ids=response_ids, tokenizer=tokenizer)
 
 
-def prm_reward(model_dir: str | Path, aggregation: str = "min", device: str = "cpu", batch_size: int = 32) -> PRMReward:
-    """`fn(prompt, response, label, metadata) -> float`: aggregated step scores of the PRM in `model_dir`."""
-    return PRMReward(model_dir, aggregation, device, batch_size)
+def prm_reward(
+    model_dir: str | Path, aggregation: str = "min", device: str = "cpu", batch_size: int = 32, token_level: bool = False
+) -> PRMReward:
+    """`fn(prompt, response, label, metadata)`: aggregated step scores of the PRM in `model_dir`;
+    with token_level=True also the per-step scores, which PPO/GAE then gets on step-end tokens."""
+    return PRMReward(model_dir, aggregation, device, batch_size, token_level)
 
 
 def _unescape(s: str) -> str:

@@ -48,10 +48,22 @@ _SIGNATURE = "fn(prompt, response, label, metadata)"
 
 
 @dataclass(frozen=True)
+class StepScores:
+    """Per-step rewards of one response: `scores[i]` for the step whose last character is
+    `ends[i]` (a character index into the response). The worker places each on the token holding
+    that character (see rewards/prm.py), so PPO/GAE gets token-level rewards."""
+
+    scores: tuple[float, ...]
+    ends: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class RewardResult:
     reward: float | None  # None when the call failed
     failure: str | None  # why there is no reward; names the function
     latency_s: float  # time the call ran (queueing excluded)
+    steps: StepScores | None = None  # per-step rewards, when the reward gives them
+    info: dict[str, Any] | None = None  # extra JSON-able facts (a judge's verdict text), kept in metadata
 
     @property
     def ok(self) -> bool:
@@ -205,8 +217,8 @@ class RewardRunner:
                 if call.settled:
                     continue
                 self._start(call)
-            reward, failure = self._invoke_sync(call.kwargs)
-            self._settle(call, reward, failure)
+            reward, failure, extras = self._invoke_sync(call.kwargs)
+            self._settle(call, reward, failure, extras=extras)
             with self._lock:
                 if not call.timed_out:
                     continue
@@ -217,7 +229,7 @@ class RewardRunner:
                     return
                 self._live += 1
 
-    def _invoke_sync(self, kwargs: dict[str, Any]) -> tuple[float | None, str | None]:
+    def _invoke_sync(self, kwargs: dict[str, Any]) -> tuple[float | None, str | None, dict[str, Any]]:
         try:
             value = self._fn(**kwargs)
             if inspect.isawaitable(value):  # a sync wrapper that returned a coroutine
@@ -225,8 +237,8 @@ class RewardRunner:
         # BaseException: a SystemExit from user code must not silently end the worker thread
         # (KeyboardInterrupt is only ever raised in the main thread).
         except BaseException as exc:
-            return None, self._raised_message(exc)
-        return self._check(value)
+            return None, self._raised_message(exc), {}
+        return self._check(value, kwargs["response"])
 
     # --- async path --------------------------------------------------------------------------
 
@@ -264,7 +276,8 @@ class RewardRunner:
             except (Exception, asyncio.CancelledError) as exc:
                 self._settle(call, None, self._raised_message(exc))
                 return
-            self._settle(call, *self._check(value))
+            reward, failure, extras = self._check(value, call.kwargs["response"])
+            self._settle(call, reward, failure, extras=extras)
 
     # --- shared ------------------------------------------------------------------------------
 
@@ -273,14 +286,17 @@ class RewardRunner:
         heapq.heappush(self._deadlines, (call.started + self.timeout_s, next(self._seq), call))
         self._wake.notify()
 
-    def _settle(self, call: _Call, reward: float | None, failure: str | None, timed_out: bool = False) -> bool:
+    def _settle(
+        self, call: _Call, reward: float | None, failure: str | None, timed_out: bool = False,
+        extras: dict[str, Any] | None = None,
+    ) -> bool:
         with self._lock:
             if call.settled:
                 return False
             call.settled = True
             call.timed_out = timed_out
             self._unsettled.discard(call)
-        call.future.set_result(RewardResult(reward, failure, _elapsed(call)))
+        call.future.set_result(RewardResult(reward, failure, _elapsed(call), **(extras or {})))
         return True
 
     def _watchdog_loop(self) -> None:
@@ -336,24 +352,9 @@ class RewardRunner:
                 self._unsettled.discard(call)
                 drained.append(call)
 
-    def _check(self, value: Any) -> tuple[float | None, str | None]:
-        """A returned value as a finite float, or the reason it is not one."""
-        try:
-            if isinstance(value, Mapping):
-                if "score" not in value:
-                    keys = sorted(str(k) for k in value)[:10]
-                    return None, f"reward function {self.name} returned a dict without a 'score' key (keys: {keys})"
-                value = value["score"]
-            if value is None:
-                return None, f"reward function {self.name} returned None (a missing return statement?)"
-            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-                return None, f"reward function {self.name} returned {type(value).__name__} {value!r:.80}, not a number"
-            reward = float(value)  # bool -> 0.0/1.0; numpy scalars and 1-element tensors too
-        except Exception as exc:
-            return None, f"reward function {self.name} returned an unusable {type(value).__name__}: {exc}"
-        if not math.isfinite(reward):
-            return None, f"reward function {self.name} returned {reward}, not a finite number"
-        return reward, None
+    def _check(self, value: Any, response: str) -> tuple[float | None, str | None, dict[str, Any]]:
+        """A returned value as (finite float, None, extras), or (None, the reason it is not one, {})."""
+        return check_reward_value(value, f"reward function {self.name}", response)
 
     def _raised_message(self, exc: BaseException) -> str:
         where = ""
@@ -373,6 +374,57 @@ class RewardRunner:
             f"reward function {self.name} not called: all worker threads are stuck in calls that timed out "
             f"({self._hung} hung, max_hung_calls={self.max_hung_calls}); fix the hang or raise timeout_s"
         )
+
+
+def check_reward_value(value: Any, who: str, response: str) -> tuple[float | None, str | None, dict[str, Any]]:
+    """Validate what a reward returned: a number, or a dict with "score" and optionally per-step
+    rewards ("step_scores" + "step_ends", character indices into `response`) and "info" (a dict).
+    Returns (reward, None, extras for RewardResult) or (None, the reason, {}); `who` starts the reason."""
+    extras: dict[str, Any] = {}
+    try:
+        if isinstance(value, Mapping):
+            if "score" not in value:
+                keys = sorted(str(k) for k in value)[:10]
+                return None, f"{who} returned a dict without a 'score' key (keys: {keys})", {}
+            if value.get("step_scores") is not None or value.get("step_ends") is not None:
+                steps, why = _check_steps(value.get("step_scores"), value.get("step_ends"), len(response))
+                if why is not None:
+                    return None, f"{who} returned unusable per-step rewards: {why}", {}
+                extras["steps"] = steps
+            info = value.get("info")
+            if info is not None:
+                if not isinstance(info, Mapping):
+                    return None, f"{who} returned 'info' of type {type(info).__name__}, not a dict", {}
+                extras["info"] = dict(info)
+            value = value["score"]
+        if value is None:
+            return None, f"{who} returned None (a missing return statement?)", {}
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+            return None, f"{who} returned {type(value).__name__} {value!r:.80}, not a number", {}
+        reward = float(value)  # bool -> 0.0/1.0; numpy scalars and 1-element tensors too
+    except Exception as exc:
+        return None, f"{who} returned an unusable {type(value).__name__}: {exc}", {}
+    if not math.isfinite(reward):
+        return None, f"{who} returned {reward}, not a finite number", {}
+    return reward, None, extras
+
+
+def _check_steps(scores: Any, ends: Any, response_chars: int) -> tuple[StepScores | None, str | None]:
+    if not isinstance(scores, (list, tuple)) or not isinstance(ends, (list, tuple)):
+        return None, f"step_scores and step_ends must both be lists, got {type(scores).__name__} and {type(ends).__name__}"
+    if len(scores) != len(ends):
+        return None, f"{len(scores)} step_scores but {len(ends)} step_ends"
+    out_scores, out_ends = [], []
+    for i, (s, e) in enumerate(zip(scores, ends)):
+        if isinstance(s, (str, bytes, bool)) or not isinstance(s, (int, float)) or not math.isfinite(float(s)):
+            return None, f"step_scores[{i}] = {s!r:.40} is not a finite number"
+        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < max(response_chars, 1):
+            return None, f"step_ends[{i}] = {e!r:.40} is not a character index into the {response_chars}-character response"
+        if out_ends and e < out_ends[-1]:
+            return None, f"step_ends must not decrease (step_ends[{i}] = {e} < {out_ends[-1]})"
+        out_scores.append(float(s))
+        out_ends.append(int(e))
+    return StepScores(tuple(out_scores), tuple(out_ends)), None
 
 
 def _elapsed(call: _Call) -> float:

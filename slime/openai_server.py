@@ -1,0 +1,207 @@
+"""The built-in engine behind a small OpenAI-compatible API, and the text generator it uses.
+
+    python -m slime.openai_server MODEL_DIR [--port 8001]
+
+    POST /v1/completions       {"model", "prompt": str, "max_tokens", "temperature", "top_p"}
+    POST /v1/chat/completions  {"model", "messages": [{"role", "content"}], "max_tokens", "temperature", "top_p"}
+    GET  /v1/models
+
+Enough of the API for an LLM judge (rewards/judge.py) or any OpenAI client to use a local model:
+one choice per request, no streaming, no logprobs. `LocalGenerator` is the engine with a thread
+that steps it; concurrent requests share its continuous batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, Field
+
+from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+from slime.model import load_model, load_tokenizer, stop_token_ids
+
+
+@dataclass
+class Completion:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" | "length"
+
+
+class LocalGenerator:
+    """Text in, text out over a RolloutEngine on a local HF model directory; thread-safe."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
+                 max_running_requests: int = 16, seed: int = 0) -> None:
+        self.model_dir = str(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = RolloutEngine(load_model(model_dir, dtype, device), device=device,
+                                    max_running_requests=max_running_requests, seed=seed)
+        self.stop_ids = stop_token_ids(self.tokenizer, [])
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._open: dict[str, tuple[Future, list[int], int]] = {}  # request id -> (future, tokens, prompt length)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="local-generator", daemon=True)
+        self._thread.start()
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {self.model_dir} has no chat template; use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        return [int(t) for t in ids]
+
+    def text_ids(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> Future:
+        """Future[Completion]; a prompt that does not fit the model's context raises ValueError now."""
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        room = self.engine.max_seq_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens; {self.model_dir} reads at most {self.engine.max_seq_len}"
+            )
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=min(max_new_tokens, room),
+                                stop_token_ids=self.stop_ids)
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("LocalGenerator is closed")
+            request_id = f"gen-{next(self._ids)}"
+            self.engine.add_request(GenerationRequest(request_id, prompt_ids, params))
+            self._open[request_id] = (future, [], len(prompt_ids))
+            self._cond.notify()
+        return future
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> Completion:
+        return self.submit(prompt_ids, max_new_tokens, temperature, top_p).result()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self.engine.has_unfinished():
+                    self._cond.wait()
+                if self._closed:
+                    for future, _, _ in self._open.values():
+                        future.set_exception(RuntimeError("LocalGenerator closed"))
+                    return
+                try:
+                    chunks = self.engine.step()
+                except Exception as exc:  # fail everything in flight, keep serving new requests
+                    for rid, (future, _, _) in self._open.items():
+                        future.set_exception(exc)
+                    self.engine.abort(list(self._open))
+                    self._open.clear()
+                    continue
+                done = []
+                for c in chunks:
+                    future, tokens, _ = self._open[c.request_id]
+                    tokens.extend(c.token_ids)
+                    if c.finished:
+                        done.append(c)
+                for c in done:
+                    future, tokens, n_prompt = self._open.pop(c.request_id)
+                    stopped = bool(tokens) and tokens[-1] in self.stop_ids
+                    text = self.tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
+                    future.set_result(Completion(text, n_prompt, len(tokens), "stop" if stopped else "length"))
+
+
+# --- the OpenAI-style API ------------------------------------------------------------------------
+
+
+class CompletionRequest(BaseModel):
+    model: str | None = None
+    prompt: str
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(BaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+def make_openai_app(gen: LocalGenerator, model_name: str = "local") -> FastAPI:
+    app = FastAPI(title="slime OpenAI-compatible server")
+
+    async def run(ids_of, max_tokens: int, temperature: float, top_p: float) -> Completion:
+        try:
+            future = gen.submit(ids_of(), max_tokens, temperature, top_p)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from None
+        return await asyncio.wrap_future(future)
+
+    def usage(c: Completion) -> dict[str, int]:
+        return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+                "total_tokens": c.prompt_tokens + c.completion_tokens}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> dict:
+        c = await run(lambda: gen.text_ids(req.prompt), req.max_tokens, req.temperature, req.top_p)
+        return {"id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()),
+                "model": req.model or model_name, "usage": usage(c),
+                "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest) -> dict:
+        messages = [m.model_dump() for m in req.messages]
+        c = await run(lambda: gen.chat_ids(messages), req.max_tokens, req.temperature, req.top_p)
+        return {"id": f"chatcmpl-{time.time_ns()}", "object": "chat.completion", "created": int(time.time()),
+                "model": req.model or model_name, "usage": usage(c),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                             "finish_reason": c.finish_reason}]}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "slime"}]}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog="python -m slime.openai_server", description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model-name", default="local")
+    ns = parser.parse_args(argv)
+    gen = LocalGenerator(ns.model_dir, device=ns.device)
+    print(f"serving {ns.model_dir} as {ns.model_name!r} on http://{ns.host}:{ns.port}/v1", flush=True)
+    uvicorn.run(make_openai_app(gen, ns.model_name), host=ns.host, port=ns.port, log_level="warning")
+    gen.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
