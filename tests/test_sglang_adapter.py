@@ -1,0 +1,238 @@
+"""The SGLang adapter against the built-in engine's SGLang-protocol server, both real processes.
+
+The same contract as the built-in engine: logprobs match a direct forward pass, abort returns the
+partial and a resume continues token-exactly (greedy), weight updates by tensor handle and by
+disk change the outputs to the new weights, health; plus a raw SGLang-shaped HTTP client.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from slime.engine import GenerationRequest, SamplingParams
+from slime.engines.sglang import SglangEngine, SglangServerProcess, free_port, launch_command
+from slime.model import load_model
+
+PROMPT = [5, 12, 7, 30, 9, 14]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    port = free_port()
+    cmd = launch_command("slime", str(tiny_model_dir), "127.0.0.1", port, torch_threads=1, max_running_requests=8)
+    proc = SglangServerProcess(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("sglang") / "server.log", 120)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def engine(server, tmp_path):
+    eng = SglangEngine(server.url, weights_dir=tmp_path / "weights", request_timeout_s=60)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir).eval()
+
+
+def _run(engine, reqs, until=None, timeout=60.0) -> dict[str, dict]:
+    """Drive the engine like the rollout worker; collect tokens, logprobs, finish reason per id."""
+    for r in reqs:
+        engine.add_request(r)
+    out = {r.request_id: {"tokens": [], "logprobs": [], "reason": None} for r in reqs}
+    deadline = time.time() + timeout
+    while engine.has_unfinished():
+        assert time.time() < deadline, "generation did not finish"
+        for c in engine.step():
+            o = out[c.request_id]
+            o["tokens"] += c.token_ids
+            o["logprobs"] += c.logprobs
+            o["reason"] = c.finish_reason
+        if until is not None and until(out):
+            break
+    return out
+
+
+def _forward_logprobs(model, prompt, response, temperature=1.0) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(response)]
+
+
+def test_generation_logprobs_match_a_direct_forward(engine, model):
+    greedy = GenerationRequest("g", PROMPT, SamplingParams(temperature=0.0, max_new_tokens=12))
+    sampled = GenerationRequest("s", PROMPT[:4], SamplingParams(temperature=0.8, max_new_tokens=12))
+    out = _run(engine, [greedy, sampled])
+    for rid, prompt, temperature in (("g", PROMPT, 1.0), ("s", PROMPT[:4], 0.8)):
+        o = out[rid]
+        assert o["reason"] == "length" and len(o["tokens"]) == 12
+        assert max(abs(a - b) for a, b in zip(o["logprobs"], _forward_logprobs(model, prompt, o["tokens"], temperature))) < 1e-4
+    with torch.no_grad():  # greedy really is the argmax of the model
+        logits = model(input_ids=torch.tensor([PROMPT + out["g"]["tokens"]])).logits[0]
+    assert logits[len(PROMPT) - 1 : -1].argmax(-1).tolist() == out["g"]["tokens"]
+    assert engine.score_logprobs(PROMPT, out["g"]["tokens"][:5]) == pytest.approx(out["g"]["logprobs"][:5], abs=1e-4)
+
+
+def test_abort_returns_the_partial_and_resume_is_token_exact(engine):
+    params = SamplingParams(temperature=0.0, max_new_tokens=120)
+    reference = _run(engine, [GenerationRequest("ref", PROMPT, params)])["ref"]["tokens"]
+    assert len(reference) == 120
+
+    engine.add_request(GenerationRequest("a", PROMPT, params))
+    partial, logprobs = [], []
+    while len(partial) < 5:
+        for c in engine.step():
+            partial += c.token_ids
+            logprobs += c.logprobs
+    chunks = engine.abort(None)
+    assert [c.finish_reason for c in chunks] == ["abort"] and chunks[0].request_id == "a"
+    partial += chunks[0].token_ids
+    assert 5 <= len(partial) < 120 and not engine.has_unfinished()
+
+    resumed = _run(engine, [GenerationRequest("a", PROMPT, params, response_ids=partial)])["a"]
+    assert resumed["reason"] == "length"
+    assert partial + resumed["tokens"] == reference  # max_new_tokens reduced by the resumed prefix
+
+    done = _run(engine, [GenerationRequest("b", PROMPT, SamplingParams(max_new_tokens=3), response_ids=reference[:3])])
+    assert done["b"] == {"tokens": [], "logprobs": [], "reason": "length"}  # nothing left: finished at once
+
+
+def _perturbed(model, seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(n, p.detach() + 0.3 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
+
+
+def test_weight_updates_by_tensor_handle_disk_and_broadcast_change_outputs(engine, server, model, tiny_model_dir, tmp_path):
+    probe = [3, 8, 21, 4]
+    before = engine.score_logprobs(PROMPT, probe)
+    assert before == pytest.approx(_forward_logprobs(model, PROMPT, probe), abs=1e-4)
+    engines = {"tensor": engine, **{m: SglangEngine(server.url, weight_update=m, weights_dir=tmp_path / "w", bucket_mb=0.2)
+                                    for m in ("disk", "distributed")}}
+    try:
+        # distributed twice: the second update reuses the group (bucketed: several requests per update)
+        for mode, seed, version in (("tensor", 1, 7), ("disk", 2, 8), ("distributed", 3, 9), ("distributed", 4, 10)):
+            eng = engines[mode]
+            named = _perturbed(model, seed)
+            eng.update_weights(version, named)
+            new_model = load_model(tiny_model_dir)
+            new_model.load_state_dict(dict(named), strict=False)
+            expected = _forward_logprobs(new_model.eval(), PROMPT, probe)
+            got = eng.score_logprobs(PROMPT, probe)
+            assert got == pytest.approx(expected, abs=1e-4), mode
+            assert max(abs(a - b) for a, b in zip(got, before)) > 1e-2, mode
+            out = _run(eng, [GenerationRequest(mode, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=4))])
+            assert httpx.get(f"{server.url}/get_model_info").json()["weight_version"] == str(version)
+            with torch.no_grad():  # greedy tokens of the new weights, stamped with the new version
+                logits = new_model(input_ids=torch.tensor([PROMPT + out[mode]["tokens"]])).logits[0]
+            assert logits[len(PROMPT) - 1 : -1].argmax(-1).tolist() == out[mode]["tokens"]
+            assert eng.version == version
+    finally:  # later tests (and other modules) see the original weights
+        engine.update_weights(0, list(model.named_parameters()))
+        engines["disk"].close()
+        engines["distributed"].close()
+    assert engine.score_logprobs(PROMPT, probe) == pytest.approx(before, abs=1e-5)
+
+
+def test_update_weights_keeps_running_requests(engine, model):
+    """pause(in_place) -> update -> continue: a running request survives, later tokens carry the new version."""
+    engine.add_request(GenerationRequest("long", PROMPT, SamplingParams(temperature=0.0, max_new_tokens=60)))
+    chunks = []
+    while sum(len(c.token_ids) for c in chunks) < 3:
+        chunks += engine.step()
+    engine.update_weights(1, list(model.named_parameters()))  # same values, new version
+    while engine.has_unfinished():
+        chunks += engine.step()
+    assert sum(len(c.token_ids) for c in chunks) == 60 and chunks[-1].finish_reason == "length"
+    assert chunks[0].version == 0 and chunks[-1].version == 1 and engine.version == 1
+
+
+def test_health_and_bad_input(engine, server):
+    h = engine.health()
+    assert h["healthy"] and h["running"] == 0
+    assert httpx.post(f"{server.url}/flush_cache").status_code == 200
+    r = httpx.post(f"{server.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}})
+    assert r.status_code == 400 and "stop" in r.json()["message"]
+    r = httpx.post(f"{server.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}})
+    assert r.status_code == 400 and "repetition_penalty" in r.json()["message"]
+    r = httpx.post(f"{server.url}/generate", json={"sampling_params": {}})
+    assert r.status_code == 400 and "input_ids" in r.json()["message"]
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        launch_command("slime", "m", "127.0.0.1", 1, tensor_parallel_size=2)
+
+
+def test_raw_sglang_client(server, model):
+    """A client written for SGLang: the request and response shapes of its native /generate."""
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "top_k": -1, "ignore_eos": True,
+                            "frequency_penalty": 0.0, "n": 1, "skip_special_tokens": True},  # neutral: accepted
+        "return_logprob": True,
+        "rid": "raw-1",
+    }
+    out = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    meta = out["meta_info"]
+    assert set(out) == {"text", "output_ids", "meta_info"} and len(out["output_ids"]) == 6
+    assert meta["id"] == "raw-1" and meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["completion_tokens"] == 6 and meta["prompt_tokens"] == len(PROMPT)
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
+    assert lps == pytest.approx(_forward_logprobs(model, PROMPT, out["output_ids"]), abs=1e-4)
+
+    # streaming: cumulative SSE events, then [DONE]; abort_all ends it with finish_reason abort
+    events: list[dict] = []
+
+    def stream():
+        with httpx.stream("POST", f"{server.url}/generate", json={**body, "rid": "raw-2", "stream": True,
+                          "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.time() + 30
+    while len(events) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
+    t.join(timeout=30)
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 3 <= last["meta_info"]["completion_tokens"] < 400
+    assert events[0]["output_ids"] == last["output_ids"][: len(events[0]["output_ids"])]  # cumulative
+
+    # pause in place keeps a request; continue finishes it
+    assert httpx.post(f"{server.url}/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(httpx.post(f"{server.url}/generate", json={**body, "rid": "raw-3"}, timeout=60).json()))
+    t.start()
+    time.sleep(0.3)
+    assert not result  # paused: nothing generated
+    httpx.post(f"{server.url}/continue_generation")
+    t.join(timeout=30)
+    assert result["output_ids"] == out["output_ids"]
+
+
+@pytest.mark.slow
+def test_training_job_on_the_sglang_engine(ray_session, tiny_model_dir, redis_url, tmp_path):
+    """rollout.engine=sglang end to end: the worker launches the SGLang-protocol server, generates
+    through it, and the probe check after each weight update passes."""
+    from slime.config import load_config
+    from slime.train import train
+
+    history = train(load_config(None, [
+        "job_name=e2e-sglang", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
+        "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=24", "data.num_generated=32",
+        "logging.progress=false", "rollout.engine=sglang", "sglang.launcher=slime", "weights.check_every=1", "steps=2",
+    ]))
+    assert len(history) == 2 and all(m["generated_tokens"] > 0 for m in history)
+    assert (tmp_path / "sglang" / "server_0.log").exists()
