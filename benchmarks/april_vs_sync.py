@@ -6,6 +6,9 @@ the default warm start, the repeat task) with the same seeds; only `april.*` dif
     sync            the synchronous baseline (APRIL off)
     april2          APRIL, oversample 2.0, no staleness budget
     april2_budget2  APRIL, oversample 2.0, april.max_version_span=2 (beyond_budget=restart)
+    ppo_sync        PPO + critic (GAE), APRIL off: the baseline of the streaming variant
+    ppo_streaming   GLM-5's streaming variant: PPO trains every trajectory each 16 new tokens while
+                    the engine keeps generating; the critic bootstraps unfinished returns
     sync_repeat, april1.5, april3   when time allows (--extra auto: if the projected total fits --budget-s)
 
 Then the simulator (`april/sim.py`, preset `cpu_tiny`) is calibrated from this machine: the engine's
@@ -50,7 +53,12 @@ SETTINGS: dict[str, list[str]] = {
     "april2": ["april.enabled=true", "april.oversample=2.0"],
     "april2_budget2": ["april.enabled=true", "april.oversample=2.0", "april.max_version_span=2",
                        "april.beyond_budget=restart"],
+    "ppo_sync": ["april.enabled=false", "algorithm.name=ppo", "algorithm.gamma=1.0", "algorithm.lam=0.95"],
+    "ppo_streaming": ["april.enabled=false", "algorithm.name=ppo", "algorithm.gamma=1.0", "algorithm.lam=0.95",
+                      "april.streaming_chunk_tokens=16", "rollout.chunk_tokens=8"],
 }
+# Compared with each other in their own block (same algorithm), besides the table against GRPO sync.
+STREAMING_PAIR = ("ppo_sync", "ppo_streaming")
 EXTRA_SETTINGS: dict[str, list[str]] = {
     # The baseline again: run-to-run noise of every figure (the worker's sampling seed differs per run).
     "sync_repeat": ["april.enabled=false"],
@@ -66,7 +74,7 @@ def run_setting(name: str, overrides: list[str], args, redis_url: str) -> dict:
     import ray
 
     from slime.sample import Status
-    from slime.train import RunningJob, sync_loop
+    from slime.train import RunningJob, streaming_loop, sync_loop
 
     cfg = load_config(None, [
         f"job_name=bench-april-{name}", f"output_dir={args.out}/{name}", f"steps={args.steps}",
@@ -78,7 +86,7 @@ def run_setting(name: str, overrides: list[str], args, redis_url: str) -> dict:
         before = ray.get([w.health.remote() for w in job.workers])
         gen_before = job.buffer.stats().get("generated_tokens", 0.0)
         t0 = time.time()
-        sync_loop(job)
+        (streaming_loop if cfg.april.streaming_chunk_tokens else sync_loop)(job)
         loop_wall = time.time() - t0
         after = ray.get([w.health.remote() for w in job.workers])
         gen_after = job.buffer.stats().get("generated_tokens", 0.0)
@@ -401,6 +409,20 @@ def main() -> None:
         ma = [float(np.nanmean(r[max(0, i - 4): i + 1])) for i in range(len(r))]
         print(f"  {c:16s}" + " ".join(f"{ma[i]:.3f}" for i in range(4, len(ma), 5)))
 
+    if all(c in sums for c in STREAMING_PAIR):
+        sb, st = (sums[c] for c in STREAMING_PAIR)
+        print()
+        print("streaming variant (PPO, trains each 16 new tokens; engine never pauses for the learner) vs sync PPO:")
+        print(f"  generated tok / wall s   {st['wall_tok_s']:8.0f} vs {sb['wall_tok_s']:8.0f}   "
+              f"{st['wall_tok_s'] / sb['wall_tok_s']:.2f}x")
+        print(f"  trained tok / wall s     {st['trained_tok_s']:8.0f} vs {sb['trained_tok_s']:8.0f}   "
+              f"{st['trained_tok_s'] / sb['trained_tok_s']:.2f}x")
+        print(f"  engine busy (of wall)    {100 * st['engine_busy']:7.1f}% vs {100 * sb['engine_busy']:7.1f}%")
+        print(f"  off-policy token share   {100 * st['off_policy']:7.1f}% vs {100 * sb['off_policy']:7.1f}%; "
+              f"max version span {st['max_span']} vs {sb['max_span']}")
+        print(f"  train reward first5->last5  {first_last(st['rewards'])[0]:.3f}->{first_last(st['rewards'])[1]:.3f} vs "
+              f"{first_last(sb['rewards'])[0]:.3f}->{first_last(sb['rewards'])[1]:.3f}")
+
     e = engine
     print()
     print("simulator (april/sim.py, preset cpu_tiny) calibrated on this machine:")
@@ -455,7 +477,7 @@ def main() -> None:
         result[f"{c}_engine_busy_fraction"] = round(s["engine_busy"], 3)
         result[f"{c}_engine_busy_fraction_during_rollout"] = round(s["engine_busy_in_rollout"], 3)
         result[f"{c}_learner_busy_fraction"] = round(s["learner_busy"], 3)
-        if c.startswith("april"):
+        if c.startswith("april") or c == "ppo_streaming":
             result[f"{c}_off_policy_token_share"] = round(s["off_policy"], 3)
             result[f"{c}_max_version_span"] = int(s["max_span"])
             result[f"{c}_resumed_samples_per_step"] = round(s["resumed_per_step"], 2)
@@ -463,6 +485,10 @@ def main() -> None:
         result[f"{c}_train_reward_first5"] = round(first_last(s["rewards"])[0], 3)
         result[f"{c}_train_reward_last5"] = round(first_last(s["rewards"])[1], 3)
         result[f"{c}_heldout_reward"] = round(evals[c], 3)
+    if all(c in sums for c in STREAMING_PAIR):
+        sb, st = (sums[c] for c in STREAMING_PAIR)
+        result["ppo_streaming_over_ppo_sync_wall_tokens_per_s_ratio"] = round(st["wall_tok_s"] / sb["wall_tok_s"], 3)
+        result["ppo_streaming_over_ppo_sync_trained_tokens_per_s_ratio"] = round(st["trained_tok_s"] / sb["trained_tok_s"], 3)
     result.update(
         initial_heldout_reward=round(evals["initial"], 3),
         sim_predicted_april2_ratio=round(E["pred_wall"], 3),

@@ -20,6 +20,9 @@ python -m pip install -q -e ".[dev]"
 missing=""
 command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
 command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
+# headless Chromium + its WebDriver for the dashboard browser test (tests/test_dashboard_browser.py)
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
 if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq $missing >/dev/null) || echo "apt could not install:$missing"
 fi

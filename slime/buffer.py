@@ -392,6 +392,114 @@ if dry then return count end
 return out
 """
 
+# ARGV: prefix, sid. Dashboard control: a RUNNING sample back to the front of the resume queue,
+# tokens kept, as if its lease had expired (the worker's next write finds the lease lost).
+_FORCE_REQUEUE = """
+local sid = ARGV[2]
+local status = redis.call('HGET', P .. 'sample:' .. sid, 'status')
+if not status then return {-4, ''} end
+if status ~= 'running' then return {-5, status} end
+requeue_running(sid)
+return {0, status}
+"""
+
+# ARGV: prefix, sid, reason. Dashboard control: an unfinished sample becomes FAILED with the reason
+# (its group can still complete). Stale queue entries are skipped by _LEASE, so no LREM is needed.
+_DROP_SAMPLE = """
+local sid, reason = ARGV[2], ARGV[3]
+local skey = P .. 'sample:' .. sid
+local status = redis.call('HGET', skey, 'status')
+if not status then return {-4, ''} end
+if status ~= 'pending' and status ~= 'aborted' and status ~= 'running' then return {-5, status} end
+redis.call('ZREM', P .. 'leases', sid)
+redis.call('HDEL', skey, 'lease_owner')
+redis.call('HSET', skey, 'status', 'failed', 'failure', reason, 'updated_at', fmt(now()))
+move_count(status, 'failed')
+redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_samples:dashboard', 1)
+local gkey = P .. 'group:' .. redis.call('HGET', skey, 'group_id')
+local done = redis.call('HINCRBY', gkey, 'done', 1)
+if done >= tonumber(redis.call('HGET', gkey, 'n')) and redis.call('HGET', gkey, 'status') == 'open' then
+  redis.call('HSET', gkey, 'status', 'ready')
+  redis.call('RPUSH', P .. 'queue:ready', redis.call('HGET', skey, 'group_id'))
+end
+return {0, status}
+"""
+
+# ARGV: prefix, rank, pos, limit, max_scan, statuses (',a,b,' or '' for any), then min/max of
+# length, reward, version span, age in seconds ('' = unbounded). Read-only listing for the dashboard:
+# walks groups from creation rank `rank` down (newest first), samples from position `pos`, and
+# returns {next rank, next pos, scanned, rows, server time}; a row is sid, the 8 _ROW_FIELDS
+# ('' = absent), response length, first and last token version ('' when no tokens).
+_SCAN_ROWS = """
+local rank, pos = tonumber(ARGV[2]), tonumber(ARGV[3])
+local limit, max_scan, statuses = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local function bound(i) if ARGV[i] == '' then return nil end return tonumber(ARGV[i]) end
+local min_len, max_len, min_rw, max_rw = bound(7), bound(8), bound(9), bound(10)
+local min_span, max_span, min_age, max_age = bound(11), bound(12), bound(13), bound(14)
+local t = now()
+local function outside(x, lo, hi)
+  if lo == nil and hi == nil then return false end
+  if x == nil then return true end
+  return (lo ~= nil and x < lo) or (hi ~= nil and x > hi)
+end
+local total = redis.call('ZCARD', P .. 'groups')
+if rank >= total then rank, pos = total - 1, 0 end
+local rows, found, scanned = {}, 0, 0
+while rank >= 0 and found < limit and scanned < max_scan do
+  local gid = redis.call('ZRANGE', P .. 'groups', rank, rank)[1]
+  local sids = redis.call('LRANGE', P .. 'group:' .. gid .. ':samples', pos, -1)
+  local i = 0
+  while i < #sids and found < limit and scanned < max_scan do
+    i = i + 1
+    scanned = scanned + 1
+    local sid = sids[i]
+    local skey = P .. 'sample:' .. sid
+    local f = redis.call('HMGET', skey, 'group_id', 'index', 'status', 'reward', 'failure', 'created_at',
+      'updated_at', 'max_new_tokens')
+    if f[3] and (statuses == '' or string.find(statuses, ',' .. f[3] .. ',', 1, true)) then
+      local n = redis.call('STRLEN', skey .. ':mask')
+      local first, last, span = '', '', nil
+      if n > 0 then
+        first = struct.unpack('<i4', redis.call('GETRANGE', skey .. ':ver', 0, 3))
+        last = struct.unpack('<i4', redis.call('GETRANGE', skey .. ':ver', -4, -1))
+        span = last - first
+      end
+      if not (outside(n, min_len, max_len) or outside(tonumber(f[4] or ''), min_rw, max_rw)
+              or outside(span, min_span, max_span) or outside(t - tonumber(f[6]), min_age, max_age)) then
+        found = found + 1
+        rows[#rows + 1] = sid
+        for k = 1, 8 do rows[#rows + 1] = f[k] or '' end
+        rows[#rows + 1] = tostring(n)
+        rows[#rows + 1] = tostring(first)
+        rows[#rows + 1] = tostring(last)
+      end
+    end
+  end
+  if i >= #sids then rank, pos = rank - 1, 0 else pos = pos + i end
+end
+return {rank, pos, scanned, rows, fmt(t)}
+"""
+
+# ARGV: prefix, max_each. The first token's policy version of up to max_each running (leased) and
+# aborted (resume queue) samples that have tokens: the dashboard's staleness, one round trip.
+_FIRST_VERSIONS = """
+local n = tonumber(ARGV[2])
+local out = {}
+local sids = redis.call('ZRANGE', P .. 'leases', 0, n - 1)
+for _, sid in ipairs(redis.call('LRANGE', P .. 'queue:resume', 0, n - 1)) do sids[#sids + 1] = sid end
+for _, sid in ipairs(sids) do
+  local first = redis.call('GETRANGE', P .. 'sample:' .. sid .. ':ver', 0, 3)
+  if #first == 4 then out[#out + 1] = struct.unpack('<i4', first) end
+end
+return out
+"""
+
+# Dashboard keys (additive): events (list, newest first), control (hash: paused, oversample),
+# engines (hash worker_id -> health JSON), expert_load (hash 'layer:expert' -> routed tokens),
+# steps (list of per-step metrics JSON), job_info (JSON string).
+EVENTS_KEPT = 1000
+STEPS_KEPT = 500
+
 
 def _float_text(value: float) -> str:
     return repr(float(value))
@@ -426,6 +534,10 @@ class RedisBuffer:
         self._restart = self.redis.register_script(_PRELUDE + _RESTART)
         self._requeue_leased = self.redis.register_script(_PRELUDE + _REQUEUE_LEASED)
         self._claim_segments = self.redis.register_script(_PRELUDE + _CLAIM_SEGMENTS)
+        self._force_requeue = self.redis.register_script(_PRELUDE + _FORCE_REQUEUE)
+        self._drop_sample = self.redis.register_script(_PRELUDE + _DROP_SAMPLE)
+        self._scan_rows = self.redis.register_script(_PRELUDE + _SCAN_ROWS)
+        self._first_versions = self.redis.register_script(_PRELUDE + _FIRST_VERSIONS)
 
     # Ray actors and worker processes get their own connection from the same (url, job).
     def __reduce__(self) -> tuple[type, tuple[str, str, float]]:
@@ -727,6 +839,171 @@ class RedisBuffer:
                 batch = []
         if batch:
             yield from (s for s in self._load_samples(batch) if wanted is None or s.status == wanted)
+
+    # ---- dashboard: control, events, engine/expert load, step history (additive keys) ---------
+
+    def force_requeue(self, sample_id: str) -> None:
+        """A RUNNING sample back to the front of the resume queue, tokens kept (its worker drops it)."""
+        code, detail = self._force_requeue(args=[self.prefix, sample_id])
+        self._raise_for_control(code, detail, sample_id, "requeue", "running")
+
+    def drop_sample(self, sample_id: str, reason: str) -> str:
+        """An unfinished (pending, aborted or running) sample becomes FAILED with `reason`.
+        Returns the status it had."""
+        code, detail = self._drop_sample(args=[self.prefix, sample_id, reason])
+        self._raise_for_control(code, detail, sample_id, "drop", "pending, aborted or running")
+        return detail.decode()
+
+    def _raise_for_control(self, code: int, detail: bytes, sample_id: str, action: str, allowed: str) -> None:
+        if code == _NO_SAMPLE:
+            raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
+        if code != _OK:
+            raise ValueError(f"cannot {action} sample {sample_id!r}: its status is {detail.decode()}, not {allowed}")
+
+    def log_event(self, kind: str, detail: dict[str, Any]) -> dict[str, Any]:
+        event = {"ts": self.server_time(), "kind": kind, "detail": detail}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.lpush(self._key("events"), json.dumps(event))
+        pipe.ltrim(self._key("events"), 0, EVENTS_KEPT - 1)
+        pipe.execute()
+        return event
+
+    def events(self, limit: int = 100) -> list[dict[str, Any]]:
+        return [json.loads(e) for e in self.redis.lrange(self._key("events"), 0, max(0, limit - 1))]
+
+    def server_time(self) -> float:
+        seconds, micros = self.redis.time()
+        return seconds + micros / 1e6
+
+    def set_control(self, **fields: str) -> None:
+        self.redis.hset(self._key("control"), mapping=fields)
+
+    def get_control(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.redis.hgetall(self._key("control")).items()}
+
+    def record_engine_health(self, healths: Sequence[dict[str, Any]]) -> None:
+        if healths:
+            now = self.server_time()
+            self.redis.hset(
+                self._key("engines"),
+                mapping={str(h.get("worker_id", i)): json.dumps({**h, "published_at": now}) for i, h in enumerate(healths)},
+            )
+
+    def engine_health(self) -> dict[str, dict[str, Any]]:
+        return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(self._key("engines")).items()}
+
+    def add_expert_load(self, counts: np.ndarray) -> None:
+        """Add routed-token counts, shape (layers, experts)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for (layer, expert), n in np.ndenumerate(np.asarray(counts)):
+            if n:
+                pipe.hincrby(self._key("expert_load"), f"{layer}:{expert}", int(n))
+        pipe.execute()
+
+    def expert_load(self) -> np.ndarray:
+        """Routed-token counts (layers, experts); shape (0, 0) when none were recorded."""
+        raw = self.redis.hgetall(self._key("expert_load"))
+        cells = {tuple(int(x) for x in k.decode().split(":")): int(v) for k, v in raw.items()}
+        if not cells:
+            return np.zeros((0, 0), dtype=np.int64)
+        out = np.zeros((max(l for l, _ in cells) + 1, max(e for _, e in cells) + 1), dtype=np.int64)
+        for (layer, expert), n in cells.items():
+            out[layer, expert] = n
+        return out
+
+    def record_step(self, step: int, metrics: dict[str, float]) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.rpush(self._key("steps"), json.dumps({"step": step, **metrics}))
+        pipe.ltrim(self._key("steps"), -STEPS_KEPT, -1)
+        pipe.execute()
+
+    def step_history(self, limit: int = STEPS_KEPT) -> list[dict[str, float]]:
+        return [json.loads(s) for s in self.redis.lrange(self._key("steps"), -max(1, limit), -1)]
+
+    def set_job_info(self, info: dict[str, Any]) -> None:
+        self.redis.set(self._key("job_info"), json.dumps(info))
+
+    def job_info(self) -> dict[str, Any]:
+        raw = self.redis.get(self._key("job_info"))
+        return json.loads(raw) if raw else {}
+
+    def group_count(self) -> int:
+        return int(self.redis.zcard(self._key("groups")))
+
+    def group_ids_by_rank(self, lo: int, hi: int) -> list[str]:
+        """Group ids of creation ranks lo..hi (0 = oldest; the `groups` zset is the index, no SCAN).
+        Ranks are stable while groups are added, so they make page cursors."""
+        return [g.decode() for g in self.redis.zrange(self._key("groups"), max(0, lo), hi)]
+
+    def group_rows(self, group_ids: Sequence[str]) -> list[tuple[dict[str, str], list[str]]]:
+        """Per group: its hash fields and its sample ids, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for gid in group_ids:
+            pipe.hgetall(self._key("group", gid))
+            pipe.lrange(self._key("group", gid, "samples"), 0, -1)
+        replies = pipe.execute()
+        return [
+            ({k.decode(): v.decode() for k, v in replies[2 * i].items()}, [s.decode() for s in replies[2 * i + 1]])
+            for i in range(len(group_ids))
+        ]
+
+    def scan_rows(
+        self, rank: int, pos: int, limit: int, max_scan: int, statuses: Sequence[str] = (),
+        bounds: dict[str, tuple[float | None, float | None]] | None = None,
+    ) -> tuple[list[dict[str, Any]], int, int, int, float]:
+        """Newest-first listing done inside Redis (one call, at most max_scan samples examined):
+        light rows (as `sample_rows`) matching the statuses and the (low, high) bounds on `length`,
+        `reward`, `version_span` and `age_s` (by the Redis server's clock). Returns (rows, next rank,
+        next pos, scanned, server time); rank -1 means the oldest group was passed."""
+        bounds = bounds or {}
+        args: list[Any] = [self.prefix, int(rank), int(pos), int(limit), int(max_scan),
+                           "," + ",".join(statuses) + "," if statuses else ""]
+        for name in ("length", "reward", "version_span", "age_s"):
+            for value in bounds.get(name, (None, None)):
+                args.append("" if value is None else repr(float(value)))
+        next_rank, next_pos, scanned, flat, server_time = self._scan_rows(args=args)
+        rows = []
+        for i in range(0, len(flat), 12):
+            sid, *fields, length, first, last = (v.decode() for v in flat[i : i + 12])
+            row: dict[str, Any] = {"id": sid}
+            for name, value in zip(self._ROW_FIELDS, fields):
+                row[name] = value if value != "" else None
+            row["response_length"] = int(length)
+            row["min_version"] = int(first) if first != "" else None
+            row["max_version"] = int(last) if last != "" else None
+            rows.append(row)
+        return rows, int(next_rank), int(next_pos), int(scanned), float(server_time)
+
+    def first_versions(self, max_each: int = 256, client: Any = None) -> Any:
+        """First-token policy versions of up to max_each running and max_each aborted samples."""
+        return self._first_versions(args=[self.prefix, int(max_each)], client=client)
+
+    _ROW_FIELDS = ("group_id", "index", "status", "reward", "failure", "created_at", "updated_at", "max_new_tokens")
+
+    def sample_rows(self, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """Light per-sample rows (no token arrays) in one round trip: the hash fields above plus
+        response length and the first/last token's policy version (versions never decrease)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for sid in sample_ids:
+            key = self._key("sample", sid)
+            pipe.hmget(key, self._ROW_FIELDS)
+            pipe.strlen(key + ":mask")
+            pipe.getrange(key + ":ver", 0, 3)
+            pipe.getrange(key + ":ver", -4, -1)
+        replies = pipe.execute()
+        rows = []
+        for i, sid in enumerate(sample_ids):
+            values, length, first, last = replies[4 * i : 4 * i + 4]
+            if values[0] is None:
+                continue  # deleted meanwhile
+            row: dict[str, Any] = {"id": sid}
+            for name, value in zip(self._ROW_FIELDS, values):
+                row[name] = value.decode() if value is not None else None
+            row["response_length"] = int(length)
+            row["min_version"] = int(np.frombuffer(first, WIRE_VERSION)[0]) if len(first) == 4 else None
+            row["max_version"] = int(np.frombuffer(last, WIRE_VERSION)[0]) if len(last) == 4 and length else None
+            rows.append(row)
+        return rows
 
     # ---- internals ----------------------------------------------------------------------------
 

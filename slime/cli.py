@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,12 +24,37 @@ def _absolute_paths(cfg: JobConfig) -> JobConfig:
         module, sep, name = fn.rpartition(":")
         if sep and module.endswith(".py"):
             cfg.reward.fn = f"{Path(module).expanduser().resolve()}:{name}"
+    plugin = cfg.env.plugin
+    if plugin is not None and plugin.rpartition(":")[0].endswith(".py"):
+        module, _, name = plugin.rpartition(":")
+        cfg.env.plugin = f"{Path(module).expanduser().resolve()}:{name}"
     for section, field in ((cfg.model, "path"), (cfg.data, "path")):
         value = getattr(section, field)
         if value is not None:
             setattr(section, field, str(Path(value).expanduser().resolve()))
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
     return cfg
+
+
+def _dashboard(ns: argparse.Namespace) -> int:
+    import redis
+
+    from slime.buffer import JOB_NAME_PATTERN
+    from slime.dashboard.server import TOKEN_ENV, DashboardConfigError, DashboardServer
+
+    if not JOB_NAME_PATTERN.match(ns.job):
+        print(f"slime: --job {ns.job!r} must match {JOB_NAME_PATTERN.pattern}", file=sys.stderr)
+        return 2
+    try:
+        redis.Redis.from_url(ns.redis, socket_connect_timeout=5).ping()
+        token = ns.token or os.environ.get(TOKEN_ENV) or None
+        server = DashboardServer(ns.redis, ns.job, ns.host, ns.port, token)
+    except (redis.RedisError, ValueError) as exc:
+        print(f"slime: dashboard: {exc}", file=sys.stderr)
+        return 2
+    print(f"dashboard of job {ns.job!r}: {server.url}" + ("?token=<token>" if token else ""), flush=True)
+    server.run()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         from rewards.prm import main_train_prm
 
         return main_train_prm(argv[1:])
+    if argv and argv[0] == "reward-serve":
+        from rewards.server import main_reward_serve
+
+        return main_reward_serve(argv[1:])
+    if argv and argv[0] == "serve-sglang":
+        from slime.engines.sglang_server import main as main_serve_sglang
+
+        main_serve_sglang(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(prog="slime", description="Asynchronous RL post-training with APRIL.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a training job")
@@ -50,10 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     p_show.add_argument("args", nargs="*")
     sub.add_parser("train-rm", help="train a Bradley-Terry reward model on preference JSONL (--help for flags)")
     sub.add_parser("train-prm", help="train a process reward model on step-labelled JSONL (--help for flags)")
+    sub.add_parser("reward-serve", help="serve a reward over HTTP: reward-serve SPEC --port N (--help for flags)")
+    sub.add_parser("serve-sglang", help="serve the built-in engine over SGLang's HTTP API: serve-sglang --model DIR --port N")
     p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim.py)")
     p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
+    p_dash = sub.add_parser("dashboard", help="serve the buffer API and live page of one job (docs/dashboard.md)")
+    p_dash.add_argument("--redis", required=True, help="redis://host:port/db of the job's buffer")
+    p_dash.add_argument("--job", required=True, help="the job_name whose buffer to show")
+    p_dash.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need --token)")
+    p_dash.add_argument("--port", type=int, default=8377, help="0 picks a free port")
+    p_dash.add_argument("--token", default=None,
+                        help="required on every request; enables control endpoints (or env SLIME_DASHBOARD_TOKEN)")
     ns = parser.parse_args(argv)
 
+    if ns.command == "dashboard":
+        return _dashboard(ns)
     if ns.command == "simulate":
         from april.sim import main_simulate
 

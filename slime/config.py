@@ -221,8 +221,33 @@ class RewardConfig(_Strict):
         description="`package.module:function` or `path/to/file.py:function`, or a mix/route spec "
         "({mix: [{fn, weight}, ...]} or {route: field, routes: {value: spec}, default: spec}).",
     )
-    timeout_s: float = Field(30.0, gt=0)
-    max_concurrency: int = Field(8, gt=0)
+    timeout_s: float = Field(30.0, gt=0, description="Per-sample limit; a slower call fails that sample.")
+    max_concurrency: int = Field(8, gt=0, description="Calls at once (remote modes: batches in flight).")
+    mode: Literal["in_process", "ray_actor", "http"] = Field(
+        "in_process",
+        description="Where the reward runs: in each rollout worker, in one Ray actor per job (num_cpus=0), "
+        "or behind HTTP (`slime reward-serve SPEC --port N`; set url). rewards/service.py.",
+    )
+    url: str | None = Field(None, description="mode=http: the reward server, e.g. http://127.0.0.1:8000.")
+    batch_size: int = Field(32, gt=0, description="Remote modes: most samples per call.")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="Remote modes: limit per call attempt (default 2*timeout_s + 5)."
+    )
+    max_retries: int = Field(3, ge=0, description="Remote modes: retries after a failed call.")
+    backoff_s: float = Field(0.5, ge=0, description="Remote modes: first retry delay; doubles each retry.")
+    cache_size: int = Field(
+        4096, ge=0, description="Successful results kept, keyed by prompt+response+label (0: no cache)."
+    )
+
+    @model_validator(mode="after")
+    def _mode_needs_url(self) -> "RewardConfig":
+        if self.mode == "http" and not self.url:
+            raise ValueError("reward.url is required when reward.mode is 'http' (start one with `slime reward-serve`)")
+        if self.url and self.mode != "http":
+            raise ValueError(f"reward.url is set but reward.mode is {self.mode!r}; set reward.mode=http to use it")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"reward.url must start with http:// or https://, got {self.url!r}")
+        return self
 
 
 class EnvConfig(_Strict):
@@ -263,6 +288,31 @@ class VllmConfig(_Strict):
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
 
 
+class SglangConfig(_Strict):
+    """Options of the SGLang rollout engine (``rollout.engine=sglang``, extra ``sglang``)."""
+
+    url: str | None = Field(
+        None, description="Attach to a running SGLang-protocol server at this URL; None launches one per worker."
+    )
+    launcher: Literal["sglang", "slime"] = Field(
+        "sglang",
+        description="Server to launch: `python -m sglang.launch_server` (GPU), or the built-in engine's "
+        "SGLang-protocol server (`slime serve-sglang`, any device).",
+    )
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, gt=0, lt=65536, description="None: a free port.")
+    tensor_parallel_size: int = Field(1, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="Appended to the launch command.")
+    weight_update: Literal["tensor", "disk", "distributed"] = Field(
+        "tensor",
+        description="tensor: /update_weights_from_tensor (CUDA IPC handles on GPU, shared memory on CPU); "
+        "disk: safetensors written under the run dir, then /update_weights_from_disk; distributed: "
+        "/update_weights_from_distributed, the worker broadcasting to its server (NCCL on GPU, gloo on CPU).",
+    )
+    startup_timeout_s: float = Field(300.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
 class BufferConfig(_Strict):
     url: str | None = Field(None, description="redis://host:port/db; None starts a local redis-server.")
     aof: bool = True
@@ -270,8 +320,10 @@ class BufferConfig(_Strict):
 
 
 class WeightsConfig(_Strict):
-    transport: Literal["auto", "shm", "cuda_ipc", "file"] = Field(
-        "auto", description="auto: cuda_ipc when the learner is on CUDA, else shared memory."
+    transport: Literal["auto", "shm", "cuda_ipc", "file", "broadcast"] = Field(
+        "auto",
+        description="auto: cuda_ipc when the learner is on CUDA, else shared memory; broadcast: a "
+        "torch.distributed group (NCCL on GPU, gloo on CPU) across processes and machines.",
     )
     bucket_mb: float = Field(64.0, gt=0)
     check_every: int = Field(
@@ -291,6 +343,24 @@ class LoggingConfig(_Strict):
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
+
+
+class DashboardConfig(_Strict):
+    """The buffer API and live page beside the job (slime/dashboard, docs/dashboard.md)."""
+
+    enabled: bool = False
+    host: str = Field("127.0.0.1", description="Bind address; anything but loopback needs a token.")
+    port: int = Field(8377, ge=0, lt=65536, description="0: a free port.")
+    token: str | None = Field(
+        None, min_length=8, description="Required (X-Slime-Token header) for every route when set; "
+        "control routes (pause, requeue, drop, oversample) are off without it."
+    )
+
+    @model_validator(mode="after")
+    def _remote_needs_token(self) -> "DashboardConfig":
+        if self.host not in ("127.0.0.1", "::1", "localhost") and not self.token:
+            raise ValueError(f"dashboard.host={self.host!r} is reachable by others: set dashboard.token")
+        return self
 
 
 class JobConfig(_Strict):
@@ -314,8 +384,10 @@ class JobConfig(_Strict):
     buffer: BufferConfig = BufferConfig()
     weights: WeightsConfig = WeightsConfig()
     vllm: VllmConfig = VllmConfig()
+    sglang: SglangConfig = SglangConfig()
     cluster: ClusterConfig = ClusterConfig()
     logging: LoggingConfig = LoggingConfig()
+    dashboard: DashboardConfig = DashboardConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "JobConfig":

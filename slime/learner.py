@@ -41,6 +41,9 @@ class Batch:
     truncated: torch.Tensor  # [N] bool
     last_pos: torch.Tensor  # [N] position of the last response token: V there is V(s_end)
     response_len: torch.Tensor  # [N]
+    # [N] bool: rows with token_rewards. PPO/GAE uses those alone for such a row (its scalar
+    # reward, e.g. a PRM's aggregate, is for GRPO and the metrics), so nothing is counted twice.
+    token_reward_rows: torch.Tensor | None = None
 
     def rows(self, idx: torch.Tensor) -> "Batch":
         """The rows `idx`, cut to their own widths (no compute on other rows' padding)."""
@@ -73,6 +76,7 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
     versions = torch.zeros((n, t_max), dtype=torch.long)
     scores = torch.zeros(n)
     token_rewards = None
+    token_reward_rows = torch.zeros(n, dtype=torch.bool)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), s.response_length
         input_ids[i, :p] = torch.from_numpy(s.prompt_ids.astype(np.int64))
@@ -90,6 +94,7 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
             if token_rewards is None:
                 token_rewards = torch.zeros((n, t_max))
             token_rewards[i, :r] = torch.from_numpy(s.token_rewards.astype(np.float32))
+            token_reward_rows[i] = True
     return Batch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -104,6 +109,7 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
         truncated=torch.tensor([s.status == Status.TRUNCATED for s in samples]),
         last_pos=torch.tensor([len(s.prompt_ids) + s.response_length - 1 for s in samples]),
         response_len=torch.tensor([s.response_length for s in samples]),
+        token_reward_rows=token_reward_rows if token_rewards is not None else None,
     )
 
 
@@ -216,7 +222,8 @@ class Learner:
         if kind == "auto":
             kind = "cuda_ipc" if self.device.type == "cuda" else "shm"
         self.transport = make_transport(
-            kind, prefix=f"slime_{cfg.job_name}", directory=cfg.run_dir / "weights", bucket_mb=cfg.weights.bucket_mb
+            kind, prefix=f"slime_{cfg.job_name}", directory=cfg.run_dir / "weights", bucket_mb=cfg.weights.bucket_mb,
+            num_receivers=cfg.rollout.num_workers,  # broadcast: every engine joins each collective
         )
 
     # ---- one training step -------------------------------------------------------------------
@@ -294,7 +301,10 @@ class Learner:
                 kl_reward = None
                 if algo.kl_mode == "reward" and ref_logp is not None:
                     kl_reward = kl_penalty(batch.behaviour_logp, ref_logp, algo.kl_estimator)
-                rewards = ppo.token_level_rewards(batch.scores, batch.mask, kl_reward, kl_coef, batch.token_rewards)
+                outcome = batch.scores
+                if batch.token_reward_rows is not None:
+                    outcome = batch.scores.masked_fill(batch.token_reward_rows, 0.0)
+                rewards = ppo.token_level_rewards(outcome, batch.mask, kl_reward, kl_coef, batch.token_rewards)
                 advantages, returns = ppo.gae(rewards, old_values, batch.mask, algo.gamma, algo.lam, bootstrap)
                 if algo.normalize_advantages:
                     advantages = masked_whiten(advantages, batch.mask) * batch.mask

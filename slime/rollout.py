@@ -15,11 +15,14 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from rewards.mix import load_reward_spec
+from envs.multiturn import EpisodeEnd, MultiTurnRollout
 from rewards.plugin import load_function
-from rewards.runner import RewardResult, RewardRunner
+from rewards.prm import place_step_rewards, step_end_tokens_of_ids
+from rewards.runner import RewardResult, StepScores
+from rewards.service import make_reward_service
 from slime.buffer import LeaseLostError, RedisBuffer
 from slime.config import JobConfig
+from slime.dashboard.experts import ExpertLoadRecorder
 from slime.engine import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines import make_engine
 from slime.model import load_tokenizer, stop_token_ids
@@ -47,15 +50,21 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(model_dir)
         self.buffer = RedisBuffer(redis_url, cfg.job_name, cfg.buffer.lease_seconds)
         self.engine = make_engine(cfg, model_dir, index, self.buffer.get_policy_version())
+        model = getattr(self.engine, "model", None)  # the built-in engine's torch model: per-expert load
+        self.expert_load = ExpertLoadRecorder.attach(model if isinstance(model, torch.nn.Module) else None)
         r = cfg.rollout
         self.params = SamplingParams(
             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
             stop_token_ids=[] if r.ignore_eos else stop_token_ids(self.tokenizer, r.stop),
         )
-        self.rewards = RewardRunner(
-            load_reward_spec(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.max_concurrency, name=str(cfg.reward.fn)
-        )
+        self.rewards = make_reward_service(cfg.reward, cfg.job_name)
         self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
+        # Multi-turn episodes (env.plugin set): envs/multiturn.py owns the turn state machine.
+        self.multiturn = (
+            MultiTurnRollout(cfg.env, self.tokenizer, self.params, self.buffer, worker_id,
+                             getattr(self.engine, "max_seq_len", None))
+            if cfg.env.plugin else None
+        )
         kind = cfg.weights.transport
         if kind == "auto":
             kind = "cuda_ipc" if cfg.learner.device.startswith("cuda") else "shm"
@@ -85,6 +94,8 @@ class RolloutWorker:
                     continue
                 with self.lock:
                     self._admit()
+                    if self.multiturn is not None:
+                        self._advance_episodes()
                     if not self.engine.has_unfinished():
                         idle = True
                     else:
@@ -94,8 +105,11 @@ class RolloutWorker:
                         self.busy_seconds += time.time() - t0
                         self._absorb(chunks)
                 if time.time() - last_renew > self.cfg.buffer.lease_seconds / 3:
-                    self.buffer.renew_leases(self.worker_id, list(self.pending) + list(self.scoring))
+                    env_turns = self.multiturn.env_turn_ids() if self.multiturn is not None else []
+                    self.buffer.renew_leases(self.worker_id, list(self.pending) + list(self.scoring) + env_turns)
                     self.buffer.reap_expired_leases()
+                    if self.expert_load is not None:
+                        self.buffer.add_expert_load(self.expert_load.take())
                     last_renew = time.time()
                 if idle:
                     time.sleep(0.01)
@@ -104,6 +118,8 @@ class RolloutWorker:
 
     def _admit(self) -> None:
         free = self.cfg.rollout.max_running_requests - self.engine.num_running() - self.engine.num_waiting()
+        if self.multiturn is not None:
+            free -= len(self.multiturn.env_turn_ids())
         # An empty queue is asked again only every 20 ms, not on every decode step.
         if free <= 0 or time.time() - self.last_empty_lease < 0.02:
             return
@@ -112,6 +128,9 @@ class RolloutWorker:
             self.last_empty_lease = time.time()
         for sample in leased:
             if not self._within_staleness_budget(sample):
+                continue
+            if self.multiturn is not None:
+                self.multiturn.begin(sample)  # env reset (and replay, on resume) off this thread
                 continue
             if sample.remaining_tokens == 0:  # aborted exactly at its budget: nothing left to generate
                 self._finalize(_Pending(sample), "length")
@@ -159,6 +178,8 @@ class RolloutWorker:
             if p.sample.id in lost:
                 continue
             del self.pending[p.sample.id]
+            if self.multiturn is not None and self.multiturn.model_turn_ended(p.sample, reason):
+                continue  # the env's turn now
             if reason == "abort":
                 self.buffer.release(p.sample.id, self.worker_id)
             else:
@@ -178,6 +199,8 @@ class RolloutWorker:
             if isinstance(result, LeaseLostError):
                 self.engine.abort([p.sample.id])
                 self.pending.pop(p.sample.id, None)
+                if self.multiturn is not None:
+                    self.multiturn.drop(p.sample.id)
                 lost.add(p.sample.id)
                 continue
             if isinstance(result, Exception):
@@ -215,18 +238,67 @@ class RolloutWorker:
         self.scoring[sample.id] = future
         future.add_done_callback(lambda f, s=sample, st=status: self._scored(s, st, f.result()))
 
+    def _advance_episodes(self) -> None:
+        """Multi-turn: abort model turns past their time limit, start the turns whose env step finished
+        (observation tokens already stored with loss mask 0), finish the episodes that ended."""
+        overdue = self.multiturn.overdue()
+        if overdue:
+            self._absorb(self.engine.abort(overdue))
+        for sample, next_step in self.multiturn.poll(self.engine.version):
+            if isinstance(next_step, EpisodeEnd):
+                self._finish_episode(sample, next_step)
+            else:
+                self.pending[sample.id] = _Pending(sample)
+                self.engine.add_request(next_step)
+
+    def _finish_episode(self, sample: Sample, end: EpisodeEnd) -> None:
+        """env.reward=env: the episode's return is the reward; reward_fn: reward.fn scores the transcript."""
+        sample.metadata.update(end.metadata())
+        if end.status != Status.FAILED and self.cfg.env.reward == "reward_fn":
+            self._finalize(_Pending(sample), "length" if end.status == Status.TRUNCATED else "stop")
+            return
+        try:
+            self.buffer.finish(
+                sample.id, self.worker_id, end.status, failure=end.reason if end.status == Status.FAILED else None,
+                reward=None if end.status == Status.FAILED else end.env_return, metadata_update=end.metadata(),
+            )
+        except LeaseLostError:
+            pass  # requeued meanwhile; the new owner resumes the episode
+
     def _scored(self, sample: Sample, status: Status, result: RewardResult) -> None:
         try:
             if result.failure is not None:
                 self.buffer.finish(sample.id, self.worker_id, Status.FAILED, failure=result.failure,
                                    metadata_update={"reward_latency_s": result.latency_s})
             else:
+                meta = {"reward_latency_s": result.latency_s}
+                meta.update({k: v for k, v in sample.metadata.items() if k.startswith("env_")})  # multi-turn episodes
+                if result.info:
+                    meta["reward_info"] = result.info
+                try:
+                    token_rewards = self._step_rewards_on_tokens(sample, result.steps)
+                except Exception as exc:
+                    self.buffer.finish(sample.id, self.worker_id, Status.FAILED, metadata_update=meta,
+                                       failure=f"placing per-step rewards on tokens failed: {type(exc).__name__}: {exc}")
+                    return
                 self.buffer.finish(sample.id, self.worker_id, status, reward=result.reward,
-                                   metadata_update={"reward_latency_s": result.latency_s})
+                                   token_rewards=token_rewards, metadata_update=meta)
         except LeaseLostError:
             pass  # requeued meanwhile; the new owner regenerates nothing and rescores it
         finally:
             self.scoring.pop(sample.id, None)
+
+    def _step_rewards_on_tokens(self, sample: Sample, steps: StepScores | None) -> np.ndarray | None:
+        """Per-step rewards (a PRM's) on the token holding each step's last character of the
+        scored text (rewards/prm.py), zero elsewhere: PPO/GAE's token-level rewards."""
+        if steps is None:
+            return None
+        ids = sample.response_ids.tolist()
+        if ids and ids[-1] in self.params.stop_token_ids:
+            ids = ids[:-1]  # _finalize scored the text without it
+        if not ids:
+            return None
+        return place_step_rewards(sample.response_length, step_end_tokens_of_ids(self.tokenizer, ids, steps.ends), steps.scores)
 
     # ---- control (called by the driver) -------------------------------------------------------
     def update_weights(self, handle: WeightHandle) -> float:
@@ -242,7 +314,15 @@ class RolloutWorker:
         with self.lock:
             chunks = self.engine.abort(None)
             self._absorb(chunks)
-            return len(chunks)
+            # Episodes waiting on the env: their stored tokens end with a finished model turn; the
+            # resumed episode redoes that env step.
+            env_turns = self.multiturn.abort_env_turns() if self.multiturn is not None else []
+            for sample_id in env_turns:
+                try:
+                    self.buffer.release(sample_id, self.worker_id)
+                except LeaseLostError:
+                    pass
+            return len(chunks) + len(env_turns)
 
     def pause(self) -> None:
         self.paused.set()
@@ -272,5 +352,10 @@ class RolloutWorker:
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=30)
+        if self.expert_load is not None:  # the counts since the last periodic flush
+            self.buffer.add_expert_load(self.expert_load.take())
         self.rewards.close()
         self.transport.close()
+        getattr(self.engine, "close", lambda: None)()  # engines that run servers (SGLang) stop them
+        if self.multiturn is not None:
+            self.multiturn.close()

@@ -8,6 +8,7 @@ async: keep groups in flight all the time; train on complete groups while the wo
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -103,6 +104,10 @@ class RunningJob:
         self.ray_started = False
         self.workers: list = []
         self.learner = None
+        self.dashboard = None
+        self.dashboard_paused = False
+        self.oversample_override: float | None = None
+        self.controls_read_at = 0.0
 
     # ---- start / stop ------------------------------------------------------------------------
     def __enter__(self) -> "RunningJob":
@@ -117,7 +122,8 @@ class RunningJob:
         try:
             from rewards.mix import load_reward_spec
 
-            load_reward_spec(cfg.reward.fn)  # a bad reward spec fails here, before anything starts
+            if cfg.reward.mode != "http":  # an http reward lives in its own server
+                load_reward_spec(cfg.reward.fn)  # a bad reward spec fails here, before anything starts
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
             self.redis_url, self.redis_server = connect_or_start(cfg.buffer.url, self.run_dir / "redis", cfg.buffer.aof)
@@ -133,6 +139,7 @@ class RunningJob:
                 # The previous run's workers are gone: their trajectories go back to the queue now,
                 # tokens kept, instead of after their leases expire.
                 self.buffer.requeue_all_leased()
+            self._start_dashboard()
 
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             if not ray.is_initialized():
@@ -192,6 +199,8 @@ class RunningJob:
             ray.kill(actor)
         if self.ray_started:
             ray.shutdown()
+        if self.dashboard is not None:
+            self.dashboard.stop()
         if self.redis_server is not None:
             self.redis_server.stop()
 
@@ -220,7 +229,7 @@ class RunningJob:
         cfg = self.cfg
         c = self.buffer.counts()
         unfinished = c["groups_open"]
-        target = cfg.groups_in_flight
+        target = self.groups_in_flight()
         if cfg.april.streaming_chunk_tokens is not None:
             missing = target - unfinished - c["groups_ready"]  # ready: final, last segments untrained
         elif cfg.mode == "sync" and not cfg.april.enabled:
@@ -252,6 +261,7 @@ class RunningJob:
                 return
             self.schedule_groups()  # refill as groups finish or are filtered, one group at a time
             self.logger.waiting(counts, needed)
+            self.apply_controls()
             if time.time() - last_health > 2.0:
                 self.check_workers(ray)
                 last_health = time.time()
@@ -262,9 +272,15 @@ class RunningJob:
 
         chunk = self.cfg.april.streaming_chunk_tokens
         last_health = time.time()
-        while self.buffer.count_segments(chunk) < needed:
+        while (available := self.buffer.count_segments(chunk)) < needed:
             self.schedule_groups()
-            self.logger.waiting(self.buffer.counts(), needed)
+            counts = self.buffer.counts()
+            if available and counts["groups_open"] == 0:
+                # Every group in flight has finished generating and its last segments are stored: no
+                # more can come until they are trained (ready groups count toward the in-flight target).
+                return
+            self.logger.waiting(counts, needed)
+            self.apply_controls()
             if time.time() - last_health > 2.0:
                 self.check_workers(ray)
                 last_health = time.time()
@@ -310,7 +326,48 @@ class RunningJob:
     def resume_rollouts(self) -> None:
         import ray
 
-        ray.get([w.resume.remote() for w in self.workers])
+        if not self.dashboard_paused:  # paused from the dashboard: stays paused until resumed there
+            ray.get([w.resume.remote() for w in self.workers])
+
+    def apply_controls(self) -> None:
+        """Honour the dashboard's control hash (read at most every 0.25 s): pause/resume rollout,
+        and the APRIL over-provisioning override, which the next schedule_groups uses."""
+        import ray
+
+        if time.time() - self.controls_read_at < 0.25:
+            return
+        self.controls_read_at = time.time()
+        control = self.buffer.get_control()
+        paused = control.get("paused") == "1"
+        if paused != self.dashboard_paused:
+            ray.get([(w.pause if paused else w.resume).remote() for w in self.workers])
+            self.dashboard_paused = paused
+            self.buffer.log_event("rollout_paused" if paused else "rollout_resumed", {"by": "driver"})
+        oversample = float(control["oversample"]) if "oversample" in control else None
+        if oversample != self.oversample_override and self.cfg.april.enabled:
+            self.oversample_override = oversample
+            self.buffer.log_event("oversample_applied", {"by": "driver", "groups_in_flight": self.groups_in_flight()})
+
+    def groups_in_flight(self) -> int:
+        if self.oversample_override is not None and self.cfg.april.enabled:
+            return max(self.cfg.rollout.batch_size, math.ceil(self.oversample_override * self.cfg.rollout.batch_size))
+        return self.cfg.groups_in_flight
+
+    def _start_dashboard(self) -> None:
+        cfg = self.cfg
+        self.buffer.set_job_info({
+            "mode": cfg.mode, "steps": cfg.steps, "april_enabled": cfg.april.enabled,
+            "oversample": cfg.groups_in_flight / cfg.rollout.batch_size if cfg.april.enabled else None,
+            "batch_size": cfg.rollout.batch_size, "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+            "model_dir": self.model_dir, "started_at": time.time(),
+        })
+        self.buffer.set_control(paused="0")  # a pause from a previous run does not carry over
+        if cfg.dashboard.enabled:
+            from slime.dashboard.server import DashboardProcess
+
+            d = cfg.dashboard
+            self.dashboard = DashboardProcess(self.redis_url, cfg.job_name, d.host, d.port, d.token)
+            print(f"dashboard: {self.dashboard.url}", flush=True)
 
     def check_workers(self, ray) -> list[dict]:
         healths = []
@@ -322,6 +379,7 @@ class RunningJob:
             if h.get("error"):
                 raise WorkerFailed(f"rollout worker failed:\n{h['error']}")
             healths.append(h)
+        self.buffer.record_engine_health(healths)
         if healths and not any(h.get("alive") for h in healths):
             raise WorkerFailed("every rollout worker has stopped")
         return healths
@@ -385,6 +443,7 @@ class RunningJob:
             v for k, v in stats.items() if k.startswith("dropped_tokens:")
         )
         healths = ray.get([w.health.remote() for w in self.workers])
+        self.buffer.record_engine_health(healths)
         uptime = sum(h["uptime_seconds"] for h in healths)
         metrics["engine_busy_fraction"] = sum(h["busy_seconds"] for h in healths) / max(uptime, 1e-9)
         rewards_by_task = metrics.get("reward_by_task", {})
@@ -394,6 +453,8 @@ class RunningJob:
         if self.sampler.task_weights:
             metrics["task_weight"] = self.sampler.task_weights
         self.logger.log(step, metrics)
+        self.buffer.record_step(step, self.logger.history[-1])
+        self.apply_controls()
         every = self.cfg.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.steps:
             self.save_checkpoint(step)

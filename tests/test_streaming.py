@@ -101,3 +101,24 @@ def test_streaming_job_trains_unfinished_trajectories(ray_session, tiny_model_di
     buffer = RedisBuffer(redis_url, job)
     assert buffer.counts()["groups_trained"] >= 1
     buffer.delete_job()
+
+
+@pytest.mark.timeout(300)
+def test_streaming_job_with_uneven_lengths_never_waits_for_segments_that_cannot_come(
+    ray_session, tiny_model_dir, redis_url, tmp_path
+):
+    """Responses end at EOS (uneven lengths): once every group in flight has finished generating,
+    fewer segments than a full step may be left; the step trains them instead of waiting forever
+    (ready groups count toward the in-flight target, so nothing new would start)."""
+    from slime.train import train
+
+    job = "stream-uneven"
+    history = train(load_config(None, [
+        f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
+        "rollout.batch_size=2", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=40",
+        "rollout.chunk_tokens=4", "data.num_generated=64", "logging.progress=false",
+        "algorithm.name=ppo", "april.streaming_chunk_tokens=8", "steps=6",
+    ]))
+    assert len(history) == 6
+    assert all(0 < h["segments"] <= 8 for h in history)
+    RedisBuffer(redis_url, job).delete_job()

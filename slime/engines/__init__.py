@@ -27,4 +27,25 @@ def make_engine(cfg: JobConfig, model_dir: str, index: int, version: int):
             seed=cfg.seed + 1000 * index,  # reproducible across runs (worker_id carries a run nonce)
             version=version,
         )
+    if kind == "vllm":
+        from slime.engines.vllm import VllmEngine
+
+        v = cfg.vllm
+        return VllmEngine(
+            model_dir,
+            dtype=cfg.model.dtype,
+            max_running_requests=cfg.rollout.max_running_requests,
+            seed=cfg.seed + 1000 * index,
+            version=version,
+            tensor_parallel_size=v.tensor_parallel_size,
+            max_model_len=v.max_model_len,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            cpu_kv_cache_gib=v.cpu_kv_cache_gib,
+            enable_prefix_caching=v.enable_prefix_caching,
+            enforce_eager=v.enforce_eager,
+        )
+    if kind == "sglang":
+        from slime.engines.sglang import SglangEngine
+
+        return SglangEngine.from_config(cfg, model_dir, index, version)
     raise ValueError(f"rollout.engine={kind!r} is not available")

@@ -1,0 +1,1 @@
+"""The buffer API and live dashboard of one job (docs/dashboard.md)."""

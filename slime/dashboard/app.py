@@ -1,0 +1,263 @@
+"""The buffer API and the dashboard page: one FastAPI app per job (the job is fixed at start).
+
+Security: when a token is configured every route but the static assets needs it (header
+`X-Slime-Token`; GET routes also take `?token=`, because a browser's EventSource cannot send
+headers); control routes are refused outright without a configured token and need the header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from importlib import resources
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from slime.buffer import RedisBuffer
+from slime.dashboard import schemas as S
+from slime.dashboard.reader import CURSOR_PATTERN, BufferReader, TrajectoryFilter
+from slime.sample import Status
+
+TOKEN_HEADER = "X-Slime-Token"
+MAX_STREAMS = 32
+
+SampleId = Annotated[str, Path(pattern=S.ID_PATTERN, description="A trajectory (sample) id of this job.")]
+GroupId = Annotated[str, Path(pattern=S.ID_PATTERN, description="A group id of this job.")]
+Cursor = Annotated[str | None, Query(pattern=CURSOR_PATTERN, description="next_cursor of the previous page.")]
+
+
+def _finite_query(description: str, ge: float | None = None) -> Any:
+    return Query(description=description, ge=ge, allow_inf_nan=False)
+
+
+class _TokenGate:
+    """Pure ASGI middleware: with a token set, everything except /static needs it."""
+
+    def __init__(self, app: Any, token: str | None):
+        self.app = app
+        self.token = token.encode() if token else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if self.token is None or scope["type"] != "http" or scope["path"].startswith("/static/"):
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(TOKEN_HEADER.lower().encode())
+        if given is None and scope["method"] == "GET":
+            from urllib.parse import parse_qs
+
+            values = parse_qs(scope.get("query_string", b"").decode(errors="replace")).get("token")
+            given = values[0].encode() if values else None
+        if given is not None and hmac.compare_digest(given, self.token):
+            return await self.app(scope, receive, send)
+        body = json.dumps({"detail": f"missing or wrong {TOKEN_HEADER} header (this dashboard needs its token)"})
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", TOKEN_HEADER.encode())]})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+
+def create_app(redis_url: str, job: str, token: str | None = None) -> FastAPI:
+    buffer = RedisBuffer(redis_url, job)
+    reader = BufferReader(buffer)
+    streams = asyncio.Semaphore(MAX_STREAMS)
+    app = FastAPI(
+        title=f"slime buffer API: job {job}",
+        version="1",
+        description="Read the partial-trajectory buffer of one job; control endpoints need the token.",
+    )
+    app.state.reader = reader
+    app.add_middleware(_TokenGate, token=token)
+    app.mount("/static", StaticFiles(packages=[("slime.dashboard", "static")]), name="static")
+
+    def control_allowed(request: Request) -> None:
+        if token is None:
+            raise HTTPException(403, "control endpoints are off: start the dashboard with a token "
+                                     "(slime dashboard --token, or dashboard.token in the job config)")
+        given = request.headers.get(TOKEN_HEADER)
+        if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, f"control endpoints need the {TOKEN_HEADER} header")
+
+    def not_found(exc: KeyError) -> HTTPException:
+        return HTTPException(404, exc.args[0] if exc.args else "not found")
+
+    # ---- page ------------------------------------------------------------------------------------
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def index() -> str:
+        return resources.files("slime.dashboard").joinpath("static/index.html").read_text()
+
+    # ---- reads ---------------------------------------------------------------------------------
+    @app.get("/api/summary", response_model=S.Summary, tags=["read"])
+    def summary() -> S.Summary:
+        return reader.summary()
+
+    @app.get("/api/trajectories", response_model=S.TrajectoryPage, response_class=JSONResponse, tags=["read"])
+    def trajectories(
+        status: Annotated[list[Status] | None, Query(description="Any of these statuses.")] = None,
+        min_version_span: Annotated[int | None, Query(ge=0, le=1 << 30)] = None,
+        max_version_span: Annotated[int | None, Query(ge=0, le=1 << 30)] = None,
+        min_age_s: Annotated[float | None, _finite_query("Created at least this long ago.", ge=0)] = None,
+        max_age_s: Annotated[float | None, _finite_query("Created at most this long ago.", ge=0)] = None,
+        min_length: Annotated[int | None, Query(ge=0, le=1 << 30)] = None,
+        max_length: Annotated[int | None, Query(ge=0, le=1 << 30)] = None,
+        min_reward: Annotated[float | None, _finite_query("Reward at least this.")] = None,
+        max_reward: Annotated[float | None, _finite_query("Reward at most this.")] = None,
+        limit: Annotated[int, Query(ge=1, le=S.MAX_PAGE)] = 50,
+        cursor: Cursor = None,
+        max_scan: Annotated[int, Query(ge=1, le=S.MAX_SCAN, description="Samples examined per call.")] = 500,
+    ) -> Response:
+        flt = TrajectoryFilter(
+            statuses=frozenset(status or ()), min_version_span=min_version_span, max_version_span=max_version_span,
+            min_age_s=min_age_s, max_age_s=max_age_s, min_length=min_length, max_length=max_length,
+            min_reward=min_reward, max_reward=max_reward,
+        )
+        # Serialised here, not re-validated by FastAPI: pages are the hot path (rows come from our buffer).
+        return Response(json.dumps(reader.trajectories(flt, limit, cursor, max_scan)), media_type="application/json")
+
+    @app.get("/api/trajectories/{sample_id}", response_model=S.Trajectory, tags=["read"])
+    def trajectory(sample_id: SampleId) -> S.Trajectory:
+        try:
+            return reader.trajectory(sample_id)
+        except KeyError as exc:
+            raise not_found(exc) from None
+
+    @app.get("/api/groups", response_model=S.GroupPage, tags=["read"])
+    def groups(
+        stage: Annotated[list[S.GroupStage] | None, Query(description="Any of these stages.")] = None,
+        limit: Annotated[int, Query(ge=1, le=S.MAX_PAGE)] = 50,
+        cursor: Cursor = None,
+    ) -> S.GroupPage:
+        return reader.groups(frozenset(stage or ()), limit, cursor)
+
+    @app.get("/api/groups/{group_id}", response_model=S.GroupRow, tags=["read"])
+    def group(group_id: GroupId) -> S.GroupRow:
+        try:
+            return reader.group(group_id)
+        except KeyError as exc:
+            raise not_found(exc) from None
+
+    @app.get("/api/histograms", response_model=S.Histograms, tags=["read"])
+    def histograms(
+        window: Annotated[int, Query(ge=1, le=S.MAX_WINDOW, description="Newest trajectories covered.")] = 1000,
+        bins: Annotated[int, Query(ge=1, le=100)] = 20,
+    ) -> S.Histograms:
+        return reader.histograms(window, bins)
+
+    @app.get("/api/engines", response_model=list[S.EngineLoad], tags=["read"])
+    def engines() -> list[S.EngineLoad]:
+        return reader.engines()
+
+    @app.get("/api/experts", response_model=S.ExpertLoad, tags=["read"])
+    def experts() -> S.ExpertLoad:
+        return reader.experts()
+
+    @app.get("/api/rewards", response_model=S.RewardStats, tags=["read"])
+    def rewards(window: Annotated[int, Query(ge=1, le=S.MAX_WINDOW)] = 1000) -> S.RewardStats:
+        return reader.rewards(window)
+
+    @app.get("/api/steps", response_model=list[S.StepPoint], response_class=JSONResponse, tags=["read"])
+    def steps(
+        limit: Annotated[int, Query(ge=1, le=500)] = 200,
+        since_step: Annotated[int, Query(ge=-1, le=1 << 30, description="Only steps after this one.")] = -1,
+    ) -> Response:
+        # A hundred metrics per step: serialised directly (the values are finite floats or None).
+        return Response(json.dumps(reader.steps(limit, since_step)), media_type="application/json")
+
+    @app.get("/api/events", response_model=list[S.Event], tags=["read"])
+    def events(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+        return buffer.events(limit)
+
+    @app.get("/api/stream", tags=["read"], response_class=StreamingResponse,
+             responses={200: {"content": {"text/event-stream": {}},
+                              "description": "Server-Sent Events: `summary` every interval, `step` per new "
+                                             "training step, `event` per new control event."}})
+    async def stream(
+        request: Request, interval: Annotated[float, Query(ge=0.2, le=10, allow_inf_nan=False)] = 1.0,
+    ) -> StreamingResponse:
+        if streams.locked():
+            raise HTTPException(503, f"too many live streams (at most {MAX_STREAMS}); retry later")
+        await streams.acquire()
+        return StreamingResponse(_sse(request, reader, buffer, interval, streams.release),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["read"])
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(reader.prometheus(), media_type="text/plain; version=0.0.4")
+
+    # ---- control ----------------------------------------------------------------------------------
+    def state(event: dict[str, Any]) -> S.ControlState:
+        control = buffer.get_control()
+        return S.ControlState(paused=control.get("paused") == "1",
+                              oversample=float(control["oversample"]) if "oversample" in control else None,
+                              event=S.Event(**event))
+
+    @app.post("/api/control/pause", response_model=S.ControlState, tags=["control"],
+              dependencies=[Depends(control_allowed)])
+    def pause() -> S.ControlState:
+        buffer.set_control(paused="1")
+        return state(buffer.log_event("pause", {"by": "dashboard"}))
+
+    @app.post("/api/control/resume", response_model=S.ControlState, tags=["control"],
+              dependencies=[Depends(control_allowed)])
+    def resume() -> S.ControlState:
+        buffer.set_control(paused="0")
+        return state(buffer.log_event("resume", {"by": "dashboard"}))
+
+    @app.post("/api/control/oversample", response_model=S.ControlState, tags=["control"],
+              dependencies=[Depends(control_allowed)])
+    def oversample(body: S.OversampleRequest) -> S.ControlState:
+        info = buffer.job_info()
+        if info and not info.get("april_enabled", False):
+            raise HTTPException(409, "this job runs without APRIL (april.enabled=false): there is no "
+                                     "over-provisioning ratio to change")
+        buffer.set_control(oversample=repr(body.oversample))
+        return state(buffer.log_event("oversample", {"by": "dashboard", "oversample": body.oversample}))
+
+    @app.post("/api/trajectories/{sample_id}/requeue", response_model=S.Event, tags=["control"],
+              dependencies=[Depends(control_allowed)])
+    def requeue(sample_id: SampleId) -> dict[str, Any]:
+        try:
+            buffer.force_requeue(sample_id)
+        except KeyError as exc:
+            raise not_found(exc) from None
+        except ValueError as exc:
+            raise HTTPException(409, str(exc)) from None
+        return buffer.log_event("requeue", {"by": "dashboard", "sample_id": sample_id})
+
+    @app.post("/api/trajectories/{sample_id}/drop", response_model=S.Event, tags=["control"],
+              dependencies=[Depends(control_allowed)])
+    def drop(sample_id: SampleId, body: S.DropRequest) -> dict[str, Any]:
+        try:
+            was = buffer.drop_sample(sample_id, body.reason)
+        except KeyError as exc:
+            raise not_found(exc) from None
+        except ValueError as exc:
+            raise HTTPException(409, str(exc)) from None
+        return buffer.log_event("drop", {"by": "dashboard", "sample_id": sample_id, "was": was, "reason": body.reason})
+
+    return app
+
+
+async def _sse(request: Request, reader: BufferReader, buffer: RedisBuffer, interval: float, release) -> Any:
+    last_step: int | None = None
+    last_event_ts = 0.0
+    try:
+        while not await request.is_disconnected():
+            summary = await asyncio.to_thread(reader.summary)
+            yield f"event: summary\ndata: {summary.model_dump_json()}\n\n"
+            if summary.step is not None and summary.step != last_step:
+                last_step = summary.step
+                steps = await asyncio.to_thread(reader.steps, 1)
+                if steps:
+                    yield f"event: step\ndata: {json.dumps(steps[-1])}\n\n"
+            events = await asyncio.to_thread(buffer.events, 20)
+            for event in reversed([e for e in events if e["ts"] > last_event_ts]):
+                yield f"event: event\ndata: {json.dumps(event)}\n\n"
+            if events:
+                last_event_ts = max(last_event_ts, events[0]["ts"])
+            await asyncio.sleep(interval)
+    finally:
+        release()
+
+

@@ -1,0 +1,61 @@
+"""Per-expert load of an MoE rollout engine: routed-token counts from forward hooks on the routers.
+
+A hook adds one `bincount` per MoE layer per forward pass (on the engine's device); the worker
+moves the totals to the buffer (`expert_load` hash) every few seconds with `take()`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+
+def _is_router(module: torch.nn.Module) -> bool:
+    # Hugging Face MoE routers (Qwen3-MoE's TopKRouter, Mixtral's and others' gates) expose top_k
+    # and num_experts and return (logits, scores, expert indices).
+    return hasattr(module, "top_k") and hasattr(module, "num_experts") and type(module).__name__.endswith("Router")
+
+
+class ExpertLoadRecorder:
+    def __init__(self, routers: list[torch.nn.Module]):
+        self.num_experts = int(routers[0].num_experts)
+        self.lock = threading.Lock()
+        self.counts = np.zeros((len(routers), self.num_experts), dtype=np.int64)
+        self._device_counts: list[torch.Tensor | None] = [None] * len(routers)
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module | None) -> "ExpertLoadRecorder | None":
+        """A recorder on every router of `model`; None for a dense model (or none at all)."""
+        if model is None:
+            return None
+        routers = [m for m in model.modules() if _is_router(m)]
+        return cls(routers) if routers else None
+
+    def _hook(self, layer: int):
+        def hook(module: torch.nn.Module, inputs: tuple, output: tuple) -> None:
+            indices = output[-1] if isinstance(output, tuple) else None
+            if indices is None or indices.dtype not in (torch.int64, torch.int32):
+                return
+            counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
+            with self.lock:
+                prev = self._device_counts[layer]
+                self._device_counts[layer] = counts if prev is None else prev + counts
+
+        return hook
+
+    def take(self) -> np.ndarray:
+        """Counts (layers, experts) since the last take; zeros when nothing was routed."""
+        with self.lock:
+            pending, self._device_counts = self._device_counts, [None] * len(self._device_counts)
+        out = np.zeros_like(self.counts)
+        for layer, counts in enumerate(pending):
+            if counts is not None:
+                out[layer] = counts.cpu().numpy()
+        return out
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()

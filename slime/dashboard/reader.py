@@ -1,0 +1,374 @@
+"""Read-side views of one job's buffer for the API: bounded work per call, no SCAN.
+
+Listing walks the `groups` zset from the newest group down (ranks are stable under inserts, so a
+cursor "<group rank>.<sample position>" never repeats or skips a trajectory); a Lua script reads
+and filters light rows (hash fields, response length, first/last token version) inside Redis. One
+call examines at most `max_scan` samples and hands back a cursor.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from slime.buffer import RedisBuffer
+from slime.dashboard import schemas as S
+from slime.sample import Status
+
+CURSOR_PATTERN = r"^\d{1,10}\.\d{1,6}$"
+_GROUP_BATCH = 32
+_NEWEST = 1 << 40  # a rank past the newest group; the listing script clamps it
+
+
+@dataclass(frozen=True)
+class TrajectoryFilter:
+    statuses: frozenset[Status] = frozenset()
+    min_version_span: int | None = None
+    max_version_span: int | None = None
+    min_age_s: float | None = None
+    max_age_s: float | None = None
+    min_length: int | None = None
+    max_length: int | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+
+
+def _row(raw: dict[str, Any], now: float) -> dict[str, Any]:
+    """A TrajectoryRow as a plain dict: list pages are the hot path, and building pydantic models
+    for thousands of rows costs more than the Redis work (the API test checks them against the schema)."""
+    lo, hi = raw["min_version"], raw["max_version"]
+    created = float(raw["created_at"])
+    return {
+        "id": raw["id"], "group_id": raw["group_id"], "index": int(raw["index"]), "status": raw["status"],
+        "reward": _finite_or_none(float(raw["reward"])) if raw["reward"] is not None else None,
+        "failure": raw["failure"], "response_length": raw["response_length"],
+        "max_new_tokens": int(raw["max_new_tokens"]), "min_version": lo, "max_version": hi,
+        "version_span": hi - lo if lo is not None and hi is not None else None,
+        "created_at": created, "updated_at": float(raw["updated_at"]), "age_s": max(0.0, now - created),
+    }
+
+
+def _histogram(values: list[float], bins: int, integer: bool) -> S.Histogram:
+    if not values:
+        return S.Histogram(edges=[], counts=[], n=0, mean=None, p50=None, p99=None)
+    arr = np.asarray(values, dtype=np.float64)
+    arr = arr[np.isfinite(arr)]
+    if arr.size == 0:
+        return S.Histogram(edges=[], counts=[], n=0, mean=None, p50=None, p99=None)
+    lo, hi = float(arr.min()), float(arr.max())
+    if integer:  # one bin per integer when they fit, so spans 0, 1, 2 are not blurred
+        hi_edge = hi + 1
+        step = max(1.0, math.ceil((hi_edge - lo) / bins))
+        edges = np.arange(lo, hi_edge + step, step)
+    else:
+        edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+    counts, edges = np.histogram(arr, bins=edges)
+    return S.Histogram(
+        edges=[float(e) for e in edges], counts=[int(c) for c in counts], n=int(arr.size),
+        mean=float(arr.mean()), p50=float(np.percentile(arr, 50)), p99=float(np.percentile(arr, 99)),
+    )
+
+
+class BufferReader:
+    """Everything the API reads, for one job (fixed at construction)."""
+
+    def __init__(self, buffer: RedisBuffer):
+        self.buffer = buffer
+        self.job = buffer.job
+        self._throughput: deque[tuple[float, float]] = deque(maxlen=128)
+        self._lock = threading.Lock()
+        self._cache: dict[tuple, tuple[float, Any]] = {}
+        self._tokenizer: Any = None
+        self._tokenizer_dir: str | None = None
+
+    # ---- summary -------------------------------------------------------------------------------
+    def summary(self) -> S.Summary:
+        b = self.buffer
+        pipe = b.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.hget(b._key("stats"), "generated_tokens")
+        pipe.get(b._key("policy_version"))
+        pipe.hgetall(b._key("control"))
+        pipe.lindex(b._key("steps"), -1)
+        pipe.get(b._key("job_info"))
+        b.first_versions(256, client=pipe)
+        (sec, usec), generated, version, control, last_step, info, firsts = pipe.execute()
+        counts = b.counts()
+        now = sec + usec / 1e6
+        generated = float(generated or 0.0)
+        version = int(version or 0)
+        control = {k.decode(): v.decode() for k, v in control.items()}
+        info = _json(info) or {}
+        step = _json(last_step)
+        staleness = [version - int(v) for v in firsts]
+        oversample = float(control["oversample"]) if "oversample" in control else info.get("oversample")
+        return S.Summary(
+            job=self.job,
+            policy_version=version,
+            step=int(step["step"]) if step else None,
+            total_steps=info.get("steps"),
+            paused=control.get("paused") == "1",
+            oversample=oversample if info.get("april_enabled", True) else None,
+            samples_by_status={s.value: counts[s.value] for s in Status},
+            groups={k.removeprefix("groups_"): v for k, v in counts.items() if k.startswith("groups_")},
+            queues={"resume": counts["queue_resume"], "new": counts["queue_new"], "ready": counts["queue_ready"],
+                    "leases": counts["leases"]},
+            generated_tokens=generated,
+            tokens_per_s=self._rate(now, generated),
+            staleness_max=max(staleness, default=0),
+            staleness_mean=float(np.mean(staleness)) if staleness else 0.0,
+            server_time=now,
+        )
+
+    def _rate(self, now: float, generated: float) -> float:
+        with self._lock:
+            points = self._throughput
+            if not points or now - points[-1][0] >= 0.25:
+                points.append((now, generated))
+            recent = [p for p in points if now - p[0] <= 10.0]
+        if len(recent) < 2 or recent[-1][0] - recent[0][0] <= 0:
+            return 0.0
+        return max(0.0, (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0]))
+
+    # ---- listing ---------------------------------------------------------------------------------
+    def trajectories(self, flt: TrajectoryFilter, limit: int, cursor: str | None, max_scan: int) -> dict[str, Any]:
+        """Filtering runs inside Redis (RedisBuffer.scan_rows), so a page costs one round trip."""
+        rank, pos = (_NEWEST, 0) if cursor is None else self._start(cursor)
+        bounds = {"length": (flt.min_length, flt.max_length), "reward": (flt.min_reward, flt.max_reward),
+                  "version_span": (flt.min_version_span, flt.max_version_span), "age_s": (flt.min_age_s, flt.max_age_s)}
+        rows, rank, pos, scanned, now = self.buffer.scan_rows(
+            rank, pos, limit, max_scan, sorted(s.value for s in flt.statuses), bounds
+        )
+        return {"items": [_row(r, now) for r in rows], "next_cursor": f"{rank}.{pos}" if rank >= 0 else None,
+                "scanned": scanned}
+
+    def groups(self, stages: frozenset[str], limit: int, cursor: str | None) -> S.GroupPage:
+        rank, _ = self._start(cursor)
+        items: list[S.GroupRow] = []
+        examined = 0
+        while rank >= 0 and len(items) < limit and examined < 500:  # bounded work per call
+            lo = max(0, rank - max(limit, _GROUP_BATCH) + 1)
+            gids = self.buffer.group_ids_by_rank(lo, rank)[::-1]
+            for gid, (fields, sids) in zip(gids, self.buffer.group_rows(gids)):
+                examined += 1
+                rank -= 1
+                if fields and (not stages or fields.get("status") in stages):
+                    items.append(_group_row(gid, fields, sids))
+                    if len(items) >= limit:
+                        break
+            if not gids:
+                rank = -1
+        return S.GroupPage(items=items, next_cursor=f"{rank}.0" if rank >= 0 else None)
+
+    def group(self, group_id: str) -> S.GroupRow:
+        fields, sids = self.buffer.group_rows([group_id])[0]
+        if not fields:
+            raise KeyError(f"group {group_id!r} not found in job {self.job!r}")
+        return _group_row(group_id, fields, sids)
+
+    def _start(self, cursor: str | None) -> tuple[int, int]:
+        if cursor is None:
+            return self.buffer.group_count() - 1, 0
+        rank, pos = cursor.split(".")
+        return int(rank), int(pos)
+
+    # ---- one trajectory ------------------------------------------------------------------------
+    def trajectory(self, sample_id: str) -> S.Trajectory:
+        sample = self.buffer.get_sample(sample_id)  # KeyError when absent
+        raw = self.buffer.sample_rows([sample_id])
+        if not raw:
+            raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
+        row = S.TrajectoryRow(**_row(raw[0], self.buffer.server_time()))
+        tokenizer = self._load_tokenizer()
+        ids = sample.response_ids.tolist()
+        if tokenizer is not None:
+            pieces = [tokenizer.decode([t]) for t in ids]
+            prompt_text = tokenizer.decode(sample.prompt_ids.tolist())
+            response_text = tokenizer.decode(ids)
+        else:  # no tokenizer reachable (e.g. the model directory is on another machine): show ids
+            pieces = [f"<{t}>" for t in ids]
+            prompt_text = " ".join(f"<{t}>" for t in sample.prompt_ids.tolist())
+            response_text = "".join(pieces)
+        tokens = [
+            S.Token(id=t, text=piece, logprob=_finite(lp), version=int(v), loss_mask=int(m))
+            for t, piece, lp, v, m in zip(ids, pieces, sample.logprobs.tolist(), sample.versions.tolist(),
+                                          sample.loss_mask.tolist())
+        ]
+        rewards = sample.token_rewards
+        return S.Trajectory(
+            row=row, prompt_ids=sample.prompt_ids.tolist(), prompt_text=prompt_text, response_text=response_text,
+            tokens=tokens, token_rewards=[_finite(r) for r in rewards.tolist()] if rewards is not None else None,
+            metadata=sample.metadata, policy_version=self.buffer.get_policy_version(),
+        )
+
+    def _load_tokenizer(self) -> Any:
+        model_dir = self.buffer.job_info().get("model_dir")
+        if model_dir and model_dir != self._tokenizer_dir:
+            self._tokenizer_dir = model_dir
+            try:
+                from slime.model import load_tokenizer
+
+                self._tokenizer = load_tokenizer(model_dir)
+            except Exception:
+                self._tokenizer = None
+        return self._tokenizer
+
+    # ---- distributions ---------------------------------------------------------------------------
+    def newest_rows(self, window: int) -> list[dict[str, Any]]:
+        """The newest `window` trajectories, shared for 3 s (a page's refresh period) by the histograms
+        and reward stats: each read holds Redis for a scan the rollout workers wait behind."""
+        return self._cached(("rows", window), 3.0,
+                            lambda: self.trajectories(TrajectoryFilter(), window, None, window)["items"])
+
+    def histograms(self, window: int, bins: int) -> S.Histograms:
+        def build() -> S.Histograms:
+            rows = self.newest_rows(window)
+            version = self.buffer.get_policy_version()
+            return S.Histograms(
+                window=len(rows),
+                response_length=_histogram([r["response_length"] for r in rows], bins, integer=True),
+                version_span=_histogram([r["version_span"] for r in rows if r["version_span"] is not None], bins, True),
+                reward=_histogram([r["reward"] for r in rows if r["reward"] is not None], bins, integer=False),
+                staleness=_histogram([version - r["min_version"] for r in rows if r["min_version"] is not None
+                                      and r["status"] not in ("completed", "truncated", "failed")],
+                                     bins, integer=True),
+            )
+
+        return self._cached(("hist", window, bins), 3.0, build)
+
+    def engines(self) -> list[S.EngineLoad]:
+        now = self.buffer.server_time()
+        out = []
+        for worker_id, h in sorted(self.buffer.engine_health().items()):
+            uptime = float(h.get("uptime_seconds") or 0.0)
+            out.append(S.EngineLoad(
+                worker_id=worker_id, alive=bool(h.get("alive")), version=h.get("version"),
+                running=int(h.get("running", 0)), waiting=int(h.get("waiting", 0)), scoring=int(h.get("scoring", 0)),
+                generated_tokens=int(h.get("generated_tokens", 0)),
+                busy_fraction=float(h.get("busy_seconds", 0.0)) / uptime if uptime > 0 else 0.0,
+                published_at=float(h["published_at"]), age_s=max(0.0, now - float(h["published_at"])),
+            ))
+        return out
+
+    def experts(self) -> S.ExpertLoad:
+        counts = self.buffer.expert_load()
+        if counts.size == 0:
+            return S.ExpertLoad(
+                available=False, counts=[], share=[],
+                reason="no MoE router counts recorded for this job yet: the built-in engine's workers add them "
+                       "every few seconds (slime/dashboard/experts.py); dense models and the vLLM/SGLang engines "
+                       "record none",
+            )
+        per_expert = counts.sum(axis=0)
+        total = int(per_expert.sum())
+        return S.ExpertLoad(available=True, counts=counts.tolist(),
+                            share=[float(c) / total if total else 0.0 for c in per_expert])
+
+    def rewards(self, window: int) -> S.RewardStats:
+        def build() -> S.RewardStats:
+            rows = self.newest_rows(window)
+            rewards = [r["reward"] for r in rows if r["reward"] is not None and r["status"] != "failed"]
+            reasons: dict[str, int] = {}
+            for r in rows:
+                if r["status"] == "failed":
+                    key = (r["failure"] or "unknown").splitlines()[0][:120]
+                    reasons[key] = reasons.get(key, 0) + 1
+            steps = self.buffer.step_history(50)
+            per_step = [{k: v for k, v in s.items() if (k == "step" or k == "reward_mean" or k.startswith("reward_stats/"))
+                         and isinstance(v, (int, float)) and math.isfinite(v)} for s in steps]
+            last = per_step[-1] if per_step else {}
+            p50 = [v for k, v in last.items() if k.endswith("latency_p50_s")]
+            p99 = [v for k, v in last.items() if k.endswith("latency_p99_s")]
+            return S.RewardStats(
+                window=len(rows), scored=len(rewards), failed=sum(reasons.values()),
+                mean=float(np.mean(rewards)) if rewards else None, std=float(np.std(rewards)) if rewards else None,
+                failure_reasons=reasons, latency_p50_s=max(p50) if p50 else None,
+                latency_p99_s=max(p99) if p99 else None, per_step=per_step,
+            )
+
+        return self._cached(("rewards", window), 3.0, build)
+
+    def steps(self, limit: int, since_step: int = -1) -> list[dict[str, Any]]:
+        """Per-step metrics of the last `limit` steps after `since_step`. Parsed once per half second
+        for every caller: a step carries a hundred metrics, and every open page asks when one ends."""
+        def build() -> list[dict[str, Any]]:
+            return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in s.items()}
+                    for s in self.buffer.step_history(limit)]
+
+        return [s for s in self._cached(("steps", limit), 0.5, build) if s["step"] > since_step]
+
+    def _cached(self, key: tuple, ttl: float, build):
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None and now - hit[0] < ttl:
+            return hit[1]
+        value = build()
+        with self._lock:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            self._cache[key] = (now, value)
+        return value
+
+    # ---- Prometheus --------------------------------------------------------------------------------
+    def prometheus(self) -> str:
+        s = self.summary()
+        job = self.job
+        lines = [
+            "# HELP slime_samples Trajectories in the buffer by status.", "# TYPE slime_samples gauge",
+            *[f'slime_samples{{job="{job}",status="{k}"}} {v}' for k, v in s.samples_by_status.items()],
+            "# HELP slime_groups Prompt groups by stage.", "# TYPE slime_groups gauge",
+            *[f'slime_groups{{job="{job}",stage="{k}"}} {v}' for k, v in s.groups.items()],
+            "# HELP slime_queue_length Buffer queue lengths.", "# TYPE slime_queue_length gauge",
+            *[f'slime_queue_length{{job="{job}",queue="{k}"}} {v}' for k, v in s.queues.items()],
+            "# HELP slime_policy_version Current policy version.", "# TYPE slime_policy_version gauge",
+            f'slime_policy_version{{job="{job}"}} {s.policy_version}',
+            "# HELP slime_generated_tokens_total Tokens generated by the rollout engines.",
+            "# TYPE slime_generated_tokens_total counter",
+            f'slime_generated_tokens_total{{job="{job}"}} {s.generated_tokens}',
+            "# HELP slime_staleness_max Oldest unfinished token's lag in policy versions.",
+            "# TYPE slime_staleness_max gauge", f'slime_staleness_max{{job="{job}"}} {s.staleness_max}',
+            "# HELP slime_rollout_paused 1 while rollout is paused from the dashboard.",
+            "# TYPE slime_rollout_paused gauge", f'slime_rollout_paused{{job="{job}"}} {int(s.paused)}',
+        ]
+        engines = self.engines()
+        if engines:
+            lines += ["# HELP slime_engine_busy_fraction Share of uptime an engine spent decoding.",
+                      "# TYPE slime_engine_busy_fraction gauge"]
+            lines += [f'slime_engine_busy_fraction{{job="{job}",worker="{e.worker_id}"}} {e.busy_fraction}'
+                      for e in engines]
+            lines += ["# HELP slime_engine_running Requests decoding on an engine.", "# TYPE slime_engine_running gauge"]
+            lines += [f'slime_engine_running{{job="{job}",worker="{e.worker_id}"}} {e.running}' for e in engines]
+        return "\n".join(lines) + "\n"
+
+
+def _group_row(gid: str, fields: dict[str, str], sids: list[str]) -> S.GroupRow:
+    meta = _json(fields.get("metadata")) or {}
+    return S.GroupRow(
+        id=gid, stage=fields.get("status", "open"), n=int(fields.get("n", 0)), done=int(fields.get("done", 0)),
+        created_at=float(fields.get("created_at", 0.0)),
+        claimed_step=int(fields["claimed_step"]) if fields.get("claimed_step") else None,
+        prompt_text=str(meta["prompt_text"])[:2000] if "prompt_text" in meta else None, sample_ids=sids,
+    )
+
+
+def _json(raw: bytes | str | None) -> Any:
+    import json
+
+    return json.loads(raw) if raw else None
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _finite(x: float) -> float:
+    # JSON has no NaN/Infinity; a -inf logprob (a masked-out token) is shown as a very low number.
+    return x if math.isfinite(x) else (-1e30 if x < 0 else 1e30)
+

@@ -1,0 +1,158 @@
+// The dashboard page: live counters over Server-Sent Events, charts, the trajectory inspector.
+"use strict";
+const TOKEN = new URLSearchParams(location.search).get("token");
+const STATUSES = ["pending", "running", "aborted", "completed", "truncated", "failed"];
+const history = { occupancy: [], throughput: [] };
+const HISTORY_POINTS = 600;
+let openTrajectory = null;
+
+function api(path, options = {}) {
+  const headers = Object.assign({ "Content-Type": "application/json" }, options.headers || {});
+  if (TOKEN) headers["X-Slime-Token"] = TOKEN;
+  return fetch(path, Object.assign({}, options, { headers })).then(async r => {
+    if (!r.ok) throw new Error(`${path}: ${r.status} ${(await r.json().catch(() => ({}))).detail || ""}`);
+    return r.json();
+  });
+}
+const $ = id => document.getElementById(id);
+const text = (id, value) => { $(id).textContent = value; };
+const versionColor = v => `hsl(${(v * 137.508) % 360}, 70%, 78%)`;
+
+function buildCounters() {
+  const box = $("counters");
+  for (const s of STATUSES) {
+    box.insertAdjacentHTML("beforeend", `<div class="counter"><b id="count-${s}">0</b>${s}</div>`);
+    $("filter-status").insertAdjacentHTML("beforeend", `<option>${s}</option>`);
+  }
+  for (const g of ["open", "ready", "trained"]) {
+    box.insertAdjacentHTML("beforeend", `<div class="counter"><b id="groups-${g}">0</b>groups ${g}</div>`);
+  }
+  $("legend-occupancy").innerHTML = STATUSES.map((s, i) =>
+    `<span><i style="background:${Charts.PALETTE[i]}"></i>${s}</span>`).join("");
+}
+
+function onSummary(s) {
+  text("job", s.job);
+  text("policy-version", s.policy_version);
+  text("step", s.step === null ? "–" : `${s.step + 1}${s.total_steps ? "/" + s.total_steps : ""}`);
+  text("tokens-per-s", Charts.fmt(s.tokens_per_s));
+  text("generated-tokens", Math.round(s.generated_tokens));
+  text("staleness-max", s.staleness_max);
+  $("paused").hidden = !s.paused;
+  for (const st of STATUSES) text(`count-${st}`, s.samples_by_status[st]);
+  for (const g of ["open", "ready", "trained"]) text(`groups-${g}`, s.groups[g]);
+  if (s.oversample !== null && document.activeElement !== $("oversample")) $("oversample").value = s.oversample;
+  history.occupancy.push([s.server_time, s.samples_by_status]);
+  history.throughput.push([s.server_time, s.tokens_per_s]);
+  for (const k in history) if (history[k].length > HISTORY_POINTS) history[k].shift();
+  const t0 = history.occupancy[0][0];
+  Charts.lines($("chart-occupancy"), STATUSES.map((st, i) => ({
+    name: st, color: Charts.PALETTE[i], points: history.occupancy.map(([t, c]) => [t - t0, c[st]]) })),
+    ["-" + Math.round(s.server_time - t0) + " s", "now"]);
+  Charts.lines($("chart-throughput"), [{ name: "tok/s", points: history.throughput.map(([t, v]) => [t - t0, v]) }],
+    ["-" + Math.round(s.server_time - t0) + " s", "now"]);
+}
+
+function addEvent(e) {
+  const li = document.createElement("li");
+  li.textContent = `${new Date(e.ts * 1000).toLocaleTimeString()} ${e.kind} ${JSON.stringify(e.detail)}`;
+  $("events").prepend(li);
+  while ($("events").children.length > 50) $("events").lastChild.remove();
+}
+
+function connect() {
+  const src = new EventSource("/api/stream" + (TOKEN ? `?token=${encodeURIComponent(TOKEN)}` : ""));
+  src.addEventListener("open", () => { $("live").textContent = "live"; $("live").className = "badge on"; });
+  src.addEventListener("error", () => { $("live").textContent = "reconnecting"; $("live").className = "badge off"; });
+  src.addEventListener("summary", e => onSummary(JSON.parse(e.data)));
+  src.addEventListener("step", () => refreshSteps());
+  src.addEventListener("event", e => addEvent(JSON.parse(e.data)));
+}
+
+const steps = [];
+async function refreshSteps() {  // only the steps this page has not seen yet
+  const since = steps.length ? steps[steps.length - 1].step : -1;
+  const fresh = await api(`/api/steps?limit=500&since_step=${since}`);
+  const last = steps.length ? steps[steps.length - 1].step : -1;  // another refresh may have landed
+  steps.push(...fresh.filter(s => s.step > last));
+  if (steps.length > 500) steps.splice(0, steps.length - 500);
+  Charts.lines($("chart-reward"), [{ name: "reward", points: steps.filter(s => s.reward_mean !== undefined)
+    .map(s => [s.step, s.reward_mean]) }], steps.length ? [`step ${steps[0].step}`, `step ${steps[steps.length - 1].step}`] : null);
+}
+
+async function refreshDistributions() {
+  const h = await api("/api/histograms?window=500&bins=20");
+  Charts.histogram($("hist-length"), h.response_length, "#2980b9");
+  Charts.histogram($("hist-staleness"), h.staleness, "#e67e22");
+  Charts.histogram($("hist-span"), h.version_span, "#8e44ad");
+  Charts.histogram($("hist-reward"), h.reward, "#27ae60");
+  const engines = await api("/api/engines");
+  Charts.bars($("chart-engines"), engines.map(e => ({ label: e.worker_id, value: e.busy_fraction })), "#16a085");
+  const experts = await api("/api/experts");
+  $("experts-note").textContent = experts.available ? "" : experts.reason;
+  Charts.bars($("chart-experts"), experts.share.map((v, i) => ({ label: `e${i}`, value: v })), "#d35400");
+}
+
+async function refreshTable() {
+  const status = $("filter-status").value;
+  const page = await api("/api/trajectories?limit=50" + (status ? `&status=${status}` : ""));
+  const rows = page.items.map(r => `<tr data-id="${r.id}"><td>${r.id}</td><td>${r.group_id.slice(0, 8)}</td>
+    <td>${r.status}</td><td>${r.response_length}/${r.max_new_tokens}</td>
+    <td>${r.min_version === null ? "–" : r.min_version + "…" + r.max_version}</td>
+    <td>${r.reward === null ? "–" : r.reward.toFixed(3)}</td><td>${r.age_s.toFixed(0)} s</td></tr>`);
+  $("trajectory-table").tBodies[0].innerHTML = rows.join("");
+}
+
+async function inspect(id) {
+  const t = await api(`/api/trajectories/${encodeURIComponent(id)}`);
+  openTrajectory = id;
+  $("inspector").hidden = false;
+  text("inspector-id", id);
+  const r = t.row;
+  $("inspector-meta").textContent = `${r.status}, ${r.response_length} tokens, versions ${r.min_version ?? "–"}…` +
+    `${r.max_version ?? "–"} (policy now v${t.policy_version}), reward ${r.reward ?? "–"}` + (r.failure ? `, failure: ${r.failure}` : "");
+  text("inspector-prompt", t.prompt_text);
+  const versions = [...new Set(t.tokens.map(k => k.version))].sort((a, b) => a - b);
+  $("version-legend").innerHTML = versions.map(v => `<span><i style="background:${versionColor(v)}"></i>v${v}</span>`).join("") +
+    `<span><i style="background:#d5d8dc"></i>loss-masked</span>`;
+  const box = $("inspector-tokens");
+  box.replaceChildren(...t.tokens.map(k => {
+    const span = document.createElement("span");
+    span.className = "tok" + (k.loss_mask ? "" : " masked");
+    span.dataset.version = k.version;
+    span.style.background = versionColor(k.version);
+    span.title = `token ${k.id}  logprob ${k.logprob.toFixed(3)}  version ${k.version}  mask ${k.loss_mask}`;
+    span.textContent = k.text;
+    return span;
+  }));
+  $("inspector-actions").hidden = !TOKEN;
+  $("inspector").scrollIntoView();
+}
+
+function control(path, body) {
+  return api(path, { method: "POST", body: body ? JSON.stringify(body) : undefined }).catch(e => alert(e.message));
+}
+
+function init() {
+  buildCounters();
+  $("controls").hidden = !TOKEN;
+  $("btn-pause").onclick = () => control("/api/control/pause");
+  $("btn-resume").onclick = () => control("/api/control/resume");
+  $("btn-oversample").onclick = () => control("/api/control/oversample", { oversample: parseFloat($("oversample").value) });
+  $("btn-requeue").onclick = () => control(`/api/trajectories/${openTrajectory}/requeue`);
+  $("btn-drop").onclick = () => control(`/api/trajectories/${openTrajectory}/drop`, { reason: "dropped from the dashboard" });
+  $("btn-close").onclick = () => { $("inspector").hidden = true; openTrajectory = null; };
+  $("btn-refresh").onclick = refreshTable;
+  $("filter-status").onchange = refreshTable;
+  $("trajectory-table").tBodies[0].addEventListener("click", e => {
+    const tr = e.target.closest("tr");
+    if (tr) inspect(tr.dataset.id);
+  });
+  api("/api/events?limit=50").then(es => es.reverse().forEach(addEvent));
+  connect();
+  refreshSteps();  // then once per finished step, on the stream's `step` event
+  const slow = () => Promise.allSettled([refreshDistributions(), refreshTable()]);
+  slow();
+  setInterval(slow, 3000);
+}
+init();
