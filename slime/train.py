@@ -254,10 +254,11 @@ class RunningJob:
 
         last_health = time.time()
         while True:
-            if self.cfg.april.filter_zero_variance:
-                self.filter_ready_groups()
+            checked = self.filter_ready_groups() if self.cfg.april.filter_zero_variance else None
             counts = self.buffer.counts()
-            if counts["groups_ready"] >= needed:
+            # With the filter, only groups it has seen count: one that turned ready after its pass
+            # would reach the learner (FIFO claims) unchecked.
+            if (counts["groups_ready"] if checked is None else checked) >= needed:
                 return
             self.schedule_groups()  # refill as groups finish or are filtered, one group at a time
             self.logger.waiting(counts, needed)
@@ -299,23 +300,28 @@ class RunningJob:
                        rollout_tokens_per_s=generated / max(rollout_seconds, 1e-9))
         return metrics
 
-    def filter_ready_groups(self) -> None:
+    def filter_ready_groups(self) -> int:
         """DAPO dynamic sampling: a group whose rewards are all equal has no signal; drop it and let
-        the scheduler start another. After max_filtered_per_step drops, keep groups (fallback)."""
+        the scheduler start another. After max_filtered_per_step drops, keep groups (fallback).
+        Returns how many ready groups passed (the oldest in the ready queue)."""
         limit = self.cfg.april.max_filtered_per_step
         limit = self.cfg.rollout.batch_size if limit is None else limit
+        kept = 0
         for gid in self.buffer.ready_group_ids():
             if gid in self.filter_checked:
+                kept += 1
                 continue
             self.filter_checked.add(gid)
             rewards = {s.reward for s in self.buffer.get_group(gid) if s.reward is not None and s.failure is None}
             if len(rewards) > 1:
-                continue
-            if self.filtered_this_step >= limit:
+                kept += 1
+            elif self.filtered_this_step >= limit:
                 self.step_counters["filter_kept_by_fallback"] += 1
+                kept += 1
             elif self.buffer.drop_ready_group(gid, "zero_variance"):
                 self.filtered_this_step += 1
                 self.step_counters["filtered_zero_variance"] += 1
+        return kept
 
     def abort_rollouts(self) -> int:
         """APRIL's active abort: every engine stops, its partials are stored and go first next step."""

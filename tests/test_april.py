@@ -192,7 +192,10 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     stored in Redis from their tokens and trains every group exactly once."""
     out = tmp_path / "run"
     args = [f"job_name=kill-{sig.name}", f"output_dir={out}", f"model.path={tiny_model_dir}", *SMALL,
-            "rollout.ignore_eos=true", "rollout.max_running_requests=4", "checkpoint_every=1", "cluster.num_cpus=2"]
+            "rollout.ignore_eos=true", "rollout.max_running_requests=4", "checkpoint_every=1", "cluster.num_cpus=2",
+            # Small chunks: a running sample has tokens in Redis within a few decode steps, so the kill
+            # finds partials whenever it lands (with 16-token chunks it could land between flushes).
+            "rollout.chunk_tokens=4"]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = _run_cli([*args, "steps=40"], env)
     metrics = out / "metrics.jsonl"
