@@ -290,14 +290,15 @@ class RunningJob:
     def train_segments(self, step: int, segments: int) -> dict:
         import ray
 
-        generated = self.buffer.stats().get("generated_tokens", 0.0) - self.tokens_at_step_start
         rollout_seconds = time.time() - self.step_started
         ref = self.learner.train_segments.remote(step, segments, self.cfg.april.streaming_chunk_tokens)
         while not ray.wait([ref], timeout=0.05)[0]:
             self.schedule_groups()  # the workers keep generating while the learner trains
         metrics = ray.get(ref)
+        # The engines never pause here: count what they made over the whole step, training included.
+        generated = self.buffer.stats().get("generated_tokens", 0.0) - self.tokens_at_step_start
         metrics.update(rollout_seconds=rollout_seconds, generated_tokens=generated,
-                       rollout_tokens_per_s=generated / max(rollout_seconds, 1e-9))
+                       rollout_tokens_per_s=generated / max(time.time() - self.step_started, 1e-9))
         return metrics
 
     def filter_ready_groups(self) -> int:
