@@ -200,7 +200,12 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     proc = _run_cli([*args, "steps=40"], env)
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two steps")
-    time.sleep(0.5)
+    # Kill at a moment the live buffer holds a partial with most of its tokens still to come (with
+    # a fast engine a fixed sleep can land while no sample has tokens in flight).
+    live = RedisBuffer(f"redis://127.0.0.1:{json.loads((out / 'redis' / 'server.json').read_text())['port']}/0",
+                       f"kill-{sig.name}")
+    wait_for(lambda: any(s.status in (Status.ABORTED, Status.RUNNING) and 0 < s.response_length <= 24
+                         for s in live.iter_samples()), 120, "a partial trajectory in the live buffer")
     os.killpg(proc.pid, sig) if sig == signal.SIGKILL else proc.send_signal(sig)
     proc.wait(timeout=120)
     if sig == signal.SIGKILL:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -32,9 +33,14 @@ def model():
     return tiny_moe(0)
 
 
-@pytest.fixture()
-def engine(model):
-    return RolloutEngine(model, max_running_requests=16, seed=0)
+@pytest.fixture(params=["fast", "hf"])
+def engine(request, model):
+    """Both forward paths: the fast decoder (default for this model) and Hugging Face's forward."""
+    # A copy: weight-update tests write into the engine's model in place.
+    eng = RolloutEngine(copy.deepcopy(model), max_running_requests=16, seed=0,
+                        fast_path=None if request.param == "fast" else False)
+    assert eng.health()["forward"] == request.param
+    return eng
 
 
 def prompts(n: int, seed: int = 1, lo: int = 1, hi: int = 20) -> list[list[int]]:
@@ -60,14 +66,17 @@ def drain(engine: RolloutEngine, out: dict[str, list[int]], finals: dict[str, Ge
 # ---------------------------------------------------------------------------- batching
 
 
-@pytest.fixture(params=["sdpa", "eager"])
+@pytest.fixture(params=["fast", "sdpa", "eager"])
 def any_attn_engine(request, model):
-    """The SDPA model (4-D decode-mask fast path) and an eager-attention one (HF builds masks)."""
-    if request.param == "sdpa":
+    """The fast decoder, and Hugging Face's forward with SDPA (4-D decode mask) and eager attention
+    (HF builds the masks)."""
+    if request.param == "fast":
         return RolloutEngine(model, max_running_requests=16)
+    if request.param == "sdpa":
+        return RolloutEngine(model, max_running_requests=16, fast_path=False)
     eager = tiny_moe(0)
     eager.set_attn_implementation("eager")
-    eng = RolloutEngine(eager, max_running_requests=16)
+    eng = RolloutEngine(eager, max_running_requests=16, fast_path=False)
     assert not eng._decode_mask_4d
     return eng
 

@@ -1,0 +1,347 @@
+"""A lean forward pass for Llama/Qwen-family decoders over a slot KV cache (the built-in engine's fast path).
+
+Why: at small batch the built-in engine spent most of each decode step in Hugging Face's
+per-module Python (about 60 module calls per token for the tiny MoE) and in copying the whole KV
+cache (``DynamicCache`` grows by concatenation). This module runs the same maths with plain torch
+ops on the model's own parameter tensors (no copies: an in-place weight update is seen at once)
+and keeps keys/values in preallocated per-layer tensors:
+
+    keys[layer]: [row capacity, kv heads, length capacity, head dim]
+
+Row ``r`` of the batch holds its tokens at positions ``0 .. lens[r]-1`` (no left padding, so a
+token's position in the cache is its RoPE position). A decode step writes one key/value per row
+at ``lens[r]`` and attends over ``[:rows, :, :max(lens)+1]`` with a length mask. Rows stay
+packed at the front: when rows finish, rows from the tail move into the holes (copying only
+those rows), so the caller must reorder its per-row state with the order ``select`` returns.
+
+Supported: ``model.model.{embed_tokens, layers, norm, rotary_emb}`` + ``model.lm_head``, full
+causal attention (optional q/k RMSNorm and q/k/v bias), and per layer either a SwiGLU MLP
+(``gate_proj``/``up_proj``/``down_proj``) or a top-k routed MoE (``mlp.gate`` router returning
+``(logits, weights, indices)`` + ``mlp.experts`` with fused ``gate_up_proj``/``down_proj``), as in
+Llama, Qwen2, Qwen3 and Qwen3-MoE. :func:`fast_decoder_for` checks the structure and then the
+numbers (logits against the model's own forward); anything else keeps the Hugging Face path.
+The router is called as a module, so forward hooks on it (the dashboard's expert-load
+recorder) still fire.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "qwen3_moe"}
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    """The tensors one decoder layer needs, read from its modules once."""
+
+    def __init__(self, layer: torch.nn.Module, eps: float):
+        attn = layer.self_attn
+        self.eps = eps
+        self.ln_in = layer.input_layernorm.weight
+        self.ln_post = layer.post_attention_layernorm.weight
+        self.wq, self.bq = attn.q_proj.weight, attn.q_proj.bias
+        self.wk, self.bk = attn.k_proj.weight, attn.k_proj.bias
+        self.wv, self.bv = attn.v_proj.weight, attn.v_proj.bias
+        self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm = None if q_norm is None else (q_norm.weight, q_norm.variance_epsilon)
+        self.k_norm = None if k_norm is None else (k_norm.weight, k_norm.variance_epsilon)
+        mlp = layer.mlp
+        self.router = getattr(mlp, "gate", None) if hasattr(mlp, "experts") else None
+        if self.router is not None:
+            experts = mlp.experts
+            self.gate_up, self.down = experts.gate_up_proj, experts.down_proj  # [E, 2I, H], [E, H, I]
+            self.num_experts = int(experts.gate_up_proj.shape[0])
+        else:
+            self.w_gate, self.w_up, self.w_down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
+
+def _check_structure(model: torch.nn.Module) -> str | None:
+    """Why this model cannot take the fast path, or None."""
+    config = model.config
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {getattr(config, 'model_type', None)!r} not in {sorted(SUPPORTED_MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ["full_attention"])):
+        return "non-full attention layers"
+    inner = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, name):
+            return f"model.model has no {name}"
+    if getattr(model, "lm_head", None) is None:
+        return "no lm_head"
+    for layer in inner.layers:
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            if getattr(mlp, "shared_expert", None) is not None:
+                return "MoE with a shared expert"
+            experts = mlp.experts
+            if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj") and hasattr(mlp, "gate")):
+                return "MoE experts without fused gate_up_proj/down_proj"
+            if getattr(experts, "gate_up_proj_bias", None) is not None:
+                return "MoE experts with biases"
+        elif not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"unknown MLP {type(mlp).__name__}"
+    return None
+
+
+class FastDecoder:
+    """Batched prefill/decode over a slot KV cache; rows are appended by ``prefill`` and removed
+    by ``select``. Call under ``torch.inference_mode()``."""
+
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int):
+        config = model.config
+        inner = model.model
+        self.model = model
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.final_eps = inner.norm.variance_epsilon
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head.weight
+        self.lm_head_bias = model.lm_head.bias
+        eps = float(config.rms_norm_eps)
+        self.layers = [_Layer(layer, eps) for layer in inner.layers]
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.max_rows, self.max_len = int(max_rows), int(max_len)
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        # Tokens sorted by expert, one grouped matmul for all experts (CPU kernel since torch 2.9;
+        # on CUDA it needs compute capability 8.0+); otherwise one matmul per expert.
+        self.grouped_mm = hasattr(torch, "_grouped_mm") and (
+            self.device.type == "cpu" or (self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0))
+        )
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lens = np.zeros(0, dtype=np.int64)  # host copy of each row's cached length
+        self.rows = 0
+
+    # ---------------------------------------------------------------- cache capacity
+
+    def _capacity(self) -> tuple[int, int]:
+        return (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
+
+    def _reserve(self, rows: int, length: int) -> None:
+        """Grow the cache (doubling) to hold ``rows`` rows of ``length`` tokens."""
+        cap_rows, cap_len = self._capacity()
+        if rows <= cap_rows and length <= cap_len:
+            return
+        new_rows = cap_rows if rows <= cap_rows else max(rows, min(max(2 * cap_rows, 8), self.max_rows))
+        new_len = cap_len if length <= cap_len else max(length, min(max(2 * cap_len, 64), self.max_len))
+        shape = (new_rows, self.num_kv_heads, new_len, self.head_dim)
+        used = int(self.lens.max()) if self.rows else 0
+        for store in (self.keys, self.values):
+            for i in range(len(self.layers)):
+                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if store and self.rows:
+                    fresh[: self.rows, :, :used] = store[i][: self.rows, :, :used]
+                if len(store) == len(self.layers):
+                    store[i] = fresh
+                else:
+                    store.append(fresh)
+
+    # ---------------------------------------------------------------- rows
+
+    def select(self, keep: list[int]) -> list[int]:
+        """Keep rows ``keep`` (ascending indices); return the new row order as old indices.
+
+        Kept rows already inside the new range stay where they are; each hole is filled by a
+        kept row from the tail, so only moved rows are copied.
+        """
+        n = len(keep)
+        keep_set = set(keep)
+        order = list(range(n))
+        holes = [i for i in range(n) if i not in keep_set]
+        movers = [i for i in keep if i >= n]
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            used = int(self.lens[movers].max())
+            for store in (self.keys, self.values):
+                for t in store:
+                    t[dst, :, :used] = t[src, :, :used]
+            for h, m in zip(holes, movers):
+                order[h] = m
+        self.lens = self.lens[order]
+        self.rows = n
+        return order
+
+    # ---------------------------------------------------------------- forward
+
+    def _attention_block(self, L: _Layer, h: torch.Tensor, cos, sin, write, attend) -> torch.Tensor:
+        """h: [N, T, H] normed input; returns the attention output [N, T, H]."""
+        n, t, _ = h.shape
+        q = F.linear(h, L.wq, L.bq).view(n, t, self.num_heads, self.head_dim)
+        k = F.linear(h, L.wk, L.bk).view(n, t, self.num_kv_heads, self.head_dim)
+        v = F.linear(h, L.wv, L.bv).view(n, t, self.num_kv_heads, self.head_dim)
+        if L.q_norm is not None:
+            q = _rms_norm(q, *L.q_norm)
+        if L.k_norm is not None:
+            k = _rms_norm(k, *L.k_norm)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [N, heads, T, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys, values = write(k, v)
+        out = attend(q, keys, values)  # [N, heads, T, D]
+        out = out.transpose(1, 2).reshape(n, t, self.num_heads * self.head_dim)
+        return F.linear(out, L.wo, L.bo)
+
+    def _mlp(self, L: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """x: [S, H] -> [S, H]."""
+        if L.router is None:
+            return F.linear(F.silu(F.linear(x, L.w_gate)) * F.linear(x, L.w_up), L.w_down)
+        _, weights, experts = L.router(x)  # [S, k] each; a module call so its hooks fire
+        k = experts.shape[1]
+        sorted_experts, perm = torch.sort(experts.reshape(-1))
+        token = perm // k
+        xs = x[token]
+        counts = torch.bincount(sorted_experts, minlength=L.num_experts)
+        if self.grouped_mm:
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            gate, up = torch._grouped_mm(xs, L.gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            y = torch._grouped_mm(F.silu(gate) * up, L.down.transpose(-2, -1), offs=offs)
+        else:  # one matmul per routed expert
+            parts, start = [], 0
+            for e, c in enumerate(counts.tolist()):
+                if c:
+                    gate, up = F.linear(xs[start : start + c], L.gate_up[e]).chunk(2, dim=-1)
+                    parts.append(F.linear(F.silu(gate) * up, L.down[e]))
+                    start += c
+            y = torch.cat(parts)
+        y = y * weights.reshape(-1)[perm, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, write, attend) -> torch.Tensor:
+        """ids/positions [N, T] -> final hidden states [N, T, H]."""
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.rotary(x, positions)
+        cos, sin = cos[:, None], sin[:, None]  # [N, 1, T, D]
+        for i, L in enumerate(self.layers):
+            h = _rms_norm(x, L.ln_in, L.eps)
+            x = x + self._attention_block(L, h, cos, sin, lambda k, v, i=i: write(i, k, v), attend)
+            h = _rms_norm(x, L.ln_post, L.eps)
+            n, t, hidden = h.shape
+            x = x + self._mlp(L, h.reshape(n * t, hidden)).view(n, t, hidden)
+        return x
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(_rms_norm(hidden, self.final_norm, self.final_eps), self.lm_head, self.lm_head_bias)
+
+    def prefill(self, contexts: list[list[int]]) -> torch.Tensor:
+        """Append one row per context, fill its cache, return next-token logits [n, V]."""
+        n, width = len(contexts), max(len(c) for c in contexts)
+        start = self.rows
+        self._reserve(start + n, width + 1)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        ids = ids.to(self.device)
+        positions = torch.arange(width, device=self.device).expand(n, width)
+        rows = slice(start, start + n)
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor):
+            # Right padding: causal attention keeps real tokens off the padding after them, and
+            # a row's padding keys are overwritten by its own decode steps before they are read.
+            self.keys[i][rows, :, :width] = k
+            self.values[i][rows, :, :width] = v
+            return k, v
+
+        def attend(q, keys, values):
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+
+        hidden = self._run(ids, positions, write, attend)
+        last = torch.tensor([len(c) - 1 for c in contexts], device=self.device)
+        logits = self._logits(hidden[torch.arange(n, device=self.device), last])
+        self.lens = np.concatenate([self.lens, np.array([len(c) for c in contexts], dtype=np.int64)])
+        self.rows = start + n
+        return logits
+
+    def kv_len(self) -> int:
+        return int(self.lens.max()) if self.rows else 0
+
+    def decode(self, last_tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row, fed at position lens[r] (the caller's ``positions`` are the same
+        numbers); return next-token logits [rows, V]."""
+        b = self.rows
+        new_len = int(self.lens.max()) + 1
+        self._reserve(b, new_len)
+        lens = torch.from_numpy(self.lens).to(self.device)
+        row_idx = torch.arange(b, device=self.device)
+        mask = (torch.arange(new_len, device=self.device)[None, :] <= lens[:, None])[:, None, None, :]
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor):
+            keys, values = self.keys[i], self.values[i]
+            keys[row_idx, :, lens] = k[:, :, 0]
+            values[row_idx, :, lens] = v[:, :, 0]
+            return keys[:b, :, :new_len], values[:b, :, :new_len]
+
+        def attend(q, keys, values):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+        hidden = self._run(last_tokens[:, None], lens[:, None], write, attend)
+        self.lens = self.lens + 1
+        return self._logits(hidden[:, 0])
+
+
+@torch.inference_mode()
+def _agrees_with_model(model: torch.nn.Module, fast: FastDecoder, tol: float = 1e-3) -> str | None:
+    """Prefill two unequal prompts and decode 3 tokens both ways; a mismatch is the reason."""
+    vocab = fast.embed.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 3)]
+    steps = [torch.randint(0, vocab, (2,), generator=gen) for _ in range(3)]
+    got = [fast.prefill(prompts)]
+    for tokens in steps:
+        got.append(fast.decode(tokens.to(fast.device)))
+    worst = 0.0
+    for r, prompt in enumerate(prompts):
+        seq = prompt + [int(t[r]) for t in steps]
+        ids = torch.tensor([seq], device=fast.device)
+        ref = model(input_ids=ids, use_cache=False).logits[0].float()
+        for j, logits in enumerate(got):
+            expected = ref[len(prompt) - 1 + j]
+            diff = (logits[r].float() - expected).abs().max().item()
+            scale = max(1.0, expected.abs().max().item())
+            worst = max(worst, diff / scale)
+    fast.select([])
+    if not worst <= (tol if fast.dtype == torch.float32 else 5e-2):
+        return f"logits differ from the model's forward by {worst:.2e} (relative)"
+    return None
+
+
+def fast_decoder_for(model: torch.nn.Module, max_rows: int, max_len: int) -> FastDecoder | None:
+    """A checked FastDecoder for ``model``, or None (with the reason logged) when it does not fit."""
+    reason = _check_structure(model)
+    fast = None
+    if reason is None:
+        try:
+            fast = FastDecoder(model, max_rows, max_len)
+            reason = _agrees_with_model(model, fast)
+        except Exception as exc:  # an unexpected module layout: keep the Hugging Face path
+            reason = f"{type(exc).__name__}: {exc}"
+    if reason is not None:
+        log.info("built-in engine: Hugging Face forward path (%s)", reason)
+        return None
+    return fast
