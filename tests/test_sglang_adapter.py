@@ -169,6 +169,24 @@ def test_health_and_bad_input(engine, server):
         launch_command("slime", "m", "127.0.0.1", 1, tensor_parallel_size=2)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["sglang.num_servers=2"], "sglang.num_servers=2: several servers need sglang.router=sglang_router"),
+    (["sglang.urls=[http://a:1,http://b:2]"], "sglang.urls lists 2 servers: several servers need sglang.router"),
+    (["sglang.url=http://a:1", "sglang.num_servers=2", "sglang.router=sglang_router"], "list every server in sglang.urls"),
+    (["sglang.url=http://a:1", "sglang.urls=[http://b:1]"], "not both"),
+    (["sglang.router_port=31000"], "sglang.router=none launches no router"),
+    (["sglang.router=sglang_router", "sglang.router_policy=power_of_two"], "power_of_two needs at least 2 servers"),
+    (["sglang.router=sglang_router", "sglang.router_policy=manual"], "sglang.router_policy"),
+])
+def test_router_config_is_checked_at_load(overrides, message):
+    from slime.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_config(None, overrides)
+    load_config(None, ["sglang.num_servers=2", "sglang.router=sglang_router", "sglang.router_policy=power_of_two"])
+    load_config(None, ["sglang.urls=[http://a:1,http://b:2]", "sglang.router=sglang_router", "sglang.router_port=31000"])
+
+
 def test_raw_sglang_client(server, model):
     """A client written for SGLang: the request and response shapes of its native /generate."""
     body = {

@@ -1,4 +1,4 @@
-"""SGLang rollout engine: launches (or attaches to) an SGLang server and drives its native HTTP API.
+"""SGLang rollout engine: launches (or attaches to) SGLang servers and drives their native HTTP API.
 
 The adapter honours the engine contract of `slime.engines` (the built-in `RolloutEngine` is the
 reference) over SGLang's native endpoints:
@@ -20,7 +20,15 @@ reference) over SGLang's native endpoints:
   built-in engine's SGLang-protocol server) as a `slime.weights` shared-memory handle;
 - `score_logprobs` (the weight-sync probe): ``/generate`` with ``max_new_tokens=0`` and
   ``logprob_start_len``, read from ``meta_info.input_token_logprobs``;
-- `health()`: ``GET /health_generate`` (and whether the launched process is alive).
+- `health()`: ``GET /health_generate`` (and whether the launched processes are alive).
+
+Several servers per worker (``sglang.num_servers`` or ``sglang.urls``) sit behind sglang-router
+(``sglang.router=sglang_router``): the data path, every ``/generate`` stream, goes through the
+router, which balances them; the control path goes to every server directly, because the router
+does not forward it: ``/abort_request`` (each rid to every server: which one holds it is the
+router's choice), ``/pause_generation``, ``/continue_generation``, the weight updates (for
+``distributed`` every server joins the group, server j as rank ``1 + j * tp``), the probe (asked
+of every server, so a server that missed an update is caught) and ``/health_generate``.
 
 Stop tokens are passed explicitly (``stop_token_ids``, ``ignore_eos=true``) so the server never
 stops on anything the worker did not ask for. `set_temperature` is not available (SGLang cannot
@@ -31,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import ctypes
+import importlib.util
 import io
 import json
 import os
@@ -109,33 +119,44 @@ def _die_with_parent() -> None:
 
 
 class SglangServerProcess:
-    """One launched server: the command, its log file, readiness and shutdown."""
+    """One launched server (or, subclassed, the router): the command, its log file, readiness and shutdown.
 
-    def __init__(self, command: list[str], url: str, log_path: Path, startup_timeout_s: float):
-        self.command, self.url, self.log_path = command, url, log_path
+    ``startup_timeout_s=None`` returns at once (several processes start together, then
+    `wait_ready` each)."""
+
+    def __init__(self, command: list[str], url: str, log_path: Path, startup_timeout_s: float | None,
+                 *, name: str = "SGLang server"):
+        self.command, self.url, self.log_path, self.name = command, url, log_path, name
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
         )
-        self._wait_ready(startup_timeout_s)
+        if startup_timeout_s is not None:
+            self.wait_ready(startup_timeout_s)
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health_generate", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"SGLang server exited with code {self.proc.returncode} while starting: {self.describe()}")
-            try:
-                if httpx.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} while starting: {self.describe()}")
+            if self.ready():
+                return
             time.sleep(0.25)
         self.stop()
-        raise TimeoutError(f"SGLang server not healthy after {timeout_s:.0f}s (sglang.startup_timeout_s): {self.describe()}")
+        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s (sglang.startup_timeout_s): {self.describe()}")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def exit_message(self) -> str:
+        return f"{self.name} at {self.url} (pid {self.proc.pid}) exited with code {self.proc.returncode}; {self.describe()}"
 
     def describe(self) -> str:
         try:
@@ -155,6 +176,44 @@ class SglangServerProcess:
                 except ProcessLookupError:
                     pass
         self._log.close()
+
+
+class SglangRouterProcess(SglangServerProcess):
+    """A launched sglang-router: ready once it lists every one of its servers as healthy."""
+
+    def __init__(self, command: list[str], url: str, log_path: Path, startup_timeout_s: float, worker_urls: list[str],
+                 *, name: str = "sglang-router"):
+        self.worker_urls = [u.rstrip("/") for u in worker_urls]
+        super().__init__(command, url, log_path, startup_timeout_s, name=name)
+
+    def ready(self) -> bool:
+        try:
+            workers = httpx.get(f"{self.url}/workers", timeout=10).json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return False
+        healthy = {w["url"].rstrip("/") for w in workers if w.get("is_healthy")}
+        return set(self.worker_urls) <= healthy
+
+
+def router_command(worker_urls: list[str], host: str, port: int, *, policy: str, prometheus_port: int,
+                   request_timeout_s: float) -> list[str]:
+    """sglang-router 0.3.2's flags (sglang_router/router_args.py). Its metrics endpoint defaults to
+    0.0.0.0:29000, which a second router on the machine could not bind: each gets a port of its own."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--host", host, "--port", str(port), "--policy", policy,
+            "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
+            "--request-timeout-secs", str(int(request_timeout_s)), "--log-level", "warn"]
+
+
+def launch_router(worker_urls: list[str], host: str, port: int | None, policy: str, log_path: Path,
+                  startup_timeout_s: float, request_timeout_s: float, *, name: str = "sglang-router") -> SglangRouterProcess:
+    if importlib.util.find_spec("sglang_router") is None:
+        raise RuntimeError("sglang.router=sglang_router needs the sglang-router package where the rollout worker runs: "
+                           "pip install sglang-router (it is in this project's sglang and dev extras)")
+    port = port if port is not None else free_port(host)
+    cmd = router_command(worker_urls, host, port, policy=policy, prometheus_port=free_port(host),
+                         request_timeout_s=request_timeout_s)
+    return SglangRouterProcess(cmd, f"http://{host}:{port}", log_path, startup_timeout_s, worker_urls, name=name)
 
 
 def launch_command(launcher: str, model_dir: str, host: str, port: int, *, tensor_parallel_size: int = 1,
@@ -178,36 +237,46 @@ def launch_command(launcher: str, model_dir: str, host: str, port: int, *, tenso
 
 
 class SglangEngine:
+    """``url`` takes every ``/generate`` (a router, or the only server); ``server_urls`` (default:
+    ``[url]``) take the control calls; ``processes`` are the launched servers and router, watched by
+    `health()` / `step()` and stopped by `close()`."""
+
     def __init__(
         self,
         url: str,
         *,
+        server_urls: list[str] | None = None,
+        processes: Iterable[SglangServerProcess] = (),
         version: int = 0,
         weight_update: str = "tensor",
         weights_dir: str | Path | None = None,
         request_timeout_s: float = 600.0,
-        server: SglangServerProcess | None = None,
         bucket_mb: float = 256.0,
+        tensor_parallel_size: int = 1,
+        probe_tolerance: float = 1e-3,
     ):
         if weight_update not in ("tensor", "disk", "distributed"):
             raise ValueError(f"sglang.weight_update={weight_update!r}: expected tensor, disk or distributed")
         if weight_update == "disk" and weights_dir is None:
             raise ValueError("sglang.weight_update=disk needs a weights directory")
         self.url = url.rstrip("/")
-        self.server = server
+        self.server_urls = [u.rstrip("/") for u in (server_urls or [url])]
+        self.processes = list(processes)
         self.weight_update = weight_update
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.tensor_parallel_size = tensor_parallel_size
+        self.probe_tolerance = probe_tolerance
         self._version = int(version)
-        self._http = httpx.Client(base_url=self.url, timeout=request_timeout_s)
         self._timeout = request_timeout_s
         self._requests: dict[str, _Request] = {}
         self._outbox = _Outbox()
         self._cond = threading.Condition()  # guards _requests and _outbox
         self._shm = None  # SharedMemoryTransport: CPU tensors for /update_weights_from_tensor
-        self._group = None  # weight_update=distributed: this process is rank 0, the server rank 1
+        self._group = None  # weight_update=distributed: this process is rank 0, the servers' ranks follow
         self._bucket_bytes = int(bucket_mb * 2**20)
         self._tokens_generated = 0
-        self._healthy, self._health_at = True, 0.0
+        self._endpoint_error: str | None = None  # the last health probe's complaint
+        self._health_at = 0.0
         self._error: str | None = None
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sglang-client", daemon=True)
@@ -217,20 +286,46 @@ class SglangEngine:
 
     @classmethod
     def from_config(cls, cfg, model_dir: str, index: int, version: int) -> "SglangEngine":
+        """Worker ``index``: attach to ``sglang.url``/``urls`` or launch ``sglang.num_servers``
+        servers, then (``sglang.router=sglang_router``) a router in front of them."""
         sg = cfg.sglang
-        server = None
-        url = sg.url
-        if url is None:
-            port = sg.port + index if sg.port is not None else free_port(sg.host)
-            url = f"http://{sg.host}:{port}"
-            cmd = launch_command(
-                sg.launcher, model_dir, sg.host, port, tensor_parallel_size=sg.tensor_parallel_size,
-                device=cfg.rollout.device, dtype=cfg.model.dtype, max_running_requests=cfg.rollout.max_running_requests,
-                seed=cfg.seed + 1000 * index, torch_threads=cfg.cluster.torch_threads, extra_args=sg.extra_args,
-            )
-            server = SglangServerProcess(cmd, url, cfg.run_dir / "sglang" / f"server_{index}.log", sg.startup_timeout_s)
-        return cls(url, version=version, weight_update=sg.weight_update, weights_dir=cfg.run_dir / "sglang" / f"weights_{index}",
-                   request_timeout_s=sg.request_timeout_s, server=server, bucket_mb=cfg.weights.bucket_mb)
+        run_dir = cfg.run_dir / "sglang"
+        processes: list[SglangServerProcess] = []
+        try:
+            server_urls = [sg.url] if sg.url is not None else list(sg.urls)
+            if not server_urls:
+                for j in range(sg.num_servers):
+                    port = sg.port + index * sg.num_servers + j if sg.port is not None else free_port(sg.host)
+                    cmd = launch_command(
+                        sg.launcher, model_dir, sg.host, port, tensor_parallel_size=sg.tensor_parallel_size,
+                        device=cfg.rollout.device, dtype=cfg.model.dtype,
+                        max_running_requests=cfg.rollout.max_running_requests, seed=cfg.seed + 1000 * index + j,
+                        torch_threads=cfg.cluster.torch_threads, extra_args=sg.extra_args,
+                    )
+                    log = run_dir / (f"server_{index}.log" if sg.num_servers == 1 else f"server_{index}_{j}.log")
+                    processes.append(SglangServerProcess(cmd, f"http://{sg.host}:{port}", log, None,
+                                                         name=f"SGLang server {j} of rollout worker {index}"))
+                deadline = time.time() + sg.startup_timeout_s  # started together, one deadline for all
+                for proc in processes:
+                    proc.wait_ready(max(deadline - time.time(), 1.0))
+                server_urls = [proc.url for proc in processes]
+            url = server_urls[0]
+            if sg.router == "sglang_router":
+                router = launch_router(
+                    server_urls, sg.host, sg.router_port + index if sg.router_port is not None else None,
+                    sg.router_policy, run_dir / f"router_{index}.log", sg.startup_timeout_s, sg.request_timeout_s,
+                    name=f"sglang-router of rollout worker {index}",
+                )
+                processes.append(router)
+                url = router.url
+        except BaseException:
+            for proc in reversed(processes):
+                proc.stop()
+            raise
+        return cls(url, server_urls=server_urls, processes=processes, version=version, weight_update=sg.weight_update,
+                   weights_dir=run_dir / f"weights_{index}", request_timeout_s=sg.request_timeout_s,
+                   bucket_mb=cfg.weights.bucket_mb, tensor_parallel_size=sg.tensor_parallel_size,
+                   probe_tolerance=cfg.weights.check_tolerance)
 
     # ---- the private event loop -----------------------------------------------------------------
     async def _make_async_client(self) -> httpx.AsyncClient:
@@ -239,6 +334,29 @@ class SglangEngine:
 
     def _on_loop(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _send(self, requests: list[tuple[str, dict]]) -> concurrent.futures.Future:
+        """POST every ``(absolute url, body)`` at once on the client loop; the future holds the
+        responses in order. A server that cannot be reached raises, naming its URL."""
+        async def post(url: str, body: dict, in_flight: asyncio.Semaphore) -> httpx.Response:
+            try:
+                async with in_flight:
+                    return await self._aclient.post(url, json=body)
+            except httpx.HTTPError as e:
+                raise RuntimeError(f"SGLang POST {url} failed: {type(e).__name__}: {e}") from e
+
+        async def post_all() -> list[httpx.Response]:
+            in_flight = asyncio.Semaphore(64)  # aborting many rids on many servers: not all connections at once
+            return list(await asyncio.gather(*(post(u, b, in_flight) for u, b in requests)))
+
+        return asyncio.run_coroutine_threadsafe(post_all(), self._loop)
+
+    def _post_all(self, path: str, body: dict, *, expect_success: bool = False) -> list[httpx.Response]:
+        """The same control call to every server directly (the router does not forward these)."""
+        responses = self._send([(f"{u}{path}", body) for u in self.server_urls]).result()
+        for resp in responses:
+            self._check(resp, expect_success)
+        return responses
 
     async def _generate(self, r: _Request) -> None:
         try:
@@ -360,9 +478,14 @@ class SglangEngine:
         if waiting:
             deadline = time.time() + 30
             while True:
-                for rid, r in waiting.items():  # by rid, never abort_all: a server may be shared
-                    if not r.finished:
-                        self._post("/abort_request", {"rid": rid})
+                # By rid, never abort_all: a server may be shared. Each rid goes to every server:
+                # sglang-router 0.3.2 does not forward /abort_request (it answers 404) and only it
+                # knows which server holds a rid; one that does not hold it ignores the abort
+                # (SGLang, and our server: RolloutEngine.abort skips unknown ids).
+                unfinished = [rid for rid, r in waiting.items() if not r.finished]
+                for resp in self._send([(f"{u}/abort_request", {"rid": rid})
+                                        for u in self.server_urls for rid in unfinished]).result():
+                    self._check(resp)
                 with self._cond:
                     # A rid the server had not registered yet ignores the abort: ask again.
                     self._cond.wait_for(lambda: all(r.finished for r in waiting.values()), timeout=0.5)
@@ -395,66 +518,79 @@ class SglangEngine:
         return 0  # the server queues what it cannot run yet; we cannot see its queue
 
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Pause the server in place, load the weights, continue. Raises on a refused update (the
-        version is then not bumped and the caller must resend)."""
-        self._post("/pause_generation", {"mode": "in_place"})
+        """Pause every server in place, load the weights, continue. Raises on a refused update (the
+        version is then not bumped and the caller must resend). Every server is paused first and
+        continued last, so none generates with other weights than the rest for long."""
+        self._post_all("/pause_generation", {"mode": "in_place"})
         try:
             if self.weight_update == "distributed":
                 self._update_distributed(version, [(n, t.detach().contiguous()) for n, t in named_tensors])
-            elif self.weight_update == "disk":
-                self._check(self._http.post("/update_weights_from_disk", json=self._write_safetensors(version, named_tensors)),
-                            "/update_weights_from_disk")
-            else:
-                self._check(self._http.post("/update_weights_from_tensor", json=self._tensor_payload(version, named_tensors)),
-                            "/update_weights_from_tensor")
+            elif self.weight_update == "disk":  # one directory, loaded by every server
+                self._post_all("/update_weights_from_disk", self._write_safetensors(version, named_tensors),
+                               expect_success=True)
+            else:  # one shared-memory (or CUDA IPC) publication, mapped by every server
+                self._post_all("/update_weights_from_tensor", self._tensor_payload(version, named_tensors),
+                               expect_success=True)
         finally:
-            self._post("/continue_generation", {})
+            self._post_all("/continue_generation", {})
         self._version = int(version)
 
     def _update_distributed(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
         """SGLang's NCCL path (gloo for CPU tensors): one /update_weights_from_distributed per bucket
-        of tensors, answered once this process has broadcast each of them from rank 0."""
-        from concurrent.futures import ThreadPoolExecutor
+        of tensors to every server, answered once this process has broadcast each of them from
+        rank 0. Server j's tensor-parallel ranks are ``1 + j * tp`` .. ``(j + 1) * tp``."""
         from urllib.parse import urlparse
 
         from slime.weights import broadcast_from_rank0, join_update_group
 
         group_name = "slime_weight_update"
-        with ThreadPoolExecutor(1) as pool:
-            if self._group is None:
-                host = urlparse(self.url).hostname or "127.0.0.1"
-                addr = "127.0.0.1" if host in ("127.0.0.1", "localhost") else _local_ip_towards(host)
-                port = free_port(addr)
-                backend = "nccl" if named[0][1].is_cuda else "gloo"
-                joined = pool.submit(self._http.post, "/init_weights_update_group", json={
-                    "master_address": addr, "master_port": port, "rank_offset": 1, "world_size": 2,
-                    "group_name": group_name, "backend": backend})
-                self._group = join_update_group(addr, port, 0, 2, group_name, backend, self._timeout)
-                self._check(joined.result(), "/init_weights_update_group")
-            buckets, size = [[]], 0
-            for n, t in named:
-                nbytes = t.numel() * t.element_size()
-                if buckets[-1] and size + nbytes > self._bucket_bytes:
-                    buckets.append([])
-                    size = 0
-                buckets[-1].append((n, t))
-                size += nbytes
-            for i, bucket in enumerate(buckets):
-                last = i == len(buckets) - 1
-                answered = pool.submit(self._http.post, "/update_weights_from_distributed", json={
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket],
-                    "group_name": group_name, "flush_cache": last,
-                    "weight_version": str(version) if last else None})
-                for _, t in bucket:
-                    broadcast_from_rank0(self._group, t)
-                self._check(answered.result(), "/update_weights_from_distributed")
+        if self._group is None:
+            host = urlparse(self.server_urls[0]).hostname or "127.0.0.1"
+            addr = "127.0.0.1" if host in ("127.0.0.1", "localhost") else _local_ip_towards(host)
+            port = free_port(addr)
+            backend = "nccl" if named[0][1].is_cuda else "gloo"
+            tp = self.tensor_parallel_size
+            world_size = 1 + len(self.server_urls) * tp
+            joined = self._send([(f"{u}/init_weights_update_group", {
+                "master_address": addr, "master_port": port, "rank_offset": 1 + j * tp, "world_size": world_size,
+                "group_name": group_name, "backend": backend}) for j, u in enumerate(self.server_urls)])
+            self._group = join_update_group(addr, port, 0, world_size, group_name, backend, self._timeout)
+            for resp in joined.result():
+                self._check(resp, expect_success=True)
+        buckets, size = [[]], 0
+        for n, t in named:
+            nbytes = t.numel() * t.element_size()
+            if buckets[-1] and size + nbytes > self._bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((n, t))
+            size += nbytes
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            body = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": group_name, "flush_cache": last,
+                "weight_version": str(version) if last else None,
+            }
+            answered = self._send([(f"{u}/update_weights_from_distributed", body) for u in self.server_urls])
+            for _, t in bucket:
+                broadcast_from_rank0(self._group, t)
+            for resp in answered.result():
+                self._check(resp, expect_success=True)
 
     @staticmethod
-    def _check(resp: httpx.Response, path: str) -> None:
-        if resp.status_code != 200 or not resp.json().get("success", False):
-            raise RuntimeError(f"SGLang {path} failed ({resp.status_code}): {resp.text[:500]}")
+    def _check(resp: httpx.Response, expect_success: bool = False) -> None:
+        """Raise, naming the server and the endpoint, unless it answered 200 (and ``success``)."""
+        ok = resp.status_code == 200
+        if ok and expect_success:
+            try:
+                ok = bool(resp.json().get("success", False))
+            except ValueError:
+                ok = False
+        if not ok:
+            raise RuntimeError(f"SGLang {resp.request.url} answered {resp.status_code}: {resp.text[:500]}")
 
     def _tensor_payload(self, version: int, named_tensors) -> dict:
         named = [(n, t.detach()) for n, t in named_tensors]
@@ -493,6 +629,9 @@ class SglangEngine:
         return {"model_path": str(directory), "weight_version": str(version)}
 
     def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Asked of every server directly (not through the router, which would pick one): servers
+        that disagree by more than ``probe_tolerance`` (``weights.check_tolerance``) raise, naming
+        both; otherwise the first server's logprobs are returned for the caller's own check."""
         ids = [int(t) for t in prompt_ids] + [int(t) for t in response_ids]
         body = {
             "input_ids": ids,
@@ -500,30 +639,43 @@ class SglangEngine:
             "return_logprob": True,
             "logprob_start_len": len(prompt_ids),
         }
-        resp = self._http.post("/generate", json=body)
-        if resp.status_code != 200:
-            raise RuntimeError(f"SGLang /generate (probe) answered {resp.status_code}: {resp.text[:500]}")
-        entries = resp.json()["meta_info"]["input_token_logprobs"]
-        got = [float(e[0]) for e in entries[len(entries) - len(response_ids):]]
-        if len(got) != len(response_ids):
-            raise RuntimeError(f"SGLang returned {len(got)} input logprobs for {len(response_ids)} probe tokens")
-        return got
+        per_server = []
+        for resp in self._send([(f"{u}/generate", body) for u in self.server_urls]).result():
+            self._check(resp)
+            entries = resp.json()["meta_info"]["input_token_logprobs"]
+            got = [float(e[0]) for e in entries[len(entries) - len(response_ids):]]
+            if len(got) != len(response_ids):
+                raise RuntimeError(f"SGLang {resp.request.url} returned {len(got)} input logprobs for "
+                                   f"{len(response_ids)} probe tokens")
+            per_server.append(got)
+        first = per_server[0]
+        for url, got in zip(self.server_urls[1:], per_server[1:]):
+            diff = max((abs(a - b) for a, b in zip(first, got)), default=0.0)
+            if diff > self.probe_tolerance:
+                raise RuntimeError(
+                    f"weight-sync probe: SGLang server {url} differs from {self.server_urls[0]} by {diff:.2e} "
+                    f"(> weights.check_tolerance={self.probe_tolerance}): the servers do not hold the same weights "
+                    "(one missed an update?)"
+                )
+        return first
 
     def health(self) -> dict:
-        """SGLang's /health_generate runs a generation (and waits ~1 s) when the server is idle:
-        asked at most every 10 s, the answer in between is the last one."""
-        if time.time() - self._health_at > 10:
-            try:
-                self._healthy = self._http.get("/health_generate", timeout=30).status_code == 200
-            except httpx.HTTPError:
-                self._healthy = False
+        """Launched processes are checked on every call; the endpoints (every server's
+        /health_generate, the router's /health) at most every 10 s, because SGLang's
+        /health_generate runs a generation (and waits ~1 s) when the server is idle. ``error``
+        names every launched process that exited (with its log), else the first endpoint that failed."""
+        if not self._closed and time.time() - self._health_at > 10:  # a closed engine's loop is stopped
+            self._endpoint_error = self._check_endpoints()
             self._health_at = time.time()
-        healthy = self._healthy and (self.server is None or self.server.alive())
+        dead = self._dead_processes()
+        error = "\n".join(p.exit_message() for p in dead) if dead else self._endpoint_error
         with self._cond:
             running = len(self._requests)
         return {
-            "healthy": healthy,
+            "healthy": error is None,
+            "error": error,
             "url": self.url,
+            "server_urls": list(self.server_urls),
             "running": running,
             "waiting": 0,
             "version": self._version,
@@ -545,21 +697,38 @@ class SglangEngine:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join(timeout=5)
-        self._http.close()
         if self._shm is not None:
             self._shm.close()
-        if self.server is not None:
-            self.server.stop()
+        for proc in reversed(self.processes):  # the router first, then its servers
+            proc.stop()
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _post(self, path: str, body: dict) -> httpx.Response:
-        resp = self._http.post(path, json=body)
-        if resp.status_code != 200:
-            raise RuntimeError(f"SGLang {path} answered {resp.status_code}: {resp.text[:500]}")
-        return resp
+    def _dead_processes(self) -> list[SglangServerProcess]:
+        return [p for p in self.processes if not p.alive()]
+
+    def _check_endpoints(self) -> str | None:
+        targets = [f"{u}/health_generate" for u in self.server_urls]
+        if self.url not in self.server_urls:
+            targets.append(f"{self.url}/health")  # the router
+
+        async def status(url: str) -> str | None:
+            try:
+                code = (await self._aclient.get(url, timeout=30)).status_code
+            except httpx.HTTPError as e:
+                return f"GET {url} failed: {type(e).__name__}: {e}"
+            return None if code == 200 else f"GET {url} answered {code}"
+
+        async def statuses() -> list[str | None]:
+            return list(await asyncio.gather(*(status(t) for t in targets)))
+
+        return next((problem for problem in self._on_loop(statuses()) if problem is not None), None)
 
     def _raise_if_failed(self) -> None:
-        if self.server is not None and not self.server.alive():
-            raise RuntimeError(f"the SGLang server exited with code {self.server.proc.returncode}: {self.server.describe()}")
+        dead = self._dead_processes()
+        if not dead and self._error is not None:
+            time.sleep(0.5)  # a server that died closed its streams a moment before its exit can be seen
+            dead = self._dead_processes()
+        if dead:
+            raise RuntimeError("\n".join(p.exit_message() for p in dead))
         if self._error is not None:
             raise RuntimeError(f"SGLang generation failed: {self._error}")

@@ -24,7 +24,10 @@ the built-in torch engine unchanged. Request and response shapes follow SGLang's
   shared-memory or CUDA IPC transport, the zero-copy path on CPU). Both are in place; running
   requests continue with the new weights (their KV cache stays).
 - ``/flush_cache`` (400 while requests run, as SGLang; the engine has no prefix cache),
-  ``/health``, ``/health_generate`` (a one-token generation when idle), ``/get_model_info``.
+  ``/health``, ``/health_generate`` (a one-token generation when idle), ``/model_info`` and
+  ``/server_info`` (also under their older names ``/get_model_info``, ``/get_server_info``),
+  ``/get_load`` (``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]``): what
+  sglang-router asks a worker for, so the real router can balance over several of these servers.
 
 - ``POST /init_weights_update_group`` (``master_address``, ``master_port``, ``rank_offset``,
   ``world_size``, ``group_name``, ``backend``: this server joins the sender's group as rank
@@ -536,6 +539,9 @@ def create_app(server: SglangProtocolServer) -> FastAPI:
             return Response(status_code=503)
         return Response(status_code=200)
 
+    # SGLang renamed /get_model_info and /get_server_info to /model_info and /server_info; both
+    # names are served. sglang-router reads /server_info and /model_info when a worker registers.
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info():
         return {
@@ -546,9 +552,38 @@ def create_app(server: SglangProtocolServer) -> FastAPI:
             "weight_version": str(server.engine.version),
         }
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info():
-        return {"engine": "slime-builtin", **server.engine.health(), "paused": server.paused}
+        health = await server.call(server.engine.health)
+        return {
+            # the built-in engine's own state; its int "version" is the policy version, also in weight_version
+            **{k: v for k, v in health.items() if k != "version"},
+            "engine": "slime-builtin",
+            "paused": server.paused,
+            # the fields SGLang's /server_info has that routers read, with SGLang's types
+            # (sglang-router drops the whole answer when one field has another type)
+            "version": "slime-builtin",
+            "model_path": server.model_path,
+            "tokenizer_path": server.model_path,
+            "served_model_name": server.model_path,
+            "tp_size": 1,
+            "dp_size": 1,
+            "is_embedding": False,
+            "max_running_requests": getattr(server.engine, "max_running_requests", None),
+            "weight_version": str(server.engine.version),
+        }
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's shape, one entry per data-parallel rank: sglang-router's ``power_of_two``
+        policy sums ``num_tokens`` over them."""
+        def load() -> dict:
+            streams = list(server.streams.values())
+            return {"num_reqs": server.engine.num_running(), "num_waiting_reqs": server.engine.num_waiting(),
+                    "num_tokens": sum(s.prompt_len + len(s.token_ids) for s in streams)}
+
+        return [{"dp_rank": 0, **await server.call(load)}]
 
     return app
 
