@@ -92,6 +92,13 @@ class RolloutConfig(_Strict):
     ignore_eos: bool = Field(False, description="Generate to max_new_tokens regardless of EOS (benchmarks, tests).")
     max_running_requests: int = Field(64, gt=0, description="Engine batch slots (continuous batching).")
     chunk_tokens: int = Field(16, gt=0, description="Tokens per chunk a worker writes to the buffer.")
+    kept_kv_tokens: int = Field(
+        65536, ge=0,
+        description="Built-in engine (fast path): tokens of aborted requests' KV cache kept, so that a partial "
+        "resumed on the same worker with exactly its stored tokens skips the re-prefill (also after a weight "
+        "update: its context keys/values are then the older weights', as for a request running through an "
+        "update; its new tokens carry their true behaviour logprobs). 0: always re-prefill from token ids.",
+    )
     device: str = "cpu"
     engine: Literal["builtin", "vllm", "sglang"] = Field(
         "builtin", description="Rollout engine: the built-in torch engine, vLLM (extra `vllm`) or SGLang (extra `sglang`)."

@@ -335,6 +335,7 @@ class RolloutWorker:
             return np.asarray(self.engine.score_logprobs(prompt_ids, response_ids, self.params.temperature), np.float32)
 
     def health(self) -> dict:
+        engine = self.engine.health()
         return {
             "worker_id": self.worker_id,
             "alive": self.thread.is_alive(),
@@ -344,7 +345,11 @@ class RolloutWorker:
             "waiting": self.engine.num_waiting(),
             "scoring": len(self.scoring),
             "generated_tokens": self.generated_tokens,
-            "engine_tokens_generated": self.engine.health()["tokens_generated"],
+            "engine_tokens_generated": engine["tokens_generated"],
+            "decode_steps": engine.get("decode_steps", 0),
+            "decode_rows": engine.get("decode_rows", 0),
+            "kv_resumes": engine.get("kv_resumes", 0),  # partials resumed from a kept KV cache
+            "kv_resumed_tokens": engine.get("kv_resumed_tokens", 0),
             "busy_seconds": self.busy_seconds,
             "uptime_seconds": time.time() - self.started_at,
         }

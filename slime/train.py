@@ -453,6 +453,9 @@ class RunningJob:
         self.buffer.record_engine_health(healths)
         uptime = sum(h["uptime_seconds"] for h in healths)
         metrics["engine_busy_fraction"] = sum(h["busy_seconds"] for h in healths) / max(uptime, 1e-9)
+        # Partials resumed from the KV cache their engine kept at the abort (no re-prefill).
+        metrics["kv_resumes_total"] = sum(h.get("kv_resumes", 0) for h in healths)
+        metrics["kv_resumed_tokens_total"] = sum(h.get("kv_resumed_tokens", 0) for h in healths)
         rewards_by_task = metrics.get("reward_by_task", {})
         self.sampler.observe({k: [v] for k, v in rewards_by_task.items()})
         if self.sampler.current_stage is not None:

@@ -145,7 +145,8 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
         generated = [r["id"] for r in _rows(buffer) if r["response_length"] > 0 and r["id"] != probe.id]
         assert generated, "no generated trajectory in the buffer"
         browser.find_element(By.ID, "btn-refresh").click()
-        wait_for(lambda: any(click(f'tr[data-id="{sid}"]') for sid in generated[:10]), 20, "a generated row to click")
+        # The page lists the newest 50 trajectories; _rows is oldest first.
+        wait_for(lambda: any(click(f'tr[data-id="{sid}"]') for sid in generated[-10:]), 20, "a generated row to click")
         wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#inspector-tokens .tok")
                  and text("inspector-id") in generated, 20, "a generated trajectory in the inspector")
         browser.find_element(By.ID, "btn-resume").click()

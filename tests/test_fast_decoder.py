@@ -159,3 +159,132 @@ def test_a_model_whose_numbers_differ_is_refused():
     model.model.layers[1].mlp.register_forward_hook(lambda module, inputs, output: output * 1.5)
     assert fast_decoder_for(model, 8, 128) is None
     assert RolloutEngine(model).health()["forward"] == "hf"
+
+
+# ---------------------------------------------------------------- kept KV of aborted requests
+
+
+def _drive(engine: RolloutEngine, got: dict[str, list[int]], lps: dict[str, list[float]], steps: int | None = None):
+    n = 0
+    while engine.has_unfinished() and (steps is None or n < steps):
+        for c in engine.step():
+            got.setdefault(c.request_id, []).extend(c.token_ids)
+            lps.setdefault(c.request_id, []).extend(c.logprobs)
+        n += 1
+
+
+def test_aborted_requests_resume_from_their_kept_cache_token_exact():
+    """Abort everything at several points; resumed with the stored tokens, each request rejoins from
+    its kept cache (no prefill: the counters say so) and ends exactly as an uninterrupted run."""
+    model = tiny_moe(2)
+    ps = prompts(8, seed=12, lo=2, hi=20)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
+    alone = RolloutEngine(model, max_running_requests=8)
+    want = {f"q{i}": c.token_ids for i, c in enumerate(run(alone, ps, lambda i: greedy, rid="q"))}
+
+    engine = RolloutEngine(model, max_running_requests=8, kept_kv_tokens=10_000)
+    got: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    for i, p in enumerate(ps):
+        engine.add_request(GenerationRequest(f"q{i}", p, greedy))
+    context_tokens = 0
+    for cut in (3, 7, 1, 11):
+        _drive(engine, got, lps, steps=cut)
+        aborted = [c.request_id for c in engine.abort(None)]
+        assert aborted
+        for rid in aborted:
+            i = int(rid[1:])
+            context_tokens += len(ps[i]) + len(got[rid]) - 1
+            engine.add_request(GenerationRequest(rid, ps[i], greedy, list(got[rid])))
+        before = engine.health()["kv_resumes"]
+        engine.step()  # admission: all of them from their caches
+        assert engine.health()["kv_resumes"] == before + len(aborted)
+        engine.abort(None)  # once more, with nothing decoded in between
+        for rid in aborted:
+            engine.add_request(GenerationRequest(rid, ps[int(rid[1:])], greedy, list(got[rid])))
+    _drive(engine, got, lps)
+    assert got == want
+    assert engine.health()["kv_resumed_tokens"] >= context_tokens
+
+
+def test_sampled_logprobs_after_a_kept_cache_resume_are_the_models():
+    model = tiny_moe(4)
+    engine = RolloutEngine(model, max_running_requests=16, seed=3, kept_kv_tokens=10_000)
+    ps = prompts(12, seed=13, lo=1, hi=30)
+    params = SamplingParams(temperature=0.8, max_new_tokens=60)
+    got: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    for i, p in enumerate(ps):
+        engine.add_request(GenerationRequest(f"s{i}", p, params))
+    _drive(engine, got, lps, steps=9)
+    for c in engine.abort(None):
+        engine.add_request(GenerationRequest(c.request_id, ps[int(c.request_id[1:])], params, list(got[c.request_id])))
+    _drive(engine, got, lps)
+    assert engine.health()["kv_resumes"] == 12
+    for i, p in enumerate(ps):
+        rid = f"s{i}"
+        assert len(got[rid]) == 60
+        assert lps[rid] == pytest.approx(reference_logprobs(model, p, got[rid], 0.8), abs=2e-4)
+
+
+def test_other_tokens_or_an_evicted_cache_mean_a_prefill_from_token_ids():
+    model = tiny_moe(5)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
+    ps = prompts(3, seed=14, lo=5, hi=10)
+    engine = RolloutEngine(model, max_running_requests=4, kept_kv_tokens=10_000)
+    got: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    for i, p in enumerate(ps):
+        engine.add_request(GenerationRequest(f"r{i}", p, greedy))
+    _drive(engine, got, lps, steps=5)
+    engine.abort(None)
+    # r0 comes back with one token fewer (a caller that lost its last chunk): its cache is for other
+    # tokens, so it is prefilled from the token ids it brings and continues from there.
+    shorter = got["r0"][:-1]
+    engine.add_request(GenerationRequest("r0", ps[0], greedy, shorter))
+    rest: dict[str, list[int]] = {}
+    _drive(engine, rest, {}, steps=1)
+    assert engine.health()["kv_resumes"] == 0
+    assert "r0" not in engine._kept  # its cache, computed for other tokens, is gone
+    _drive(engine, rest, {})
+    alone = RolloutEngine(model, max_running_requests=4, fast_path=False)
+    assert shorter + rest["r0"] == run(alone, [ps[0]], lambda i: greedy)[0].token_ids
+
+    # A budget smaller than what was aborted keeps only the most recent caches.
+    got, lps = {}, {}
+    budget = len(ps[2]) + 5  # r2's prompt + the 5 tokens of 5 steps
+    small = RolloutEngine(model, max_running_requests=4, kept_kv_tokens=budget)
+    for i, p in enumerate(ps):
+        small.add_request(GenerationRequest(f"r{i}", p, greedy))
+    _drive(small, got, lps, steps=5)
+    assert len(got["r2"]) == 5
+    small.abort(["r0", "r1"])
+    small.abort(["r2"])
+    assert list(small._kept) == ["r2"]
+    assert small._kept_len == len(ps[2]) + len(got["r2"])
+
+
+def test_kept_cache_across_a_weight_update_equals_running_through_it():
+    """A request aborted, then resumed after an update from its kept cache, is numerically the
+    request that ran through the same update without being aborted (old keys/values, new weights)."""
+    model_a, model_b, new = tiny_moe(0), tiny_moe(0), tiny_moe(9)
+    ps = prompts(5, seed=15, lo=3, hi=15)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
+    through = RolloutEngine(model_a, max_running_requests=8)
+    parked = RolloutEngine(model_b, max_running_requests=8, kept_kv_tokens=10_000)
+    got_t, lps_t, got_p, lps_p = {}, {}, {}, {}
+    for e in (through, parked):
+        for i, p in enumerate(ps):
+            e.add_request(GenerationRequest(f"u{i}", p, greedy))
+    _drive(through, got_t, lps_t, steps=6)
+    _drive(parked, got_p, lps_p, steps=6)
+    for c in parked.abort(None):
+        parked.add_request(GenerationRequest(c.request_id, ps[int(c.request_id[1:])], greedy, list(got_p[c.request_id])))
+    for e in (through, parked):
+        e.update_weights(1, new.state_dict().items())
+    _drive(through, got_t, lps_t)
+    _drive(parked, got_p, lps_p)
+    assert parked.health()["kv_resumes"] == 5
+    assert got_p == got_t
+    for rid in got_t:
+        assert lps_p[rid] == pytest.approx(lps_t[rid], abs=1e-5)

@@ -26,6 +26,7 @@ def make_engine(cfg: JobConfig, model_dir: str, index: int, version: int):
             max_running_requests=cfg.rollout.max_running_requests,
             seed=cfg.seed + 1000 * index,  # reproducible across runs (worker_id carries a run nonce)
             version=version,
+            kept_kv_tokens=cfg.rollout.kept_kv_tokens,
         )
     if kind == "vllm":
         from slime.engines.vllm import VllmEngine

@@ -188,25 +188,28 @@ class FastDecoder:
         self.rows = n
         return order
 
-    # ---------------------------------------------------------------- forward
+    def take_rows(self, rows: list[int]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Copies of rows' cached keys/values (per layer ``[kv heads, lens[r], head dim]``), for
+        :meth:`put_rows` to bring back later; the rows themselves stay until ``select``."""
+        out = []
+        for r in rows:
+            used = int(self.lens[r])
+            out.append(([k[r, :, :used].clone() for k in self.keys], [v[r, :, :used].clone() for v in self.values]))
+        return out
 
-    def _attention_block(self, L: _Layer, h: torch.Tensor, cos, sin, write, attend) -> torch.Tensor:
-        """h: [N, T, H] normed input; returns the attention output [N, T, H]."""
-        n, t, _ = h.shape
-        q = F.linear(h, L.wq, L.bq).view(n, t, self.num_heads, self.head_dim)
-        k = F.linear(h, L.wk, L.bk).view(n, t, self.num_kv_heads, self.head_dim)
-        v = F.linear(h, L.wv, L.bv).view(n, t, self.num_kv_heads, self.head_dim)
-        if L.q_norm is not None:
-            q = _rms_norm(q, *L.q_norm)
-        if L.k_norm is not None:
-            k = _rms_norm(k, *L.k_norm)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [N, heads, T, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys, values = write(k, v)
-        out = attend(q, keys, values)  # [N, heads, T, D]
-        out = out.transpose(1, 2).reshape(n, t, self.num_heads * self.head_dim)
-        return F.linear(out, L.wo, L.bo)
+    def put_rows(self, saved: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """Append rows whose keys/values were taken by :meth:`take_rows` (no forward pass)."""
+        lengths = [int(keys[0].shape[1]) for keys, _ in saved]
+        start = self.rows
+        self._reserve(start + len(saved), max(lengths) + 1)
+        for j, ((keys, values), used) in enumerate(zip(saved, lengths)):
+            for store, parts in ((self.keys, keys), (self.values, values)):
+                for t, part in zip(store, parts):
+                    t[start + j, :, :used] = part
+        self.lens = np.concatenate([self.lens, np.array(lengths, dtype=np.int64)])
+        self.rows = start + len(saved)
+
+    # ---------------------------------------------------------------- forward
 
     def _mlp(self, L: _Layer, x: torch.Tensor) -> torch.Tensor:
         """x: [S, H] -> [S, H]."""
@@ -233,76 +236,113 @@ class FastDecoder:
         y = y * weights.reshape(-1)[perm, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, write, attend) -> torch.Tensor:
-        """ids/positions [N, T] -> final hidden states [N, T, H]."""
-        x = F.embedding(ids, self.embed)
-        cos, sin = self.rotary(x, positions)
-        cos, sin = cos[:, None], sin[:, None]  # [N, 1, T, D]
-        for i, L in enumerate(self.layers):
-            h = _rms_norm(x, L.ln_in, L.eps)
-            x = x + self._attention_block(L, h, cos, sin, lambda k, v, i=i: write(i, k, v), attend)
-            h = _rms_norm(x, L.ln_post, L.eps)
-            n, t, hidden = h.shape
-            x = x + self._mlp(L, h.reshape(n * t, hidden)).view(n, t, hidden)
-        return x
-
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms_norm(hidden, self.final_norm, self.final_eps), self.lm_head, self.lm_head_bias)
 
-    def prefill(self, contexts: list[list[int]]) -> torch.Tensor:
-        """Append one row per context, fill its cache, return next-token logits [n, V]."""
-        n, width = len(contexts), max(len(c) for c in contexts)
-        start = self.rows
-        self._reserve(start + n, width + 1)
-        ids = torch.zeros(n, width, dtype=torch.long)
-        for i, c in enumerate(contexts):
-            ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        ids = ids.to(self.device)
-        positions = torch.arange(width, device=self.device).expand(n, width)
-        rows = slice(start, start + n)
+    def forward(self, last_tokens: torch.Tensor | None, positions: torch.Tensor | None,
+                groups: list[list[list[int]]]) -> torch.Tensor:
+        """One forward pass over every token of this step, flattened into one sequence:
 
-        def write(i: int, k: torch.Tensor, v: torch.Tensor):
-            # Right padding: causal attention keeps real tokens off the padding after them, and
-            # a row's padding keys are overwritten by its own decode steps before they are read.
-            self.keys[i][rows, :, :width] = k
-            self.values[i][rows, :, :width] = v
-            return k, v
+        - with ``last_tokens`` [rows], each existing row decodes: its token is fed at position
+          ``lens[r]`` (the caller's ``positions`` are the same numbers), attending over its cache (a length mask hides other rows' longer caches);
+        - every context of ``groups`` becomes a new row after the existing ones (in order) and is
+          prefilled, each group right padded to its own widest context for causal attention.
 
-        def attend(q, keys, values):
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        Projections, norms and the MoE run once over the real tokens of both kinds. Returns the
+        next-token logits of every row fed: [decoded rows + new rows, V].
+        """
+        dev = self.device
+        b = self.rows if last_tokens is not None else 0
+        contexts = [c for g in groups for c in g]
+        n_new = len(contexts)
+        ctx_lens = [len(c) for c in contexts]
+        width = max(ctx_lens, default=0)
+        used = int(self.lens.max()) + 1 if b else 0
+        self._reserve(self.rows + n_new, max(used, width + 1))
 
-        hidden = self._run(ids, positions, write, attend)
-        last = torch.tensor([len(c) - 1 for c in contexts], device=self.device)
-        logits = self._logits(hidden[torch.arange(n, device=self.device), last])
-        self.lens = np.concatenate([self.lens, np.array([len(c) for c in contexts], dtype=np.int64)])
-        self.rows = start + n
+        flat_ids = [last_tokens.to(dev)] if b else []
+        positions = [torch.from_numpy(self.lens).to(dev)] if b else []
+        if contexts:
+            flat_ids.append(torch.tensor([t for c in contexts for t in c], dtype=torch.long, device=dev))
+            positions.append(torch.cat([torch.arange(n, device=dev) for n in ctx_lens]))
+        ids, pos = torch.cat(flat_ids), torch.cat(positions)
+        # Each new group, right padded: padded slot -> flat index (pads repeat the group's first
+        # token; causal attention keeps real tokens off the padding after them, and a row's padding
+        # keys are overwritten by its own decode steps before they are read).
+        padded = []
+        offset, row = b, self.rows
+        for g in groups:
+            g_lens = [len(c) for c in g]
+            w = max(g_lens)
+            index = torch.full((len(g), w), offset, dtype=torch.long)
+            real = torch.zeros(len(g), w, dtype=torch.bool)
+            for j, n in enumerate(g_lens):
+                index[j, :n] = torch.arange(offset, offset + n)
+                real[j, :n] = True
+                offset += n
+            padded.append((index.to(dev), real.reshape(-1).to(dev), slice(row, row + len(g)), w))
+            row += len(g)
+        if b:
+            lens = torch.from_numpy(self.lens).to(dev)
+            rows_idx = torch.arange(b, device=dev)
+            decode_mask = (torch.arange(used, device=dev)[None, :] <= lens[:, None])[:, None, None, :]
+
+        x = F.embedding(ids, self.embed)  # [S, H]
+        cos, sin = self.rotary(x[None], pos[None])
+        cos, sin = cos[0][:, None], sin[0][:, None]  # [S, 1, D]
+        s_tokens = ids.shape[0]
+        for i, L in enumerate(self.layers):
+            h = _rms_norm(x, L.ln_in, L.eps)
+            q = F.linear(h, L.wq, L.bq).view(s_tokens, self.num_heads, self.head_dim)
+            k = F.linear(h, L.wk, L.bk).view(s_tokens, self.num_kv_heads, self.head_dim)
+            v = F.linear(h, L.wv, L.bv).view(s_tokens, self.num_kv_heads, self.head_dim)
+            if L.q_norm is not None:
+                q = _rms_norm(q, *L.q_norm)
+            if L.k_norm is not None:
+                k = _rms_norm(k, *L.k_norm)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = self.keys[i], self.values[i]
+            out = []
+            if b:
+                keys[rows_idx, :, lens] = k[:b]
+                values[rows_idx, :, lens] = v[:b]
+                att = F.scaled_dot_product_attention(
+                    q[:b, :, None], keys[:b, :, :used], values[:b, :, :used], attn_mask=decode_mask, enable_gqa=True
+                )  # [b, heads, 1, D]
+                out.append(att.reshape(b, -1))
+            for index, real, rows, w in padded:
+                qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, heads, w, D]
+                keys[rows, :, :w] = kp
+                values[rows, :, :w] = vp
+                att = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+                out.append(att.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)[real])
+            x = x + F.linear(torch.cat(out) if len(out) > 1 else out[0], L.wo, L.bo)
+            x = x + self._mlp(L, _rms_norm(x, L.ln_post, L.eps))
+
+        last = list(range(b))
+        end = b
+        for n in ctx_lens:
+            end += n
+            last.append(end - 1)
+        logits = self._logits(x[torch.tensor(last, device=dev)])
+        if b:
+            self.lens = self.lens + 1
+        self.lens = np.concatenate([self.lens, np.array(ctx_lens, dtype=np.int64)])
+        self.rows += n_new
         return logits
 
-    def kv_len(self) -> int:
-        return int(self.lens.max()) if self.rows else 0
+    def prefill(self, contexts: list[list[int]]) -> torch.Tensor:
+        """Append one row per context (existing rows are not fed); next-token logits [n, V]."""
+        return self.forward(None, None, [contexts])
 
     def decode(self, last_tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row, fed at position lens[r] (the caller's ``positions`` are the same
         numbers); return next-token logits [rows, V]."""
-        b = self.rows
-        new_len = int(self.lens.max()) + 1
-        self._reserve(b, new_len)
-        lens = torch.from_numpy(self.lens).to(self.device)
-        row_idx = torch.arange(b, device=self.device)
-        mask = (torch.arange(new_len, device=self.device)[None, :] <= lens[:, None])[:, None, None, :]
+        return self.forward(last_tokens, positions, [])
 
-        def write(i: int, k: torch.Tensor, v: torch.Tensor):
-            keys, values = self.keys[i], self.values[i]
-            keys[row_idx, :, lens] = k[:, :, 0]
-            values[row_idx, :, lens] = v[:, :, 0]
-            return keys[:b, :, :new_len], values[:b, :, :new_len]
-
-        def attend(q, keys, values):
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-
-        hidden = self._run(last_tokens[:, None], lens[:, None], write, attend)
-        self.lens = self.lens + 1
-        return self._logits(hidden[:, 0])
+    def kv_len(self) -> int:
+        return int(self.lens.max()) if self.rows else 0
 
 
 @torch.inference_mode()
