@@ -689,6 +689,21 @@ class RedisBuffer:
         code, detail = self._release(args=[self.prefix, sample_id, worker_id])
         self._raise_for(code, detail, sample_id, worker_id)
 
+    def release_many(self, sample_ids: Sequence[str], worker_id: str) -> list[Exception | None]:
+        """`release` for many samples in one round trip, in order (the last released is first in
+        the resume queue); per sample None, or the error it raised."""
+        pipe = self.redis.pipeline(transaction=False)
+        for sample_id in sample_ids:
+            self._release(args=[self.prefix, sample_id, worker_id], client=pipe)
+        results: list[Exception | None] = []
+        for sample_id, (code, detail) in zip(sample_ids, pipe.execute()):
+            try:
+                self._raise_for(code, detail, sample_id, worker_id)
+                results.append(None)
+            except (LeaseLostError, KeyError, RuntimeError) as exc:
+                results.append(exc)
+        return results
+
     def reap_expired_leases(self) -> list[str]:
         """Requeue (ABORTED, tokens kept, front of resume) every sample whose lease expired."""
         return [sid.decode() for sid in self._reap(args=[self.prefix])]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -74,6 +74,9 @@ class RolloutWorker:
         self.lock = threading.Lock()
         self.pending: dict[str, _Pending] = {}
         self.scoring: dict[str, Future] = {}
+        # Scored samples are finished in the buffer here, never on the generation thread (a reward
+        # that is already done, e.g. cached, would otherwise run its callback inline there).
+        self.finisher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="finish")
         self.paused = threading.Event()
         self.stopped = threading.Event()
         self.error: str | None = None
@@ -174,6 +177,7 @@ class RolloutWorker:
             if chunk.finished:
                 finished.append((p, chunk.finish_reason))
         lost = self._flush(to_flush)
+        aborted: list[str] = []
         for p, reason in finished:
             if p.sample.id in lost:
                 continue
@@ -181,9 +185,12 @@ class RolloutWorker:
             if self.multiturn is not None and self.multiturn.model_turn_ended(p.sample, reason):
                 continue  # the env's turn now
             if reason == "abort":
-                self.buffer.release(p.sample.id, self.worker_id)
+                aborted.append(p.sample.id)
             else:
                 self._finalize(p, reason)
+        for error in self.buffer.release_many(aborted, self.worker_id) if aborted else []:
+            if error is not None and not isinstance(error, LeaseLostError):  # lost: requeued meanwhile
+                raise error
 
     def _flush(self, pendings: list[_Pending]) -> set[str]:
         """Write each one's pending tokens as a chunk, all in one round trip. Returns the ids this
@@ -236,7 +243,7 @@ class RolloutWorker:
         meta = sample.metadata
         future = self.rewards.submit(meta.get("prompt_text", ""), response, meta.get("label"), meta)
         self.scoring[sample.id] = future
-        future.add_done_callback(lambda f, s=sample, st=status: self._scored(s, st, f.result()))
+        future.add_done_callback(lambda f, s=sample, st=status: self.finisher.submit(self._scored, s, st, f.result()))
 
     def _advance_episodes(self) -> None:
         """Multi-turn: abort model turns past their time limit, start the turns whose env step finished
@@ -339,7 +346,7 @@ class RolloutWorker:
         return {
             "worker_id": self.worker_id,
             "alive": self.thread.is_alive(),
-            "error": self.error,
+            "error": self.error or engine.get("error"),  # engines that run servers report a dead one
             "version": self.engine.version,
             "running": self.engine.num_running(),
             "waiting": self.engine.num_waiting(),
@@ -360,6 +367,7 @@ class RolloutWorker:
         if self.expert_load is not None:  # the counts since the last periodic flush
             self.buffer.add_expert_load(self.expert_load.take())
         self.rewards.close()
+        self.finisher.shutdown(wait=True)
         self.transport.close()
         getattr(self.engine, "close", lambda: None)()  # engines that run servers (SGLang) stop them
         if self.multiturn is not None:

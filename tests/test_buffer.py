@@ -155,6 +155,17 @@ def test_release_puts_the_partial_at_the_front(buffer: RedisBuffer) -> None:
     assert buffer.get_sample(second.id).response_length == 2
 
 
+def test_release_many_is_release_in_order_with_per_sample_errors(buffer: RedisBuffer) -> None:
+    buffer.add_group(PROMPT, n=3, max_new_tokens=16, metadata={})
+    first, second, third = buffer.lease("w", 3)
+    buffer.append_chunk(third.id, "w", [5], [-0.5], version=0)
+    assert buffer.release_many([first.id, third.id], "w") == [None, None]
+    errors = buffer.release_many([second.id, third.id], "w")  # third is no longer w's
+    assert errors[0] is None and isinstance(errors[1], LeaseLostError)
+    assert [s.id for s in buffer.lease("w2", 3)] == [second.id, third.id, first.id]
+    assert buffer.get_sample(third.id).response_ids.tolist() == [5]
+
+
 def test_groups_are_claimed_exactly_once_across_racing_learners(buffer: RedisBuffer) -> None:
     group_ids = {complete_group(buffer, n=2) for _ in range(40)}
     assert buffer.counts()["queue_ready"] == 40
