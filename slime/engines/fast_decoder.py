@@ -285,7 +285,10 @@ class FastDecoder:
         if b:
             lens = torch.from_numpy(self.lens).to(dev)
             rows_idx = torch.arange(b, device=dev)
-            decode_mask = (torch.arange(used, device=dev)[None, :] <= lens[:, None])[:, None, None, :]
+            # Additive mask [b, 1, 1, used]: 0 on a row's own cached positions, -inf past them.
+            decode_bias = torch.zeros(b, 1, 1, used, dtype=self.dtype, device=dev).masked_fill_(
+                (torch.arange(used, device=dev)[None, :] > lens[:, None])[:, None, None, :], float("-inf"))
+            group = self.num_heads // self.num_kv_heads
 
         x = F.embedding(ids, self.embed)  # [S, H]
         cos, sin = self.rotary(x[None], pos[None])
@@ -307,9 +310,16 @@ class FastDecoder:
             if b:
                 keys[rows_idx, :, lens] = k[:b]
                 values[rows_idx, :, lens] = v[:b]
-                att = F.scaled_dot_product_attention(
-                    q[:b, :, None], keys[:b, :, :used], values[:b, :, :used], attn_mask=decode_mask, enable_gqa=True
-                )  # [b, heads, 1, D]
+                if self.device.type == "cpu":
+                    # One query per row: plain batched matmuls over [b, kv heads, group, .] beat
+                    # SDPA's CPU kernel (query head h reads kv head h // group, as enable_gqa).
+                    qg = q[:b].view(b, self.num_kv_heads, group, self.head_dim)
+                    scores = torch.matmul(qg, keys[:b, :, :used].transpose(-1, -2)) * self.head_dim**-0.5
+                    att = torch.matmul(torch.softmax(scores + decode_bias, dim=-1), values[:b, :, :used])
+                else:
+                    att = F.scaled_dot_product_attention(
+                        q[:b, :, None], keys[:b, :, :used], values[:b, :, :used], attn_mask=decode_bias, enable_gqa=True
+                    )  # [b, heads, 1, D]
                 out.append(att.reshape(b, -1))
             for index, real, rows, w in padded:
                 qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, heads, w, D]
