@@ -72,6 +72,11 @@ class SimConfig(BaseModel):
         5e-8, ge=0, description="Decode step time per cached KV token of the running requests (attention reads)."
     )
     p: float = Field(2e-5, ge=0, description="Prefill time per prefix token of an admitted request.")
+    resume_from_kept_kv: bool = Field(
+        False,
+        description="An aborted partial keeps its KV cache on its engine (the built-in engine's "
+        "rollout.kept_kv_tokens): resumed there, it pays no prefill; on another engine it prefills.",
+    )
     # learner timing (seconds)
     t_sync: float = Field(5.0, ge=0, description="Weight sync (learner -> engines) per step.")
     t_train0: float = Field(10.0, ge=0, description="Fixed cost of a training step.")
@@ -151,6 +156,7 @@ class Request:
     generated: int = 0
     segments: list[list[int]] = field(default_factory=list)  # [policy version, tokens] runs
     finished: bool = False
+    kv_on: "Engine | None" = None  # the engine that kept its KV cache at an abort
 
     @property
     def context(self) -> int:
@@ -254,7 +260,9 @@ class Engine:
             self.waiting.popleft()
             self.running.append(r)
             self.kv += r.context
-            prefill += r.context
+            if r.kv_on is not self:
+                prefill += r.context
+            r.kv_on = None
         while self.running and self.kv + len(self.running) > c.kv_tokens:
             youngest = self.running.pop()  # KV dropped; it re-queues first and re-prefills later
             self.kv -= youngest.context
@@ -321,7 +329,11 @@ class Engine:
         self.busy = False
 
     def clear(self) -> list[Request]:
-        """Abort: drop every running and queued request (their tokens stay in the requests)."""
+        """Abort: drop every running and queued request (their tokens stay in the requests); with
+        `resume_from_kept_kv` the running ones' caches stay on this engine."""
+        if self.cfg.resume_from_kept_kv:
+            for r in self.running:
+                r.kv_on = self
         aborted = self.running + list(self.waiting)
         self.running, self.waiting, self.kv = [], deque(), 0
         return aborted
@@ -831,6 +843,7 @@ def sim_config_from_job(job: JobConfig, overrides: dict[str, Any] | None = None)
         max_staleness=max(1, job.max_staleness),
         seed=job.seed,
     )
+    base["resume_from_kept_kv"] = r.engine == "builtin" and r.kept_kv_tokens > 0
     if job.rollout.device == "cpu":  # the CPU engine has no KV pool to exhaust: room for every slot
         per_request = base["prompt_tokens"] + r.max_new_tokens
         base["kv_tokens"] = max(base["kv_tokens"], r.max_running_requests * per_request)

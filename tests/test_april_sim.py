@@ -86,6 +86,26 @@ def test_long_tail_april_beats_sync_and_wastes_nothing():
     assert drop.generated_tokens == drop.trained_tokens + drop.wasted_tokens + drop.held_tokens
 
 
+def test_kept_kv_resume_skips_the_prefill_of_partials_on_their_engine():
+    # One engine: every partial comes back to the engine that kept its cache. Prefill cost made
+    # large so that the difference shows in time too.
+    one = dict(engines=1, slots=32, p=2e-4)
+    recompute = simulate("april", small(**one), oversample=2.0)
+    kept = simulate("april", small(**one, resume_from_kept_kv=True), oversample=2.0)
+    sync = simulate("sync", small(**one))
+    # with a kept cache only new prompts are prefilled: as many prefix tokens as sync would pay
+    # per started group, none for resumed partials
+    assert kept.partials > 0
+    assert kept.prefill_tokens < recompute.prefill_tokens
+    assert kept.throughput > recompute.throughput
+    assert kept.prefill_tokens % small().prompt_tokens == 0  # prompts only (32 tokens each)
+    assert sync.prefill_tokens % small().prompt_tokens == 0
+    # two engines: a partial dispatched to the other engine prefills there; fewer than without caches
+    two_kept = simulate("april", small(resume_from_kept_kv=True), oversample=2.0)
+    two_recompute = simulate("april", small(), oversample=2.0)
+    assert two_kept.prefill_tokens < two_recompute.prefill_tokens
+
+
 def test_version_accounting_per_policy():
     cfg = small(steps=8)
     sync = simulate("sync", cfg)
