@@ -134,13 +134,17 @@ def summarize(run: dict, warmup: int) -> dict:
     step_s = sum(m["step_seconds"] for m in h)
     learner_s = sum(m["learner_seconds"] for m in h)
     spans = [int(k.split("/", 1)[1]) for m in all_h for k, v in m.items() if k.startswith("version_span_hist/") and v > 0]
+    lags = [int(k.split("/", 1)[1]) for m in all_h for k, v in m.items() if k.startswith("version_lag_hist/") and v > 0]
     # Share of all trained response tokens that an older policy produced, over the run.
     resp = [m.get("response_len_mean", 0.0) * m.get("samples", 0.0) for m in all_h]
     off = sum(m.get("off_policy_token_share", 0.0) * t for m, t in zip(all_h, resp)) / max(1.0, sum(resp))
+    # The streaming variant has no rollout phase (the engine never waits for the learner): its
+    # per-rollout-second figures are undefined.
+    streaming = run["cfg"].april.streaming_chunk_tokens is not None
     return {
         "steps": len(h),
         "generated_tokens": gen,
-        "rollout_tok_s": gen / max(rollout_s, 1e-9),
+        "rollout_tok_s": math.nan if streaming else gen / max(rollout_s, 1e-9),
         "wall_tok_s": gen / max(step_s, 1e-9),
         "trained_tok_s": sum(m.get("trained_tokens", 0.0) for m in h) / max(step_s, 1e-9),
         "step_s_mean": step_s / len(h),
@@ -151,10 +155,11 @@ def summarize(run: dict, warmup: int) -> dict:
         "engine_busy": run["engine_busy_s"] / run["loop_wall_s"],
         "mean_decode_batch": run["decode_rows"] / max(1, run["decode_steps"]),
         "decode_steps_per_step": run["decode_steps"] / max(1, len(all_h)),
-        "engine_busy_in_rollout": run["engine_busy_s"] / sum(m["rollout_seconds"] for m in all_h),
+        "engine_busy_in_rollout": math.nan if streaming else run["engine_busy_s"] / sum(m["rollout_seconds"] for m in all_h),
         "learner_busy": sum(m["learner_seconds"] for m in all_h) / run["loop_wall_s"],
         "off_policy": off,
         "max_span": max(spans, default=0),
+        "max_lag": max(lags, default=0),
         "resumed_per_step": statistics.mean(m.get("resumed_samples", 0.0) for m in all_h),
         "aborted_per_step": statistics.mean(m.get("aborted_samples", 0.0) for m in all_h),
         "wasted_tokens": all_h[-1].get("wasted_tokens_total", 0.0),
@@ -376,7 +381,11 @@ def main() -> None:
     print(f"{'':36s}" + "".join(f"{c:>{w}s}" for c in cols))
 
     def row(label: str, fn, fmt: str = "{:.2f}") -> None:
-        print(f"{label:36s}" + "".join(f"{fmt.format(fn(sums[c], c)):>{w}s}" for c in cols))
+        def cell(c: str) -> str:
+            value = fn(sums[c], c)
+            return "n/a" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
+
+        print(f"{label:36s}" + "".join(f"{cell(c):>{w}s}" for c in cols))
 
     row("generated tok / rollout s", lambda s, c: s["rollout_tok_s"], "{:.0f}")
     row("  ratio vs sync", lambda s, c: s["rollout_tok_s"] / base["rollout_tok_s"], "{:.2f}x")
@@ -394,9 +403,12 @@ def main() -> None:
     row("learner padded tok / step", lambda s, c: s["padded_per_step"], "{:.0f}")
     row("engine busy (busy s / wall)", lambda s, c: 100 * s["engine_busy"], "{:.1f}%")
     row("engine busy during rollout", lambda s, c: 100 * s["engine_busy_in_rollout"], "{:.1f}%")
+    row("engine decode steps / step", lambda s, c: s["decode_steps_per_step"], "{:.1f}")
+    row("  mean decode batch (rows)", lambda s, c: s["mean_decode_batch"], "{:.1f}")
     row("learner busy (learn s / wall)", lambda s, c: 100 * s["learner_busy"], "{:.1f}%")
     row("off-policy token share", lambda s, c: 100 * s["off_policy"], "{:.1f}%")
-    row("max version span", lambda s, c: s["max_span"], "{:d}")
+    row("max version span (in a sample)", lambda s, c: s["max_span"], "{:d}")
+    row("max version lag (trainer - oldest)", lambda s, c: s["max_lag"], "{:d}")
     row("resumed samples / step", lambda s, c: s["resumed_per_step"], "{:.1f}")
     row("aborted samples / step", lambda s, c: s["aborted_per_step"], "{:.1f}")
     row("wasted tokens (total)", lambda s, c: s["wasted_tokens"], "{:.0f}")
@@ -423,7 +435,7 @@ def main() -> None:
               f"{st['trained_tok_s'] / sb['trained_tok_s']:.2f}x")
         print(f"  engine busy (of wall)    {100 * st['engine_busy']:7.1f}% vs {100 * sb['engine_busy']:7.1f}%")
         print(f"  off-policy token share   {100 * st['off_policy']:7.1f}% vs {100 * sb['off_policy']:7.1f}%; "
-              f"max version span {st['max_span']} vs {sb['max_span']}")
+              f"max version lag {st['max_lag']} vs {sb['max_lag']}")
         print(f"  train reward first5->last5  {first_last(st['rewards'])[0]:.3f}->{first_last(st['rewards'])[1]:.3f} vs "
               f"{first_last(sb['rewards'])[0]:.3f}->{first_last(sb['rewards'])[1]:.3f}")
 
@@ -472,18 +484,22 @@ def main() -> None:
                     "sync_rollout_tokens_per_s": round(base["rollout_tok_s"], 1),
                     "sync_wall_tokens_per_s": round(base["wall_tok_s"], 1), "sync_step_time_s": round(base["step_s_mean"], 3)}
     for c in cols[1:]:
-        result[f"{c}_over_sync_rollout_tokens_per_s_ratio"] = ratio(c, "rollout_tok_s")
+        if not math.isnan(sums[c]["rollout_tok_s"]):
+            result[f"{c}_over_sync_rollout_tokens_per_s_ratio"] = ratio(c, "rollout_tok_s")
         result[f"{c}_over_sync_wall_tokens_per_s_ratio"] = ratio(c, "wall_tok_s")
         result[f"{c}_over_sync_trained_tokens_per_s_ratio"] = ratio(c, "trained_tok_s")
         result[f"{c}_over_sync_step_time_ratio"] = ratio(c, "step_s_mean")
     for c in cols:
         s = sums[c]
         result[f"{c}_engine_busy_fraction"] = round(s["engine_busy"], 3)
-        result[f"{c}_engine_busy_fraction_during_rollout"] = round(s["engine_busy_in_rollout"], 3)
+        if not math.isnan(s["engine_busy_in_rollout"]):
+            result[f"{c}_engine_busy_fraction_during_rollout"] = round(s["engine_busy_in_rollout"], 3)
+        result[f"{c}_mean_decode_batch"] = round(s["mean_decode_batch"], 1)
         result[f"{c}_learner_busy_fraction"] = round(s["learner_busy"], 3)
         if c.startswith("april") or c == "ppo_streaming":
             result[f"{c}_off_policy_token_share"] = round(s["off_policy"], 3)
             result[f"{c}_max_version_span"] = int(s["max_span"])
+            result[f"{c}_max_version_lag"] = int(s["max_lag"])
             result[f"{c}_resumed_samples_per_step"] = round(s["resumed_per_step"], 2)
             result[f"{c}_wasted_tokens"] = int(s["wasted_tokens"])
         result[f"{c}_train_reward_first5"] = round(first_last(s["rewards"])[0], 3)
