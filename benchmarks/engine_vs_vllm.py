@@ -18,7 +18,10 @@ number of tokens; sampling at T = 1 unless noted):
   run to completion.
 - april: the same mix, APRIL style: 2x over-provisioned (32 groups in flight), once 16 groups are
   complete everything still running is aborted, its partial kept, and resumed first (prompt +
-  partial tokens, budget reduced) in the next step, before new groups.
+  partial tokens, budget reduced) in the next step, before new groups. Each engine may reuse the
+  partials' KV as it would in a job: the built-in engine keeps aborted requests' caches
+  (`rollout.kept_kv_tokens`, its job default), vLLM runs with its prefix cache on (no weight
+  update happens between abort and resume here, so a cached prefix is valid).
 
 Each engine runs --rounds times (alternating, best figure kept). Prints a table, then LAST one
 JSON line.
@@ -74,10 +77,14 @@ def make_engine(kind: str, model_dir: str, slots: int):
         from slime.engine import RolloutEngine
         from slime.model import load_model
 
-        return RolloutEngine(load_model(model_dir), max_running_requests=slots, seed=0)
+        from slime.config import RolloutConfig
+
+        return RolloutEngine(load_model(model_dir), max_running_requests=slots, seed=0,
+                             kept_kv_tokens=RolloutConfig().kept_kv_tokens)
     from slime.engines.vllm import VllmEngine
 
-    return VllmEngine(model_dir, max_running_requests=slots, seed=0, max_model_len=512, cpu_kv_cache_gib=1.0)
+    return VllmEngine(model_dir, max_running_requests=slots, seed=0, max_model_len=512, cpu_kv_cache_gib=1.0,
+                      enable_prefix_caching=True)
 
 
 def drive(engine, reqs) -> int:
