@@ -1,7 +1,7 @@
 """APRIL vs sync on the long-tail example task, side by side in one run; and the simulator's prediction.
 
 Every setting is one real job (driver, Redis buffer, Ray learner + 1 rollout worker, tiny MoE with
-the default warm start, the repeat task) with the same seeds; only `april.*` differs:
+the default warm start, the repeat task) with the same seeds; only `april.*` (and the learner) differ:
 
     sync            the synchronous baseline (APRIL off)
     april2          APRIL, oversample 2.0, no staleness budget
@@ -9,6 +9,8 @@ the default warm start, the repeat task) with the same seeds; only `april.*` dif
     ppo_sync        PPO + critic (GAE), APRIL off: the baseline of the streaming variant
     ppo_streaming   GLM-5's streaming variant: PPO trains every trajectory each 16 new tokens while
                     the engine keeps generating; the critic bootstraps unfinished returns
+    sync_frozen, april2_frozen   sync and APRIL x2 with the policy frozen (learner.lr=1e-12): the same
+                    workload for both, what the mechanism alone buys; the simulator is compared here
     sync_repeat, april1.5, april3   when time allows (--extra auto: if the projected total fits --budget-s)
 
 Then the simulator (`april/sim.py`, preset `cpu_tiny`) is calibrated from this machine: the engine's
@@ -56,7 +58,15 @@ SETTINGS: dict[str, list[str]] = {
     "ppo_sync": ["april.enabled=false", "algorithm.name=ppo", "algorithm.gamma=1.0", "algorithm.lam=0.95"],
     "ppo_streaming": ["april.enabled=false", "algorithm.name=ppo", "algorithm.gamma=1.0", "algorithm.lam=0.95",
                       "april.streaming_chunk_tokens=16", "rollout.chunk_tokens=8"],
+    # The rollout mechanism alone, on the same workload: a learning rate far below float32's
+    # resolution of the weights (Adam moves each by ~lr), so the policy, and with it the length
+    # distribution, stays the warm start's in both; the learner still does all its work. With real
+    # training the two policies drift apart (APRIL's often to longer answers), and so do the
+    # workloads the rows above compare. The simulator is compared with this pair.
+    "sync_frozen": ["april.enabled=false", "learner.lr=1e-12"],
+    "april2_frozen": ["april.enabled=true", "april.oversample=2.0", "learner.lr=1e-12"],
 }
+FROZEN_PAIR = ("sync_frozen", "april2_frozen")
 # Compared with each other in their own block (same algorithm), besides the table against GRPO sync.
 STREAMING_PAIR = ("ppo_sync", "ppo_streaming")
 EXTRA_SETTINGS: dict[str, list[str]] = {
@@ -250,7 +260,8 @@ def lognormal_fit(groups: list[list[int]]) -> dict:
 def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine: dict, args) -> dict:
     from april.sim import sim_config_from_job, simulate
 
-    sync, warm = runs["sync"], args.warmup_steps
+    S, A = FROZEN_PAIR if all(k in runs for k in FROZEN_PAIR) else ("sync", "april2")
+    sync, warm = runs[S], args.warmup_steps
     h = sync["history"][warm:]
     prompt_tokens = sync["prompt_tokens"]
     # Training cost, as the simulator models it: t_train0 + t_train_per_token * (prompt + response tokens).
@@ -260,9 +271,9 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
     if per_token < 0 or fixed < 0:  # noise: a pure per-token cost
         per_token, fixed = float(learn.sum() / tokens.sum()), 0.0
     # What the real learner costs: rows x widest row (right padding), fitted on the same sync steps.
-    pad_coef = float(np.sum(learn) / max(1, sum(sums["sync"]["padded"])))
+    pad_coef = float(np.sum(learn) / max(1, sum(sums[S]["padded"])))
     # Everything in a sync step that is neither rollout nor training: weight sync and driver calls.
-    overhead = sums["sync"]["other_s_mean"]
+    overhead = sums[S]["other_s_mean"]
     cfg = sync["cfg"]
     common = {
         "t0": engine["t0"], "k": engine["k"], "t_kv": 0.0, "p": engine["p"],
@@ -272,7 +283,7 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
     }
     empirical = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"]})
     grouped = sim_config_from_job(cfg, {**common, **lognormal_fit(sync["group_lengths"])})
-    out = {"cfg": empirical, "train_fixed_s": float(fixed), "train_per_token_s": float(per_token),
+    out = {"pair": (S, A), "cfg": empirical, "train_fixed_s": float(fixed), "train_per_token_s": float(per_token),
            "pad_coef": pad_coef, "overhead_s": overhead, "lognormal": lognormal_fit(sync["group_lengths"])}
     variants = [("empirical", empirical), ("grouped", grouped), ("overhead", None)]
     for label, sc in variants:
@@ -280,7 +291,7 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
             # The sync rollout time the engine model does not explain (worker Redis writes, lease
             # polling, driver polling, reward round trips) as a fixed per-step cost: sync then matches
             # by construction, and what is left of the APRIL error is the engine model's.
-            missing = sums["sync"]["rollout_s_mean"] - out["empirical"]["per_step"]["sync"]["rollout"]
+            missing = sums[S]["rollout_s_mean"] - out["empirical"]["per_step"]["sync"]["rollout"]
             out["rollout_overhead_s"] = missing
             sc = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"], "t_sync": max(overhead + missing, 0.0)})
         res = {"sync": simulate("sync", sc, seed=args.seed), "april2": simulate("april", sc, oversample=2.0, seed=args.seed)}
@@ -295,8 +306,8 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
             "pred_wall": res["april2"].throughput / res["sync"].throughput,
             "pred_rollout": per_step["april2"]["rollout_tok_s"] / per_step["sync"]["rollout_tok_s"],
         }
-    out["meas_wall"] = sums["april2"]["wall_tok_s"] / sums["sync"]["wall_tok_s"]
-    out["meas_rollout"] = sums["april2"]["rollout_tok_s"] / sums["sync"]["rollout_tok_s"]
+    out["meas_wall"] = sums[A]["wall_tok_s"] / sums[S]["wall_tok_s"]
+    out["meas_rollout"] = sums[A]["rollout_tok_s"] / sums[S]["rollout_tok_s"]
     for label, _ in variants:
         out[label]["err_wall_pct"] = 100 * (out[label]["pred_wall"] - out["meas_wall"]) / out["meas_wall"]
         out[label]["err_rollout_pct"] = 100 * (out[label]["pred_rollout"] - out["meas_rollout"]) / out["meas_rollout"]
@@ -439,17 +450,33 @@ def main() -> None:
         print(f"  train reward first5->last5  {first_last(st['rewards'])[0]:.3f}->{first_last(st['rewards'])[1]:.3f} vs "
               f"{first_last(sb['rewards'])[0]:.3f}->{first_last(sb['rewards'])[1]:.3f}")
 
+    if all(c in sums for c in FROZEN_PAIR):
+        fb, fa = (sums[c] for c in FROZEN_PAIR)
+        print("\nfrozen policy (learner.lr=1e-12, the same workload for both): april2_frozen vs sync_frozen")
+        for label, key in (("generated tok / rollout s", "rollout_tok_s"), ("generated tok / wall s", "wall_tok_s"),
+                           ("trained tok / wall s", "trained_tok_s")):
+            print(f"  {label:28s} {fa[key]:7.0f} vs {fb[key]:7.0f}   {fa[key] / fb[key]:.2f}x")
+        print(f"  generated tok / step         {fa['generated_tokens'] / fa['steps']:7.0f} vs "
+              f"{fb['generated_tokens'] / fb['steps']:7.0f}")
+        print(f"  rollout s / step             {fa['rollout_s_mean']:7.3f} vs {fb['rollout_s_mean']:7.3f}; decode steps / step "
+              f"{fa['decode_steps_per_step']:.1f} vs {fb['decode_steps_per_step']:.1f} (mean batch "
+              f"{fa['mean_decode_batch']:.1f} vs {fb['mean_decode_batch']:.1f})")
+        print(f"  off-policy token share       {100 * fa['off_policy']:6.1f}%; max version span {fa['max_span']}; "
+              f"wasted tokens {int(fa['wasted_tokens'])}")
+
     e = engine
     print()
-    print("simulator (april/sim.py, preset cpu_tiny) calibrated on this machine:")
+    S, A = cal["pair"]
+    print(f"simulator (april/sim.py, preset cpu_tiny) calibrated on this machine and the {S} run, "
+          f"compared with {A} / {S}:")
     print("  engine decode step, ms at batch " + ", ".join(f"{b}: {1e3 * v:.2f}" for b, v in e["step_s"].items()))
     print(f"    -> t0 {1e3 * e['t0']:.2f} ms + k {1e6 * e['k']:.1f} us x batch (fit on 1..64); "
           f"prefill p {1e6 * e['p']:.1f} us/token")
-    print(f"  learner {cal['train_fixed_s']:.3f} s + {1e6 * cal['train_per_token_s']:.1f} us/token (sync steps); "
+    print(f"  learner {cal['train_fixed_s']:.3f} s + {1e6 * cal['train_per_token_s']:.1f} us/token ({S} steps); "
           f"weight sync + driver {cal['overhead_s']:.3f} s/step")
     lens = cal["cfg"].lengths
     ln = cal["lognormal"]
-    print(f"  lengths: {len(lens)} from the sync run (p50 {np.percentile(lens, 50):.0f}, p99 {np.percentile(lens, 99):.0f}, "
+    print(f"  lengths: {len(lens)} from the {S} run (p50 {np.percentile(lens, 50):.0f}, p99 {np.percentile(lens, 99):.0f}, "
           f"max {max(lens)}); grouped log-normal fit: median {ln['median_tokens']:.1f}, sigma prompt "
           f"{ln['sigma_prompt']:.2f}, sample {ln['sigma_sample']:.2f}")
     print(f"  sim(empirical): the sync run's lengths, i.i.d.; sim(grouped): log-normal with the groups' spread; "
@@ -463,16 +490,16 @@ def main() -> None:
     E, G, O = cal["empirical"], cal["grouped"], cal["overhead"]
     cmp("april2/sync tok/s, wall-clock", E["pred_wall"], G["pred_wall"], O["pred_wall"], cal["meas_wall"])
     cmp("april2/sync tok/s, rollout time", E["pred_rollout"], G["pred_rollout"], O["pred_rollout"], cal["meas_rollout"])
-    for k in ("sync", "april2"):
+    for k, measured in (("sync", S), ("april2", A)):
         for term, key in (("step", "step_s_mean"), ("rollout", "rollout_s_mean"), ("learner", "learner_s_mean")):
             cmp(f"{k} {term} s / step", E["per_step"][k][term], G["per_step"][k][term], O["per_step"][k][term],
-                sums[k][key], " ")
+                sums[measured][key], " ")
     a = E["sim"]["april2"]
-    print(f"  april2 off-policy share (sim / measured): {100 * a.off_policy_share:.1f}% / {100 * sums['april2']['off_policy']:.1f}%;"
-          f" max span {a.max_span} / {sums['april2']['max_span']}")
+    print(f"  april2 off-policy share (sim / measured): {100 * a.off_policy_share:.1f}% / {100 * sums[A]['off_policy']:.1f}%;"
+          f" max span {a.max_span} / {sums[A]['max_span']}")
     pc = cal["pad_coef"]
-    print(f"  learner as rows x widest row ({1e6 * pc:.2f} us per padded token, sync fit): predicts april2 "
-          f"{pc * sums['april2']['padded_per_step']:.3f} s/step vs measured {sums['april2']['learner_s_mean']:.3f}")
+    print(f"  learner as rows x widest row ({1e6 * pc:.2f} us per padded token, {S} fit): predicts {A} "
+          f"{pc * sums[A]['padded_per_step']:.3f} s/step vs measured {sums[A]['learner_s_mean']:.3f}")
     total_s = time.time() - bench_started
     print(f"\nbenchmark wall {total_s:.0f} s (model dir {model_s:.1f} s, calibration {calib_s:.1f} s, eval {eval_s:.1f} s); "
           f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
@@ -509,8 +536,14 @@ def main() -> None:
         sb, st = (sums[c] for c in STREAMING_PAIR)
         result["ppo_streaming_over_ppo_sync_wall_tokens_per_s_ratio"] = round(st["wall_tok_s"] / sb["wall_tok_s"], 3)
         result["ppo_streaming_over_ppo_sync_trained_tokens_per_s_ratio"] = round(st["trained_tok_s"] / sb["trained_tok_s"], 3)
+    if all(c in sums for c in FROZEN_PAIR):
+        fb, fa = (sums[c] for c in FROZEN_PAIR)
+        for key, name in (("rollout_tok_s", "rollout_tokens_per_s"), ("wall_tok_s", "wall_tokens_per_s"),
+                          ("trained_tok_s", "trained_tokens_per_s")):
+            result[f"april2_frozen_over_sync_frozen_{name}_ratio"] = round(fa[key] / fb[key], 3)
     result.update(
         initial_heldout_reward=round(evals["initial"], 3),
+        sim_compared_with="/".join(reversed(cal["pair"])),
         sim_predicted_april2_ratio=round(E["pred_wall"], 3),
         measured_april2_ratio=round(cal["meas_wall"], 3),
         sim_error_pct=round(E["err_wall_pct"], 1),
@@ -521,6 +554,8 @@ def main() -> None:
         sim_grouped_error_pct=round(G["err_wall_pct"], 1),
         sim_with_rollout_overhead_predicted_april2_ratio=round(O["pred_wall"], 3),
         sim_with_rollout_overhead_error_pct=round(O["err_wall_pct"], 1),
+        sim_with_rollout_overhead_predicted_april2_rollout_ratio=round(O["pred_rollout"], 3),
+        sim_with_rollout_overhead_rollout_error_pct=round(O["err_rollout_pct"], 1),
         calib_t0_s=round(e["t0"], 5), calib_k_s_per_request=round(e["k"], 7), calib_prefill_s_per_token=round(e["p"], 8),
         calib_train_fixed_s=round(cal["train_fixed_s"], 4), calib_train_s_per_token=round(cal["train_per_token_s"], 7),
         calib_overhead_s_per_step=round(cal["overhead_s"], 4),
