@@ -285,20 +285,39 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
     grouped = sim_config_from_job(cfg, {**common, **lognormal_fit(sync["group_lengths"])})
     out = {"pair": (S, A), "cfg": empirical, "train_fixed_s": float(fixed), "train_per_token_s": float(per_token),
            "pad_coef": pad_coef, "overhead_s": overhead, "lognormal": lognormal_fit(sync["group_lengths"])}
-    variants = [("empirical", empirical), ("grouped", grouped), ("overhead", None)]
+    # The sync run's own engine time: busy seconds per step, and the rollout time outside the engine.
+    steps_all = len(sync["history"])
+    real_busy = sync["engine_busy_s"] / steps_all
+    outside = sum(m["rollout_seconds"] for m in sync["history"]) / steps_all - real_busy
+    variants = [("empirical", empirical), ("grouped", grouped), ("overhead", None), ("calibrated", None)]
     for label, sc in variants:
-        if sc is None:
+        extra_rollout = 0.0  # per-step rollout time the variant puts in t_sync (added back to "rollout")
+        if label == "overhead":
             # The sync rollout time the engine model does not explain (worker Redis writes, lease
             # polling, driver polling, reward round trips) as a fixed per-step cost: sync then matches
             # by construction, and what is left of the APRIL error is the engine model's.
-            missing = sums[S]["rollout_s_mean"] - out["empirical"]["per_step"]["sync"]["rollout"]
-            out["rollout_overhead_s"] = missing
-            sc = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"], "t_sync": max(overhead + missing, 0.0)})
+            extra_rollout = sums[S]["rollout_s_mean"] - out["empirical"]["per_step"]["sync"]["rollout"]
+            out["rollout_overhead_s"] = extra_rollout
+            sc = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"], "t_sync": max(overhead + extra_rollout, 0.0)})
+        elif label == "calibrated":
+            # Two terms measured on the sync run, none on APRIL: (1) the engine runs slower inside the
+            # job than alone (other threads and processes, Redis writes between steps): t0, k and p
+            # scaled so that the simulated sync engine time equals the real one (busy seconds);
+            # (2) the rollout time outside engine steps (leasing, chunk writes, reward round trips,
+            # the driver noticing a full batch) as a fixed per-step cost.
+            s_sync = out["empirical"]["sim"]["sync"]
+            sim_busy = s_sync.engine_stepping * s_sync.wall_s / s_sync.steps  # one engine
+            alpha = real_busy / max(sim_busy, 1e-9)
+            out["engine_scale"], out["outside_engine_s"] = alpha, outside
+            extra_rollout = max(outside, 0.0)
+            sc = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"], "t0": alpha * engine["t0"],
+                                           "k": alpha * engine["k"], "p": alpha * engine["p"],
+                                           "t_sync": max(overhead, 0.0) + extra_rollout})
         res = {"sync": simulate("sync", sc, seed=args.seed), "april2": simulate("april", sc, oversample=2.0, seed=args.seed)}
         per_step = {}
         for k, r in res.items():
             learner = r.learner_busy * r.wall_s / r.steps
-            rollout = r.step_s - learner - sc.t_sync + (out.get("rollout_overhead_s", 0.0) if label == "overhead" else 0.0)
+            rollout = r.step_s - learner - sc.t_sync + extra_rollout
             per_step[k] = {"step": r.step_s, "rollout": rollout, "learner": learner,
                            "rollout_tok_s": r.generated_tokens / (rollout * r.steps)}
         out[label] = {
@@ -479,22 +498,26 @@ def main() -> None:
     print(f"  lengths: {len(lens)} from the {S} run (p50 {np.percentile(lens, 50):.0f}, p99 {np.percentile(lens, 99):.0f}, "
           f"max {max(lens)}); grouped log-normal fit: median {ln['median_tokens']:.1f}, sigma prompt "
           f"{ln['sigma_prompt']:.2f}, sample {ln['sigma_sample']:.2f}")
-    print(f"  sim(empirical): the sync run's lengths, i.i.d.; sim(grouped): log-normal with the groups' spread; "
+    print(f"  sim(empirical): the {S} run's lengths, i.i.d.; sim(grouped): log-normal with the groups' spread; "
           f"sim(+overhead): sim(empirical) + {cal['rollout_overhead_s']:.3f} s/step of rollout time the engine "
-          "model leaves out (fitted on sync)")
-    print(f"  {'':32s}{'sim(empirical)':>15s}{'sim(grouped)':>14s}{'sim(+overhead)':>15s}{'measured':>10s}{'error':>8s}")
+          f"model leaves out (fitted on {S}); sim(calibrated): engine step times x{cal['engine_scale']:.2f} (the "
+          f"{S} run's busy seconds) + {cal['outside_engine_s']:.3f} s/step of its rollout time outside engine steps")
+    print(f"  {'':32s}{'empirical':>11s}{'grouped':>11s}{'+overhead':>11s}{'calibrated':>11s}{'measured':>10s}"
+          f"{'error (calibrated)':>20s}")
 
-    def cmp(label: str, a: float, b: float, c: float, m: float, unit: str = "x") -> None:
-        print(f"  {label:32s}{a:>14.2f}{unit}{b:>13.2f}{unit}{c:>14.2f}{unit}{m:>9.2f}{unit}{100 * (a - m) / m:>7.1f}%")
+    E, G, O, C = cal["empirical"], cal["grouped"], cal["overhead"], cal["calibrated"]
 
-    E, G, O = cal["empirical"], cal["grouped"], cal["overhead"]
-    cmp("april2/sync tok/s, wall-clock", E["pred_wall"], G["pred_wall"], O["pred_wall"], cal["meas_wall"])
-    cmp("april2/sync tok/s, rollout time", E["pred_rollout"], G["pred_rollout"], O["pred_rollout"], cal["meas_rollout"])
+    def cmp(label: str, key: str, m: float, unit: str = "x", k: str | None = None, term: str | None = None) -> None:
+        vals = [V[key] if k is None else V["per_step"][k][term] for V in (E, G, O, C)]
+        print(f"  {label:32s}" + "".join(f"{v:>10.2f}{unit}" for v in vals) + f"{m:>9.2f}{unit}"
+              f"{100 * (vals[3] - m) / m:>19.1f}%")
+
+    cmp("april2/sync tok/s, wall-clock", "pred_wall", cal["meas_wall"])
+    cmp("april2/sync tok/s, rollout time", "pred_rollout", cal["meas_rollout"])
     for k, measured in (("sync", S), ("april2", A)):
         for term, key in (("step", "step_s_mean"), ("rollout", "rollout_s_mean"), ("learner", "learner_s_mean")):
-            cmp(f"{k} {term} s / step", E["per_step"][k][term], G["per_step"][k][term], O["per_step"][k][term],
-                sums[measured][key], " ")
-    a = E["sim"]["april2"]
+            cmp(f"{k} {term} s / step", "", sums[measured][key], " ", k, term)
+    a = C["sim"]["april2"]
     print(f"  april2 off-policy share (sim / measured): {100 * a.off_policy_share:.1f}% / {100 * sums[A]['off_policy']:.1f}%;"
           f" max span {a.max_span} / {sums[A]['max_span']}")
     pc = cal["pad_coef"]
@@ -556,6 +579,11 @@ def main() -> None:
         sim_with_rollout_overhead_error_pct=round(O["err_wall_pct"], 1),
         sim_with_rollout_overhead_predicted_april2_rollout_ratio=round(O["pred_rollout"], 3),
         sim_with_rollout_overhead_rollout_error_pct=round(O["err_rollout_pct"], 1),
+        sim_calibrated_predicted_april2_ratio=round(C["pred_wall"], 3),
+        sim_calibrated_error_pct=round(C["err_wall_pct"], 1),
+        sim_calibrated_predicted_april2_rollout_ratio=round(C["pred_rollout"], 3),
+        sim_calibrated_rollout_error_pct=round(C["err_rollout_pct"], 1),
+        calib_engine_scale=round(cal["engine_scale"], 3), calib_outside_engine_s_per_step=round(cal["outside_engine_s"], 4),
         calib_t0_s=round(e["t0"], 5), calib_k_s_per_request=round(e["k"], 7), calib_prefill_s_per_token=round(e["p"], 8),
         calib_train_fixed_s=round(cal["train_fixed_s"], 4), calib_train_s_per_token=round(cal["train_per_token_s"], 7),
         calib_overhead_s_per_step=round(cal["overhead_s"], 4),
