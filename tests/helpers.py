@@ -27,3 +27,21 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def drive_engine(engine, reqs, until=None, timeout=60.0) -> dict[str, dict]:
+    """Drive the engine like the rollout worker; collect tokens, logprobs, finish reason per id."""
+    for r in reqs:
+        engine.add_request(r)
+    out = {r.request_id: {"tokens": [], "logprobs": [], "reason": None} for r in reqs}
+    deadline = time.time() + timeout
+    while engine.has_unfinished():
+        assert time.time() < deadline, "generation did not finish"
+        for c in engine.step():
+            o = out[c.request_id]
+            o["tokens"] += c.token_ids
+            o["logprobs"] += c.logprobs
+            o["reason"] = c.finish_reason
+        if until is not None and until(out):
+            break
+    return out

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from tests.helpers import drive_engine
 from slime.engine import GenerationRequest, SamplingParams
 from slime.engines.sglang import SglangEngine, SglangServerProcess, free_port, launch_command
 from slime.model import load_model
@@ -43,24 +44,6 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir).eval()
 
 
-def _run(engine, reqs, until=None, timeout=60.0) -> dict[str, dict]:
-    """Drive the engine like the rollout worker; collect tokens, logprobs, finish reason per id."""
-    for r in reqs:
-        engine.add_request(r)
-    out = {r.request_id: {"tokens": [], "logprobs": [], "reason": None} for r in reqs}
-    deadline = time.time() + timeout
-    while engine.has_unfinished():
-        assert time.time() < deadline, "generation did not finish"
-        for c in engine.step():
-            o = out[c.request_id]
-            o["tokens"] += c.token_ids
-            o["logprobs"] += c.logprobs
-            o["reason"] = c.finish_reason
-        if until is not None and until(out):
-            break
-    return out
-
-
 def _forward_logprobs(model, prompt, response, temperature=1.0) -> list[float]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()
@@ -71,7 +54,7 @@ def _forward_logprobs(model, prompt, response, temperature=1.0) -> list[float]:
 def test_generation_logprobs_match_a_direct_forward(engine, model):
     greedy = GenerationRequest("g", PROMPT, SamplingParams(temperature=0.0, max_new_tokens=12))
     sampled = GenerationRequest("s", PROMPT[:4], SamplingParams(temperature=0.8, max_new_tokens=12))
-    out = _run(engine, [greedy, sampled])
+    out = drive_engine(engine, [greedy, sampled])
     for rid, prompt, temperature in (("g", PROMPT, 1.0), ("s", PROMPT[:4], 0.8)):
         o = out[rid]
         assert o["reason"] == "length" and len(o["tokens"]) == 12
@@ -84,7 +67,7 @@ def test_generation_logprobs_match_a_direct_forward(engine, model):
 
 def test_abort_returns_the_partial_and_resume_is_token_exact(engine):
     params = SamplingParams(temperature=0.0, max_new_tokens=120)
-    reference = _run(engine, [GenerationRequest("ref", PROMPT, params)])["ref"]["tokens"]
+    reference = drive_engine(engine, [GenerationRequest("ref", PROMPT, params)])["ref"]["tokens"]
     assert len(reference) == 120
 
     engine.add_request(GenerationRequest("a", PROMPT, params))
@@ -98,11 +81,11 @@ def test_abort_returns_the_partial_and_resume_is_token_exact(engine):
     partial += chunks[0].token_ids
     assert 5 <= len(partial) < 120 and not engine.has_unfinished()
 
-    resumed = _run(engine, [GenerationRequest("a", PROMPT, params, response_ids=partial)])["a"]
+    resumed = drive_engine(engine, [GenerationRequest("a", PROMPT, params, response_ids=partial)])["a"]
     assert resumed["reason"] == "length"
     assert partial + resumed["tokens"] == reference  # max_new_tokens reduced by the resumed prefix
 
-    done = _run(engine, [GenerationRequest("b", PROMPT, SamplingParams(max_new_tokens=3), response_ids=reference[:3])])
+    done = drive_engine(engine, [GenerationRequest("b", PROMPT, SamplingParams(max_new_tokens=3), response_ids=reference[:3])])
     assert done["b"] == {"tokens": [], "logprobs": [], "reason": "length"}  # nothing left: finished at once
 
 
@@ -129,7 +112,7 @@ def test_weight_updates_by_tensor_handle_disk_and_broadcast_change_outputs(engin
             got = eng.score_logprobs(PROMPT, probe)
             assert got == pytest.approx(expected, abs=1e-4), mode
             assert max(abs(a - b) for a, b in zip(got, before)) > 1e-2, mode
-            out = _run(eng, [GenerationRequest(mode, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=4))])
+            out = drive_engine(eng, [GenerationRequest(mode, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=4))])
             assert httpx.get(f"{server.url}/get_model_info").json()["weight_version"] == str(version)
             with torch.no_grad():  # greedy tokens of the new weights, stamped with the new version
                 logits = new_model(input_ids=torch.tensor([PROMPT + out[mode]["tokens"]])).logits[0]

@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install -e .[dev] installs it)")
 
+from tests.helpers import drive_engine  # noqa: E402
 from slime.config import load_config  # noqa: E402
 from slime.engine import GenerationRequest, RolloutEngine, SamplingParams  # noqa: E402
 from slime.engines.sglang import SglangEngine  # noqa: E402
@@ -44,21 +45,6 @@ def routed(tiny_model_dir, tmp_path_factory):
     engine = SglangEngine.from_config(cfg, str(tiny_model_dir), 0, 0)
     yield engine
     engine.close()
-
-
-def _run(engine, reqs, timeout=60.0) -> dict[str, dict]:
-    for r in reqs:
-        engine.add_request(r)
-    out = {r.request_id: {"tokens": [], "logprobs": [], "reason": None} for r in reqs}
-    deadline = time.time() + timeout
-    while engine.has_unfinished():
-        assert time.time() < deadline, "generation did not finish"
-        for c in engine.step():
-            o = out[c.request_id]
-            o["tokens"] += c.token_ids
-            o["logprobs"] += c.logprobs
-            o["reason"] = c.finish_reason
-    return out
 
 
 def _tokens_generated(url: str) -> int:
@@ -89,13 +75,13 @@ def test_requests_reach_both_servers_and_greedy_equals_the_builtin_engine(routed
     before = [_tokens_generated(u) for u in routed.server_urls]
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
     reqs = [GenerationRequest(f"g{i}", p, params) for i, p in enumerate(PROMPTS)]
-    got = _run(routed, reqs)
+    got = drive_engine(routed, reqs)
     after = [_tokens_generated(u) for u in routed.server_urls]
     assert all(a > b for a, b in zip(after, before)), f"round robin left a server idle: {before} -> {after}"
     assert sum(after) - sum(before) == 16 * len(PROMPTS)
 
     builtin = RolloutEngine(model, device="cpu", max_running_requests=4)
-    expected = _run(builtin, [GenerationRequest(f"g{i}", p, params) for i, p in enumerate(PROMPTS)])
+    expected = drive_engine(builtin, [GenerationRequest(f"g{i}", p, params) for i, p in enumerate(PROMPTS)])
     for rid in expected:
         assert got[rid]["reason"] == "length"
         assert got[rid]["tokens"] == expected[rid]["tokens"], rid
@@ -105,7 +91,7 @@ def test_requests_reach_both_servers_and_greedy_equals_the_builtin_engine(routed
 def test_abort_returns_partials_and_resume_is_token_exact(routed):
     params = SamplingParams(temperature=0.0, max_new_tokens=100)
     reqs = [GenerationRequest(f"ref{i}", p, params) for i, p in enumerate(PROMPTS[:2])]
-    reference = {r.request_id.removeprefix("ref"): o["tokens"] for r, o in zip(reqs, _run(routed, reqs).values())}
+    reference = {r.request_id.removeprefix("ref"): o["tokens"] for r, o in zip(reqs, drive_engine(routed, reqs).values())}
 
     partial = {str(i): [] for i in range(2)}
     for i, p in enumerate(PROMPTS[:2]):
@@ -121,7 +107,7 @@ def test_abort_returns_partials_and_resume_is_token_exact(routed):
         partial[c.request_id] += c.token_ids
     assert all(4 <= len(t) < 100 for t in partial.values()) and not routed.has_unfinished()
 
-    resumed = _run(routed, [GenerationRequest(str(i), p, params, response_ids=partial[str(i)])
+    resumed = drive_engine(routed, [GenerationRequest(str(i), p, params, response_ids=partial[str(i)])
                             for i, p in enumerate(PROMPTS[:2])])
     for rid in partial:
         assert resumed[rid]["reason"] == "length"

@@ -95,7 +95,9 @@ def test_streaming_job_trains_unfinished_trajectories(ray_session, tiny_model_di
         "algorithm.name=ppo", "april.streaming_chunk_tokens=8", "steps=5", f"april.chunk_sampler={sampler}:temperature",
     ]))
     assert len(history) == 5
-    assert all(h["segments"] == 6 for h in history)
+    per_step = [(h["segments"], h["final_segments"], {k: v for k, v in h.items() if k.startswith("buffer")})
+                for h in history]
+    assert all(h["segments"] == 6 for h in history), per_step
     assert sum(h["segments"] - h["final_segments"] for h in history) > 0  # trained before the end
     assert max(h["off_policy_token_share"] for h in history) > 0  # later chunks: newer policies
     buffer = RedisBuffer(redis_url, job)
