@@ -44,10 +44,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from slime.config import load_config
 
 # The long-tail shape: 16 groups x 8 samples, 96-token cap, T=1; 256 engine slots so that
-# 2x over-provisioned groups (32 x 8 = 256 requests) really run concurrently.
+# 2x over-provisioned groups (32 x 8 = 256 requests) really run concurrently. The learning rate of
+# the examples (examples/repeat_grpo.yaml, repeat_april.yaml): at the default 1e-3 any off-policy
+# data (APRIL's partials, and one-step async as well) costs this tiny model reward (docs/benchmarks.md).
 SHAPE = [
     "rollout.num_workers=1", "rollout.batch_size=16", "rollout.n_samples_per_prompt=8",
     "rollout.max_new_tokens=96", "rollout.temperature=1.0", "rollout.max_running_requests=256",
+    "learner.lr=5e-4",
     "logging.tensorboard=false", "logging.plot=false", "logging.progress=false",
 ]
 SETTINGS: dict[str, list[str]] = {
@@ -406,7 +409,7 @@ def main() -> None:
     base, cols, w = sums["sync"], list(sums), 16
     print()
     print(f"APRIL vs sync: repeat task, tiny MoE (default warm start), 1 rollout worker, batch 16 x 8, "
-          f"96-token cap, T=1, 256 slots, {args.steps} steps (time figures: steps {args.warmup_steps}..{args.steps - 1}), "
+          f"96-token cap, T=1, 256 slots, lr 5e-4, {args.steps} steps (time figures: steps {args.warmup_steps}..{args.steps - 1}), "
           f"seed {args.seed}" + (f", overrides {' '.join(args.set)}" if args.set else ""))
     print(f"{'':36s}" + "".join(f"{c:>{w}s}" for c in cols))
 
