@@ -686,8 +686,9 @@ class RedisBuffer:
 
     def release(self, sample_id: str, worker_id: str) -> None:
         """Abort a leased sample: ABORTED, tokens kept, lease released, first in the resume queue."""
-        code, detail = self._release(args=[self.prefix, sample_id, worker_id])
-        self._raise_for(code, detail, sample_id, worker_id)
+        error = self.release_many([sample_id], worker_id)[0]
+        if error is not None:
+            raise error
 
     def release_many(self, sample_ids: Sequence[str], worker_id: str) -> list[Exception | None]:
         """`release` for many samples in one round trip, in order (the last released is first in

@@ -86,11 +86,12 @@ class GenerationChunk:
 class _Seq:
     """Per-request bookkeeping of a running request (its row lives in the batched tensors)."""
 
-    __slots__ = ("request_id", "tokens", "remaining", "stop", "greedy", "top_k", "top_p")
+    __slots__ = ("request_id", "tokens", "params", "remaining", "stop", "greedy", "top_k", "top_p")
 
     def __init__(self, request_id: str, tokens: list[int], remaining: int, params: SamplingParams):
         self.request_id = request_id
         self.tokens = tokens  # prompt + response so far; the cache holds all but the last one
+        self.params = params
         self.remaining = remaining  # tokens this engine may still generate for it
         self.stop = frozenset(params.stop_token_ids)
         self.greedy = params.temperature == 0
@@ -223,7 +224,7 @@ class RolloutEngine:
             return []
         chunks: dict[str, GenerationChunk] = {}
         with torch.inference_mode():
-            groups: list[tuple[list[GenerationRequest], list[_Seq]]] = []
+            groups: list[list[_Seq]] = []
             if self._waiting and len(self._running) < self.max_running_requests:
                 groups = self._admit(chunks)
             if self._running or groups:
@@ -367,14 +368,13 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _admit(self, chunks: dict[str, GenerationChunk]) -> list[tuple[list[GenerationRequest], list[_Seq]]]:
+    def _admit(self, chunks: dict[str, GenerationChunk]) -> list[list[_Seq]]:
         """Take waiting requests into free slots: those with a kept cache rejoin the running rows
         now; the others are returned in buckets of similar context length, to be prefilled."""
         free = self.max_running_requests - len(self._running)
-        new_reqs: list[GenerationRequest] = []
         seqs: list[_Seq] = []
-        restored: list[tuple[_Seq, GenerationRequest, tuple]] = []
-        while self._waiting and len(new_reqs) + len(restored) < free:
+        restored: list[tuple[_Seq, tuple]] = []
+        while self._waiting and len(seqs) + len(restored) < free:
             req = self._waiting.popleft()
             p = req.params
             n_ctx = len(req.prompt_ids) + len(req.response_ids)
@@ -394,21 +394,18 @@ class RolloutEngine:
             if kept is not None:
                 self._kept_len -= len(kept[0])
                 if kept[0] == seq.tokens:  # exactly the tokens its cache was computed for
-                    restored.append((seq, req, kept[1]))
+                    restored.append((seq, kept[1]))
                     continue
-            new_reqs.append(req)
             seqs.append(seq)
         if restored:
             self._restore(restored)
         # Resumed partials make newcomers' contexts very unequal; one padded prefill would compute
         # mostly padding in attention. Pad in buckets of similar length instead.
-        order = sorted(range(len(new_reqs)), key=lambda i: len(seqs[i].tokens))
-        buckets: list[tuple[list[GenerationRequest], list[_Seq]]] = []
-        for i in order:
-            if not buckets or len(seqs[i].tokens) > 2 * len(buckets[-1][1][0].tokens) + 8:
-                buckets.append(([], []))
-            buckets[-1][0].append(new_reqs[i])
-            buckets[-1][1].append(seqs[i])
+        buckets: list[list[_Seq]] = []
+        for seq in sorted(seqs, key=lambda q: len(q.tokens)):
+            if not buckets or len(seq.tokens) > 2 * len(buckets[-1][0].tokens) + 8:
+                buckets.append([])
+            buckets[-1].append(seq)
         return buckets
 
     def _keep_kv(self, seqs: list[_Seq], saved: list[tuple]) -> None:
@@ -419,25 +416,25 @@ class RolloutEngine:
             tokens, _ = self._kept.popitem(last=False)[1]
             self._kept_len -= len(tokens)
 
-    def _restore(self, restored: list[tuple[_Seq, GenerationRequest, tuple]]) -> None:
+    def _restore(self, restored: list[tuple[_Seq, tuple]]) -> None:
         """Rows back from kept caches: no forward; the next decode step feeds each one's last token."""
-        dev = self.device
-        self._batch.put_rows([kv for _, _, kv in restored])
-        params = [req.params for _, req, _ in restored]
-        state = (
-            torch.tensor([len(seq.tokens) - 1 for seq, _, _ in restored], dtype=torch.long, device=dev),
-            torch.tensor([seq.tokens[-1] for seq, _, _ in restored], dtype=torch.long, device=dev),
-            torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev),
-            torch.tensor([p.temperature == 0 for p in params], device=dev),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-            torch.tensor([p.top_p for p in params], device=dev),
-        )
-        self._append_rows([seq for seq, _, _ in restored], *state)
+        self._batch.put_rows([kv for _, kv in restored])
+        seqs = [seq for seq, _ in restored]
+        self._append_rows(seqs, [len(q.tokens) - 1 for q in seqs], [q.tokens[-1] for q in seqs])
         self._refresh_flags()
-        self._kv_resumes += len(restored)
-        self._kv_resumed_tokens += sum(len(seq.tokens) - 1 for seq, _, _ in restored)
+        self._kv_resumes += len(seqs)
+        self._kv_resumed_tokens += sum(len(q.tokens) - 1 for q in seqs)
 
-    def _append_rows(self, seqs: list[_Seq], pos, last, temp, greedy, top_k, top_p) -> None:
+    def _append_rows(self, seqs: list[_Seq], positions: list[int], last_tokens: list[int]) -> None:
+        """Per-row state of new rows (after the existing ones): next input position and token, sampling."""
+        dev = self.device
+        params = [q.params for q in seqs]
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        last = torch.tensor(last_tokens, dtype=torch.long, device=dev)
+        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
+        greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
         if not self._running:
             self._pos, self._last = pos, last
             self._temp, self._greedy, self._top_k, self._top_p = temp, greedy, top_k, top_p
@@ -450,28 +447,20 @@ class RolloutEngine:
             self._top_p = torch.cat([self._top_p, top_p])
         self._running.extend(seqs)
 
-    def _forward(self, groups: list[tuple[list[GenerationRequest], list[_Seq]]], chunks) -> None:
+    def _forward(self, groups: list[list[_Seq]], chunks) -> None:
         """One forward pass: every running row decodes a token, every newcomer is prefilled and
         samples its first token; all rows are sampled together."""
-        dev = self.device
         b = len(self._running)
-        contexts = [[r.prompt_ids + r.response_ids for r in reqs] for reqs, _ in groups]
-        logits = self._batch.forward(self._last if b else None, self._pos if b else None, contexts)
+        # A newcomer's tokens are its whole context (read before _record appends to them).
+        logits = self._batch.forward(self._last if b else None, self._pos if b else None,
+                                     [[q.tokens for q in seqs] for seqs in groups])
         if b:
             self._decode_steps += 1
             self._decode_rows += b
             self._pos += 1
-        for reqs, seqs in groups:
-            params = [r.params for r in reqs]
-            self._append_rows(
-                seqs,
-                torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long, device=dev),
-                torch.zeros(len(seqs), dtype=torch.long, device=dev),  # replaced by the sampled token below
-                torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev),
-                torch.tensor([p.temperature == 0 for p in params], device=dev),
-                torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-                torch.tensor([p.top_p for p in params], device=dev),
-            )
+        for seqs in groups:
+            # last token 0: replaced by the token sampled below
+            self._append_rows(seqs, [len(q.tokens) for q in seqs], [0] * len(seqs))
         if groups:
             self._refresh_flags()
         tok, lp = self._sample(

@@ -244,7 +244,8 @@ class FastDecoder:
         """One forward pass over every token of this step, flattened into one sequence:
 
         - with ``last_tokens`` [rows], each existing row decodes: its token is fed at position
-          ``lens[r]`` (the caller's ``positions`` are the same numbers), attending over its cache (a length mask hides other rows' longer caches);
+          ``lens[r]`` (the caller's ``positions`` are the same numbers), attending over its cache
+          (a length mask hides other rows' longer caches);
         - every context of ``groups`` becomes a new row after the existing ones (in order) and is
           prefilled, each group right padded to its own widest context for causal attention.
 
@@ -260,12 +261,13 @@ class FastDecoder:
         used = int(self.lens.max()) + 1 if b else 0
         self._reserve(self.rows + n_new, max(used, width + 1))
 
+        lens = torch.from_numpy(self.lens).to(dev) if b else None  # decode rows' input positions
         flat_ids = [last_tokens.to(dev)] if b else []
-        positions = [torch.from_numpy(self.lens).to(dev)] if b else []
+        pos_parts = [lens] if b else []
         if contexts:
             flat_ids.append(torch.tensor([t for c in contexts for t in c], dtype=torch.long, device=dev))
-            positions.append(torch.cat([torch.arange(n, device=dev) for n in ctx_lens]))
-        ids, pos = torch.cat(flat_ids), torch.cat(positions)
+            pos_parts.append(torch.cat([torch.arange(n, device=dev) for n in ctx_lens]))
+        ids, pos = torch.cat(flat_ids), torch.cat(pos_parts)
         # Each new group, right padded: padded slot -> flat index (pads repeat the group's first
         # token; causal attention keeps real tokens off the padding after them, and a row's padding
         # keys are overwritten by its own decode steps before they are read).
@@ -283,7 +285,6 @@ class FastDecoder:
             padded.append((index.to(dev), real.reshape(-1).to(dev), slice(row, row + len(g)), w))
             row += len(g)
         if b:
-            lens = torch.from_numpy(self.lens).to(dev)
             rows_idx = torch.arange(b, device=dev)
             # Additive mask [b, 1, 1, used]: 0 on a row's own cached positions, -inf past them.
             decode_bias = torch.zeros(b, 1, 1, used, dtype=self.dtype, device=dev).masked_fill_(
