@@ -65,6 +65,21 @@ class SimConfig(BaseModel):
     lengths: list[int] | None = Field(
         None, description="Empirical response lengths, sampled with replacement (replaces the log-normal)."
     )
+    filter_rate: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Share of groups a dynamic-sampling filter drops when they complete (DAPO's zero reward "
+        "variance); drawn per group from its own seeded stream, so every policy drops the same groups. "
+        "Modelled for the wave policies (sync, april, april_drop).",
+    )
+    refill: Literal["group", "batch"] = Field(
+        "group",
+        description="How the wave policies start groups. group (this project): APRIL keeps ceil(r*B) in flight "
+        "and starts one group per finished or filtered group; sync starts one per filtered group. batch "
+        "(slime's rollout loop, the APRIL paper's runs): while kept + in-flight groups < B, submit a chunk "
+        "of ceil(r*B) groups (B for sync), partials first; at the end sync drops what is still in flight.",
+    )
     # engine timing (seconds)
     t0: float = Field(0.006, ge=0, description="Decode step time at batch 0 (weights read, launch overhead).")
     k: float = Field(5e-5, ge=0, description="Decode step time per running request (MLP, sampling).")
@@ -104,6 +119,11 @@ class SimConfig(BaseModel):
             raise ValueError("compare_staleness budgets must be >= 1")
         return self
 
+    @property
+    def wave_policies_only(self) -> bool:
+        """The async policies do not model a filter or slime's chunked refill."""
+        return self.filter_rate > 0 or self.refill == "batch"
+
 
 PRESETS: dict[str, SimConfig] = {
     # The APRIL paper's setting: 8 engines x 64 slots, 16k cap, 2x over-provisioning, B*n = 512 =
@@ -119,6 +139,20 @@ PRESETS: dict[str, SimConfig] = {
     # forward, backward, recompute) at 40% MFU -> ~50k tok/s -> 2e-5 s/token, 10 s fixed
     # (offload/onload, optimizer), 5 s weight sync.
     "paper": SimConfig(),
+    # The runs behind the APRIL paper's figures, as its published scripts set them (Qwen3-4B,
+    # DAPO-Math-17k, 8 GPUs colocated): 4 SGLang engines of tensor parallel 2, 32 prompts x 8
+    # samples per step, 2x over-sampling (64 prompts), 16k cap, the DAPO zero-variance filter in
+    # both arms, and slime's rollout loop (refill=batch: the baseline over-submits a whole batch
+    # whenever the filter drops a group, and discards what is in flight at the end; APRIL keeps
+    # it). Per engine: 2 GPUs at mem fraction 0.6 -> ~88 GB of KV pool at 74 KB/token per GPU ->
+    # 600k tokens; weights read per GPU halve (1.35 ms) plus ~0.7 ms of all-reduces, FLOPs and
+    # KV reads per GPU halve: t0 5.5 ms, k 42 us, t_kv 25 ns, p 10 us. Slots never bind (SGLang
+    # sizes its running batch by the KV pool). The filter rate (half the groups have zero reward
+    # variance) is an assumption; docs/april_simulator.md sweeps it. Lengths as in `paper`.
+    "paper_runs": SimConfig(
+        engines=4, slots=512, kv_tokens=600_000, batch_size=32, t0=0.0055, k=4.2e-5, t_kv=2.5e-8, p=1e-5,
+        filter_rate=0.5, refill="batch", compare_oversample=[2.0],
+    ),
     # This machine's CPU engine with the tiny MoE on the example (repeat) task; to be calibrated.
     "cpu_tiny": SimConfig(
         engines=1, slots=64, kv_tokens=64 * 512, batch_size=8, n_samples=4, prompt_tokens=6, max_tokens=96,
@@ -137,6 +171,10 @@ class LengthSampler:
     def __init__(self, cfg: SimConfig, seed: int):
         self.cfg = cfg
         self.rng = np.random.default_rng(seed)
+        self.filter_rng = np.random.default_rng([seed, 1])  # its own stream: lengths do not depend on it
+
+    def filtered(self) -> bool:
+        return bool(self.filter_rng.random() < self.cfg.filter_rate)
 
     def group(self) -> list[int]:
         c = self.cfg
@@ -179,7 +217,8 @@ class Group:
     gid: int
     requests: list[Request] = field(default_factory=list)
     n_done: int = 0
-    state: Literal["open", "trained", "dropped"] = "open"
+    filtered: bool = False  # the dynamic-sampling filter drops it when it completes
+    state: Literal["open", "trained", "dropped", "filtered"] = "open"
 
     @property
     def complete(self) -> bool:
@@ -360,7 +399,10 @@ class SimResult:
     generated_tokens: int
     trained_tokens: int  # response tokens trained on
     held_tokens: int  # generated, not trained yet at the end (partials, queued groups): not waste
-    wasted_tokens: int  # generated and thrown away
+    wasted_tokens: int  # generated and thrown away by the policy (aborted and dropped)
+    filtered_tokens: int  # generated in groups the dynamic-sampling filter dropped
+    rollout_s: float | None  # wave policies: mean seconds of a step's rollout phase (start to abort done)
+    trained_rollout_throughput: float | None  # trained response tokens per rollout-phase second
     throughput: float  # generated tokens / wall-clock second
     trained_throughput: float  # trained response tokens / wall-clock second
     engine_busy: float  # slot occupancy: mean share of slots decoding, over engines and wall-clock
@@ -397,6 +439,7 @@ class Simulation:
         self.version = 0  # trainer version = training steps completed; engines get it at sync
         self.step_ends: list[float] = []
         self.learner_time = 0.0
+        self.rollout_time = 0.0  # wave policies: seconds from a rollout's start to the end of its abort
         self.trained_tokens = self.off_policy_tokens = 0
         self.spans: Counter[int] = Counter()
         self.partials = 0
@@ -477,7 +520,7 @@ class Simulation:
 
     # ---- work
     def new_group(self) -> Group:
-        g = Group(gid=len(self.groups))
+        g = Group(gid=len(self.groups), filtered=self.sampler.filtered())
         g.requests = [Request(g, self.cfg.prompt_tokens, n) for n in self.sampler.group()]
         self.groups.append(g)
         return g
@@ -521,8 +564,9 @@ class Simulation:
         c, wall = self.cfg, self.now
         generated = sum(e.tokens for e in self.engines)
         wasted = sum(g.generated for g in self.groups if g.state == "dropped")
+        filtered = sum(g.generated for g in self.groups if g.state == "filtered")
         held = sum(g.generated for g in self.groups if g.state == "open")
-        assert generated == self.trained_tokens + wasted + held, "token accounting does not add up"
+        assert generated == self.trained_tokens + wasted + filtered + held, "token accounting does not add up"
         busy = sum(e.slot_time for e in self.engines) / (c.engines * c.slots * wall)
         return SimResult(
             policy=self.label,
@@ -535,6 +579,9 @@ class Simulation:
             trained_tokens=self.trained_tokens,
             held_tokens=held,
             wasted_tokens=wasted,
+            filtered_tokens=filtered,
+            rollout_s=self.rollout_time / len(self.step_ends) if self.rollout_time else None,
+            trained_rollout_throughput=self.trained_tokens / self.rollout_time if self.rollout_time else None,
             throughput=generated / wall,
             trained_throughput=self.trained_tokens / wall,
             engine_busy=busy,
@@ -561,47 +608,59 @@ class WaveRollout(Simulation):
         super().__init__(cfg, seed)
         self.refill = oversample is not None
         self.target = math.ceil(oversample * cfg.batch_size) if oversample is not None else cfg.batch_size
-        self.keep_partials = keep_partials
+        # slime's sync loop with a filter over-submits whole batches and drops what is left in flight
+        self.keep_partials = keep_partials and not (oversample is None and cfg.refill == "batch")
         if oversample is None:
             self.label = "sync"
         else:
             self.label = f"april{'' if keep_partials else '_drop'}_x{oversample:g}"
         self.in_flight: dict[int, Group] = {}
-        self.completed: list[Group] = []
-        self.partial_groups: list[Group] = []
+        self.completed: list[Group] = []  # complete and kept by the filter, not trained yet
+        self.partial_groups: list[Group] = []  # aborted, waiting to be resumed (oldest first)
         self.collecting = False
-        self.started_this_step = 0
+        self.rollout_started = 0.0
 
     def start(self) -> None:
         self.begin_rollout()
 
     def begin_rollout(self) -> None:
-        self.collecting, self.started_this_step = True, 0
-        resumed, self.partial_groups = self.partial_groups, []
-        for g in resumed:
-            self.in_flight[g.gid] = g
-        self.dispatch(resumed)  # partials first: they sit at the head of every engine's queue
+        self.collecting, self.rollout_started = True, self.now
+        if self.cfg.refill == "group":
+            resumed, self.partial_groups = self.partial_groups, []
+            self.start_groups(resumed)  # partials first: they sit at the head of every engine's queue
         self.fill()
         if len(self.completed) >= self.cfg.batch_size:
             self.batch_ready()
 
-    def fill(self) -> None:
-        new = []
-        while len(self.in_flight) < self.target and (self.refill or self.started_this_step < self.target):
-            g = self.new_group()
+    def start_groups(self, groups: list[Group]) -> None:
+        for g in groups:
             self.in_flight[g.gid] = g
-            self.started_this_step += 1
-            new.append(g)
-        self.dispatch(new)
+        self.dispatch(groups)
+
+    def fill(self) -> None:
+        b = self.cfg.batch_size
+        if self.cfg.refill == "batch":
+            while len(self.in_flight) + len(self.completed) < b:
+                resumed, self.partial_groups = self.partial_groups[: self.target], self.partial_groups[self.target :]
+                self.start_groups(resumed + [self.new_group() for _ in range(self.target - len(resumed))])
+            return
+        limit = self.target if self.refill else b - len(self.completed)
+        new = []
+        while len(self.in_flight) + len(new) < limit:
+            new.append(self.new_group())
+        self.start_groups(new)
 
     def on_group_complete(self, g: Group) -> None:
         del self.in_flight[g.gid]
-        self.completed.append(g)
+        if g.filtered:
+            g.state = "filtered"
+        else:
+            self.completed.append(g)
         if not self.collecting:
             return  # finished during the abort's last step: trained next time
         if len(self.completed) >= self.cfg.batch_size:
             self.batch_ready()
-        elif self.refill:
+        elif self.refill or g.filtered:
             self.fill()
 
     def batch_ready(self) -> None:
@@ -609,11 +668,12 @@ class WaveRollout(Simulation):
         self.hold_engines(self.after_abort)
 
     def after_abort(self) -> None:
+        self.rollout_time += self.now - self.rollout_started
         for e in self.engines:
             self.partials += sum(1 for r in e.clear() if r.generated > 0)
         leftover, self.in_flight = list(self.in_flight.values()), {}
         if self.keep_partials:
-            self.partial_groups = leftover
+            self.partial_groups += leftover
         else:
             for g in leftover:
                 g.state = "dropped"
@@ -752,6 +812,8 @@ def simulate(
         if oversample < 1:
             raise ValueError(f"oversample must be >= 1, got {oversample}")
         sim = WaveRollout(cfg, seed, oversample, keep_partials=policy == "april")
+    elif cfg.wave_policies_only:
+        raise ValueError(f"{policy}: filter_rate and refill=batch are modelled for sync, april and april_drop only")
     elif policy == "one_step_async":
         sim = OneStepAsync(cfg, seed)
     elif policy == "async_bounded":
@@ -769,32 +831,52 @@ def simulate(
 
 
 def compare(cfg: SimConfig) -> list[SimResult]:
-    """sync, april at each cfg.compare_oversample, one_step_async, async_bounded at each budget."""
+    """sync, april at each cfg.compare_oversample, one_step_async, async_bounded at each budget
+    (the async policies only where they are modelled: no filter, refill=group)."""
     seed = cfg.seed
     results = [simulate("sync", cfg, seed=seed)]
     results += [simulate("april", cfg, oversample=r, seed=seed) for r in cfg.compare_oversample]
+    if cfg.wave_policies_only:
+        return results
     results.append(simulate("one_step_async", cfg, seed=seed))
     results += [simulate("async_bounded", cfg, max_staleness=s, seed=seed) for s in cfg.compare_staleness]
     return results
 
 
 def headline(results: list[SimResult]) -> dict[str, float]:
-    """Throughput of every policy relative to sync (the first result named 'sync')."""
-    base = next(r for r in results if r.policy == "sync").throughput
-    return {r.policy: round(r.throughput / base, 3) for r in results if r.policy != "sync"}
+    """Each policy relative to sync (the first result named 'sync'): generated tokens per second, and
+    for the wave policies trained tokens per rollout-phase second (`<policy>_trained_per_rollout_s`)."""
+    sync = next(r for r in results if r.policy == "sync")
+    out: dict[str, float] = {}
+    for r in results:
+        if r.policy == "sync":
+            continue
+        out[r.policy] = round(r.throughput / sync.throughput, 3)
+        if r.trained_rollout_throughput and sync.trained_rollout_throughput:
+            out[f"{r.policy}_trained_per_rollout_s"] = round(
+                r.trained_rollout_throughput / sync.trained_rollout_throughput, 3
+            )
+    return out
 
 
 def format_table(results: list[SimResult]) -> str:
-    base = next((r.throughput for r in results if r.policy == "sync"), results[0].throughput)
+    sync = next((r for r in results if r.policy == "sync"), results[0])
     head = (
         f"{'policy':<18} {'tok/s':>9} {'vs sync':>8} {'trained/s':>9} {'step s':>8} {'engine busy':>11} "
-        f"{'off-policy':>10} {'max span':>8} {'wasted tok':>10}"
+        f"{'off-policy':>10} {'max span':>8} {'wasted tok':>10} {'filtered tok':>12} {'trained/rollout s':>17}"
     )
     rows = [head, "-" * len(head)]
     for r in results:
+        per_rollout = "n/a"
+        if r.trained_rollout_throughput and sync.trained_rollout_throughput:
+            per_rollout = (
+                f"{r.trained_rollout_throughput:.0f} "
+                f"({r.trained_rollout_throughput / sync.trained_rollout_throughput:.2f}x)"
+            )
         rows.append(
-            f"{r.policy:<18} {r.throughput:>9.0f} {r.throughput / base:>7.2f}x {r.trained_throughput:>9.0f} {r.step_s:>8.2f} "
-            f"{100 * r.engine_busy:>10.1f}% {100 * r.off_policy_share:>9.1f}% {r.max_span:>8d} {r.wasted_tokens:>10d}"
+            f"{r.policy:<18} {r.throughput:>9.0f} {r.throughput / sync.throughput:>7.2f}x {r.trained_throughput:>9.0f} "
+            f"{r.step_s:>8.2f} {100 * r.engine_busy:>10.1f}% {100 * r.off_policy_share:>9.1f}% {r.max_span:>8d} "
+            f"{r.wasted_tokens:>10d} {r.filtered_tokens:>12d} {per_rollout:>17}"
         )
     return "\n".join(rows)
 
