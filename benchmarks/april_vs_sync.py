@@ -125,6 +125,8 @@ def run_setting(name: str, overrides: list[str], args, redis_url: str) -> dict:
         "setup_s": setup_s,
         "loop_wall_s": loop_wall,
         "engine_busy_s": sum(a["busy_seconds"] - b["busy_seconds"] for a, b in zip(after, before)),
+        "worker_admit_s": sum(a.get("admit_seconds", 0.0) - b.get("admit_seconds", 0.0) for a, b in zip(after, before)),
+        "worker_absorb_s": sum(a.get("absorb_seconds", 0.0) - b.get("absorb_seconds", 0.0) for a, b in zip(after, before)),
         "decode_steps": sum(a.get("decode_steps", 0) - b.get("decode_steps", 0) for a, b in zip(after, before)),
         "decode_rows": sum(a.get("decode_rows", 0) - b.get("decode_rows", 0) for a, b in zip(after, before)),
         "generated_total": gen_after - gen_before,

@@ -113,7 +113,8 @@ redis.call('HINCRBY', P .. 'status_counts', 'pending', n)
 return 1
 """
 
-# ARGV: prefix, worker, max_items, lease_seconds
+# ARGV: prefix, worker, max_items, lease_seconds. Returns, per leased sample, {sid, its hash as a
+# flat list, tok, lp, ver, mask}: leased and read in one round trip, a consistent snapshot.
 _LEASE = """
 local worker, max_items, lease_s = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local t = now()
@@ -129,7 +130,9 @@ for _, queue in ipairs({'queue:resume', 'queue:new'}) do
       redis.call('HSET', skey, 'status', 'running', 'lease_owner', worker, 'updated_at', fmt(t))
       redis.call('ZADD', P .. 'leases', fmt(t + lease_s), sid)
       move_count(status, 'running')
-      leased[#leased + 1] = sid
+      leased[#leased + 1] = {sid, redis.call('HGETALL', skey), redis.call('GET', skey .. ':tok') or false,
+        redis.call('GET', skey .. ':lp') or false, redis.call('GET', skey .. ':ver') or false,
+        redis.call('GET', skey .. ':mask') or false}
     end
   end
 end
@@ -581,8 +584,11 @@ class RedisBuffer:
         """Lease up to max_items samples, resume queue first, then new prompts; they become RUNNING."""
         if max_items <= 0:
             return []
-        sample_ids = self._lease(args=[self.prefix, worker_id, int(max_items), self.lease_seconds])
-        return self._load_samples([sid.decode() for sid in sample_ids])
+        leased = self._lease(args=[self.prefix, worker_id, int(max_items), self.lease_seconds])
+        return [
+            _decode_sample(sid.decode(), dict(zip(flat[::2], flat[1::2])), tok, lp, ver, mask)
+            for sid, flat, tok, lp, ver, mask in leased
+        ]
 
     def append_chunk(
         self,

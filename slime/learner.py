@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModel
 
 from slime.algorithms import grpo, ppo
-from slime.algorithms.core import entropy_from_logits, masked_mean, masked_whiten
+from slime.algorithms.core import behaviour_is_weights, entropy_from_logits, masked_mean, masked_whiten
 from slime.algorithms.kl import kl_penalty
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.buffer import RedisBuffer
@@ -338,10 +338,8 @@ class Learner:
                     # Engine vs learner logprobs of the same tokens: ~0 on-policy; large means the
                     # engine and learner disagree (stale weights, numerics, or a bug).
                     st_extra = {"behaviour_logp_abs_diff": masked_mean((logp.detach() - sub.behaviour_logp).abs(), sub.mask).item()}
-                    is_weights = None
-                    if off_policy == "tis":
-                        # Truncated IS: tokens sampled by an older policy, weighted by pi_old / pi_behaviour.
-                        is_weights = torch.exp(old - sub.behaviour_logp).clamp(max=self.cfg.april.tis_cap)
+                    # Truncated IS (tis): tokens sampled by an older policy, weighted by pi_old / pi_behaviour.
+                    is_weights = behaviour_is_weights(old, sub.behaviour_logp, off_policy, self.cfg.april.tis_cap)
                     kl_loss = None
                     if ref_logp is not None and algo.kl_mode == "loss":
                         kl_loss = kl_penalty(logp, ref_logp[part, :t_sub], algo.kl_estimator)

@@ -83,6 +83,10 @@ class RolloutWorker:
         self.generated_tokens = 0
         self.last_empty_lease = 0.0
         self.busy_seconds = 0.0
+        # Time the generation thread spends outside engine steps on buffer I/O (leases, chunk
+        # writes, finishing): the bookkeeping that keeps the engine from being busy all the time.
+        self.admit_seconds = 0.0
+        self.absorb_seconds = 0.0
         self.started_at = time.time()
         self.thread = threading.Thread(target=self._run, name=f"rollout-{worker_id}", daemon=True)
         self.thread.start()
@@ -96,17 +100,21 @@ class RolloutWorker:
                     time.sleep(0.005)
                     continue
                 with self.lock:
+                    t0 = time.time()
                     self._admit()
                     if self.multiturn is not None:
                         self._advance_episodes()
+                    t1 = time.time()
+                    self.admit_seconds += t1 - t0
                     if not self.engine.has_unfinished():
                         idle = True
                     else:
                         idle = False
-                        t0 = time.time()
                         chunks = self.engine.step()
-                        self.busy_seconds += time.time() - t0
+                        t2 = time.time()
+                        self.busy_seconds += t2 - t1
                         self._absorb(chunks)
+                        self.absorb_seconds += time.time() - t2
                 if time.time() - last_renew > self.cfg.buffer.lease_seconds / 3:
                     env_turns = self.multiturn.env_turn_ids() if self.multiturn is not None else []
                     self.buffer.renew_leases(self.worker_id, list(self.pending) + list(self.scoring) + env_turns)
@@ -358,6 +366,8 @@ class RolloutWorker:
             "kv_resumes": engine.get("kv_resumes", 0),  # partials resumed from a kept KV cache
             "kv_resumed_tokens": engine.get("kv_resumed_tokens", 0),
             "busy_seconds": self.busy_seconds,
+            "admit_seconds": self.admit_seconds,
+            "absorb_seconds": self.absorb_seconds,
             "uptime_seconds": time.time() - self.started_at,
         }
 

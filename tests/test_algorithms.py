@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from slime.algorithms.core import aggregate_loss, entropy_from_logits, masked_mean, masked_whiten, policy_loss
+from slime.algorithms.core import (
+    aggregate_loss,
+    behaviour_is_weights,
+    entropy_from_logits,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+)
 from slime.algorithms.grpo import broadcast_to_tokens, group_advantages, grpo_loss
 from slime.algorithms.kl import kl_penalty
 from slime.algorithms.ppo import gae, ppo_loss, token_level_rewards, value_loss
@@ -147,6 +154,16 @@ def test_policy_loss_is_weights_scale_tokens() -> None:
     adv, mask, w = t([[1.0, 2.0]]), t([[1, 1]]), t([[0.5, 1.0]])
     loss, _ = policy_loss(logp, old, adv, mask, EPS_LOW, EPS_HIGH, None, "token_mean", is_weights=w)
     assert loss.item() == pytest.approx((-1.0 * 0.5 - 2.0 * 1.0) / 2)
+
+
+def test_behaviour_is_weights_are_truncated_above() -> None:
+    # pi_old / mu per token: 0.25, 0.8, 1.0, 1.5, 3.0; cap 2
+    w = torch.tensor([[0.25, 0.8, 1.0, 1.5, 3.0]])
+    behaviour = torch.log(torch.tensor([[0.4, 0.5, 0.2, 0.2, 0.1]]))
+    old = behaviour + torch.log(w)
+    assert behaviour_is_weights(old, behaviour, "tis", 2.0).tolist()[0] == pytest.approx([0.25, 0.8, 1.0, 1.5, 2.0])
+    assert behaviour_is_weights(old, behaviour, "none", 2.0) is None
+    assert behaviour_is_weights(old, behaviour, "mask_stale", 2.0) is None
 
 
 def test_aggregation_modes_on_ragged_mask() -> None:

@@ -111,6 +111,14 @@ def policy_loss(
     return loss, stats
 
 
+def behaviour_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mode: str, cap: float) -> torch.Tensor | None:
+    """Truncated importance weights of tokens the engine's (possibly older) policy μ sampled:
+    min(π_old(a_t|s_t) / μ(a_t|s_t), cap) for mode "tis"; None (no weights) for "none" and "mask_stale"."""
+    if mode != "tis":
+        return None
+    return torch.exp(old_logp - behaviour_logp).clamp(max=cap)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H = −Σ_v p_v log p_v per position: [..., V] -> [...].
 
