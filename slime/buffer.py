@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,18 @@ JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 # Codes the scripts return as the first element of their reply.
 _OK, _LEASE_LOST, _BAD_CHUNK, _STORED_MISMATCH, _NO_SAMPLE = 0, -1, -2, -3, -4
+
+
+@dataclass
+class Finish:
+    """One sample's final status, as `RedisBuffer.finish` takes it (for `finish_many`)."""
+
+    sample_id: str
+    status: Status
+    reward: float | None = None
+    failure: str | None = None
+    token_rewards: np.ndarray | Sequence[float] | None = None
+    metadata_update: dict[str, Any] | None = None
 
 
 class LeaseLostError(RuntimeError):
@@ -659,36 +672,57 @@ class RedisBuffer:
         metadata_update: dict[str, Any] | None = None,
     ) -> bool:
         """Give a leased sample its final status; True when this completed its group (group now ready)."""
-        status = Status(status)
-        if status not in FINAL_STATUSES:
-            finals = ", ".join(sorted(s.value for s in FINAL_STATUSES))
-            raise ValueError(f"finish needs a final status ({finals}), got {status.value}")
-        token_reward_bytes = b""
-        if token_rewards is not None:
-            token_reward_bytes = np.asarray(token_rewards, dtype=WIRE_LOGPROB).reshape(-1).tobytes()
-        metadata_json = ""
-        if metadata_update:
-            # Only the lease holder writes a sample's metadata, and the script rejects a lost lease,
-            # so reading, merging here and writing in the script cannot drop another writer's update.
-            stored = self.redis.hget(self._key("sample", sample_id), "metadata")
-            merged = json.loads(stored) if stored else {}
-            merged.update(metadata_update)
-            metadata_json = json.dumps(merged)
-        code, detail = self._finish(
-            args=[
-                self.prefix,
-                sample_id,
-                worker_id,
-                status.value,
-                "" if reward is None else _float_text(reward),
-                failure or "",
-                "0" if token_rewards is None else "1",
-                token_reward_bytes,
-                metadata_json,
-            ]
-        )
-        self._raise_for(code, detail, sample_id, worker_id)
-        return bool(detail)
+        result = self.finish_many(worker_id, [Finish(sample_id, status, reward, failure, token_rewards, metadata_update)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def finish_many(self, worker_id: str, finishes: Sequence[Finish]) -> list[bool | Exception]:
+        """`finish` for many samples in two round trips (the stored metadata to merge into, then the
+        finishes); per sample whether it completed its group, or the error it raised."""
+        for f in finishes:
+            if Status(f.status) not in FINAL_STATUSES:
+                finals = ", ".join(sorted(s.value for s in FINAL_STATUSES))
+                raise ValueError(f"finish needs a final status ({finals}), got {Status(f.status).value}")
+        # Only the lease holder writes a sample's metadata, and the script rejects a lost lease, so
+        # reading, merging here and writing in the script cannot drop another writer's update.
+        merging = [f for f in finishes if f.metadata_update]
+        metadata_json = {}
+        if merging:
+            pipe = self.redis.pipeline(transaction=False)
+            for f in merging:
+                pipe.hget(self._key("sample", f.sample_id), "metadata")
+            for f, stored in zip(merging, pipe.execute()):
+                merged = json.loads(stored) if stored else {}
+                merged.update(f.metadata_update)
+                metadata_json[id(f)] = json.dumps(merged)
+        pipe = self.redis.pipeline(transaction=False)
+        for f in finishes:
+            token_reward_bytes = b""
+            if f.token_rewards is not None:
+                token_reward_bytes = np.asarray(f.token_rewards, dtype=WIRE_LOGPROB).reshape(-1).tobytes()
+            self._finish(
+                args=[
+                    self.prefix,
+                    f.sample_id,
+                    worker_id,
+                    Status(f.status).value,
+                    "" if f.reward is None else _float_text(f.reward),
+                    f.failure or "",
+                    "0" if f.token_rewards is None else "1",
+                    token_reward_bytes,
+                    metadata_json.get(id(f), ""),
+                ],
+                client=pipe,
+            )
+        results: list[bool | Exception] = []
+        for f, (code, detail) in zip(finishes, pipe.execute()):
+            try:
+                self._raise_for(code, detail, f.sample_id, worker_id)
+                results.append(bool(detail))
+            except (LeaseLostError, KeyError, RuntimeError) as exc:
+                results.append(exc)
+        return results
 
     def release(self, sample_id: str, worker_id: str) -> None:
         """Abort a leased sample: ABORTED, tokens kept, lease released, first in the resume queue."""
