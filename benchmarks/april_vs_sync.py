@@ -171,6 +171,9 @@ def summarize(run: dict, warmup: int) -> dict:
         "mean_decode_batch": run["decode_rows"] / max(1, run["decode_steps"]),
         "decode_steps_per_step": run["decode_steps"] / max(1, len(all_h)),
         "engine_busy_in_rollout": math.nan if streaming else run["engine_busy_s"] / sum(m["rollout_seconds"] for m in all_h),
+        # The rollout thread's buffer I/O between engine steps (leases and finishes; chunk writes).
+        "buffer_io_in_rollout": math.nan if streaming else (run["worker_admit_s"] + run["worker_absorb_s"])
+        / sum(m["rollout_seconds"] for m in all_h),
         "learner_busy": sum(m["learner_seconds"] for m in all_h) / run["loop_wall_s"],
         "off_policy": off,
         "max_span": max(spans, default=0),
@@ -438,6 +441,7 @@ def main() -> None:
     row("learner padded tok / step", lambda s, c: s["padded_per_step"], "{:.0f}")
     row("engine busy (busy s / wall)", lambda s, c: 100 * s["engine_busy"], "{:.1f}%")
     row("engine busy during rollout", lambda s, c: 100 * s["engine_busy_in_rollout"], "{:.1f}%")
+    row("worker buffer I/O in rollout", lambda s, c: 100 * s["buffer_io_in_rollout"], "{:.1f}%")
     row("engine decode steps / step", lambda s, c: s["decode_steps_per_step"], "{:.1f}")
     row("  mean decode batch (rows)", lambda s, c: s["mean_decode_batch"], "{:.1f}")
     row("learner busy (learn s / wall)", lambda s, c: 100 * s["learner_busy"], "{:.1f}%")
@@ -549,6 +553,7 @@ def main() -> None:
         result[f"{c}_engine_busy_fraction"] = round(s["engine_busy"], 3)
         if not math.isnan(s["engine_busy_in_rollout"]):
             result[f"{c}_engine_busy_fraction_during_rollout"] = round(s["engine_busy_in_rollout"], 3)
+            result[f"{c}_worker_buffer_io_fraction_during_rollout"] = round(s["buffer_io_in_rollout"], 3)
         result[f"{c}_mean_decode_batch"] = round(s["mean_decode_batch"], 1)
         result[f"{c}_learner_busy_fraction"] = round(s["learner_busy"], 3)
         if c.startswith("april") or c == "ppo_streaming":

@@ -284,7 +284,11 @@ class RewardRunner:
     def _start(self, call: _Call) -> None:  # caller holds self._lock
         call.started = time.monotonic()
         heapq.heappush(self._deadlines, (call.started + self.timeout_s, next(self._seq), call))
-        self._wake.notify()
+        # The watchdog sleeps until the earliest deadline; only a new earliest one needs to wake it
+        # (with one timeout for all calls, that is only when nothing else is running). A wakeup per
+        # call is a thread switch per sample, taken from the rollout thread's share of the GIL.
+        if self._deadlines[0][2] is call:
+            self._wake.notify()
 
     def _settle(
         self, call: _Call, reward: float | None, failure: str | None, timed_out: bool = False,
@@ -305,6 +309,8 @@ class RewardRunner:
                 while True:
                     if self._closed:
                         return
+                    while self._deadlines and self._deadlines[0][2].settled:
+                        heapq.heappop(self._deadlines)  # finished in time: nothing to watch
                     now = time.monotonic()
                     if self._deadlines and self._deadlines[0][0] <= now:
                         break

@@ -72,6 +72,9 @@ class Finish:
     failure: str | None = None
     token_rewards: np.ndarray | Sequence[float] | None = None
     metadata_update: dict[str, Any] | None = None
+    # The sample's metadata as stored, when the caller has it: the lease holder does (only it and
+    # add_group write a sample's metadata), so it need not be read back to merge the update into.
+    stored_metadata: dict[str, Any] | None = None
 
 
 class LeaseLostError(RuntimeError):
@@ -634,19 +637,16 @@ class RedisBuffer:
     ) -> list[int | Exception]:
         """Many `append_chunk`s (sample_id, token_ids, logprobs, versions; loss mask 1) in one round
         trip; each stays atomic on its own. Per chunk: the new length, or the error it raised."""
-        pipe = self.redis.pipeline(transaction=False)
+        calls = []
         for sample_id, token_ids, logprobs, versions in chunks:
             tokens, lps, vers, mask = normalize_chunk(token_ids, logprobs, versions, 1)
-            self._append(
-                args=[
-                    self.prefix, sample_id, worker_id, self.lease_seconds,
-                    tokens.astype(WIRE_TOKEN).tobytes(), lps.astype(WIRE_LOGPROB).tobytes(),
-                    vers.astype(WIRE_VERSION).tobytes(), mask.astype(WIRE_MASK).tobytes(),
-                ],
-                client=pipe,
-            )
+            calls.append([
+                self.prefix, sample_id, worker_id, self.lease_seconds,
+                tokens.astype(WIRE_TOKEN).tobytes(), lps.astype(WIRE_LOGPROB).tobytes(),
+                vers.astype(WIRE_VERSION).tobytes(), mask.astype(WIRE_MASK).tobytes(),
+            ])
         results: list[int | Exception] = []
-        for (sample_id, *_), (code, detail) in zip(chunks, pipe.execute()):
+        for (sample_id, *_), (code, detail) in zip(chunks, self._run_scripts(self._append, calls)):
             try:
                 self._raise_for(code, detail, sample_id, worker_id)
                 results.append(int(detail))
@@ -686,8 +686,11 @@ class RedisBuffer:
                 raise ValueError(f"finish needs a final status ({finals}), got {Status(f.status).value}")
         # Only the lease holder writes a sample's metadata, and the script rejects a lost lease, so
         # reading, merging here and writing in the script cannot drop another writer's update.
-        merging = [f for f in finishes if f.metadata_update]
-        metadata_json = {}
+        metadata_json = {
+            id(f): json.dumps({**f.stored_metadata, **f.metadata_update})
+            for f in finishes if f.metadata_update and f.stored_metadata is not None
+        }
+        merging = [f for f in finishes if f.metadata_update and f.stored_metadata is None]
         if merging:
             pipe = self.redis.pipeline(transaction=False)
             for f in merging:
@@ -696,27 +699,24 @@ class RedisBuffer:
                 merged = json.loads(stored) if stored else {}
                 merged.update(f.metadata_update)
                 metadata_json[id(f)] = json.dumps(merged)
-        pipe = self.redis.pipeline(transaction=False)
+        calls = []
         for f in finishes:
             token_reward_bytes = b""
             if f.token_rewards is not None:
                 token_reward_bytes = np.asarray(f.token_rewards, dtype=WIRE_LOGPROB).reshape(-1).tobytes()
-            self._finish(
-                args=[
-                    self.prefix,
-                    f.sample_id,
-                    worker_id,
-                    Status(f.status).value,
-                    "" if f.reward is None else _float_text(f.reward),
-                    f.failure or "",
-                    "0" if f.token_rewards is None else "1",
-                    token_reward_bytes,
-                    metadata_json.get(id(f), ""),
-                ],
-                client=pipe,
-            )
+            calls.append([
+                self.prefix,
+                f.sample_id,
+                worker_id,
+                Status(f.status).value,
+                "" if f.reward is None else _float_text(f.reward),
+                f.failure or "",
+                "0" if f.token_rewards is None else "1",
+                token_reward_bytes,
+                metadata_json.get(id(f), ""),
+            ])
         results: list[bool | Exception] = []
-        for f, (code, detail) in zip(finishes, pipe.execute()):
+        for f, (code, detail) in zip(finishes, self._run_scripts(self._finish, calls)):
             try:
                 self._raise_for(code, detail, f.sample_id, worker_id)
                 results.append(bool(detail))
@@ -733,11 +733,9 @@ class RedisBuffer:
     def release_many(self, sample_ids: Sequence[str], worker_id: str) -> list[Exception | None]:
         """`release` for many samples in one round trip, in order (the last released is first in
         the resume queue); per sample None, or the error it raised."""
-        pipe = self.redis.pipeline(transaction=False)
-        for sample_id in sample_ids:
-            self._release(args=[self.prefix, sample_id, worker_id], client=pipe)
+        calls = [[self.prefix, sample_id, worker_id] for sample_id in sample_ids]
         results: list[Exception | None] = []
-        for sample_id, (code, detail) in zip(sample_ids, pipe.execute()):
+        for sample_id, (code, detail) in zip(sample_ids, self._run_scripts(self._release, calls)):
             try:
                 self._raise_for(code, detail, sample_id, worker_id)
                 results.append(None)
@@ -1062,6 +1060,24 @@ class RedisBuffer:
         return rows
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _run_scripts(self, script: Any, calls: Sequence[Sequence[Any]]) -> list[Any]:
+        """One script over many argument lists, in one round trip (EVALSHA in a pipeline). redis-py's
+        pipelines of Script calls first ask SCRIPT EXISTS, a second round trip every time; here a
+        server without the script (first use, or restarted) answers NOSCRIPT: load it and retry."""
+        if not calls:
+            return []
+        for attempt in (0, 1):
+            pipe = self.redis.pipeline(transaction=False)
+            for args in calls:
+                pipe.evalsha(script.sha, 0, *args)
+            try:
+                return pipe.execute()
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self.redis.script_load(script.script)
+        raise AssertionError("unreachable")
 
     def _raise_for(self, code: int, detail: bytes | int, sample_id: str, worker_id: str) -> None:
         if code == _OK:

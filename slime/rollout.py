@@ -302,17 +302,18 @@ class RolloutWorker:
 
     def _finish_of(self, sample: Sample, status: Status, result: RewardResult) -> Finish:
         meta = {"reward_latency_s": result.latency_s}
+        stored = sample.metadata  # as leased (with a multi-turn episode's env_ fields added since)
         if result.failure is not None:
-            return Finish(sample.id, Status.FAILED, failure=result.failure, metadata_update=meta)
-        meta.update({k: v for k, v in sample.metadata.items() if k.startswith("env_")})  # multi-turn episodes
+            return Finish(sample.id, Status.FAILED, failure=result.failure, metadata_update=meta, stored_metadata=stored)
         if result.info:
             meta["reward_info"] = result.info
         try:
             token_rewards = self._step_rewards_on_tokens(sample, result.steps)
         except Exception as exc:
-            return Finish(sample.id, Status.FAILED, metadata_update=meta,
+            return Finish(sample.id, Status.FAILED, metadata_update=meta, stored_metadata=stored,
                           failure=f"placing per-step rewards on tokens failed: {type(exc).__name__}: {exc}")
-        return Finish(sample.id, status, reward=result.reward, token_rewards=token_rewards, metadata_update=meta)
+        return Finish(sample.id, status, reward=result.reward, token_rewards=token_rewards, metadata_update=meta,
+                      stored_metadata=stored)
 
     def _step_rewards_on_tokens(self, sample: Sample, steps: StepScores | None) -> np.ndarray | None:
         """Per-step rewards (a PRM's) on the token holding each step's last character of the

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 
-from slime.buffer import LeaseLostError, RedisBuffer
+from slime.buffer import Finish, LeaseLostError, RedisBuffer
 from slime.redis_server import LocalRedisServer, connect_or_start, find_redis_server
 from slime.sample import ChunkLengthError, Status, new_id
 
@@ -164,6 +164,24 @@ def test_release_many_is_release_in_order_with_per_sample_errors(buffer: RedisBu
     assert errors[0] is None and isinstance(errors[1], LeaseLostError)
     assert [s.id for s in buffer.lease("w2", 3)] == [second.id, third.id, first.id]
     assert buffer.get_sample(third.id).response_ids.tolist() == [5]
+
+
+def test_batched_calls_reload_scripts_a_server_lost(buffer: RedisBuffer) -> None:
+    # append_chunks / finish_many / release_many send EVALSHA only (one round trip); a server that
+    # no longer has the scripts (restarted, SCRIPT FLUSH) answers NOSCRIPT and they are loaded again.
+    buffer.add_group(PROMPT, n=3, max_new_tokens=16, metadata={})
+    first, second, third = buffer.lease("w", 3)
+    buffer.redis.script_flush()
+    assert buffer.append_chunks("w", [(first.id, [1, 2], [-0.1, -0.2], [0, 0]), (second.id, [3], [-0.3], [0])]) == [2, 1]
+    buffer.redis.script_flush()
+    done = buffer.finish_many("w", [Finish(first.id, Status.COMPLETED, reward=1.0, metadata_update={"k": 1}),
+                                    Finish(second.id, Status.COMPLETED, reward=0.0)])
+    assert done == [False, False]
+    buffer.redis.script_flush()
+    assert buffer.release_many([third.id], "w") == [None]
+    stored = buffer.get_sample(first.id)
+    assert stored.response_ids.tolist() == [1, 2] and stored.reward == 1.0 and stored.metadata["k"] == 1
+    assert buffer.get_sample(third.id).status == Status.ABORTED
 
 
 def test_groups_are_claimed_exactly_once_across_racing_learners(buffer: RedisBuffer) -> None:
