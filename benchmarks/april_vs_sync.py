@@ -102,6 +102,7 @@ def run_setting(name: str, overrides: list[str], args, redis_url: str) -> dict:
         (streaming_loop if cfg.april.streaming_chunk_tokens else sync_loop)(job)
         loop_wall = time.time() - t0
         after = ray.get([w.health.remote() for w in job.workers])
+        grown = lambda key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before))  # over the loop
         gen_after = job.buffer.stats().get("generated_tokens", 0.0)
         # The real response-length distribution: every finished response in the buffer.
         finished = [s for s in job.buffer.iter_samples() if s.status in (Status.COMPLETED, Status.TRUNCATED)]
@@ -124,11 +125,11 @@ def run_setting(name: str, overrides: list[str], args, redis_url: str) -> dict:
         "history": history,
         "setup_s": setup_s,
         "loop_wall_s": loop_wall,
-        "engine_busy_s": sum(a["busy_seconds"] - b["busy_seconds"] for a, b in zip(after, before)),
-        "worker_admit_s": sum(a.get("admit_seconds", 0.0) - b.get("admit_seconds", 0.0) for a, b in zip(after, before)),
-        "worker_absorb_s": sum(a.get("absorb_seconds", 0.0) - b.get("absorb_seconds", 0.0) for a, b in zip(after, before)),
-        "decode_steps": sum(a.get("decode_steps", 0) - b.get("decode_steps", 0) for a, b in zip(after, before)),
-        "decode_rows": sum(a.get("decode_rows", 0) - b.get("decode_rows", 0) for a, b in zip(after, before)),
+        "engine_busy_s": grown("busy_seconds"),
+        "worker_admit_s": grown("admit_seconds"),
+        "worker_absorb_s": grown("absorb_seconds"),
+        "decode_steps": grown("decode_steps"),
+        "decode_rows": grown("decode_rows"),
         "generated_total": gen_after - gen_before,
         "lengths": lengths,
         "prompt_tokens": prompt_tokens,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -645,14 +645,7 @@ class RedisBuffer:
                 tokens.astype(WIRE_TOKEN).tobytes(), lps.astype(WIRE_LOGPROB).tobytes(),
                 vers.astype(WIRE_VERSION).tobytes(), mask.astype(WIRE_MASK).tobytes(),
             ])
-        results: list[int | Exception] = []
-        for (sample_id, *_), (code, detail) in zip(chunks, self._run_scripts(self._append, calls)):
-            try:
-                self._raise_for(code, detail, sample_id, worker_id)
-                results.append(int(detail))
-            except (LeaseLostError, KeyError, ChunkLengthError, RuntimeError) as exc:
-                results.append(exc)
-        return results
+        return self._run_per_sample(self._append, calls, int)
 
     def renew_leases(self, worker_id: str, sample_ids: Sequence[str]) -> list[str]:
         """Extend the leases worker_id still holds; returns the ids it no longer owns."""
@@ -678,12 +671,14 @@ class RedisBuffer:
         return result
 
     def finish_many(self, worker_id: str, finishes: Sequence[Finish]) -> list[bool | Exception]:
-        """`finish` for many samples in two round trips (the stored metadata to merge into, then the
-        finishes); per sample whether it completed its group, or the error it raised."""
-        for f in finishes:
-            if Status(f.status) not in FINAL_STATUSES:
+        """`finish` for many samples in one round trip (one more to read the stored metadata that a
+        metadata update merges into, unless the caller gives it); per sample whether it completed
+        its group, or the error it raised."""
+        statuses = [Status(f.status) for f in finishes]
+        for status in statuses:
+            if status not in FINAL_STATUSES:
                 finals = ", ".join(sorted(s.value for s in FINAL_STATUSES))
-                raise ValueError(f"finish needs a final status ({finals}), got {Status(f.status).value}")
+                raise ValueError(f"finish needs a final status ({finals}), got {status.value}")
         # Only the lease holder writes a sample's metadata, and the script rejects a lost lease, so
         # reading, merging here and writing in the script cannot drop another writer's update.
         metadata_json = {
@@ -700,7 +695,7 @@ class RedisBuffer:
                 merged.update(f.metadata_update)
                 metadata_json[id(f)] = json.dumps(merged)
         calls = []
-        for f in finishes:
+        for f, status in zip(finishes, statuses):
             token_reward_bytes = b""
             if f.token_rewards is not None:
                 token_reward_bytes = np.asarray(f.token_rewards, dtype=WIRE_LOGPROB).reshape(-1).tobytes()
@@ -708,21 +703,14 @@ class RedisBuffer:
                 self.prefix,
                 f.sample_id,
                 worker_id,
-                Status(f.status).value,
+                status.value,
                 "" if f.reward is None else _float_text(f.reward),
                 f.failure or "",
                 "0" if f.token_rewards is None else "1",
                 token_reward_bytes,
                 metadata_json.get(id(f), ""),
             ])
-        results: list[bool | Exception] = []
-        for f, (code, detail) in zip(finishes, self._run_scripts(self._finish, calls)):
-            try:
-                self._raise_for(code, detail, f.sample_id, worker_id)
-                results.append(bool(detail))
-            except (LeaseLostError, KeyError, RuntimeError) as exc:
-                results.append(exc)
-        return results
+        return self._run_per_sample(self._finish, calls, bool)
 
     def release(self, sample_id: str, worker_id: str) -> None:
         """Abort a leased sample: ABORTED, tokens kept, lease released, first in the resume queue."""
@@ -734,14 +722,7 @@ class RedisBuffer:
         """`release` for many samples in one round trip, in order (the last released is first in
         the resume queue); per sample None, or the error it raised."""
         calls = [[self.prefix, sample_id, worker_id] for sample_id in sample_ids]
-        results: list[Exception | None] = []
-        for sample_id, (code, detail) in zip(sample_ids, self._run_scripts(self._release, calls)):
-            try:
-                self._raise_for(code, detail, sample_id, worker_id)
-                results.append(None)
-            except (LeaseLostError, KeyError, RuntimeError) as exc:
-                results.append(exc)
-        return results
+        return [r if isinstance(r, Exception) else None for r in self._run_per_sample(self._release, calls, bool)]
 
     def reap_expired_leases(self) -> list[str]:
         """Requeue (ABORTED, tokens kept, front of resume) every sample whose lease expired."""
@@ -1060,6 +1041,18 @@ class RedisBuffer:
         return rows
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _run_per_sample(self, script: Any, calls: Sequence[Sequence[Any]], value: Callable[[Any], Any]) -> list[Any]:
+        """`_run_scripts` for the per-sample scripts (ARGV: prefix, sample id, worker, ...; reply
+        {code, detail}): per call value(detail), or the error its code stands for."""
+        results: list[Any] = []
+        for args, (code, detail) in zip(calls, self._run_scripts(script, calls)):
+            try:
+                self._raise_for(code, detail, args[1], args[2])
+                results.append(value(detail))
+            except (LeaseLostError, KeyError, ChunkLengthError, RuntimeError) as exc:
+                results.append(exc)
+        return results
 
     def _run_scripts(self, script: Any, calls: Sequence[Sequence[Any]]) -> list[Any]:
         """One script over many argument lists, in one round trip (EVALSHA in a pipeline). redis-py's

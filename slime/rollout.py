@@ -204,7 +204,11 @@ class RolloutWorker:
                 aborted.append(p.sample.id)
             else:
                 self._finalize(p, reason)
-        for error in self.buffer.release_many(aborted, self.worker_id) if aborted else []:
+        self._release(aborted)
+
+    def _release(self, sample_ids: list[str]) -> None:
+        """Aborted: back to the front of the resume queue, tokens kept, in one round trip."""
+        for error in self.buffer.release_many(sample_ids, self.worker_id):
             if error is not None and not isinstance(error, LeaseLostError):  # lost: requeued meanwhile
                 raise error
 
@@ -344,11 +348,7 @@ class RolloutWorker:
             # Episodes waiting on the env: their stored tokens end with a finished model turn; the
             # resumed episode redoes that env step.
             env_turns = self.multiturn.abort_env_turns() if self.multiturn is not None else []
-            for sample_id in env_turns:
-                try:
-                    self.buffer.release(sample_id, self.worker_id)
-                except LeaseLostError:
-                    pass
+            self._release(env_turns)
             return len(chunks) + len(env_turns)
 
     def pause(self) -> None:
