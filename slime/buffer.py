@@ -13,6 +13,8 @@ Key layout, all under `slime:<job>:` so jobs sharing a server never see each oth
     groups                      zset gid -> created_at
     queue:resume / queue:new    lists of sample ids; lease pops resume first (partials before new prompts)
     queue:ready                 list of complete group ids, consumed by claim_groups
+    signal:ready                at most one element, pushed when a group turns ready: the driver blocks
+                                on it (wait_for_ready_signal) instead of polling
     leases                      zset sid -> lease expiry (Redis server time, seconds)
     claimed / trained           zsets gid -> training step
     status_counts               hash status -> number of samples
@@ -230,6 +232,8 @@ local done = redis.call('HINCRBY', gkey, 'done', 1)
 if done >= tonumber(redis.call('HGET', gkey, 'n')) and redis.call('HGET', gkey, 'status') == 'open' then
   redis.call('HSET', gkey, 'status', 'ready')
   redis.call('RPUSH', P .. 'queue:ready', gid)
+  redis.call('RPUSH', P .. 'signal:ready', '1')
+  redis.call('LTRIM', P .. 'signal:ready', -1, -1)
   return {0, 1}
 end
 return {0, 0}
@@ -440,6 +444,8 @@ local done = redis.call('HINCRBY', gkey, 'done', 1)
 if done >= tonumber(redis.call('HGET', gkey, 'n')) and redis.call('HGET', gkey, 'status') == 'open' then
   redis.call('HSET', gkey, 'status', 'ready')
   redis.call('RPUSH', P .. 'queue:ready', redis.call('HGET', skey, 'group_id'))
+  redis.call('RPUSH', P .. 'signal:ready', '1')
+  redis.call('LTRIM', P .. 'signal:ready', -1, -1)
 end
 return {0, status}
 """
@@ -637,6 +643,13 @@ class RedisBuffer:
     ) -> list[int | Exception]:
         """Many `append_chunk`s (sample_id, token_ids, logprobs, versions; loss mask 1) in one round
         trip; each stays atomic on its own. Per chunk: the new length, or the error it raised."""
+        return self.send_append_chunks(worker_id, chunks).wait()
+
+    def send_append_chunks(
+        self, worker_id: str, chunks: Sequence[tuple[str, Sequence[int], Sequence[float], Sequence[int]]]
+    ) -> "PendingReplies":
+        """`append_chunks`, sent now; its replies are read by ``.wait()``. The rollout thread runs an
+        engine step in between, while Redis executes the scripts (on another core)."""
         calls = []
         for sample_id, token_ids, logprobs, versions in chunks:
             tokens, lps, vers, mask = normalize_chunk(token_ids, logprobs, versions, 1)
@@ -645,7 +658,7 @@ class RedisBuffer:
                 tokens.astype(WIRE_TOKEN).tobytes(), lps.astype(WIRE_LOGPROB).tobytes(),
                 vers.astype(WIRE_VERSION).tobytes(), mask.astype(WIRE_MASK).tobytes(),
             ])
-        return self._run_per_sample(self._append, calls, int)
+        return PendingReplies(self, self._append, calls, int)
 
     def renew_leases(self, worker_id: str, sample_ids: Sequence[str]) -> list[str]:
         """Extend the leases worker_id still holds; returns the ids it no longer owns."""
@@ -746,6 +759,10 @@ class RedisBuffer:
     def requeue_uncommitted(self, after_step: int | None = None) -> int:
         """Put claimed-but-uncommitted groups (claimed by a step > after_step; all if None) back to ready."""
         return int(self._requeue(args=[self.prefix, "" if after_step is None else int(after_step)]))
+
+    def wait_for_ready_signal(self, timeout_s: float) -> bool:
+        """Block until a group turned ready since the last call (True), or ``timeout_s`` passed."""
+        return self.redis.blpop([self._key("signal", "ready")], timeout=timeout_s) is not None
 
     def ready_group_ids(self) -> list[str]:
         return [gid.decode() for gid in self.redis.lrange(self._key("queue", "ready"), 0, -1)]
@@ -1045,8 +1062,11 @@ class RedisBuffer:
     def _run_per_sample(self, script: Any, calls: Sequence[Sequence[Any]], value: Callable[[Any], Any]) -> list[Any]:
         """`_run_scripts` for the per-sample scripts (ARGV: prefix, sample id, worker, ...; reply
         {code, detail}): per call value(detail), or the error its code stands for."""
+        return self._per_sample_results(calls, self._run_scripts(script, calls), value)
+
+    def _per_sample_results(self, calls: Sequence[Sequence[Any]], replies: Sequence[Any], value: Callable[[Any], Any]) -> list[Any]:
         results: list[Any] = []
-        for args, (code, detail) in zip(calls, self._run_scripts(script, calls)):
+        for args, (code, detail) in zip(calls, replies):
             try:
                 self._raise_for(code, detail, args[1], args[2])
                 results.append(value(detail))
@@ -1143,3 +1163,56 @@ def _decode_sample(
         created_at=float(fields["created_at"]),
         updated_at=float(fields["updated_at"]),
     )
+
+
+class PendingReplies:
+    """Per-sample scripts sent in one pipeline on a connection of their own, replies not read yet.
+
+    ``wait()`` reads them (once) and returns what `RedisBuffer._run_per_sample` would have. A
+    script the server does not have (first use, or a restarted server) is loaded, and only the
+    calls it refused are run again: the others have already been executed.
+    """
+
+    def __init__(self, buffer: RedisBuffer, script: Any, calls: list[list[Any]], value: Callable[[Any], Any]):
+        self.buffer, self.script, self.calls, self.value = buffer, script, calls, value
+        self.results: list[Any] | None = None
+        self.connection = None
+        if not calls:
+            self.results = []
+            return
+        pool = buffer.redis.connection_pool
+        self.connection = pool.get_connection()
+        try:
+            self.connection.send_packed_command(
+                self.connection.pack_commands([("EVALSHA", script.sha, 0, *args) for args in calls])
+            )
+        except BaseException:
+            self.connection.disconnect()
+            pool.release(self.connection)
+            self.connection = None
+            raise
+
+    def wait(self) -> list[Any]:
+        if self.results is not None:
+            return self.results
+        pool = self.buffer.redis.connection_pool
+        replies: list[Any] = []
+        try:
+            for _ in self.calls:
+                try:
+                    replies.append(self.connection.read_response())
+                except redis.exceptions.NoScriptError as exc:
+                    replies.append(exc)
+        except BaseException:
+            self.connection.disconnect()  # replies half read: the connection cannot be reused
+            raise
+        finally:
+            pool.release(self.connection)
+            self.connection = None
+        refused = [i for i, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
+        if refused:
+            for i, reply in zip(refused, self.buffer._run_scripts(self.script, [self.calls[i] for i in refused])):
+                replies[i] = reply
+        self.results = self.buffer._per_sample_results(self.calls, replies, self.value)
+        return self.results
+

@@ -397,8 +397,11 @@ class RolloutEngine:
                     restored.append((seq, kept[1]))
                     continue
             seqs.append(seq)
+        # New rows join longest first (restored ones before the prefilled, which are shorter than
+        # the running rows anyway): rows of similar length sit together, and the fast path's decode
+        # attention reads each segment of rows only up to its own longest.
         if restored:
-            self._restore(restored)
+            self._restore(sorted(restored, key=lambda item: -len(item[0].tokens)))
         # Resumed partials make newcomers' contexts very unequal; one padded prefill would compute
         # mostly padding in attention. Pad in buckets of similar length instead.
         buckets: list[list[_Seq]] = []
@@ -406,7 +409,7 @@ class RolloutEngine:
             if not buckets or len(seq.tokens) > 2 * len(buckets[-1][0].tokens) + 8:
                 buckets.append([])
             buckets[-1].append(seq)
-        return buckets
+        return [bucket[::-1] for bucket in reversed(buckets)]
 
     def _keep_kv(self, seqs: list[_Seq], saved: list[tuple]) -> None:
         for seq, kv in zip(seqs, saved):
@@ -556,7 +559,8 @@ class RolloutEngine:
             drop[:, 0] = False  # always keep the most likely token
             probs = probs.masked_fill(drop.scatter(1, order, drop), 0.0)
         # Exponential race: argmax(p / E), E ~ Exp(1), samples from p (no host sync, seeded).
-        race = torch.empty_like(probs).exponential_(generator=self._generator).clamp_(min=1e-20)
+        # E = -log(U), U ~ U[0, 1): in (0, inf], never 0; 5x cheaper on CPU than exponential_.
+        race = torch.empty_like(probs).uniform_(generator=self._generator).log_().neg_()
         tok = (probs / race).argmax(-1)
         tok = torch.where(greedy, logits.argmax(-1), tok)
         lp = logp.gather(1, tok[:, None]).squeeze(1)

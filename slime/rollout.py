@@ -3,7 +3,9 @@
 The generation loop runs on a thread inside the actor; the actor's methods (weight update,
 abort, pause) take the engine lock, so they act between two decode steps. Rewards run on the
 worker's RewardRunner threads and never block decoding; the generation thread writes the scored
-samples' final status to the buffer between two steps, all of them in one batch.
+samples' final status to the buffer between two steps, all of them in one batch. A step's chunk
+writes are sent right after it and their replies read after the next step, so Redis executes
+them while the engine computes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from rewards.plugin import load_function
 from rewards.prm import place_step_rewards, step_end_tokens_of_ids
 from rewards.runner import RewardResult, StepScores
 from rewards.service import make_reward_service
-from slime.buffer import Finish, LeaseLostError, RedisBuffer
+from slime.buffer import Finish, LeaseLostError, PendingReplies, RedisBuffer
 from slime.config import JobConfig
 from slime.dashboard.experts import ExpertLoadRecorder
 from slime.engine import GenerationChunk, GenerationRequest, SamplingParams
@@ -42,6 +44,17 @@ class _Pending:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+
+
+class _SentChunks:
+    """Chunk writes sent to the buffer whose replies are not read yet; the trajectories that
+    finished with them wait for those replies."""
+
+    __slots__ = ("sent", "finished", "replies")
+
+    def __init__(self, sent: list[tuple[_Pending, list[int], list[float], list[int]]],
+                 finished: list[tuple[_Pending, str | None]], replies: PendingReplies):
+        self.sent, self.finished, self.replies = sent, finished, replies
 
 
 class RolloutWorker:
@@ -75,6 +88,7 @@ class RolloutWorker:
         )
         self.lock = threading.Lock()
         self.pending: dict[str, _Pending] = {}
+        self.unsettled: _SentChunks | None = None  # the last step's chunk writes, replies unread
         self.scoring: dict[str, Future] = {}
         # Scored, not finished in the buffer yet. Reward callbacks only append here (deque appends are
         # thread-safe); the generation thread finishes them in one batch between two engine steps.
@@ -101,8 +115,9 @@ class RolloutWorker:
         try:
             while not self.stopped.is_set():
                 if self.paused.is_set():
-                    if self.scored:
+                    if self.scored or self.unsettled is not None:
                         with self.lock:
+                            self._settle()
                             self._finish_scored()
                     time.sleep(0.005)
                     continue
@@ -116,6 +131,7 @@ class RolloutWorker:
                     self.admit_seconds += t1 - t0
                     if not self.engine.has_unfinished():
                         idle = True
+                        self._settle()
                     else:
                         idle = False
                         chunks = self.engine.step()
@@ -177,7 +193,12 @@ class RolloutWorker:
         )
         return False
 
-    def _absorb(self, chunks: list[GenerationChunk]) -> None:
+    def _absorb(self, chunks: list[GenerationChunk], wait: bool = False) -> None:
+        """Take a step's chunks: send the due chunk writes now and read their replies at the next
+        call (after the next engine step, which runs while Redis executes them); with ``wait``,
+        read them now. Finished trajectories are finalized (or released, if aborted) once their
+        last chunk is confirmed stored."""
+        self._settle()
         to_flush: list[_Pending] = []
         finished: list[tuple[_Pending, str | None]] = []
         for chunk in chunks:
@@ -192,9 +213,38 @@ class RolloutWorker:
                 to_flush.append(p)
             if chunk.finished:
                 finished.append((p, chunk.finish_reason))
-        lost = self._flush(to_flush)
+        if to_flush or finished:
+            sent = [(p, p.tokens, p.logprobs, p.versions) for p in to_flush]
+            for p in to_flush:
+                p.tokens, p.logprobs, p.versions = [], [], []
+            replies = self.buffer.send_append_chunks(self.worker_id, [(p.sample.id, t, l, v) for p, t, l, v in sent])
+            self.unsettled = _SentChunks(sent, finished, replies)
+        if wait:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Read the replies of the chunk writes sent last (see _absorb) and act on them. A lost
+        lease means this worker was too slow: the sample went back to the queue with the tokens
+        stored so far, another worker continues it, and we drop our copy (and the engine's)."""
+        flush, self.unsettled = self.unsettled, None
+        if flush is None:
+            return
+        lost: set[str] = set()
+        for (p, tokens, logprobs, versions), result in zip(flush.sent, flush.replies.wait()):
+            if isinstance(result, LeaseLostError):
+                self.engine.abort([p.sample.id])
+                self.pending.pop(p.sample.id, None)
+                if self.multiturn is not None:
+                    self.multiturn.drop(p.sample.id)
+                lost.add(p.sample.id)
+                continue
+            if isinstance(result, Exception):
+                raise result
+            p.sample.append(tokens, logprobs, np.array(versions))
+            if self.chunk_sampler is not None:
+                self._sample_next_chunk(p.sample)
         aborted: list[str] = []
-        for p, reason in finished:
+        for p, reason in flush.finished:
             if p.sample.id in lost:
                 continue
             del self.pending[p.sample.id]
@@ -211,32 +261,6 @@ class RolloutWorker:
         for error in self.buffer.release_many(sample_ids, self.worker_id):
             if error is not None and not isinstance(error, LeaseLostError):  # lost: requeued meanwhile
                 raise error
-
-    def _flush(self, pendings: list[_Pending]) -> set[str]:
-        """Write each one's pending tokens as a chunk, all in one round trip. Returns the ids this
-        worker no longer owns: their lease expired (we were too slow) and they went back to the
-        queue with the tokens stored so far; another worker continues them, we drop our copy."""
-        if not pendings:
-            return set()
-        results = self.buffer.append_chunks(
-            self.worker_id, [(p.sample.id, p.tokens, p.logprobs, p.versions) for p in pendings]
-        )
-        lost: set[str] = set()
-        for p, result in zip(pendings, results):
-            if isinstance(result, LeaseLostError):
-                self.engine.abort([p.sample.id])
-                self.pending.pop(p.sample.id, None)
-                if self.multiturn is not None:
-                    self.multiturn.drop(p.sample.id)
-                lost.add(p.sample.id)
-                continue
-            if isinstance(result, Exception):
-                raise result
-            p.sample.append(p.tokens, p.logprobs, np.array(p.versions))
-            p.tokens, p.logprobs, p.versions = [], [], []
-            if self.chunk_sampler is not None:
-                self._sample_next_chunk(p.sample)
-        return lost
 
     def _sample_next_chunk(self, sample: Sample) -> None:
         """The active sampler (GLM-5 report): after each chunk a user hook may pick the temperature
@@ -344,7 +368,7 @@ class RolloutWorker:
         self.paused.set()
         with self.lock:
             chunks = self.engine.abort(None)
-            self._absorb(chunks)
+            self._absorb(chunks, wait=True)
             # Episodes waiting on the env: their stored tokens end with a finished model turn; the
             # resumed episode redoes that env step.
             env_turns = self.multiturn.abort_env_turns() if self.multiturn is not None else []
@@ -386,6 +410,8 @@ class RolloutWorker:
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=30)
+        with self.lock:
+            self._settle()  # the last chunk writes' replies; their finished samples go to scoring
         if self.expert_load is not None:  # the counts since the last periodic flush
             self.buffer.add_expert_load(self.expert_load.take())
         self.rewards.close()  # calls still running resolve (as failures) into self.scored

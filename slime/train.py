@@ -266,7 +266,9 @@ class RunningJob:
             if time.time() - last_health > 2.0:
                 self.check_workers(ray)
                 last_health = time.time()
-            time.sleep(0.02)
+            # Woken the moment a group turns ready: the batch-full check (and with APRIL the abort
+            # and the refill) does not wait out a polling interval; APRIL's rollout phases are short.
+            self.buffer.wait_for_ready_signal(0.02)
 
     def wait_for_segments(self, needed: int) -> None:
         import ray

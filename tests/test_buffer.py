@@ -376,3 +376,38 @@ def test_connect_or_start(tmp_path: Path, redis_url: str) -> None:
 def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="did not start"):
         LocalRedisServer(tmp_path, binary=shutil.which("false") or "/bin/false", start_timeout_s=5)
+
+
+def test_sent_chunks_are_stored_before_their_replies_are_read(buffer: RedisBuffer) -> None:
+    # The rollout thread sends a step's chunk writes, runs the next engine step, then reads the
+    # replies: the writes do not wait for the read, other connections go on meanwhile, and a lost
+    # lease is still reported per chunk.
+    buffer.add_group(PROMPT, n=2, max_new_tokens=16, metadata={})
+    first, second = buffer.lease("w", 2)
+    buffer.redis.hset(buffer._key("sample", second.id), "lease_owner", "other")
+    pending = buffer.send_append_chunks("w", [(first.id, [1, 2], [-0.1, -0.2], [0, 0]), (second.id, [3], [-0.3], [0])])
+    deadline = time.time() + 5
+    while buffer.redis.strlen(buffer._key("sample", first.id) + ":tok") != 8 and time.time() < deadline:
+        time.sleep(0.001)  # executed by the server without anyone reading the replies
+    assert buffer.get_sample(first.id).response_ids.tolist() == [1, 2]
+    results = pending.wait()
+    assert results[0] == 2 and isinstance(results[1], LeaseLostError)
+    assert pending.wait() is results
+    assert buffer.send_append_chunks("w", []).wait() == []
+
+
+def test_a_group_turning_ready_wakes_the_waiting_driver(buffer: RedisBuffer) -> None:
+    assert buffer.wait_for_ready_signal(0.05) is False  # nothing ready: waits out the timeout
+    buffer.add_group(PROMPT, n=2, max_new_tokens=16, metadata={})
+    first, second = buffer.lease("w", 2)
+    buffer.finish(first.id, "w", Status.COMPLETED, reward=1.0)
+    assert buffer.wait_for_ready_signal(0.05) is False  # half the group: not ready yet
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append((buffer.wait_for_ready_signal(10.0), time.time())))
+    waiter.start()
+    time.sleep(0.2)
+    finished_at = time.time()
+    buffer.finish(second.id, "w", Status.COMPLETED, reward=0.0)
+    waiter.join(timeout=10)
+    assert woke and woke[0][0] is True and woke[0][1] - finished_at < 1.0
+    assert buffer.wait_for_ready_signal(0.05) is False  # one signal, consumed

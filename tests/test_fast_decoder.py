@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,3 +289,46 @@ def test_kept_cache_across_a_weight_update_equals_running_through_it():
     assert got_p == got_t
     for rid in got_t:
         assert lps_p[rid] == pytest.approx(lps_t[rid], abs=1e-5)
+
+
+# ---------------------------------------------------------------- segmented decode attention
+
+
+def test_decode_segments_cover_every_row_and_split_only_where_it_pays():
+    from slime.engines.fast_decoder import SEGMENT_ROWS, decode_segments
+
+    long_then_short = np.array([90] * SEGMENT_ROWS + [5] * (3 * SEGMENT_ROWS))
+    assert decode_segments(long_then_short) == [(0, SEGMENT_ROWS, 91), (SEGMENT_ROWS, 4 * SEGMENT_ROWS, 6)]
+    assert decode_segments(np.full(70, 40)) == [(0, 70, 41)]  # equal rows: one segment
+    assert decode_segments(np.array([7])) == [(0, 1, 8)]
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lens = rng.integers(1, 200, size=int(rng.integers(1, 120)))
+        segments = decode_segments(lens)
+        assert segments[0][0] == 0 and segments[-1][1] == len(lens)
+        assert all(a[1] == b[0] for a, b in zip(segments, segments[1:]))
+        assert all(used == lens[r0:r1].max() + 1 for r0, r1, used in segments)
+
+
+def test_segmented_decode_attention_equals_one_padded_attention(monkeypatch):
+    """APRIL's batches: a few long resumed rows before many short fresh ones. Each segment attends
+    only up to its own longest row; the logits must equal one attention padded to the longest."""
+    import slime.engines.fast_decoder as fd
+
+    model = tiny_moe(4)
+    contexts = prompts(16, seed=21, lo=80, hi=110) + prompts(40, seed=22, lo=2, hi=8)
+    steps = [torch.randint(2, VOCAB, (len(contexts),), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+
+    def decode_all() -> list[torch.Tensor]:
+        fast = FastDecoder(model, 64, 256)
+        with torch.inference_mode():
+            out = [fast.prefill(contexts)]
+            out += [fast.decode(tokens) for tokens in steps]
+        return out
+
+    assert len(fd.decode_segments(np.array([len(c) for c in contexts]))) > 1
+    segmented = decode_all()
+    monkeypatch.setattr(fd, "SEGMENT_COST", 10**9)  # never split: one padded attention
+    padded = decode_all()
+    for a, b in zip(segmented, padded):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
