@@ -687,6 +687,10 @@ class RedisBuffer:
         """`finish` for many samples in one round trip (one more to read the stored metadata that a
         metadata update merges into, unless the caller gives it); per sample whether it completed
         its group, or the error it raised."""
+        return self.send_finish_many(worker_id, finishes).wait()
+
+    def send_finish_many(self, worker_id: str, finishes: Sequence[Finish]) -> "PendingReplies":
+        """`finish_many`, sent now; ``.wait()`` reads its replies (see `send_append_chunks`)."""
         statuses = [Status(f.status) for f in finishes]
         for status in statuses:
             if status not in FINAL_STATUSES:
@@ -723,7 +727,7 @@ class RedisBuffer:
                 token_reward_bytes,
                 metadata_json.get(id(f), ""),
             ])
-        return self._run_per_sample(self._finish, calls, bool)
+        return PendingReplies(self, self._finish, calls, bool)
 
     def release(self, sample_id: str, worker_id: str) -> None:
         """Abort a leased sample: ABORTED, tokens kept, lease released, first in the resume queue."""

@@ -89,6 +89,7 @@ class RolloutWorker:
         self.lock = threading.Lock()
         self.pending: dict[str, _Pending] = {}
         self.unsettled: _SentChunks | None = None  # the last step's chunk writes, replies unread
+        self.unsettled_finishes: tuple[list[tuple[Sample, Status, RewardResult]], PendingReplies] | None = None
         self.scoring: dict[str, Future] = {}
         # Scored, not finished in the buffer yet. Reward callbacks only append here (deque appends are
         # thread-safe); the generation thread finishes them in one batch between two engine steps.
@@ -115,7 +116,7 @@ class RolloutWorker:
         try:
             while not self.stopped.is_set():
                 if self.paused.is_set():
-                    if self.scored or self.unsettled is not None:
+                    if self.scored or self.unsettled is not None or self.unsettled_finishes is not None:
                         with self.lock:
                             self._settle()
                             self._finish_scored()
@@ -316,17 +317,22 @@ class RolloutWorker:
         except LeaseLostError:
             pass  # requeued meanwhile; the new owner resumes the episode
 
-    def _finish_scored(self) -> None:
-        """Write every scored sample's final status (reward, or the failure) in one batch."""
-        if not self.scored:
-            return
-        batch = [self.scored.popleft() for _ in range(len(self.scored))]
-        results = self.buffer.finish_many(self.worker_id, [self._finish_of(*item) for item in batch])
-        for (sample, _, _), result in zip(batch, results):
-            self.scoring.pop(sample.id, None)
-            # Lost: requeued meanwhile; the new owner regenerates nothing and rescores it.
-            if isinstance(result, Exception) and not isinstance(result, LeaseLostError):
-                raise result
+    def _finish_scored(self, wait: bool = False) -> None:
+        """Write every scored sample's final status (reward, or the failure) in one batch; its
+        replies are read at the next call (Redis executes it meanwhile), or now with ``wait``."""
+        sent, self.unsettled_finishes = self.unsettled_finishes, None
+        if sent is not None:
+            batch, replies = sent
+            for (sample, _, _), result in zip(batch, replies.wait()):
+                self.scoring.pop(sample.id, None)
+                # Lost: requeued meanwhile; the new owner regenerates nothing and rescores it.
+                if isinstance(result, Exception) and not isinstance(result, LeaseLostError):
+                    raise result
+        if self.scored:
+            batch = [self.scored.popleft() for _ in range(len(self.scored))]
+            self.unsettled_finishes = (batch, self.buffer.send_finish_many(self.worker_id, [self._finish_of(*item) for item in batch]))
+        if wait and self.unsettled_finishes is not None:
+            self._finish_scored()
 
     def _finish_of(self, sample: Sample, status: Status, result: RewardResult) -> Finish:
         meta = {"reward_latency_s": result.latency_s}
@@ -415,7 +421,7 @@ class RolloutWorker:
         if self.expert_load is not None:  # the counts since the last periodic flush
             self.buffer.add_expert_load(self.expert_load.take())
         self.rewards.close()  # calls still running resolve (as failures) into self.scored
-        self._finish_scored()
+        self._finish_scored(wait=True)
         self.transport.close()
         getattr(self.engine, "close", lambda: None)()  # engines that run servers (SGLang) stop them
         if self.multiturn is not None:
