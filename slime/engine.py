@@ -364,6 +364,9 @@ class RolloutEngine:
             "kv_kept_requests": len(self._kept),
             "kv_resumes": self._kv_resumes,
             "kv_resumed_tokens": self._kv_resumed_tokens,
+            # Context tokens not prefilled because an identical context (a group's shared prompt)
+            # was prefilled in the same forward.
+            "shared_prefill_tokens": getattr(self._batch, "shared_prefill_tokens", 0),
         }
 
     # ------------------------------------------------------------------ internals

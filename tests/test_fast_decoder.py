@@ -332,3 +332,30 @@ def test_segmented_decode_attention_equals_one_padded_attention(monkeypatch):
     padded = decode_all()
     for a, b in zip(segmented, padded):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_groups_shared_prompt_is_prefilled_once_and_each_sample_decodes_on_its_own():
+    """GRPO's n samples of a prompt arrive together with identical contexts: the prompt is fed
+    once; every row gets its keys/values, and greedy/sampled tokens match running each alone."""
+    model = tiny_moe(5)
+    prompt_a, prompt_b = prompts(2, seed=31, lo=6, hi=12)
+    contexts = [prompt_a] * 4 + [prompt_b] * 3 + [prompt_a[:-1]]
+    fast = FastDecoder(model, 16, 128)
+    with torch.inference_mode():
+        logits = fast.prefill(contexts)
+        steps = torch.randint(2, VOCAB, (len(contexts),), generator=torch.Generator().manual_seed(3))
+        decoded = fast.decode(steps)
+    assert fast.shared_prefill_tokens == 3 * len(prompt_a) + 2 * len(prompt_b)
+    for r, context in enumerate(contexts):
+        ref = model(input_ids=torch.tensor([context + [int(steps[r])]]), use_cache=False).logits[0].float()
+        torch.testing.assert_close(logits[r], ref[len(context) - 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(decoded[r], ref[len(context)], rtol=1e-4, atol=1e-4)
+
+    engine = RolloutEngine(model, max_running_requests=16)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    together = run(engine, [prompt_a] * 4, lambda i: greedy)
+    assert engine.health()["shared_prefill_tokens"] == 3 * len(prompt_a)
+    alone = run(RolloutEngine(model, max_running_requests=16), [prompt_a], lambda i: greedy)[0]
+    assert all(c.token_ids == alone.token_ids for c in together)
+    sampled = run(engine, [prompt_a] * 4, lambda i: SamplingParams(temperature=1.0, max_new_tokens=12), rid="s")
+    assert len({tuple(c.token_ids) for c in sampled}) > 1  # one shared prefill, independent samples

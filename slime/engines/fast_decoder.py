@@ -169,6 +169,7 @@ class FastDecoder:
         self.values: list[torch.Tensor] = []
         self.lens = np.zeros(0, dtype=np.int64)  # host copy of each row's cached length
         self.rows = 0
+        self.shared_prefill_tokens = 0  # context tokens not fed again: a repeat of one in the same prefill
 
     # ---------------------------------------------------------------- cache capacity
 
@@ -279,7 +280,8 @@ class FastDecoder:
           ``lens[r]`` (the caller's ``positions`` are the same numbers), attending over its cache
           (a length mask hides other rows' longer caches);
         - every context of ``groups`` becomes a new row after the existing ones (in order) and is
-          prefilled, each group right padded to its own widest context for causal attention.
+          prefilled, each group right padded to its own widest context for causal attention;
+          identical contexts are fed once and their rows share its keys, values and logits.
 
         Projections, norms and the MoE run once over the real tokens of both kinds. Returns the
         next-token logits of every row fed: [decoded rows + new rows, V].
@@ -293,29 +295,46 @@ class FastDecoder:
         used = int(self.lens.max()) + 1 if b else 0
         self._reserve(self.rows + n_new, max(used, width + 1))
 
+        # Identical contexts (the n samples of a group share their prompt) are fed once: each new
+        # row reads its keys/values and last logits from its context's first occurrence.
+        starts: list[int] = []  # per new row: flat index of its context's first token
+        first: list[bool] = []  # per new row: the first occurrence of its context
+        seen: dict[tuple[int, ...], int] = {}
+        fed: list[int] = []
+        for c in contexts:
+            start = seen.setdefault(tuple(c), b + len(fed))
+            first.append(start == b + len(fed))
+            if first[-1]:
+                fed.extend(c)
+            starts.append(start)
+        self.shared_prefill_tokens += sum(n for n, f in zip(ctx_lens, first) if not f)
+
         lens = torch.from_numpy(self.lens).to(dev) if b else None  # decode rows' input positions
         flat_ids = [last_tokens.to(dev)] if b else []
         pos_parts = [lens] if b else []
         if contexts:
-            flat_ids.append(torch.tensor([t for c in contexts for t in c], dtype=torch.long, device=dev))
-            pos_parts.append(torch.cat([torch.arange(n, device=dev) for n in ctx_lens]))
+            flat_ids.append(torch.tensor(fed, dtype=torch.long, device=dev))
+            pos_parts.append(torch.cat([torch.arange(n, device=dev) for n, f in zip(ctx_lens, first) if f]))
         ids, pos = torch.cat(flat_ids), torch.cat(pos_parts)
         # Each new group, right padded: padded slot -> flat index (pads repeat the group's first
         # token; causal attention keeps real tokens off the padding after them, and a row's padding
-        # keys are overwritten by its own decode steps before they are read).
+        # keys are overwritten by its own decode steps before they are read). A repeated context's
+        # row computes attention too, but only first occurrences give the flat outputs.
         padded = []
-        offset, row = b, self.rows
+        new_row = 0
+        row = self.rows
         for g in groups:
             g_lens = [len(c) for c in g]
             w = max(g_lens)
-            index = torch.full((len(g), w), offset, dtype=torch.long)
+            index = torch.full((len(g), w), starts[new_row], dtype=torch.long)
             real = torch.zeros(len(g), w, dtype=torch.bool)
             for j, n in enumerate(g_lens):
-                index[j, :n] = torch.arange(offset, offset + n)
-                real[j, :n] = True
-                offset += n
+                start = starts[new_row + j]
+                index[j, :n] = torch.arange(start, start + n)
+                real[j, :n] = first[new_row + j]
             padded.append((index.to(dev), real.reshape(-1).to(dev), slice(row, row + len(g)), w))
             row += len(g)
+            new_row += len(g)
         if b:
             rows_idx = torch.arange(b, device=dev)
             # Additive mask [b, 1, 1, used]: 0 on a row's own cached positions, -inf past them.
@@ -368,11 +387,7 @@ class FastDecoder:
             x = x + F.linear(torch.cat(out) if len(out) > 1 else out[0], L.wo, L.bo)
             x = x + self._mlp(L, _rms_norm(x, L.ln_post, L.eps))
 
-        last = list(range(b))
-        end = b
-        for n in ctx_lens:
-            end += n
-            last.append(end - 1)
+        last = list(range(b)) + [start + n - 1 for start, n in zip(starts, ctx_lens)]
         logits = self._logits(x[torch.tensor(last, device=dev)])
         if b:
             self.lens = self.lens + 1
