@@ -92,6 +92,12 @@ class SimConfig(BaseModel):
         description="An aborted partial keeps its KV cache on its engine (the built-in engine's "
         "rollout.kept_kv_tokens): resumed there, it pays no prefill; on another engine it prefills.",
     )
+    shared_prompt_prefill: bool = Field(
+        True,
+        description="Fresh samples of one group admitted to an engine together pay their shared prompt's "
+        "prefill once (the built-in engine feeds identical contexts once; vLLM's and SGLang's prefix caches "
+        "do the same).",
+    )
     # learner timing (seconds)
     t_sync: float = Field(5.0, ge=0, description="Weight sync (learner -> engines) per step.")
     t_train0: float = Field(10.0, ge=0, description="Fixed cost of a training step.")
@@ -292,6 +298,7 @@ class Engine:
         """Admit from the queue, preempt if the KV budget overflows, pick the macro step; its end."""
         c = self.cfg
         prefill = 0
+        fresh_groups: set[int] = set()  # groups whose prompt this admission already prefills
         while self.waiting and len(self.running) < c.slots:
             r = self.waiting[0]
             if self.kv + r.context + len(self.running) + 1 > c.kv_tokens:
@@ -300,7 +307,11 @@ class Engine:
             self.running.append(r)
             self.kv += r.context
             if r.kv_on is not self:
-                prefill += r.context
+                shared = c.shared_prompt_prefill and r.generated == 0
+                if not (shared and id(r.group) in fresh_groups):
+                    prefill += r.context
+                if shared:
+                    fresh_groups.add(id(r.group))
             r.kv_on = None
         while self.running and self.kv + len(self.running) > c.kv_tokens:
             youngest = self.running.pop()  # KV dropped; it re-queues first and re-prefills later

@@ -205,7 +205,10 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
 
     torch.set_num_threads(threads)
     model = load_model(model_dir)
-    prompt = [10 + (i % 40) for i in range(prompt_len)]
+    # A distinct context per request: the engine feeds identical contexts once (a group's shared
+    # prompt), which would hide the per-token prefill cost measured here.
+    rng = np.random.default_rng(0)
+    context = lambda n: rng.integers(10, 50, size=n).tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=60)
     batches = (1, 8, 32, 64, 128, 256)
     step_s = {b: math.inf for b in batches}
@@ -214,7 +217,7 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
         for b in batches:
             engine = RolloutEngine(model, max_running_requests=b, seed=r)
             for i in range(b):
-                engine.add_request(GenerationRequest(f"{r}-{i}", prompt, params))
+                engine.add_request(GenerationRequest(f"{r}-{i}", context(prompt_len), params))
             for _ in range(4):  # prefill + warm-up
                 engine.step()
             t = time.perf_counter()
@@ -223,7 +226,7 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
             step_s[b] = min(step_s[b], (time.perf_counter() - t) / 15)
         engine = RolloutEngine(model, max_running_requests=128, seed=r)
         for i in range(128):
-            engine.add_request(GenerationRequest(f"p{r}-{i}", prompt, params, [11] * (30 - prompt_len)))
+            engine.add_request(GenerationRequest(f"p{r}-{i}", context(prompt_len), params, context(30 - prompt_len)))
         t = time.perf_counter()
         engine.step()  # prefill of 128 x 30 tokens, then one decode step of 128
         prefill = min(prefill, time.perf_counter() - t)

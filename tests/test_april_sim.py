@@ -106,6 +106,18 @@ def test_kept_kv_resume_skips_the_prefill_of_partials_on_their_engine():
     assert two_kept.prefill_tokens < two_recompute.prefill_tokens
 
 
+def test_a_groups_samples_share_their_prompts_prefill():
+    # One engine with room for a whole step: sync admits every group's n fresh samples together,
+    # so each group pays its prompt once (as the built-in engine and vLLM/SGLang prefix caches do).
+    one = dict(engines=1, slots=32, steps=3)
+    shared = simulate("sync", small(**one))
+    apart = simulate("sync", small(**one, shared_prompt_prefill=False))
+    groups = small(**one).steps * small().batch_size
+    assert shared.prefill_tokens == groups * small().prompt_tokens
+    assert apart.prefill_tokens == groups * small().n_samples * small().prompt_tokens
+    assert shared.throughput > apart.throughput
+
+
 def test_version_accounting_per_policy():
     cfg = small(steps=8)
     sync = simulate("sync", cfg)
