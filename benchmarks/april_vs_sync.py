@@ -11,7 +11,8 @@ the default warm start, the repeat task) with the same seeds; only `april.*` (an
                     the engine keeps generating; the critic bootstraps unfinished returns
     sync_frozen, april2_frozen   sync and APRIL x2 with the policy frozen (learner.lr=1e-12): the same
                     workload for both, what the mechanism alone buys; the simulator is compared here
-    sync_repeat, april1.5, april3   when time allows (--extra auto: if the projected total fits --budget-s)
+    sync_repeat, april2_repeat, april1.5, april3   when time allows (--extra auto: if the projected total
+                    fits --budget-s); with both repeats the headline ratio is also pooled over two runs each
 
 Then the simulator (`april/sim.py`, preset `cpu_tiny`) is calibrated from this machine: the engine's
 decode step time at several batch sizes (-> t0, k), prefill time per token (-> p), training time per
@@ -75,6 +76,8 @@ STREAMING_PAIR = ("ppo_sync", "ppo_streaming")
 EXTRA_SETTINGS: dict[str, list[str]] = {
     # The baseline again: run-to-run noise of every figure (the worker's sampling seed differs per run).
     "sync_repeat": ["april.enabled=false"],
+    # APRIL x2 again: the headline ratio is also given pooled over two runs of each arm.
+    "april2_repeat": ["april.enabled=true", "april.oversample=2.0"],
     "april1.5": ["april.enabled=true", "april.oversample=1.5"],
     "april3": ["april.enabled=true", "april.oversample=3.0"],
 }
@@ -348,6 +351,22 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
 # --------------------------------------------------------------------------- report
 
 
+POOLED = {"sync": ("sync", "sync_repeat"), "april2": ("april2", "april2_repeat")}
+
+
+def pooled_pair(sums: dict[str, dict]) -> dict[str, dict[str, float]] | None:
+    """Each arm's tokens per rollout / wall second over both of its runs (total tokens over total
+    seconds), when both repeats ran: one run of the baseline varies by 10-20% on this machine."""
+    if not all(c in sums for arm in POOLED.values() for c in arm):
+        return None
+    out = {}
+    for arm, names in POOLED.items():
+        tokens = sum(sums[c]["generated_tokens"] for c in names)
+        out[arm] = {key: tokens / sum(sums[c]["generated_tokens"] / sums[c][key] for c in names)
+                    for key in ("rollout_tok_s", "wall_tok_s")}
+    return out
+
+
 def first_last(values: list[float], n: int = 5) -> tuple[float, float]:
     v = [x for x in values if math.isfinite(x)]
     return (float(np.mean(v[:n])), float(np.mean(v[-n:]))) if v else (math.nan, math.nan)
@@ -497,6 +516,14 @@ def main() -> None:
               f"wasted tokens {int(fa['wasted_tokens'])}")
 
     e = engine
+    pooled = pooled_pair(sums)
+    if pooled:
+        print("\ntwo runs of each arm (sync + sync_repeat, april2 + april2_repeat), pooled over both:")
+        for key, label in (("rollout_tok_s", "generated tok / rollout s"), ("wall_tok_s", "generated tok / wall s")):
+            runs = {arm: " / ".join(f"{sums[c][key]:.0f}" for c in names) for arm, names in POOLED.items()}
+            print(f"  {label:28s}{pooled['april2'][key]:8.0f} vs {pooled['sync'][key]:8.0f}   "
+                  f"{pooled['april2'][key] / pooled['sync'][key]:.2f}x   (april2 runs {runs['april2']}; sync runs {runs['sync']})")
+
     print()
     S, A = cal["pair"]
     print(f"simulator (april/sim.py, preset cpu_tiny) calibrated on this machine and the {S} run, "
@@ -573,6 +600,9 @@ def main() -> None:
         sb, st = (sums[c] for c in STREAMING_PAIR)
         result["ppo_streaming_over_ppo_sync_wall_tokens_per_s_ratio"] = round(st["wall_tok_s"] / sb["wall_tok_s"], 3)
         result["ppo_streaming_over_ppo_sync_trained_tokens_per_s_ratio"] = round(st["trained_tok_s"] / sb["trained_tok_s"], 3)
+    if pooled:
+        for key, name in (("rollout_tok_s", "rollout_tokens_per_s"), ("wall_tok_s", "wall_tokens_per_s")):
+            result[f"pooled2_april2_over_sync_{name}_ratio"] = round(pooled["april2"][key] / pooled["sync"][key], 3)
     if all(c in sums for c in FROZEN_PAIR):
         fb, fa = (sums[c] for c in FROZEN_PAIR)
         for key, name in (("rollout_tok_s", "rollout_tokens_per_s"), ("wall_tok_s", "wall_tokens_per_s"),
