@@ -104,6 +104,20 @@ local function requeue_running(sid)
   move_count('running', 'aborted')
   redis.call('LPUSH', P .. 'queue:resume', sid)
 end
+-- One more member of group `gid` is final; true when that completes the open group, which then
+-- joins the ready queue and signals the driver (signal:ready holds at most one element).
+local function member_done(gid)
+  local gkey = P .. 'group:' .. gid
+  local done = redis.call('HINCRBY', gkey, 'done', 1)
+  if done < tonumber(redis.call('HGET', gkey, 'n')) or redis.call('HGET', gkey, 'status') ~= 'open' then
+    return false
+  end
+  redis.call('HSET', gkey, 'status', 'ready')
+  redis.call('RPUSH', P .. 'queue:ready', gid)
+  redis.call('RPUSH', P .. 'signal:ready', '1')
+  redis.call('LTRIM', P .. 'signal:ready', -1, -1)
+  return true
+end
 -- nil when `worker` holds the lease on `sid`, else the current owner ('' for none)
 local function lost_lease(sid, worker)
   local owner = redis.call('HGET', P .. 'sample:' .. sid, 'lease_owner')
@@ -226,16 +240,7 @@ if ARGV[9] ~= '' then redis.call('HSET', skey, 'metadata', ARGV[9]) end
 redis.call('HDEL', skey, 'lease_owner')
 redis.call('ZREM', P .. 'leases', sid)
 move_count('running', status)
-local gid = redis.call('HGET', skey, 'group_id')
-local gkey = P .. 'group:' .. gid
-local done = redis.call('HINCRBY', gkey, 'done', 1)
-if done >= tonumber(redis.call('HGET', gkey, 'n')) and redis.call('HGET', gkey, 'status') == 'open' then
-  redis.call('HSET', gkey, 'status', 'ready')
-  redis.call('RPUSH', P .. 'queue:ready', gid)
-  redis.call('RPUSH', P .. 'signal:ready', '1')
-  redis.call('LTRIM', P .. 'signal:ready', -1, -1)
-  return {0, 1}
-end
+if member_done(redis.call('HGET', skey, 'group_id')) then return {0, 1} end
 return {0, 0}
 """
 
@@ -439,14 +444,7 @@ redis.call('HDEL', skey, 'lease_owner')
 redis.call('HSET', skey, 'status', 'failed', 'failure', reason, 'updated_at', fmt(now()))
 move_count(status, 'failed')
 redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_samples:dashboard', 1)
-local gkey = P .. 'group:' .. redis.call('HGET', skey, 'group_id')
-local done = redis.call('HINCRBY', gkey, 'done', 1)
-if done >= tonumber(redis.call('HGET', gkey, 'n')) and redis.call('HGET', gkey, 'status') == 'open' then
-  redis.call('HSET', gkey, 'status', 'ready')
-  redis.call('RPUSH', P .. 'queue:ready', redis.call('HGET', skey, 'group_id'))
-  redis.call('RPUSH', P .. 'signal:ready', '1')
-  redis.call('LTRIM', P .. 'signal:ready', -1, -1)
-end
+member_done(redis.call('HGET', skey, 'group_id'))
 return {0, status}
 """
 
@@ -1064,37 +1062,9 @@ class RedisBuffer:
     # ---- internals ----------------------------------------------------------------------------
 
     def _run_per_sample(self, script: Any, calls: Sequence[Sequence[Any]], value: Callable[[Any], Any]) -> list[Any]:
-        """`_run_scripts` for the per-sample scripts (ARGV: prefix, sample id, worker, ...; reply
-        {code, detail}): per call value(detail), or the error its code stands for."""
-        return self._per_sample_results(calls, self._run_scripts(script, calls), value)
-
-    def _per_sample_results(self, calls: Sequence[Sequence[Any]], replies: Sequence[Any], value: Callable[[Any], Any]) -> list[Any]:
-        results: list[Any] = []
-        for args, (code, detail) in zip(calls, replies):
-            try:
-                self._raise_for(code, detail, args[1], args[2])
-                results.append(value(detail))
-            except (LeaseLostError, KeyError, ChunkLengthError, RuntimeError) as exc:
-                results.append(exc)
-        return results
-
-    def _run_scripts(self, script: Any, calls: Sequence[Sequence[Any]]) -> list[Any]:
-        """One script over many argument lists, in one round trip (EVALSHA in a pipeline). redis-py's
-        pipelines of Script calls first ask SCRIPT EXISTS, a second round trip every time; here a
-        server without the script (first use, or restarted) answers NOSCRIPT: load it and retry."""
-        if not calls:
-            return []
-        for attempt in (0, 1):
-            pipe = self.redis.pipeline(transaction=False)
-            for args in calls:
-                pipe.evalsha(script.sha, 0, *args)
-            try:
-                return pipe.execute()
-            except redis.exceptions.NoScriptError:
-                if attempt:
-                    raise
-                self.redis.script_load(script.script)
-        raise AssertionError("unreachable")
+        """A per-sample script (ARGV: prefix, sample id, worker, ...; reply {code, detail}) over many
+        argument lists in one round trip: per call value(detail), or the error its code stands for."""
+        return PendingReplies(self, script, list(calls), value).wait()
 
     def _raise_for(self, code: int, detail: bytes | int, sample_id: str, worker_id: str) -> None:
         if code == _OK:
@@ -1170,53 +1140,65 @@ def _decode_sample(
 
 
 class PendingReplies:
-    """Per-sample scripts sent in one pipeline on a connection of their own, replies not read yet.
+    """Per-sample scripts sent as EVALSHA in one pipeline on a connection of their own, replies not
+    read yet (redis-py's pipelines of Script calls ask SCRIPT EXISTS first: one more round trip).
 
-    ``wait()`` reads them (once) and returns what `RedisBuffer._run_per_sample` would have. A
-    script the server does not have (first use, or a restarted server) is loaded, and only the
-    calls it refused are run again: the others have already been executed.
+    ``wait()`` reads them (once): per call value(detail), or the error its code stands for. A
+    server without the script (first use, or restarted) answers NOSCRIPT: the script is loaded and
+    only the calls it refused are sent again, since the others have already been executed.
     """
 
     def __init__(self, buffer: RedisBuffer, script: Any, calls: list[list[Any]], value: Callable[[Any], Any]):
         self.buffer, self.script, self.calls, self.value = buffer, script, calls, value
-        self.results: list[Any] | None = None
-        self.connection = None
-        if not calls:
-            self.results = []
-            return
-        pool = buffer.redis.connection_pool
-        self.connection = pool.get_connection()
+        self.results: list[Any] | None = [] if not calls else None
+        self.connection = self._send(calls) if calls else None
+
+    def _send(self, calls: list[list[Any]]):
+        pool = self.buffer.redis.connection_pool
+        connection = pool.get_connection()
         try:
-            self.connection.send_packed_command(
-                self.connection.pack_commands([("EVALSHA", script.sha, 0, *args) for args in calls])
-            )
+            connection.send_packed_command(connection.pack_commands([("EVALSHA", self.script.sha, 0, *args) for args in calls]))
         except BaseException:
-            self.connection.disconnect()
-            pool.release(self.connection)
-            self.connection = None
+            connection.disconnect()
+            pool.release(connection)
             raise
+        return connection
+
+    def _read(self, connection, n: int) -> list[Any]:
+        """n replies; a NOSCRIPT error is returned in its call's place."""
+        replies: list[Any] = []
+        try:
+            for _ in range(n):
+                try:
+                    replies.append(connection.read_response())
+                except redis.exceptions.NoScriptError as exc:
+                    replies.append(exc)
+        except BaseException:
+            connection.disconnect()  # replies half read: the connection cannot be reused
+            raise
+        finally:
+            self.buffer.redis.connection_pool.release(connection)
+        return replies
 
     def wait(self) -> list[Any]:
         if self.results is not None:
             return self.results
-        pool = self.buffer.redis.connection_pool
-        replies: list[Any] = []
-        try:
-            for _ in self.calls:
-                try:
-                    replies.append(self.connection.read_response())
-                except redis.exceptions.NoScriptError as exc:
-                    replies.append(exc)
-        except BaseException:
-            self.connection.disconnect()  # replies half read: the connection cannot be reused
-            raise
-        finally:
-            pool.release(self.connection)
-            self.connection = None
+        connection, self.connection = self.connection, None
+        replies = self._read(connection, len(self.calls))
         refused = [i for i, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
         if refused:
-            for i, reply in zip(refused, self.buffer._run_scripts(self.script, [self.calls[i] for i in refused])):
+            self.buffer.redis.script_load(self.script.script)
+            again = self._read(self._send([self.calls[i] for i in refused]), len(refused))
+            for i, reply in zip(refused, again):
+                if isinstance(reply, Exception):
+                    raise reply
                 replies[i] = reply
-        self.results = self.buffer._per_sample_results(self.calls, replies, self.value)
-        return self.results
-
+        results: list[Any] = []
+        for args, (code, detail) in zip(self.calls, replies):
+            try:
+                self.buffer._raise_for(code, detail, args[1], args[2])
+                results.append(self.value(detail))
+            except (LeaseLostError, KeyError, ChunkLengthError, RuntimeError) as exc:
+                results.append(exc)
+        self.results = results
+        return results
