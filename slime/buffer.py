@@ -51,6 +51,7 @@ from slime.sample import (
     new_id,
     normalize_chunk,
 )
+from slime.security import redact_url
 
 # On-the-wire dtypes: fixed little-endian so any host reads what any other wrote.
 WIRE_TOKEN = "<i4"
@@ -528,10 +529,16 @@ def _float_text(value: float) -> str:
     return repr(float(value))
 
 
+def _reopen_buffer(url: str, job: str, lease_seconds: float, password: str | None) -> "RedisBuffer":
+    return RedisBuffer(url, job, lease_seconds, password=password)
+
+
 class RedisBuffer:
     """Trajectories, groups, leases and queues of one job in one Redis server."""
 
-    def __init__(self, url: str, job: str, lease_seconds: float = 10.0) -> None:
+    def __init__(self, url: str, job: str, lease_seconds: float = 10.0, *, password: str | None = None) -> None:
+        """``password``: the job's own redis-server requires one (kept out of the URL, which is
+        shown and passed around); a password inside ``url`` wins over it."""
         if not JOB_NAME_PATTERN.match(job):
             raise ValueError(f"job name {job!r} must match {JOB_NAME_PATTERN.pattern} (it becomes a key prefix)")
         if lease_seconds <= 0:
@@ -539,9 +546,11 @@ class RedisBuffer:
         self.url = url
         self.job = job
         self.lease_seconds = float(lease_seconds)
+        self._password = password
         self.prefix = f"slime:{job}:"
         # No automatic retries: resending a script after a dropped reply could append a chunk twice.
-        self.redis = redis.Redis.from_url(url, socket_connect_timeout=10, retry=Retry(NoBackoff(), 0))
+        self.redis = redis.Redis.from_url(url, socket_connect_timeout=10, retry=Retry(NoBackoff(), 0),
+                                          password=password)
         self._add_group = self.redis.register_script(_PRELUDE + _ADD_GROUP)
         self._lease = self.redis.register_script(_PRELUDE + _LEASE)
         self._append = self.redis.register_script(_PRELUDE + _APPEND)
@@ -563,11 +572,11 @@ class RedisBuffer:
         self._first_versions = self.redis.register_script(_PRELUDE + _FIRST_VERSIONS)
 
     # Ray actors and worker processes get their own connection from the same (url, job).
-    def __reduce__(self) -> tuple[type, tuple[str, str, float]]:
-        return (RedisBuffer, (self.url, self.job, self.lease_seconds))
+    def __reduce__(self) -> tuple:
+        return (_reopen_buffer, (self.url, self.job, self.lease_seconds, self._password))
 
     def __repr__(self) -> str:
-        return f"RedisBuffer(job={self.job!r}, url={self.url!r})"
+        return f"RedisBuffer(job={self.job!r}, url={redact_url(self.url)!r})"
 
     def close(self) -> None:
         self.redis.close()

@@ -2,16 +2,27 @@
 
 Every model forbids unknown keys, so a typo fails at load with the field's dotted path.
 Cross-field rules live in `model_validator`s and name the fields they compare.
+
+Secrets (a dashboard token, a judge's `api_key`, a reward server's token) can be written as an
+environment reference, a whole value `${NAME}`: it is resolved at load, and the config the job
+writes (`config.yaml`, 0600) keeps the reference, never the value. Literal secrets are written
+as `***`.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from slime.security import redact, write_private
+
+ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
 
 class ConfigError(ValueError):
@@ -245,6 +256,10 @@ class RewardConfig(_Strict):
     cache_size: int = Field(
         4096, ge=0, description="Successful results kept, keyed by prompt+response+label (0: no cache)."
     )
+    token: str | None = Field(
+        None, description="mode=http: the reward server's token (sent as `Authorization: Bearer`); write it as "
+        "an environment reference such as ${SLIME_REWARD_TOKEN} to keep it out of files.",
+    )
 
     @model_validator(mode="after")
     def _mode_needs_url(self) -> "RewardConfig":
@@ -439,6 +454,8 @@ class JobConfig(_Strict):
     cluster: ClusterConfig = ClusterConfig()
     logging: LoggingConfig = LoggingConfig()
     dashboard: DashboardConfig = DashboardConfig()
+    # dotted field path -> the `${NAME}` reference its value came from (written back by dump_config)
+    _env_refs: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> "JobConfig":
@@ -551,12 +568,47 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = loaded or {}
     data = apply_overrides(data, overrides or [])
+    refs: dict[str, str] = {}
+    data = _resolve_env_refs(data, "", refs)
     try:
-        return JobConfig.model_validate(data)
+        cfg = JobConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
+    cfg._env_refs = refs
+    return cfg
+
+
+def _resolve_env_refs(node: Any, path: str, refs: dict[str, str]) -> Any:
+    """Replace every whole-value `${NAME}` by the environment variable, recording where it was."""
+    if isinstance(node, dict):
+        return {k: _resolve_env_refs(v, f"{path}.{k}" if path else str(k), refs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve_env_refs(v, f"{path}.{i}", refs) for i, v in enumerate(node)]
+    if isinstance(node, str) and (m := ENV_REFERENCE.match(node.strip())):
+        name = m.group(1)
+        if name not in os.environ:
+            raise ConfigError(f"invalid config:\n  {path}: environment variable {name} is not set (the value is {node})")
+        refs[path] = node.strip()
+        return os.environ[name]
+    return node
+
+
+def config_for_display(cfg: JobConfig) -> dict[str, Any]:
+    """The config as plain data with secrets out: `${NAME}` references where the user wrote them,
+    `***` for literal secrets and URL passwords (`slime config`, the job's config.yaml)."""
+    data = redact(cfg.model_dump(mode="json"))
+    for dotted, ref in cfg._env_refs.items():
+        parts = dotted.split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node[int(part)] if isinstance(node, list) else node.get(part, {})
+        if isinstance(node, list):
+            node[int(parts[-1])] = ref
+        elif isinstance(node, dict) and parts[-1] in node:
+            node[parts[-1]] = ref
+    return data
 
 
 def dump_config(cfg: JobConfig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """config.yaml of a run: secrets out (config_for_display), readable by its owner only."""
+    write_private(path, yaml.safe_dump(config_for_display(cfg), sort_keys=False))

@@ -21,6 +21,7 @@ from slime.buffer import RedisBuffer
 from slime.config import JobConfig
 from slime.model import load_model
 from slime.sample import Sample, Status
+from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
 
 
@@ -196,7 +197,7 @@ def _per_row(batch: Batch, size: int, fn) -> torch.Tensor:
 
 
 class Learner:
-    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str):
+    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, credentials: JobCredentials | None = None):
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
@@ -216,7 +217,8 @@ class Learner:
             self.critic = ValueModel(model_dir, self.policy.dtype).to(self.device).train()
             self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=lc.critic_lr, betas=lc.betas)
         self.clip = AdaptiveClip(self.algo.adaptive_clip, self.algo.clip_low, self.algo.clip_high)
-        self.buffer = RedisBuffer(redis_url, cfg.job_name, cfg.buffer.lease_seconds)
+        self.buffer = RedisBuffer(redis_url, cfg.job_name, cfg.buffer.lease_seconds,
+                                  password=credentials.redis_password if credentials else None)
         self.version = self.buffer.get_policy_version()
         kind = cfg.weights.transport
         if kind == "auto":
@@ -465,7 +467,8 @@ class Learner:
         saved = load_model(path / "policy", self.cfg.model.dtype, "cpu")
         self.policy.load_state_dict(saved.state_dict())
         del saved
-        state = torch.load(path / "learner_state.pt", weights_only=False)
+        # weights_only: tensors and plain containers only; a crafted checkpoint cannot run code.
+        state = torch.load(path / "learner_state.pt", weights_only=True)
         self.optim.load_state_dict(state["optim"])
         self.clip.load_state_dict(state["clip"])
         if self.critic is not None and "critic" in state:

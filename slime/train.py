@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from slime.metrics import MetricsLogger
 from slime.model import ensure_model_dir, load_tokenizer
 from slime.sample import new_id
 from slime.sampling import PromptSampler
+from slime.security import JobCredentials, write_private
 
 
 class WeightSyncError(RuntimeError):
@@ -97,6 +99,44 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def _ray_token_auth(credentials: JobCredentials, ray_address: str | None) -> tuple[str, ...]:
+    """A local Ray this job starts listens on every interface: with Ray's token authentication
+    (the token derived from the job secret, inherited by every Ray process through the
+    environment) nobody else can connect to it and run code. An explicit RAY_AUTH_MODE, or an
+    existing cluster (cluster.ray_address), is the user's choice. Returns the variables set here."""
+    if ray_address is not None or "RAY_AUTH_MODE" in os.environ:
+        return ()
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = credentials.token("ray")
+    if not _reload_ray_auth():
+        _unset_ray_auth(("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"))
+        print("warning: Ray was imported before the job started and cannot switch to token "
+              "authentication; the job's Ray accepts unauthenticated clients (set RAY_AUTH_MODE)", flush=True)
+        return ()
+    return ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+def _reload_ray_auth() -> bool:
+    """Ray reads its auth settings when first imported; an imported Ray must read them again.
+    (`ray._raylet`'s loader is Ray's own test hook for this; without it, say so.)"""
+    if "ray" not in sys.modules:
+        return True
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:
+        return False
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    return True
+
+
+def _unset_ray_auth(names: tuple[str, ...]) -> None:
+    for name in names:
+        os.environ.pop(name, None)
+    if names:
+        _reload_ray_auth()
+
+
 class RunningJob:
     """Starts and stops the parts of one job: Redis, Ray, the learner and the rollout workers."""
 
@@ -105,6 +145,7 @@ class RunningJob:
         self.run_dir = cfg.run_dir
         self.redis_server = None
         self.ray_started = False
+        self._ray_auth_env: tuple[str, ...] = ()  # environment variables set for the job's own Ray
         self.workers: list = []
         self.learner = None
         self.dashboard = None
@@ -117,8 +158,6 @@ class RunningJob:
 
     # ---- start / stop ------------------------------------------------------------------------
     def __enter__(self) -> "RunningJob":
-        import ray
-
         from slime.buffer import RedisBuffer
         from slime.learner import Learner
         from slime.redis_server import connect_or_start
@@ -132,8 +171,14 @@ class RunningJob:
                 load_reward_spec(cfg.reward.fn)  # a bad reward spec fails here, before anything starts
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
-            self.redis_url, self.redis_server = connect_or_start(cfg.buffer.url, self.run_dir / "redis", cfg.buffer.aof)
-            self.buffer = RedisBuffer(self.redis_url, cfg.job_name, cfg.buffer.lease_seconds)
+            # One secret per run (run_dir/job.secret, 0600): the job's Redis password and every
+            # service token derive from it; actors get it as an argument, children by environment.
+            self.credentials = JobCredentials.create(self.run_dir, own_redis=cfg.buffer.url is None)
+            self.redis_url, self.redis_server = connect_or_start(
+                cfg.buffer.url, self.run_dir / "redis", cfg.buffer.aof, self.credentials.redis_password
+            )
+            self.buffer = RedisBuffer(self.redis_url, cfg.job_name, cfg.buffer.lease_seconds,
+                                      password=self.credentials.redis_password)
             self.model_dir = str(ensure_model_dir(cfg.model))
             self.tokenizer = load_tokenizer(self.model_dir)
             self.records = self._load_records()
@@ -147,7 +192,11 @@ class RunningJob:
                 self.buffer.requeue_all_leased()
             self._start_dashboard()
 
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
+                # before `import ray`: Ray reads its auth settings when imported
+                self._ray_auth_env = _ray_token_auth(self.credentials, cfg.cluster.ray_address)
+            import ray
+
             if not ray.is_initialized():
                 ray.init(
                     address=cfg.cluster.ray_address,
@@ -161,9 +210,11 @@ class RunningJob:
                     signal.signal(signal.SIGTERM, _raise_interrupted)
             # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
             run_id = new_id()[:6]  # lease owner names never collide with a previous run's workers
-            self.learner = ray.remote(num_cpus=0)(Learner).remote(cfg, self.model_dir, self.redis_url)
+            self.learner = ray.remote(num_cpus=0)(Learner).remote(cfg, self.model_dir, self.redis_url,
+                                                                  self.credentials)
             self.workers = [
-                ray.remote(num_cpus=0)(RolloutWorker).remote(cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i)
+                ray.remote(num_cpus=0)(RolloutWorker).remote(cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i,
+                                                             self.credentials)
                 for i in range(cfg.rollout.num_workers)
             ]
             self.start_step = 0
@@ -205,6 +256,7 @@ class RunningJob:
             ray.kill(actor)
         if self.ray_started:
             ray.shutdown()
+        _unset_ray_auth(self._ray_auth_env)
         if self.dashboard is not None:
             self.dashboard.stop()
         if self.redis_server is not None:
@@ -390,8 +442,11 @@ class RunningJob:
             from slime.dashboard.server import DashboardProcess
 
             d = cfg.dashboard
-            self.dashboard = DashboardProcess(self.redis_url, cfg.job_name, d.host, d.port, d.token)
-            print(f"dashboard: {self.dashboard.url}", flush=True)
+            token = d.token or self.credentials.token("dashboard")
+            token_file = write_private(self.run_dir / "dashboard.token", token + "\n")
+            self.dashboard = DashboardProcess(self.redis_url, cfg.job_name, d.host, d.port, token,
+                                              redis_password=self.credentials.redis_password)
+            print(f"dashboard: {self.dashboard.url} (control token in {token_file})", flush=True)
 
     def check_workers(self, ray) -> list[dict]:
         healths = []

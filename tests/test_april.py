@@ -19,6 +19,7 @@ from slime.config import load_config
 from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
 from slime.model import load_model
 from slime.sample import FINAL_STATUSES, Status
+from slime.security import JobCredentials
 
 PROMPTS = [[6, 7, 77, 61, 86], [8, 77, 62, 64, 86], [9, 10, 11, 77, 63, 86]]
 
@@ -202,8 +203,9 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two steps")
     # Kill at a moment the live buffer holds a partial with most of its tokens still to come (with
     # a fast engine a fixed sleep can land while no sample has tokens in flight).
+    # The job's own Redis requires the password derived from its secret (run_dir/job.secret).
     live = RedisBuffer(f"redis://127.0.0.1:{json.loads((out / 'redis' / 'server.json').read_text())['port']}/0",
-                       f"kill-{sig.name}")
+                       f"kill-{sig.name}", password=JobCredentials.read(out).redis_password)
     wait_for(lambda: any(s.status in (Status.ABORTED, Status.RUNNING) and 0 < s.response_length <= 24
                          for s in live.iter_samples()), 120, "a partial trajectory in the live buffer")
     os.killpg(proc.pid, sig) if sig == signal.SIGKILL else proc.send_signal(sig)
@@ -218,8 +220,8 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     # Look at what the dead job left in Redis (a server started by hand over its AOF).
     from slime.redis_server import LocalRedisServer
 
-    with LocalRedisServer(out / "redis") as server:
-        buffer = RedisBuffer(server.url, f"kill-{sig.name}")
+    with LocalRedisServer(out / "redis", password="inspect") as server:
+        buffer = RedisBuffer(server.url, f"kill-{sig.name}", password="inspect")
         partials = {s.id: s.response_ids.copy() for s in buffer.iter_samples()
                     if s.status in (Status.ABORTED, Status.RUNNING) and s.response_length > 0}
         steps_done = len(metrics.read_text().splitlines())
@@ -229,8 +231,8 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err.decode()[-3000:]
 
-    with LocalRedisServer(out / "redis") as server:
-        buffer = RedisBuffer(server.url, f"kill-{sig.name}")
+    with LocalRedisServer(out / "redis", password="inspect") as server:
+        buffer = RedisBuffer(server.url, f"kill-{sig.name}", password="inspect")
         for sid, prefix in partials.items():
             s = buffer.get_sample(sid)
             assert np.array_equal(s.response_ids[: len(prefix)], prefix), sid  # continued, not regenerated
