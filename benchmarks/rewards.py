@@ -67,7 +67,9 @@ def reward_throughput(n: int) -> dict[str, float]:
     local.close()
 
     port = 18000 + os.getpid() % 1000
-    server = subprocess.Popen([sys.executable, "-m", "slime.cli", "reward-serve", spec, "--port", str(port)],
+    token_file = Path(tempfile.mkdtemp(prefix="reward-bench-")) / "token"  # the server writes its token there
+    server = subprocess.Popen([sys.executable, "-m", "slime.cli", "reward-serve", spec, "--port", str(port),
+                               "--token-file", str(token_file)],
                               cwd=HERE.parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -81,7 +83,8 @@ def reward_throughput(n: int) -> dict[str, float]:
             if time.time() > deadline or server.poll() is not None:
                 raise RuntimeError(f"reward server did not start: {server.stderr.read().decode()[-500:]}")
             time.sleep(0.2)
-        remote = make_reward_service(RewardConfig(mode="http", url=url, cache_size=0), "bench")
+        token = token_file.read_text().strip()
+        remote = make_reward_service(RewardConfig(mode="http", url=url, cache_size=0, token=token), "bench")
         _throughput(remote, 200)
         out["http_samples_per_s"] = _throughput(remote, n)
         remote.close()

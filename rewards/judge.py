@@ -30,6 +30,8 @@ import math
 import re
 from typing import Any, Literal
 
+from slime.security import redact_url
+
 RUBRICS: dict[str, str] = {
     "helpfulness": "How well does the answer address the question: is it relevant, complete and clear?",
     "correctness": "Is the answer factually and logically correct? If a reference answer is given, "
@@ -135,15 +137,18 @@ class OpenAIBackend:
     def __init__(self, url: str, model: str | None = None, api: Literal["chat", "completions"] = "chat",
                  api_key: str | None = None, timeout_s: float = 60.0) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"judge url must start with http:// or https://, got {url!r}")
+            raise ValueError(f"judge url must start with http:// or https://, got {redact_url(url)!r}")
         if api not in ("chat", "completions"):
             raise ValueError(f"judge api must be 'chat' or 'completions', got {api!r}")
         base = url.rstrip("/")
         base = base if base.endswith("/v1") else base + "/v1"
         self.endpoint = f"{base}/chat/completions" if api == "chat" else f"{base}/completions"
         self.model, self.api, self.timeout_s = model or "default", api, timeout_s
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.name = self.endpoint
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.name = redact_url(self.endpoint)  # what names and messages show (a URL may carry a password)
+
+    def __repr__(self) -> str:
+        return f"OpenAIBackend({self.name!r}, api={self.api!r})"
 
     async def complete(self, prompt: str, max_tokens: int, temperature: float) -> str:
         import httpx
@@ -153,17 +158,20 @@ class OpenAIBackend:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            resp = await client.post(self.endpoint, json=body, headers=self.headers)
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                resp = await client.post(self.endpoint, json=body, headers=self._headers)
+        except httpx.HTTPError as exc:  # its text may quote the URL as given, password included
+            raise RuntimeError(f"judge {self.name}: {type(exc).__name__}: {redact_url(str(exc))}") from None
         if resp.status_code != 200:
-            raise RuntimeError(f"judge {self.endpoint}: HTTP {resp.status_code}: {resp.text[:300]}")
+            raise RuntimeError(f"judge {self.name}: HTTP {resp.status_code}: {resp.text[:300]}")
         try:
             choice = resp.json()["choices"][0]
             text = choice["message"]["content"] if self.api == "chat" else choice["text"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise RuntimeError(f"judge {self.endpoint}: unexpected reply ({type(exc).__name__}): {resp.text[:300]}") from None
+            raise RuntimeError(f"judge {self.name}: unexpected reply ({type(exc).__name__}): {resp.text[:300]}") from None
         if not isinstance(text, str):
-            raise RuntimeError(f"judge {self.endpoint}: reply text is {type(text).__name__}, not a string")
+            raise RuntimeError(f"judge {self.name}: reply text is {type(text).__name__}, not a string")
         return text
 
 

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rewards.adapters import STYLES, adapt, load_reward, native_caller
 from rewards.plugin import load_function
 from rewards.runner import _describe, _is_async
+from slime.security import redact, redact_url
 
 
 class RewardChildError(RuntimeError):
@@ -234,12 +235,21 @@ def load_reward_spec(spec: str | dict, _path: str = "reward") -> Callable[..., A
         if model.kwargs is None:
             return load_reward(model.fn, style=model.style)
         factory = load_function(model.fn)
+        shown = redact(model.kwargs)  # kwargs may hold a judge's api_key: never in a message
         try:
             reward = factory(**model.kwargs)
         except Exception as exc:
-            raise RewardSpecError(f"{_path}: {model.fn}(**{model.kwargs}) failed: {type(exc).__name__}: {exc}") from exc
-        return adapt(reward, style=model.style, name=f"{model.fn}({', '.join(f'{k}={v!r}' for k, v in model.kwargs.items())})")
+            raise RewardSpecError(f"{_path}: {model.fn}(**{shown}) failed: {type(exc).__name__}: {exc}") from exc
+        return adapt(reward, style=model.style, name=f"{model.fn}({', '.join(f'{k}={v!r}' for k, v in shown.items())})")
     raise RewardSpecError(f"{_path}: unrecognised keys {sorted(map(str, keys))}; expected {_FORMS}")
+
+
+def describe_spec(spec: Any) -> str:
+    """A reward spec as shown in names, /health, failure messages, logs and Redis: secrets in its
+    kwargs (``api_key``, ``token``, passwords in URLs, ...) replaced by ``***``."""
+    if isinstance(spec, str):
+        return redact_url(spec)
+    return str(redact(spec))
 
 
 def _validate(model: type[BaseModel], spec: Mapping, path: str) -> Any:
@@ -260,5 +270,6 @@ __all__ = [
     "RouteByField",
     "WeightedSum",
     "as_score",
+    "describe_spec",
     "load_reward_spec",
 ]

@@ -9,7 +9,8 @@ Every mode offers the same call to the rollout worker:
 * `ray_actor`: one `RewardActor` per job (named, num_cpus=0, created by the first worker that
   needs it) runs the RewardRunner; workers send it batches.
 * `http`: a reward server (`slime reward-serve SPEC --port N`, rewards/server.py) runs the
-  RewardRunner; workers POST batches to `{url}/score`.
+  RewardRunner; workers POST batches to `{url}/score` with the server's token
+  (`reward.token`, sent as `Authorization: Bearer`).
 
 The two remote modes share `RemoteRewardClient`: submissions queue up and leave in batches of at
 most `batch_size` (whatever is waiting when a send slot frees up, so batches grow under load), at
@@ -21,6 +22,9 @@ step rewards fail only their own sample.
 
 `CachedRewards` wraps any mode with a bounded LRU of successful results keyed by
 prompt + response + label (failures are not cached: a timeout may pass next time).
+
+Names (`service.name`, in every failure message, log line and so in Redis and on the dashboard)
+come from `describe_spec`/`redact_url`: a judge's `api_key` or a password in a URL never shows.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from rewards.mix import describe_spec, load_reward_spec
 from rewards.runner import RewardResult, RewardRunner, StepScores, check_reward_value
+from slime.security import auth_headers, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -296,29 +302,34 @@ def _resolve(future: Future, result: RewardResult) -> None:
         future.set_result(result)
 
 
-def http_transport(url: str) -> tuple[Callable[[], Transport], Callable[[], Awaitable[None]]]:
-    """POST {url}/score with {"samples": [...]}; made inside the client's loop (httpx is loop-bound)."""
+def http_transport(url: str, token: str | None = None) -> tuple[Callable[[], Transport], Callable[[], Awaitable[None]]]:
+    """POST {url}/score with {"samples": [...]} and the server's token; made inside the client's
+    loop (httpx is loop-bound)."""
     import httpx
 
     holder: dict[str, httpx.AsyncClient] = {}
     endpoint = url.rstrip("/") + "/score"
+    shown = redact_url(endpoint)
 
     def make() -> Transport:
-        holder["client"] = httpx.AsyncClient(timeout=None)
+        holder["client"] = httpx.AsyncClient(timeout=None, headers=auth_headers(token))
 
         async def call(samples: list[dict], timeout_s: float) -> Any:
             try:
                 resp = await holder["client"].post(endpoint, json={"samples": samples}, timeout=timeout_s)
             except httpx.TransportError as exc:  # connect, read, protocol errors
-                raise RetryableError(f"POST {endpoint}: {type(exc).__name__}: {exc}") from exc
+                raise RetryableError(f"POST {shown}: {type(exc).__name__}: {redact_url(str(exc))}") from None
             if resp.status_code == 429 or resp.status_code >= 500:
-                raise RetryableError(f"POST {endpoint}: HTTP {resp.status_code}: {resp.text[:200]}")
+                raise RetryableError(f"POST {shown}: HTTP {resp.status_code}: {resp.text[:200]}")
+            if resp.status_code in (401, 403):
+                raise RuntimeError(f"POST {shown}: HTTP {resp.status_code} (not retried): the reward server "
+                                   f"wants its token; set reward.token: {resp.text[:200]}")
             if resp.status_code != 200:
-                raise RuntimeError(f"POST {endpoint}: HTTP {resp.status_code} (not retried): {resp.text[:300]}")
+                raise RuntimeError(f"POST {shown}: HTTP {resp.status_code} (not retried): {resp.text[:300]}")
             try:
                 return resp.json()
-            except ValueError as exc:
-                raise RuntimeError(f"POST {endpoint}: reply is not JSON: {resp.text[:200]!r}") from exc
+            except ValueError:
+                raise RuntimeError(f"POST {shown}: reply is not JSON: {resp.text[:200]!r}") from None
 
         return call
 
@@ -336,9 +347,7 @@ class RewardActor:
     """Runs one reward for the whole job; the workers call `score(samples)` with batches."""
 
     def __init__(self, spec: str | dict, timeout_s: float, max_concurrency: int) -> None:
-        from rewards.mix import load_reward_spec
-
-        self.runner = RewardRunner(load_reward_spec(spec), timeout_s, max_concurrency, name=str(spec))
+        self.runner = RewardRunner(load_reward_spec(spec), timeout_s, max_concurrency, name=describe_spec(spec))
 
     async def score(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         futures = [self.runner.submit(s["prompt"], s["response"], s.get("label"), s.get("metadata")) for s in samples]
@@ -380,20 +389,18 @@ def make_reward_service(cfg: Any, job_name: str) -> RewardService:
     service: RewardService
     request_timeout = cfg.request_timeout_s if cfg.request_timeout_s is not None else 2 * cfg.timeout_s + 5
     if cfg.mode == "in_process":
-        from rewards.mix import load_reward_spec
-
-        service = RewardRunner(load_reward_spec(cfg.fn), cfg.timeout_s, cfg.max_concurrency, name=str(cfg.fn))
+        service = RewardRunner(load_reward_spec(cfg.fn), cfg.timeout_s, cfg.max_concurrency, name=describe_spec(cfg.fn))
     elif cfg.mode == "ray_actor":
         actor = reward_actor(job_name, cfg.fn, cfg.timeout_s, cfg.max_concurrency)
         service = RemoteRewardClient(
-            f"ray actor slime-reward-{job_name} ({cfg.fn})", ray_transport(actor), request_timeout,
+            f"ray actor slime-reward-{job_name} ({describe_spec(cfg.fn)})", ray_transport(actor), request_timeout,
             cfg.max_concurrency, cfg.batch_size, cfg.max_retries, cfg.backoff_s,
         )
     elif cfg.mode == "http":
-        make, close = http_transport(cfg.url)
+        make, close = http_transport(cfg.url, cfg.token)
         service = RemoteRewardClient(
-            cfg.url, make, request_timeout, cfg.max_concurrency, cfg.batch_size, cfg.max_retries, cfg.backoff_s,
-            close_transport=close,
+            redact_url(cfg.url), make, request_timeout, cfg.max_concurrency, cfg.batch_size, cfg.max_retries,
+            cfg.backoff_s, close_transport=close,
         )
     else:
         raise ValueError(f"reward.mode: unknown mode {cfg.mode!r}; choose in_process, ray_actor or http")
@@ -407,5 +414,6 @@ __all__ = [
     "RewardActor",
     "RewardService",
     "StepScores",
+    "http_transport",
     "make_reward_service",
 ]

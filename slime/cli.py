@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from slime.config import ConfigError, JobConfig, load_config
+from slime.config import ConfigError, JobConfig, config_for_display, load_config
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -36,23 +36,51 @@ def _absolute_paths(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
+def _dashboard_secrets(ns: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(token, redis password) of `slime dashboard`: from --token-file / --secret-file, else the
+    environment (how the job's driver hands them over). Never from argv, which `ps` shows."""
+    from slime.dashboard.server import REDIS_PASSWORD_ENV
+    from slime.security import JobCredentials, derive_token, read_token
+
+    token = read_token(ns.token_file) if ns.token_file else None
+    password = None
+    if ns.secret_file:
+        secret = Path(ns.secret_file).read_text().strip()
+        if not secret:
+            raise ValueError(f"secret file {ns.secret_file} is empty")
+        credentials = JobCredentials(secret, derive_token(secret, "redis"))
+        token = token or credentials.token("dashboard")
+        password = credentials.redis_password
+    token = token or read_token(None)
+    password = password or os.environ.get(REDIS_PASSWORD_ENV) or None
+    return token, password
+
+
 def _dashboard(ns: argparse.Namespace) -> int:
     import redis
 
     from slime.buffer import JOB_NAME_PATTERN
-    from slime.dashboard.server import TOKEN_ENV, DashboardConfigError, DashboardServer
+    from slime.dashboard.server import DashboardServer
+    from slime.security import API_TOKEN_ENV, redact_url
 
+    if ns.token is not None:
+        print(f"slime dashboard: --token was removed (a command line is visible to every user in `ps`); "
+              f"pass the token in the environment ({API_TOKEN_ENV}), --token-file PATH or --secret-file "
+              f"RUN_DIR/job.secret", file=sys.stderr)
+        return 2
     if not JOB_NAME_PATTERN.match(ns.job):
         print(f"slime: --job {ns.job!r} must match {JOB_NAME_PATTERN.pattern}", file=sys.stderr)
         return 2
     try:
-        redis.Redis.from_url(ns.redis, socket_connect_timeout=5).ping()
-        token = ns.token or os.environ.get(TOKEN_ENV) or None
-        server = DashboardServer(ns.redis, ns.job, ns.host, ns.port, token)
-    except (redis.RedisError, ValueError) as exc:
-        print(f"slime: dashboard: {exc}", file=sys.stderr)
+        token, password = _dashboard_secrets(ns)
+        redis.Redis.from_url(ns.redis, password=password, socket_connect_timeout=5).ping()
+        server = DashboardServer(ns.redis, ns.job, ns.host, ns.port, token, redis_password=password)
+    except (redis.RedisError, ValueError, OSError) as exc:
+        print(f"slime: dashboard: {redact_url(str(exc))} (redis {redact_url(ns.redis)})", file=sys.stderr)
         return 2
-    print(f"dashboard of job {ns.job!r}: {server.url}" + ("?token=<token>" if token else ""), flush=True)
+    how = ("open it as URL#token=<token> for the control routes" if token
+           else f"read-only: control routes need a token ({API_TOKEN_ENV}, --token-file or --secret-file)")
+    print(f"dashboard of job {ns.job!r}: {server.url} ({how})", flush=True)
     server.run()
     return 0
 
@@ -92,10 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     p_dash = sub.add_parser("dashboard", help="serve the buffer API and live page of one job (docs/dashboard.md)")
     p_dash.add_argument("--redis", required=True, help="redis://host:port/db of the job's buffer")
     p_dash.add_argument("--job", required=True, help="the job_name whose buffer to show")
-    p_dash.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need --token)")
+    p_dash.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need a token)")
     p_dash.add_argument("--port", type=int, default=8377, help="0 picks a free port")
-    p_dash.add_argument("--token", default=None,
-                        help="required on every request; enables control endpoints (or env SLIME_DASHBOARD_TOKEN)")
+    p_dash.add_argument("--token-file", default=None,
+                        help="file holding the token (else env SLIME_API_TOKEN): control routes always need it, "
+                             "every route does off loopback")
+    p_dash.add_argument("--secret-file", default=None,
+                        help="a run's job.secret: the dashboard token and the job's Redis password derive from it")
+    p_dash.add_argument("--token", default=None, help=argparse.SUPPRESS)  # removed: argv shows in `ps`
     ns = parser.parse_args(argv)
 
     if ns.command == "dashboard":
@@ -113,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if ns.command == "config":
-        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        print(json.dumps(config_for_display(cfg), indent=2))
         return 0
 
     from slime.train import train

@@ -418,8 +418,8 @@ class DashboardConfig(_Strict):
     host: str = Field("127.0.0.1", description="Bind address; anything but loopback needs a token.")
     port: int = Field(8377, ge=0, lt=65536, description="0: a free port.")
     token: str | None = Field(
-        None, min_length=8, description="Required (X-Slime-Token header) for every route when set; "
-        "control routes (pause, requeue, drop, oversample) are off without it."
+        None, min_length=8, description="Control routes always need it, every route off loopback (header "
+        "Authorization: Bearer); default: derived from the job secret and written to run_dir/dashboard.token."
     )
 
     @model_validator(mode="after")

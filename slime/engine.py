@@ -45,15 +45,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
 from slime.engines.fast_decoder import FastDecoder, fast_decoder_for
 
-__all__ = ["GenerationChunk", "GenerationRequest", "RolloutEngine", "SamplingParams"]
+__all__ = ["GenerationChunk", "GenerationRequest", "RolloutEngine", "SamplingParams", "checked_token_ids", "validate_sampling"]
 
 
 @dataclass
@@ -63,6 +65,64 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 64  # budget of the whole response, resumed tokens included
     stop_token_ids: list[int] = field(default_factory=list)  # included in the output; caller adds EOS
+
+
+# Bounds every engine enforces on a request (validate_sampling): values far outside them are
+# mistakes or attacks (top_k=1e30 once overflowed inside a step and killed the engine thread).
+MAX_TEMPERATURE = 100.0
+MAX_STOP_TOKEN_IDS = 256
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def validate_sampling(params: SamplingParams, *, vocab_size: int | None, max_seq_len: int | None) -> None:
+    """The one check of sampling parameters, shared by every engine and the SGLang-protocol server.
+    Raises ValueError naming the field. ``vocab_size`` / ``max_seq_len`` None: that bound is unknown
+    here (a remote engine checks it itself).
+
+    The context (prompt + response) is not bounded here: a request whose context leaves no room
+    finishes at once with ``length``, and the budget is clamped to the room left (``max_seq_len``
+    minus the context), so only ``max_new_tokens`` itself must fit ``max_seq_len``."""
+    t = params.temperature
+    if not _is_real(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t!r:.100}")
+    p = params.top_p
+    if not _is_real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be a number in (0, 1], got {p!r:.100}")
+    k = params.top_k
+    if not _is_int(k) or k < 0 or (vocab_size is not None and k > vocab_size):
+        bound = f"[0, {vocab_size}]" if vocab_size is not None else ">= 0"
+        raise ValueError(f"top_k must be an integer in {bound} (0 = off), got {k!r:.100}")
+    m = params.max_new_tokens
+    if not _is_int(m) or m < 0 or (max_seq_len is not None and m > max_seq_len):
+        bound = f"[0, {max_seq_len}] (the model's max_seq_len)" if max_seq_len is not None else ">= 0"
+        raise ValueError(f"max_new_tokens must be an integer in {bound}, got {m!r:.100}")
+    stop = params.stop_token_ids
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids has {len(stop)} ids, at most {MAX_STOP_TOKEN_IDS} are accepted")
+    checked_token_ids(stop, vocab_size=vocab_size, field_name="stop_token_ids")
+
+
+def checked_token_ids(ids, *, vocab_size: int | None, field_name: str) -> list[int]:
+    """``ids`` as plain ints (numpy arrays and integer scalars accepted), each in ``[0, vocab_size)``;
+    ValueError naming ``field_name`` otherwise (floats and bools are not token ids)."""
+    out = []
+    for t in ids:
+        if not _is_int(t):
+            raise ValueError(f"{field_name}: token ids must be integers, got {t!r:.100}")
+        t = int(t)
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"{field_name}: token id {t} out of range [0, {vocab_size if vocab_size is not None else 'inf'})")
+        out.append(t)
+    return out
 
 
 @dataclass
@@ -203,21 +263,17 @@ class RolloutEngine:
             raise ValueError(f"request {req.request_id!r} is already waiting or running")
         if len(req.prompt_ids) == 0 and len(req.response_ids) == 0:
             raise ValueError(f"request {req.request_id!r}: prompt_ids and response_ids are both empty")
-        if p.temperature < 0:
-            raise ValueError(f"request {req.request_id!r}: temperature must be >= 0, got {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise ValueError(f"request {req.request_id!r}: top_p must be in (0, 1], got {p.top_p}")
-        if p.top_k < 0:
-            raise ValueError(f"request {req.request_id!r}: top_k must be >= 0, got {p.top_k}")
-        if p.max_new_tokens < 0:
-            raise ValueError(f"request {req.request_id!r}: max_new_tokens must be >= 0, got {p.max_new_tokens}")
-        # Snapshot as plain ints (callers may pass numpy arrays, or mutate their lists later).
-        prompt, response = [int(t) for t in req.prompt_ids], [int(t) for t in req.response_ids]
-        ids = prompt + response
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"request {req.request_id!r}: token id out of range [0, {self.vocab_size})")
+        try:
+            validate_sampling(p, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+            # Snapshot as plain ints (callers may pass numpy arrays, or mutate their lists later).
+            prompt = checked_token_ids(req.prompt_ids, vocab_size=self.vocab_size, field_name="prompt_ids")
+            response = checked_token_ids(req.response_ids, vocab_size=self.vocab_size, field_name="response_ids")
+        except ValueError as e:
+            raise ValueError(f"request {req.request_id!r}: {e}") from None
+        params = SamplingParams(float(p.temperature), float(p.top_p), int(p.top_k), int(p.max_new_tokens),
+                                [int(t) for t in p.stop_token_ids])
         self._ids.add(req.request_id)
-        self._waiting.append(GenerationRequest(req.request_id, prompt, p, response))
+        self._waiting.append(GenerationRequest(req.request_id, prompt, params, response))
 
     def step(self) -> list[GenerationChunk]:
         if not self._waiting and not self._running:

@@ -38,7 +38,7 @@ SECRET_FILE_NAME = "job.secret"
 # `password`, ... but not `max_new_tokens` or `tokens_per_s` (the whole word must end the name).
 SECRET_KEY = re.compile(
     r"(^|[_\-.])(token|secret|password|passwd|pwd|api[_\-]?key|apikey|auth|authorization|credentials?|"
-    r"private[_\-]?key|access[_\-]?key|secret[_\-]?key|cookie|bearer)$",
+    r"private[_\-]?key|access[_\-]?key|secret[_\-]?key|key|cookie|bearer)$",
     re.IGNORECASE,
 )
 _URL_WITH_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://)([^/@\s:]*)(:[^/@\s]*)?@")
@@ -222,7 +222,8 @@ class HttpGuard:
         self.token = policy.token.encode() if policy.token else None
         self.allowed_hosts = policy.allowed_hosts
         if self.allowed_hosts is None and policy.loopback:
-            self.allowed_hosts = LOOPBACK_NAMES
+            bind = policy.bind_host.lower()
+            self.allowed_hosts = LOOPBACK_NAMES | {bind, f"[{bind.strip('[]')}]"}
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slime.config import JobConfig, dump_config
+from slime.config import ConfigError, JobConfig, dump_config
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.metrics import MetricsLogger
 from slime.model import ensure_model_dir, load_tokenizer
@@ -97,6 +97,17 @@ def _main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
+
+
+def _check_context_fits(cfg: JobConfig, model_dir: str) -> None:
+    """The engines refuse a response budget longer than the model reads (slime.engine.validate_sampling):
+    say so at start, naming the field, instead of failing every request."""
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    if context is not None and cfg.rollout.max_new_tokens > context:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} exceeds the model's context "
+                          f"(max_position_embeddings={context} in {model_dir})")
 
 
 def _ray_token_auth(credentials: JobCredentials, ray_address: str | None) -> tuple[str, ...]:
@@ -180,6 +191,7 @@ class RunningJob:
             self.buffer = RedisBuffer(self.redis_url, cfg.job_name, cfg.buffer.lease_seconds,
                                       password=self.credentials.redis_password)
             self.model_dir = str(ensure_model_dir(cfg.model))
+            _check_context_fits(cfg, self.model_dir)
             self.tokenizer = load_tokenizer(self.model_dir)
             self.records = self._load_records()
             self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)

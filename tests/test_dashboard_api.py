@@ -44,9 +44,12 @@ def job(ray_session, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[Re
     buffer.delete_job()
 
 
+LOOPBACK = "http://127.0.0.1"  # the Host a loopback-bound dashboard answers (DNS-rebinding guard)
+
+
 @pytest.fixture(scope="module")
 def client(job: RedisBuffer) -> TestClient:
-    return TestClient(create_app(job.url, JOB))
+    return TestClient(create_app(job.url, JOB), base_url=LOOPBACK)
 
 
 def _all_pages(client: TestClient, limit: int, **params) -> list[dict]:
@@ -177,7 +180,7 @@ def test_openapi_is_published(client):
 def test_control_needs_a_configured_token(client, job):
     for path, body in (("/api/control/pause", None), ("/api/control/resume", None),
                        ("/api/control/oversample", {"oversample": 3})):
-        r = client.post(path, json=body)
+        r = client.post(path, json=body if body is not None else {})
         assert r.status_code == 403 and "token" in r.json()["detail"]
     sid = next(job.iter_samples()).id
     assert client.post(f"/api/trajectories/{sid}/drop", json={}).status_code == 403
@@ -185,22 +188,29 @@ def test_control_needs_a_configured_token(client, job):
 
 
 def test_token_guards_everything_and_control_changes_are_events(job):
-    c = TestClient(create_app(job.url, JOB, token=TOKEN))
+    # Off loopback every route but the page and its assets needs the token, in a header.
+    remote = TestClient(create_app(job.url, JOB, token=TOKEN, bind_host="0.0.0.0"))
+    for path in ("/api/summary", "/openapi.json", "/metrics", "/api/trajectories"):
+        assert remote.get(path).status_code == 401, path
+        assert remote.get(path, headers={"X-Slime-Token": "wrong-token-000"}).status_code == 401
+        assert remote.get(path, params={"token": TOKEN}).status_code == 401  # ?token= only on /api/stream
+        assert remote.get(path, headers=AUTH).status_code == 200
+        assert remote.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert remote.get("/").status_code == 200 and remote.get("/static/app.js").status_code == 200  # no data
+    # On loopback reads are open; control always needs the header.
+    c = TestClient(create_app(job.url, JOB, token=TOKEN), base_url=LOOPBACK)
     for path in ("/", "/api/summary", "/openapi.json", "/metrics", "/api/trajectories"):
-        assert c.get(path).status_code == 401, path
-        assert c.get(path, headers={"X-Slime-Token": "wrong-token-000"}).status_code == 401
-        assert c.get(path, headers=AUTH).status_code == 200
-    assert c.get("/static/app.js").status_code == 200  # assets hold no data
-    assert c.get("/api/summary", params={"token": TOKEN}).status_code == 200  # EventSource cannot send headers
-    assert c.post("/api/control/pause", params={"token": TOKEN}).status_code == 401  # control: header only
+        assert c.get(path).status_code == 200, path
+    assert c.post("/api/control/pause", json={}).status_code == 401
+    assert c.post("/api/control/pause", params={"token": TOKEN}, json={}).status_code == 401  # control: header only
 
-    r = c.post("/api/control/pause", headers=AUTH)
+    r = c.post("/api/control/pause", headers=AUTH, json={})
     assert r.status_code == 200 and r.json()["paused"] is True
     assert c.get("/api/summary", headers=AUTH).json()["paused"] is True
     r = c.post("/api/control/oversample", headers=AUTH, json={"oversample": 3.5})
     assert r.json()["oversample"] == 3.5
     assert c.post("/api/control/oversample", headers=AUTH, json={"oversample": 0.5}).status_code == 422
-    c.post("/api/control/resume", headers=AUTH)
+    c.post("/api/control/resume", headers=AUTH, json={})
     kinds = [e["kind"] for e in job.events(10)]
     assert kinds[:3] == ["resume", "oversample", "pause"]
 
@@ -211,13 +221,13 @@ def test_token_guards_everything_and_control_changes_are_events(job):
     assert r.status_code == 200 and r.json()["detail"]["was"] == "pending"
     assert job.get_sample(sid).status == Status.FAILED and job.get_sample(sid).failure == "looked wrong"
     assert c.post(f"/api/trajectories/{sid}/drop", headers=AUTH, json={}).status_code == 409
-    assert c.post(f"/api/trajectories/{sid}/requeue", headers=AUTH).status_code == 409  # only running ones
-    assert c.post("/api/trajectories/nosuchsample/requeue", headers=AUTH).status_code == 404
+    assert c.post(f"/api/trajectories/{sid}/requeue", headers=AUTH, json={}).status_code == 409  # only running ones
+    assert c.post("/api/trajectories/nosuchsample/requeue", headers=AUTH, json={}).status_code == 404
     # Requeue a running one: back to the resume queue, tokens kept; its worker's lease is gone.
     other = job.get_group(gid)[1].id
     [leased] = [s for s in job.lease("w-test", 10) if s.id == other]
     job.append_chunk(other, "w-test", [7, 8], [-0.5, -0.5], 2)
-    assert c.post(f"/api/trajectories/{other}/requeue", headers=AUTH).status_code == 200
+    assert c.post(f"/api/trajectories/{other}/requeue", headers=AUTH, json={}).status_code == 200
     again = job.get_sample(other)
     assert again.status == Status.ABORTED and again.response_ids.tolist() == [7, 8]
     assert job.events(1)[0]["kind"] == "requeue"
@@ -238,7 +248,8 @@ def test_live_stream_and_bind_rules(job):
                 if line.startswith("data:") and "summary" in seen[-2]:
                     assert json.loads(line[5:])["job"] == JOB
                     break
-        assert httpx.get(server.url + "api/summary", timeout=5).status_code == 401
+        assert httpx.get(server.url + "api/summary", timeout=5).status_code == 200  # loopback: reads are open
+        assert httpx.post(server.url + "api/control/pause", json={}, timeout=5).status_code == 401
     finally:
         server.stop()
 
@@ -246,7 +257,7 @@ def test_live_stream_and_bind_rules(job):
 def test_fuzzing_the_schema_finds_no_server_errors(job):
     """Every operation but the endless live stream, with hypothesis-generated inputs from the published
     schema: never a 500, and every 200 body matches the schema."""
-    app = create_app(job.url, JOB, token=TOKEN)
+    app = create_app(job.url, JOB, token=TOKEN, bind_host="0.0.0.0")  # every route behind the token
     schema = schemathesis.openapi.from_asgi("/openapi.json", app, headers=AUTH)
     operations = [result.ok() for result in schema.get_all_operations()]
     operations = [op for op in operations if op.path != "/api/stream"]

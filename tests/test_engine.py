@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -229,8 +230,12 @@ def test_stop_token_included_and_length_reason(engine):
 def test_max_seq_len_truncates(model):
     eng = RolloutEngine(model, max_seq_len=16)
     p = prompts(1, seed=19, lo=10, hi=10)[0]
-    c = run_alone(eng, p, greedy(50))
+    c = run_alone(eng, p, greedy(16))  # the budget is clamped to the room the context leaves
     assert len(c.token_ids) == 6 and c.finish_reason == "length"
+    c = run_alone(eng, prompts(1, seed=19, lo=20, hi=20)[0], greedy(16))  # no room at all: no compute
+    assert c.token_ids == [] and c.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_new_tokens"):  # a budget beyond the model's context
+        eng.add_request(GenerationRequest("long", p, greedy(17)))
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -331,3 +336,35 @@ def test_request_validation(engine):
     with pytest.raises(RuntimeError):
         engine.generate([GenerationRequest("w", [1], greedy(2))])
     engine.abort()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.1), ("temperature", 100.5),
+    ("temperature", "0.5"), ("temperature", True),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_p", None),
+    ("top_k", 10**30), ("top_k", 1e30), ("top_k", VOCAB + 1), ("top_k", -1), ("top_k", 2.0), ("top_k", True),
+    ("max_new_tokens", -1), ("max_new_tokens", 1 << 40), ("max_new_tokens", 3.0), ("max_new_tokens", False),
+    ("stop_token_ids", [VOCAB]), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]),
+    ("stop_token_ids", list(range(VOCAB)) * 5), ("stop_token_ids", 3),
+])
+def test_bad_sampling_values_are_refused_naming_the_field(model, field, value):
+    """Every bound of validate_sampling, through add_request: a ValueError naming the field, nothing
+    queued, and the engine serves the next request."""
+    eng = RolloutEngine(model, max_running_requests=2, max_seq_len=128)
+    params = SamplingParams(temperature=0.7, max_new_tokens=4)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=field):
+        eng.add_request(GenerationRequest("bad", [1, 2], params))
+    assert not eng.has_unfinished()
+    assert len(run_alone(eng, [1, 2], greedy(3), rid="bad").token_ids) == 3
+
+
+def test_bad_token_ids_are_refused_naming_the_field(model):
+    eng = RolloutEngine(model, max_running_requests=2)
+    for prompt, response, field in (([1, 2.0], [], "prompt_ids"), ([1, True], [], "prompt_ids"),
+                                    ([1], [VOCAB], "response_ids"), ([1], ["3"], "response_ids")):
+        with pytest.raises(ValueError, match=field):
+            eng.add_request(GenerationRequest("bad", prompt, greedy(2), response))
+    # numpy ids and integer scalars are token ids (the rollout worker keeps them in arrays)
+    c = run_alone(eng, np.array([1, 2, 3]), SamplingParams(temperature=0.0, top_k=np.int64(3), max_new_tokens=np.int32(2)))
+    assert len(c.token_ids) == 2

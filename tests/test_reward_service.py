@@ -23,6 +23,9 @@ from rewards.service import CachedRewards, RemoteRewardClient, http_transport, m
 from slime.config import ConfigError, RewardConfig, load_config
 from tests.helpers import wait_for
 
+TOKEN = "reward-service-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
 REWARDS_PY = '''
 import math, time
 
@@ -78,26 +81,26 @@ def _check_garbage(results) -> None:
 
 def test_http_service_answers_a_real_http_client(rewards_file):
     runner = RewardRunner(_load(f"{rewards_file}:overlap"), timeout_s=5, max_concurrency=2)
-    with ServerThread(make_app(runner)) as server:
+    with ServerThread(make_app(runner, token=TOKEN)) as server:
         reply = httpx.post(f"{server.url}/score", json={"samples": [
             {"prompt": "ab*2=", "response": "abab", "label": "abab"},
             {"prompt": "ab*2=", "response": "abxx", "label": "abab", "metadata": {"task": "repeat"}},
-        ]}, timeout=10)
+        ]}, headers=AUTH, timeout=10)
         assert reply.status_code == 200
         results = reply.json()["results"]
         assert [r["reward"] for r in results] == [1.0, 0.5] and all(r.get("failure") is None for r in results)
         health = httpx.get(f"{server.url}/health", timeout=10).json()
         assert health["status"] == "ok" and health["scored"] == 2 and health["failed"] == 0
         # A malformed request is refused by the schema, naming the field.
-        bad = httpx.post(f"{server.url}/score", json={"samples": [{"prompt": "x"}]}, timeout=10)
+        bad = httpx.post(f"{server.url}/score", json={"samples": [{"prompt": "x"}]}, headers=AUTH, timeout=10)
         assert bad.status_code == 422 and "response" in bad.text
     runner.close()
 
 
 def test_http_mode_from_config_with_cache(rewards_file):
     runner = RewardRunner(_load(f"{rewards_file}:overlap"), timeout_s=5, max_concurrency=2)
-    with ServerThread(make_app(runner)) as server:
-        service = make_reward_service(RewardConfig(mode="http", url=server.url, cache_size=16), "t")
+    with ServerThread(make_app(runner, token=TOKEN)) as server:
+        service = make_reward_service(RewardConfig(mode="http", url=server.url, cache_size=16, token=TOKEN), "t")
         assert isinstance(service, CachedRewards)
         items = [("p", "abab", "abab"), ("p", "abxx", "abab"), ("p", "abab", "abab")]
         first = _results(service, items)
@@ -121,8 +124,9 @@ def test_garbage_fails_only_its_samples_in_process_and_over_http(rewards_file):
     in_process.close()
 
     runner = RewardRunner(_load(f"{rewards_file}:garbage"), timeout_s=0.5, max_concurrency=8)
-    with ServerThread(make_app(runner)) as server:
-        remote = make_reward_service(RewardConfig(mode="http", url=server.url, timeout_s=0.5, cache_size=0), "t")
+    with ServerThread(make_app(runner, token=TOKEN)) as server:
+        remote = make_reward_service(
+            RewardConfig(mode="http", url=server.url, timeout_s=0.5, cache_size=0, token=TOKEN), "t")
         _check_garbage(_results(remote, GARBAGE_ITEMS))
         remote.close()
     runner.close()

@@ -1,8 +1,10 @@
 """The SGLang adapter against the built-in engine's SGLang-protocol server, both real processes.
 
 The same contract as the built-in engine: logprobs match a direct forward pass, abort returns the
-partial and a resume continues token-exactly (greedy), weight updates by tensor handle and by
-disk change the outputs to the new weights, health; plus a raw SGLang-shaped HTTP client.
+partial and a resume continues token-exactly (greedy), weight updates by JSON tensor handle, by
+disk (under the server's --weights-dir) and by broadcast change the outputs to the new weights,
+health; plus a raw SGLang-shaped HTTP client. The server has a token (in its environment); the
+adapter sends it on every request, raw clients on the control routes.
 """
 
 from __future__ import annotations
@@ -19,22 +21,33 @@ from tests.helpers import drive_engine
 from slime.engine import GenerationRequest, SamplingParams
 from slime.engines.sglang import SglangEngine, SglangServerProcess, free_port, launch_command
 from slime.model import load_model
+from slime.security import auth_headers, new_secret
 
 PROMPT = [5, 12, 7, 30, 9, 14]
+TOKEN = new_secret()
+AUTH = auth_headers(TOKEN)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def weights_root(tmp_path_factory):
+    """The server's --weights-dir: disk updates load only under it."""
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory, weights_root):
     port = free_port()
-    cmd = launch_command("slime", str(tiny_model_dir), "127.0.0.1", port, torch_threads=1, max_running_requests=8)
-    proc = SglangServerProcess(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("sglang") / "server.log", 120)
+    cmd = launch_command("slime", str(tiny_model_dir), "127.0.0.1", port, torch_threads=1, max_running_requests=8,
+                         weights_dir=weights_root, update_group_hosts=["127.0.0.1"])
+    proc = SglangServerProcess(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("sglang") / "server.log", 120,
+                               token=TOKEN)
     yield proc
     proc.stop()
 
 
 @pytest.fixture
-def engine(server, tmp_path):
-    eng = SglangEngine(server.url, weights_dir=tmp_path / "weights", request_timeout_s=60)
+def engine(server, weights_root):
+    eng = SglangEngine(server.url, weights_dir=weights_root / "engine", request_timeout_s=60, api_token=TOKEN)
     yield eng
     eng.close()
 
@@ -94,11 +107,13 @@ def _perturbed(model, seed: int) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach() + 0.3 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
 
 
-def test_weight_updates_by_tensor_handle_disk_and_broadcast_change_outputs(engine, server, model, tiny_model_dir, tmp_path):
+def test_weight_updates_by_tensor_handle_disk_and_broadcast_change_outputs(engine, server, model, tiny_model_dir,
+                                                                          weights_root):
     probe = [3, 8, 21, 4]
     before = engine.score_logprobs(PROMPT, probe)
     assert before == pytest.approx(_forward_logprobs(model, PROMPT, probe), abs=1e-4)
-    engines = {"tensor": engine, **{m: SglangEngine(server.url, weight_update=m, weights_dir=tmp_path / "w", bucket_mb=0.2)
+    engines = {"tensor": engine, **{m: SglangEngine(server.url, weight_update=m, weights_dir=weights_root / "w",
+                                                    bucket_mb=0.2, api_token=TOKEN)
                                     for m in ("disk", "distributed")}}
     try:
         # distributed twice: the second update reuses the group (bucketed: several requests per update)
@@ -106,6 +121,8 @@ def test_weight_updates_by_tensor_handle_disk_and_broadcast_change_outputs(engin
             eng = engines[mode]
             named = _perturbed(model, seed)
             eng.update_weights(version, named)
+            if mode == "tensor":  # the built-in server gets the JSON handle, never a pickle
+                assert eng._builtin == {server.url: True}
             new_model = load_model(tiny_model_dir)
             new_model.load_state_dict(dict(named), strict=False)
             expected = _forward_logprobs(new_model.eval(), PROMPT, probe)
@@ -141,7 +158,8 @@ def test_update_weights_keeps_running_requests(engine, model):
 def test_health_and_bad_input(engine, server):
     h = engine.health()
     assert h["healthy"] and h["running"] == 0
-    assert httpx.post(f"{server.url}/flush_cache").status_code == 200
+    assert httpx.post(f"{server.url}/flush_cache", json={}, headers=AUTH).status_code == 200
+    assert httpx.post(f"{server.url}/flush_cache", json={}).status_code == 401  # state-changing: the token
     r = httpx.post(f"{server.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}})
     assert r.status_code == 400 and "stop" in r.json()["message"]
     r = httpx.post(f"{server.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}})
@@ -203,7 +221,7 @@ def test_raw_sglang_client(server, model):
     deadline = time.time() + 30
     while len(events) < 3 and time.time() < deadline:
         time.sleep(0.01)
-    assert httpx.post(f"{server.url}/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "", "abort_all": True}, headers=AUTH).status_code == 200
     t.join(timeout=30)
     assert events[-1] == "[DONE]"
     last = events[-2]
@@ -212,13 +230,13 @@ def test_raw_sglang_client(server, model):
     assert events[0]["output_ids"] == last["output_ids"][: len(events[0]["output_ids"])]  # cumulative
 
     # pause in place keeps a request; continue finishes it
-    assert httpx.post(f"{server.url}/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
+    assert httpx.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, headers=AUTH).json()["status"] == "ok"
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(httpx.post(f"{server.url}/generate", json={**body, "rid": "raw-3"}, timeout=60).json()))
     t.start()
     time.sleep(0.3)
     assert not result  # paused: nothing generated
-    httpx.post(f"{server.url}/continue_generation")
+    assert httpx.post(f"{server.url}/continue_generation", json={}, headers=AUTH).status_code == 200
     t.join(timeout=30)
     assert result["output_ids"] == out["output_ids"]
 

@@ -4,7 +4,9 @@
 through the router to both servers; greedy outputs equal the built-in engine run directly;
 abort returns the partials and a resume (on whichever server the router picks) is token-exact;
 a weight update (tensor handle and broadcast) reaches every server and a server that missed one
-fails the probe; a killed server or router is named by `health()` and `step()`.
+fails the probe; a killed server or router is named by `health()` and `step()`. The router and the
+servers get the job's token in their environment (never argv); the router requires it and
+passes it on.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from slime.config import load_config  # noqa: E402
 from slime.engine import GenerationRequest, RolloutEngine, SamplingParams  # noqa: E402
 from slime.engines.sglang import SglangEngine  # noqa: E402
 from slime.model import load_model  # noqa: E402
+from slime.security import auth_headers, new_secret  # noqa: E402
 
 PROMPTS = [[5, 12, 7, 30, 9, 14], [3, 8, 21, 4], [17, 2, 9], [11, 6, 25, 13, 1]]
+TOKEN = new_secret()
+AUTH = auth_headers(TOKEN)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +47,7 @@ def routed(tiny_model_dir, tmp_path_factory):
         "sglang.launcher=slime", "sglang.num_servers=2", "sglang.router=sglang_router",
         "sglang.router_policy=round_robin", "sglang.request_timeout_s=60", "sglang.startup_timeout_s=120",
     ])
-    engine = SglangEngine.from_config(cfg, str(tiny_model_dir), 0, 0)
+    engine = SglangEngine.from_config(cfg, str(tiny_model_dir), 0, 0, api_token=TOKEN)
     yield engine
     engine.close()
 
@@ -63,12 +68,30 @@ def test_launch_layout(routed, tiny_model_dir):
     assert names == ["SGLang server 0 of rollout worker 0", "SGLang server 1 of rollout worker 0",
                      "sglang-router of rollout worker 0"]
     assert [p.log_path.name for p in routed.processes] == ["server_0_0.log", "server_0_1.log", "router_0.log"]
-    workers = httpx.get(f"{routed.url}/workers", timeout=10).json()["workers"]
+    workers = httpx.get(f"{routed.url}/workers", headers=AUTH, timeout=10).json()["workers"]
     assert sorted(w["url"] for w in workers) == sorted(routed.server_urls) and all(w["is_healthy"] for w in workers)
     # the router read each server's /server_info (it drops an answer whose field types differ from SGLang's)
     assert all(w["model_id"] == str(tiny_model_dir) for w in workers)
     h = routed.health()
     assert h["healthy"] and h["error"] is None and h["server_urls"] == routed.server_urls
+
+
+def test_the_token_reaches_every_process_by_environment_only(routed):
+    """sglang-router 0.3.2 with --api-key (added inside the process by slime.engines.sglang_launch):
+    it refuses clients without the key, and forwards it to the servers, whose /generate then
+    works through it; no process shows the key in its command line."""
+    for proc in routed.processes:
+        cmdline = open(f"/proc/{proc.proc.pid}/cmdline", "rb").read()
+        assert TOKEN.encode() not in cmdline and b"--api-key" not in cmdline, proc.name
+        if "router" not in proc.name:  # (the router's setproctitle rewrites its argv and environment area)
+            environ = open(f"/proc/{proc.proc.pid}/environ", "rb").read()
+            assert f"SLIME_API_TOKEN={TOKEN}".encode() in environ.split(b"\0"), proc.name
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    for headers, status in (({}, 401), (auth_headers("wrong"), 401), (AUTH, 200)):
+        assert httpx.post(f"{routed.url}/generate", json=body, headers=headers, timeout=30).status_code == status
+        assert httpx.get(f"{routed.url}/workers", headers=headers, timeout=10).status_code == status
+    for url in routed.server_urls:  # the servers' control routes need it too
+        assert httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}).status_code == 401
 
 
 def test_requests_reach_both_servers_and_greedy_equals_the_builtin_engine(routed, model):
@@ -119,10 +142,11 @@ def _perturbed(model, seed: int) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach() + 0.3 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
 
 
-def test_weight_update_reaches_every_server_and_a_missed_one_is_caught(routed, model, tiny_model_dir, tmp_path):
+def test_weight_update_reaches_every_server_and_a_missed_one_is_caught(routed, model, tiny_model_dir):
     prompt, probe = PROMPTS[0], [3, 8, 21, 4]
     # each server on its own, not through the router
-    singles = [SglangEngine(u, weight_update="disk", weights_dir=tmp_path / str(j)) for j, u in enumerate(routed.server_urls)]
+    singles = [SglangEngine(u, weight_update="disk", weights_dir=routed.weights_dir / f"single_{j}", api_token=TOKEN)
+               for j, u in enumerate(routed.server_urls)]
     original = list(model.named_parameters())
     try:
         for mode, seed, version in (("tensor", 1, 3), ("distributed", 2, 4)):

@@ -1,19 +1,26 @@
 """The buffer API and the dashboard page: one FastAPI app per job (the job is fixed at start).
 
-Security: when a token is configured every route but the static assets needs it (header
-`X-Slime-Token`; GET routes also take `?token=`, because a browser's EventSource cannot send
-headers); control routes are refused outright without a configured token and need the header.
+Security (docs/security.md), enforced by `security.HttpGuard` before any route runs:
+- control routes (POST) always need the token, JSON bodies only; without a configured token they
+  answer 403;
+- read routes are open on a loopback bind and need the token on any other bind;
+- the token travels in a header (`Authorization: Bearer` or `X-Slime-Token`); only the live
+  stream (`/api/stream`) also takes `?token=`, because a browser's EventSource cannot send headers;
+- the page (`/`) and `/static/` hold no data and are always open; the page reads its token from the
+  URL fragment (`#token=...`, never sent to a server) or a field kept in sessionStorage;
+- a Host allow-list on loopback (DNS rebinding); live streams are limited per client and in total.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+from collections import Counter
+from collections.abc import Callable
 from importlib import resources
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi import FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -21,9 +28,11 @@ from slime.buffer import RedisBuffer
 from slime.dashboard import schemas as S
 from slime.dashboard.reader import CURSOR_PATTERN, BufferReader, TrajectoryFilter
 from slime.sample import Status
+from slime.security import GuardPolicy, HttpGuard
 
-TOKEN_HEADER = "X-Slime-Token"
 MAX_STREAMS = 32
+MAX_STREAMS_PER_CLIENT = 4
+MAX_BODY_BYTES = 64 << 10  # control bodies are a few bytes
 
 SampleId = Annotated[str, Path(pattern=S.ID_PATTERN, description="A trajectory (sample) id of this job.")]
 GroupId = Annotated[str, Path(pattern=S.ID_PATTERN, description="A group id of this job.")]
@@ -34,50 +43,63 @@ def _finite_query(description: str, ge: float | None = None) -> Any:
     return Query(description=description, ge=ge, allow_inf_nan=False)
 
 
-class _TokenGate:
-    """Pure ASGI middleware: with a token set, everything except /static needs it."""
+class StreamSlots:
+    """Live streams held open, per client address and in total (touched on the event loop only)."""
 
-    def __init__(self, app: Any, token: str | None):
-        self.app = app
-        self.token = token.encode() if token else None
+    def __init__(self, total: int = MAX_STREAMS, per_client: int = MAX_STREAMS_PER_CLIENT):
+        self.total, self.per_client = total, per_client
+        self.open: Counter[str] = Counter()
+
+    def take(self, client: str) -> None:
+        """Hold one for `client`, or raise 503 (all taken) / 429 (this client holds its share)."""
+        if sum(self.open.values()) >= self.total:
+            raise HTTPException(503, f"too many live streams (at most {self.total}); retry later",
+                                headers={"Retry-After": "5"})
+        if self.open[client] >= self.per_client:
+            raise HTTPException(429, f"this client already holds {self.per_client} live streams (the most "
+                                     f"one client may); close one", headers={"Retry-After": "5"})
+        self.open[client] += 1
+
+    def give_back(self, client: str) -> None:
+        self.open[client] -= 1
+        if self.open[client] <= 0:
+            del self.open[client]
+
+
+class _HeldStream(StreamingResponse):
+    """Gives its stream slot back however the response ends (a client that hangs up before the
+    first event never starts the generator, so a `finally` inside it would not run)."""
+
+    def __init__(self, content: Any, release: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._release = release
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if self.token is None or scope["type"] != "http" or scope["path"].startswith("/static/"):
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(TOKEN_HEADER.lower().encode())
-        if given is None and scope["method"] == "GET":
-            from urllib.parse import parse_qs
-
-            values = parse_qs(scope.get("query_string", b"").decode(errors="replace")).get("token")
-            given = values[0].encode() if values else None
-        if given is not None and hmac.compare_digest(given, self.token):
-            return await self.app(scope, receive, send)
-        body = json.dumps({"detail": f"missing or wrong {TOKEN_HEADER} header (this dashboard needs its token)"})
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", TOKEN_HEADER.encode())]})
-        await send({"type": "http.response.body", "body": body.encode()})
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
-def create_app(redis_url: str, job: str, token: str | None = None) -> FastAPI:
-    buffer = RedisBuffer(redis_url, job)
+def create_app(redis_url: str, job: str, token: str | None = None, *, redis_password: str | None = None,
+               bind_host: str = "127.0.0.1") -> FastAPI:
+    """``bind_host``: where the server listens; it decides whether reads need the token."""
+    buffer = RedisBuffer(redis_url, job, password=redis_password)
     reader = BufferReader(buffer)
-    streams = asyncio.Semaphore(MAX_STREAMS)
+    streams = StreamSlots()
     app = FastAPI(
         title=f"slime buffer API: job {job}",
         version="1",
-        description="Read the partial-trajectory buffer of one job; control endpoints need the token.",
+        description="Read the partial-trajectory buffer of one job; control endpoints need the token "
+                    "(`Authorization: Bearer <token>`), and so does everything off loopback.",
     )
     app.state.reader = reader
-    app.add_middleware(_TokenGate, token=token)
+    app.add_middleware(HttpGuard, policy=GuardPolicy(
+        token=token, bind_host=bind_host, max_body_bytes=MAX_BODY_BYTES,
+        open_paths=frozenset({"/"}), open_prefixes=("/static/",),
+        query_token_paths=frozenset({"/api/stream"}),
+    ))
     app.mount("/static", StaticFiles(packages=[("slime.dashboard", "static")]), name="static")
-
-    def control_allowed(request: Request) -> None:
-        if token is None:
-            raise HTTPException(403, "control endpoints are off: start the dashboard with a token "
-                                     "(slime dashboard --token, or dashboard.token in the job config)")
-        given = request.headers.get(TOKEN_HEADER)
-        if given is None or not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(401, f"control endpoints need the {TOKEN_HEADER} header")
 
     def not_found(exc: KeyError) -> HTTPException:
         return HTTPException(404, exc.args[0] if exc.args else "not found")
@@ -175,11 +197,10 @@ def create_app(redis_url: str, job: str, token: str | None = None) -> FastAPI:
     async def stream(
         request: Request, interval: Annotated[float, Query(ge=0.2, le=10, allow_inf_nan=False)] = 1.0,
     ) -> StreamingResponse:
-        if streams.locked():
-            raise HTTPException(503, f"too many live streams (at most {MAX_STREAMS}); retry later")
-        await streams.acquire()
-        return StreamingResponse(_sse(request, reader, buffer, interval, streams.release),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+        client = request.client.host if request.client else "unknown"
+        streams.take(client)
+        return _HeldStream(_sse(request, reader, buffer, interval), lambda: streams.give_back(client),
+                           media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["read"])
     def metrics() -> PlainTextResponse:
@@ -192,20 +213,17 @@ def create_app(redis_url: str, job: str, token: str | None = None) -> FastAPI:
                               oversample=float(control["oversample"]) if "oversample" in control else None,
                               event=S.Event(**event))
 
-    @app.post("/api/control/pause", response_model=S.ControlState, tags=["control"],
-              dependencies=[Depends(control_allowed)])
+    @app.post("/api/control/pause", response_model=S.ControlState, tags=["control"])
     def pause() -> S.ControlState:
         buffer.set_control(paused="1")
         return state(buffer.log_event("pause", {"by": "dashboard"}))
 
-    @app.post("/api/control/resume", response_model=S.ControlState, tags=["control"],
-              dependencies=[Depends(control_allowed)])
+    @app.post("/api/control/resume", response_model=S.ControlState, tags=["control"])
     def resume() -> S.ControlState:
         buffer.set_control(paused="0")
         return state(buffer.log_event("resume", {"by": "dashboard"}))
 
-    @app.post("/api/control/oversample", response_model=S.ControlState, tags=["control"],
-              dependencies=[Depends(control_allowed)])
+    @app.post("/api/control/oversample", response_model=S.ControlState, tags=["control"])
     def oversample(body: S.OversampleRequest) -> S.ControlState:
         info = buffer.job_info()
         if info and not info.get("april_enabled", False):
@@ -214,8 +232,7 @@ def create_app(redis_url: str, job: str, token: str | None = None) -> FastAPI:
         buffer.set_control(oversample=repr(body.oversample))
         return state(buffer.log_event("oversample", {"by": "dashboard", "oversample": body.oversample}))
 
-    @app.post("/api/trajectories/{sample_id}/requeue", response_model=S.Event, tags=["control"],
-              dependencies=[Depends(control_allowed)])
+    @app.post("/api/trajectories/{sample_id}/requeue", response_model=S.Event, tags=["control"])
     def requeue(sample_id: SampleId) -> dict[str, Any]:
         try:
             buffer.force_requeue(sample_id)
@@ -225,8 +242,7 @@ def create_app(redis_url: str, job: str, token: str | None = None) -> FastAPI:
             raise HTTPException(409, str(exc)) from None
         return buffer.log_event("requeue", {"by": "dashboard", "sample_id": sample_id})
 
-    @app.post("/api/trajectories/{sample_id}/drop", response_model=S.Event, tags=["control"],
-              dependencies=[Depends(control_allowed)])
+    @app.post("/api/trajectories/{sample_id}/drop", response_model=S.Event, tags=["control"])
     def drop(sample_id: SampleId, body: S.DropRequest) -> dict[str, Any]:
         try:
             was = buffer.drop_sample(sample_id, body.reason)
@@ -239,25 +255,22 @@ def create_app(redis_url: str, job: str, token: str | None = None) -> FastAPI:
     return app
 
 
-async def _sse(request: Request, reader: BufferReader, buffer: RedisBuffer, interval: float, release) -> Any:
+async def _sse(request: Request, reader: BufferReader, buffer: RedisBuffer, interval: float) -> Any:
     last_step: int | None = None
     last_event_ts = 0.0
-    try:
-        while not await request.is_disconnected():
-            summary = await asyncio.to_thread(reader.summary)
-            yield f"event: summary\ndata: {summary.model_dump_json()}\n\n"
-            if summary.step is not None and summary.step != last_step:
-                last_step = summary.step
-                steps = await asyncio.to_thread(reader.steps, 1)
-                if steps:
-                    yield f"event: step\ndata: {json.dumps(steps[-1])}\n\n"
-            events = await asyncio.to_thread(buffer.events, 20)
-            for event in reversed([e for e in events if e["ts"] > last_event_ts]):
-                yield f"event: event\ndata: {json.dumps(event)}\n\n"
-            if events:
-                last_event_ts = max(last_event_ts, events[0]["ts"])
-            await asyncio.sleep(interval)
-    finally:
-        release()
+    while not await request.is_disconnected():
+        summary = await asyncio.to_thread(reader.summary)
+        yield f"event: summary\ndata: {summary.model_dump_json()}\n\n"
+        if summary.step is not None and summary.step != last_step:
+            last_step = summary.step
+            steps = await asyncio.to_thread(reader.steps, 1)
+            if steps:
+                yield f"event: step\ndata: {json.dumps(steps[-1])}\n\n"
+        events = await asyncio.to_thread(buffer.events, 20)
+        for event in reversed([e for e in events if e["ts"] > last_event_ts]):
+            yield f"event: event\ndata: {json.dumps(event)}\n\n"
+        if events:
+            last_event_ts = max(last_event_ts, events[0]["ts"])
+        await asyncio.sleep(interval)
 
 

@@ -4,6 +4,12 @@ Listing walks the `groups` zset from the newest group down (ranks are stable und
 cursor "<group rank>.<sample position>" never repeats or skips a trajectory); a Lua script reads
 and filters light rows (hash fields, response length, first/last token version) inside Redis. One
 call examines at most `max_scan` samples and hands back a cursor.
+
+Distributions (histograms, reward stats) and the step history are computed in Python from
+shared snapshots, each read at most once per TTL whatever the parameters: the newest trajectories
+(with the policy version) in two sizes, `SNAPSHOT_SIZES` (the page's 500, ~4 ms of Redis time;
+`MAX_WINDOW`, ~75 ms, read only while someone asks for more than 500), and the last `STEPS_KEPT`
+steps. A caller sweeping `window`/`bins`/`limit` therefore costs no Redis work beyond those.
 """
 
 from __future__ import annotations
@@ -12,18 +18,22 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from slime.buffer import RedisBuffer
+from slime.buffer import STEPS_KEPT, RedisBuffer
 from slime.dashboard import schemas as S
 from slime.sample import Status
 
 CURSOR_PATTERN = r"^\d{1,10}\.\d{1,6}$"
 _GROUP_BATCH = 32
 _NEWEST = 1 << 40  # a rank past the newest group; the listing script clamps it
+SNAPSHOT_SIZES = (500, S.MAX_WINDOW)
+ROWS_TTL_S = 3.0  # a page's refresh period: the scan runs inside Redis, where rollout workers append
+STEPS_TTL_S = 0.5  # every open page asks when a step ends
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,8 @@ class BufferReader:
         self.job = buffer.job
         self._throughput: deque[tuple[float, float]] = deque(maxlen=128)
         self._lock = threading.Lock()
-        self._cache: dict[tuple, tuple[float, Any]] = {}
+        self._cache: dict[str, tuple[float, Any]] = {}  # a fixed set of keys: "rows-<size>", "steps"
+        self._building: dict[str, threading.Lock] = {}
         self._tokenizer: Any = None
         self._tokenizer_dir: str | None = None
 
@@ -220,27 +231,36 @@ class BufferReader:
         return self._tokenizer
 
     # ---- distributions ---------------------------------------------------------------------------
+    def _newest(self, window: int) -> tuple[list[dict[str, Any]], int]:
+        """At least the newest `window` trajectories (newest first) and the policy version, from the
+        smallest snapshot size that covers `window` (or a larger one that is fresh)."""
+        sizes = [n for n in SNAPSHOT_SIZES if n >= window] or [SNAPSHOT_SIZES[-1]]
+        for size in reversed(sizes[1:]):
+            hit = self._fresh(f"rows-{size}", ROWS_TTL_S)
+            if hit is not None:
+                return hit[1]
+
+        def build() -> tuple[list[dict[str, Any]], int]:
+            rows = self.trajectories(TrajectoryFilter(), sizes[0], None, sizes[0])["items"]
+            return rows, self.buffer.get_policy_version()
+
+        return self._cached(f"rows-{sizes[0]}", ROWS_TTL_S, build)
+
     def newest_rows(self, window: int) -> list[dict[str, Any]]:
-        """The newest `window` trajectories, shared for 3 s (a page's refresh period) by the histograms
-        and reward stats: each read holds Redis for a scan the rollout workers wait behind."""
-        return self._cached(("rows", window), 3.0,
-                            lambda: self.trajectories(TrajectoryFilter(), window, None, window)["items"])
+        return self._newest(window)[0][:window]
 
     def histograms(self, window: int, bins: int) -> S.Histograms:
-        def build() -> S.Histograms:
-            rows = self.newest_rows(window)
-            version = self.buffer.get_policy_version()
-            return S.Histograms(
-                window=len(rows),
-                response_length=_histogram([r["response_length"] for r in rows], bins, integer=True),
-                version_span=_histogram([r["version_span"] for r in rows if r["version_span"] is not None], bins, True),
-                reward=_histogram([r["reward"] for r in rows if r["reward"] is not None], bins, integer=False),
-                staleness=_histogram([version - r["min_version"] for r in rows if r["min_version"] is not None
-                                      and r["status"] not in ("completed", "truncated", "failed")],
-                                     bins, integer=True),
-            )
-
-        return self._cached(("hist", window, bins), 3.0, build)
+        rows, version = self._newest(window)
+        rows = rows[:window]
+        return S.Histograms(
+            window=len(rows),
+            response_length=_histogram([r["response_length"] for r in rows], bins, integer=True),
+            version_span=_histogram([r["version_span"] for r in rows if r["version_span"] is not None], bins, True),
+            reward=_histogram([r["reward"] for r in rows if r["reward"] is not None], bins, integer=False),
+            staleness=_histogram([version - r["min_version"] for r in rows if r["min_version"] is not None
+                                  and r["status"] not in ("completed", "truncated", "failed")],
+                                 bins, integer=True),
+        )
 
     def engines(self) -> list[S.EngineLoad]:
         now = self.buffer.server_time()
@@ -271,50 +291,59 @@ class BufferReader:
                             share=[float(c) / total if total else 0.0 for c in per_expert])
 
     def rewards(self, window: int) -> S.RewardStats:
-        def build() -> S.RewardStats:
-            rows = self.newest_rows(window)
-            rewards = [r["reward"] for r in rows if r["reward"] is not None and r["status"] != "failed"]
-            reasons: dict[str, int] = {}
-            for r in rows:
-                if r["status"] == "failed":
-                    key = (r["failure"] or "unknown").splitlines()[0][:120]
-                    reasons[key] = reasons.get(key, 0) + 1
-            steps = self.buffer.step_history(50)
-            per_step = [{k: v for k, v in s.items() if (k == "step" or k == "reward_mean" or k.startswith("reward_stats/"))
-                         and isinstance(v, (int, float)) and math.isfinite(v)} for s in steps]
-            last = per_step[-1] if per_step else {}
-            p50 = [v for k, v in last.items() if k.endswith("latency_p50_s")]
-            p99 = [v for k, v in last.items() if k.endswith("latency_p99_s")]
-            return S.RewardStats(
-                window=len(rows), scored=len(rewards), failed=sum(reasons.values()),
-                mean=float(np.mean(rewards)) if rewards else None, std=float(np.std(rewards)) if rewards else None,
-                failure_reasons=reasons, latency_p50_s=max(p50) if p50 else None,
-                latency_p99_s=max(p99) if p99 else None, per_step=per_step,
-            )
-
-        return self._cached(("rewards", window), 3.0, build)
+        rows = self.newest_rows(window)
+        rewards = [r["reward"] for r in rows if r["reward"] is not None and r["status"] != "failed"]
+        reasons: dict[str, int] = {}
+        for r in rows:
+            if r["status"] == "failed":
+                key = (r["failure"] or "unknown").splitlines()[0][:120]
+                reasons[key] = reasons.get(key, 0) + 1
+        per_step = [{k: v for k, v in s.items() if (k == "step" or k == "reward_mean" or k.startswith("reward_stats/"))
+                     and isinstance(v, (int, float)) and math.isfinite(v)} for s in self._steps()[-50:]]
+        last = per_step[-1] if per_step else {}
+        p50 = [v for k, v in last.items() if k.endswith("latency_p50_s")]
+        p99 = [v for k, v in last.items() if k.endswith("latency_p99_s")]
+        return S.RewardStats(
+            window=len(rows), scored=len(rewards), failed=sum(reasons.values()),
+            mean=float(np.mean(rewards)) if rewards else None, std=float(np.std(rewards)) if rewards else None,
+            failure_reasons=reasons, latency_p50_s=max(p50) if p50 else None,
+            latency_p99_s=max(p99) if p99 else None, per_step=per_step,
+        )
 
     def steps(self, limit: int, since_step: int = -1) -> list[dict[str, Any]]:
-        """Per-step metrics of the last `limit` steps after `since_step`. Parsed once per half second
-        for every caller: a step carries a hundred metrics, and every open page asks when one ends."""
+        """Per-step metrics of the last `limit` steps after `since_step`."""
+        return [s for s in self._steps()[-max(1, limit):] if s["step"] > since_step]
+
+    def _steps(self) -> list[dict[str, Any]]:
+        """The whole kept step history, parsed once per STEPS_TTL_S for every caller (a step carries
+        a hundred metrics); non-finite values become None (JSON has no NaN)."""
         def build() -> list[dict[str, Any]]:
             return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in s.items()}
-                    for s in self.buffer.step_history(limit)]
+                    for s in self.buffer.step_history(STEPS_KEPT)]
 
-        return [s for s in self._cached(("steps", limit), 0.5, build) if s["step"] > since_step]
+        return self._cached("steps", STEPS_TTL_S, build)
 
-    def _cached(self, key: tuple, ttl: float, build):
-        now = time.monotonic()
+    def _cached(self, key: str, ttl: float, build: Callable[[], Any]) -> Any:
+        """`build()`'s value, rebuilt at most once per `ttl`; concurrent misses wait for one build
+        (ten pages refreshing together cost one scan)."""
+        hit = self._fresh(key, ttl)
+        if hit is not None:
+            return hit[1]
+        with self._lock:
+            building = self._building.setdefault(key, threading.Lock())
+        with building:
+            hit = self._fresh(key, ttl)
+            if hit is not None:
+                return hit[1]
+            value = build()
+            with self._lock:
+                self._cache[key] = (time.monotonic(), value)
+            return value
+
+    def _fresh(self, key: str, ttl: float) -> tuple[float, Any] | None:
         with self._lock:
             hit = self._cache.get(key)
-        if hit is not None and now - hit[0] < ttl:
-            return hit[1]
-        value = build()
-        with self._lock:
-            if len(self._cache) > 64:
-                self._cache.clear()
-            self._cache[key] = (now, value)
-        return value
+        return hit if hit is not None and time.monotonic() - hit[0] < ttl else None
 
     # ---- Prometheus --------------------------------------------------------------------------------
     def prometheus(self) -> str:

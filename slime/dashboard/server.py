@@ -1,9 +1,13 @@
 """Serving the dashboard: standalone (`slime dashboard`), beside a job (that command as a child
-process), or on a thread (tests)."""
+process), or on a thread (tests).
+
+Secrets reach the child process in its environment, never on its command line (`ps` shows that to
+every user): the token in `SLIME_API_TOKEN` (security.API_TOKEN_ENV), the Redis password in
+`SLIME_REDIS_PASSWORD`.
+"""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import socket
@@ -11,10 +15,14 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import uvicorn
 
 from slime.dashboard.app import create_app
+from slime.security import API_TOKEN_ENV, check_bind as check_bind_any
+
+REDIS_PASSWORD_ENV = "SLIME_REDIS_PASSWORD"
 
 
 class DashboardConfigError(ValueError):
@@ -24,20 +32,16 @@ class DashboardConfigError(ValueError):
 def check_bind(host: str, token: str | None) -> None:
     """Anything but loopback is reachable by others: it needs a token."""
     try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback and not token:
-        raise DashboardConfigError(
-            f"dashboard host {host!r} is not a loopback address: set a token (--token or dashboard.token) "
-            "so that others on the network cannot read the buffer"
-        )
+        check_bind_any(host, token, "dashboard")
+    except ValueError as exc:
+        raise DashboardConfigError(str(exc)) from None
 
 
 class DashboardServer:
     """uvicorn on its own thread; `url` is known once the socket is bound (port 0 picks a free one)."""
 
-    def __init__(self, redis_url: str, job: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+    def __init__(self, redis_url: str, job: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 *, redis_password: str | None = None):
         check_bind(host, token)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
@@ -50,8 +54,8 @@ class DashboardServer:
         self.port = self.socket.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/"
-        config = uvicorn.Config(create_app(redis_url, job, token), log_level="warning", access_log=False,
-                                lifespan="off")
+        app = create_app(redis_url, job, token, redis_password=redis_password, bind_host=host)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
 
@@ -77,7 +81,16 @@ class DashboardServer:
         self.socket.close()
 
 
-TOKEN_ENV = "SLIME_DASHBOARD_TOKEN"  # how a parent hands the token over (argv is visible in `ps`)
+def split_password(redis_url: str) -> tuple[str, str | None]:
+    """``redis://user:pw@host/0`` -> (``redis://user@host/0``, ``pw``): a URL goes on a command
+    line, a password does not."""
+    parts = urlsplit(redis_url)
+    if parts.password is None:
+        return redis_url, None
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    if parts.username:
+        netloc = f"{parts.netloc.split(':', 1)[0]}@{netloc}"
+    return urlunsplit(parts._replace(netloc=netloc)), unquote(parts.password)
 
 
 class DashboardProcess:
@@ -85,8 +98,11 @@ class DashboardProcess:
     then never holds the driver's GIL (which delayed its refills and step boundaries, ~20% rollout
     throughput under ten polling pages), and it runs at a lower CPU priority than training."""
 
-    def __init__(self, redis_url: str, job: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+    def __init__(self, redis_url: str, job: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 *, redis_password: str | None = None):
         check_bind(host, token)
+        redis_url, url_password = split_password(redis_url)
+        redis_password = redis_password or url_password
         if port == 0:
             with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
                 probe.bind((host, 0))
@@ -97,16 +113,17 @@ class DashboardProcess:
             cmd = ["nice", "-n", "10", *cmd]
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        env.pop(TOKEN_ENV, None)
-        if token:
-            env[TOKEN_ENV] = token
+        for name, value in ((API_TOKEN_ENV, token), (REDIS_PASSWORD_ENV, redis_password)):
+            env.pop(name, None)  # never one inherited from whoever started the job
+            if value:
+                env[name] = value
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         first = self.proc.stdout.readline()  # the URL line, printed once the socket is bound
         if "http://" not in first:
             rest = self.proc.stdout.read()
             self.proc.wait()
             raise DashboardConfigError(f"the dashboard did not start: {(first + rest).strip()}")
-        self.url = first.split(": ", 1)[1].split("?")[0].strip()
+        self.url = first.split(": ", 1)[1].split("?")[0].split()[0].strip()
         threading.Thread(target=self._drain, name="slime-dashboard-log", daemon=True).start()
 
     def _drain(self) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 from slime.config import JobConfig
 
 
-def make_engine(cfg: JobConfig, model_dir: str, index: int, version: int):
+def make_engine(cfg: JobConfig, model_dir: str, index: int, version: int, *, api_token: str | None = None):
+    """``api_token``: the job's token for the SGLang engine's servers and router (sent on every
+    request, handed to launched ones in their environment); the in-process engines need none."""
     from slime.engine import RolloutEngine
     from slime.model import load_model
 
@@ -48,5 +50,5 @@ def make_engine(cfg: JobConfig, model_dir: str, index: int, version: int):
     if kind == "sglang":
         from slime.engines.sglang import SglangEngine
 
-        return SglangEngine.from_config(cfg, model_dir, index, version)
+        return SglangEngine.from_config(cfg, model_dir, index, version, api_token=api_token)
     raise ValueError(f"rollout.engine={kind!r} is not available")

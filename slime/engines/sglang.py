@@ -16,8 +16,10 @@ reference) over SGLang's native endpoints:
   ``/init_weights_update_group`` once, then ``/update_weights_from_distributed`` per bucket while
   this process broadcasts each tensor as rank 0 (NCCL for CUDA tensors, gloo for CPU)
   -> ``/continue_generation``;
-  CUDA tensors travel as CUDA IPC handles in SGLang's own pickle format; CPU tensors (the
-  built-in engine's SGLang-protocol server) as a `slime.weights` shared-memory handle;
+  to the built-in engine's SGLang-protocol server (its ``/server_info`` says engine
+  ``slime-builtin``) tensors travel as the JSON form of a `slime.weights` handle (shared memory
+  for CPU tensors, CUDA IPC for CUDA tensors), never a pickle; to a real SGLang server in
+  SGLang's own pickled format (CUDA IPC handles), which it accepts only with the job's key;
 - `score_logprobs` (the weight-sync probe): ``/generate`` with ``max_new_tokens=0`` and
   ``logprob_start_len``, read from ``meta_info.input_token_logprobs``;
 - `health()`: ``GET /health_generate`` (and whether the launched processes are alive).
@@ -33,6 +35,13 @@ of every server, so a server that missed an update is caught) and ``/health_gene
 Stop tokens are passed explicitly (``stop_token_ids``, ``ignore_eos=true``) so the server never
 stops on anything the worker did not ask for. `set_temperature` is not available (SGLang cannot
 change a running request's sampling parameters) and returns False.
+
+Auth: every request carries ``Authorization: Bearer <api_token>``. Launched servers and the
+router get the token in their environment (`slime.security.API_TOKEN_ENV`), never argv: our
+server reads it there; SGLang's server and sglang-router are started through
+`slime.engines.sglang_launch`, which turns it into ``--api-key`` inside the process. Launched
+servers of ours load disk updates only from the worker's weights directory and join update
+groups only at the address this process announces.
 """
 
 from __future__ import annotations
@@ -45,7 +54,6 @@ import importlib.util
 import io
 import json
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -59,7 +67,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from slime.engine import GenerationChunk, GenerationRequest
+from slime.engine import GenerationChunk, GenerationRequest, validate_sampling
+from slime.security import API_TOKEN_ENV, auth_headers, is_loopback, new_secret, read_token
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -110,6 +119,12 @@ def _local_ip_towards(host: str) -> str:
         return s.getsockname()[0]
 
 
+def update_group_address(server_host: str) -> str:
+    """The address this process announces as master of a weight-update group to servers on
+    ``server_host`` (launched servers accept only that one)."""
+    return "127.0.0.1" if is_loopback(server_host) else _local_ip_towards(server_host)
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the parent dies (a killed Ray actor leaves no orphan)."""
     try:
@@ -125,19 +140,25 @@ class SglangServerProcess:
     `wait_ready` each)."""
 
     def __init__(self, command: list[str], url: str, log_path: Path, startup_timeout_s: float | None,
-                 *, name: str = "SGLang server"):
+                 *, name: str = "SGLang server", token: str | None = None):
         self.command, self.url, self.log_path, self.name = command, url, log_path, name
+        self.headers = auth_headers(token)
+        env = dict(os.environ)
+        env.pop(API_TOKEN_ENV, None)
+        if token is not None:
+            env[API_TOKEN_ENV] = token  # the environment, not argv: ps shows argv to every user
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            env=env,
         )
         if startup_timeout_s is not None:
             self.wait_ready(startup_timeout_s)
 
     def ready(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/health_generate", timeout=30).status_code == 200
+            return httpx.get(f"{self.url}/health_generate", headers=self.headers, timeout=30).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -182,13 +203,13 @@ class SglangRouterProcess(SglangServerProcess):
     """A launched sglang-router: ready once it lists every one of its servers as healthy."""
 
     def __init__(self, command: list[str], url: str, log_path: Path, startup_timeout_s: float, worker_urls: list[str],
-                 *, name: str = "sglang-router"):
+                 *, name: str = "sglang-router", token: str):
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
-        super().__init__(command, url, log_path, startup_timeout_s, name=name)
+        super().__init__(command, url, log_path, startup_timeout_s, name=name, token=token)
 
     def ready(self) -> bool:
         try:
-            workers = httpx.get(f"{self.url}/workers", timeout=10).json()["workers"]
+            workers = httpx.get(f"{self.url}/workers", headers=self.headers, timeout=10).json()["workers"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return False
         healthy = {w["url"].rstrip("/") for w in workers if w.get("is_healthy")}
@@ -197,30 +218,37 @@ class SglangRouterProcess(SglangServerProcess):
 
 def router_command(worker_urls: list[str], host: str, port: int, *, policy: str, prometheus_port: int,
                    request_timeout_s: float) -> list[str]:
-    """sglang-router 0.3.2's flags (sglang_router/router_args.py). Its metrics endpoint defaults to
-    0.0.0.0:29000, which a second router on the machine could not bind: each gets a port of its own."""
-    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+    """sglang-router 0.3.2's flags (sglang_router/router_args.py), run through `slime.engines.sglang_launch`
+    (it adds ``--api-key`` from the environment: the router then requires the key from clients and
+    sends it to the servers). Its metrics endpoint defaults to 0.0.0.0:29000, which a second router
+    on the machine could not bind: each gets a port of its own."""
+    return [sys.executable, "-m", "slime.engines.sglang_launch", "router", "--worker-urls", *worker_urls,
             "--host", host, "--port", str(port), "--policy", policy,
             "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
             "--request-timeout-secs", str(int(request_timeout_s)), "--log-level", "warn"]
 
 
 def launch_router(worker_urls: list[str], host: str, port: int | None, policy: str, log_path: Path,
-                  startup_timeout_s: float, request_timeout_s: float, *, name: str = "sglang-router") -> SglangRouterProcess:
+                  startup_timeout_s: float, request_timeout_s: float, *, token: str,
+                  name: str = "sglang-router") -> SglangRouterProcess:
     if importlib.util.find_spec("sglang_router") is None:
         raise RuntimeError("sglang.router=sglang_router needs the sglang-router package where the rollout worker runs: "
                            "pip install sglang-router (it is in this project's sglang and dev extras)")
     port = port if port is not None else free_port(host)
     cmd = router_command(worker_urls, host, port, policy=policy, prometheus_port=free_port(host),
                          request_timeout_s=request_timeout_s)
-    return SglangRouterProcess(cmd, f"http://{host}:{port}", log_path, startup_timeout_s, worker_urls, name=name)
+    return SglangRouterProcess(cmd, f"http://{host}:{port}", log_path, startup_timeout_s, worker_urls, name=name, token=token)
 
 
 def launch_command(launcher: str, model_dir: str, host: str, port: int, *, tensor_parallel_size: int = 1,
                    device: str = "cpu", dtype: str = "float32", max_running_requests: int = 64, seed: int = 0,
-                   torch_threads: int | None = None, extra_args: Iterable[str] = ()) -> list[str]:
+                   torch_threads: int | None = None, weights_dir: str | Path | None = None,
+                   update_group_hosts: Iterable[str] = (), extra_args: Iterable[str] = ()) -> list[str]:
+    """The command of one server; its token travels in the environment (`SglangServerProcess`).
+    ``weights_dir`` / ``update_group_hosts``: what our server accepts in disk updates and as an
+    update group's master (SGLang's server has no such limits)."""
     if launcher == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host,
+        cmd = [sys.executable, "-m", "slime.engines.sglang_launch", "sglang", "--model-path", model_dir, "--host", host,
                "--port", str(port), "--tp-size", str(tensor_parallel_size), "--dtype", dtype,
                "--max-running-requests", str(max_running_requests), "--random-seed", str(seed)]
     elif launcher == "slime":
@@ -231,6 +259,11 @@ def launch_command(launcher: str, model_dir: str, host: str, port: int, *, tenso
                "--max-running-requests", str(max_running_requests), "--seed", str(seed)]
         if torch_threads:
             cmd += ["--torch-threads", str(torch_threads)]
+        if weights_dir is not None:
+            cmd += ["--weights-dir", str(weights_dir)]
+        hosts = list(update_group_hosts)
+        if hosts:
+            cmd += ["--update-group-hosts", ",".join(hosts)]
     else:
         raise ValueError(f"sglang.launcher={launcher!r}: expected sglang or slime")
     return cmd + list(extra_args)
@@ -254,6 +287,7 @@ class SglangEngine:
         bucket_mb: float = 256.0,
         tensor_parallel_size: int = 1,
         probe_tolerance: float = 1e-3,
+        api_token: str | None = None,
     ):
         if weight_update not in ("tensor", "disk", "distributed"):
             raise ValueError(f"sglang.weight_update={weight_update!r}: expected tensor, disk or distributed")
@@ -271,7 +305,10 @@ class SglangEngine:
         self._requests: dict[str, _Request] = {}
         self._outbox = _Outbox()
         self._cond = threading.Condition()  # guards _requests and _outbox
+        self._headers = auth_headers(api_token)
+        self._builtin: dict[str, bool] = {}  # server url -> is it the built-in engine's server (JSON handles)
         self._shm = None  # SharedMemoryTransport: CPU tensors for /update_weights_from_tensor
+        self._cuda_ipc = None  # CudaIpcTransport: CUDA tensors for the built-in engine's server
         self._group = None  # weight_update=distributed: this process is rank 0, the servers' ranks follow
         self._bucket_bytes = int(bucket_mb * 2**20)
         self._tokens_generated = 0
@@ -285,26 +322,35 @@ class SglangEngine:
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg, model_dir: str, index: int, version: int) -> "SglangEngine":
+    def from_config(cls, cfg, model_dir: str, index: int, version: int, *, api_token: str | None = None) -> "SglangEngine":
         """Worker ``index``: attach to ``sglang.url``/``urls`` or launch ``sglang.num_servers``
-        servers, then (``sglang.router=sglang_router``) a router in front of them."""
+        servers, then (``sglang.router=sglang_router``) a router in front of them. ``api_token``
+        (else the environment's `API_TOKEN_ENV`; launched processes without either get a fresh
+        one) is sent on every request and handed to launched processes in their environment."""
         sg = cfg.sglang
         run_dir = cfg.run_dir / "sglang"
+        weights_dir = run_dir / f"weights_{index}"
+        token = api_token or read_token()
+        launches = (sg.url is None and not sg.urls) or sg.router == "sglang_router"
+        if token is None and launches:
+            token = new_secret()  # launched processes need one: every control route requires it
         processes: list[SglangServerProcess] = []
         try:
             server_urls = [sg.url] if sg.url is not None else list(sg.urls)
             if not server_urls:
+                weights_dir.mkdir(parents=True, exist_ok=True)
                 for j in range(sg.num_servers):
                     port = sg.port + index * sg.num_servers + j if sg.port is not None else free_port(sg.host)
                     cmd = launch_command(
                         sg.launcher, model_dir, sg.host, port, tensor_parallel_size=sg.tensor_parallel_size,
                         device=cfg.rollout.device, dtype=cfg.model.dtype,
                         max_running_requests=cfg.rollout.max_running_requests, seed=cfg.seed + 1000 * index + j,
-                        torch_threads=cfg.cluster.torch_threads, extra_args=sg.extra_args,
+                        torch_threads=cfg.cluster.torch_threads, weights_dir=weights_dir,
+                        update_group_hosts=[update_group_address(sg.host)], extra_args=sg.extra_args,
                     )
                     log = run_dir / (f"server_{index}.log" if sg.num_servers == 1 else f"server_{index}_{j}.log")
                     processes.append(SglangServerProcess(cmd, f"http://{sg.host}:{port}", log, None,
-                                                         name=f"SGLang server {j} of rollout worker {index}"))
+                                                         name=f"SGLang server {j} of rollout worker {index}", token=token))
                 deadline = time.time() + sg.startup_timeout_s  # started together, one deadline for all
                 for proc in processes:
                     proc.wait_ready(max(deadline - time.time(), 1.0))
@@ -314,7 +360,7 @@ class SglangEngine:
                 router = launch_router(
                     server_urls, sg.host, sg.router_port + index if sg.router_port is not None else None,
                     sg.router_policy, run_dir / f"router_{index}.log", sg.startup_timeout_s, sg.request_timeout_s,
-                    name=f"sglang-router of rollout worker {index}",
+                    token=token, name=f"sglang-router of rollout worker {index}",
                 )
                 processes.append(router)
                 url = router.url
@@ -323,14 +369,15 @@ class SglangEngine:
                 proc.stop()
             raise
         return cls(url, server_urls=server_urls, processes=processes, version=version, weight_update=sg.weight_update,
-                   weights_dir=run_dir / f"weights_{index}", request_timeout_s=sg.request_timeout_s,
+                   weights_dir=weights_dir, request_timeout_s=sg.request_timeout_s,
                    bucket_mb=cfg.weights.bucket_mb, tensor_parallel_size=sg.tensor_parallel_size,
-                   probe_tolerance=cfg.weights.check_tolerance)
+                   probe_tolerance=cfg.weights.check_tolerance, api_token=token)
 
     # ---- the private event loop -----------------------------------------------------------------
     async def _make_async_client(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        return httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self._timeout), limits=limits)
+        return httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self._timeout), limits=limits,
+                                 headers=self._headers)
 
     def _on_loop(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -433,8 +480,10 @@ class SglangEngine:
                 raise ValueError(f"request {req.request_id!r} is already running")
         if not prompt and not response:
             raise ValueError(f"request {req.request_id!r}: prompt_ids and response_ids are both empty")
-        if p.temperature < 0 or not 0.0 < p.top_p <= 1.0 or p.top_k < 0 or p.max_new_tokens < 0:
-            raise ValueError(f"request {req.request_id!r}: invalid sampling params {p}")
+        try:  # the server checks the vocabulary and context bounds, which only it knows
+            validate_sampling(p, vocab_size=None, max_seq_len=None)
+        except ValueError as e:
+            raise ValueError(f"request {req.request_id!r}: {e}") from None
         remaining = p.max_new_tokens - len(response)
         r = _Request(req.request_id, prompt + response, {})
         if response and response[-1] in p.stop_token_ids:
@@ -529,8 +578,7 @@ class SglangEngine:
                 self._post_all("/update_weights_from_disk", self._write_safetensors(version, named_tensors),
                                expect_success=True)
             else:  # one shared-memory (or CUDA IPC) publication, mapped by every server
-                self._post_all("/update_weights_from_tensor", self._tensor_payload(version, named_tensors),
-                               expect_success=True)
+                self._update_from_tensor(version, named_tensors)
         finally:
             self._post_all("/continue_generation", {})
         self._version = int(version)
@@ -545,8 +593,7 @@ class SglangEngine:
 
         group_name = "slime_weight_update"
         if self._group is None:
-            host = urlparse(self.server_urls[0]).hostname or "127.0.0.1"
-            addr = "127.0.0.1" if host in ("127.0.0.1", "localhost") else _local_ip_towards(host)
+            addr = update_group_address(urlparse(self.server_urls[0]).hostname or "127.0.0.1")
             port = free_port(addr)
             backend = "nccl" if named[0][1].is_cuda else "gloo"
             tp = self.tensor_parallel_size
@@ -592,24 +639,57 @@ class SglangEngine:
         if not ok:
             raise RuntimeError(f"SGLang {resp.request.url} answered {resp.status_code}: {resp.text[:500]}")
 
-    def _tensor_payload(self, version: int, named_tensors) -> dict:
+    def _update_from_tensor(self, version: int, named_tensors) -> None:
+        """One ``/update_weights_from_tensor`` per server, each in the format it takes; one
+        publication per format, shared by every server taking it."""
         named = [(n, t.detach()) for n, t in named_tensors]
-        if named and named[0][1].is_cuda:
-            # SGLang's MultiprocessingSerializer format: torch's pickler turns CUDA tensors into IPC handles.
+        builtin = self._builtin_servers()
+        payloads = {kind: self._tensor_payload(version, named, kind) for kind in set(builtin.values())}
+        for resp in self._send([(f"{u}/update_weights_from_tensor", payloads[builtin[u]]) for u in self.server_urls]).result():
+            self._check(resp, expect_success=True)
+
+    def _builtin_servers(self) -> dict[str, bool]:
+        """Which servers are the built-in engine's (``/server_info`` engine ``slime-builtin``), asked once."""
+        unknown = [u for u in self.server_urls if u not in self._builtin]
+        if unknown:
+            async def info(url: str) -> bool:
+                try:
+                    resp = await self._aclient.get(f"{url}/server_info", timeout=30)
+                    return resp.status_code == 200 and resp.json().get("engine") == "slime-builtin"
+                except (httpx.HTTPError, ValueError, AttributeError):
+                    return False
+
+            async def infos() -> list[bool]:
+                return list(await asyncio.gather(*(info(u) for u in unknown)))
+
+            self._builtin.update(zip(unknown, self._on_loop(infos())))
+        return {u: self._builtin[u] for u in self.server_urls}
+
+    def _tensor_payload(self, version: int, named: list[tuple[str, torch.Tensor]], builtin: bool) -> dict:
+        """The built-in engine's server: the JSON of a weight handle (shared memory for CPU tensors,
+        CUDA IPC for CUDA tensors). A real SGLang server: its MultiprocessingSerializer format, a
+        pickle in which torch turns CUDA tensors into IPC handles; SGLang accepts it only with the
+        job's key (it was launched with it as --api-key)."""
+        from slime.weights import CudaIpcTransport, SharedMemoryTransport
+
+        cuda = bool(named) and named[0][1].is_cuda
+        if builtin and cuda:
+            if self._cuda_ipc is None:
+                self._cuda_ipc = CudaIpcTransport(bucket_mb=self._bucket_bytes / 2**20)
+            payload, load_format = self._cuda_ipc.publish(version, named).to_json(), "slime_weight_handle"
+        elif builtin:
+            if self._shm is None:
+                self._shm = SharedMemoryTransport(f"slime_sglang_{os.getpid()}", bucket_mb=256)
+            payload, load_format = self._shm.publish(version, named).to_json(), "slime_weight_handle"
+        else:
             from torch.multiprocessing.reductions import ForkingPickler
 
             buf = io.BytesIO()
             ForkingPickler(buf).dump(named)
-            payload, load_format = buf.getvalue(), None
+            payload, load_format = base64.b64encode(buf.getvalue()).decode(), None
             self._keep_alive = named  # the server maps this memory while it loads
-        else:
-            from slime.weights import SharedMemoryTransport
-
-            if self._shm is None:
-                self._shm = SharedMemoryTransport(f"slime_sglang_{os.getpid()}", bucket_mb=256)
-            payload, load_format = pickle.dumps(self._shm.publish(version, named)), "slime_weight_handle"
         return {
-            "serialized_named_tensors": [base64.b64encode(payload).decode()],
+            "serialized_named_tensors": [payload],
             "load_format": load_format,
             "flush_cache": True,
             "weight_version": str(version),
@@ -699,6 +779,8 @@ class SglangEngine:
         self._loop_thread.join(timeout=5)
         if self._shm is not None:
             self._shm.close()
+        if self._cuda_ipc is not None:
+            self._cuda_ipc.close()
         for proc in reversed(self.processes):  # the router first, then its servers
             proc.stop()
 

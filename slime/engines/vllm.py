@@ -45,7 +45,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from slime.engine import GenerationChunk, GenerationRequest
+from slime.engine import GenerationChunk, GenerationRequest, checked_token_ids, validate_sampling
 
 __all__ = ["VllmEngine", "to_checkpoint_names"]
 
@@ -193,18 +193,13 @@ class VllmEngine:
             raise ValueError(f"request {rid!r} is already waiting or running")
         if len(req.prompt_ids) == 0 and len(req.response_ids) == 0:
             raise ValueError(f"request {rid!r}: prompt_ids and response_ids are both empty")
-        if p.temperature < 0:
-            raise ValueError(f"request {rid!r}: temperature must be >= 0, got {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise ValueError(f"request {rid!r}: top_p must be in (0, 1], got {p.top_p}")
-        if p.top_k < 0:
-            raise ValueError(f"request {rid!r}: top_k must be >= 0, got {p.top_k}")
-        if p.max_new_tokens < 0:
-            raise ValueError(f"request {rid!r}: max_new_tokens must be >= 0, got {p.max_new_tokens}")
-        prompt, response = [int(t) for t in req.prompt_ids], [int(t) for t in req.response_ids]
+        try:
+            validate_sampling(p, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+            prompt = checked_token_ids(req.prompt_ids, vocab_size=self.vocab_size, field_name="prompt_ids")
+            response = checked_token_ids(req.response_ids, vocab_size=self.vocab_size, field_name="response_ids")
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
         ids = prompt + response
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"request {rid!r}: token id out of range [0, {self.vocab_size})")
         remaining = min(p.max_new_tokens - len(response), self.max_seq_len - len(ids))
         if response and response[-1] in p.stop_token_ids:
             self._ready.append(GenerationChunk(rid, [], [], self._version, True, "stop"))

@@ -1,6 +1,19 @@
 // The dashboard page: live counters over Server-Sent Events, charts, the trajectory inspector.
+// Everything shown from the API goes in as text (textContent, DOM nodes): never as HTML.
 "use strict";
-const TOKEN = new URLSearchParams(location.search).get("token");
+const TOKEN_KEY = "slime-dashboard-token";
+
+// The token comes from the URL fragment (#token=..., which browsers never send to a server) or the
+// token field; it is kept in sessionStorage (this tab only) and the fragment is cleared at once.
+function readToken() {
+  const fromFragment = new URLSearchParams(location.hash.slice(1)).get("token");
+  if (fromFragment) {
+    sessionStorage.setItem(TOKEN_KEY, fromFragment);
+    window.history.replaceState(null, "", location.pathname + location.search);  // `history` is ours below
+  }
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+const TOKEN = readToken();
 const STATUSES = ["pending", "running", "aborted", "completed", "truncated", "failed"];
 const history = { occupancy: [], throughput: [] };
 const HISTORY_POINTS = 600;
@@ -8,7 +21,7 @@ let openTrajectory = null;
 
 function api(path, options = {}) {
   const headers = Object.assign({ "Content-Type": "application/json" }, options.headers || {});
-  if (TOKEN) headers["X-Slime-Token"] = TOKEN;
+  if (TOKEN) headers["Authorization"] = `Bearer ${TOKEN}`;
   return fetch(path, Object.assign({}, options, { headers })).then(async r => {
     if (!r.ok) throw new Error(`${path}: ${r.status} ${(await r.json().catch(() => ({}))).detail || ""}`);
     return r.json();
@@ -18,17 +31,24 @@ const $ = id => document.getElementById(id);
 const text = (id, value) => { $(id).textContent = value; };
 const versionColor = v => `hsl(${(v * 137.508) % 360}, 70%, 78%)`;
 
+// el("td", {className: "x"}, "text", child, ...): strings become text nodes, never markup.
+function el(tag, props = {}, ...children) {
+  const node = Object.assign(document.createElement(tag), props);
+  node.append(...children.map(c => (c instanceof Node ? c : String(c))));
+  return node;
+}
+const swatch = (color, label) => el("span", {}, el("i", { style: `background:${color}` }), label);
+
 function buildCounters() {
   const box = $("counters");
   for (const s of STATUSES) {
-    box.insertAdjacentHTML("beforeend", `<div class="counter"><b id="count-${s}">0</b>${s}</div>`);
-    $("filter-status").insertAdjacentHTML("beforeend", `<option>${s}</option>`);
+    box.append(el("div", { className: "counter" }, el("b", { id: `count-${s}` }, "0"), s));
+    $("filter-status").append(el("option", {}, s));
   }
   for (const g of ["open", "ready", "trained"]) {
-    box.insertAdjacentHTML("beforeend", `<div class="counter"><b id="groups-${g}">0</b>groups ${g}</div>`);
+    box.append(el("div", { className: "counter" }, el("b", { id: `groups-${g}` }, "0"), `groups ${g}`));
   }
-  $("legend-occupancy").innerHTML = STATUSES.map((s, i) =>
-    `<span><i style="background:${Charts.PALETTE[i]}"></i>${s}</span>`).join("");
+  $("legend-occupancy").replaceChildren(...STATUSES.map((s, i) => swatch(Charts.PALETTE[i], s)));
 }
 
 function onSummary(s) {
@@ -61,6 +81,7 @@ function addEvent(e) {
 }
 
 function connect() {
+  // The one place the token goes in a URL: an EventSource cannot send headers.
   const src = new EventSource("/api/stream" + (TOKEN ? `?token=${encodeURIComponent(TOKEN)}` : ""));
   src.addEventListener("open", () => { $("live").textContent = "live"; $("live").className = "badge on"; });
   src.addEventListener("error", () => { $("live").textContent = "reconnecting"; $("live").className = "badge off"; });
@@ -95,12 +116,17 @@ async function refreshDistributions() {
 
 async function refreshTable() {
   const status = $("filter-status").value;
-  const page = await api("/api/trajectories?limit=50" + (status ? `&status=${status}` : ""));
-  const rows = page.items.map(r => `<tr data-id="${r.id}"><td>${r.id}</td><td>${r.group_id.slice(0, 8)}</td>
-    <td>${r.status}</td><td>${r.response_length}/${r.max_new_tokens}</td>
-    <td>${r.min_version === null ? "–" : r.min_version + "…" + r.max_version}</td>
-    <td>${r.reward === null ? "–" : r.reward.toFixed(3)}</td><td>${r.age_s.toFixed(0)} s</td></tr>`);
-  $("trajectory-table").tBodies[0].innerHTML = rows.join("");
+  const page = await api("/api/trajectories?limit=50" + (status ? `&status=${encodeURIComponent(status)}` : ""));
+  const rows = page.items.map(r => {
+    const tr = el("tr", {},
+      el("td", {}, r.id), el("td", { title: r.group_id }, r.group_id.slice(0, 8)), el("td", {}, r.status),
+      el("td", {}, `${r.response_length}/${r.max_new_tokens}`),
+      el("td", {}, r.min_version === null ? "–" : `${r.min_version}…${r.max_version}`),
+      el("td", {}, r.reward === null ? "–" : r.reward.toFixed(3)), el("td", {}, `${r.age_s.toFixed(0)} s`));
+    tr.dataset.id = r.id;
+    return tr;
+  });
+  $("trajectory-table").tBodies[0].replaceChildren(...rows);
 }
 
 async function inspect(id) {
@@ -113,8 +139,8 @@ async function inspect(id) {
     `${r.max_version ?? "–"} (policy now v${t.policy_version}), reward ${r.reward ?? "–"}` + (r.failure ? `, failure: ${r.failure}` : "");
   text("inspector-prompt", t.prompt_text);
   const versions = [...new Set(t.tokens.map(k => k.version))].sort((a, b) => a - b);
-  $("version-legend").innerHTML = versions.map(v => `<span><i style="background:${versionColor(v)}"></i>v${v}</span>`).join("") +
-    `<span><i style="background:#d5d8dc"></i>loss-masked</span>`;
+  $("version-legend").replaceChildren(...versions.map(v => swatch(versionColor(v), `v${v}`)),
+    swatch("#d5d8dc", "loss-masked"));
   const box = $("inspector-tokens");
   box.replaceChildren(...t.tokens.map(k => {
     const span = document.createElement("span");
@@ -139,8 +165,17 @@ function init() {
   $("btn-pause").onclick = () => control("/api/control/pause");
   $("btn-resume").onclick = () => control("/api/control/resume");
   $("btn-oversample").onclick = () => control("/api/control/oversample", { oversample: parseFloat($("oversample").value) });
-  $("btn-requeue").onclick = () => control(`/api/trajectories/${openTrajectory}/requeue`);
-  $("btn-drop").onclick = () => control(`/api/trajectories/${openTrajectory}/drop`, { reason: "dropped from the dashboard" });
+  $("btn-requeue").onclick = () => control(`/api/trajectories/${encodeURIComponent(openTrajectory)}/requeue`);
+  $("btn-drop").onclick = () => control(`/api/trajectories/${encodeURIComponent(openTrajectory)}/drop`,
+    { reason: "dropped from the dashboard" });
+  $("token-form").hidden = !!TOKEN;
+  $("btn-forget-token").hidden = !TOKEN;
+  $("token-form").onsubmit = e => {
+    e.preventDefault();
+    const value = $("token-input").value.trim();
+    if (value) { sessionStorage.setItem(TOKEN_KEY, value); location.reload(); }
+  };
+  $("btn-forget-token").onclick = () => { sessionStorage.removeItem(TOKEN_KEY); location.reload(); };
   $("btn-close").onclick = () => { $("inspector").hidden = true; openTrajectory = null; };
   $("btn-refresh").onclick = refreshTable;
   $("filter-status").onchange = refreshTable;
