@@ -1,4 +1,4 @@
-"""A tool-using agent environment (the env contract of envs/multiturn.py).
+"""A tool-using agent environment (the env contract of envs/contract.py).
 
 Each model turn either calls tools (envs/tools.py) or gives the final answer. Tool results come
 back as the observation, one line per call:

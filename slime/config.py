@@ -273,7 +273,7 @@ class RewardConfig(_Strict):
 
 
 class EnvConfig(_Strict):
-    """Multi-turn environment (envs/multiturn.py): model turns and env turns alternate in one trajectory."""
+    """Multi-turn environment (slime/rollout/multiturn.py): model turns and env turns alternate in one trajectory."""
 
     plugin: str | None = Field(
         None, description="Env class `package.module:Class` or `path/to/file.py:Class`; None = single-turn."

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slime.config import TinyModelConfig
-from slime.dashboard.experts import ExpertLoadRecorder
+from slime.engines.expert_load import ExpertLoadRecorder
 from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
 from slime.engines.fast_decoder import FastDecoder, fast_decoder_for
 from slime.model import build_tiny_moe

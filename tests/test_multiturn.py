@@ -244,7 +244,7 @@ def test_bad_env_plugin_fails_at_config_and_at_load(buffer, tmp_path):
     with pytest.raises(ValueError, match="env.plugin"):
         job_config(buffer, tmp_path, "env.plugin=no_colon_here")
     from rewards.plugin import PluginError
-    from envs.multiturn import MultiTurnRollout
+    from slime.rollout.multiturn import MultiTurnRollout
 
     cfg = job_config(buffer, tmp_path, "env.plugin=tests.test_multiturn:NoSuchEnv")
     with pytest.raises(PluginError, match="NoSuchEnv"):

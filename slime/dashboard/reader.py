@@ -282,7 +282,7 @@ class BufferReader:
             return S.ExpertLoad(
                 available=False, counts=[], share=[],
                 reason="no MoE router counts recorded for this job yet: the built-in engine's workers add them "
-                       "every few seconds (slime/dashboard/experts.py); dense models and the vLLM/SGLang engines "
+                       "every few seconds (slime/engines/expert_load.py); dense models and the vLLM/SGLang engines "
                        "record none",
             )
         per_expert = counts.sum(axis=0)

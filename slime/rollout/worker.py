@@ -19,14 +19,14 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from envs.multiturn import EpisodeEnd, MultiTurnRollout
+from slime.rollout.multiturn import EpisodeEnd, MultiTurnRollout
 from rewards.plugin import load_function
 from rewards.prm import place_step_rewards, step_end_tokens_of_ids
 from rewards.runner import RewardResult, StepScores
 from rewards.service import make_reward_service
 from slime.buffer import Finish, LeaseLostError, PendingReplies, RedisBuffer
 from slime.config import JobConfig
-from slime.dashboard.experts import ExpertLoadRecorder
+from slime.engines.expert_load import ExpertLoadRecorder
 from slime.engine import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines import make_engine
 from slime.model import load_tokenizer, stop_token_ids
@@ -78,7 +78,7 @@ class RolloutWorker:
         )
         self.rewards = make_reward_service(cfg.reward, cfg.job_name)
         self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
-        # Multi-turn episodes (env.plugin set): envs/multiturn.py owns the turn state machine.
+        # Multi-turn episodes (env.plugin set): slime/rollout/multiturn.py owns the turn state machine.
         self.multiturn = (
             MultiTurnRollout(cfg.env, self.tokenizer, self.params, self.buffer, worker_id,
                              getattr(self.engine, "max_seq_len", None))

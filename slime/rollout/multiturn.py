@@ -1,10 +1,5 @@
-"""Multi-turn rollout: model turns and environment turns alternate in one trajectory.
-
-The environment contract (DESIGN.md, "Environment"):
-
-    env = EnvClass(**cfg.env.kwargs)              # one instance per episode
-    observation = env.reset(sample)               # str; may be "" (the prompt already says it all)
-    observation, reward, done, info = env.step(action_text)
+"""Multi-turn rollout: model turns and environment turns alternate in one trajectory. The
+worker's machinery for driving an env (the contract is envs/contract.py).
 
 Token-in/token-out. A model turn's tokens are exactly what the engine produced (loss mask 1, the
 engine's logprobs); only the observation *text* is tokenised, and its tokens are appended with loss
@@ -37,21 +32,16 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from envs.contract import Env
 from rewards.plugin import load_function
 from slime.buffer import LeaseLostError, RedisBuffer
 from slime.config import EnvConfig
 from slime.engine import GenerationRequest, SamplingParams
 from slime.sample import Sample, Status
-
-
-class Env(Protocol):
-    def reset(self, sample: Sample) -> str: ...
-
-    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]: ...
 
 
 @dataclass
