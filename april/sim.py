@@ -19,381 +19,25 @@ Policies (same seed => the same groups with the same lengths, in the same order)
   async_bounded   engines never stop; the learner trains groups in start order; a group may
                   start only if it will be trained within `max_staleness` versions.
 
-Entry points: `simulate`, `compare`, `plot`, `sim_config_from_job`, and the CLI `main_simulate`.
+Entry points: `simulate`, `compare`, `plot`; `slime simulate` (slime/simulate.py) builds a SimConfig from a job.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import json
-import math
-import sys
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from slime.config import ConfigError, JobConfig, format_validation_error, load_config, parse_override
+from april.scheduler import GroupCounts, GroupScheduler
+from april.sim_config import POLICIES, PRESETS, SimConfig
+from april.sim_engine import Engine, Group, LengthSampler, Request
 
-POLICIES: tuple[str, ...] = ("sync", "april", "april_drop", "one_step_async", "async_bounded")
-
-
-class SimConfig(BaseModel):
-    """Every knob of the model. The defaults are the `paper` preset (8 GPU engines, 16k tokens)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # cluster
-    engines: int = Field(8, gt=0, description="Rollout engines (one per GPU / rollout worker).")
-    slots: int = Field(64, gt=0, description="Max concurrent requests per engine (max_running_requests).")
-    kv_tokens: int = Field(
-        350_000, gt=0, description="KV budget K per engine, tokens (prompt + generated) of running requests."
-    )
-    # workload
-    batch_size: int = Field(64, gt=0, description="B: prompt groups per training step.")
-    n_samples: int = Field(8, gt=0, description="Responses per prompt (group size).")
-    prompt_tokens: int = Field(512, ge=0)
-    max_tokens: int = Field(16_384, gt=0, description="Response length cap (max_new_tokens).")
-    median_tokens: float = Field(2048.0, gt=0, description="Median response length m.")
-    sigma_prompt: float = Field(0.6, ge=0, description="Log-normal sigma of a prompt's median around m.")
-    sigma_sample: float = Field(0.5, ge=0, description="Log-normal sigma of a sample around its prompt's median.")
-    lengths: list[int] | None = Field(
-        None, description="Empirical response lengths, sampled with replacement (replaces the log-normal)."
-    )
-    filter_rate: float = Field(
-        0.0,
-        ge=0.0,
-        lt=1.0,
-        description="Share of groups a dynamic-sampling filter drops when they complete (DAPO's zero reward "
-        "variance); drawn per group from its own seeded stream, so every policy drops the same groups. "
-        "Modelled for the wave policies (sync, april, april_drop).",
-    )
-    refill: Literal["group", "batch"] = Field(
-        "group",
-        description="How the wave policies start groups. group (this project): APRIL keeps ceil(r*B) in flight "
-        "and starts one group per finished or filtered group; sync starts one per filtered group. batch "
-        "(slime's rollout loop, the APRIL paper's runs): while kept + in-flight groups < B, submit a chunk "
-        "of ceil(r*B) groups (B for sync), partials first; at the end sync drops what is still in flight.",
-    )
-    # engine timing (seconds)
-    t0: float = Field(0.006, ge=0, description="Decode step time at batch 0 (weights read, launch overhead).")
-    k: float = Field(5e-5, ge=0, description="Decode step time per running request (MLP, sampling).")
-    t_kv: float = Field(
-        5e-8, ge=0, description="Decode step time per cached KV token of the running requests (attention reads)."
-    )
-    p: float = Field(2e-5, ge=0, description="Prefill time per prefix token of an admitted request.")
-    resume_from_kept_kv: bool = Field(
-        False,
-        description="An aborted partial keeps its KV cache on its engine (the built-in engine's "
-        "rollout.kept_kv_tokens): resumed there, it pays no prefill; on another engine it prefills.",
-    )
-    shared_prompt_prefill: bool = Field(
-        True,
-        description="Fresh samples of one group admitted to an engine together pay their shared prompt's "
-        "prefill once (the built-in engine feeds identical contexts once; vLLM's and SGLang's prefix caches "
-        "do the same).",
-    )
-    # learner timing (seconds)
-    t_sync: float = Field(5.0, ge=0, description="Weight sync (learner -> engines) per step.")
-    t_train0: float = Field(10.0, ge=0, description="Fixed cost of a training step.")
-    t_train_per_token: float = Field(2e-5, ge=0, description="Training cost per (prompt + response) token.")
-    # run
-    steps: int = Field(20, gt=0, description="Training steps simulated per policy.")
-    oversample: float = Field(2.0, ge=1.0, description="APRIL default over-provisioning ratio.")
-    max_staleness: int = Field(1, ge=1, description="async_bounded default staleness budget.")
-    compare_oversample: list[float] = Field(default_factory=lambda: [1.5, 2.0, 3.0])
-    compare_staleness: list[int] = Field(default_factory=lambda: [1, 2])
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _check(self) -> "SimConfig":
-        if self.kv_tokens < self.prompt_tokens + self.max_tokens:
-            raise ValueError(
-                f"kv_tokens={self.kv_tokens} cannot hold one request of prompt_tokens + max_tokens = "
-                f"{self.prompt_tokens + self.max_tokens} tokens"
-            )
-        if self.lengths is not None and (not self.lengths or min(self.lengths) < 1):
-            raise ValueError("lengths must be a non-empty list of positive token counts")
-        if any(r < 1 for r in self.compare_oversample):
-            raise ValueError("compare_oversample ratios must be >= 1")
-        if any(s < 1 for s in self.compare_staleness):
-            raise ValueError("compare_staleness budgets must be >= 1")
-        return self
-
-    @property
-    def wave_policies_only(self) -> bool:
-        """The async policies do not model a filter or slime's chunked refill."""
-        return self.filter_rate > 0 or self.refill == "batch"
-
-
-PRESETS: dict[str, SimConfig] = {
-    # The APRIL paper's setting: 8 engines x 64 slots, 16k cap, 2x over-provisioning, B*n = 512 =
-    # the slots, a long-tailed reasoning workload (median 2k, mean ~2.75k, 0.3% at the cap).
-    # One H100 per engine serving a ~4B model (Qwen3-4B-like: 8 GB bf16 weights, 36 layers x 8 KV
-    # heads x 128 dims = 147 KB of KV per token, ~3 TB/s HBM, ~1 PFLOP/s bf16):
-    #   t0   = 6 ms      weights read (8 GB / 3 TB/s = 2.7 ms) + launch, sampling, scheduler
-    #   k    = 50 us     per request: MLP/projection FLOPs (8 GFLOP at ~50% MFU) + bookkeeping
-    #   t_kv = 50 ns     per cached token per step: its 147 KB of KV read at ~3 TB/s
-    #   p    = 20 us     per prefilled token: 8 GFLOP at ~50% MFU, plus attention
-    #   K    = 350k      tokens of KV pool (~52 GB after weights and activations)
-    # Colocated training on the same 8 GPUs: ~58 GFLOP per token (old/ref log-prob forwards,
-    # forward, backward, recompute) at 40% MFU -> ~50k tok/s -> 2e-5 s/token, 10 s fixed
-    # (offload/onload, optimizer), 5 s weight sync.
-    "paper": SimConfig(),
-    # The runs behind the APRIL paper's figures, as its published scripts set them (Qwen3-4B,
-    # DAPO-Math-17k, 8 GPUs colocated): 4 SGLang engines of tensor parallel 2, 32 prompts x 8
-    # samples per step, 2x over-sampling (64 prompts), 16k cap, the DAPO zero-variance filter in
-    # both arms, and slime's rollout loop (refill=batch: the baseline over-submits a whole batch
-    # whenever the filter drops a group, and discards what is in flight at the end; APRIL keeps
-    # it). Per engine: 2 GPUs at mem fraction 0.6 -> ~88 GB of KV pool at 74 KB/token per GPU ->
-    # 600k tokens; weights read per GPU halve (1.35 ms) plus ~0.7 ms of all-reduces, FLOPs and
-    # KV reads per GPU halve: t0 5.5 ms, k 42 us, t_kv 25 ns, p 10 us. Slots never bind (SGLang
-    # sizes its running batch by the KV pool). The filter rate (half the groups have zero reward
-    # variance) is an assumption; docs/april_simulator.md sweeps it. Lengths as in `paper`.
-    "paper_runs": SimConfig(
-        engines=4, slots=512, kv_tokens=600_000, batch_size=32, t0=0.0055, k=4.2e-5, t_kv=2.5e-8, p=1e-5,
-        filter_rate=0.5, refill="batch", compare_oversample=[2.0],
-    ),
-    # This machine's CPU engine with the tiny MoE on the example (repeat) task; to be calibrated.
-    "cpu_tiny": SimConfig(
-        engines=1, slots=64, kv_tokens=64 * 512, batch_size=8, n_samples=4, prompt_tokens=6, max_tokens=96,
-        median_tokens=6.0, sigma_prompt=0.9, sigma_sample=0.75, t0=0.006, k=0.0003, t_kv=0.0, p=2e-5,
-        t_sync=0.05, t_train0=0.3, t_train_per_token=2e-4, steps=30,
-    ),
-}
-
-
-# --------------------------------------------------------------------------- workload
-
-
-class LengthSampler:
-    """Response lengths of each new group, drawn in group order from one seeded stream."""
-
-    def __init__(self, cfg: SimConfig, seed: int):
-        self.cfg = cfg
-        self.rng = np.random.default_rng(seed)
-        self.filter_rng = np.random.default_rng([seed, 1])  # its own stream: lengths do not depend on it
-
-    def filtered(self) -> bool:
-        return bool(self.filter_rng.random() < self.cfg.filter_rate)
-
-    def group(self) -> list[int]:
-        c = self.cfg
-        if c.lengths is not None:
-            drawn = self.rng.choice(np.asarray(c.lengths), size=c.n_samples)
-        else:
-            prompt_median = c.median_tokens * math.exp(c.sigma_prompt * self.rng.standard_normal())
-            drawn = prompt_median * np.exp(c.sigma_sample * self.rng.standard_normal(c.n_samples))
-        return [int(min(c.max_tokens, max(1, round(float(x))))) for x in drawn]
-
-
-@dataclass(eq=False)
-class Request:
-    group: "Group"
-    prompt_tokens: int
-    target: int  # response length at which it finishes
-    generated: int = 0
-    segments: list[list[int]] = field(default_factory=list)  # [policy version, tokens] runs
-    finished: bool = False
-    kv_on: "Engine | None" = None  # the engine that kept its KV cache at an abort
-
-    @property
-    def context(self) -> int:
-        return self.prompt_tokens + self.generated
-
-    @property
-    def remaining(self) -> int:
-        return self.target - self.generated
-
-    def add(self, tokens: int, version: int) -> None:
-        self.generated += tokens
-        if self.segments and self.segments[-1][0] == version:
-            self.segments[-1][1] += tokens
-        else:
-            self.segments.append([version, tokens])
-
-
-@dataclass(eq=False)
-class Group:
-    gid: int
-    requests: list[Request] = field(default_factory=list)
-    n_done: int = 0
-    filtered: bool = False  # the dynamic-sampling filter drops it when it completes
-    state: Literal["open", "trained", "dropped", "filtered"] = "open"
-
-    @property
-    def complete(self) -> bool:
-        return self.n_done == len(self.requests)
-
-    @property
-    def generated(self) -> int:
-        return sum(r.generated for r in self.requests)
-
-
-# --------------------------------------------------------------------------- engine
-
-
-class Engine:
-    """Continuous batching: a FIFO waiting queue, a running list, a KV budget, preemption.
-
-    Step time: t0 + k*batch + t_kv*kv (kv = cached tokens the step's attention reads), plus
-    p*prefix for the requests admitted in that step. The current "macro step" is `n` decode
-    steps with the same batch from `start`: step j lasts `a + g*j` (g = t_kv*batch, the KV
-    growth), after `extra` seconds of prefill (a step that admits requests is never merged).
-    `epoch` changes whenever the macro step is replaced, so a stale end-event is ignored.
-    """
-
-    def __init__(self, cfg: SimConfig):
-        self.cfg = cfg
-        self.running: list[Request] = []
-        self.waiting: deque[Request] = deque()
-        self.kv = 0
-        self.version = 0
-        self.hold = False  # set by the controller: finish the current step, then stop
-        self.busy = False
-        self.epoch = 0
-        self.start = self.a = self.g = self.extra = 0.0
-        self.n = 0
-        # statistics
-        self.step_time = 0.0  # seconds spent stepping
-        self.slot_time = 0.0  # sum over steps of (running requests x step seconds)
-        self.tokens = 0
-        self.prefill_tokens = 0
-        self.preemptions = 0
-
-    @property
-    def load(self) -> int:
-        return len(self.running) + len(self.waiting)
-
-    def elapsed(self, m: int) -> float:
-        """Seconds from `start` to the end of the macro step's m-th step."""
-        return self.extra + m * self.a + self.g * m * (m - 1) / 2
-
-    @property
-    def end(self) -> float:
-        return self.start + self.elapsed(self.n)
-
-    def steps_done(self, now: float) -> int:
-        """Steps of the macro step completed by `now` (the largest m with start + elapsed(m) <= now)."""
-        rel = now - self.start - self.extra + 1e-9
-        if rel <= 0:
-            return 0
-        if self.g == 0:
-            m = int(rel / self.a)
-        else:  # g/2 m^2 + (a - g/2) m = rel
-            h = self.a - self.g / 2
-            m = int((-h + math.sqrt(h * h + 2 * self.g * rel)) / self.g)
-        while m > 0 and self.elapsed(m) - self.extra > rel:
-            m -= 1
-        while m < self.n and self.elapsed(m + 1) - self.extra <= rel:
-            m += 1
-        return min(m, self.n)
-
-    def plan(self, now: float) -> float | None:
-        """Admit from the queue, preempt if the KV budget overflows, pick the macro step; its end."""
-        c = self.cfg
-        prefill = 0
-        fresh_groups: set[int] = set()  # groups whose prompt this admission already prefills
-        while self.waiting and len(self.running) < c.slots:
-            r = self.waiting[0]
-            if self.kv + r.context + len(self.running) + 1 > c.kv_tokens:
-                break  # no room for its prefix plus this step's tokens
-            self.waiting.popleft()
-            self.running.append(r)
-            self.kv += r.context
-            if r.kv_on is not self:
-                shared = c.shared_prompt_prefill and r.generated == 0
-                if not (shared and id(r.group) in fresh_groups):
-                    prefill += r.context
-                if shared:
-                    fresh_groups.add(id(r.group))
-            r.kv_on = None
-        while self.running and self.kv + len(self.running) > c.kv_tokens:
-            youngest = self.running.pop()  # KV dropped; it re-queues first and re-prefills later
-            self.kv -= youngest.context
-            self.waiting.appendleft(youngest)
-            self.preemptions += 1
-        if not self.running:
-            self.busy = False
-            return None
-        b = len(self.running)
-        self.a = c.t0 + c.k * b + c.t_kv * self.kv
-        self.g = c.t_kv * b
-        if prefill:
-            self.n, self.extra = 1, c.p * prefill
-            self.prefill_tokens += prefill
-        else:
-            until_finish = min(r.remaining for r in self.running)
-            until_kv_full = (c.kv_tokens - self.kv) // b
-            self.n, self.extra = max(1, min(until_finish, until_kv_full)), 0.0
-        self.busy, self.start = True, now
-        self.epoch += 1
-        return self.end
-
-    def cut(self, now: float) -> float | None:
-        """Shorten the macro step to the first step boundary at or after `now`.
-
-        Returns the new end, or None when no step of it has begun (the engine is then idle).
-        """
-        if not self.busy:
-            return None
-        self.epoch += 1  # the caller schedules the (possibly unchanged) end again
-        if self.extra > 0:
-            return self.end  # a prefill step is one step: it always completes
-        m = self.steps_done(now)
-        if m < self.n and self.start + self.elapsed(m) < now - 1e-9:
-            m += 1  # the step in progress completes
-        if m == 0:
-            self.busy = False
-            return None
-        self.n = m
-        return self.end
-
-    def finish(self) -> list[Request]:
-        """Apply the macro step's tokens; return the requests that reached their length."""
-        n = self.n
-        for r in self.running:
-            r.add(n, self.version)
-        self._account(n, self.elapsed(n))
-        done = [r for r in self.running if r.remaining == 0]
-        if done:
-            self.running = [r for r in self.running if r.remaining > 0]
-            self.kv -= sum(r.context for r in done)
-        self.busy = False
-        return done
-
-    def stop(self, now: float) -> None:
-        """End of the simulation: keep only the steps completed by `now` (tokens stay in requests)."""
-        if not self.busy:
-            return
-        steps = self.steps_done(now)
-        if steps:
-            for r in self.running:
-                r.add(steps, self.version)
-        self._account(steps, min(now, self.end) - self.start)
-        self.busy = False
-
-    def clear(self) -> list[Request]:
-        """Abort: drop every running and queued request (their tokens stay in the requests); with
-        `resume_from_kept_kv` the running ones' caches stay on this engine."""
-        if self.cfg.resume_from_kept_kv:
-            for r in self.running:
-                r.kv_on = self
-        aborted = self.running + list(self.waiting)
-        self.running, self.waiting, self.kv = [], deque(), 0
-        return aborted
-
-    def _account(self, steps: int, seconds: float) -> None:
-        b = len(self.running)
-        self.kv += steps * b
-        self.tokens += steps * b
-        self.step_time += seconds
-        self.slot_time += b * seconds
+__all__ = ["POLICIES", "PRESETS", "SimConfig", "SimResult", "compare", "format_table", "headline", "plot", "simulate"]
 
 
 # --------------------------------------------------------------------------- results
@@ -618,7 +262,9 @@ class WaveRollout(Simulation):
     def __init__(self, cfg: SimConfig, seed: int, oversample: float | None, keep_partials: bool = True):
         super().__init__(cfg, seed)
         self.refill = oversample is not None
-        self.target = math.ceil(oversample * cfg.batch_size) if oversample is not None else cfg.batch_size
+        # The live job's decisions (april/scheduler.py): how many groups to keep in flight and start.
+        self.scheduler = GroupScheduler("april" if self.refill else "sync", cfg.batch_size, oversample)
+        self.target = self.scheduler.target
         # slime's sync loop with a filter over-submits whole batches and drops what is left in flight
         self.keep_partials = keep_partials and not (oversample is None and cfg.refill == "batch")
         if oversample is None:
@@ -640,7 +286,7 @@ class WaveRollout(Simulation):
             resumed, self.partial_groups = self.partial_groups, []
             self.start_groups(resumed)  # partials first: they sit at the head of every engine's queue
         self.fill()
-        if len(self.completed) >= self.cfg.batch_size:
+        if self.scheduler.batch_full(len(self.completed)):
             self.batch_ready()
 
     def start_groups(self, groups: list[Group]) -> None:
@@ -655,11 +301,8 @@ class WaveRollout(Simulation):
                 resumed, self.partial_groups = self.partial_groups[: self.target], self.partial_groups[self.target :]
                 self.start_groups(resumed + [self.new_group() for _ in range(self.target - len(resumed))])
             return
-        limit = self.target if self.refill else b - len(self.completed)
-        new = []
-        while len(self.in_flight) + len(new) < limit:
-            new.append(self.new_group())
-        self.start_groups(new)
+        counts = GroupCounts(unfinished=len(self.in_flight), ready=len(self.completed), started=len(self.groups))
+        self.start_groups([self.new_group() for _ in range(self.scheduler.groups_to_start(counts))])
 
     def on_group_complete(self, g: Group) -> None:
         del self.in_flight[g.gid]
@@ -669,7 +312,7 @@ class WaveRollout(Simulation):
             self.completed.append(g)
         if not self.collecting:
             return  # finished during the abort's last step: trained next time
-        if len(self.completed) >= self.cfg.batch_size:
+        if self.scheduler.batch_full(len(self.completed)):
             self.batch_ready()
         elif self.refill or g.filtered:
             self.fill()
@@ -765,6 +408,10 @@ class BoundedAsync(Simulation):
         super().__init__(cfg, seed)
         self.s = max_staleness
         self.label = f"async_bounded_s{max_staleness}"
+        # The live job's admission rule; the engines here take every admitted group (an in-flight
+        # target of (s + 1) * B never binds before the staleness cap does).
+        self.scheduler = GroupScheduler("async", cfg.batch_size, oversample_groups=(max_staleness + 1) * cfg.batch_size,
+                                        max_staleness=max_staleness)
         self.queue: deque[Group] = deque()  # started, not trained, in start order
         self.learner_free = True
 
@@ -772,12 +419,10 @@ class BoundedAsync(Simulation):
         self.admit()
 
     def admit(self) -> None:
-        limit = (self.version + self.s + 1) * self.cfg.batch_size
-        new = []
-        while len(self.groups) < limit:
-            g = self.new_group()
-            self.queue.append(g)
-            new.append(g)
+        unfinished = sum(1 for g in self.queue if not g.complete)
+        counts = GroupCounts(unfinished=unfinished, ready=len(self.queue) - unfinished, started=len(self.groups))
+        new = [self.new_group() for _ in range(self.scheduler.groups_to_start(counts, self.version))]
+        self.queue.extend(new)
         self.dispatch(new)
 
     def on_group_complete(self, g: Group) -> None:
@@ -920,121 +565,3 @@ def plot(results: list[SimResult], path: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def sim_config_from_job(job: JobConfig, overrides: dict[str, Any] | None = None) -> SimConfig:
-    """A job's rollout shape on the preset matching its device (cpu -> cpu_tiny, else paper)."""
-    base = PRESETS["cpu_tiny" if job.rollout.device == "cpu" else "paper"].model_dump()
-    r = job.rollout
-    base.update(
-        engines=r.num_workers,
-        slots=r.max_running_requests,
-        batch_size=r.batch_size,
-        n_samples=r.n_samples_per_prompt,
-        max_tokens=r.max_new_tokens,
-        oversample=job.april.oversample,
-        max_staleness=max(1, job.max_staleness),
-        seed=job.seed,
-    )
-    base["resume_from_kept_kv"] = r.engine == "builtin" and r.kept_kv_tokens > 0
-    if job.rollout.device == "cpu":  # the CPU engine has no KV pool to exhaust: room for every slot
-        per_request = base["prompt_tokens"] + r.max_new_tokens
-        base["kv_tokens"] = max(base["kv_tokens"], r.max_running_requests * per_request)
-    base.update(overrides or {})
-    return _validate(base)
-
-
-def _validate(data: dict[str, Any]) -> SimConfig:
-    try:
-        return SimConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(
-            format_validation_error(err, "invalid simulator config", "sim.", "SimConfig in april/sim.py")
-        ) from None
-
-
-def _preset(name: str) -> dict[str, Any]:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name].model_dump()
-
-
-def config_from_cli(args: list[str]) -> tuple[SimConfig, Path]:
-    """`[CONFIG.yaml | PRESET] [key=value ...]` -> (SimConfig, plot path).
-
-    CONFIG is a job YAML (its rollout shape is simulated) or a YAML with a top-level `sim:`
-    section (optionally `preset: NAME` inside it); a bare word is a preset name; nothing means
-    `paper`. Overrides: `sim.<field>=v` (or `<field>=v` outside a job YAML) set simulator fields,
-    other dotted keys override the job YAML, `preset=NAME` picks the base, `out=PATH` the plot.
-    """
-    import yaml
-
-    source = args[0] if args and "=" not in args[0] else None
-    rest = args[1:] if source is not None else args
-    sim_overrides: dict[str, Any] = {}
-    job_overrides: list[str] = []
-    out, preset = Path("simulate.png"), None
-    is_job = source is not None and Path(source).is_file()
-    loaded: dict[str, Any] = {}
-    if is_job:
-        try:
-            loaded = yaml.safe_load(Path(source).read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: not valid YAML ({exc})") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping")
-        is_job = "sim" not in loaded
-    for text in rest:
-        path, value = parse_override(text)
-        if path == ["out"]:
-            out = Path(str(value))
-        elif path == ["preset"]:
-            preset = str(value)
-        elif path[0] == "sim" and len(path) == 2:
-            sim_overrides[path[1]] = value
-        elif is_job:
-            job_overrides.append(text)
-        elif len(path) == 1:
-            sim_overrides[path[0]] = value
-        else:
-            raise ConfigError(f"override {text!r}: simulator fields are flat (e.g. t0=0.01 or sim.t0=0.01)")
-
-    if is_job:
-        return sim_config_from_job(load_config(source, job_overrides), sim_overrides), out
-    if source is not None and not Path(source).is_file():
-        if preset is not None:
-            raise ConfigError("give either a preset name or preset=NAME, not both")
-        if source not in PRESETS:
-            raise ConfigError(f"{source}: not a file and not a preset ({', '.join(PRESETS)})")
-        preset = source
-    section = dict(loaded.get("sim") or {})
-    if not isinstance(loaded.get("sim") or {}, dict):
-        raise ConfigError(f"{source}: `sim:` must be a mapping of simulator fields")
-    data = _preset(preset or section.pop("preset", None) or "paper")
-    section.pop("preset", None)
-    data.update(section)
-    data.update(sim_overrides)
-    return _validate(data), out
-
-
-def main_simulate(args: list[str]) -> int:
-    """`slime simulate [CONFIG.yaml | PRESET] [key=value ...]`: table, simulate.png, JSON last line."""
-    try:
-        cfg, out = config_from_cli(args)
-    except ConfigError as exc:
-        print(f"slime simulate: {exc}", file=sys.stderr)
-        return 2
-    results = compare(cfg)
-    print(
-        f"{cfg.engines} engines x {cfg.slots} slots, B={cfg.batch_size} groups x {cfg.n_samples}, "
-        f"max {cfg.max_tokens} tokens, {cfg.steps} steps; t0={cfg.t0 * 1e3:g} ms, k={cfg.k * 1e3:g} ms/request, "
-        f"t_kv={cfg.t_kv * 1e9:g} ns/KV token, p={cfg.p * 1e6:g} us/prefill token"
-    )
-    print(format_table(results))
-    print(f"plot: {plot(results, out)}")
-    print(json.dumps(headline(results)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main_simulate(sys.argv[1:]))

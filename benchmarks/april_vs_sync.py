@@ -203,7 +203,8 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
     from admitting 128 requests of 30 context tokens (the size of a resumed partial)."""
     import torch
 
-    from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+    from slime.engines.builtin import BuiltinEngine
+    from slime.engines.contract import GenerationRequest, SamplingParams
     from slime.model import load_model
 
     torch.set_num_threads(threads)
@@ -218,7 +219,7 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
     prefill = math.inf
     for r in range(repeats):
         for b in batches:
-            engine = RolloutEngine(model, max_running_requests=b, seed=r)
+            engine = BuiltinEngine(model, max_running_requests=b, seed=r)
             for i in range(b):
                 engine.add_request(GenerationRequest(f"{r}-{i}", context(prompt_len), params))
             for _ in range(4):  # prefill + warm-up
@@ -227,7 +228,7 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
             for _ in range(15):
                 engine.step()
             step_s[b] = min(step_s[b], (time.perf_counter() - t) / 15)
-        engine = RolloutEngine(model, max_running_requests=128, seed=r)
+        engine = BuiltinEngine(model, max_running_requests=128, seed=r)
         for i in range(128):
             engine.add_request(GenerationRequest(f"p{r}-{i}", context(prompt_len), params, context(30 - prompt_len)))
         t = time.perf_counter()
@@ -244,13 +245,14 @@ def evaluate(model_dir: str, policy_dir: Path | None, prompts: list[dict], threa
     import torch
 
     from envs import repeat
-    from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+    from slime.engines.builtin import BuiltinEngine
+    from slime.engines.contract import GenerationRequest, SamplingParams
     from slime.model import load_model, load_tokenizer
 
     torch.set_num_threads(threads)
     tok = load_tokenizer(model_dir)
     model = load_model(policy_dir or model_dir)
-    engine = RolloutEngine(model, max_running_requests=len(prompts))
+    engine = BuiltinEngine(model, max_running_requests=len(prompts))
     params = SamplingParams(temperature=0.0, max_new_tokens=96, stop_token_ids=[tok.eos_token_id])
     reqs = [GenerationRequest(str(i), tok(p["prompt"], add_special_tokens=False)["input_ids"], params)
             for i, p in enumerate(prompts)]
@@ -273,7 +275,8 @@ def lognormal_fit(groups: list[list[int]]) -> dict:
 
 
 def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine: dict, args) -> dict:
-    from april.sim import sim_config_from_job, simulate
+    from april.sim import simulate
+    from slime.simulate import sim_config_from_job
 
     S, A = FROZEN_PAIR if all(k in runs for k in FROZEN_PAIR) else ("sync", "april2")
     sync, warm = runs[S], args.warmup_steps
@@ -393,8 +396,8 @@ def main() -> None:
     import ray
 
     from envs import repeat
+    from slime.buffer.redis_server import LocalRedisServer
     from slime.model import ensure_model_dir
-    from slime.redis_server import LocalRedisServer
 
     t = time.time()
     model_dir = str(ensure_model_dir(load_config(None, []).model))

@@ -35,16 +35,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from slime.buffer import WIRE_LOGPROB, WIRE_MASK, WIRE_TOKEN, WIRE_VERSION, RedisBuffer  # noqa: E402
-from slime.redis_server import LocalRedisServer  # noqa: E402
+from slime.buffer.records import WIRE_LOGPROB, WIRE_MASK, WIRE_TOKEN, WIRE_VERSION  # noqa: E402
+from slime.buffer.redis_server import LocalRedisServer  # noqa: E402
+from slime.buffer.store import TrajectoryStore  # noqa: E402
+from slime.config import load_config  # noqa: E402
 from slime.sample import new_id  # noqa: E402
+from slime.train import train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STATUSES = ["completed", "truncated", "failed", "aborted", "pending"]
 STATUS_P = [0.70, 0.10, 0.05, 0.10, 0.05]
 
 
-def fill(buffer: RedisBuffer, n_trajectories: int, group_size: int = 4, seed: int = 0) -> float:
+def fill(buffer: TrajectoryStore, n_trajectories: int, group_size: int = 4, seed: int = 0) -> float:
     """n_trajectories samples in n/group_size groups, with tokens; returns seconds taken."""
     rng = np.random.default_rng(seed)
     t0 = time.time()
@@ -128,7 +131,7 @@ def api_latency(n: int, clients_list: list[int], seconds: float) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="dash-bench-"))
     server = LocalRedisServer(tmp, aof=False)
     job = "bench"
-    buffer = RedisBuffer(server.url, job)
+    buffer = TrajectoryStore.open(server.url, job)
     fill_s = fill(buffer, n)
     print(f"filled {n} trajectories in {fill_s:.1f} s ({buffer.counts()['groups_total']} groups)", flush=True)
     port = _free_port()
@@ -210,9 +213,6 @@ def rollout_overhead(steps: int, poll: str = "pages") -> dict:
     """One real job; the poller loads the API during the rollouts of steps 1, 2, 5, 6, ... only (it watches the job's
     metrics.jsonl), so both conditions share the job, its warm-up and the machine's load swings."""
     import ray
-
-    from slime.config import load_config
-    from slime.train import train
 
     tmp = Path(tempfile.mkdtemp(prefix="dash-bench-job-"))
     server = LocalRedisServer(tmp / "redis", aof=False)

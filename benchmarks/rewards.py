@@ -106,11 +106,11 @@ def reward_throughput(n: int) -> dict[str, float]:
 def rollout_with_slow_reward(window_s: float, rounds: int) -> dict[str, float]:
     """Generated tokens/s of one real rollout worker, instant vs 1 s reward, alternating windows."""
     from envs import repeat
-    from slime.buffer import RedisBuffer
+    from slime.buffer import TrajectoryStore
+    from slime.buffer.redis_server import LocalRedisServer
     from slime.config import ModelConfig, load_config
     from slime.data import _chat_ids
     from slime.model import ensure_model_dir, load_tokenizer
-    from slime.redis_server import LocalRedisServer
     from slime.rollout import RolloutWorker
 
     model_dir = ensure_model_dir(ModelConfig())
@@ -131,7 +131,7 @@ def rollout_with_slow_reward(window_s: float, rounds: int) -> dict[str, float]:
                         "rollout.max_running_requests=16", "rollout.temperature=1.0", "rollout.ignore_eos=true",
                         "reward.max_concurrency=128", "reward.timeout_s=30", f"reward.fn={fn}",
                     ])
-                    buffer = RedisBuffer(redis.url, job)
+                    buffer = TrajectoryStore.open(redis.url, job)
                     buffer.delete_job()
                     for ids, p in prompts:
                         buffer.add_group(ids, 1, 48, {"label": p["label"], "prompt_text": p["prompt"]})

@@ -2,7 +2,7 @@
 process, against a plain in-process memory copy of the same bytes (the physical limit here).
 
 One sync = the learner publishes a version and a separate engine process copies every tensor into
-its own parameters (what `RolloutEngine.update_weights` does); the clock runs from publish to the
+its own parameters (what `BuiltinEngine.update_weights` does); the clock runs from publish to the
 engine's acknowledgement. Each transport runs a warm-up sync (segment creation, group setup), then
 `--repeats` timed syncs; the best is reported. Prints one JSON line last.
 

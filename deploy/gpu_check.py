@@ -5,7 +5,7 @@
 
 Two processes, as in a job: the learner (this process) builds a random-init Qwen3 model in code
 (no download) and takes one AdamW step; the engine process builds the same architecture with other
-random weights inside a `slime.engine.RolloutEngine`. Then:
+random weights inside a `slime.engines.builtin.BuiltinEngine`. Then:
 
 1. weight sync: the learner publishes with `slime.weights.CudaIpcTransport` (shared memory on CPU),
    the engine applies it with `update_weights`; best of 3 syncs, seconds and GB/s;
@@ -54,13 +54,14 @@ def probe_ids(vocab: int) -> tuple[list[int], list[int]]:
 
 
 def engine_process(args: argparse.Namespace, jobs: mp.Queue, results: mp.Queue) -> None:
-    from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+    from slime.engines.builtin import BuiltinEngine
+    from slime.engines.contract import GenerationRequest, SamplingParams
     from slime.weights import CudaIpcTransport, SharedMemoryTransport
 
     try:
         dtype = getattr(torch, args.dtype)
         model = build_model(args.tiny, args.device, dtype, seed=1)
-        engine = RolloutEngine(model, device=args.device, max_running_requests=64, seed=0)
+        engine = BuiltinEngine(model, device=args.device, max_running_requests=64, seed=0)
         transport = CudaIpcTransport() if args.device.startswith("cuda") else SharedMemoryTransport("gpu_check")
         vocab = model.config.vocab_size
         results.put(("ready", sum(p.numel() for p in model.parameters())))

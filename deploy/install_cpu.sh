@@ -28,7 +28,7 @@ if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1
 fi
 python - <<'PY'
 import torch, transformers, ray, redis
-from slime.redis_server import find_redis_server
+from slime.buffer.redis_server import find_redis_server
 print(f"torch {torch.__version__} (cuda={torch.cuda.is_available()}), transformers {transformers.__version__}, ray {ray.__version__}")
 print(f"redis-server: {find_redis_server()}")
 PY

@@ -370,7 +370,7 @@ def _write_files(workdir: str, files: dict[str, str | bytes], uid: int | None) -
         with open(path, "wb") as f:
             f.write(content.encode() if isinstance(content, str) else content)
     if uid is not None:  # the sandboxed uid owns its work dir
-        for dirpath, dirnames, filenames in os.walk(root):
+        for dirpath, _dirnames, filenames in os.walk(root):
             os.chown(dirpath, uid, uid)
             for n in filenames:
                 os.chown(os.path.join(dirpath, n), uid, uid)

@@ -181,7 +181,7 @@ class EngineBackend:
     _shared: dict[tuple[str, str], Any] = {}
 
     def __init__(self, model_dir: str, device: str = "cpu", chat: bool = True) -> None:
-        from slime.openai_server import LocalGenerator
+        from slime.engines.local_generator import LocalGenerator  # late: torch and a model only for model_dir judges
 
         key = (str(model_dir), device)
         if key not in self._shared:
@@ -300,7 +300,7 @@ def llm_judge(
         backend = OpenAIBackend(url, model, api, api_key, timeout_s)
     else:
         if model_dir == "tiny":  # the built-in tiny MoE (as `model.path` unset): for examples and tests
-            from rewards.reward_model import resolve_model_dir
+            from rewards.reward_model import resolve_model_dir  # late, as LocalGenerator below: torch only here
 
             model_dir = str(resolve_model_dir(None))
         backend = EngineBackend(str(model_dir), device, chat=api == "chat")

@@ -47,9 +47,9 @@ import torch
 from rewards.reward_model import (
     CONFIG_NAME,
     ScalarHeadModel,
-    fit,
     cached_load,
     common_parser,
+    fit,
     read_jsonl,
     run_cli,
     split_eval,

@@ -35,6 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel
+
+from slime.config import ModelConfig
+from slime.model import ensure_model_dir, load_tokenizer
 
 CONFIG_NAME = "reward_model.json"
 HEAD_NAME = "score_head.safetensors"
@@ -129,9 +134,7 @@ class ScalarHeadModel(torch.nn.Module):
     @classmethod
     def from_backbone(cls, model_dir: str | Path, seed: int = 0, device: str = "cpu", **meta: Any):
         """A fresh (randomly initialised from `seed`) head on the HF model in `model_dir`."""
-        from transformers import AutoModel
 
-        from slime.model import load_tokenizer
 
         model_dir = Path(model_dir).expanduser()
         if not (model_dir / "config.json").is_file():
@@ -160,10 +163,7 @@ class ScalarHeadModel(torch.nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu"):
-        from safetensors.torch import load_file
-        from transformers import AutoModel
 
-        from slime.model import load_tokenizer
 
         path = Path(path).expanduser()
         cfg_file = path / CONFIG_NAME
@@ -181,7 +181,6 @@ class ScalarHeadModel(torch.nn.Module):
         return model.to(device)
 
     def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
 
         path = Path(path).expanduser()
         path.mkdir(parents=True, exist_ok=True)
@@ -414,9 +413,6 @@ def common_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def resolve_model_dir(model_dir: str | None) -> Path:
-    from slime.config import ModelConfig
-    from slime.model import ensure_model_dir
-
     return ensure_model_dir(ModelConfig(path=model_dir))
 
 

@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
+from rewards.adapters import adapt, load_reward, native_caller
+from rewards.mix import as_score
 from rewards.runner import _describe, _is_async
 
 try:  # optional: `pip install math-verify`
@@ -184,9 +186,6 @@ def length_penalty(
     `per_unit * max(0, length - budget)` (at most `max_penalty`). `unit` is "chars" or "tokens";
     tokens are whitespace-split words unless `tokenizer` is given (an object with `.encode`, e.g. a
     Hugging Face tokenizer, or a callable returning a sequence). Async if `fn` is."""
-    from rewards.adapters import adapt, load_reward, native_caller
-    from rewards.mix import as_score
-
     if unit not in ("chars", "tokens"):
         raise ValueError(f"length_penalty: unit must be 'chars' or 'tokens', got {unit!r}")
     if budget < 0 or not math.isfinite(per_unit) or per_unit < 0:

@@ -450,7 +450,7 @@ def _describe(fn: Callable[..., Any]) -> str:
 
 def _is_async(fn: Callable[..., Any]) -> bool:
     # The second test covers objects with an `async def __call__`.
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 (its __call__ method)
 
 
 def _keyword_plan(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:

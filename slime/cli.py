@@ -1,4 +1,7 @@
-"""`slime train [CONFIG.yaml] [key.path=value ...]`"""
+"""`slime train [CONFIG.yaml] [key.path=value ...]` and the other subcommands.
+
+Each subcommand imports its own room late (marked `# subcommand`): `slime dashboard` must not load
+torch and Ray, and `slime train` not the reward-model trainer."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import sys
 from pathlib import Path
 
 from slime.config import ConfigError, JobConfig, config_for_display, load_config
+from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -39,8 +43,7 @@ def _absolute_paths(cfg: JobConfig) -> JobConfig:
 def _dashboard_secrets(ns: argparse.Namespace) -> tuple[str | None, str | None]:
     """(token, redis password) of `slime dashboard`: from --token-file / --secret-file, else the
     environment (how the job's driver hands them over). Never from argv, which `ps` shows."""
-    from slime.dashboard.server import REDIS_PASSWORD_ENV
-    from slime.security import JobCredentials, derive_token, read_token
+    from slime.dashboard.server import REDIS_PASSWORD_ENV  # subcommand
 
     token = read_token(ns.token_file) if ns.token_file else None
     password = None
@@ -57,11 +60,10 @@ def _dashboard_secrets(ns: argparse.Namespace) -> tuple[str | None, str | None]:
 
 
 def _dashboard(ns: argparse.Namespace) -> int:
-    import redis
+    import redis  # subcommand
 
-    from slime.buffer import JOB_NAME_PATTERN
-    from slime.dashboard.server import DashboardServer
-    from slime.security import API_TOKEN_ENV, redact_url
+    from slime.buffer import JOB_NAME_PATTERN  # subcommand
+    from slime.dashboard.server import DashboardServer  # subcommand
 
     if ns.token is not None:
         print(f"slime dashboard: --token was removed (a command line is visible to every user in `ps`); "
@@ -89,19 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # These own their flags (argparse would take their --help and options for its own).
     if argv and argv[0] == "train-rm":
-        from rewards.reward_model import main_train_rm
+        from rewards.reward_model import main_train_rm  # subcommand
 
         return main_train_rm(argv[1:])
     if argv and argv[0] == "train-prm":
-        from rewards.prm import main_train_prm
+        from rewards.prm import main_train_prm  # subcommand
 
         return main_train_prm(argv[1:])
     if argv and argv[0] == "reward-serve":
-        from rewards.server import main_reward_serve
+        from rewards.server import main_reward_serve  # subcommand
 
         return main_reward_serve(argv[1:])
     if argv and argv[0] == "serve-sglang":
-        from slime.engines.sglang_server import main as main_serve_sglang
+        from slime.engines.sglang_server import main as main_serve_sglang  # subcommand
 
         main_serve_sglang(argv[1:])
         return 0
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "dashboard":
         return _dashboard(ns)
     if ns.command == "simulate":
-        from april.sim import main_simulate
+        from slime.simulate import main_simulate  # subcommand
 
         return main_simulate(ns.args)
 
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(config_for_display(cfg), indent=2))
         return 0
 
-    from slime.train import train
+    from slime.train import train  # subcommand
 
     history = train(_absolute_paths(cfg))
     if history:

@@ -11,7 +11,6 @@ as `***`.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from pathlib import Path
@@ -46,7 +45,7 @@ class TinyModelConfig(_Strict):
     max_position_embeddings: int = Field(512, gt=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "TinyModelConfig":
+    def _check(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError("model.tiny.hidden_size must be divisible by model.tiny.num_heads")
         if self.num_heads % self.num_kv_heads:
@@ -187,7 +186,7 @@ class AlgorithmConfig(_Strict):
     router_aux_coef: float = Field(0.001, ge=0, description="MoE router load-balancing loss weight.")
 
     @model_validator(mode="after")
-    def _check(self) -> "AlgorithmConfig":
+    def _check(self) -> AlgorithmConfig:
         steps = [s.until_step for s in self.kl_schedule]
         if steps != sorted(steps):
             raise ValueError("algorithm.kl_schedule: until_step values must increase")
@@ -262,7 +261,7 @@ class RewardConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _mode_needs_url(self) -> "RewardConfig":
+    def _mode_needs_url(self) -> RewardConfig:
         if self.mode == "http" and not self.url:
             raise ValueError("reward.url is required when reward.mode is 'http' (start one with `slime reward-serve`)")
         if self.url and self.mode != "http":
@@ -291,7 +290,7 @@ class EnvConfig(_Strict):
     max_concurrency: int = Field(4, gt=0, description="Env steps running at once per worker (thread pool).")
 
     @model_validator(mode="after")
-    def _check(self) -> "EnvConfig":
+    def _check(self) -> EnvConfig:
         if self.plugin is not None and ":" not in self.plugin:
             raise ValueError(f"env.plugin {self.plugin!r} must be `package.module:Class` or `path/to/file.py:Class`")
         return self
@@ -356,7 +355,7 @@ class SglangConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0)
 
     @model_validator(mode="after")
-    def _check_servers(self) -> "SglangConfig":
+    def _check_servers(self) -> SglangConfig:
         if self.url is not None and self.urls:
             raise ValueError("set sglang.url (one server) or sglang.urls (several), not both")
         attached = [self.url] if self.url is not None else self.urls
@@ -423,7 +422,7 @@ class DashboardConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _remote_needs_token(self) -> "DashboardConfig":
+    def _remote_needs_token(self) -> DashboardConfig:
         if self.host not in ("127.0.0.1", "::1", "localhost") and not self.token:
             raise ValueError(f"dashboard.host={self.host!r} is reachable by others: set dashboard.token")
         return self
@@ -458,7 +457,7 @@ class JobConfig(_Strict):
     _env_refs: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
-    def _check(self) -> "JobConfig":
+    def _check(self) -> JobConfig:
         if self.algorithm.name == "grpo" and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(
                 "rollout.n_samples_per_prompt must be >= 2 for algorithm.name=grpo "
@@ -490,14 +489,6 @@ class JobConfig(_Strict):
         if self.sampling.tasks is not None and self.data.task_key == "":
             raise ValueError("data.task_key must be set when sampling.tasks is configured")
         return self
-
-    @property
-    def groups_in_flight(self) -> int:
-        if not self.april.enabled:
-            return self.rollout.batch_size
-        if self.april.oversample_groups is not None:
-            return self.april.oversample_groups
-        return math.ceil(self.april.oversample * self.rollout.batch_size)
 
     @property
     def run_dir(self) -> Path:

@@ -1,117 +1,29 @@
-"""The learner actor: claims complete groups from the buffer, runs one PPO/GAE or GRPO update,
-publishes the new weights. The math lives in slime/algorithms; this file moves tensors."""
+"""The learner actor: claims complete groups from the buffer, runs one update of the configured
+algorithm, publishes the new weights. What turns a batch into a loss lives in slime/algorithms
+(one file per algorithm); this file moves tensors: micro-batches, gradient accumulation, the
+optimizers, gradient clipping, checkpoints and weight publishing."""
 
 from __future__ import annotations
 
 import copy
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import AutoModel
 
-from slime.algorithms import grpo, ppo
-from slime.algorithms.core import behaviour_is_weights, entropy_from_logits, masked_mean, masked_whiten
-from slime.algorithms.kl import kl_penalty
+from slime.algorithms import make_algorithm
+from slime.algorithms.batch import Batch, Forward, UpdateTensors, collate
+from slime.algorithms.core import entropy_from_logits, masked_mean, off_policy_mask, stale_tokens
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
-from slime.buffer import RedisBuffer
+from slime.buffer import TrajectoryStore
 from slime.config import JobConfig
 from slime.model import load_model
 from slime.sample import Sample, Status
 from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
-
-
-@dataclass
-class Batch:
-    """Right-padded prompt+response rows; response-aligned tensors are [N, T]."""
-
-    input_ids: torch.Tensor  # [N, L]
-    attention_mask: torch.Tensor  # [N, L]
-    response_pos: torch.Tensor  # [N, T] index into the logits that predict response token t
-    response_ids: torch.Tensor  # [N, T]
-    mask: torch.Tensor  # [N, T] float: trainable tokens (loss mask, not padding, not failed)
-    behaviour_logp: torch.Tensor  # [N, T] engine logprobs
-    versions: torch.Tensor  # [N, T]
-    scores: torch.Tensor  # [N]
-    token_rewards: torch.Tensor | None  # [N, T]
-    group_index: torch.Tensor  # [N]
-    truncated: torch.Tensor  # [N] bool
-    last_pos: torch.Tensor  # [N] position of the last response token: V there is V(s_end)
-    response_len: torch.Tensor  # [N]
-    # [N] bool: rows with token_rewards. PPO/GAE uses those alone for such a row (its scalar
-    # reward, e.g. a PRM's aggregate, is for GRPO and the metrics), so nothing is counted twice.
-    token_reward_rows: torch.Tensor | None = None
-
-    def rows(self, idx: torch.Tensor) -> "Batch":
-        """The rows `idx`, cut to their own widths (no compute on other rows' padding)."""
-        width = int(self.last_pos[idx].max()) + 1
-        t_len = max(1, int(self.response_len[idx].max()))
-
-        def pick(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            t = t[idx]
-            if name in ("input_ids", "attention_mask"):
-                return t[:, :width]
-            return t[:, :t_len] if t.dim() == 2 else t
-
-        sub = Batch(**{k: pick(k, v) for k, v in self.__dict__.items()})
-        sub.response_pos = sub.response_pos.clamp(max=width - 1)
-        return sub
-
-
-def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
-    n = len(samples)
-    width = max(len(s.prompt_ids) + s.response_length for s in samples)
-    t_max = max(1, max(s.response_length for s in samples))
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    response_pos = torch.zeros((n, t_max), dtype=torch.long)
-    response_ids = torch.zeros((n, t_max), dtype=torch.long)
-    mask = torch.zeros((n, t_max))
-    behaviour = torch.zeros((n, t_max))
-    versions = torch.zeros((n, t_max), dtype=torch.long)
-    scores = torch.zeros(n)
-    token_rewards = None
-    token_reward_rows = torch.zeros(n, dtype=torch.bool)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), s.response_length
-        input_ids[i, :p] = torch.from_numpy(s.prompt_ids.astype(np.int64))
-        input_ids[i, p : p + r] = torch.from_numpy(s.response_ids.astype(np.int64))
-        attention[i, : p + r] = 1
-        # Logits at position j predict token j+1; padding rows point at a valid position, masked out.
-        response_pos[i] = torch.clamp(torch.arange(t_max) + p - 1, max=width - 1)
-        response_ids[i, :r] = input_ids[i, p : p + r]
-        if s.status != Status.FAILED:
-            mask[i, :r] = torch.from_numpy(s.loss_mask.astype(np.float32))
-        behaviour[i, :r] = torch.from_numpy(s.logprobs)
-        versions[i, :r] = torch.from_numpy(s.versions.astype(np.int64))
-        scores[i] = float(s.reward) if s.reward is not None else 0.0
-        if s.token_rewards is not None:
-            if token_rewards is None:
-                token_rewards = torch.zeros((n, t_max))
-            token_rewards[i, :r] = torch.from_numpy(s.token_rewards.astype(np.float32))
-            token_reward_rows[i] = True
-    return Batch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        response_pos=response_pos,
-        response_ids=response_ids,
-        mask=mask,
-        behaviour_logp=behaviour,
-        versions=versions,
-        scores=scores,
-        token_rewards=token_rewards,
-        group_index=torch.tensor(group_ids),
-        truncated=torch.tensor([s.status == Status.TRUNCATED for s in samples]),
-        last_pos=torch.tensor([len(s.prompt_ids) + s.response_length - 1 for s in samples]),
-        response_len=torch.tensor([s.response_length for s in samples]),
-        token_reward_rows=token_reward_rows if token_rewards is not None else None,
-    )
 
 
 def response_logprobs(
@@ -201,30 +113,38 @@ class Learner:
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
-        self.algo = cfg.algorithm
+        self.algo_cfg = cfg.algorithm
         self.device = torch.device(cfg.learner.device)
         self.policy = load_model(model_dir, cfg.model.dtype, cfg.learner.device)
         self.policy.train()
         self.is_moe = hasattr(self.policy.config, "num_experts") or hasattr(self.policy.config, "num_local_experts")
         self.pad_id = self.policy.config.pad_token_id or 0
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        needs_ref = self.algo.kl_coef > 0 or any(s.coef > 0 for s in self.algo.kl_schedule)
+        needs_ref = self.algo_cfg.kl_coef > 0 or any(s.coef > 0 for s in self.algo_cfg.kl_schedule)
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if needs_ref else None
         lc = cfg.learner
         self.optim = torch.optim.AdamW(self.policy.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
+        self.algorithm = make_algorithm(cfg)
         self.critic = None
-        if self.algo.name == "ppo":
+        if self.algorithm.needs_critic:
             self.critic = ValueModel(model_dir, self.policy.dtype).to(self.device).train()
             self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=lc.critic_lr, betas=lc.betas)
-        self.clip = AdaptiveClip(self.algo.adaptive_clip, self.algo.clip_low, self.algo.clip_high)
-        self.buffer = RedisBuffer(redis_url, cfg.job_name, cfg.buffer.lease_seconds,
-                                  password=credentials.redis_password if credentials else None)
+        self.clip = AdaptiveClip(self.algo_cfg.adaptive_clip, self.algo_cfg.clip_low, self.algo_cfg.clip_high)
+        self.buffer = TrajectoryStore.open(
+            redis_url,
+            cfg.job_name,
+            cfg.buffer.lease_seconds,
+            password=credentials.redis_password if credentials else None,
+        )
         self.version = self.buffer.get_policy_version()
         kind = cfg.weights.transport
         if kind == "auto":
             kind = "cuda_ipc" if self.device.type == "cuda" else "shm"
         self.transport = make_transport(
-            kind, prefix=f"slime_{cfg.job_name}", directory=cfg.run_dir / "weights", bucket_mb=cfg.weights.bucket_mb,
+            kind,
+            prefix=f"slime_{cfg.job_name}",
+            directory=cfg.run_dir / "weights",
+            bucket_mb=cfg.weights.bucket_mb,
             num_receivers=cfg.rollout.num_workers,  # broadcast: every engine joins each collective
         )
 
@@ -246,11 +166,15 @@ class Learner:
         if dropped_stale:
             self.buffer.incr_stat("dropped_groups:stale", dropped_stale)
             self.buffer.incr_stat("dropped_tokens:stale", wasted_tokens)
-        metrics: dict = {"step": step, "groups": len(kept), "dropped_stale_groups": dropped_stale,
-                         "dropped_stale_tokens": wasted_tokens}
+        metrics: dict = {
+            "step": step,
+            "groups": len(kept),
+            "dropped_stale_groups": dropped_stale,
+            "dropped_stale_tokens": wasted_tokens,
+        }
         samples = [s for g in kept for s in g]
         if samples:
-            metrics.update(self._update(samples, [gi for gi, g in enumerate(kept) for _ in g], step))
+            metrics.update(self.update(samples, [gi for gi, g in enumerate(kept) for _ in g], step))
         self.version += 1
         self.buffer.set_policy_version(self.version)
         if commit:
@@ -259,146 +183,27 @@ class Learner:
         metrics["learner_seconds"] = time.time() - started
         return metrics
 
-    def _update(self, samples: list[Sample], group_ids: list[int], step: int, unfinished: list[bool] | None = None) -> dict:
-        """One update. `unfinished` (streaming): rows whose trajectory goes on; their return is
-        bootstrapped with the critic's V(s_end) instead of a terminal reward (truncated GAE)."""
-        algo, lc = self.algo, self.cfg.learner
-        batch = collate(samples, group_ids, self.pad_id)
-        batch = Batch(**{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()})
-        kl_coef = staged_kl_coef(step, algo.kl_schedule, algo.kl_coef)
-        off_policy = self.cfg.april.off_policy
-        stale = (batch.versions < self.version) & (batch.mask > 0)
-        if off_policy == "mask_stale":
-            batch.mask = batch.mask * (~stale).float()
-        n = batch.input_ids.shape[0]
-        valid = batch.mask.sum(-1) > 0
-        mb = lc.micro_batch_size
-
-        # Quantities fixed for the whole update: π_ref, V_old, π_old (when recomputed).
+    def update(
+        self, samples: list[Sample], group_ids: list[int], step: int, unfinished: list[bool] | None = None
+    ) -> dict:
+        """One update on `samples` (group_ids: each sample's group). `unfinished` (streaming): rows
+        whose trajectory goes on; their return is bootstrapped with the critic's V(s_end)."""
+        batch = collate(samples, group_ids, self.pad_id).to(self.device)
+        kl_coef = staged_kl_coef(step, self.algo_cfg.kl_schedule, self.algo_cfg.kl_coef)
+        stale = stale_tokens(batch.versions, batch.mask, self.version)
+        batch.mask = off_policy_mask(batch.mask, stale, self.cfg.april.off_policy)
         with torch.no_grad():
-            ref_logp = old_values = old_logp = None
-            if self.ref is not None and kl_coef > 0:
-                ref_logp = _per_row(batch, mb, lambda sub: response_logprobs(self.ref, sub, self.temperature)[0])
-            bootstrap = None
-            if self.critic is not None:
-                old_values = _per_row(batch, mb, self.critic)
-                if unfinished is not None:
-                    last_values = torch.zeros(n, device=self.device)
-                    for idx in _micro_batches(batch, torch.arange(n, device=self.device), mb):
-                        last_values[idx] = self.critic(batch.rows(idx), with_last=True)[1]
-                    bootstrap = torch.where(torch.tensor(unfinished, device=self.device), last_values, 0.0)
-            multiple_updates = lc.ppo_epochs * lc.num_minibatches > 1
-            if lc.recompute_old_logprobs or multiple_updates:
-                old_logp = _per_row(batch, mb, lambda sub: response_logprobs(self.policy, sub, self.temperature)[0])
-
-            if algo.name == "grpo":
-                adv_seq = torch.zeros(n, device=self.device)
-                if valid.any():
-                    adv_seq[valid] = grpo.group_advantages(
-                        batch.scores[valid], batch.group_index[valid], std_normalize=algo.grpo_std_normalize
-                    )
-                advantages = grpo.broadcast_to_tokens(adv_seq, batch.mask)
-                returns = None
-            else:
-                kl_reward = None
-                if algo.kl_mode == "reward" and ref_logp is not None:
-                    kl_reward = kl_penalty(batch.behaviour_logp, ref_logp, algo.kl_estimator)
-                outcome = batch.scores
-                if batch.token_reward_rows is not None:
-                    outcome = batch.scores.masked_fill(batch.token_reward_rows, 0.0)
-                rewards = ppo.token_level_rewards(outcome, batch.mask, kl_reward, kl_coef, batch.token_rewards)
-                advantages, returns = ppo.gae(rewards, old_values, batch.mask, algo.gamma, algo.lam, bootstrap)
-                if algo.normalize_advantages:
-                    advantages = masked_whiten(advantages, batch.mask) * batch.mask
-
-        stats: dict[str, list[float]] = {}
-        grad_norms, critic_grad_norms = [], []
+            fixed = self._prepare(batch, kl_coef, unfinished)
+        # The metrics report the clip range this update used (adaptive clip moves it afterwards).
         clip_low, clip_high = self.clip.clip_low, self.clip.clip_high
-        for _epoch in range(lc.ppo_epochs):
-            order = torch.randperm(n, device=self.device)
-            for mini in order.chunk(lc.num_minibatches):
-                self.optim.zero_grad(set_to_none=True)
-                if self.critic is not None:
-                    self.critic_optim.zero_grad(set_to_none=True)
-                mini_tokens = batch.mask[mini].sum().clamp_min(1)
-                mini_seqs = (batch.mask[mini].sum(-1) > 0).sum().clamp_min(1)
-                for part in _micro_batches(batch, mini, mb):
-                    sub = batch.rows(part)
-                    t_sub = sub.mask.shape[1]
-                    # Each micro-batch's aggregate is weighted by its share of the minibatch's
-                    # tokens (token_mean) or sequences, so accumulation equals one big batch.
-                    if algo.loss_agg == "token_mean":
-                        weight = sub.mask.sum() / mini_tokens
-                    else:
-                        weight = (sub.mask.sum(-1) > 0).sum() / mini_seqs
-                    if weight == 0:
-                        continue
-                    logp, entropy, aux = response_logprobs(
-                        self.policy, sub, self.temperature, with_entropy=True, with_aux=self.is_moe and algo.router_aux_coef > 0
-                    )
-                    old = old_logp[part, :t_sub] if old_logp is not None else logp.detach()
-                    # Engine vs learner logprobs of the same tokens: ~0 on-policy; large means the
-                    # engine and learner disagree (stale weights, numerics, or a bug).
-                    st_extra = {"behaviour_logp_abs_diff": masked_mean((logp.detach() - sub.behaviour_logp).abs(), sub.mask).item()}
-                    # Truncated IS (tis): tokens sampled by an older policy, weighted by pi_old / pi_behaviour.
-                    is_weights = behaviour_is_weights(old, sub.behaviour_logp, off_policy, self.cfg.april.tis_cap)
-                    kl_loss = None
-                    if ref_logp is not None and algo.kl_mode == "loss":
-                        kl_loss = kl_penalty(logp, ref_logp[part, :t_sub], algo.kl_estimator)
-                    common = dict(
-                        logp=logp, old_logp=old, advantages=advantages[part, :t_sub], mask=sub.mask, clip_low=clip_low,
-                        clip_high=clip_high, dual_clip=algo.dual_clip, agg_mode=algo.loss_agg, entropy=entropy,
-                        entropy_coef=algo.entropy_coef, kl=kl_loss, kl_coef=kl_coef, router_aux=aux,
-                        router_aux_coef=algo.router_aux_coef, is_weights=is_weights,
-                    )
-                    if self.critic is not None:
-                        loss, st = ppo.ppo_loss(
-                            **common, values=self.critic(sub), old_values=old_values[part, :t_sub],
-                            returns=returns[part, :t_sub],
-                            value_clip=algo.value_clip, vf_coef=algo.vf_coef,
-                        )
-                    else:
-                        loss, st = grpo.grpo_loss(**common)
-                    (loss * weight).backward()
-                    st.update(st_extra)
-                    for k, v in st.items():
-                        stats.setdefault(k, []).append(v)
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), lc.grad_clip)))
-                self.optim.step()
-                if self.critic is not None:
-                    critic_grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), lc.grad_clip)))
-                    self.critic_optim.step()
+        stats, grad_norms, critic_grad_norms = self._optimize(batch, fixed, kl_coef, clip_low, clip_high)
 
         out = {k: float(np.mean(v)) for k, v in stats.items()}
-        if algo.adaptive_clip.enabled and "approx_kl" in out:
+        if self.algo_cfg.adaptive_clip.enabled and "approx_kl" in out:
             self.clip.update(out["approx_kl"])
-        with torch.no_grad():
-            tokens = batch.mask.sum()
-            off_policy_tokens = stale.float().sum()
-            if algo.name == "ppo":
-                out["advantage_mean"] = masked_mean(advantages, batch.mask).item()
-                out["return_mean"] = masked_mean(returns, batch.mask).item()
-        lengths = np.array([s.response_length for s in samples])
-        ok = [s for s in samples if s.status != Status.FAILED and s.reward is not None]
-        by_task: dict[str, list[float]] = {}
-        for s in ok:
-            by_task.setdefault(str(s.metadata.get("task", "default")), []).append(float(s.reward))
+        out.update(fixed.metrics)
+        out.update(self._batch_metrics(samples, batch, stale))
         out.update(
-            reward_mean=float(np.mean([s.reward for s in ok])) if ok else float("nan"),
-            reward_std=float(np.std([s.reward for s in ok])) if ok else float("nan"),
-            reward_by_task={k: float(np.mean(v)) for k, v in by_task.items()},
-            samples=len(samples),
-            failed_samples=len(samples) - len(ok),
-            truncated_share=float(batch.truncated.float().mean()),
-            response_len_mean=float(lengths.mean()),
-            response_len_p50=float(np.percentile(lengths, 50)),
-            response_len_p99=float(np.percentile(lengths, 99)),
-            trained_tokens=int(tokens.item()),
-            # Share of the batch's generated tokens that an older policy produced (before any masking).
-            off_policy_token_share=float(off_policy_tokens / max(1, sum(s.response_length for s in samples))),
-            version_lag_hist=_histogram([self.version - s.min_version for s in samples if s.min_version is not None]),
-            version_span_hist=_histogram([s.version_span for s in samples]),
-            resumed_samples=sum(1 for s in samples if s.version_span > 0),
             grad_norm=float(np.mean(grad_norms)),
             kl_coef=kl_coef,
             clip_low=clip_low,
@@ -409,6 +214,115 @@ class Learner:
             out["critic_grad_norm"] = float(np.mean(critic_grad_norms))
         out["reward_stats"] = _reward_stats(samples)
         return out
+
+    def _prepare(self, batch: Batch, kl_coef: float, unfinished: list[bool] | None) -> UpdateTensors:
+        """The quantities fixed for the whole update: π_ref, V_old, π_old (when recomputed), then
+        the algorithm's advantages and returns."""
+        lc = self.cfg.learner
+        n, mb = batch.mask.shape[0], lc.micro_batch_size
+        ref_logp = old_values = old_logp = bootstrap = None
+        if self.ref is not None and kl_coef > 0:
+            ref_logp = _per_row(batch, mb, lambda sub: response_logprobs(self.ref, sub, self.temperature)[0])
+        if self.critic is not None:
+            old_values = _per_row(batch, mb, self.critic)
+            if unfinished is not None:
+                last_values = torch.zeros(n, device=self.device)
+                for idx in _micro_batches(batch, torch.arange(n, device=self.device), mb):
+                    last_values[idx] = self.critic(batch.rows(idx), with_last=True)[1]
+                # V(s_end) where the trajectory goes on; 0 where it ended (a terminal state).
+                bootstrap = torch.where(torch.tensor(unfinished, device=self.device), last_values, 0.0)
+        if lc.recompute_old_logprobs or lc.ppo_epochs * lc.num_minibatches > 1:
+            old_logp = _per_row(batch, mb, lambda sub: response_logprobs(self.policy, sub, self.temperature)[0])
+        return self.algorithm.prepare(
+            batch,
+            kl_coef=kl_coef,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            old_values=old_values,
+            bootstrap_values=bootstrap,
+        )
+
+    def _optimize(
+        self, batch: Batch, fixed: UpdateTensors, kl_coef: float, clip_low: float, clip_high: float
+    ) -> tuple[dict[str, list[float]], list[float], list[float]]:
+        """ppo_epochs x num_minibatches optimizer steps; each minibatch's gradient accumulates over
+        micro-batches. Returns the per-micro-batch loss stats and the per-step gradient norms."""
+        lc = self.cfg.learner
+        with_aux = self.is_moe and self.algo_cfg.router_aux_coef > 0
+        stats: dict[str, list[float]] = {}
+        grad_norms: list[float] = []
+        critic_grad_norms: list[float] = []
+        for _epoch in range(lc.ppo_epochs):
+            order = torch.randperm(batch.mask.shape[0], device=self.device)
+            for mini in order.chunk(lc.num_minibatches):
+                self.optim.zero_grad(set_to_none=True)
+                if self.critic is not None:
+                    self.critic_optim.zero_grad(set_to_none=True)
+                mini_tokens = batch.mask[mini].sum().clamp_min(1)
+                mini_seqs = (batch.mask[mini].sum(-1) > 0).sum().clamp_min(1)
+                for part in _micro_batches(batch, mini, lc.micro_batch_size):
+                    sub = batch.rows(part)
+                    # Each micro-batch's aggregate is weighted by its share of the minibatch's
+                    # tokens (token_mean) or sequences, so accumulation equals one big batch.
+                    if self.algo_cfg.loss_agg == "token_mean":
+                        weight = sub.mask.sum() / mini_tokens
+                    else:
+                        weight = (sub.mask.sum(-1) > 0).sum() / mini_seqs
+                    if weight == 0:
+                        continue
+                    logp, entropy, aux = response_logprobs(
+                        self.policy, sub, self.temperature, with_entropy=True, with_aux=with_aux
+                    )
+                    values = self.critic(sub) if self.critic is not None else None
+                    loss, st = self.algorithm.loss(
+                        sub,
+                        fixed.rows(part, sub.mask.shape[1]),
+                        Forward(logp, entropy, aux, values),
+                        clip_low=clip_low,
+                        clip_high=clip_high,
+                        kl_coef=kl_coef,
+                    )
+                    (loss * weight).backward()
+                    # Engine vs learner logprobs of the same tokens: ~0 on-policy; large means the
+                    # engine and learner disagree (stale weights, numerics, or a bug).
+                    st["behaviour_logp_abs_diff"] = masked_mean(
+                        (logp.detach() - sub.behaviour_logp).abs(), sub.mask
+                    ).item()
+                    for k, v in st.items():
+                        stats.setdefault(k, []).append(v)
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), lc.grad_clip)))
+                self.optim.step()
+                if self.critic is not None:
+                    critic_grad_norms.append(
+                        float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), lc.grad_clip))
+                    )
+                    self.critic_optim.step()
+        return stats, grad_norms, critic_grad_norms
+
+    def _batch_metrics(self, samples: list[Sample], batch: Batch, stale: torch.Tensor) -> dict:
+        """What was trained on: rewards, lengths, tokens, staleness."""
+        lengths = np.array([s.response_length for s in samples])
+        ok = [s for s in samples if s.status != Status.FAILED and s.reward is not None]
+        by_task: dict[str, list[float]] = {}
+        for s in ok:
+            by_task.setdefault(str(s.metadata.get("task", "default")), []).append(float(s.reward))
+        return dict(
+            reward_mean=float(np.mean([s.reward for s in ok])) if ok else float("nan"),
+            reward_std=float(np.std([s.reward for s in ok])) if ok else float("nan"),
+            reward_by_task={k: float(np.mean(v)) for k, v in by_task.items()},
+            samples=len(samples),
+            failed_samples=len(samples) - len(ok),
+            truncated_share=float(batch.truncated.float().mean()),
+            response_len_mean=float(lengths.mean()),
+            response_len_p50=float(np.percentile(lengths, 50)),
+            response_len_p99=float(np.percentile(lengths, 99)),
+            trained_tokens=int(batch.mask.sum().item()),
+            # Share of the batch's generated tokens that an older policy produced (before any masking).
+            off_policy_token_share=float(stale.float().sum() / max(1, sum(s.response_length for s in samples))),
+            version_lag_hist=_histogram([self.version - s.min_version for s in samples if s.min_version is not None]),
+            version_span_hist=_histogram([s.version_span for s in samples]),
+            resumed_samples=sum(1 for s in samples if s.version_span > 0),
+        )
 
     def train_segments(self, step: int, max_segments: int, chunk_tokens: int) -> dict:
         """Streaming variant: train on every trajectory's new tokens (>= chunk_tokens of them, or its
@@ -425,7 +339,7 @@ class Learner:
             unfinished.append(not final)
         metrics: dict = {"step": step, "segments": len(samples), "final_segments": unfinished.count(False)}
         if samples:
-            metrics.update(self._update(samples, list(range(len(samples))), step, unfinished))
+            metrics.update(self.update(samples, list(range(len(samples))), step, unfinished))
         self.version += 1
         self.buffer.set_policy_version(self.version)
         metrics["policy_version"] = self.version
@@ -441,8 +355,7 @@ class Learner:
         """Logprobs of a fixed probe response, to check an engine holds exactly these weights."""
         s = Sample(group_id="probe", index=0, prompt_ids=prompt_ids, max_new_tokens=len(response_ids))
         s.append(response_ids, np.zeros(len(response_ids)), self.version)
-        batch = collate([s], [0], self.pad_id)
-        batch = Batch(**{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()})
+        batch = collate([s], [0], self.pad_id).to(self.device)
         self.policy.eval()
         logp = response_logprobs(self.policy, batch, self.temperature)[0][0]
         self.policy.train()

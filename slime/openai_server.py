@@ -1,4 +1,4 @@
-"""The built-in engine behind a small OpenAI-compatible API, and the text generator it uses.
+"""The built-in engine behind a small OpenAI-compatible API.
 
     python -m slime.openai_server MODEL_DIR [--port 8001] [--host H --token-file PATH]
 
@@ -7,8 +7,9 @@
     GET  /v1/models
 
 Enough of the API for an LLM judge (rewards/judge.py) or any OpenAI client to use a local model:
-one choice per request, no streaming, no logprobs. `LocalGenerator` is the engine with a thread
-that steps it; concurrent requests share its continuous batch.
+one choice per request, no streaming, no logprobs. It serves a
+`slime.engines.local_generator.LocalGenerator` (the engine with a thread that steps it);
+concurrent requests share its continuous batch.
 
 Security (docs/security.md): on loopback the two generation routes are open (a judge on the same
 machine needs no key; a browser cannot post JSON cross-site, and the Host allow-list stops DNS
@@ -22,13 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import sys
-import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Request
@@ -36,8 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
-from slime.model import load_model, load_tokenizer, stop_token_ids
+from slime.engines.local_generator import Completion, LocalGenerator
 from slime.security import GuardPolicy, HttpGuard, check_bind, read_token
 
 # Bounds on what one request may ask (the model's context caps prompt + completion again).
@@ -48,104 +43,6 @@ MAX_MESSAGES = 256
 MAX_MESSAGE_CHARS = 100_000
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_IN_FLIGHT = 64
-
-
-@dataclass
-class Completion:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str  # "stop" | "length"
-
-
-class LocalGenerator:
-    """Text in, text out over a RolloutEngine on a local HF model directory; thread-safe."""
-
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
-                 max_running_requests: int = 16, seed: int = 0) -> None:
-        self.model_dir = str(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.engine = RolloutEngine(load_model(model_dir, dtype, device), device=device,
-                                    max_running_requests=max_running_requests, seed=seed)
-        self.stop_ids = stop_token_ids(self.tokenizer, [])
-        self._ids = itertools.count()
-        self._cond = threading.Condition()
-        self._open: dict[str, tuple[Future, list[int], int]] = {}  # request id -> (future, tokens, prompt length)
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="local-generator", daemon=True)
-        self._thread.start()
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"the tokenizer of {self.model_dir} has no chat template; use /v1/completions")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if not isinstance(ids, list) else ids
-        return [int(t) for t in ids]
-
-    def text_ids(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-    def submit(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> Future:
-        """Future[Completion]; a prompt that does not fit the model's context raises ValueError now."""
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        room = self.engine.max_seq_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt is {len(prompt_ids)} tokens; {self.model_dir} reads at most {self.engine.max_seq_len}"
-            )
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=min(max_new_tokens, room),
-                                stop_token_ids=self.stop_ids)
-        future: Future = Future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("LocalGenerator is closed")
-            request_id = f"gen-{next(self._ids)}"
-            self.engine.add_request(GenerationRequest(request_id, prompt_ids, params))
-            self._open[request_id] = (future, [], len(prompt_ids))
-            self._cond.notify()
-        return future
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> Completion:
-        return self.submit(prompt_ids, max_new_tokens, temperature, top_p).result()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and not self.engine.has_unfinished():
-                    self._cond.wait()
-                if self._closed:
-                    for future, _, _ in self._open.values():
-                        future.set_exception(RuntimeError("LocalGenerator closed"))
-                    return
-                try:
-                    chunks = self.engine.step()
-                except Exception as exc:  # fail everything in flight, keep serving new requests
-                    for rid, (future, _, _) in self._open.items():
-                        future.set_exception(exc)
-                    self.engine.abort(list(self._open))
-                    self._open.clear()
-                    continue
-                done = []
-                for c in chunks:
-                    future, tokens, _ = self._open[c.request_id]
-                    tokens.extend(c.token_ids)
-                    if c.finished:
-                        done.append(c)
-                for c in done:
-                    future, tokens, n_prompt = self._open.pop(c.request_id)
-                    stopped = bool(tokens) and tokens[-1] in self.stop_ids
-                    text = self.tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
-                    future.set_result(Completion(text, n_prompt, len(tokens), "stop" if stopped else "length"))
-
-
-# --- the OpenAI-style API ------------------------------------------------------------------------
 
 
 class CompletionRequest(BaseModel):

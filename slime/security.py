@@ -100,7 +100,7 @@ class JobCredentials:
     redis_password: str | None = None
 
     @classmethod
-    def create(cls, run_dir: str | Path, own_redis: bool) -> "JobCredentials":
+    def create(cls, run_dir: str | Path, own_redis: bool) -> JobCredentials:
         """A fresh secret for this run, also written to ``run_dir/job.secret`` (0600) so the
         job's owner (and tests) can reach its services."""
         secret = new_secret()
@@ -108,7 +108,7 @@ class JobCredentials:
         return cls(secret, derive_token(secret, "redis") if own_redis else None)
 
     @classmethod
-    def read(cls, run_dir: str | Path, own_redis: bool = True) -> "JobCredentials":
+    def read(cls, run_dir: str | Path, own_redis: bool = True) -> JobCredentials:
         """The credentials of a run from its ``job.secret`` file."""
         secret = (Path(run_dir) / SECRET_FILE_NAME).read_text().strip()
         return cls(secret, derive_token(secret, "redis") if own_redis else None)

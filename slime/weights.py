@@ -29,11 +29,12 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Iterator, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -76,7 +77,7 @@ class WeightHandle:
         return doc.model_dump_json()
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "WeightHandle":
+    def from_json(cls, text: str | bytes) -> WeightHandle:
         """Parse and check a handle from `to_json`; ValueError naming what is wrong. The bytes a
         tensor claims must fit its bucket (a shared-memory segment's size is known only once it is
         mapped: the receiver then calls `check_fits`)."""
@@ -246,7 +247,7 @@ def _views(buffers: list[torch.Tensor], metas: list[TensorMeta]) -> Iterator[tup
 
 def _pack(named: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], buffers: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for (name, src), (_, dst) in zip(named, _views(buffers, metas)):
+        for (_name, src), (_, dst) in zip(named, _views(buffers, metas)):
             dst.copy_(src.detach().reshape(dst.shape))
 
 

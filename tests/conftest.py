@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
-from slime.buffer import RedisBuffer
-from slime.redis_server import LocalRedisServer
+from slime.buffer.redis_server import LocalRedisServer
+from slime.buffer.store import TrajectoryStore
+from slime.config import ModelConfig, WarmstartConfig
+from slime.model import ensure_model_dir
 from slime.sample import new_id
 
 
@@ -20,9 +23,9 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def buffer(redis_url: str) -> Iterator[RedisBuffer]:
-    """A RedisBuffer on a job name of its own; every key of that job is deleted afterwards."""
-    buf = RedisBuffer(redis_url, job=f"test-{new_id()}")
+def buffer(redis_url: str) -> Iterator[TrajectoryStore]:
+    """A TrajectoryStore on a job name of its own; every key of that job is deleted afterwards."""
+    buf = TrajectoryStore.open(redis_url, f"test-{new_id()}")
     yield buf
     buf.delete_job()
     buf.close()
@@ -31,9 +34,6 @@ def buffer(redis_url: str) -> Iterator[RedisBuffer]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """The default tiny MoE with a short warm-start, built once per session (as a job would)."""
-    from slime.config import ModelConfig, WarmstartConfig
-    from slime.model import ensure_model_dir
-
     cfg = ModelConfig(cache_dir=str(tmp_path_factory.mktemp("models")), warmstart=WarmstartConfig(steps=40))
     return ensure_model_dir(cfg)
 
@@ -41,11 +41,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
     """One local Ray for the tests that need actors (starting Ray costs seconds)."""
-    import os
-
-    import ray
-
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray  # late: Ray reads RAY_AUTH_MODE when it is imported
+
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     yield
     ray.shutdown()

@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
 
+from slime.algorithms import ALGORITHMS, make_algorithm
+from slime.algorithms.batch import Batch, Forward, UpdateTensors, collate
 from slime.algorithms.core import (
     aggregate_loss,
     behaviour_is_weights,
     entropy_from_logits,
     masked_mean,
     masked_whiten,
+    off_policy_mask,
     policy_loss,
+    stale_tokens,
 )
-from slime.algorithms.grpo import broadcast_to_tokens, group_advantages, grpo_loss
+from slime.algorithms.grpo import GRPO, broadcast_to_tokens, group_advantages, grpo_loss
 from slime.algorithms.kl import kl_penalty
-from slime.algorithms.ppo import gae, ppo_loss, token_level_rewards, value_loss
+from slime.algorithms.ppo import PPO, gae, ppo_loss, token_level_rewards, value_loss
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.config import AdaptiveClip as AdaptiveClipConfig
-from slime.config import StagedKL
+from slime.config import AlgorithmConfig, StagedKL, load_config
+from slime.sample import Sample, Status
 
 
 def t(rows) -> torch.Tensor:
@@ -194,6 +200,7 @@ def test_policy_loss_gradient_zero_when_clipped() -> None:
 
 # ---------------------------------------------------------------- value loss
 
+
 def test_value_loss_clipped_and_unclipped() -> None:
     v, v_old, ret = t([[1.0, 2.0]]), t([[0.5, 2.1]]), t([[2.0, 1.0]])
     mask = t([[1, 1]])
@@ -217,21 +224,36 @@ def test_ppo_and_grpo_loss_compose_the_terms() -> None:
     aux = torch.tensor(2.0, dtype=torch.float64)
     pg = -(1.0 * 1.0) + 1.0  # ratio 1: ℓ = −A -> −1, +1
     vf = 0.5 * ((0.0 - 1.0) ** 2 + (0.0 - 1.0) ** 2) / 2
-    kw = dict(logp=logp, old_logp=logp, advantages=adv, mask=mask, clip_low=0.2, clip_high=0.28, dual_clip=None,
-              agg_mode="token_mean", entropy=ent, entropy_coef=0.1, kl=kl, kl_coef=0.5, router_aux=aux,
-              router_aux_coef=0.01)
+    kw = dict(
+        logp=logp,
+        old_logp=logp,
+        advantages=adv,
+        mask=mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=None,
+        agg_mode="token_mean",
+        entropy=ent,
+        entropy_coef=0.1,
+        kl=kl,
+        kl_coef=0.5,
+        router_aux=aux,
+        router_aux_coef=0.01,
+    )
     loss, stats = grpo_loss(**kw)
     want = pg / 2 - 0.1 * 1.0 + 0.5 * 0.2 + 0.01 * 2.0
     assert loss.item() == pytest.approx(want)
     assert stats["loss"] == pytest.approx(want) and stats["entropy"] == pytest.approx(1.0)
-    loss, stats = ppo_loss(**kw, values=t([[0.0, 0.0]]), old_values=t([[0.0, 0.0]]), returns=t([[1.0, 1.0]]),
-                           value_clip=0.2, vf_coef=0.5)
+    loss, stats = ppo_loss(
+        **kw, values=t([[0.0, 0.0]]), old_values=t([[0.0, 0.0]]), returns=t([[1.0, 1.0]]), value_clip=0.2, vf_coef=0.5
+    )
     assert loss.item() == pytest.approx(want + 0.5 * vf)
     keys = {"pg_loss", "clipfrac", "approx_kl", "vf_loss", "vf_clipfrac", "value_mean", "kl", "router_aux"}
     assert keys <= set(stats)
 
 
 # ---------------------------------------------------------------- GRPO
+
 
 def test_group_advantages_by_hand() -> None:
     scores = t([1.0, 0.0, 0.0, 0.5, 0.5, 0.1, 0.1, 0.1, 2.0])
@@ -246,7 +268,136 @@ def test_group_advantages_by_hand() -> None:
     close(broadcast_to_tokens(t([1.5, -2.0]), t([[1, 0, 1], [1, 1, 0]])), [[1.5, 0, 1.5], [-2.0, -2.0, 0]])
 
 
+# ---------------------------------------------------------------- the algorithm objects
+
+
+def _batch(rows: list[tuple[float | None, list[float]]], groups: list[int], token_rewards=None) -> Batch:
+    """One sample per (reward, behaviour logprobs); reward None: a failed sample."""
+    samples = []
+    for i, (reward, logprobs) in enumerate(rows):
+        status = Status.FAILED if reward is None else Status.COMPLETED
+        s = Sample("g", i, [1, 2], 8, status=status, reward=reward)
+        s.append([3] * len(logprobs), logprobs, 0)
+        if token_rewards is not None and token_rewards[i] is not None:
+            s.token_rewards = torch.tensor(token_rewards[i]).numpy()
+        samples.append(s)
+    return collate(samples, groups, pad_id=0)
+
+
+def test_registry_and_critic_are_asked_of_the_algorithm() -> None:
+    names = typing.get_args(AlgorithmConfig.model_fields["name"].annotation)
+    assert set(ALGORITHMS) == set(names)
+    assert make_algorithm(load_config(None, ["algorithm.name=ppo"])).needs_critic
+    assert not make_algorithm(load_config(None, ["algorithm.name=grpo"])).needs_critic
+
+
+def test_grpo_prepare_by_hand() -> None:
+    # group 0: rewards 1, 0 and a failed row (no trainable tokens: not part of the group's mean);
+    # group 1: rewards 2, 2 (no signal)
+    batch = _batch(
+        [(1.0, [-1.0, -1.0]), (0.0, [-1.0]), (None, [-1.0, -1.0]), (2.0, [-1.0]), (2.0, [-1.0])], [0, 0, 0, 1, 1]
+    )
+    grpo = GRPO(AlgorithmConfig(grpo_std_normalize=False), "none", 2.0)
+    fixed = grpo.prepare(batch, kl_coef=0.0, old_logp=None, ref_logp=None)
+    torch.testing.assert_close(fixed.advantages, torch.tensor([[0.5, 0.5], [-0.5, 0], [0, 0], [0, 0], [0, 0]]))
+    assert fixed.returns is None and fixed.metrics == {}
+    fixed = GRPO(AlgorithmConfig(), "none", 2.0).prepare(batch, kl_coef=0.0, old_logp=None, ref_logp=None)
+    assert fixed.advantages[0, 0].item() == pytest.approx(0.5 / (0.5 + 1e-6))  # population std of (1, 0) is 0.5
+
+
+def test_ppo_prepare_by_hand() -> None:
+    """γ = λ = 1: Â_t = Σ_{l≥t} r_l + V_boot − V_t. Row 0: score 1 on its last token and a k1 KL
+    reward −β(μ − π_ref) = −0.2·0.5 on its first; row 1 has token rewards (its scalar score 0.4
+    is their aggregate, not added again) and goes on: V(s_end) = 0.5."""
+    batch = _batch(
+        [(1.0, [-1.0, -1.0, -1.0]), (0.4, [-1.0, -1.0, -1.0])], [0, 1], token_rewards=[None, [0.0, 0.4, 0.0]]
+    )
+    ref_logp = torch.tensor([[-1.5, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.1, 0.2, 0.3]])
+    cfg = AlgorithmConfig(
+        name="ppo", gamma=1.0, lam=1.0, normalize_advantages=False, kl_mode="reward", kl_estimator="k1"
+    )
+    fixed = PPO(cfg, "none", 2.0).prepare(
+        batch,
+        kl_coef=0.2,
+        old_logp=None,
+        ref_logp=ref_logp,
+        old_values=values,
+        bootstrap_values=torch.tensor([0.0, 0.5]),
+    )
+    rewards = [[-0.1, 0.0, 1.0], [0.0, 0.4, 0.0]]
+    boot = [0.0, 0.5]
+    want = [[sum(r[t:]) + b - v for t, v in enumerate([0.1, 0.2, 0.3])] for r, b in zip(rewards, boot)]
+    torch.testing.assert_close(fixed.advantages, torch.tensor(want))  # [[.8, .8, .7], [.8, .7, .2]]
+    torch.testing.assert_close(fixed.returns, fixed.advantages + values)
+    assert fixed.metrics["advantage_mean"] == pytest.approx(4.0 / 6)
+    assert fixed.metrics["return_mean"] == pytest.approx((4.0 + 1.2) / 6)
+    whitened = PPO(cfg.model_copy(update={"normalize_advantages": True}), "none", 2.0).prepare(
+        batch,
+        kl_coef=0.2,
+        old_logp=None,
+        ref_logp=ref_logp,
+        old_values=values,
+        bootstrap_values=torch.tensor([0.0, 0.5]),
+    )
+    assert whitened.metrics["advantage_mean"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_grpo_loss_by_hand_with_tis_and_kl() -> None:
+    """One update (π_old = π_θ, ratio 1): ℓ_t = −Â_t·w_t, w_t = min(π_old/μ, cap); β·KL(k1) added."""
+    batch = _batch([(1.0, [-1.5, -1.5])], [0])
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    fixed = UpdateTensors(advantages=torch.tensor([[1.0, 1.0]]), ref_logp=torch.tensor([[-1.0, -2.5]]))
+    w = [min(math.exp(0.5), 1.5), math.exp(-0.5)]
+    grpo = GRPO(AlgorithmConfig(kl_estimator="k1"), "tis", 1.5)
+    loss, stats = grpo.loss(batch, fixed, Forward(logp, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+    assert stats["pg_loss"] == pytest.approx(-(w[0] + w[1]) / 2, rel=1e-6)
+    assert stats["kl"] == pytest.approx(0.25) and loss.item() == pytest.approx(-(w[0] + w[1]) / 2 + 0.1 * 0.25)
+    # kl_mode="reward": GRPO has no per-token reward to shape, so no KL term at all
+    reward_kl = GRPO(AlgorithmConfig(kl_mode="reward"), "none", 1.5)
+    _, stats = reward_kl.loss(batch, fixed, Forward(logp, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+    assert "kl" not in stats and stats["pg_loss"] == pytest.approx(-1.0)
+
+
+def test_ppo_loss_by_hand() -> None:
+    """Ratio 1, Â = 1: pg = −1; V = .5, R = 1, no value clip: c_v·½(V − R)² = .5·.125."""
+    batch = _batch([(1.0, [-1.0, -1.0])], [0])
+    fixed = UpdateTensors(
+        advantages=torch.tensor([[1.0, 1.0]]), returns=torch.tensor([[1.0, 1.0]]), old_values=torch.tensor([[0.5, 0.5]])
+    )
+    values = torch.tensor([[0.5, 0.5]], requires_grad=True)
+    ppo = PPO(AlgorithmConfig(name="ppo", value_clip=None, vf_coef=0.5), "none", 2.0)
+    out = Forward(torch.tensor([[-1.0, -1.0]], requires_grad=True), None, None, values)
+    loss, stats = ppo.loss(batch, fixed, out, clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    assert loss.item() == pytest.approx(-1.0 + 0.5 * 0.125)
+    assert stats["vf_loss"] == pytest.approx(0.125) and stats["value_mean"] == pytest.approx(0.5)
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[-0.125, -0.125]]))  # c_v·(V − R)/2 tokens
+
+
+def test_update_tensors_rows_cut_every_tensor() -> None:
+    fixed = UpdateTensors(
+        advantages=torch.arange(12.0).view(3, 4),
+        old_logp=-torch.arange(12.0).view(3, 4),
+        metrics={"advantage_mean": 1.0},
+    )
+    cut = fixed.rows(torch.tensor([2, 0]), 2)
+    torch.testing.assert_close(cut.advantages, torch.tensor([[8.0, 9.0], [0.0, 1.0]]))
+    torch.testing.assert_close(cut.old_logp, -cut.advantages)
+    assert cut.ref_logp is None and cut.metrics == {"advantage_mean": 1.0}
+
+
+def test_stale_tokens_and_mask_stale() -> None:
+    versions = torch.tensor([[0, 1, 2, 2], [2, 2, 1, 0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0]])
+    stale = stale_tokens(versions, mask, 2)
+    assert stale.tolist() == [[True, True, False, False], [False, False, True, False]]  # padding is never stale
+    assert off_policy_mask(mask, stale, "mask_stale").tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
+    assert off_policy_mask(mask, stale, "tis") is mask and off_policy_mask(mask, stale, "none") is mask
+
+
 # ---------------------------------------------------------------- KL, entropy, helpers
+
 
 def test_kl_estimators_by_hand() -> None:
     logp, ref = t([-1.0, -2.0]), t([-1.5, -1.0])
@@ -289,6 +440,7 @@ def test_masked_mean_and_whiten() -> None:
 
 
 # ---------------------------------------------------------------- schedules
+
 
 def test_adaptive_clip_shrinks_grows_and_clamps() -> None:
     cfg = AdaptiveClipConfig(enabled=True, kl_target=0.01, shrink=0.5, grow=2.0, min_clip=0.05, max_clip=0.4)

@@ -13,13 +13,14 @@ import time
 import numpy as np
 import pytest
 
-from slime.buffer import RedisBuffer
-from tests.helpers import wait_for
+from slime.buffer import TrajectoryStore
 from slime.config import load_config
-from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+from slime.engines.builtin import BuiltinEngine
+from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.model import load_model
 from slime.sample import FINAL_STATUSES, Status
 from slime.security import JobCredentials
+from tests.helpers import wait_for
 
 PROMPTS = [[6, 7, 77, 61, 86], [8, 77, 62, 64, 86], [9, 10, 11, 77, 63, 86]]
 
@@ -38,7 +39,7 @@ def test_abort_at_random_points_resumes_token_exact(tiny_model_dir, redis_url, t
     from slime.rollout import RolloutWorker
 
     job = "april-exact"
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     buffer.delete_job()
     groups = [buffer.add_group(p, 2, 40, {"label": "x", "prompt_text": "x"}) for p in PROMPTS]
     worker = RolloutWorker(_worker_cfg(tmp_path, job), str(tiny_model_dir), redis_url, "w0")
@@ -54,7 +55,7 @@ def test_abort_at_random_points_resumes_token_exact(tiny_model_dir, redis_url, t
         worker.stop()
     assert aborts >= 3
 
-    engine = RolloutEngine(load_model(tiny_model_dir), max_running_requests=8)
+    engine = BuiltinEngine(load_model(tiny_model_dir), max_running_requests=8)
     params = SamplingParams(temperature=0.0, max_new_tokens=40)
     reference = engine.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(PROMPTS)])
     samples = [s for gid in groups for s in buffer.get_group(gid)]
@@ -72,7 +73,7 @@ def test_staleness_budget_restarts_or_drops(tiny_model_dir, redis_url, tmp_path)
 
     for policy in ("restart", "drop"):
         job = f"april-budget-{policy}"
-        buffer = RedisBuffer(redis_url, job)
+        buffer = TrajectoryStore.open(redis_url, job)
         buffer.delete_job()
         gid = buffer.add_group(PROMPTS[0], 1, 40, {"label": "x", "prompt_text": "x"})
         (s,) = buffer.lease("old", 1)
@@ -142,7 +143,7 @@ def test_april_sync_job_aborts_resumes_and_wastes_nothing(ray_session, tiny_mode
     assert max(h["off_policy_token_share"] for h in history) > 0
     assert history[-1]["wasted_tokens_total"] == 0
     assert any(key.startswith("version_span_hist/1") for h in history for key in h)
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     c = buffer.counts()
     assert c["groups_trained"] == 12
     # Every generated token is either trained (in a trained group) or held by a group still open.
@@ -171,7 +172,7 @@ def test_zero_variance_filter_drops_and_counts(ray_session, tiny_model_dir, redi
     dropped = sum(h["filtered_zero_variance"] for h in history)
     assert dropped > 0
     assert all(h["groups"] == 3 for h in history)
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     assert buffer.stats()["dropped_groups:zero_variance"] == dropped
     for gid in buffer.redis.zrange(buffer._key("trained"), 0, -1):
         rewards = {s.reward for s in buffer.get_group(gid.decode())}
@@ -204,7 +205,7 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     # Kill at a moment the live buffer holds a partial with most of its tokens still to come (with
     # a fast engine a fixed sleep can land while no sample has tokens in flight).
     # The job's own Redis requires the password derived from its secret (run_dir/job.secret).
-    live = RedisBuffer(f"redis://127.0.0.1:{json.loads((out / 'redis' / 'server.json').read_text())['port']}/0",
+    live = TrajectoryStore.open(f"redis://127.0.0.1:{json.loads((out / 'redis' / 'server.json').read_text())['port']}/0",
                        f"kill-{sig.name}", password=JobCredentials.read(out).redis_password)
     wait_for(lambda: any(s.status in (Status.ABORTED, Status.RUNNING) and 0 < s.response_length <= 24
                          for s in live.iter_samples()), 120, "a partial trajectory in the live buffer")
@@ -218,10 +219,10 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
             pass
 
     # Look at what the dead job left in Redis (a server started by hand over its AOF).
-    from slime.redis_server import LocalRedisServer
+    from slime.buffer.redis_server import LocalRedisServer
 
     with LocalRedisServer(out / "redis", password="inspect") as server:
-        buffer = RedisBuffer(server.url, f"kill-{sig.name}", password="inspect")
+        buffer = TrajectoryStore.open(server.url, f"kill-{sig.name}", password="inspect")
         partials = {s.id: s.response_ids.copy() for s in buffer.iter_samples()
                     if s.status in (Status.ABORTED, Status.RUNNING) and s.response_length > 0}
         steps_done = len(metrics.read_text().splitlines())
@@ -232,7 +233,7 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     assert resumed.returncode == 0, err.decode()[-3000:]
 
     with LocalRedisServer(out / "redis", password="inspect") as server:
-        buffer = RedisBuffer(server.url, f"kill-{sig.name}", password="inspect")
+        buffer = TrajectoryStore.open(server.url, f"kill-{sig.name}", password="inspect")
         for sid, prefix in partials.items():
             s = buffer.get_sample(sid)
             assert np.array_equal(s.response_ids[: len(prefix)], prefix), sid  # continued, not regenerated

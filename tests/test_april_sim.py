@@ -1,4 +1,4 @@
-"""The rollout simulator (april/sim.py): exact small cases, the APRIL mechanism, accounting, the CLI."""
+"""The rollout simulator (april/sim*.py, the CLI in slime/simulate.py): exact small cases, the APRIL mechanism, accounting."""
 
 from __future__ import annotations
 
@@ -8,20 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from april.sim import (
-    PRESETS,
-    Engine,
-    Group,
-    LengthSampler,
-    Request,
-    SimConfig,
-    compare,
-    main_simulate,
-    plot,
-    sim_config_from_job,
-    simulate,
-)
+from april.sim import PRESETS, SimConfig, WaveRollout, compare, plot, simulate
+from april.sim_engine import Engine, Group, LengthSampler, Request
 from slime.config import load_config
+from slime.simulate import main_simulate, sim_config_from_job
 
 # A small cluster: 2 engines x 16 slots, B*n = 32 requests (= the slots), GPU-like step costs.
 SMALL = dict(
@@ -219,7 +209,6 @@ def test_cli_sim_yaml_and_job_yaml(tmp_path, capsys):
 
 
 def _run_wave(cfg: SimConfig, oversample: float | None, seed: int = 0):
-    from april.sim import WaveRollout
 
     sim = WaveRollout(cfg, seed, oversample)
     sim.run()

@@ -15,19 +15,22 @@ import numpy as np
 import pytest
 import redis
 
-from slime.buffer import Finish, LeaseLostError, RedisBuffer
-from slime.redis_server import LocalRedisServer, connect_or_start, find_redis_server
+from slime.buffer.connection import JobConnection, lua_source
+from slime.buffer.queries import BufferQueries
+from slime.buffer.redis_server import LocalRedisServer, connect_or_start, find_redis_server
+from slime.buffer.store import Finish, LeaseLostError, TrajectoryStore
+from slime.buffer.telemetry import JobTelemetry
 from slime.sample import ChunkLengthError, Status, new_id
 
 PROMPT = [5, 6, 7]
 
 
-def lease_one(buf: RedisBuffer, worker: str) -> str:
+def lease_one(buf: TrajectoryStore, worker: str) -> str:
     (sample,) = buf.lease(worker, 1)
     return sample.id
 
 
-def complete_group(buf: RedisBuffer, n: int, worker: str = "w") -> str:
+def complete_group(buf: TrajectoryStore, n: int, worker: str = "w") -> str:
     gid = buf.add_group(PROMPT, n=n, max_new_tokens=8, metadata={})
     for sample in buf.lease(worker, n):
         buf.append_chunk(sample.id, worker, [1, 2], [-0.1, -0.2], version=0)
@@ -35,7 +38,7 @@ def complete_group(buf: RedisBuffer, n: int, worker: str = "w") -> str:
     return gid
 
 
-def test_chunks_keep_the_four_arrays_equal(buffer: RedisBuffer) -> None:
+def test_chunks_keep_the_four_arrays_equal(buffer: TrajectoryStore) -> None:
     gid = buffer.add_group(PROMPT, n=1, max_new_tokens=16, metadata={"label": "x"})
     sid = lease_one(buffer, "w")
     assert buffer.append_chunk(sid, "w", [10, 11, 12], [-0.5, -0.25, -1.0], version=3) == 3
@@ -60,7 +63,7 @@ def test_chunks_keep_the_four_arrays_equal(buffer: RedisBuffer) -> None:
     assert buffer.stats()["generated_tokens"] == 5
 
 
-def test_corrupted_stored_arrays_refuse_appends(buffer: RedisBuffer) -> None:
+def test_corrupted_stored_arrays_refuse_appends(buffer: TrajectoryStore) -> None:
     buffer.add_group(PROMPT, n=1, max_new_tokens=16, metadata={})
     sid = lease_one(buffer, "w")
     buffer.append_chunk(sid, "w", [1, 2], [-0.1, -0.2], version=0)
@@ -70,7 +73,7 @@ def test_corrupted_stored_arrays_refuse_appends(buffer: RedisBuffer) -> None:
     assert buffer.redis.strlen(f"{buffer.prefix}sample:{sid}:tok") == 2 * 4
 
 
-def test_append_costs_o_chunk_not_o_length(buffer: RedisBuffer) -> None:
+def test_append_costs_o_chunk_not_o_length(buffer: TrajectoryStore) -> None:
     """Bytes exchanged with the server for 200 small appends do not depend on the stored length."""
     buffer.add_group(PROMPT, n=2, max_new_tokens=200_000, metadata={})
     short_id, long_id = (s.id for s in buffer.lease("w", 2))
@@ -96,8 +99,8 @@ def test_append_costs_o_chunk_not_o_length(buffer: RedisBuffer) -> None:
     assert buffer.get_sample(long_id).response_length == long_len + 200 * 16
 
 
-def test_expired_lease_requeues_the_partial_first(buffer: RedisBuffer) -> None:
-    fast = RedisBuffer(buffer.url, buffer.job, lease_seconds=0.3)
+def test_expired_lease_requeues_the_partial_first(buffer: TrajectoryStore) -> None:
+    fast = TrajectoryStore.open(buffer.url, buffer.job, lease_seconds=0.3)
     partial_gid = fast.add_group(PROMPT, n=1, max_new_tokens=16, metadata={})
     fast.add_group([9, 9], n=1, max_new_tokens=16, metadata={})  # a new prompt queued behind it
     sid = lease_one(fast, "A")
@@ -126,13 +129,13 @@ def test_expired_lease_requeues_the_partial_first(buffer: RedisBuffer) -> None:
     assert fast.counts()["aborted"] == 0 and fast.counts()["running"] == 1
 
 
-def test_reaping_from_many_processes_requeues_each_sample_once(buffer: RedisBuffer) -> None:
-    fast = RedisBuffer(buffer.url, buffer.job, lease_seconds=0.2)
+def test_reaping_from_many_processes_requeues_each_sample_once(buffer: TrajectoryStore) -> None:
+    fast = TrajectoryStore.open(buffer.url, buffer.job, lease_seconds=0.2)
     fast.add_group(PROMPT, n=12, max_new_tokens=16, metadata={})
     leased = {s.id for s in fast.lease("A", 12)}
     time.sleep(0.3)
     reaped: list[str] = []
-    reapers = [RedisBuffer(buffer.url, buffer.job) for _ in range(4)]
+    reapers = [TrajectoryStore.open(buffer.url, buffer.job) for _ in range(4)]
     threads = [threading.Thread(target=lambda r=r: reaped.extend(r.reap_expired_leases())) for r in reapers]
     for thread in threads:
         thread.start()
@@ -143,7 +146,7 @@ def test_reaping_from_many_processes_requeues_each_sample_once(buffer: RedisBuff
     assert counts["queue_resume"] == 12 and counts["aborted"] == 12 and counts["leases"] == 0
 
 
-def test_release_puts_the_partial_at_the_front(buffer: RedisBuffer) -> None:
+def test_release_puts_the_partial_at_the_front(buffer: TrajectoryStore) -> None:
     buffer.add_group(PROMPT, n=3, max_new_tokens=16, metadata={})
     first, second, third = buffer.lease("w", 3)
     buffer.append_chunk(second.id, "w", [1, 2], [-0.1, -0.2], version=0)
@@ -155,7 +158,7 @@ def test_release_puts_the_partial_at_the_front(buffer: RedisBuffer) -> None:
     assert buffer.get_sample(second.id).response_length == 2
 
 
-def test_release_many_is_release_in_order_with_per_sample_errors(buffer: RedisBuffer) -> None:
+def test_release_many_is_release_in_order_with_per_sample_errors(buffer: TrajectoryStore) -> None:
     buffer.add_group(PROMPT, n=3, max_new_tokens=16, metadata={})
     first, second, third = buffer.lease("w", 3)
     buffer.append_chunk(third.id, "w", [5], [-0.5], version=0)
@@ -166,16 +169,24 @@ def test_release_many_is_release_in_order_with_per_sample_errors(buffer: RedisBu
     assert buffer.get_sample(third.id).response_ids.tolist() == [5]
 
 
-def test_batched_calls_reload_scripts_a_server_lost(buffer: RedisBuffer) -> None:
+def test_batched_calls_reload_scripts_a_server_lost(buffer: TrajectoryStore) -> None:
     # append_chunks / finish_many / release_many send EVALSHA only (one round trip); a server that
     # no longer has the scripts (restarted, SCRIPT FLUSH) answers NOSCRIPT and they are loaded again.
     buffer.add_group(PROMPT, n=3, max_new_tokens=16, metadata={})
     first, second, third = buffer.lease("w", 3)
     buffer.redis.script_flush()
-    assert buffer.append_chunks("w", [(first.id, [1, 2], [-0.1, -0.2], [0, 0]), (second.id, [3], [-0.3], [0])]) == [2, 1]
+    assert buffer.append_chunks("w", [(first.id, [1, 2], [-0.1, -0.2], [0, 0]), (second.id, [3], [-0.3], [0])]) == [
+        2,
+        1,
+    ]
     buffer.redis.script_flush()
-    done = buffer.finish_many("w", [Finish(first.id, Status.COMPLETED, reward=1.0, metadata_update={"k": 1}),
-                                    Finish(second.id, Status.COMPLETED, reward=0.0)])
+    done = buffer.finish_many(
+        "w",
+        [
+            Finish(first.id, Status.COMPLETED, reward=1.0, metadata_update={"k": 1}),
+            Finish(second.id, Status.COMPLETED, reward=0.0),
+        ],
+    )
     assert done == [False, False]
     buffer.redis.script_flush()
     assert buffer.release_many([third.id], "w") == [None]
@@ -184,7 +195,7 @@ def test_batched_calls_reload_scripts_a_server_lost(buffer: RedisBuffer) -> None
     assert buffer.get_sample(third.id).status == Status.ABORTED
 
 
-def test_groups_are_claimed_exactly_once_across_racing_learners(buffer: RedisBuffer) -> None:
+def test_groups_are_claimed_exactly_once_across_racing_learners(buffer: TrajectoryStore) -> None:
     group_ids = {complete_group(buffer, n=2) for _ in range(40)}
     assert buffer.counts()["queue_ready"] == 40
 
@@ -193,7 +204,7 @@ def test_groups_are_claimed_exactly_once_across_racing_learners(buffer: RedisBuf
     claims: list[tuple[int, list[str]]] = []
 
     def learner() -> None:
-        own = RedisBuffer(buffer.url, buffer.job)
+        own = TrajectoryStore.open(buffer.url, buffer.job)
         while True:
             with steps_lock:
                 step = next(steps)
@@ -218,7 +229,7 @@ def test_groups_are_claimed_exactly_once_across_racing_learners(buffer: RedisBuf
     for step, _ in claims:
         if step % 2 == 0:
             buffer.commit_step(step)
-    restarted = RedisBuffer(buffer.url, buffer.job)
+    restarted = TrajectoryStore.open(buffer.url, buffer.job)
     assert restarted.requeue_uncommitted() == len(group_ids - committed)
     counts = restarted.counts()
     assert counts["groups_claimed"] == 0 and counts["groups_trained"] == len(committed)
@@ -227,7 +238,7 @@ def test_groups_are_claimed_exactly_once_across_racing_learners(buffer: RedisBuf
     assert restarted.claim_groups(100, step=1001) == []
 
 
-def test_requeue_uncommitted_after_a_checkpoint_step(buffer: RedisBuffer) -> None:
+def test_requeue_uncommitted_after_a_checkpoint_step(buffer: TrajectoryStore) -> None:
     early, late = complete_group(buffer, n=1), complete_group(buffer, n=1)
     assert [g[0].group_id for g in buffer.claim_groups(1, step=1)] == [early]
     assert [g[0].group_id for g in buffer.claim_groups(1, step=2)] == [late]
@@ -237,7 +248,7 @@ def test_requeue_uncommitted_after_a_checkpoint_step(buffer: RedisBuffer) -> Non
     assert buffer.requeue_uncommitted() == 0
 
 
-def test_group_is_ready_once_when_all_members_are_final(buffer: RedisBuffer) -> None:
+def test_group_is_ready_once_when_all_members_are_final(buffer: TrajectoryStore) -> None:
     gid = buffer.add_group(PROMPT, n=3, max_new_tokens=8, metadata={})
     a, b, c = buffer.lease("w", 3)
     with pytest.raises(ValueError, match="final status"):
@@ -263,7 +274,7 @@ def test_group_is_ready_once_when_all_members_are_final(buffer: RedisBuffer) -> 
     assert samples[0].token_rewards is None and samples[2].metadata == {"judge": "rm"}
 
 
-def test_concurrent_finishes_push_the_group_once(buffer: RedisBuffer) -> None:
+def test_concurrent_finishes_push_the_group_once(buffer: TrajectoryStore) -> None:
     n = 8
     gid = buffer.add_group(PROMPT, n=n, max_new_tokens=8, metadata={})
     leased = [(f"w{i}", lease_one(buffer, f"w{i}")) for i in range(n)]
@@ -271,7 +282,7 @@ def test_concurrent_finishes_push_the_group_once(buffer: RedisBuffer) -> None:
     completed_group: list[bool] = []
 
     def finish(worker: str, sid: str) -> None:
-        own = RedisBuffer(buffer.url, buffer.job)
+        own = TrajectoryStore.open(buffer.url, buffer.job)
         start.wait()
         completed_group.append(own.finish(sid, worker, Status.COMPLETED, reward=1.0))
 
@@ -285,7 +296,7 @@ def test_concurrent_finishes_push_the_group_once(buffer: RedisBuffer) -> None:
     assert buffer.counts()["completed"] == n and buffer.counts()["running"] == 0
 
 
-def test_counts_match_a_full_scan(buffer: RedisBuffer) -> None:
+def test_counts_match_a_full_scan(buffer: TrajectoryStore) -> None:
     complete_group(buffer, n=2)
     buffer.add_group(PROMPT, n=4, max_new_tokens=8, metadata={})
     running = buffer.lease("w", 3)
@@ -299,8 +310,8 @@ def test_counts_match_a_full_scan(buffer: RedisBuffer) -> None:
 
 
 def test_jobs_sharing_a_server_are_isolated(redis_url: str) -> None:
-    first = RedisBuffer(redis_url, f"job-a-{new_id()}")
-    second = RedisBuffer(redis_url, f"job-b-{new_id()}")
+    first = TrajectoryStore.open(redis_url, f"job-a-{new_id()}")
+    second = TrajectoryStore.open(redis_url, f"job-b-{new_id()}")
     try:
         first_gid = first.add_group(PROMPT, n=2, max_new_tokens=8, metadata={})
         second_gid = second.add_group(PROMPT, n=2, max_new_tokens=8, metadata={})
@@ -336,7 +347,7 @@ def test_aof_brings_back_partials_after_a_restart(tmp_path: Path, binary: str) -
     tokens = np.arange(1000, dtype=np.int32)
     logprobs = np.linspace(-3, 0, 1000, dtype=np.float32)
     with LocalRedisServer(tmp_path, aof=True, binary=binary) as server:
-        buf = RedisBuffer(server.url, "durable")
+        buf = TrajectoryStore.open(server.url, "durable")
         gid = buf.add_group(PROMPT, n=2, max_new_tokens=2000, metadata={"label": "42"})
         partial, finished = buf.lease("w", 2)
         buf.append_chunk(partial.id, "w", tokens, logprobs, version=3)
@@ -345,7 +356,7 @@ def test_aof_brings_back_partials_after_a_restart(tmp_path: Path, binary: str) -
         buf.close()
 
     with LocalRedisServer(tmp_path, aof=True, binary=binary) as server:
-        buf = RedisBuffer(server.url, "durable")
+        buf = TrajectoryStore.open(server.url, "durable")
         restored = buf.get_group(gid)
         assert [s.status for s in restored] == [Status.ABORTED, Status.FAILED]
         assert restored[0].metadata == {"label": "42"} and restored[1].failure == "sandbox crashed"
@@ -378,7 +389,7 @@ def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
         LocalRedisServer(tmp_path, binary=shutil.which("false") or "/bin/false", start_timeout_s=5)
 
 
-def test_sent_chunks_are_stored_before_their_replies_are_read(buffer: RedisBuffer) -> None:
+def test_sent_chunks_are_stored_before_their_replies_are_read(buffer: TrajectoryStore) -> None:
     # The rollout thread sends a step's chunk writes, runs the next engine step, then reads the
     # replies: the writes do not wait for the read, other connections go on meanwhile, and a lost
     # lease is still reported per chunk.
@@ -396,7 +407,7 @@ def test_sent_chunks_are_stored_before_their_replies_are_read(buffer: RedisBuffe
     assert buffer.send_append_chunks("w", []).wait() == []
 
 
-def test_a_group_turning_ready_wakes_the_waiting_driver(buffer: RedisBuffer) -> None:
+def test_a_group_turning_ready_wakes_the_waiting_driver(buffer: TrajectoryStore) -> None:
     assert buffer.wait_for_ready_signal(0.05) is False  # nothing ready: waits out the timeout
     buffer.add_group(PROMPT, n=2, max_new_tokens=16, metadata={})
     first, second = buffer.lease("w", 2)
@@ -411,3 +422,33 @@ def test_a_group_turning_ready_wakes_the_waiting_driver(buffer: RedisBuffer) -> 
     waiter.join(timeout=10)
     assert woke and woke[0][0] is True and woke[0][1] - finished_at < 1.0
     assert buffer.wait_for_ready_signal(0.05) is False  # one signal, consumed
+
+
+def test_the_parts_share_one_connection_and_pickle_with_their_password(tmp_path: Path) -> None:
+    with LocalRedisServer(tmp_path / "redis", aof=False, password="pw-for-parts") as server:
+        connection = JobConnection(server.url, "parts", password="pw-for-parts")
+        store, telemetry = TrajectoryStore(connection, 5.0), JobTelemetry(connection)
+        queries = BufferQueries(connection)
+        assert store.redis is telemetry.redis is queries.redis  # one client (and pool) per process
+        gid = store.add_group(PROMPT, n=1, max_new_tokens=4, metadata={})
+        telemetry.log_event("probe", {"gid": gid})
+        for part in (store, telemetry, queries):
+            assert "pw-for-parts" not in repr(part)
+            copy = pickle.loads(pickle.dumps(part))  # what Ray does with an actor argument
+            assert copy.redis is not part.redis and copy.redis.ping() and copy.job == "parts"
+        assert pickle.loads(pickle.dumps(store)).lease_seconds == 5.0
+        assert pickle.loads(pickle.dumps(queries)).counts()["pending"] == 1
+        assert pickle.loads(pickle.dumps(telemetry)).events(1)[0]["detail"] == {"gid": gid}
+        with pytest.raises(ValueError, match="job name"):
+            JobConnection(server.url, "bad job:name")
+
+
+def test_every_lua_script_compiles(buffer: TrajectoryStore) -> None:
+    """Each part's scripts (prelude and helpers in front) load into Redis, so a syntax error in a
+    rarely used one (a dashboard control, the streaming claim) fails here, not in a running job."""
+    parts = (buffer, JobTelemetry(buffer.connection), BufferQueries(buffer.connection))
+    scripts = [v for part in parts for v in vars(part).values() if hasattr(v, "sha") and hasattr(v, "script")]
+    assert len(scripts) == 19
+    for script in scripts:
+        assert buffer.redis.script_load(script.script) == script.sha
+    assert "local function member_done" in lua_source("transitions.lua")

@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from slime.buffer import RedisBuffer
+from slime.buffer.store import TrajectoryStore
+from slime.buffer.telemetry import JobTelemetry
 from slime.config import load_config
 from slime.dashboard.app import create_app
 from slime.dashboard.server import DashboardConfigError, DashboardServer
@@ -29,7 +30,7 @@ AUTH = {"X-Slime-Token": TOKEN}
 
 
 @pytest.fixture(scope="module")
-def job(ray_session, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[RedisBuffer]:
+def job(ray_session, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[TrajectoryStore]:
     """The buffer as a real job left it: partials aborted by APRIL, trained groups, step history."""
     out = tmp_path_factory.mktemp("dash-api")
     history = train(load_config(None, [
@@ -39,16 +40,21 @@ def job(ray_session, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[Re
         "steps=2", "april.enabled=true", "april.oversample=2",
     ]))
     assert len(history) == 2
-    buffer = RedisBuffer(redis_url, JOB)
+    buffer = TrajectoryStore.open(redis_url, JOB)
     yield buffer
     buffer.delete_job()
+
+
+@pytest.fixture(scope="module")
+def telemetry(job: TrajectoryStore) -> JobTelemetry:
+    return JobTelemetry(job.connection)
 
 
 LOOPBACK = "http://127.0.0.1"  # the Host a loopback-bound dashboard answers (DNS-rebinding guard)
 
 
 @pytest.fixture(scope="module")
-def client(job: RedisBuffer) -> TestClient:
+def client(job: TrajectoryStore) -> TestClient:
     return TestClient(create_app(job.url, JOB), base_url=LOOPBACK)
 
 
@@ -126,7 +132,7 @@ def test_one_trajectory_in_full(client, job, tiny_model_dir):
 
 
 def test_ids_are_validated_and_other_jobs_are_invisible(client, job, redis_url):
-    other = RedisBuffer(redis_url, f"other-{new_id()}")
+    other = TrajectoryStore.open(redis_url, f"other-{new_id()}")
     gid = other.add_group([1, 2, 3], 2, 8, {"secret": "other job"})
     try:
         sid = other.get_group(gid)[0].id
@@ -177,17 +183,17 @@ def test_openapi_is_published(client):
         assert path in spec["paths"], path
 
 
-def test_control_needs_a_configured_token(client, job):
+def test_control_needs_a_configured_token(client, job, telemetry):
     for path, body in (("/api/control/pause", None), ("/api/control/resume", None),
                        ("/api/control/oversample", {"oversample": 3})):
         r = client.post(path, json=body if body is not None else {})
         assert r.status_code == 403 and "token" in r.json()["detail"]
     sid = next(job.iter_samples()).id
     assert client.post(f"/api/trajectories/{sid}/drop", json={}).status_code == 403
-    assert job.get_control().get("paused") == "0"
+    assert telemetry.get_control().get("paused") == "0"
 
 
-def test_token_guards_everything_and_control_changes_are_events(job):
+def test_token_guards_everything_and_control_changes_are_events(job, telemetry):
     # Off loopback every route but the page and its assets needs the token, in a header.
     remote = TestClient(create_app(job.url, JOB, token=TOKEN, bind_host="0.0.0.0"))
     for path in ("/api/summary", "/openapi.json", "/metrics", "/api/trajectories"):
@@ -211,7 +217,7 @@ def test_token_guards_everything_and_control_changes_are_events(job):
     assert r.json()["oversample"] == 3.5
     assert c.post("/api/control/oversample", headers=AUTH, json={"oversample": 0.5}).status_code == 422
     c.post("/api/control/resume", headers=AUTH, json={})
-    kinds = [e["kind"] for e in job.events(10)]
+    kinds = [e["kind"] for e in telemetry.events(10)]
     assert kinds[:3] == ["resume", "oversample", "pause"]
 
     # Drop an unfinished sample: it becomes failed with the reason; a finished one cannot be dropped.
@@ -230,8 +236,8 @@ def test_token_guards_everything_and_control_changes_are_events(job):
     assert c.post(f"/api/trajectories/{other}/requeue", headers=AUTH, json={}).status_code == 200
     again = job.get_sample(other)
     assert again.status == Status.ABORTED and again.response_ids.tolist() == [7, 8]
-    assert job.events(1)[0]["kind"] == "requeue"
-    job.drop_sample(other, "test cleanup")
+    assert telemetry.events(1)[0]["kind"] == "requeue"
+    telemetry.drop_sample(other, "test cleanup")
 
 
 def test_live_stream_and_bind_rules(job):

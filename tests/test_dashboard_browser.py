@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from slime.buffer import RedisBuffer
+from slime.buffer import BufferQueries, JobTelemetry, TrajectoryStore
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
@@ -63,7 +63,7 @@ def running_job(tiny_model_dir, redis_url, tmp_path):
                 url = match.group(1) if match else None
             except queue.Empty:
                 pass
-        yield url, RedisBuffer(redis_url, job)
+        yield url, TrajectoryStore.open(redis_url, job)
     finally:
         proc.send_signal(signal.SIGTERM)  # the job stores its partials and stops
         try:
@@ -71,18 +71,19 @@ def running_job(tiny_model_dir, redis_url, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        RedisBuffer(redis_url, job).delete_job()
+        TrajectoryStore.open(redis_url, job).delete_job()
 
 
-def _rows(buffer: RedisBuffer) -> list[dict]:
-    return buffer.sample_rows([sid for _, sids in buffer.group_rows(buffer.group_ids_by_rank(0, 10**6)) for sid in sids])
+def _rows(buffer: TrajectoryStore) -> list[dict]:
+    q = BufferQueries(buffer.connection)
+    return q.sample_rows([sid for _, sids in q.group_rows(q.group_ids_by_rank(0, 10**6)) for sid in sids])
 
 
 @pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs apt packages chromium and chromium-driver")
 def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
     from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
     url, buffer = running_job
@@ -110,7 +111,7 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
 
         # Pause from the page: the driver pauses the workers and no token is generated meanwhile.
         browser.find_element(By.ID, "btn-pause").click()
-        wait_for(lambda: any(e["kind"] == "rollout_paused" for e in buffer.events(20)), 30, "the driver to pause")
+        wait_for(lambda: any(e["kind"] == "rollout_paused" for e in JobTelemetry(buffer.connection).events(20)), 30, "the driver to pause")
         time.sleep(0.5)  # a decode step in progress when the pause arrived may still land
         frozen = buffer.stats()["generated_tokens"]
         time.sleep(1.5)
@@ -139,7 +140,7 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
         masked = [s for s in spans if "masked" in s.get_attribute("class")]
         assert len(masked) == 2 and {s.value_of_css_property("background-color") for s in masked} == {
             "rgba(213, 216, 220, 1)"}  # grey, whatever their version
-        buffer.drop_sample(probe.id, "browser test probe")
+        JobTelemetry(buffer.connection).drop_sample(probe.id, "browser test probe")
 
         # Open a trajectory the job generated, resume, and watch the counters move again.
         generated = [r["id"] for r in _rows(buffer) if r["response_length"] > 0 and r["id"] != probe.id]

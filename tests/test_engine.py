@@ -1,16 +1,21 @@
-"""The built-in rollout engine (slime/engine.py) on a tiny random Qwen3-MoE, float32, CPU."""
+"""The built-in rollout engine (slime/engines/builtin.py) on a tiny random Qwen3-MoE, float32, CPU."""
 
 from __future__ import annotations
 
 import copy
+import inspect
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from slime.config import TinyModelConfig
-from slime.engine import GenerationChunk, GenerationRequest, RolloutEngine, SamplingParams
+from slime.config import TinyModelConfig, load_config
+from slime.engines import make_engine
+from slime.engines.builtin import BuiltinEngine
+from slime.engines.contract import GenerationChunk, GenerationRequest, RolloutEngine, SamplingParams
+from slime.engines.sglang import SglangEngine
+from slime.engines.vllm import VllmEngine
 from slime.model import build_tiny_moe
 
 VOCAB = 64
@@ -38,7 +43,7 @@ def model():
 def engine(request, model):
     """Both forward paths: the fast decoder (default for this model) and Hugging Face's forward."""
     # A copy: weight-update tests write into the engine's model in place.
-    eng = RolloutEngine(copy.deepcopy(model), max_running_requests=16, seed=0,
+    eng = BuiltinEngine(copy.deepcopy(model), max_running_requests=16, seed=0,
                         fast_path=None if request.param == "fast" else False)
     assert eng.health()["forward"] == request.param
     return eng
@@ -53,11 +58,11 @@ def greedy(n: int, stop=()) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=list(stop))
 
 
-def run_alone(engine: RolloutEngine, prompt, params, rid="solo", response_ids=()) -> GenerationChunk:
+def run_alone(engine: BuiltinEngine, prompt, params, rid="solo", response_ids=()) -> GenerationChunk:
     return engine.generate([GenerationRequest(rid, list(prompt), params, list(response_ids))])[rid]
 
 
-def drain(engine: RolloutEngine, out: dict[str, list[int]], finals: dict[str, GenerationChunk] | None = None):
+def drain(engine: BuiltinEngine, out: dict[str, list[int]], finals: dict[str, GenerationChunk] | None = None):
     for c in engine.step():
         out.setdefault(c.request_id, []).extend(c.token_ids)
         if c.finished and finals is not None:
@@ -72,12 +77,12 @@ def any_attn_engine(request, model):
     """The fast decoder, and Hugging Face's forward with SDPA (4-D decode mask) and eager attention
     (HF builds the masks)."""
     if request.param == "fast":
-        return RolloutEngine(model, max_running_requests=16)
+        return BuiltinEngine(model, max_running_requests=16)
     if request.param == "sdpa":
-        return RolloutEngine(model, max_running_requests=16, fast_path=False)
+        return BuiltinEngine(model, max_running_requests=16, fast_path=False)
     eager = tiny_moe(0)
     eager.set_attn_implementation("eager")
-    eng = RolloutEngine(eager, max_running_requests=16, fast_path=False)
+    eng = BuiltinEngine(eager, max_running_requests=16, fast_path=False)
     assert not eng._decode_mask_4d
     return eng
 
@@ -114,7 +119,7 @@ def test_cache_is_trimmed_when_long_rows_finish(engine):
 
 
 def test_max_running_requests_is_respected(model):
-    eng = RolloutEngine(model, max_running_requests=3)
+    eng = BuiltinEngine(model, max_running_requests=3)
     for i, p in enumerate(prompts(8, seed=7)):
         eng.add_request(GenerationRequest(str(i), p, greedy(4 + i)))
     assert eng.num_waiting() == 8
@@ -157,7 +162,7 @@ def test_abort_at_random_points_then_resume_equals_uninterrupted(engine):
 
 
 def test_abort_all_clears_waiting_and_running(model):
-    eng = RolloutEngine(model, max_running_requests=2)
+    eng = BuiltinEngine(model, max_running_requests=2)
     for i, p in enumerate(prompts(4)):
         eng.add_request(GenerationRequest(str(i), p, greedy(10)))
     eng.step()
@@ -195,7 +200,7 @@ def test_logprobs_equal_full_forward(engine, model, temperature, top_k):
 
 
 def test_sampling_follows_the_tempered_distribution(model):
-    eng = RolloutEngine(model, max_running_requests=256, seed=5)
+    eng = BuiltinEngine(model, max_running_requests=256, seed=5)
     p, n, t = [5, 9, 2], 1024, 0.15  # peaked: top token ~0.28, so a uniform sampler fails
     with torch.inference_mode():
         probs = torch.softmax(model(torch.tensor([p])).logits[0, -1].float() / t, -1)
@@ -228,7 +233,7 @@ def test_stop_token_included_and_length_reason(engine):
 
 
 def test_max_seq_len_truncates(model):
-    eng = RolloutEngine(model, max_seq_len=16)
+    eng = BuiltinEngine(model, max_seq_len=16)
     p = prompts(1, seed=19, lo=10, hi=10)[0]
     c = run_alone(eng, p, greedy(16))  # the budget is clamped to the room the context leaves
     assert len(c.token_ids) == 6 and c.finish_reason == "length"
@@ -270,7 +275,7 @@ def test_seed_makes_sampling_reproducible(model):
     ps = prompts(4, seed=31)
 
     def sample(seed):
-        eng = RolloutEngine(model, seed=seed)
+        eng = BuiltinEngine(model, seed=seed)
         params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16)
         out = eng.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(ps)])
         return [out[str(i)].token_ids for i in range(len(ps))]
@@ -286,7 +291,7 @@ def test_seed_makes_sampling_reproducible(model):
 def test_update_weights_switches_to_new_model_in_place(engine):
     other = tiny_moe(1)
     ps = prompts(3, seed=37)
-    ref = RolloutEngine(other)
+    ref = BuiltinEngine(other)
     want = {str(i): run_alone(ref, p, greedy(12)).token_ids for i, p in enumerate(ps)}
     before = {str(i): run_alone(engine, p, greedy(12)).token_ids for i, p in enumerate(ps)}
     assert before != want
@@ -350,7 +355,7 @@ def test_request_validation(engine):
 def test_bad_sampling_values_are_refused_naming_the_field(model, field, value):
     """Every bound of validate_sampling, through add_request: a ValueError naming the field, nothing
     queued, and the engine serves the next request."""
-    eng = RolloutEngine(model, max_running_requests=2, max_seq_len=128)
+    eng = BuiltinEngine(model, max_running_requests=2, max_seq_len=128)
     params = SamplingParams(temperature=0.7, max_new_tokens=4)
     setattr(params, field, value)
     with pytest.raises(ValueError, match=field):
@@ -360,7 +365,7 @@ def test_bad_sampling_values_are_refused_naming_the_field(model, field, value):
 
 
 def test_bad_token_ids_are_refused_naming_the_field(model):
-    eng = RolloutEngine(model, max_running_requests=2)
+    eng = BuiltinEngine(model, max_running_requests=2)
     for prompt, response, field in (([1, 2.0], [], "prompt_ids"), ([1, True], [], "prompt_ids"),
                                     ([1], [VOCAB], "response_ids"), ([1], ["3"], "response_ids")):
         with pytest.raises(ValueError, match=field):
@@ -368,3 +373,36 @@ def test_bad_token_ids_are_refused_naming_the_field(model):
     # numpy ids and integer scalars are token ids (the rollout worker keeps them in arrays)
     c = run_alone(eng, np.array([1, 2, 3]), SamplingParams(temperature=0.0, top_k=np.int64(3), max_new_tokens=np.int32(2)))
     assert len(c.token_ids) == 2
+
+
+# ---------------------------------------------------------------------------- the contract
+
+CONTRACT = sorted(name for name in vars(RolloutEngine) if not name.startswith("_"))
+
+
+@pytest.mark.parametrize("engine_class", [BuiltinEngine, VllmEngine, SglangEngine], ids=lambda c: c.__name__)
+def test_every_engine_class_implements_the_contract(engine_class):
+    """Every member of `RolloutEngine`, with its parameter names, and the shared `from_config`
+    (the vLLM and SGLang adapters import without their packages)."""
+    assert CONTRACT == ["abort", "add_request", "close", "has_unfinished", "health", "num_running", "num_waiting",
+                        "score_logprobs", "set_temperature", "step", "update_weights", "version"]
+    for name in CONTRACT:
+        want, got = getattr(RolloutEngine, name), getattr(engine_class, name, None)
+        assert got is not None, f"{engine_class.__name__} has no {name}"
+        if isinstance(want, property):
+            assert isinstance(got, property), name
+        else:
+            assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), name
+    assert list(inspect.signature(engine_class.from_config).parameters) == [
+        "cfg", "model_dir", "index", "version", "api_token"]
+
+
+def test_make_engine_builds_the_configured_builtin_engine(tiny_model_dir, tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "rollout.max_running_requests=3",
+                             "rollout.kept_kv_tokens=100"])
+    engine = make_engine(cfg, str(tiny_model_dir), 1, 5)
+    assert isinstance(engine, BuiltinEngine) and engine.version == 5
+    assert engine.max_running_requests == 3 and engine.kept_kv_tokens == 100
+    out = engine.generate([GenerationRequest("r", [1, 2, 3], greedy(4))])["r"]
+    assert len(out.token_ids) == 4 and out.version == 5
+    engine.close()

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from slime.config import TinyModelConfig
+from slime.engines import fast_decoder as fd
+from slime.engines.builtin import BuiltinEngine
+from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
-from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
-from slime.engines.fast_decoder import FastDecoder, fast_decoder_for
+from slime.engines.fast_decoder import SEGMENT_ROWS, FastDecoder, decode_segments, fast_decoder_for
 from slime.model import build_tiny_moe
 
 VOCAB = 64
@@ -48,7 +50,7 @@ def prompts(n: int, seed: int, lo: int = 1, hi: int = 30) -> list[list[int]]:
     return [[rng.randrange(2, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run(engine: RolloutEngine, ps, params_of, rid="r"):
+def run(engine: BuiltinEngine, ps, params_of, rid="r"):
     out = engine.generate([GenerationRequest(f"{rid}{i}", p, params_of(i)) for i, p in enumerate(ps)])
     return [out[f"{rid}{i}"] for i in range(len(ps))]
 
@@ -64,12 +66,15 @@ def reference_logprobs(model, prompt, response, temperature):
 @pytest.mark.parametrize("kind", ["moe", "llama", "qwen2", "qwen3"])
 def test_fast_path_is_taken_and_greedy_equals_hf_path(kind):
     model = tiny_moe() if kind == "moe" else tiny_dense(kind)
-    fast = RolloutEngine(model, max_running_requests=32)
-    hf = RolloutEngine(model, max_running_requests=32, fast_path=False)
+    fast = BuiltinEngine(model, max_running_requests=32)
+    hf = BuiltinEngine(model, max_running_requests=32, fast_path=False)
     assert fast.health()["forward"] == "fast" and hf.health()["forward"] == "hf"
     ps = prompts(20, seed=1)
     budgets = [random.Random(i).randint(1, 40) for i in range(20)]
-    greedy = lambda i: SamplingParams(temperature=0.0, max_new_tokens=budgets[i])
+
+    def greedy(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_new_tokens=budgets[i])
+
     got, want = run(fast, ps, greedy), run(hf, ps, greedy)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     for c, w in zip(got, want):
@@ -81,7 +86,7 @@ def test_sampled_logprobs_equal_the_model_forward_through_growth_and_compaction(
     than the first cache allocation (8 rows, 64 positions): every reported logprob must still be
     the model's own tempered logprob of that token."""
     model = tiny_moe(3)
-    engine = RolloutEngine(model, max_running_requests=40, seed=5)
+    engine = BuiltinEngine(model, max_running_requests=40, seed=5)
     ps = prompts(30, seed=2, lo=1, hi=60)
     rng = random.Random(0)
     params = [SamplingParams(temperature=0.7, top_k=rng.choice([0, 10]), max_new_tokens=rng.randint(1, 150))
@@ -95,7 +100,7 @@ def test_sampled_logprobs_equal_the_model_forward_through_growth_and_compaction(
 
 def test_staggered_arrivals_aborts_and_resume_equal_running_alone():
     model = tiny_moe(1)
-    engine = RolloutEngine(model, max_running_requests=6)
+    engine = BuiltinEngine(model, max_running_requests=6)
     ps = prompts(10, seed=4, lo=2, hi=25)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
     alone = [run(engine, [p], lambda i: greedy, rid=f"alone{k}-")[0].token_ids for k, p in enumerate(ps)]
@@ -118,10 +123,13 @@ def test_staggered_arrivals_aborts_and_resume_equal_running_alone():
 
 def test_weight_update_in_place_reaches_the_fast_path():
     model, other = tiny_moe(0), tiny_moe(7)
-    engine = RolloutEngine(model, max_running_requests=8)
-    reference = RolloutEngine(other, max_running_requests=8, fast_path=False)
+    engine = BuiltinEngine(model, max_running_requests=8)
+    reference = BuiltinEngine(other, max_running_requests=8, fast_path=False)
     ps = prompts(4, seed=9)
-    greedy = lambda i: SamplingParams(temperature=0.0, max_new_tokens=20)
+
+    def greedy(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_new_tokens=20)
+
     before = [c.token_ids for c in run(engine, ps, greedy)]
     engine.update_weights(1, other.state_dict().items())
     after = [c.token_ids for c in run(engine, ps, greedy)]
@@ -131,7 +139,7 @@ def test_weight_update_in_place_reaches_the_fast_path():
 
 def test_router_hooks_still_fire_for_the_expert_load_recorder():
     model = tiny_moe(0)
-    engine = RolloutEngine(model, max_running_requests=8)
+    engine = BuiltinEngine(model, max_running_requests=8)
     recorder = ExpertLoadRecorder.attach(model)
     ps = prompts(3, seed=11, lo=5, hi=5)
     run(engine, ps, lambda i: SamplingParams(temperature=0.0, max_new_tokens=10))
@@ -147,9 +155,9 @@ def test_unsupported_model_uses_the_hf_forward_and_fast_path_true_says_why():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
-    assert RolloutEngine(gpt2).health()["forward"] == "hf"
+    assert BuiltinEngine(gpt2).health()["forward"] == "hf"
     with pytest.raises(ValueError, match="fast_path=True"):
-        RolloutEngine(gpt2, fast_path=True)
+        BuiltinEngine(gpt2, fast_path=True)
 
 
 def test_a_model_whose_numbers_differ_is_refused():
@@ -159,13 +167,13 @@ def test_a_model_whose_numbers_differ_is_refused():
     assert isinstance(fast_decoder_for(model, 8, 128), FastDecoder)
     model.model.layers[1].mlp.register_forward_hook(lambda module, inputs, output: output * 1.5)
     assert fast_decoder_for(model, 8, 128) is None
-    assert RolloutEngine(model).health()["forward"] == "hf"
+    assert BuiltinEngine(model).health()["forward"] == "hf"
 
 
 # ---------------------------------------------------------------- kept KV of aborted requests
 
 
-def _drive(engine: RolloutEngine, got: dict[str, list[int]], lps: dict[str, list[float]], steps: int | None = None):
+def _drive(engine: BuiltinEngine, got: dict[str, list[int]], lps: dict[str, list[float]], steps: int | None = None):
     n = 0
     while engine.has_unfinished() and (steps is None or n < steps):
         for c in engine.step():
@@ -180,10 +188,10 @@ def test_aborted_requests_resume_from_their_kept_cache_token_exact():
     model = tiny_moe(2)
     ps = prompts(8, seed=12, lo=2, hi=20)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
-    alone = RolloutEngine(model, max_running_requests=8)
+    alone = BuiltinEngine(model, max_running_requests=8)
     want = {f"q{i}": c.token_ids for i, c in enumerate(run(alone, ps, lambda i: greedy, rid="q"))}
 
-    engine = RolloutEngine(model, max_running_requests=8, kept_kv_tokens=10_000)
+    engine = BuiltinEngine(model, max_running_requests=8, kept_kv_tokens=10_000)
     got: dict[str, list[int]] = {}
     lps: dict[str, list[float]] = {}
     for i, p in enumerate(ps):
@@ -210,7 +218,7 @@ def test_aborted_requests_resume_from_their_kept_cache_token_exact():
 
 def test_sampled_logprobs_after_a_kept_cache_resume_are_the_models():
     model = tiny_moe(4)
-    engine = RolloutEngine(model, max_running_requests=16, seed=3, kept_kv_tokens=10_000)
+    engine = BuiltinEngine(model, max_running_requests=16, seed=3, kept_kv_tokens=10_000)
     ps = prompts(12, seed=13, lo=1, hi=30)
     params = SamplingParams(temperature=0.8, max_new_tokens=60)
     got: dict[str, list[int]] = {}
@@ -232,7 +240,7 @@ def test_other_tokens_or_an_evicted_cache_mean_a_prefill_from_token_ids():
     model = tiny_moe(5)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
     ps = prompts(3, seed=14, lo=5, hi=10)
-    engine = RolloutEngine(model, max_running_requests=4, kept_kv_tokens=10_000)
+    engine = BuiltinEngine(model, max_running_requests=4, kept_kv_tokens=10_000)
     got: dict[str, list[int]] = {}
     lps: dict[str, list[float]] = {}
     for i, p in enumerate(ps):
@@ -248,13 +256,13 @@ def test_other_tokens_or_an_evicted_cache_mean_a_prefill_from_token_ids():
     assert engine.health()["kv_resumes"] == 0
     assert "r0" not in engine._kept  # its cache, computed for other tokens, is gone
     _drive(engine, rest, {})
-    alone = RolloutEngine(model, max_running_requests=4, fast_path=False)
+    alone = BuiltinEngine(model, max_running_requests=4, fast_path=False)
     assert shorter + rest["r0"] == run(alone, [ps[0]], lambda i: greedy)[0].token_ids
 
     # A budget smaller than what was aborted keeps only the most recent caches.
     got, lps = {}, {}
     budget = len(ps[2]) + 5  # r2's prompt + the 5 tokens of 5 steps
-    small = RolloutEngine(model, max_running_requests=4, kept_kv_tokens=budget)
+    small = BuiltinEngine(model, max_running_requests=4, kept_kv_tokens=budget)
     for i, p in enumerate(ps):
         small.add_request(GenerationRequest(f"r{i}", p, greedy))
     _drive(small, got, lps, steps=5)
@@ -271,8 +279,8 @@ def test_kept_cache_across_a_weight_update_equals_running_through_it():
     model_a, model_b, new = tiny_moe(0), tiny_moe(0), tiny_moe(9)
     ps = prompts(5, seed=15, lo=3, hi=15)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
-    through = RolloutEngine(model_a, max_running_requests=8)
-    parked = RolloutEngine(model_b, max_running_requests=8, kept_kv_tokens=10_000)
+    through = BuiltinEngine(model_a, max_running_requests=8)
+    parked = BuiltinEngine(model_b, max_running_requests=8, kept_kv_tokens=10_000)
     got_t, lps_t, got_p, lps_p = {}, {}, {}, {}
     for e in (through, parked):
         for i, p in enumerate(ps):
@@ -295,8 +303,6 @@ def test_kept_cache_across_a_weight_update_equals_running_through_it():
 
 
 def test_decode_segments_cover_every_row_and_split_only_where_it_pays():
-    from slime.engines.fast_decoder import SEGMENT_ROWS, decode_segments
-
     long_then_short = np.array([90] * SEGMENT_ROWS + [5] * (3 * SEGMENT_ROWS))
     assert decode_segments(long_then_short) == [(0, SEGMENT_ROWS, 91), (SEGMENT_ROWS, 4 * SEGMENT_ROWS, 6)]
     assert decode_segments(np.full(70, 40)) == [(0, 70, 41)]  # equal rows: one segment
@@ -313,8 +319,6 @@ def test_decode_segments_cover_every_row_and_split_only_where_it_pays():
 def test_segmented_decode_attention_equals_one_padded_attention(monkeypatch):
     """APRIL's batches: a few long resumed rows before many short fresh ones. Each segment attends
     only up to its own longest row; the logits must equal one attention padded to the longest."""
-    import slime.engines.fast_decoder as fd
-
     model = tiny_moe(4)
     contexts = prompts(16, seed=21, lo=80, hi=110) + prompts(40, seed=22, lo=2, hi=8)
     steps = [torch.randint(2, VOCAB, (len(contexts),), generator=torch.Generator().manual_seed(s)) for s in range(4)]
@@ -351,11 +355,11 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_each_sample_decodes_on_its
         torch.testing.assert_close(logits[r], ref[len(context) - 1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(decoded[r], ref[len(context)], rtol=1e-4, atol=1e-4)
 
-    engine = RolloutEngine(model, max_running_requests=16)
+    engine = BuiltinEngine(model, max_running_requests=16)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     together = run(engine, [prompt_a] * 4, lambda i: greedy)
     assert engine.health()["shared_prefill_tokens"] == 3 * len(prompt_a)
-    alone = run(RolloutEngine(model, max_running_requests=16), [prompt_a], lambda i: greedy)[0]
+    alone = run(BuiltinEngine(model, max_running_requests=16), [prompt_a], lambda i: greedy)[0]
     assert all(c.token_ids == alone.token_ids for c in together)
     sampled = run(engine, [prompt_a] * 4, lambda i: SamplingParams(temperature=1.0, max_new_tokens=12), rid="s")
     assert len({tuple(c.token_ids) for c in sampled}) > 1  # one shared prefill, independent samples

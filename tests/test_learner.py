@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from slime.buffer import RedisBuffer
-from slime.config import load_config
+from slime.buffer import TrajectoryStore
+from slime.config import TinyModelConfig, load_config
 from slime.learner import Learner
-from slime.sample import Status
+from slime.model import build_tiny_moe
+from slime.sample import Sample, Status
 
 
-def _fill(buffer: RedisBuffer, groups: int, n: int, seed: int = 0) -> None:
+def _fill(buffer: TrajectoryStore, groups: int, n: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     for g in range(groups):
         gid = buffer.add_group([6, 7, 77, 61, 86], n, 16, {"task": "repeat", "label": "ababab"})
@@ -35,11 +36,18 @@ def _learner(tiny_model_dir, redis_url, job, tmp_path, *overrides) -> Learner:
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_train_step_consumes_each_group_once_and_updates(tiny_model_dir, redis_url, tmp_path, algo):
     job = f"learner-{algo}"
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     buffer.delete_job()
     _fill(buffer, groups=3, n=4)
-    learner = _learner(tiny_model_dir, redis_url, job, tmp_path, f"algorithm.name={algo}", "rollout.batch_size=2",
-                       "algorithm.kl_coef=0.01")
+    learner = _learner(
+        tiny_model_dir,
+        redis_url,
+        job,
+        tmp_path,
+        f"algorithm.name={algo}",
+        "rollout.batch_size=2",
+        "algorithm.kl_coef=0.01",
+    )
     before = [p.detach().clone() for p in learner.policy.parameters()]
     m = learner.train_step(0, num_groups=2)
     assert m["groups"] == 2 and m["samples"] == 8 and m["policy_version"] == 1
@@ -62,11 +70,18 @@ def test_gradient_accumulation_equals_one_batch(tiny_model_dir, redis_url, tmp_p
     grads = []
     for micro in (32, 3):
         job = f"learner-accum-{micro}"
-        buffer = RedisBuffer(redis_url, job)
+        buffer = TrajectoryStore.open(redis_url, job)
         buffer.delete_job()
         _fill(buffer, groups=2, n=4, seed=5)
-        learner = _learner(tiny_model_dir, redis_url, job, tmp_path, f"learner.micro_batch_size={micro}",
-                           "rollout.batch_size=2", "algorithm.router_aux_coef=0")
+        learner = _learner(
+            tiny_model_dir,
+            redis_url,
+            job,
+            tmp_path,
+            f"learner.micro_batch_size={micro}",
+            "rollout.batch_size=2",
+            "algorithm.router_aux_coef=0",
+        )
         learner.train_step(0, num_groups=2)
         # The (clipped) gradient of the one optimizer step is still on the parameters.
         grads.append({n: p.grad.clone() for n, p in learner.policy.named_parameters() if p.grad is not None})
@@ -78,7 +93,7 @@ def test_gradient_accumulation_equals_one_batch(tiny_model_dir, redis_url, tmp_p
 
 def test_failed_samples_are_not_trained(tiny_model_dir, redis_url, tmp_path):
     job = "learner-failed"
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     buffer.delete_job()
     gid = buffer.add_group([6, 7, 77, 61, 86], 3, 16, {"task": "repeat"})
     for i, s in enumerate(buffer.lease("w", 3)):
@@ -97,7 +112,7 @@ def test_failed_samples_are_not_trained(tiny_model_dir, redis_url, tmp_path):
 
 def test_checkpoint_roundtrip(tiny_model_dir, redis_url, tmp_path):
     job = "learner-ckpt"
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     buffer.delete_job()
     _fill(buffer, groups=1, n=4)
     learner = _learner(tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=1", "algorithm.name=ppo")
@@ -112,3 +127,297 @@ def test_checkpoint_roundtrip(tiny_model_dir, redis_url, tmp_path):
     probe = learner.probe_logprobs([6, 7, 77, 61, 86], [6, 7, 6])
     assert probe.shape == (3,) and np.all(probe <= 0)
     buffer.delete_job()
+
+
+# ---------------------------------------------------------------- recorded numbers of one update
+#
+# One update on nine fixed samples (three groups of three: a failed sample, a truncated one, tool
+# tokens in the middle of one, three resumed across policy versions, PRM-style token rewards on
+# three for PPO) with a tiny random-init MoE. The numbers were recorded before the algorithms
+# moved into slime/algorithms (issue 16) and must not change: losses, metrics and the updated
+# parameters. Sample statistics that need no model are checked by hand below.
+
+GOLDEN_VOCAB = 48
+GOLDEN_COMMON = [
+    "rollout.n_samples_per_prompt=3",
+    "learner.lr=0.02",
+    "learner.critic_lr=0.05",
+    "algorithm.entropy_coef=0.01",
+    "algorithm.dual_clip=1.1",
+    "algorithm.clip_low=0.05",
+    "algorithm.clip_high=0.08",
+    "april.off_policy=tis",
+    "april.tis_cap=1.2",
+]
+# case: (overrides, token rewards on rows 0, 3, 5, streaming: which rows are unfinished)
+GOLDEN_CASES = {
+    "grpo": (
+        [
+            "algorithm.name=grpo",
+            "algorithm.kl_coef=0.05",
+            "learner.micro_batch_size=3",
+            "learner.num_minibatches=2",
+            "learner.ppo_epochs=2",
+        ],
+        False,
+        None,
+    ),
+    "grpo_seq_mask_stale": (
+        [
+            "algorithm.name=grpo",
+            "algorithm.loss_agg=seq_mean_token_sum",
+            "april.off_policy=mask_stale",
+            "algorithm.grpo_std_normalize=false",
+            "algorithm.kl_estimator=k2",
+            "algorithm.kl_schedule=[{until_step: 5, coef: 0.1}]",
+        ],
+        False,
+        None,
+    ),
+    "ppo": (
+        [
+            "algorithm.name=ppo",
+            "algorithm.kl_coef=0.05",
+            "algorithm.kl_mode=reward",
+            "algorithm.value_clip=0.05",
+            "algorithm.gamma=0.99",
+            "algorithm.lam=0.9",
+            "learner.micro_batch_size=3",
+            "learner.num_minibatches=2",
+            "learner.ppo_epochs=2",
+        ],
+        True,
+        None,
+    ),
+    "ppo_stream": (
+        [
+            "algorithm.name=ppo",
+            "algorithm.kl_coef=0.05",
+            "algorithm.kl_estimator=k3",
+            "algorithm.loss_agg=seq_mean_token_mean",
+            "algorithm.normalize_advantages=false",
+            "algorithm.gamma=0.95",
+            "algorithm.lam=0.9",
+            "learner.micro_batch_size=4",
+            "learner.recompute_old_logprobs=true",
+        ],
+        True,
+        [True, False, True, False, False, True, False, False, True],
+    ),
+}
+GOLDEN = {
+    "grpo": {
+        "loss": 0.03989304765,
+        "pg_loss": 0.07317123923,
+        "clipfrac": 0.2598214336,
+        "dual_clipfrac": 0.02430555597,
+        "approx_kl": 0.04557310592,
+        "ratio_mean": 0.995764114,
+        "ratio_max": 1.396091148,
+        "entropy": 3.851571709,
+        "kl": 0.06296637643,
+        "router_aux": 2.089221239,
+        "behaviour_logp_abs_diff": 0.3081144262,
+        "grad_norm": 1.025570761,
+        "param_abs_delta": 1366.243071,
+        "param_weighted": -1.354715565,
+    },
+    "grpo_seq_mask_stale": {
+        "loss": -0.178175658,
+        "pg_loss": -0.006249934435,
+        "clipfrac": 0,
+        "dual_clipfrac": 0,
+        "approx_kl": 0,
+        "ratio_mean": 1,
+        "ratio_max": 1,
+        "entropy": 17.39318085,
+        "kl": 0,
+        "router_aux": 2.006083727,
+        "behaviour_logp_abs_diff": 0.2305385768,
+        "grad_norm": 1.957905054,
+        "param_abs_delta": 681.1354244,
+        "param_weighted": -0.0008083839869,
+    },
+    "ppo": {
+        "loss": 3.740303813,
+        "pg_loss": 0.001949889585,
+        "clipfrac": 0.3542900141,
+        "dual_clipfrac": 0.1199800014,
+        "approx_kl": 0.06827532756,
+        "ratio_mean": 1.135624588,
+        "ratio_max": 1.687621236,
+        "entropy": 3.842145264,
+        "router_aux": 2.101100475,
+        "vf_loss": 7.549348518,
+        "vf_clipfrac": 0.1336062867,
+        "value_mean": 0.3764999583,
+        "advantage_mean": 3.104408464e-08,
+        "return_mean": 0.8150308728,
+        "behaviour_logp_abs_diff": 0.317387009,
+        "grad_norm": 1.571338974,
+        "critic_grad_norm": 65.94542027,
+        "param_abs_delta": 1357.405214,
+        "param_weighted": -0.2154727878,
+        "critic_abs_delta": 2967.070498,
+        "critic_head": 4.914785374,
+    },
+    "ppo_stream": {
+        "loss": 1.317944686,
+        "pg_loss": 0.2727057983,
+        "clipfrac": 0,
+        "dual_clipfrac": 0,
+        "approx_kl": 0,
+        "ratio_mean": 1,
+        "ratio_max": 1,
+        "entropy": 3.865370194,
+        "kl": 0,
+        "router_aux": 2.008725882,
+        "vf_loss": 2.163767815,
+        "vf_clipfrac": 0,
+        "value_mean": 1.138137162,
+        "advantage_mean": -0.04156056792,
+        "return_mean": 1.297659874,
+        "behaviour_logp_abs_diff": 0.2254961779,
+        "grad_norm": 3.485058784,
+        "critic_grad_norm": 25.28850555,
+        "param_abs_delta": 681.0928688,
+        "param_weighted": -1.099951093,
+        "critic_abs_delta": 1621.696731,
+        "critic_head": 7.642580211,
+    },
+}
+GOLDEN_SAMPLE_METRICS = {
+    "failed_samples",
+    "lr",
+    "kl_coef",
+    "clip_low",
+    "clip_high",
+    "off_policy_token_share",
+    "response_len_mean",
+    "response_len_p50",
+    "response_len_p99",
+    "resumed_samples",
+    "reward_by_task",
+    "reward_mean",
+    "reward_stats",
+    "reward_std",
+    "samples",
+    "trained_tokens",
+    "truncated_share",
+    "version_lag_hist",
+    "version_span_hist",
+}
+
+
+@pytest.fixture(scope="module")
+def golden_model_dir(tmp_path_factory):
+    tiny = TinyModelConfig(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        num_experts=4,
+        experts_per_token=2,
+        expert_hidden_size=32,
+        max_position_embeddings=64,
+    )
+    path = tmp_path_factory.mktemp("golden-model")
+    build_tiny_moe(tiny, GOLDEN_VOCAB, seed=3).save_pretrained(path)
+    return path
+
+
+def _golden_samples(token_rewards: bool) -> list[Sample]:
+    """Row i: response of 2 + 5i mod 9 tokens in two chunks; the first chunk of odd rows comes from
+    policy version i mod 3 (the learner is at version 2), every other token from version 2."""
+    rng = np.random.default_rng(7)
+    rewards = [1.0, 0.0, 0.5, 0.2, None, 0.9, 1.0, 1.0, 1.0]
+    out = []
+    for i, reward in enumerate(rewards):
+        s = Sample(
+            group_id=f"g{i // 3}",
+            index=i % 3,
+            prompt_ids=rng.integers(3, GOLDEN_VOCAB, size=3 + i % 4),
+            max_new_tokens=32,
+            metadata={"task": "a" if i % 2 else "b"},
+        )
+        length = 2 + (5 * i) % 9
+        first = length // 2
+        s.append(
+            rng.integers(3, GOLDEN_VOCAB, size=first), -3.8 + 0.3 * rng.standard_normal(first), i % 3 if i % 2 else 2
+        )
+        mask = np.ones(length - first, dtype=np.int8)
+        if i == 5:
+            mask[:2] = 0  # tool tokens in the middle
+        s.append(
+            rng.integers(3, GOLDEN_VOCAB, size=length - first),
+            -3.8 + 0.3 * rng.standard_normal(length - first),
+            2,
+            mask,
+        )
+        s.status = Status.FAILED if reward is None else (Status.TRUNCATED if i == 2 else Status.COMPLETED)
+        s.reward = reward
+        if token_rewards and i in (0, 3, 5):
+            s.token_rewards = np.zeros(length, dtype=np.float32)
+            s.token_rewards[first - 1] = 0.25 * (i + 1)
+        out.append(s)
+    return out
+
+
+def _golden_update(case: str, model_dir, redis_url: str, tmp_path) -> dict:
+    overrides, token_rewards, unfinished = GOLDEN_CASES[case]
+    cfg = load_config(None, [f"job_name=golden-{case}", f"output_dir={tmp_path}", *GOLDEN_COMMON, *overrides])
+    learner = Learner(cfg, str(model_dir), redis_url)
+    learner.version = 2
+    if learner.critic is not None:  # a critic that is not constant, so V(s_t) and the bootstrap V(s_end) vary
+        head = learner.critic.head
+        with torch.no_grad():
+            head.weight.copy_(torch.linspace(-0.5, 0.5, head.weight.numel()).view_as(head.weight))
+            head.bias.fill_(0.3)
+    policy_before = [p.detach().double().clone() for p in learner.policy.parameters()]
+    critic_before = [p.detach().double().clone() for p in learner.critic.parameters()] if learner.critic else []
+    samples = _golden_samples(token_rewards)
+    group_ids = [i // 3 for i in range(len(samples))]
+    if unfinished is not None:  # streaming segments, as train_segments hands them over
+        group_ids = list(range(len(samples)))
+        for s, goes_on in zip(samples, unfinished):
+            s.reward = None if goes_on else s.reward
+            s.loss_mask[:1] = 0  # trained by an earlier segment: context only
+    m = learner.update(samples, group_ids, 3, unfinished)
+
+    def weighted(p: torch.Tensor) -> torch.Tensor:
+        return (p.detach().double() * torch.linspace(-1, 1, p.numel(), dtype=torch.float64).view_as(p)).sum()
+
+    params = list(learner.policy.parameters())
+    m["param_abs_delta"] = float(sum((a.detach().double() - b).abs().sum() for a, b in zip(params, policy_before)))
+    m["param_weighted"] = float(sum(weighted(p) for p in params))
+    if learner.critic is not None:
+        critic = list(learner.critic.parameters())
+        m["critic_abs_delta"] = float(sum((a.detach().double() - b).abs().sum() for a, b in zip(critic, critic_before)))
+        head = learner.critic.head
+        m["critic_head"] = float(head.weight.detach().double().abs().sum() + head.bias.detach().double().sum())
+    learner.buffer.delete_job()
+    learner.close()
+    return m
+
+
+@pytest.mark.parametrize("case", list(GOLDEN_CASES))
+def test_update_reproduces_recorded_numbers(golden_model_dir, redis_url, tmp_path, case):
+    m = _golden_update(case, golden_model_dir, redis_url, tmp_path)
+    checksums = {"param_abs_delta", "param_weighted", "critic_abs_delta", "critic_head"}
+    assert set(m) - checksums == (set(GOLDEN[case]) - checksums) | GOLDEN_SAMPLE_METRICS
+    for name, want in GOLDEN[case].items():
+        assert m[name] == pytest.approx(want, rel=1e-4, abs=1e-6), name
+    # By hand. 54 response tokens (2+7+3+8+4+9+5+10+6); the failed row 4 (4 tokens) and row 5's two
+    # tool tokens are not trained: 48. Rows 1, 3, 7 have a stale first chunk of 3 + 4 + 5 = 12 tokens.
+    # Streaming segments start after each row's first token (8 more tokens, 3 of them stale).
+    streaming = GOLDEN_CASES[case][2] is not None
+    assert m["trained_tokens"] == {"grpo_seq_mask_stale": 48 - 12, "ppo_stream": 48 - 8}.get(case, 48)
+    assert m["off_policy_token_share"] == pytest.approx((12 - 3 * streaming) / 54)
+    assert m["kl_coef"] == (0.1 if case == "grpo_seq_mask_stale" else 0.05)  # the staged schedule at step 3
+    if case == "grpo_seq_mask_stale":
+        # One update with ratio 1 and no IS weights: pg_loss = −Σ_i Â_i·n_i / (rows with tokens), Dr.-GRPO
+        # centring Â_i = r_i − mean(group). Group 0: Â = .5, −.5, 0 on 2, 7 − 3 stale, 3 tokens; group 1
+        # (row 4 failed): Â = −.35, .35 on 8 − 4 stale, 9 − 2 tool tokens; group 2 is constant: Â = 0.
+        by_hand = -(0.5 * 2 - 0.5 * 4 + 0 * 3 - 0.35 * 4 + 0.35 * 7) / 8
+        assert m["pg_loss"] == pytest.approx(by_hand, abs=1e-6)
+        assert m["reward_mean"] == pytest.approx((1.0 + 0.0 + 0.5 + 0.2 + 0.9 + 3.0) / 8)

@@ -10,9 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from slime.buffer import RedisBuffer
+from slime.buffer import TrajectoryStore
 from slime.config import load_config
-from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+from slime.engines.builtin import BuiltinEngine
+from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.model import load_model, load_tokenizer
 from slime.sample import Sample, Status
 from tests.helpers import wait_for
@@ -49,7 +50,7 @@ def reference_episode(model_dir, turns: int) -> tuple[list[int], list[float], li
     """The exchange driven by hand on a standalone engine: greedy model turns of TURN_TOKENS tokens,
     each followed by the scripted observation's tokens (loss mask 0, logprob 0)."""
     tokenizer = load_tokenizer(model_dir)
-    engine = RolloutEngine(load_model(model_dir), max_running_requests=2)
+    engine = BuiltinEngine(load_model(model_dir), max_running_requests=2)
     ids: list[int] = []
     lps: list[float] = []
     mask: list[int] = []
@@ -72,7 +73,7 @@ def reference(tiny_model_dir):
     return reference_episode(tiny_model_dir, turns=3)
 
 
-def job_config(buffer: RedisBuffer, tmp_path, *overrides: str):
+def job_config(buffer: TrajectoryStore, tmp_path, *overrides: str):
     return load_config(None, [
         f"job_name={buffer.job}", f"output_dir={tmp_path}", "rollout.temperature=0", "rollout.ignore_eos=true",
         "rollout.max_new_tokens=80", "rollout.chunk_tokens=2", "rollout.max_running_requests=8",
@@ -105,7 +106,7 @@ def test_scripted_exchange_lines_up_token_for_token(buffer, redis_url, tiny_mode
     groups = [buffer.add_group(PROMPT, 2, 80, {"label": "ababab"})]
     worker, samples = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
     tokenizer = load_tokenizer(tiny_model_dir)
-    engine = RolloutEngine(load_model(tiny_model_dir))
+    engine = BuiltinEngine(load_model(tiny_model_dir))
     for s in samples:
         assert s.status == Status.COMPLETED and s.reward == pytest.approx(0.75)
         assert s.metadata["env_turns"] == 3 and s.metadata["env_end"] == "done"
@@ -126,7 +127,7 @@ def test_scripted_exchange_lines_up_token_for_token(buffer, redis_url, tiny_mode
         np.testing.assert_allclose(s.logprobs[model], scored[model], atol=1e-3)
 
 
-def _seed_partials(buffer: RedisBuffer, reference, cuts: list[int]) -> list[str]:
+def _seed_partials(buffer: TrajectoryStore, reference, cuts: list[int]) -> list[str]:
     """One group per cut whose one sample holds the reference's first `cut` tokens, as an aborted
     partial (leased all at once: a released sample goes to the resume queue, which lease pops first)."""
     groups = [buffer.add_group(PROMPT, 1, 80, {"label": "ababab"}) for _ in cuts]

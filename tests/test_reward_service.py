@@ -262,7 +262,7 @@ def test_ray_actor_mode(ray_session, rewards_file):
 @pytest.mark.slow
 def test_prm_step_rewards_land_on_step_end_tokens_in_the_stored_sample(tiny_model_dir, redis_url, tmp_path):
     from rewards.prm import ProcessRewardModel
-    from slime.buffer import RedisBuffer
+    from slime.buffer import TrajectoryStore
     from slime.data import _chat_ids
     from slime.model import load_tokenizer
     from slime.rollout import RolloutWorker
@@ -274,7 +274,7 @@ def test_prm_step_rewards_land_on_step_end_tokens_in_the_stored_sample(tiny_mode
                              "rollout.temperature=0", "rollout.ignore_eos=true"])
     cfg.reward.fn = {"fn": "rewards.prm:prm_reward",
                      "kwargs": {"model_dir": str(tmp_path / "prm"), "aggregation": "mean", "token_level": True}}
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     buffer.delete_job()
     tok = load_tokenizer(tiny_model_dir)
     prompt_ids = _chat_ids("ab*3=", [{"role": "user", "content": "ab*3="}], tok)

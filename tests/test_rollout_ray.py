@@ -3,14 +3,13 @@ loses no trajectory, and the tokens it had stored are continued, not regenerated
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from slime.buffer import RedisBuffer
-from tests.helpers import wait_for
+from slime.buffer import TrajectoryStore
 from slime.config import load_config
 from slime.sample import FINAL_STATUSES, Status
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +27,7 @@ def test_killed_worker_loses_no_trajectory(ray_session, tiny_model_dir, redis_ur
         # Never stop early, so every trajectory is long enough to be caught mid-generation.
         "rollout.ignore_eos=true",
     ])
-    buffer = RedisBuffer(redis_url, job, lease_seconds=2)
+    buffer = TrajectoryStore.open(redis_url, job, lease_seconds=2)
     buffer.delete_job()
     prompt = [6, 7, 77, 61, 86]
     groups = [buffer.add_group(prompt, 2, 80, {"label": "ababab", "prompt_text": "ab*3="}) for _ in range(6)]

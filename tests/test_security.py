@@ -8,6 +8,7 @@ import ast
 import json
 import os
 import pickle
+import re
 import socket
 import stat
 import threading
@@ -19,9 +20,9 @@ import pytest
 import redis
 import yaml
 
-from slime.buffer import RedisBuffer
+from slime.buffer import TrajectoryStore
+from slime.buffer.redis_server import LocalRedisServer
 from slime.config import dump_config, load_config
-from slime.redis_server import LocalRedisServer
 from slime.security import (
     JobCredentials,
     derive_token,
@@ -39,6 +40,15 @@ def _mode(path: Path) -> int:
 
 
 # ---- no pickles, no unsafe loads -----------------------------------------------------------------
+def _dotted(node: ast.AST) -> str:
+    """`a.b.c` for a Name/Attribute chain (``safetensors.torch`` is not ``torch``)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return ""
+
+
 def _unsafe_calls(tree: ast.AST) -> list[tuple[int, str]]:
     """Calls that deserialise code-bearing formats: pickle/dill/cloudpickle/marshal loads,
     torch.load without weights_only=True, yaml.load without SafeLoader, numpy load with pickles."""
@@ -46,8 +56,7 @@ def _unsafe_calls(tree: ast.AST) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
-        owner = node.func.value
-        owner_name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+        owner_name = _dotted(node.func.value)
         attr = node.func.attr
         keywords = {k.arg: k.value for k in node.keywords}
         if owner_name in ("pickle", "cPickle", "dill", "cloudpickle", "marshal", "_pickle") and attr in (
@@ -76,7 +85,7 @@ def test_no_product_code_deserialises_pickles_or_loads_checkpoints_unsafely():
             # the same rule as text, for what the AST walk cannot see (getattr tricks, aliases)
             for i, line in enumerate(text.splitlines(), 1):
                 code = line.split("#", 1)[0]
-                if "pickle.loads(" in code or ("torch.load(" in code and "weights_only=True" not in code):
+                if "pickle.loads(" in code or (re.search(r"(?<![\w.])torch\.load\(", code) and "weights_only=True" not in code):
                     problems.append(f"{path.relative_to(ROOT)}:{i}: {code.strip()}")
     assert not problems, "unsafe deserialisation in product code:\n" + "\n".join(sorted(set(problems)))
 
@@ -90,6 +99,7 @@ def test_the_checker_catches_what_it_must():
         "yaml.load('a')\n"
         "torch.load('x', weights_only=True)\n"
         "yaml.safe_load('a')\n"
+        "safetensors.torch.load(b'')\n"
     )
     assert [line for line, _ in _unsafe_calls(bad)] == [2, 3, 4, 5]
 
@@ -109,7 +119,7 @@ def test_a_crafted_checkpoint_cannot_run_code(tiny_model_dir, redis_url, tmp_pat
 
     from slime.learner import Learner
 
-    cfg = load_config(None, [f"job_name=ckpt-attack", f"output_dir={tmp_path}"])
+    cfg = load_config(None, ["job_name=ckpt-attack", f"output_dir={tmp_path}"])
     learner = Learner(cfg, str(tiny_model_dir), redis_url)
     learner.save(str(tmp_path / "ckpt"))
     learner.load(str(tmp_path / "ckpt"))  # an honest checkpoint loads
@@ -122,7 +132,7 @@ def test_a_crafted_checkpoint_cannot_run_code(tiny_model_dir, redis_url, tmp_pat
         learner.load(str(tmp_path / "ckpt"))
     assert not marker.exists()
     learner.close()
-    RedisBuffer(redis_url, "ckpt-attack").delete_job()
+    TrajectoryStore.open(redis_url, "ckpt-attack").delete_job()
 
 
 # ---- the job's Redis -------------------------------------------------------------------------------
@@ -146,7 +156,7 @@ def test_job_redis_needs_its_password_and_refuses_file_and_module_commands(tmp_p
             with pytest.raises(redis.ResponseError, match="unknown command"):
                 client.execute_command(*attack)
         # ... and the server still serves the job.
-        buffer = RedisBuffer(server.url, "secured", password=password)
+        buffer = TrajectoryStore.open(server.url, "secured", password=password)
         gid = buffer.add_group([1, 2, 3], 2, 8, {})
         assert buffer.get_group(gid)
         assert password.encode() not in Path(f"/proc/{server._process.pid}/cmdline").read_bytes()
@@ -161,7 +171,7 @@ def test_job_redis_needs_its_password_and_refuses_file_and_module_commands(tmp_p
 
 def test_a_buffer_pickled_for_an_actor_keeps_its_password(tmp_path):
     with LocalRedisServer(tmp_path / "redis", aof=False, password="pw-for-actors") as server:
-        buffer = RedisBuffer(server.url, "pickled", password="pw-for-actors")
+        buffer = TrajectoryStore.open(server.url, "pickled", password="pw-for-actors")
         copy = pickle.loads(pickle.dumps(buffer))  # what Ray does with an actor argument
         assert copy.redis.ping()
 
@@ -297,13 +307,13 @@ def test_job_with_its_own_redis_runs_secured_end_to_end(ray_session, tiny_model_
     assert "sk-e2e-not-for-files" not in (out / "config.yaml").read_text()
     # The job's server is gone now; over its AOF a server with another password still holds the data.
     with LocalRedisServer(out / "redis", password="inspector") as server:
-        assert RedisBuffer(server.url, "secured", password="inspector").counts()["groups_trained"] == 6
+        assert TrajectoryStore.open(server.url, "secured", password="inspector").counts()["groups_trained"] == 6
 
 
 _RAY_HEAD = """
 import json, sys
 from slime.security import JobCredentials
-from slime.train import _ray_token_auth
+from slime.job import _ray_token_auth
 
 assert _ray_token_auth(JobCredentials.read(sys.argv[1], own_redis=False), None)  # as the job, before `import ray`
 import ray

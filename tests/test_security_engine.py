@@ -28,13 +28,14 @@ import uvicorn
 from safetensors.torch import save, save_file
 
 from slime.config import load_config
-from slime.engine import RolloutEngine
-from slime.engines import sglang_server
-from slime.engines.sglang import SglangEngine, free_port
-from slime.engines.sglang_server import SglangProtocolServer, create_app, guard_policy
+from slime.engines.builtin import BuiltinEngine
+from slime.engines.sglang import SglangEngine
+from slime.engines.sglang_engine_thread import MAX_CONSECUTIVE_STEP_FAILURES, SglangProtocolServer
+from slime.engines.sglang_processes import free_port
+from slime.engines.sglang_server import create_app, guard_policy
 from slime.model import load_model
 from slime.security import API_TOKEN_ENV, auth_headers, new_secret
-from slime.weights import SharedMemoryTransport, TensorMeta, WeightHandle
+from slime.weights import CudaIpcTransport, SharedMemoryTransport, TensorMeta, WeightHandle, join_update_group
 from tests.helpers import wait_for
 
 TOKEN = new_secret()
@@ -238,8 +239,6 @@ def test_update_groups_connect_only_to_announced_addresses(url):
     assert time.time() - started < 5  # refused at once, no rendezvous attempted
 
     # one rendezvous at a time: a second one while the first waits for its master answers 409
-    from slime.weights import join_update_group
-
     port = free_port()
     first: dict = {}
     t = threading.Thread(target=lambda: first.update(r=init(master_port=port)))
@@ -383,7 +382,7 @@ class _ThreadedUvicorn:
 def test_the_engine_thread_survives_a_failing_step(model, monkeypatch):
     """A step that raises (injected: no request can do it now) fails the requests in it, resets the
     engine and the thread goes on; only repeated failures stop it, and then /health says why."""
-    engine = RolloutEngine(model, max_running_requests=4)
+    engine = BuiltinEngine(model, max_running_requests=4)
     server = SglangProtocolServer(engine)
     port = free_port()
     http = _ThreadedUvicorn(create_app(server, guard_policy(None, "127.0.0.1")), port)
@@ -411,7 +410,7 @@ def test_the_engine_thread_survives_a_failing_step(model, monkeypatch):
         assert httpx.get(f"{url}/health").status_code == 200 and not engine.has_unfinished()
 
         failing["left"] = 10**6  # now every step fails: the thread stops after a few in a row
-        for _ in range(sglang_server.MAX_CONSECUTIVE_STEP_FAILURES):
+        for _ in range(MAX_CONSECUTIVE_STEP_FAILURES):
             assert httpx.post(f"{url}/generate", json=HONEST, timeout=30).status_code == 500
         wait_for(lambda: not server.thread.is_alive(), 10, "the engine thread to stop")
         health = httpx.get(f"{url}/health")
@@ -425,13 +424,13 @@ def test_the_engine_thread_survives_a_failing_step(model, monkeypatch):
 
 _DYING_SERVER = """
 import sys
-from slime.engine import RolloutEngine
+from slime.engines.builtin import BuiltinEngine
 
 def broken(self, *args, **kwargs):
     raise OverflowError("injected: Python int too large to convert to C long")
 
-RolloutEngine.step = broken  # the step fails, and so does the reset after it: the thread stops
-RolloutEngine.abort = broken
+BuiltinEngine.step = broken  # the step fails, and so does the reset after it: the thread stops
+BuiltinEngine.abort = broken
 from slime.engines.sglang_server import main
 main(sys.argv[1:])
 """
@@ -499,8 +498,6 @@ def test_a_weight_handle_round_trips_through_json():
 def test_a_cuda_ipc_handle_is_rebuilt_from_checked_values_only(monkeypatch):
     """The receiver calls torch's rebuild_cuda_tensor with the plain values of the JSON (mocked:
     no GPU here) and views each tensor inside the rebuilt bucket."""
-    from slime.weights import CudaIpcTransport
-
     calls = []
 
     def rebuild(*args):

@@ -31,12 +31,12 @@ from rewards.mix import RewardSpecError, describe_spec, load_reward_spec
 from rewards.runner import RewardRunner
 from rewards.server import ServerThread, make_app
 from rewards.service import make_reward_service
-from slime.buffer import RedisBuffer
+from slime.buffer import JobTelemetry, TrajectoryStore
+from slime.buffer.redis_server import LocalRedisServer
 from slime.config import RewardConfig, load_config
 from slime.dashboard import reader as dashboard_reader
 from slime.dashboard.app import MAX_STREAMS, MAX_STREAMS_PER_CLIENT, create_app
 from slime.dashboard.server import DashboardProcess, DashboardServer
-from slime.redis_server import LocalRedisServer
 from slime.security import API_TOKEN_ENV
 from tests.helpers import wait_for
 
@@ -57,7 +57,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled", **extra}
 
 
-def _fill(buffer: RedisBuffer, groups: int = 6) -> None:
+def _fill(buffer: TrajectoryStore, groups: int = 6) -> None:
     """A few groups with tokens and rewards, so the distributions have something to count."""
     for g in range(groups):
         buffer.add_group([1, 2, 3], 2, 16, {"prompt_text": f"p{g}"})
@@ -69,7 +69,7 @@ def _fill(buffer: RedisBuffer, groups: int = 6) -> None:
 
 
 @pytest.fixture
-def dashboard(buffer: RedisBuffer) -> Iterator[DashboardServer]:
+def dashboard(buffer: TrajectoryStore) -> Iterator[DashboardServer]:
     """`DashboardServer` on loopback with a token, over a job with a few trajectories."""
     _fill(buffer)
     server = DashboardServer(buffer.url, buffer.job, port=0, token=TOKEN).start()
@@ -113,7 +113,7 @@ def test_dashboard_control_needs_the_header_even_on_loopback(dashboard, buffer):
     assert httpx.get(url + "api/summary").status_code == 200  # reads are open on loopback
     assert httpx.post(url + "api/control/pause", json={}).status_code == 401
     assert httpx.post(url + "api/control/pause", params={"token": TOKEN}, json={}).status_code == 401
-    assert buffer.get_control().get("paused") != "1"
+    assert JobTelemetry(buffer.connection).get_control().get("paused") != "1"
     r = httpx.post(url + "api/control/pause", headers=BEARER, json={})
     assert r.status_code == 200 and r.json()["paused"] is True
 
@@ -125,14 +125,14 @@ def test_dashboard_refuses_cross_site_posts_and_foreign_hosts(dashboard, buffer)
     for headers in ({}, BEARER):
         r = httpx.post(url + "api/control/pause", content=b"{}", headers={"Content-Type": "text/plain", **headers})
         assert r.status_code == 415
-    assert buffer.get_control().get("paused") != "1"
+    assert JobTelemetry(buffer.connection).get_control().get("paused") != "1"
     # DNS rebinding: a name that resolves to 127.0.0.1 carries its own Host header.
     port = dashboard.port
     for host in (f"evil.example:{port}", "attacker.test", f"127.0.0.1.evil.example:{port}"):
         assert httpx.get(url + "api/summary", headers={"Host": host}).status_code == 421
     assert httpx.get(url + "api/summary", headers={"Host": f"localhost:{port}"}).status_code == 200
     r = httpx.post(url + "api/control/pause", headers=BEARER, json={})
-    assert r.status_code == 200 and buffer.get_control()["paused"] == "1"
+    assert r.status_code == 200 and JobTelemetry(buffer.connection).get_control()["paused"] == "1"
 
 
 def _open_stream(stack: contextlib.ExitStack, client: httpx.Client, url: str) -> int:
@@ -186,9 +186,9 @@ def test_histogram_parameter_sweep_costs_no_extra_redis_work(tmp_path, monkeypat
     monkeypatch.setattr(dashboard_reader, "STEPS_TTL_S", 120.0)
     server = LocalRedisServer(tmp_path / "redis", aof=False)
     try:
-        buffer = RedisBuffer(server.url, "sweep")
+        buffer = TrajectoryStore.open(server.url, "sweep")
         _fill(buffer, 8)
-        buffer.record_step(0, {"reward_mean": 0.5})
+        JobTelemetry(buffer.connection).record_step(0, {"reward_mean": 0.5})
         counter = redis.Redis.from_url(server.url)
         with ServerThread(create_app(server.url, "sweep")) as dash:
             base = dash.url
@@ -255,7 +255,7 @@ def test_dashboard_cli_derives_its_token_from_a_run_secret(redis_url, tmp_path):
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
-        RedisBuffer(redis_url, "sec-cli").delete_job()
+        TrajectoryStore.open(redis_url, "sec-cli").delete_job()
 
 
 def test_page_builds_no_markup_from_strings():

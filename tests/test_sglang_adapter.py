@@ -17,11 +17,14 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import drive_engine
-from slime.engine import GenerationRequest, SamplingParams
-from slime.engines.sglang import SglangEngine, SglangServerProcess, free_port, launch_command
+from slime.config import ConfigError, load_config
+from slime.engines.contract import GenerationRequest, SamplingParams
+from slime.engines.sglang import SglangEngine
+from slime.engines.sglang_processes import SglangServerProcess, free_port, launch_command
 from slime.model import load_model
 from slime.security import auth_headers, new_secret
+from slime.train import train
+from tests.helpers import drive_engine
 
 PROMPT = [5, 12, 7, 30, 9, 14]
 TOKEN = new_secret()
@@ -180,8 +183,6 @@ def test_health_and_bad_input(engine, server):
     (["sglang.router=sglang_router", "sglang.router_policy=manual"], "sglang.router_policy"),
 ])
 def test_router_config_is_checked_at_load(overrides, message):
-    from slime.config import ConfigError, load_config
-
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         load_config(None, overrides)
     load_config(None, ["sglang.num_servers=2", "sglang.router=sglang_router", "sglang.router_policy=power_of_two"])
@@ -245,9 +246,6 @@ def test_raw_sglang_client(server, model):
 def test_training_job_on_the_sglang_engine(ray_session, tiny_model_dir, redis_url, tmp_path):
     """rollout.engine=sglang end to end: the worker launches the SGLang-protocol server, generates
     through it, and the probe check after each weight update passes."""
-    from slime.config import load_config
-    from slime.train import train
-
     history = train(load_config(None, [
         "job_name=e2e-sglang", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
         "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=24", "data.num_generated=32",

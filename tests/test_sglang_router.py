@@ -21,12 +21,14 @@ import torch
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install -e .[dev] installs it)")
 
-from tests.helpers import drive_engine  # noqa: E402
 from slime.config import load_config  # noqa: E402
-from slime.engine import GenerationRequest, RolloutEngine, SamplingParams  # noqa: E402
+from slime.engines.builtin import BuiltinEngine  # noqa: E402
+from slime.engines.contract import GenerationRequest, SamplingParams  # noqa: E402
 from slime.engines.sglang import SglangEngine  # noqa: E402
 from slime.model import load_model  # noqa: E402
 from slime.security import auth_headers, new_secret  # noqa: E402
+from slime.train import train  # noqa: E402
+from tests.helpers import drive_engine  # noqa: E402
 
 PROMPTS = [[5, 12, 7, 30, 9, 14], [3, 8, 21, 4], [17, 2, 9], [11, 6, 25, 13, 1]]
 TOKEN = new_secret()
@@ -103,7 +105,7 @@ def test_requests_reach_both_servers_and_greedy_equals_the_builtin_engine(routed
     assert all(a > b for a, b in zip(after, before)), f"round robin left a server idle: {before} -> {after}"
     assert sum(after) - sum(before) == 16 * len(PROMPTS)
 
-    builtin = RolloutEngine(model, device="cpu", max_running_requests=4)
+    builtin = BuiltinEngine(model, device="cpu", max_running_requests=4)
     expected = drive_engine(builtin, [GenerationRequest(f"g{i}", p, params) for i, p in enumerate(PROMPTS)])
     for rid in expected:
         assert got[rid]["reason"] == "length"
@@ -203,8 +205,6 @@ def test_a_killed_server_or_router_is_named(routed):
 def test_training_job_with_two_servers_behind_the_router(ray_session, tiny_model_dir, redis_url, tmp_path):
     """rollout.engine=sglang with sglang.num_servers=2 end to end: the worker launches both servers
     and the router, generates through it, and the probe check after each update asks both servers."""
-    from slime.train import train
-
     history = train(load_config(None, [
         "job_name=e2e-sglang-router", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
         "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=24", "data.num_generated=32",

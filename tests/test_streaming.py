@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime.buffer import RedisBuffer
+from slime.buffer import TrajectoryStore
 from slime.config import ConfigError, load_config
 from slime.learner import Learner
 from slime.sample import Status
+from slime.train import train
 
 
 def test_segments_are_claimed_once_in_chunks(buffer):
@@ -49,7 +50,7 @@ def test_bootstrapped_advantages_by_hand(tiny_model_dir, redis_url, tmp_path, fi
     end: an unfinished segment bootstraps V(s_end) = c, so δ_t = 0 and Â_t = 0 on every token;
     a final one ends in the terminal state: δ_T = r − c, so Â_t = r − c on every token."""
     job = f"stream-adv-{final}"
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     buffer.delete_job()
     gid = buffer.add_group([6, 7, 77, 61, 86], 1, 32, {})
     buffer.track_streaming(gid)
@@ -57,10 +58,18 @@ def test_bootstrapped_advantages_by_hand(tiny_model_dir, redis_url, tmp_path, fi
     buffer.append_chunk(s.id, "w", [6, 7, 6, 7], [-0.5] * 4, 0)
     if final:
         buffer.finish(s.id, "w", Status.COMPLETED, reward=1.0)
-    cfg = load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path}", "algorithm.name=ppo", "algorithm.gamma=1",
-        "algorithm.lam=1", "algorithm.normalize_advantages=false", "april.streaming_chunk_tokens=4",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"job_name={job}",
+            f"output_dir={tmp_path}",
+            "algorithm.name=ppo",
+            "algorithm.gamma=1",
+            "algorithm.lam=1",
+            "algorithm.normalize_advantages=false",
+            "april.streaming_chunk_tokens=4",
+        ],
+    )
     learner = Learner(cfg, str(tiny_model_dir), redis_url)
     c = 0.5
     with torch.no_grad():
@@ -80,27 +89,39 @@ def test_streaming_needs_ppo():
 
 @pytest.mark.slow
 def test_streaming_job_trains_unfinished_trajectories(ray_session, tiny_model_dir, redis_url, tmp_path):
-    from slime.train import train
-
     sampler = tmp_path / "active_sampler.py"
-    sampler.write_text(
-        "def temperature(state):\n"
-        "    return 0.7 if state['response_length'] > 8 else None\n"
-    )
+    sampler.write_text("def temperature(state):\n    return 0.7 if state['response_length'] > 8 else None\n")
     job = "stream-e2e"
-    history = train(load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
-        "rollout.batch_size=2", "rollout.n_samples_per_prompt=3", "rollout.max_new_tokens=48",
-        "rollout.ignore_eos=true", "rollout.chunk_tokens=4", "data.num_generated=64", "logging.progress=false",
-        "algorithm.name=ppo", "april.streaming_chunk_tokens=8", "steps=5", f"april.chunk_sampler={sampler}:temperature",
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                f"output_dir={tmp_path}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                "rollout.batch_size=2",
+                "rollout.n_samples_per_prompt=3",
+                "rollout.max_new_tokens=48",
+                "rollout.ignore_eos=true",
+                "rollout.chunk_tokens=4",
+                "data.num_generated=64",
+                "logging.progress=false",
+                "algorithm.name=ppo",
+                "april.streaming_chunk_tokens=8",
+                "steps=5",
+                f"april.chunk_sampler={sampler}:temperature",
+            ],
+        )
+    )
     assert len(history) == 5
-    per_step = [(h["segments"], h["final_segments"], {k: v for k, v in h.items() if k.startswith("buffer")})
-                for h in history]
+    per_step = [
+        (h["segments"], h["final_segments"], {k: v for k, v in h.items() if k.startswith("buffer")}) for h in history
+    ]
     assert all(h["segments"] == 6 for h in history), per_step
     assert sum(h["segments"] - h["final_segments"] for h in history) > 0  # trained before the end
     assert max(h["off_policy_token_share"] for h in history) > 0  # later chunks: newer policies
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     assert buffer.counts()["groups_trained"] >= 1
     buffer.delete_job()
 
@@ -112,15 +133,27 @@ def test_streaming_job_with_uneven_lengths_never_waits_for_segments_that_cannot_
     """Responses end at EOS (uneven lengths): once every group in flight has finished generating,
     fewer segments than a full step may be left; the step trains them instead of waiting forever
     (ready groups count toward the in-flight target, so nothing new would start)."""
-    from slime.train import train
-
     job = "stream-uneven"
-    history = train(load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
-        "rollout.batch_size=2", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=40",
-        "rollout.chunk_tokens=4", "data.num_generated=64", "logging.progress=false",
-        "algorithm.name=ppo", "april.streaming_chunk_tokens=8", "steps=6",
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                f"output_dir={tmp_path}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                "rollout.batch_size=2",
+                "rollout.n_samples_per_prompt=4",
+                "rollout.max_new_tokens=40",
+                "rollout.chunk_tokens=4",
+                "data.num_generated=64",
+                "logging.progress=false",
+                "algorithm.name=ppo",
+                "april.streaming_chunk_tokens=8",
+                "steps=6",
+            ],
+        )
+    )
     assert len(history) == 6
     assert all(0 < h["segments"] <= 8 for h in history)
-    RedisBuffer(redis_url, job).delete_job()
+    TrajectoryStore.open(redis_url, job).delete_job()

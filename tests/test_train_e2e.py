@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slime.buffer import RedisBuffer
+from slime.buffer import TrajectoryStore
 from slime.config import load_config
 from slime.train import train
 
@@ -42,9 +42,9 @@ def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, r
     assert [h["step"] for h in history] == [2]
     assert history[-1]["policy_version"] == 3
     assert [r["step"] for r in _lines(tmp_path / "metrics.jsonl")] == [0, 1, 2]
-    counts = RedisBuffer(redis_url, job).counts()
+    counts = TrajectoryStore.open(redis_url, job).counts()
     assert counts["groups_trained"] == 9  # 3 steps x 3 groups, each trained exactly once
-    RedisBuffer(redis_url, job).delete_job()
+    TrajectoryStore.open(redis_url, job).delete_job()
 
 
 @pytest.mark.parametrize("april", [False, True])
@@ -61,7 +61,7 @@ def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp
         assert h["groups"] == 3 and h["dropped_stale_groups"] == 0
         assert 0.0 <= h["off_policy_token_share"] <= 1.0
         assert "vf_loss" in h
-    buffer = RedisBuffer(redis_url, job)
+    buffer = TrajectoryStore.open(redis_url, job)
     assert buffer.counts()["groups_trained"] == 9
     buffer.delete_job()
 
@@ -85,9 +85,9 @@ def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redi
     # Reward statistics per route (task) reach the metrics, failures and latency included.
     assert sum(h["reward_stats/repeat/failures"] for h in history) == sum(h["failed_samples"] for h in history)
     assert all(h["reward_stats/repeat/latency_p99_s"] >= 0 for h in history)
-    failed = [s for s in RedisBuffer(redis_url, job).iter_samples() if s.failure]
+    failed = [s for s in TrajectoryStore.open(redis_url, job).iter_samples() if s.failure]
     assert failed and all("odd length" in s.failure for s in failed)
-    RedisBuffer(redis_url, job).delete_job()
+    TrajectoryStore.open(redis_url, job).delete_job()
 
 
 def test_bad_reward_spec_fails_before_anything_starts(tmp_path):

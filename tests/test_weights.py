@@ -7,7 +7,8 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from slime.engine import GenerationRequest, RolloutEngine, SamplingParams
+from slime.engines.builtin import BuiltinEngine
+from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.model import load_model
 from slime.weights import FileTransport, SharedMemoryTransport, WeightHandle, plan_buckets
 
@@ -80,7 +81,7 @@ def test_engine_matches_learner_after_update(tiny_model_dir, tmp_path, transport
         for p in learner_model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     prompt = [6, 7, 77, 61, 86]  # "ab*3="
-    engine = RolloutEngine(engine_model, max_running_requests=4)
+    engine = BuiltinEngine(engine_model, max_running_requests=4)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     before = engine.generate([GenerationRequest("r", prompt, params)])["r"].token_ids
 

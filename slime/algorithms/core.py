@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 AggMode = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+OffPolicyMode = Literal["none", "mask_stale", "tis"]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -111,12 +112,26 @@ def policy_loss(
     return loss, stats
 
 
-def behaviour_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mode: str, cap: float) -> torch.Tensor | None:
+def behaviour_is_weights(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mode: OffPolicyMode, cap: float
+) -> torch.Tensor | None:
     """Truncated importance weights of tokens the engine's (possibly older) policy μ sampled:
     min(π_old(a_t|s_t) / μ(a_t|s_t), cap) for mode "tis"; None (no weights) for "none" and "mask_stale"."""
     if mode != "tis":
         return None
     return torch.exp(old_logp - behaviour_logp).clamp(max=cap)
+
+
+def stale_tokens(versions: torch.Tensor, mask: torch.Tensor, policy_version: int) -> torch.Tensor:
+    """[B, T] bool: trainable tokens sampled by a policy older than `policy_version`."""
+    return (versions < policy_version) & (mask > 0)
+
+
+def off_policy_mask(mask: torch.Tensor, stale: torch.Tensor, mode: OffPolicyMode) -> torch.Tensor:
+    """The loss mask under `mode`: "mask_stale" drops the stale tokens; "none" and "tis" keep all."""
+    if mode == "mask_stale":
+        return mask * (~stale).float()
+    return mask
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,24 @@ For the G responses o_1..o_G sampled for one prompt, with scalar rewards r_1..r_
 std is the population std (unbiased=False): DeepSeekMath/verl use the sample std, which is larger
 by sqrt(G/(G−1)) and so gives slightly smaller advantages. std_normalize=False keeps only the
 centring (Dr. GRPO), which does not up-weight groups that are nearly solved or nearly failed.
+
+The loss per token is PPO's clipped surrogate on Â_{i,t}, with the regularisers:
+
+  r_t(θ) = π_θ(a_t|s_t) / π_old(a_t|s_t)
+  L(θ) = −min(r_t Â_t, clip(r_t, 1 − ε_low, 1 + ε_high) Â_t) · w_t − c_H·H(π_θ) + β·KL(π_θ ‖ π_ref)
+
+w_t are the truncated IS weights vs the behaviour policy (april.off_policy=tis, else 1). The KL to
+π_ref is a loss term only: GRPO has no per-token reward to shape, so kl_mode="reward" adds none.
 """
 
 from __future__ import annotations
 
 import torch
 
-from slime.algorithms.core import AggMode, add_regularizers, policy_loss
+from slime.algorithms.batch import Batch, Forward, UpdateTensors
+from slime.algorithms.core import AggMode, OffPolicyMode, add_regularizers, behaviour_is_weights, policy_loss
+from slime.algorithms.kl import kl_penalty
+from slime.config import AlgorithmConfig
 
 
 @torch.no_grad()
@@ -80,3 +91,63 @@ def grpo_loss(
         loss, stats, mask, agg_mode, entropy, entropy_coef, kl, kl_coef, router_aux, router_aux_coef
     )
     return loss, stats
+
+
+class GRPO:
+    """Group-relative advantages from the scores, then the clipped surrogate; no critic."""
+
+    needs_critic = False
+
+    def __init__(self, cfg: AlgorithmConfig, off_policy: OffPolicyMode, tis_cap: float) -> None:
+        self.cfg = cfg
+        self.off_policy = off_policy
+        self.tis_cap = tis_cap
+
+    @torch.no_grad()
+    def prepare(
+        self,
+        batch: Batch,
+        *,
+        kl_coef: float,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        old_values: torch.Tensor | None = None,
+        bootstrap_values: torch.Tensor | None = None,
+    ) -> UpdateTensors:
+        """Â_{i,t} = Â_i of row i's group. Rows without trainable tokens (failed, fully masked)
+        take no part in their group's mean and std. No critic: values and bootstrap are unused."""
+        valid = batch.mask.sum(-1) > 0
+        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device)
+        if valid.any():
+            adv_seq[valid] = group_advantages(
+                batch.scores[valid], batch.group_index[valid], std_normalize=self.cfg.grpo_std_normalize
+            )
+        return UpdateTensors(advantages=broadcast_to_tokens(adv_seq, batch.mask), old_logp=old_logp, ref_logp=ref_logp)
+
+    def loss(
+        self, batch: Batch, fixed: UpdateTensors, out: Forward, *, clip_low: float, clip_high: float, kl_coef: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """L(θ) on one micro-batch (`batch` and `fixed` cut to the same rows)."""
+        cfg = self.cfg
+        # One update per batch: π_old is π_θ before its step, i.e. this forward without grad.
+        old_logp = fixed.old_logp if fixed.old_logp is not None else out.logp.detach()
+        kl = None
+        if fixed.ref_logp is not None and cfg.kl_mode == "loss":
+            kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)
+        return grpo_loss(
+            logp=out.logp,
+            old_logp=old_logp,
+            advantages=fixed.advantages,
+            mask=batch.mask,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dual_clip=cfg.dual_clip,
+            agg_mode=cfg.loss_agg,
+            entropy=out.entropy,
+            entropy_coef=cfg.entropy_coef,
+            kl=kl,
+            kl_coef=kl_coef,
+            router_aux=out.router_aux,
+            router_aux_coef=cfg.router_aux_coef,
+            is_weights=behaviour_is_weights(old_logp, batch.behaviour_logp, self.off_policy, self.tis_cap),
+        )

@@ -7,13 +7,37 @@ before it. The sequence-level score is a reward on the last trainable token, opt
   δ_t = r_t + γ V(s_{t+1}) − V(s_t)
   Â_t = Σ_l (γλ)^l δ_{t+l}          (computed backwards: Â_t = δ_t + γλ Â_{t+1})
   R_t = Â_t + V(s_t)                 (the critic's regression target)
+
+Streaming (GLM-5): a segment of a trajectory that goes on ends in a state s_end that is not
+terminal, so GAE bootstraps from the critic there: V(s_{T+1}) = V(s_end) instead of 0.
+
+The loss, per token (Â_t whitened over the batch when normalize_advantages):
+
+  r_t(θ) = π_θ(a_t|s_t) / π_old(a_t|s_t)
+  L(θ, φ) = −min(r_t Â_t, clip(r_t, 1 − ε_low, 1 + ε_high) Â_t) · w_t
+            + c_v · ½ max((V_φ − R_t)², (V_old + clip(V_φ − V_old, −ε_v, ε_v) − R_t)²)
+            − c_H·H(π_θ) + β·KL(π_θ ‖ π_ref)          (the KL term when kl_mode="loss")
+
+w_t are the truncated IS weights vs the behaviour policy (april.off_policy=tis, else 1).
 """
 
 from __future__ import annotations
 
 import torch
 
-from slime.algorithms.core import AggMode, add_regularizers, aggregate_loss, masked_mean, policy_loss
+from slime.algorithms.batch import Batch, Forward, UpdateTensors
+from slime.algorithms.core import (
+    AggMode,
+    OffPolicyMode,
+    add_regularizers,
+    aggregate_loss,
+    behaviour_is_weights,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+)
+from slime.algorithms.kl import kl_penalty
+from slime.config import AlgorithmConfig
 
 
 @torch.no_grad()
@@ -149,3 +173,89 @@ def ppo_loss(
         loss, stats, mask, agg_mode, entropy, entropy_coef, kl, kl_coef, router_aux, router_aux_coef
     )
     return loss, stats
+
+
+class PPO:
+    """Token-level GAE on the critic's values, then the clipped surrogate plus the value loss."""
+
+    needs_critic = True
+
+    def __init__(self, cfg: AlgorithmConfig, off_policy: OffPolicyMode, tis_cap: float) -> None:
+        self.cfg = cfg
+        self.off_policy = off_policy
+        self.tis_cap = tis_cap
+
+    @torch.no_grad()
+    def prepare(
+        self,
+        batch: Batch,
+        *,
+        kl_coef: float,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        old_values: torch.Tensor | None = None,
+        bootstrap_values: torch.Tensor | None = None,
+    ) -> UpdateTensors:
+        """r_t, then (Â_t, R_t) by GAE on V_old. bootstrap_values [N]: V(s_end) for rows whose
+        trajectory goes on (streaming), 0 for the rest; None: every row ends in a terminal state."""
+        cfg = self.cfg
+        if old_values is None:
+            raise ValueError("PPO needs the critic's values V_old(s_t)")
+        kl_reward = None
+        if cfg.kl_mode == "reward" and ref_logp is not None:
+            kl_reward = kl_penalty(batch.behaviour_logp, ref_logp, cfg.kl_estimator)  # −β·KL on every r_t
+        # A row with token rewards (e.g. a PRM's step scores) uses those alone: its scalar score is
+        # their aggregate, so adding it on the last token too would count the reward twice.
+        outcome = batch.scores
+        if batch.token_reward_rows is not None:
+            outcome = batch.scores.masked_fill(batch.token_reward_rows, 0.0)
+        rewards = token_level_rewards(outcome, batch.mask, kl_reward, kl_coef, batch.token_rewards)
+        advantages, returns = gae(rewards, old_values, batch.mask, cfg.gamma, cfg.lam, bootstrap_values)
+        if cfg.normalize_advantages:
+            advantages = masked_whiten(advantages, batch.mask) * batch.mask
+        return UpdateTensors(
+            advantages=advantages,
+            returns=returns,
+            old_values=old_values,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            metrics={
+                "advantage_mean": masked_mean(advantages, batch.mask).item(),
+                "return_mean": masked_mean(returns, batch.mask).item(),
+            },
+        )
+
+    def loss(
+        self, batch: Batch, fixed: UpdateTensors, out: Forward, *, clip_low: float, clip_high: float, kl_coef: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """L(θ, φ) on one micro-batch (`batch` and `fixed` cut to the same rows)."""
+        cfg = self.cfg
+        if out.values is None or fixed.returns is None or fixed.old_values is None:
+            raise ValueError("PPO's loss needs the critic's values and the returns from prepare")
+        # One update per batch: π_old is π_θ before its step, i.e. this forward without grad.
+        old_logp = fixed.old_logp if fixed.old_logp is not None else out.logp.detach()
+        kl = None
+        if fixed.ref_logp is not None and cfg.kl_mode == "loss":
+            kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)
+        return ppo_loss(
+            logp=out.logp,
+            old_logp=old_logp,
+            advantages=fixed.advantages,
+            values=out.values,
+            old_values=fixed.old_values,
+            returns=fixed.returns,
+            mask=batch.mask,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dual_clip=cfg.dual_clip,
+            value_clip=cfg.value_clip,
+            vf_coef=cfg.vf_coef,
+            agg_mode=cfg.loss_agg,
+            entropy=out.entropy,
+            entropy_coef=cfg.entropy_coef,
+            kl=kl,
+            kl_coef=kl_coef,
+            router_aux=out.router_aux,
+            router_aux_coef=cfg.router_aux_coef,
+            is_weights=behaviour_is_weights(old_logp, batch.behaviour_logp, self.off_policy, self.tis_cap),
+        )

@@ -24,7 +24,9 @@ from fastapi import FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from slime.buffer import RedisBuffer
+from slime.buffer.connection import JobConnection
+from slime.buffer.queries import BufferQueries
+from slime.buffer.telemetry import JobTelemetry
 from slime.dashboard import schemas as S
 from slime.dashboard.reader import CURSOR_PATTERN, BufferReader, TrajectoryFilter
 from slime.sample import Status
@@ -84,8 +86,9 @@ class _HeldStream(StreamingResponse):
 def create_app(redis_url: str, job: str, token: str | None = None, *, redis_password: str | None = None,
                bind_host: str = "127.0.0.1") -> FastAPI:
     """``bind_host``: where the server listens; it decides whether reads need the token."""
-    buffer = RedisBuffer(redis_url, job, password=redis_password)
-    reader = BufferReader(buffer)
+    connection = JobConnection(redis_url, job, password=redis_password)
+    telemetry = JobTelemetry(connection)  # the dashboard's only writes: control records and events
+    reader = BufferReader(BufferQueries(connection), telemetry)
     streams = StreamSlots()
     app = FastAPI(
         title=f"slime buffer API: job {job}",
@@ -188,7 +191,7 @@ def create_app(redis_url: str, job: str, token: str | None = None, *, redis_pass
 
     @app.get("/api/events", response_model=list[S.Event], tags=["read"])
     def events(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
-        return buffer.events(limit)
+        return telemetry.events(limit)
 
     @app.get("/api/stream", tags=["read"], response_class=StreamingResponse,
              responses={200: {"content": {"text/event-stream": {}},
@@ -199,7 +202,7 @@ def create_app(redis_url: str, job: str, token: str | None = None, *, redis_pass
     ) -> StreamingResponse:
         client = request.client.host if request.client else "unknown"
         streams.take(client)
-        return _HeldStream(_sse(request, reader, buffer, interval), lambda: streams.give_back(client),
+        return _HeldStream(_sse(request, reader, telemetry, interval), lambda: streams.give_back(client),
                            media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["read"])
@@ -208,54 +211,54 @@ def create_app(redis_url: str, job: str, token: str | None = None, *, redis_pass
 
     # ---- control ----------------------------------------------------------------------------------
     def state(event: dict[str, Any]) -> S.ControlState:
-        control = buffer.get_control()
+        control = telemetry.get_control()
         return S.ControlState(paused=control.get("paused") == "1",
                               oversample=float(control["oversample"]) if "oversample" in control else None,
                               event=S.Event(**event))
 
     @app.post("/api/control/pause", response_model=S.ControlState, tags=["control"])
     def pause() -> S.ControlState:
-        buffer.set_control(paused="1")
-        return state(buffer.log_event("pause", {"by": "dashboard"}))
+        telemetry.set_control(paused="1")
+        return state(telemetry.log_event("pause", {"by": "dashboard"}))
 
     @app.post("/api/control/resume", response_model=S.ControlState, tags=["control"])
     def resume() -> S.ControlState:
-        buffer.set_control(paused="0")
-        return state(buffer.log_event("resume", {"by": "dashboard"}))
+        telemetry.set_control(paused="0")
+        return state(telemetry.log_event("resume", {"by": "dashboard"}))
 
     @app.post("/api/control/oversample", response_model=S.ControlState, tags=["control"])
     def oversample(body: S.OversampleRequest) -> S.ControlState:
-        info = buffer.job_info()
+        info = telemetry.job_info()
         if info and not info.get("april_enabled", False):
             raise HTTPException(409, "this job runs without APRIL (april.enabled=false): there is no "
                                      "over-provisioning ratio to change")
-        buffer.set_control(oversample=repr(body.oversample))
-        return state(buffer.log_event("oversample", {"by": "dashboard", "oversample": body.oversample}))
+        telemetry.set_control(oversample=repr(body.oversample))
+        return state(telemetry.log_event("oversample", {"by": "dashboard", "oversample": body.oversample}))
 
     @app.post("/api/trajectories/{sample_id}/requeue", response_model=S.Event, tags=["control"])
     def requeue(sample_id: SampleId) -> dict[str, Any]:
         try:
-            buffer.force_requeue(sample_id)
+            telemetry.force_requeue(sample_id)
         except KeyError as exc:
             raise not_found(exc) from None
         except ValueError as exc:
             raise HTTPException(409, str(exc)) from None
-        return buffer.log_event("requeue", {"by": "dashboard", "sample_id": sample_id})
+        return telemetry.log_event("requeue", {"by": "dashboard", "sample_id": sample_id})
 
     @app.post("/api/trajectories/{sample_id}/drop", response_model=S.Event, tags=["control"])
     def drop(sample_id: SampleId, body: S.DropRequest) -> dict[str, Any]:
         try:
-            was = buffer.drop_sample(sample_id, body.reason)
+            was = telemetry.drop_sample(sample_id, body.reason)
         except KeyError as exc:
             raise not_found(exc) from None
         except ValueError as exc:
             raise HTTPException(409, str(exc)) from None
-        return buffer.log_event("drop", {"by": "dashboard", "sample_id": sample_id, "was": was, "reason": body.reason})
+        return telemetry.log_event("drop", {"by": "dashboard", "sample_id": sample_id, "was": was, "reason": body.reason})
 
     return app
 
 
-async def _sse(request: Request, reader: BufferReader, buffer: RedisBuffer, interval: float) -> Any:
+async def _sse(request: Request, reader: BufferReader, telemetry: JobTelemetry, interval: float) -> Any:
     last_step: int | None = None
     last_event_ts = 0.0
     while not await request.is_disconnected():
@@ -266,7 +269,7 @@ async def _sse(request: Request, reader: BufferReader, buffer: RedisBuffer, inte
             steps = await asyncio.to_thread(reader.steps, 1)
             if steps:
                 yield f"event: step\ndata: {json.dumps(steps[-1])}\n\n"
-        events = await asyncio.to_thread(buffer.events, 20)
+        events = await asyncio.to_thread(telemetry.events, 20)
         for event in reversed([e for e in events if e["ts"] > last_event_ts]):
             yield f"event: event\ndata: {json.dumps(event)}\n\n"
         if events:

@@ -14,6 +14,7 @@ steps. A caller sweeping `window`/`bins`/`limit` therefore costs no Redis work b
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -24,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from slime.buffer import STEPS_KEPT, RedisBuffer
+from slime.buffer.queries import BufferQueries
+from slime.buffer.telemetry import STEPS_KEPT, JobTelemetry
 from slime.dashboard import schemas as S
 from slime.sample import Status
 
@@ -88,9 +90,10 @@ def _histogram(values: list[float], bins: int, integer: bool) -> S.Histogram:
 class BufferReader:
     """Everything the API reads, for one job (fixed at construction)."""
 
-    def __init__(self, buffer: RedisBuffer):
-        self.buffer = buffer
-        self.job = buffer.job
+    def __init__(self, queries: BufferQueries, telemetry: JobTelemetry):
+        self.queries = queries
+        self.telemetry = telemetry
+        self.job = queries.job
         self._throughput: deque[tuple[float, float]] = deque(maxlen=128)
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, Any]] = {}  # a fixed set of keys: "rows-<size>", "steps"
@@ -100,24 +103,11 @@ class BufferReader:
 
     # ---- summary -------------------------------------------------------------------------------
     def summary(self) -> S.Summary:
-        b = self.buffer
-        pipe = b.redis.pipeline(transaction=False)
-        pipe.time()
-        pipe.hget(b._key("stats"), "generated_tokens")
-        pipe.get(b._key("policy_version"))
-        pipe.hgetall(b._key("control"))
-        pipe.lindex(b._key("steps"), -1)
-        pipe.get(b._key("job_info"))
-        b.first_versions(256, client=pipe)
-        (sec, usec), generated, version, control, last_step, info, firsts = pipe.execute()
-        counts = b.counts()
-        now = sec + usec / 1e6
-        generated = float(generated or 0.0)
-        version = int(version or 0)
-        control = {k.decode(): v.decode() for k, v in control.items()}
-        info = _json(info) or {}
-        step = _json(last_step)
-        staleness = [version - int(v) for v in firsts]
+        facts = self.queries.summary_facts()
+        counts = self.queries.counts()
+        now, generated, version = facts.server_time, facts.generated_tokens, facts.policy_version
+        control, info, step = facts.control, facts.job_info, facts.last_step
+        staleness = [version - v for v in facts.first_versions]
         oversample = float(control["oversample"]) if "oversample" in control else info.get("oversample")
         return S.Summary(
             job=self.job,
@@ -149,11 +139,11 @@ class BufferReader:
 
     # ---- listing ---------------------------------------------------------------------------------
     def trajectories(self, flt: TrajectoryFilter, limit: int, cursor: str | None, max_scan: int) -> dict[str, Any]:
-        """Filtering runs inside Redis (RedisBuffer.scan_rows), so a page costs one round trip."""
+        """Filtering runs inside Redis (BufferQueries.scan_rows), so a page costs one round trip."""
         rank, pos = (_NEWEST, 0) if cursor is None else self._start(cursor)
         bounds = {"length": (flt.min_length, flt.max_length), "reward": (flt.min_reward, flt.max_reward),
                   "version_span": (flt.min_version_span, flt.max_version_span), "age_s": (flt.min_age_s, flt.max_age_s)}
-        rows, rank, pos, scanned, now = self.buffer.scan_rows(
+        rows, rank, pos, scanned, now = self.queries.scan_rows(
             rank, pos, limit, max_scan, sorted(s.value for s in flt.statuses), bounds
         )
         return {"items": [_row(r, now) for r in rows], "next_cursor": f"{rank}.{pos}" if rank >= 0 else None,
@@ -165,8 +155,8 @@ class BufferReader:
         examined = 0
         while rank >= 0 and len(items) < limit and examined < 500:  # bounded work per call
             lo = max(0, rank - max(limit, _GROUP_BATCH) + 1)
-            gids = self.buffer.group_ids_by_rank(lo, rank)[::-1]
-            for gid, (fields, sids) in zip(gids, self.buffer.group_rows(gids)):
+            gids = self.queries.group_ids_by_rank(lo, rank)[::-1]
+            for gid, (fields, sids) in zip(gids, self.queries.group_rows(gids)):
                 examined += 1
                 rank -= 1
                 if fields and (not stages or fields.get("status") in stages):
@@ -178,24 +168,24 @@ class BufferReader:
         return S.GroupPage(items=items, next_cursor=f"{rank}.0" if rank >= 0 else None)
 
     def group(self, group_id: str) -> S.GroupRow:
-        fields, sids = self.buffer.group_rows([group_id])[0]
+        fields, sids = self.queries.group_rows([group_id])[0]
         if not fields:
             raise KeyError(f"group {group_id!r} not found in job {self.job!r}")
         return _group_row(group_id, fields, sids)
 
     def _start(self, cursor: str | None) -> tuple[int, int]:
         if cursor is None:
-            return self.buffer.group_count() - 1, 0
+            return self.queries.group_count() - 1, 0
         rank, pos = cursor.split(".")
         return int(rank), int(pos)
 
     # ---- one trajectory ------------------------------------------------------------------------
     def trajectory(self, sample_id: str) -> S.Trajectory:
-        sample = self.buffer.get_sample(sample_id)  # KeyError when absent
-        raw = self.buffer.sample_rows([sample_id])
+        sample = self.queries.get_sample(sample_id)  # KeyError when absent
+        raw = self.queries.sample_rows([sample_id])
         if not raw:
             raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
-        row = S.TrajectoryRow(**_row(raw[0], self.buffer.server_time()))
+        row = S.TrajectoryRow(**_row(raw[0], self.queries.server_time()))
         tokenizer = self._load_tokenizer()
         ids = sample.response_ids.tolist()
         if tokenizer is not None:
@@ -215,14 +205,16 @@ class BufferReader:
         return S.Trajectory(
             row=row, prompt_ids=sample.prompt_ids.tolist(), prompt_text=prompt_text, response_text=response_text,
             tokens=tokens, token_rewards=[_finite(r) for r in rewards.tolist()] if rewards is not None else None,
-            metadata=sample.metadata, policy_version=self.buffer.get_policy_version(),
+            metadata=sample.metadata, policy_version=self.queries.get_policy_version(),
         )
 
     def _load_tokenizer(self) -> Any:
-        model_dir = self.buffer.job_info().get("model_dir")
+        model_dir = self.telemetry.job_info().get("model_dir")
         if model_dir and model_dir != self._tokenizer_dir:
             self._tokenizer_dir = model_dir
             try:
+                # Late: slime.model imports torch and transformers (~2 s of the dashboard's start), and
+                # only the one-trajectory view needs a tokenizer.
                 from slime.model import load_tokenizer
 
                 self._tokenizer = load_tokenizer(model_dir)
@@ -242,7 +234,7 @@ class BufferReader:
 
         def build() -> tuple[list[dict[str, Any]], int]:
             rows = self.trajectories(TrajectoryFilter(), sizes[0], None, sizes[0])["items"]
-            return rows, self.buffer.get_policy_version()
+            return rows, self.queries.get_policy_version()
 
         return self._cached(f"rows-{sizes[0]}", ROWS_TTL_S, build)
 
@@ -263,9 +255,9 @@ class BufferReader:
         )
 
     def engines(self) -> list[S.EngineLoad]:
-        now = self.buffer.server_time()
+        now = self.queries.server_time()
         out = []
-        for worker_id, h in sorted(self.buffer.engine_health().items()):
+        for worker_id, h in sorted(self.telemetry.engine_health().items()):
             uptime = float(h.get("uptime_seconds") or 0.0)
             out.append(S.EngineLoad(
                 worker_id=worker_id, alive=bool(h.get("alive")), version=h.get("version"),
@@ -277,7 +269,7 @@ class BufferReader:
         return out
 
     def experts(self) -> S.ExpertLoad:
-        counts = self.buffer.expert_load()
+        counts = self.telemetry.expert_load()
         if counts.size == 0:
             return S.ExpertLoad(
                 available=False, counts=[], share=[],
@@ -319,7 +311,7 @@ class BufferReader:
         a hundred metrics); non-finite values become None (JSON has no NaN)."""
         def build() -> list[dict[str, Any]]:
             return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in s.items()}
-                    for s in self.buffer.step_history(STEPS_KEPT)]
+                    for s in self.telemetry.step_history(STEPS_KEPT)]
 
         return self._cached("steps", STEPS_TTL_S, build)
 
@@ -388,8 +380,6 @@ def _group_row(gid: str, fields: dict[str, str], sids: list[str]) -> S.GroupRow:
 
 
 def _json(raw: bytes | str | None) -> Any:
-    import json
-
     return json.loads(raw) if raw else None
 
 

@@ -20,7 +20,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import uvicorn
 
 from slime.dashboard.app import create_app
-from slime.security import API_TOKEN_ENV, check_bind as check_bind_any
+from slime.security import API_TOKEN_ENV
+from slime.security import check_bind as check_bind_any
 
 REDIS_PASSWORD_ENV = "SLIME_REDIS_PASSWORD"
 
@@ -59,7 +60,7 @@ class DashboardServer:
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
 
-    def start(self) -> "DashboardServer":
+    def start(self) -> DashboardServer:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        name="slime-dashboard", daemon=True)
         self.thread.start()

@@ -27,7 +27,7 @@ class ExpertLoadRecorder:
         self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
 
     @classmethod
-    def attach(cls, model: torch.nn.Module | None) -> "ExpertLoadRecorder | None":
+    def attach(cls, model: torch.nn.Module | None) -> ExpertLoadRecorder | None:
         """A recorder on every router of `model`; None for a dense model (or none at all)."""
         if model is None:
             return None

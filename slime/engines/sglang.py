@@ -1,7 +1,7 @@
 """SGLang rollout engine: launches (or attaches to) SGLang servers and drives their native HTTP API.
 
-The adapter honours the engine contract of `slime.engines` (the built-in `RolloutEngine` is the
-reference) over SGLang's native endpoints:
+The adapter honours the engine contract (`slime.engines.contract.RolloutEngine`; the built-in
+engine is the reference) over SGLang's native endpoints:
 
 - every request is one streaming ``POST /generate`` (``input_ids``, ``return_logprob``, ``rid``)
   run on a private asyncio loop thread; `step()` returns the tokens received since the previous
@@ -36,12 +36,10 @@ Stop tokens are passed explicitly (``stop_token_ids``, ``ignore_eos=true``) so t
 stops on anything the worker did not ask for. `set_temperature` is not available (SGLang cannot
 change a running request's sampling parameters) and returns False.
 
-Auth: every request carries ``Authorization: Bearer <api_token>``. Launched servers and the
-router get the token in their environment (`slime.security.API_TOKEN_ENV`), never argv: our
-server reads it there; SGLang's server and sglang-router are started through
-`slime.engines.sglang_launch`, which turns it into ``--api-key`` inside the process. Launched
-servers of ours load disk updates only from the worker's weights directory and join update
-groups only at the address this process announces.
+Auth: every request carries ``Authorization: Bearer <api_token>``; launched servers and the
+router get the token in their environment, never argv (`slime.engines.sglang_processes`, which
+launches them). Launched servers of ours load disk updates only from the worker's weights
+directory and join update groups only at the address this process announces.
 """
 
 from __future__ import annotations
@@ -49,26 +47,26 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import ctypes
-import importlib.util
 import io
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler  # with torch's reductions (import torch registers them)
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 import torch
+from safetensors.torch import save_file
 
-from slime.engine import GenerationChunk, GenerationRequest, validate_sampling
-from slime.security import API_TOKEN_ENV, auth_headers, is_loopback, new_secret, read_token
+from slime.config import JobConfig
+from slime.engines.contract import GenerationChunk, GenerationRequest, checked_token_ids, validate_sampling
+from slime.engines.sglang_processes import SglangServerProcess, free_port, launch_worker_servers, update_group_address
+from slime.security import auth_headers, new_secret, read_token
+from slime.weights import CudaIpcTransport, SharedMemoryTransport, broadcast_from_rank0, join_update_group
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -104,169 +102,6 @@ class _Outbox:
             out, self.chunks = list(self.chunks.values()), {}
             return out
         return [self.chunks.pop(i) for i in list(self.chunks) if i in ids]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _local_ip_towards(host: str) -> str:
-    """This machine's address on the route to ``host`` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]
-
-
-def update_group_address(server_host: str) -> str:
-    """The address this process announces as master of a weight-update group to servers on
-    ``server_host`` (launched servers accept only that one)."""
-    return "127.0.0.1" if is_loopback(server_host) else _local_ip_towards(server_host)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies (a killed Ray actor leaves no orphan)."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class SglangServerProcess:
-    """One launched server (or, subclassed, the router): the command, its log file, readiness and shutdown.
-
-    ``startup_timeout_s=None`` returns at once (several processes start together, then
-    `wait_ready` each)."""
-
-    def __init__(self, command: list[str], url: str, log_path: Path, startup_timeout_s: float | None,
-                 *, name: str = "SGLang server", token: str | None = None):
-        self.command, self.url, self.log_path, self.name = command, url, log_path, name
-        self.headers = auth_headers(token)
-        env = dict(os.environ)
-        env.pop(API_TOKEN_ENV, None)
-        if token is not None:
-            env[API_TOKEN_ENV] = token  # the environment, not argv: ps shows argv to every user
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
-            env=env,
-        )
-        if startup_timeout_s is not None:
-            self.wait_ready(startup_timeout_s)
-
-    def ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health_generate", headers=self.headers, timeout=30).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} while starting: {self.describe()}")
-            if self.ready():
-                return
-            time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s (sglang.startup_timeout_s): {self.describe()}")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def exit_message(self) -> str:
-        return f"{self.name} at {self.url} (pid {self.proc.pid}) exited with code {self.proc.returncode}; {self.describe()}"
-
-    def describe(self) -> str:
-        try:
-            tail = self.log_path.read_bytes()[-2000:].decode(errors="replace")
-        except OSError:
-            tail = ""
-        return f"command {' '.join(self.command)!r}, log {self.log_path}:\n{tail}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=15)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self._log.close()
-
-
-class SglangRouterProcess(SglangServerProcess):
-    """A launched sglang-router: ready once it lists every one of its servers as healthy."""
-
-    def __init__(self, command: list[str], url: str, log_path: Path, startup_timeout_s: float, worker_urls: list[str],
-                 *, name: str = "sglang-router", token: str):
-        self.worker_urls = [u.rstrip("/") for u in worker_urls]
-        super().__init__(command, url, log_path, startup_timeout_s, name=name, token=token)
-
-    def ready(self) -> bool:
-        try:
-            workers = httpx.get(f"{self.url}/workers", headers=self.headers, timeout=10).json()["workers"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return False
-        healthy = {w["url"].rstrip("/") for w in workers if w.get("is_healthy")}
-        return set(self.worker_urls) <= healthy
-
-
-def router_command(worker_urls: list[str], host: str, port: int, *, policy: str, prometheus_port: int,
-                   request_timeout_s: float) -> list[str]:
-    """sglang-router 0.3.2's flags (sglang_router/router_args.py), run through `slime.engines.sglang_launch`
-    (it adds ``--api-key`` from the environment: the router then requires the key from clients and
-    sends it to the servers). Its metrics endpoint defaults to 0.0.0.0:29000, which a second router
-    on the machine could not bind: each gets a port of its own."""
-    return [sys.executable, "-m", "slime.engines.sglang_launch", "router", "--worker-urls", *worker_urls,
-            "--host", host, "--port", str(port), "--policy", policy,
-            "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
-            "--request-timeout-secs", str(int(request_timeout_s)), "--log-level", "warn"]
-
-
-def launch_router(worker_urls: list[str], host: str, port: int | None, policy: str, log_path: Path,
-                  startup_timeout_s: float, request_timeout_s: float, *, token: str,
-                  name: str = "sglang-router") -> SglangRouterProcess:
-    if importlib.util.find_spec("sglang_router") is None:
-        raise RuntimeError("sglang.router=sglang_router needs the sglang-router package where the rollout worker runs: "
-                           "pip install sglang-router (it is in this project's sglang and dev extras)")
-    port = port if port is not None else free_port(host)
-    cmd = router_command(worker_urls, host, port, policy=policy, prometheus_port=free_port(host),
-                         request_timeout_s=request_timeout_s)
-    return SglangRouterProcess(cmd, f"http://{host}:{port}", log_path, startup_timeout_s, worker_urls, name=name, token=token)
-
-
-def launch_command(launcher: str, model_dir: str, host: str, port: int, *, tensor_parallel_size: int = 1,
-                   device: str = "cpu", dtype: str = "float32", max_running_requests: int = 64, seed: int = 0,
-                   torch_threads: int | None = None, weights_dir: str | Path | None = None,
-                   update_group_hosts: Iterable[str] = (), extra_args: Iterable[str] = ()) -> list[str]:
-    """The command of one server; its token travels in the environment (`SglangServerProcess`).
-    ``weights_dir`` / ``update_group_hosts``: what our server accepts in disk updates and as an
-    update group's master (SGLang's server has no such limits)."""
-    if launcher == "sglang":
-        cmd = [sys.executable, "-m", "slime.engines.sglang_launch", "sglang", "--model-path", model_dir, "--host", host,
-               "--port", str(port), "--tp-size", str(tensor_parallel_size), "--dtype", dtype,
-               "--max-running-requests", str(max_running_requests), "--random-seed", str(seed)]
-    elif launcher == "slime":
-        if tensor_parallel_size != 1:
-            raise ValueError("sglang.launcher=slime (the built-in engine) supports sglang.tensor_parallel_size=1 only")
-        cmd = [sys.executable, "-m", "slime.engines.sglang_server", "--model", model_dir, "--host", host,
-               "--port", str(port), "--device", device, "--dtype", dtype,
-               "--max-running-requests", str(max_running_requests), "--seed", str(seed)]
-        if torch_threads:
-            cmd += ["--torch-threads", str(torch_threads)]
-        if weights_dir is not None:
-            cmd += ["--weights-dir", str(weights_dir)]
-        hosts = list(update_group_hosts)
-        if hosts:
-            cmd += ["--update-group-hosts", ",".join(hosts)]
-    else:
-        raise ValueError(f"sglang.launcher={launcher!r}: expected sglang or slime")
-    return cmd + list(extra_args)
 
 
 class SglangEngine:
@@ -307,8 +142,8 @@ class SglangEngine:
         self._cond = threading.Condition()  # guards _requests and _outbox
         self._headers = auth_headers(api_token)
         self._builtin: dict[str, bool] = {}  # server url -> is it the built-in engine's server (JSON handles)
-        self._shm = None  # SharedMemoryTransport: CPU tensors for /update_weights_from_tensor
-        self._cuda_ipc = None  # CudaIpcTransport: CUDA tensors for the built-in engine's server
+        self._shm: SharedMemoryTransport | None = None  # CPU tensors for /update_weights_from_tensor
+        self._cuda_ipc: CudaIpcTransport | None = None  # CUDA tensors for the built-in engine's server
         self._group = None  # weight_update=distributed: this process is rank 0, the servers' ranks follow
         self._bucket_bytes = int(bucket_mb * 2**20)
         self._tokens_generated = 0
@@ -322,52 +157,19 @@ class SglangEngine:
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg, model_dir: str, index: int, version: int, *, api_token: str | None = None) -> "SglangEngine":
+    def from_config(cls, cfg: JobConfig, model_dir: str, index: int, version: int, *,
+                    api_token: str | None = None) -> SglangEngine:
         """Worker ``index``: attach to ``sglang.url``/``urls`` or launch ``sglang.num_servers``
         servers, then (``sglang.router=sglang_router``) a router in front of them. ``api_token``
         (else the environment's `API_TOKEN_ENV`; launched processes without either get a fresh
         one) is sent on every request and handed to launched processes in their environment."""
         sg = cfg.sglang
-        run_dir = cfg.run_dir / "sglang"
-        weights_dir = run_dir / f"weights_{index}"
+        weights_dir = cfg.run_dir / "sglang" / f"weights_{index}"
         token = api_token or read_token()
         launches = (sg.url is None and not sg.urls) or sg.router == "sglang_router"
         if token is None and launches:
             token = new_secret()  # launched processes need one: every control route requires it
-        processes: list[SglangServerProcess] = []
-        try:
-            server_urls = [sg.url] if sg.url is not None else list(sg.urls)
-            if not server_urls:
-                weights_dir.mkdir(parents=True, exist_ok=True)
-                for j in range(sg.num_servers):
-                    port = sg.port + index * sg.num_servers + j if sg.port is not None else free_port(sg.host)
-                    cmd = launch_command(
-                        sg.launcher, model_dir, sg.host, port, tensor_parallel_size=sg.tensor_parallel_size,
-                        device=cfg.rollout.device, dtype=cfg.model.dtype,
-                        max_running_requests=cfg.rollout.max_running_requests, seed=cfg.seed + 1000 * index + j,
-                        torch_threads=cfg.cluster.torch_threads, weights_dir=weights_dir,
-                        update_group_hosts=[update_group_address(sg.host)], extra_args=sg.extra_args,
-                    )
-                    log = run_dir / (f"server_{index}.log" if sg.num_servers == 1 else f"server_{index}_{j}.log")
-                    processes.append(SglangServerProcess(cmd, f"http://{sg.host}:{port}", log, None,
-                                                         name=f"SGLang server {j} of rollout worker {index}", token=token))
-                deadline = time.time() + sg.startup_timeout_s  # started together, one deadline for all
-                for proc in processes:
-                    proc.wait_ready(max(deadline - time.time(), 1.0))
-                server_urls = [proc.url for proc in processes]
-            url = server_urls[0]
-            if sg.router == "sglang_router":
-                router = launch_router(
-                    server_urls, sg.host, sg.router_port + index if sg.router_port is not None else None,
-                    sg.router_policy, run_dir / f"router_{index}.log", sg.startup_timeout_s, sg.request_timeout_s,
-                    token=token, name=f"sglang-router of rollout worker {index}",
-                )
-                processes.append(router)
-                url = router.url
-        except BaseException:
-            for proc in reversed(processes):
-                proc.stop()
-            raise
+        url, server_urls, processes = launch_worker_servers(cfg, model_dir, index, weights_dir, token)
         return cls(url, server_urls=server_urls, processes=processes, version=version, weight_update=sg.weight_update,
                    weights_dir=weights_dir, request_timeout_s=sg.request_timeout_s,
                    bucket_mb=cfg.weights.bucket_mb, tensor_parallel_size=sg.tensor_parallel_size,
@@ -474,14 +276,15 @@ class SglangEngine:
 
     def add_request(self, req: GenerationRequest) -> None:
         p = req.params
-        prompt, response = [int(t) for t in req.prompt_ids], [int(t) for t in req.response_ids]
         with self._cond:
             if req.request_id in self._requests:
                 raise ValueError(f"request {req.request_id!r} is already running")
-        if not prompt and not response:
+        if len(req.prompt_ids) == 0 and len(req.response_ids) == 0:
             raise ValueError(f"request {req.request_id!r}: prompt_ids and response_ids are both empty")
         try:  # the server checks the vocabulary and context bounds, which only it knows
             validate_sampling(p, vocab_size=None, max_seq_len=None)
+            prompt = checked_token_ids(req.prompt_ids, vocab_size=None, field_name="prompt_ids")
+            response = checked_token_ids(req.response_ids, vocab_size=None, field_name="response_ids")
         except ValueError as e:
             raise ValueError(f"request {req.request_id!r}: {e}") from None
         remaining = p.max_new_tokens - len(response)
@@ -530,7 +333,7 @@ class SglangEngine:
                 # By rid, never abort_all: a server may be shared. Each rid goes to every server:
                 # sglang-router 0.3.2 does not forward /abort_request (it answers 404) and only it
                 # knows which server holds a rid; one that does not hold it ignores the abort
-                # (SGLang, and our server: RolloutEngine.abort skips unknown ids).
+                # (SGLang, and our server: BuiltinEngine.abort skips unknown ids).
                 unfinished = [rid for rid, r in waiting.items() if not r.finished]
                 for resp in self._send([(f"{u}/abort_request", {"rid": rid})
                                         for u in self.server_urls for rid in unfinished]).result():
@@ -587,10 +390,6 @@ class SglangEngine:
         """SGLang's NCCL path (gloo for CPU tensors): one /update_weights_from_distributed per bucket
         of tensors to every server, answered once this process has broadcast each of them from
         rank 0. Server j's tensor-parallel ranks are ``1 + j * tp`` .. ``(j + 1) * tp``."""
-        from urllib.parse import urlparse
-
-        from slime.weights import broadcast_from_rank0, join_update_group
-
         group_name = "slime_weight_update"
         if self._group is None:
             addr = update_group_address(urlparse(self.server_urls[0]).hostname or "127.0.0.1")
@@ -670,8 +469,6 @@ class SglangEngine:
         CUDA IPC for CUDA tensors). A real SGLang server: its MultiprocessingSerializer format, a
         pickle in which torch turns CUDA tensors into IPC handles; SGLang accepts it only with the
         job's key (it was launched with it as --api-key)."""
-        from slime.weights import CudaIpcTransport, SharedMemoryTransport
-
         cuda = bool(named) and named[0][1].is_cuda
         if builtin and cuda:
             if self._cuda_ipc is None:
@@ -682,8 +479,6 @@ class SglangEngine:
                 self._shm = SharedMemoryTransport(f"slime_sglang_{os.getpid()}", bucket_mb=256)
             payload, load_format = self._shm.publish(version, named).to_json(), "slime_weight_handle"
         else:
-            from torch.multiprocessing.reductions import ForkingPickler
-
             buf = io.BytesIO()
             ForkingPickler(buf).dump(named)
             payload, load_format = base64.b64encode(buf.getvalue()).decode(), None
@@ -696,8 +491,6 @@ class SglangEngine:
         }
 
     def _write_safetensors(self, version: int, named_tensors) -> dict:
-        from safetensors.torch import save_file
-
         directory = self.weights_dir / f"v{version}"
         directory.mkdir(parents=True, exist_ok=True)
         save_file({n: t.detach().cpu().contiguous() for n, t in named_tensors}, str(directory / "model.safetensors"))

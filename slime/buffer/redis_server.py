@@ -15,8 +15,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -190,8 +190,9 @@ class LocalRedisServer:
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes], port: int, timeout_s: float) -> str | None:
         """None once the server answers PING (after replaying its AOF), else why it did not."""
-        client = _probe_client(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=2,
-                               **self.connect_kwargs)
+        client = _probe_client(
+            host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=2, **self.connect_kwargs
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
@@ -216,8 +217,9 @@ class LocalRedisServer:
             return
         self._process = None
         if process.poll() is None:
-            client = _probe_client(host="127.0.0.1", port=self.port, socket_connect_timeout=2, socket_timeout=10,
-                                   **self.connect_kwargs)
+            client = _probe_client(
+                host="127.0.0.1", port=self.port, socket_connect_timeout=2, socket_timeout=10, **self.connect_kwargs
+            )
             try:
                 client.shutdown()
             except redis.RedisError:
@@ -232,7 +234,7 @@ class LocalRedisServer:
             self._finalizer.detach()
         self._pid_file.unlink(missing_ok=True)
 
-    def __enter__(self) -> "LocalRedisServer":
+    def __enter__(self) -> LocalRedisServer:
         return self
 
     def __exit__(

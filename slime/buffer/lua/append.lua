@@ -1,0 +1,29 @@
+-- ARGV: prefix, sid, worker, lease_seconds, tok, lp, ver, mask
+local sid, worker = ARGV[2], ARGV[3]
+local skey = P .. 'sample:' .. sid
+if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
+local lost = lost_lease(sid, worker)
+if lost then return {-1, lost} end
+local tok, lp, ver, mask = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local n = #mask
+if #tok ~= 4 * n or #lp ~= 4 * n or #ver ~= 4 * n then
+  return {-2, string.format('chunk bytes tok=%d lp=%d ver=%d mask=%d', #tok, #lp, #ver, #mask)}
+end
+local len_tok = redis.call('STRLEN', skey .. ':tok')
+local len_lp = redis.call('STRLEN', skey .. ':lp')
+local len_ver = redis.call('STRLEN', skey .. ':ver')
+local len_mask = redis.call('STRLEN', skey .. ':mask')
+if len_tok ~= 4 * len_mask or len_lp ~= 4 * len_mask or len_ver ~= 4 * len_mask then
+  return {-3, string.format('stored bytes tok=%d lp=%d ver=%d mask=%d', len_tok, len_lp, len_ver, len_mask)}
+end
+if n > 0 then
+  redis.call('APPEND', skey .. ':tok', tok)
+  redis.call('APPEND', skey .. ':lp', lp)
+  redis.call('APPEND', skey .. ':ver', ver)
+  redis.call('APPEND', skey .. ':mask', mask)
+  redis.call('HINCRBYFLOAT', P .. 'stats', 'generated_tokens', n)
+end
+local t = now()
+redis.call('HSET', skey, 'updated_at', fmt(t))
+redis.call('ZADD', P .. 'leases', fmt(t + tonumber(ARGV[4])), sid)
+return {0, len_mask + n}

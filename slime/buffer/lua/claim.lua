@@ -1,0 +1,14 @@
+-- ARGV: prefix, max_groups, step
+local max_groups, step = tonumber(ARGV[2]), ARGV[3]
+local claimed = {}
+while #claimed < max_groups do
+  local gid = redis.call('LPOP', P .. 'queue:ready')
+  if not gid then break end
+  local gkey = P .. 'group:' .. gid
+  if redis.call('HGET', gkey, 'status') == 'ready' then
+    redis.call('HSET', gkey, 'status', 'claimed', 'claimed_step', step)
+    redis.call('ZADD', P .. 'claimed', step, gid)
+    claimed[#claimed + 1] = gid
+  end
+end
+return claimed

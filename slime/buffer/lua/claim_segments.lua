@@ -1,0 +1,45 @@
+-- ARGV: prefix, chunk_tokens, max_segments, dry ('1': only count). Streaming (GLM-5 variant):
+-- a segment is every untrained token of a sample once there are >= chunk of them, or once the
+-- sample is final. A final sample whose tokens were all trained already yields its last token
+-- again (start = end - 1), so its reward still reaches the learner.
+local chunk, max_segments, dry = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1'
+local set = P .. 'stream:untrained'
+local out, count = {}, 0
+for _, sid in ipairs(redis.call('SMEMBERS', set)) do
+  if count >= max_segments then break end
+  local skey = P .. 'sample:' .. sid
+  local status = redis.call('HGET', skey, 'status')
+  if not status then
+    redis.call('SREM', set, sid)
+  else
+    local len = redis.call('STRLEN', skey .. ':mask')
+    local upto = tonumber(redis.call('HGET', skey, 'trained_upto') or '0')
+    local final = status == 'completed' or status == 'truncated' or status == 'failed'
+    if len - upto >= chunk or (final and len > 0) then
+      count = count + 1
+      if not dry then
+        local start = upto
+        if final and start >= len then start = len - 1 end
+        redis.call('HSET', skey, 'trained_upto', len)
+        if final then
+          redis.call('SREM', set, sid)
+          local gid = redis.call('HGET', skey, 'group_id')
+          local gkey = P .. 'group:' .. gid
+          if redis.call('HINCRBY', gkey, 'trained_members', 1) >= tonumber(redis.call('HGET', gkey, 'n')) then
+            redis.call('LREM', P .. 'queue:ready', 0, gid)
+            redis.call('HSET', gkey, 'status', 'trained')
+            redis.call('ZADD', P .. 'trained', fmt(now()), gid)
+          end
+        end
+        out[#out + 1] = sid
+        out[#out + 1] = tostring(start)
+        out[#out + 1] = tostring(len)
+        out[#out + 1] = final and '1' or '0'
+      end
+    elseif final then
+      redis.call('SREM', set, sid)  -- final with no tokens at all: nothing to train
+    end
+  end
+end
+if dry then return count end
+return out

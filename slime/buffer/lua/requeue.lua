@@ -1,0 +1,13 @@
+-- ARGV: prefix, after_step ('' = every uncommitted claim)
+local low = '-inf'
+if ARGV[2] ~= '' then low = '(' .. ARGV[2] end
+local gids = redis.call('ZRANGEBYSCORE', P .. 'claimed', low, '+inf')
+-- pushed to the front in reverse, so the earliest claimed group is first in line again
+for i = #gids, 1, -1 do
+  local gid = gids[i]
+  redis.call('ZREM', P .. 'claimed', gid)
+  redis.call('HSET', P .. 'group:' .. gid, 'status', 'ready')
+  redis.call('HDEL', P .. 'group:' .. gid, 'claimed_step')
+  redis.call('LPUSH', P .. 'queue:ready', gid)
+end
+return #gids

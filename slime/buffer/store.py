@@ -1,0 +1,500 @@
+"""The trajectory store: every trajectory, finished or not, its group, lease and queue position
+(DESIGN.md, "Buffer (Redis)"; the key layout is in slime/buffer/__init__.py).
+
+Every state change is one Lua script (slime/buffer/lua/), so it is atomic. Lease times come from the
+Redis server's clock (`TIME`), so workers on machines with skewed clocks agree on who has expired.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+from redis.commands.core import Script
+
+from slime.buffer.connection import JobConnection, ScriptReply
+from slime.buffer.records import (
+    WIRE_LOGPROB,
+    WIRE_MASK,
+    WIRE_TOKEN,
+    WIRE_VERSION,
+    decode_sample,
+    load_samples,
+    read_counts,
+    read_policy_version,
+)
+from slime.sample import (
+    FINAL_STATUSES,
+    TOKEN_DTYPE,
+    ChunkLengthError,
+    Sample,
+    Status,
+    new_id,
+    normalize_chunk,
+)
+from slime.security import redact_url
+
+
+@dataclass
+class Finish:
+    """One sample's final status, as `TrajectoryStore.finish` takes it (for `finish_many`)."""
+
+    sample_id: str
+    status: Status
+    reward: float | None = None
+    failure: str | None = None
+    token_rewards: np.ndarray | Sequence[float] | None = None
+    metadata_update: dict[str, Any] | None = None
+    # The sample's metadata as stored, when the caller has it: the lease holder does (only it and
+    # add_group write a sample's metadata), so it need not be read back to merge the update into.
+    stored_metadata: dict[str, Any] | None = None
+
+
+class LeaseLostError(RuntimeError):
+    """The caller no longer holds the lease on this sample (it expired and was requeued, or finished)."""
+
+
+def _float_text(value: float) -> str:
+    return repr(float(value))
+
+
+class TrajectoryStore:
+    """Trajectories, groups, leases, queues and exactly-once claims of one job in one Redis server."""
+
+    def __init__(self, connection: JobConnection, lease_seconds: float = 10.0) -> None:
+        if lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be > 0, got {lease_seconds}")
+        self.connection = connection
+        self.lease_seconds = float(lease_seconds)
+        self.url, self.job, self.prefix = connection.url, connection.job, connection.prefix
+        self.redis = connection.redis
+        self._key = connection.key
+        self._add_group = connection.script("add_group.lua")
+        self._lease = connection.script("transitions.lua", "lease.lua")
+        self._append = connection.script("transitions.lua", "append.lua")
+        self._renew = connection.script("transitions.lua", "renew.lua")
+        self._finish = connection.script("transitions.lua", "finish.lua")
+        self._release = connection.script("transitions.lua", "release.lua")
+        self._reap = connection.script("transitions.lua", "reap.lua")
+        self._claim = connection.script("claim.lua")
+        self._commit = connection.script("commit.lua")
+        self._commit_through = connection.script("commit_through.lua")
+        self._requeue = connection.script("requeue.lua")
+        self._drop_ready = connection.script("drop_ready.lua")
+        self._restart = connection.script("transitions.lua", "restart.lua")
+        self._requeue_leased = connection.script("transitions.lua", "requeue_leased.lua")
+        self._claim_segments = connection.script("claim_segments.lua")
+
+    @classmethod
+    def open(cls, url: str, job: str, lease_seconds: float = 10.0, *, password: str | None = None) -> TrajectoryStore:
+        """A store on a connection of its own (see `JobConnection` for ``password``)."""
+        return cls(JobConnection(url, job, password=password), lease_seconds)
+
+    # Pickled (Ray actor arguments): the copy opens its own connection, password kept.
+    def __reduce__(self) -> tuple:
+        return (TrajectoryStore, (self.connection, self.lease_seconds))
+
+    def __repr__(self) -> str:
+        return f"TrajectoryStore(job={self.job!r}, url={redact_url(self.url)!r})"
+
+    def close(self) -> None:
+        self.connection.close()
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def add_group(
+        self,
+        prompt_ids: np.ndarray | Sequence[int],
+        n: int,
+        max_new_tokens: int,
+        metadata: dict[str, Any],
+        group_id: str | None = None,
+    ) -> str:
+        """Create a group of n PENDING samples of one prompt, queued on `new`. Returns the group id."""
+        if n < 1:
+            raise ValueError(f"a group needs n >= 1 samples, got {n}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        group_id = group_id or new_id()
+        prompt = np.asarray(prompt_ids, dtype=TOKEN_DTYPE).reshape(-1).astype(WIRE_TOKEN).tobytes()
+        sample_ids = [new_id() for _ in range(n)]
+        created = self._add_group(
+            args=[self.prefix, group_id, n, int(max_new_tokens), prompt, json.dumps(metadata), *sample_ids]
+        )
+        if not created:
+            raise ValueError(f"group {group_id!r} already exists in job {self.job!r}")
+        return group_id
+
+    def lease(self, worker_id: str, max_items: int) -> list[Sample]:
+        """Lease up to max_items samples, resume queue first, then new prompts; they become RUNNING."""
+        if max_items <= 0:
+            return []
+        leased = self._lease(args=[self.prefix, worker_id, int(max_items), self.lease_seconds])
+        return [
+            decode_sample(sid.decode(), dict(zip(flat[::2], flat[1::2])), tok, lp, ver, mask)
+            for sid, flat, tok, lp, ver, mask in leased
+        ]
+
+    def append_chunk(
+        self,
+        sample_id: str,
+        worker_id: str,
+        token_ids: np.ndarray | Sequence[int],
+        logprobs: np.ndarray | Sequence[float],
+        version: int | np.ndarray | Sequence[int],
+        loss_mask: int | np.ndarray | Sequence[int] = 1,
+    ) -> int:
+        """Append one chunk to the four per-token arrays and refresh the lease. Returns the new length."""
+        tokens, lps, versions, mask = normalize_chunk(token_ids, logprobs, version, loss_mask)
+        code, detail = self._append(
+            args=[
+                self.prefix,
+                sample_id,
+                worker_id,
+                self.lease_seconds,
+                tokens.astype(WIRE_TOKEN).tobytes(),
+                lps.astype(WIRE_LOGPROB).tobytes(),
+                versions.astype(WIRE_VERSION).tobytes(),
+                mask.astype(WIRE_MASK).tobytes(),
+            ]
+        )
+        self._raise_for(code, detail, sample_id, worker_id)
+        return int(detail)
+
+    def append_chunks(
+        self, worker_id: str, chunks: Sequence[tuple[str, Sequence[int], Sequence[float], Sequence[int]]]
+    ) -> list[int | Exception]:
+        """Many `append_chunk`s (sample_id, token_ids, logprobs, versions; loss mask 1) in one round
+        trip; each stays atomic on its own. Per chunk: the new length, or the error it raised."""
+        return self.send_append_chunks(worker_id, chunks).wait()
+
+    def send_append_chunks(
+        self, worker_id: str, chunks: Sequence[tuple[str, Sequence[int], Sequence[float], Sequence[int]]]
+    ) -> PendingReplies:
+        """`append_chunks`, sent now; its replies are read by ``.wait()``. The rollout thread runs an
+        engine step in between, while Redis executes the scripts (on another core)."""
+        calls = []
+        for sample_id, token_ids, logprobs, versions in chunks:
+            tokens, lps, vers, mask = normalize_chunk(token_ids, logprobs, versions, 1)
+            calls.append(
+                [
+                    self.prefix,
+                    sample_id,
+                    worker_id,
+                    self.lease_seconds,
+                    tokens.astype(WIRE_TOKEN).tobytes(),
+                    lps.astype(WIRE_LOGPROB).tobytes(),
+                    vers.astype(WIRE_VERSION).tobytes(),
+                    mask.astype(WIRE_MASK).tobytes(),
+                ]
+            )
+        return PendingReplies(self, self._append, calls, int)
+
+    def renew_leases(self, worker_id: str, sample_ids: Sequence[str]) -> list[str]:
+        """Extend the leases worker_id still holds; returns the ids it no longer owns."""
+        if not sample_ids:
+            return []
+        lost = self._renew(args=[self.prefix, worker_id, self.lease_seconds, *sample_ids])
+        return [sid.decode() for sid in lost]
+
+    def finish(
+        self,
+        sample_id: str,
+        worker_id: str,
+        status: Status,
+        reward: float | None = None,
+        failure: str | None = None,
+        token_rewards: np.ndarray | Sequence[float] | None = None,
+        metadata_update: dict[str, Any] | None = None,
+    ) -> bool:
+        """Give a leased sample its final status; True when this completed its group (group now ready)."""
+        result = self.finish_many(
+            worker_id, [Finish(sample_id, status, reward, failure, token_rewards, metadata_update)]
+        )[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def finish_many(self, worker_id: str, finishes: Sequence[Finish]) -> list[bool | Exception]:
+        """`finish` for many samples in one round trip (one more to read the stored metadata that a
+        metadata update merges into, unless the caller gives it); per sample whether it completed
+        its group, or the error it raised."""
+        return self.send_finish_many(worker_id, finishes).wait()
+
+    def send_finish_many(self, worker_id: str, finishes: Sequence[Finish]) -> PendingReplies:
+        """`finish_many`, sent now; ``.wait()`` reads its replies (see `send_append_chunks`)."""
+        statuses = [Status(f.status) for f in finishes]
+        for status in statuses:
+            if status not in FINAL_STATUSES:
+                finals = ", ".join(sorted(s.value for s in FINAL_STATUSES))
+                raise ValueError(f"finish needs a final status ({finals}), got {status.value}")
+        # Only the lease holder writes a sample's metadata, and the script rejects a lost lease, so
+        # reading, merging here and writing in the script cannot drop another writer's update.
+        metadata_json = {
+            id(f): json.dumps({**f.stored_metadata, **f.metadata_update})
+            for f in finishes
+            if f.metadata_update and f.stored_metadata is not None
+        }
+        merging = [f for f in finishes if f.metadata_update and f.stored_metadata is None]
+        if merging:
+            pipe = self.redis.pipeline(transaction=False)
+            for f in merging:
+                pipe.hget(self._key("sample", f.sample_id), "metadata")
+            for f, stored in zip(merging, pipe.execute()):
+                merged = json.loads(stored) if stored else {}
+                merged.update(f.metadata_update)
+                metadata_json[id(f)] = json.dumps(merged)
+        calls = []
+        for f, status in zip(finishes, statuses):
+            token_reward_bytes = b""
+            if f.token_rewards is not None:
+                token_reward_bytes = np.asarray(f.token_rewards, dtype=WIRE_LOGPROB).reshape(-1).tobytes()
+            calls.append(
+                [
+                    self.prefix,
+                    f.sample_id,
+                    worker_id,
+                    status.value,
+                    "" if f.reward is None else _float_text(f.reward),
+                    f.failure or "",
+                    "0" if f.token_rewards is None else "1",
+                    token_reward_bytes,
+                    metadata_json.get(id(f), ""),
+                ]
+            )
+        return PendingReplies(self, self._finish, calls, bool)
+
+    def release(self, sample_id: str, worker_id: str) -> None:
+        """Abort a leased sample: ABORTED, tokens kept, lease released, first in the resume queue."""
+        error = self.release_many([sample_id], worker_id)[0]
+        if error is not None:
+            raise error
+
+    def release_many(self, sample_ids: Sequence[str], worker_id: str) -> list[Exception | None]:
+        """`release` for many samples in one round trip, in order (the last released is first in
+        the resume queue); per sample None, or the error it raised."""
+        calls = [[self.prefix, sample_id, worker_id] for sample_id in sample_ids]
+        return [r if isinstance(r, Exception) else None for r in self._run_per_sample(self._release, calls, bool)]
+
+    def reap_expired_leases(self) -> list[str]:
+        """Requeue (ABORTED, tokens kept, front of resume) every sample whose lease expired."""
+        return [sid.decode() for sid in self._reap(args=[self.prefix])]
+
+    def claim_groups(self, max_groups: int, step: int) -> list[list[Sample]]:
+        """Pop up to max_groups complete groups for training `step`; each group's samples by index."""
+        if max_groups <= 0:
+            return []
+        group_ids = [gid.decode() for gid in self._claim(args=[self.prefix, int(max_groups), int(step)])]
+        return [self.get_group(gid) for gid in group_ids]
+
+    def commit_step(self, step: int) -> int:
+        """Mark the groups claimed by `step` as trained. Returns how many."""
+        return int(self._commit(args=[self.prefix, int(step)]))
+
+    def commit_through(self, step: int) -> int:
+        """Mark every group claimed by a step <= `step` as trained. Returns how many."""
+        return int(self._commit_through(args=[self.prefix, int(step)]))
+
+    def requeue_uncommitted(self, after_step: int | None = None) -> int:
+        """Put claimed-but-uncommitted groups (claimed by a step > after_step; all if None) back to ready."""
+        return int(self._requeue(args=[self.prefix, "" if after_step is None else int(after_step)]))
+
+    def wait_for_ready_signal(self, timeout_s: float) -> bool:
+        """Block until a group turned ready since the last call (True), or ``timeout_s`` passed."""
+        return self.redis.blpop([self._key("signal", "ready")], timeout=timeout_s) is not None
+
+    def ready_group_ids(self) -> list[str]:
+        return [gid.decode() for gid in self.redis.lrange(self._key("queue", "ready"), 0, -1)]
+
+    def drop_ready_group(self, group_id: str, reason: str) -> bool:
+        """Take a complete group out of the ready queue for good (e.g. a dynamic-sampling filter);
+        counted in stats as dropped_groups:<reason> and dropped_tokens:<reason>."""
+        return bool(self._drop_ready(args=[self.prefix, group_id, reason]))
+
+    def restart_sample(self, sample_id: str, worker_id: str) -> int:
+        """Discard a leased sample's tokens so it is generated afresh; returns how many were discarded
+        (counted in stats as restarted_tokens)."""
+        code, detail = self._restart(args=[self.prefix, sample_id, worker_id])
+        self._raise_for(code, detail, sample_id, worker_id)
+        return int(detail)
+
+    def requeue_all_leased(self) -> int:
+        """Every RUNNING sample back to the resume queue, tokens kept: for a job restarted after its
+        workers died, without waiting for their leases to expire."""
+        return int(self._requeue_leased(args=[self.prefix]))
+
+    def track_streaming(self, group_id: str) -> None:
+        """Streaming mode: the group's samples are trained segment by segment (claim_segments)."""
+        sample_ids = self.redis.lrange(self._key("group", group_id, "samples"), 0, -1)
+        if sample_ids:
+            self.redis.sadd(self._key("stream", "untrained"), *sample_ids)
+
+    def count_segments(self, chunk_tokens: int) -> int:
+        return int(self._claim_segments(args=[self.prefix, int(chunk_tokens), 1 << 30, "1"]))
+
+    def claim_segments(self, chunk_tokens: int, max_segments: int) -> list[tuple[Sample, int, bool]]:
+        """Atomically take up to max_segments trainable segments: (sample as stored now, start, final).
+        The sample's tokens [start, response_length) are the segment; each token is claimed once."""
+        flat = self._claim_segments(args=[self.prefix, int(chunk_tokens), int(max_segments), "0"])
+        out = []
+        for i in range(0, len(flat), 4):
+            sid, start, end, final = flat[i].decode(), int(flat[i + 1]), int(flat[i + 2]), flat[i + 3] == b"1"
+            sample = self.get_sample(sid)
+            # A worker may have appended more since the claim: the segment ends where the claim did.
+            sample.response_ids, sample.logprobs = sample.response_ids[:end], sample.logprobs[:end]
+            sample.versions, sample.loss_mask = sample.versions[:end], sample.loss_mask[:end]
+            out.append((sample, start, final))
+        return out
+
+    def incr_stat(self, name: str, amount: float = 1.0) -> float:
+        return float(self.redis.hincrbyfloat(self._key("stats"), name, amount))
+
+    def set_policy_version(self, version: int) -> None:
+        self.redis.set(self._key("policy_version"), int(version))
+
+    def delete_job(self) -> int:
+        """Delete every key of this job (and only this job). Returns how many keys were removed."""
+        removed = 0
+        batch: list[bytes] = []
+        for key in self.redis.scan_iter(match=self.prefix + "*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                removed += self.redis.unlink(*batch)
+                batch = []
+        if batch:
+            removed += self.redis.unlink(*batch)
+        return removed
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    def get_sample(self, sample_id: str) -> Sample:
+        samples = load_samples(self.connection, [sample_id])
+        if not samples:
+            raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
+        return samples[0]
+
+    def get_group(self, group_id: str) -> list[Sample]:
+        sample_ids = [sid.decode() for sid in self.redis.lrange(self._key("group", group_id, "samples"), 0, -1)]
+        if not sample_ids:
+            raise KeyError(f"group {group_id!r} not found in job {self.job!r}")
+        return sorted(load_samples(self.connection, sample_ids), key=lambda s: s.index)
+
+    def counts(self) -> dict[str, int]:
+        """Samples by status, queue lengths, groups by stage and running leases (all O(1) reads)."""
+        return read_counts(self.connection)
+
+    def stats(self) -> dict[str, float]:
+        return {name.decode(): float(value) for name, value in self.redis.hgetall(self._key("stats")).items()}
+
+    def get_policy_version(self) -> int:
+        return read_policy_version(self.connection)
+
+    def running_ids(self) -> list[str]:
+        return [sid.decode() for sid in self.redis.zrange(self._key("leases"), 0, -1)]
+
+    def iter_samples(self, status: Status | None = None, batch_size: int = 256) -> Iterator[Sample]:
+        """Every sample of the job (SCAN order), optionally only one status. For dashboards and tests."""
+        wanted = Status(status) if status is not None else None
+        head = self._key("sample", "")
+        batch: list[str] = []
+        # The per-token arrays share the `sample:` prefix but are strings; TYPE keeps only the hashes.
+        for key in self.redis.scan_iter(match=head + "*", count=1000, _type="hash"):
+            batch.append(key.decode()[len(head) :])
+            if len(batch) >= batch_size:
+                yield from (s for s in load_samples(self.connection, batch) if wanted is None or s.status == wanted)
+                batch = []
+        if batch:
+            yield from (s for s in load_samples(self.connection, batch) if wanted is None or s.status == wanted)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _run_per_sample(self, script: Any, calls: Sequence[Sequence[Any]], value: Callable[[Any], Any]) -> list[Any]:
+        """A per-sample script (ARGV: prefix, sample id, worker, ...; reply {code, detail}) over many
+        argument lists in one round trip: per call value(detail), or the error its code stands for."""
+        return PendingReplies(self, script, list(calls), value).wait()
+
+    def _raise_for(self, code: int, detail: bytes | int, sample_id: str, worker_id: str) -> None:
+        if code == ScriptReply.OK:
+            return
+        text = detail.decode() if isinstance(detail, bytes) else str(detail)
+        if code == ScriptReply.LEASE_LOST:
+            raise LeaseLostError(
+                f"job {self.job!r}: worker {worker_id!r} no longer holds the lease on sample {sample_id!r} "
+                f"(lease owner now: {text or 'none'})"
+            )
+        if code == ScriptReply.NO_SAMPLE:
+            raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
+        if code in (ScriptReply.BAD_CHUNK, ScriptReply.STORED_MISMATCH):
+            raise ChunkLengthError(f"sample {sample_id!r}: per-token arrays would differ in length ({text})")
+        raise RuntimeError(f"sample {sample_id!r}: unexpected buffer script reply {code}: {text}")
+
+
+class PendingReplies:
+    """Per-sample scripts sent as EVALSHA in one pipeline on a connection of their own, replies not
+    read yet (redis-py's pipelines of Script calls ask SCRIPT EXISTS first: one more round trip).
+
+    ``wait()`` reads them (once): per call value(detail), or the error its code stands for. A
+    server without the script (first use, or restarted) answers NOSCRIPT: the script is loaded and
+    only the calls it refused are sent again, since the others have already been executed.
+    """
+
+    def __init__(self, store: TrajectoryStore, script: Script, calls: list[list[Any]], value: Callable[[Any], Any]):
+        self.store, self.script, self.calls, self.value = store, script, calls, value
+        self.results: list[Any] | None = [] if not calls else None
+        self.connection = self._send(calls) if calls else None
+
+    def _send(self, calls: list[list[Any]]):
+        pool = self.store.redis.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command(
+                connection.pack_commands([("EVALSHA", self.script.sha, 0, *args) for args in calls])
+            )
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+        return connection
+
+    def _read(self, connection, n: int) -> list[Any]:
+        """n replies; a NOSCRIPT error is returned in its call's place."""
+        replies: list[Any] = []
+        try:
+            for _ in range(n):
+                try:
+                    replies.append(connection.read_response())
+                except redis.exceptions.NoScriptError as exc:
+                    replies.append(exc)
+        except BaseException:
+            connection.disconnect()  # replies half read: the connection cannot be reused
+            raise
+        finally:
+            self.store.redis.connection_pool.release(connection)
+        return replies
+
+    def wait(self) -> list[Any]:
+        if self.results is not None:
+            return self.results
+        connection, self.connection = self.connection, None
+        replies = self._read(connection, len(self.calls))
+        refused = [i for i, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
+        if refused:
+            self.store.redis.script_load(self.script.script)
+            again = self._read(self._send([self.calls[i] for i in refused]), len(refused))
+            for i, reply in zip(refused, again):
+                if isinstance(reply, Exception):
+                    raise reply
+                replies[i] = reply
+        results: list[Any] = []
+        for args, (code, detail) in zip(self.calls, replies):
+            try:
+                self.store._raise_for(code, detail, args[1], args[2])
+                results.append(self.value(detail))
+            except (LeaseLostError, KeyError, ChunkLengthError, RuntimeError) as exc:
+                results.append(exc)
+        self.results = results
+        return results

@@ -1,0 +1,210 @@
+"""The rollout side of the driver: the workers as one fleet the loops command.
+
+It starts groups in the buffer as APRIL's scheduler decides (april/scheduler.py), waits for the
+step's batch (or, streaming, for segments), drops zero-variance groups, aborts the long tail and
+resumes it, pushes weights into the engines, follows the dashboard's controls and watches the
+workers' health. The decisions are APRIL's; this file only carries them out.
+
+Ray is imported inside the methods: the job sets Ray's token authentication in the environment
+before Ray is first imported (slime/job.py), and Ray reads it then.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from april.scheduler import GroupCounts, GroupScheduler, ZeroVarianceFilter
+from slime.buffer import JobTelemetry, TrajectoryStore
+from slime.config import JobConfig
+from slime.data import PromptRecord
+from slime.sampling import PromptSampler
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+def scheduler_for(cfg: JobConfig) -> GroupScheduler:
+    """APRIL's plain settings from the job config (april/ never reads slime.config)."""
+    if cfg.april.streaming_chunk_tokens is not None:
+        policy = "streaming"
+    elif cfg.mode == "async":
+        policy = "async"
+    else:
+        policy = "april" if cfg.april.enabled else "sync"
+    return GroupScheduler(
+        policy, cfg.rollout.batch_size,
+        oversample=cfg.april.oversample if cfg.april.enabled else None,
+        oversample_groups=cfg.april.oversample_groups if cfg.april.enabled else None,
+        max_staleness=cfg.max_staleness,
+    )
+
+
+def prompt_text(record: PromptRecord) -> str:
+    if isinstance(record.prompt, str):
+        return record.prompt
+    return "\n".join(m.get("content", "") for m in record.prompt)
+
+
+class RolloutFleet:
+    def __init__(self, cfg: JobConfig, workers: list, buffer: TrajectoryStore, telemetry: JobTelemetry,
+                 sampler: PromptSampler):
+        self.cfg = cfg
+        self.workers = workers
+        self.buffer = buffer
+        self.telemetry = telemetry
+        self.sampler = sampler
+        self.scheduler = scheduler_for(cfg)
+        limit = cfg.april.max_filtered_per_step
+        self.filter = ZeroVarianceFilter(cfg.rollout.batch_size if limit is None else limit)
+        self.engine_version: int | None = None  # the policy version last pushed to every engine
+        self.dashboard_paused = False
+        self.oversample_override: float | None = None  # the dashboard's over-provisioning ratio
+        self.controls_read_at = 0.0
+        self.last_health = time.time()
+
+    # ---- starting groups -------------------------------------------------------------------------
+    def schedule_groups(self) -> int:
+        """Top the buffer up with new groups, one per prompt, as many as the scheduler says."""
+        cfg = self.cfg
+        c = self.buffer.counts()
+        # The engines' version, not the learner's: the learner publishes its new version before the
+        # engines have its weights (async admission).
+        version = self.buffer.get_policy_version() if self.engine_version is None else self.engine_version
+        missing = self.scheduler.groups_to_start(
+            GroupCounts(unfinished=c["groups_open"], ready=c["groups_ready"], started=c["groups_total"]), version
+        )
+        for _ in range(missing):
+            record = self.sampler.next()
+            metadata = {**record.metadata, "label": record.label, "prompt_text": prompt_text(record),
+                        "record_index": record.index}
+            gid = self.buffer.add_group(record.prompt_ids, cfg.rollout.n_samples_per_prompt,
+                                        cfg.rollout.max_new_tokens, metadata)
+            if cfg.april.streaming_chunk_tokens is not None:
+                self.buffer.track_streaming(gid)
+        return missing
+
+    # ---- waiting for the batch -------------------------------------------------------------------
+    def wait_for_ready_groups(self, needed: int, on_wait: Callable[[dict[str, int], int], None]) -> None:
+        while True:
+            checked = self.filter_ready_groups() if self.cfg.april.filter_zero_variance else None
+            counts = self.buffer.counts()
+            # With the filter, only groups it has seen count: one that turned ready after its pass
+            # would reach the learner (FIFO claims) unchecked.
+            if self.scheduler.batch_full(counts["groups_ready"] if checked is None else checked):
+                return
+            self.schedule_groups()  # refill as groups finish or are filtered, one group at a time
+            self._between_polls(counts, needed, on_wait)
+            # Woken the moment a group turns ready: the batch-full check (and with APRIL the abort
+            # and the refill) does not wait out a polling interval; APRIL's rollout phases are short.
+            self.buffer.wait_for_ready_signal(0.02)
+
+    def wait_for_segments(self, needed: int, on_wait: Callable[[dict[str, int], int], None]) -> None:
+        chunk = self.cfg.april.streaming_chunk_tokens
+        while (available := self.buffer.count_segments(chunk)) < needed:
+            self.schedule_groups()
+            counts = self.buffer.counts()
+            if available and counts["groups_open"] == 0:
+                # Every group in flight has finished generating and its last segments are stored: no
+                # more can come until they are trained (ready groups count toward the in-flight target).
+                return
+            self._between_polls(counts, needed, on_wait)
+            time.sleep(0.02)
+
+    def _between_polls(self, counts: dict[str, int], needed: int, on_wait: Callable[[dict[str, int], int], None]) -> None:
+        on_wait(counts, needed)
+        self.apply_controls()
+        if time.time() - self.last_health > 2.0:
+            self.check_workers()
+            self.last_health = time.time()
+
+    def filter_ready_groups(self) -> int:
+        """DAPO dynamic sampling (the decision is april's ZeroVarianceFilter). Returns how many
+        ready groups passed (the oldest in the ready queue)."""
+        kept = 0
+        for gid in self.buffer.ready_group_ids():
+            if gid in self.filter.seen:
+                kept += 1
+                continue
+            rewards = [s.reward for s in self.buffer.get_group(gid) if s.reward is not None and s.failure is None]
+            if self.filter.check(gid, rewards) == "keep":
+                kept += 1
+            elif self.buffer.drop_ready_group(gid, "zero_variance"):  # refused: claimed meanwhile
+                self.filter.dropped()
+        return kept
+
+    # ---- APRIL's abort and resume ----------------------------------------------------------------
+    def start_abort(self) -> list:
+        """Every engine stops, its partials are stored and go first next step. Not waited for here."""
+        return [w.abort_all.remote() for w in self.workers]
+
+    def finish_abort(self, refs: list) -> int:
+        import ray  # see the module docstring
+
+        return int(sum(ray.get(refs))) if refs else 0
+
+    def resume(self) -> None:
+        import ray  # see the module docstring
+
+        if not self.dashboard_paused:  # paused from the dashboard: stays paused until resumed there
+            ray.get([w.resume.remote() for w in self.workers])
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def update_weights(self, handle: Any) -> None:
+        import ray  # see the module docstring
+
+        ray.get([w.update_weights.remote(handle) for w in self.workers])
+        self.engine_version = handle.version
+
+    def probe_logprobs(self, prompt_ids: list[int], probe: list[int]) -> list:
+        import ray  # see the module docstring
+
+        return [ray.get(w.probe_logprobs.remote(prompt_ids, probe)) for w in self.workers]
+
+    # ---- dashboard controls and health -----------------------------------------------------------
+    def apply_controls(self) -> None:
+        """Honour the dashboard's control hash (read at most every 0.25 s): pause/resume rollout,
+        and the APRIL over-provisioning override, which the next schedule_groups uses."""
+        import ray  # see the module docstring
+
+        if time.time() - self.controls_read_at < 0.25:
+            return
+        self.controls_read_at = time.time()
+        control = self.telemetry.get_control()
+        paused = control.get("paused") == "1"
+        if paused != self.dashboard_paused:
+            ray.get([(w.pause if paused else w.resume).remote() for w in self.workers])
+            self.dashboard_paused = paused
+            self.telemetry.log_event("rollout_paused" if paused else "rollout_resumed", {"by": "driver"})
+        oversample = float(control["oversample"]) if "oversample" in control else None
+        if self.cfg.april.enabled and oversample != self.oversample_override:
+            self.oversample_override = oversample
+            self.scheduler.oversample = self.cfg.april.oversample if oversample is None else oversample
+            self.scheduler.oversample_groups = self.cfg.april.oversample_groups if oversample is None else None
+            self.telemetry.log_event("oversample_applied", {"by": "driver", "groups_in_flight": self.scheduler.target})
+
+    def check_workers(self) -> list[dict]:
+        import ray  # see the module docstring
+
+        healths = []
+        for w in self.workers:
+            try:
+                h = ray.get(w.health.remote(), timeout=30)
+            except ray.exceptions.RayActorError as exc:
+                h = {"alive": False, "error": f"actor died: {exc}"}
+            if h.get("error"):
+                raise WorkerFailed(f"rollout worker failed:\n{h['error']}")
+            healths.append(h)
+        self.telemetry.record_engine_health(healths)
+        if healths and not any(h.get("alive") for h in healths):
+            raise WorkerFailed("every rollout worker has stopped")
+        return healths
+
+    def healths(self) -> list[dict]:
+        import ray  # see the module docstring
+
+        healths = ray.get([w.health.remote() for w in self.workers])
+        self.telemetry.record_engine_health(healths)
+        return healths
