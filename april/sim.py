@@ -410,8 +410,9 @@ class BoundedAsync(Simulation):
         self.label = f"async_bounded_s{max_staleness}"
         # The live job's admission rule; the engines here take every admitted group (an in-flight
         # target of (s + 1) * B never binds before the staleness cap does).
-        self.scheduler = GroupScheduler("async", cfg.batch_size, oversample_groups=(max_staleness + 1) * cfg.batch_size,
-                                        max_staleness=max_staleness)
+        self.scheduler = GroupScheduler(
+            "async", cfg.batch_size, oversample_groups=(max_staleness + 1) * cfg.batch_size, max_staleness=max_staleness
+        )
         self.queue: deque[Group] = deque()  # started, not trained, in start order
         self.learner_free = True
 

@@ -49,19 +49,35 @@ from slime.config import load_config
 # the examples (examples/repeat_grpo.yaml, repeat_april.yaml): at the default 1e-3 any off-policy
 # data (APRIL's partials, and one-step async as well) costs this tiny model reward (docs/benchmarks.md).
 SHAPE = [
-    "rollout.num_workers=1", "rollout.batch_size=16", "rollout.n_samples_per_prompt=8",
-    "rollout.max_new_tokens=96", "rollout.temperature=1.0", "rollout.max_running_requests=256",
+    "rollout.num_workers=1",
+    "rollout.batch_size=16",
+    "rollout.n_samples_per_prompt=8",
+    "rollout.max_new_tokens=96",
+    "rollout.temperature=1.0",
+    "rollout.max_running_requests=256",
     "learner.lr=5e-4",
-    "logging.tensorboard=false", "logging.plot=false", "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.plot=false",
+    "logging.progress=false",
 ]
 SETTINGS: dict[str, list[str]] = {
     "sync": ["april.enabled=false"],
     "april2": ["april.enabled=true", "april.oversample=2.0"],
-    "april2_budget2": ["april.enabled=true", "april.oversample=2.0", "april.max_version_span=2",
-                       "april.beyond_budget=restart"],
+    "april2_budget2": [
+        "april.enabled=true",
+        "april.oversample=2.0",
+        "april.max_version_span=2",
+        "april.beyond_budget=restart",
+    ],
     "ppo_sync": ["april.enabled=false", "algorithm.name=ppo", "algorithm.gamma=1.0", "algorithm.lam=0.95"],
-    "ppo_streaming": ["april.enabled=false", "algorithm.name=ppo", "algorithm.gamma=1.0", "algorithm.lam=0.95",
-                      "april.streaming_chunk_tokens=16", "rollout.chunk_tokens=8"],
+    "ppo_streaming": [
+        "april.enabled=false",
+        "algorithm.name=ppo",
+        "algorithm.gamma=1.0",
+        "algorithm.lam=0.95",
+        "april.streaming_chunk_tokens=16",
+        "rollout.chunk_tokens=8",
+    ],
     # The rollout mechanism alone, on the same workload: a learning rate far below float32's
     # resolution of the weights (Adam moves each by ~lr), so the policy, and with it the length
     # distribution, stays the warm start's in both; the learner still does all its work. With real
@@ -92,10 +108,20 @@ def run_setting(name: str, overrides: list[str], args, redis_url: str) -> dict:
     from slime.sample import Status
     from slime.train import RunningJob, streaming_loop, sync_loop
 
-    cfg = load_config(None, [
-        f"job_name=bench-april-{name}", f"output_dir={args.out}/{name}", f"steps={args.steps}",
-        f"seed={args.seed}", f"data.seed={args.seed}", f"buffer.url={redis_url}", *SHAPE, *args.set, *overrides,
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"job_name=bench-april-{name}",
+            f"output_dir={args.out}/{name}",
+            f"steps={args.steps}",
+            f"seed={args.seed}",
+            f"data.seed={args.seed}",
+            f"buffer.url={redis_url}",
+            *SHAPE,
+            *args.set,
+            *overrides,
+        ],
+    )
     started = time.time()
     with RunningJob(cfg) as job:
         setup_s = time.time() - started
@@ -143,7 +169,6 @@ def run_setting(name: str, overrides: list[str], args, redis_url: str) -> dict:
     }
 
 
-
 def summarize(run: dict, warmup: int) -> dict:
     """Time figures over the steps after `warmup`; rewards over every step."""
     all_h = run["history"]
@@ -152,7 +177,9 @@ def summarize(run: dict, warmup: int) -> dict:
     rollout_s = sum(m["rollout_seconds"] for m in h)
     step_s = sum(m["step_seconds"] for m in h)
     learner_s = sum(m["learner_seconds"] for m in h)
-    spans = [int(k.split("/", 1)[1]) for m in all_h for k, v in m.items() if k.startswith("version_span_hist/") and v > 0]
+    spans = [
+        int(k.split("/", 1)[1]) for m in all_h for k, v in m.items() if k.startswith("version_span_hist/") and v > 0
+    ]
     lags = [int(k.split("/", 1)[1]) for m in all_h for k, v in m.items() if k.startswith("version_lag_hist/") and v > 0]
     # Share of all trained response tokens that an older policy produced, over the run.
     resp = [m.get("response_len_mean", 0.0) * m.get("samples", 0.0) for m in all_h]
@@ -174,10 +201,13 @@ def summarize(run: dict, warmup: int) -> dict:
         "engine_busy": run["engine_busy_s"] / run["loop_wall_s"],
         "mean_decode_batch": run["decode_rows"] / max(1, run["decode_steps"]),
         "decode_steps_per_step": run["decode_steps"] / max(1, len(all_h)),
-        "engine_busy_in_rollout": math.nan if streaming else run["engine_busy_s"] / sum(m["rollout_seconds"] for m in all_h),
+        "engine_busy_in_rollout": math.nan
+        if streaming
+        else run["engine_busy_s"] / sum(m["rollout_seconds"] for m in all_h),
         # The rollout thread's buffer I/O between engine steps (leases and finishes; chunk writes).
-        "buffer_io_in_rollout": math.nan if streaming else (run["worker_admit_s"] + run["worker_absorb_s"])
-        / sum(m["rollout_seconds"] for m in all_h),
+        "buffer_io_in_rollout": math.nan
+        if streaming
+        else (run["worker_admit_s"] + run["worker_absorb_s"]) / sum(m["rollout_seconds"] for m in all_h),
         "learner_busy": sum(m["learner_seconds"] for m in all_h) / run["loop_wall_s"],
         "off_policy": off,
         "max_span": max(spans, default=0),
@@ -254,8 +284,10 @@ def evaluate(model_dir: str, policy_dir: Path | None, prompts: list[dict], threa
     model = load_model(policy_dir or model_dir)
     engine = BuiltinEngine(model, max_running_requests=len(prompts))
     params = SamplingParams(temperature=0.0, max_new_tokens=96, stop_token_ids=[tok.eos_token_id])
-    reqs = [GenerationRequest(str(i), tok(p["prompt"], add_special_tokens=False)["input_ids"], params)
-            for i, p in enumerate(prompts)]
+    reqs = [
+        GenerationRequest(str(i), tok(p["prompt"], add_special_tokens=False)["input_ids"], params)
+        for i, p in enumerate(prompts)
+    ]
     out = engine.generate(reqs)
     scores = []
     for i, p in enumerate(prompts):
@@ -270,8 +302,11 @@ def lognormal_fit(groups: list[list[int]]) -> dict:
     means = np.array([x.mean() for x in logs])
     within = np.concatenate([x - x.mean() for x in logs])
     n = np.mean([len(x) for x in logs])
-    return {"median_tokens": float(np.exp(np.median(means))), "sigma_prompt": float(means.std()),
-            "sigma_sample": float(within.std() * math.sqrt(n / max(n - 1, 1)))}
+    return {
+        "median_tokens": float(np.exp(np.median(means))),
+        "sigma_prompt": float(means.std()),
+        "sigma_sample": float(within.std() * math.sqrt(n / max(n - 1, 1))),
+    }
 
 
 def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine: dict, args) -> dict:
@@ -294,15 +329,28 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
     overhead = sums[S]["other_s_mean"]
     cfg = sync["cfg"]
     common = {
-        "t0": engine["t0"], "k": engine["k"], "t_kv": 0.0, "p": engine["p"],
-        "t_train0": float(fixed), "t_train_per_token": float(per_token), "t_sync": max(overhead, 0.0),
-        "prompt_tokens": round(prompt_tokens), "steps": args.steps,
+        "t0": engine["t0"],
+        "k": engine["k"],
+        "t_kv": 0.0,
+        "p": engine["p"],
+        "t_train0": float(fixed),
+        "t_train_per_token": float(per_token),
+        "t_sync": max(overhead, 0.0),
+        "prompt_tokens": round(prompt_tokens),
+        "steps": args.steps,
         "kv_tokens": cfg.rollout.max_running_requests * (round(prompt_tokens) + cfg.rollout.max_new_tokens),
     }
     empirical = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"]})
     grouped = sim_config_from_job(cfg, {**common, **lognormal_fit(sync["group_lengths"])})
-    out = {"pair": (S, A), "cfg": empirical, "train_fixed_s": float(fixed), "train_per_token_s": float(per_token),
-           "pad_coef": pad_coef, "overhead_s": overhead, "lognormal": lognormal_fit(sync["group_lengths"])}
+    out = {
+        "pair": (S, A),
+        "cfg": empirical,
+        "train_fixed_s": float(fixed),
+        "train_per_token_s": float(per_token),
+        "pad_coef": pad_coef,
+        "overhead_s": overhead,
+        "lognormal": lognormal_fit(sync["group_lengths"]),
+    }
     # The sync run's own engine time: busy seconds per step, and the rollout time outside the engine.
     steps_all = len(sync["history"])
     real_busy = sync["engine_busy_s"] / steps_all
@@ -316,7 +364,9 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
             # by construction, and what is left of the APRIL error is the engine model's.
             extra_rollout = sums[S]["rollout_s_mean"] - out["empirical"]["per_step"]["sync"]["rollout"]
             out["rollout_overhead_s"] = extra_rollout
-            sc = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"], "t_sync": max(overhead + extra_rollout, 0.0)})
+            sc = sim_config_from_job(
+                cfg, {**common, "lengths": sync["lengths"], "t_sync": max(overhead + extra_rollout, 0.0)}
+            )
         elif label == "calibrated":
             # Two terms measured on the sync run, none on APRIL: (1) the engine runs slower inside the
             # job than alone (other threads and processes, Redis writes between steps): t0, k and p
@@ -328,18 +378,34 @@ def calibrate_and_simulate(runs: dict[str, dict], sums: dict[str, dict], engine:
             alpha = real_busy / max(sim_busy, 1e-9)
             out["engine_scale"], out["outside_engine_s"] = alpha, outside
             extra_rollout = max(outside, 0.0)
-            sc = sim_config_from_job(cfg, {**common, "lengths": sync["lengths"], "t0": alpha * engine["t0"],
-                                           "k": alpha * engine["k"], "p": alpha * engine["p"],
-                                           "t_sync": max(overhead, 0.0) + extra_rollout})
-        res = {"sync": simulate("sync", sc, seed=args.seed), "april2": simulate("april", sc, oversample=2.0, seed=args.seed)}
+            sc = sim_config_from_job(
+                cfg,
+                {
+                    **common,
+                    "lengths": sync["lengths"],
+                    "t0": alpha * engine["t0"],
+                    "k": alpha * engine["k"],
+                    "p": alpha * engine["p"],
+                    "t_sync": max(overhead, 0.0) + extra_rollout,
+                },
+            )
+        res = {
+            "sync": simulate("sync", sc, seed=args.seed),
+            "april2": simulate("april", sc, oversample=2.0, seed=args.seed),
+        }
         per_step = {}
         for k, r in res.items():
             learner = r.learner_busy * r.wall_s / r.steps
             rollout = r.step_s - learner - sc.t_sync + extra_rollout
-            per_step[k] = {"step": r.step_s, "rollout": rollout, "learner": learner,
-                           "rollout_tok_s": r.generated_tokens / (rollout * r.steps)}
+            per_step[k] = {
+                "step": r.step_s,
+                "rollout": rollout,
+                "learner": learner,
+                "rollout_tok_s": r.generated_tokens / (rollout * r.steps),
+            }
         out[label] = {
-            "sim": res, "per_step": per_step,
+            "sim": res,
+            "per_step": per_step,
             "pred_wall": res["april2"].throughput / res["sync"].throughput,
             "pred_rollout": per_step["april2"]["rollout_tok_s"] / per_step["sync"]["rollout_tok_s"],
         }
@@ -365,8 +431,10 @@ def pooled_pair(sums: dict[str, dict]) -> dict[str, dict[str, float]] | None:
     out = {}
     for arm, names in POOLED.items():
         tokens = sum(sums[c]["generated_tokens"] for c in names)
-        out[arm] = {key: tokens / sum(sums[c]["generated_tokens"] / sums[c][key] for c in names)
-                    for key in ("rollout_tok_s", "wall_tok_s")}
+        out[arm] = {
+            key: tokens / sum(sums[c]["generated_tokens"] / sums[c][key] for c in names)
+            for key in ("rollout_tok_s", "wall_tok_s")
+        }
     return out
 
 
@@ -380,14 +448,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the time figures")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--extra", choices=("auto", "yes", "no"), default="auto",
-                    help="also run APRIL at oversample 1.5 and 3.0 (auto: if the projected total fits --budget-s)")
+    ap.add_argument(
+        "--extra",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="also run APRIL at oversample 1.5 and 3.0 (auto: if the projected total fits --budget-s)",
+    )
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock the whole benchmark should stay under")
     ap.add_argument("--eval-prompts", type=int, default=128)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra config override for every setting, e.g. --set learner.lr=5e-4 (repeatable)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every setting, e.g. --set learner.lr=5e-4 (repeatable)",
+    )
     ap.add_argument("--out", default="outputs/bench-april-vs-sync")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of calibration/eval (= cluster.torch_threads)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads of calibration/eval (= cluster.torch_threads)"
+    )
     args = ap.parse_args()
     if args.steps <= args.warmup_steps + 2:
         ap.error("--steps must exceed --warmup-steps by at least 3")
@@ -421,8 +500,11 @@ def main() -> None:
                     print(f"skipping {name}: projected {projected:.0f}s > --budget-s {args.budget_s:.0f}", flush=True)
                     continue
             runs[name] = run_setting(name, overrides, args, server.url)
-            print(f"[{time.time() - bench_started:6.1f}s] {name}: {args.steps} steps in {runs[name]['loop_wall_s']:.1f}s "
-                  f"(job {runs[name]['job_s']:.1f}s, load avg {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"[{time.time() - bench_started:6.1f}s] {name}: {args.steps} steps in {runs[name]['loop_wall_s']:.1f}s "
+                f"(job {runs[name]['job_s']:.1f}s, load avg {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
     finally:
         ray.shutdown()
         server.stop()
@@ -439,9 +521,11 @@ def main() -> None:
 
     base, cols, w = sums["sync"], list(sums), 16
     print()
-    print(f"APRIL vs sync: repeat task, tiny MoE (default warm start), 1 rollout worker, batch 16 x 8, "
-          f"96-token cap, T=1, 256 slots, lr 5e-4, {args.steps} steps (time figures: steps {args.warmup_steps}..{args.steps - 1}), "
-          f"seed {args.seed}" + (f", overrides {' '.join(args.set)}" if args.set else ""))
+    print(
+        f"APRIL vs sync: repeat task, tiny MoE (default warm start), 1 rollout worker, batch 16 x 8, "
+        f"96-token cap, T=1, 256 slots, lr 5e-4, {args.steps} steps (time figures: steps {args.warmup_steps}..{args.steps - 1}), "
+        f"seed {args.seed}" + (f", overrides {' '.join(args.set)}" if args.set else "")
+    )
     print(f"{'':36s}" + "".join(f"{c:>{w}s}" for c in cols))
 
     def row(label: str, fn, fmt: str = "{:.2f}") -> None:
@@ -487,36 +571,53 @@ def main() -> None:
     print("train reward curve (5-step moving average, every 5th step):")
     for c in cols:
         r = sums[c]["rewards"]
-        ma = [float(np.nanmean(r[max(0, i - 4): i + 1])) for i in range(len(r))]
+        ma = [float(np.nanmean(r[max(0, i - 4) : i + 1])) for i in range(len(r))]
         print(f"  {c:16s}" + " ".join(f"{ma[i]:.3f}" for i in range(4, len(ma), 5)))
 
     if all(c in sums for c in STREAMING_PAIR):
         sb, st = (sums[c] for c in STREAMING_PAIR)
         print()
         print("streaming variant (PPO, trains each 16 new tokens; engine never pauses for the learner) vs sync PPO:")
-        print(f"  generated tok / wall s   {st['wall_tok_s']:8.0f} vs {sb['wall_tok_s']:8.0f}   "
-              f"{st['wall_tok_s'] / sb['wall_tok_s']:.2f}x")
-        print(f"  trained tok / wall s     {st['trained_tok_s']:8.0f} vs {sb['trained_tok_s']:8.0f}   "
-              f"{st['trained_tok_s'] / sb['trained_tok_s']:.2f}x")
+        print(
+            f"  generated tok / wall s   {st['wall_tok_s']:8.0f} vs {sb['wall_tok_s']:8.0f}   "
+            f"{st['wall_tok_s'] / sb['wall_tok_s']:.2f}x"
+        )
+        print(
+            f"  trained tok / wall s     {st['trained_tok_s']:8.0f} vs {sb['trained_tok_s']:8.0f}   "
+            f"{st['trained_tok_s'] / sb['trained_tok_s']:.2f}x"
+        )
         print(f"  engine busy (of wall)    {100 * st['engine_busy']:7.1f}% vs {100 * sb['engine_busy']:7.1f}%")
-        print(f"  off-policy token share   {100 * st['off_policy']:7.1f}% vs {100 * sb['off_policy']:7.1f}%; "
-              f"max version lag {st['max_lag']} vs {sb['max_lag']}")
-        print(f"  train reward first5->last5  {first_last(st['rewards'])[0]:.3f}->{first_last(st['rewards'])[1]:.3f} vs "
-              f"{first_last(sb['rewards'])[0]:.3f}->{first_last(sb['rewards'])[1]:.3f}")
+        print(
+            f"  off-policy token share   {100 * st['off_policy']:7.1f}% vs {100 * sb['off_policy']:7.1f}%; "
+            f"max version lag {st['max_lag']} vs {sb['max_lag']}"
+        )
+        print(
+            f"  train reward first5->last5  {first_last(st['rewards'])[0]:.3f}->{first_last(st['rewards'])[1]:.3f} vs "
+            f"{first_last(sb['rewards'])[0]:.3f}->{first_last(sb['rewards'])[1]:.3f}"
+        )
 
     if all(c in sums for c in FROZEN_PAIR):
         fb, fa = (sums[c] for c in FROZEN_PAIR)
         print("\nfrozen policy (learner.lr=1e-12, the same workload for both): april2_frozen vs sync_frozen")
-        for label, key in (("generated tok / rollout s", "rollout_tok_s"), ("generated tok / wall s", "wall_tok_s"),
-                           ("trained tok / wall s", "trained_tok_s")):
+        for label, key in (
+            ("generated tok / rollout s", "rollout_tok_s"),
+            ("generated tok / wall s", "wall_tok_s"),
+            ("trained tok / wall s", "trained_tok_s"),
+        ):
             print(f"  {label:28s} {fa[key]:7.0f} vs {fb[key]:7.0f}   {fa[key] / fb[key]:.2f}x")
-        print(f"  generated tok / step         {fa['generated_tokens'] / fa['steps']:7.0f} vs "
-              f"{fb['generated_tokens'] / fb['steps']:7.0f}")
-        print(f"  rollout s / step             {fa['rollout_s_mean']:7.3f} vs {fb['rollout_s_mean']:7.3f}; decode steps / step "
-              f"{fa['decode_steps_per_step']:.1f} vs {fb['decode_steps_per_step']:.1f} (mean batch "
-              f"{fa['mean_decode_batch']:.1f} vs {fb['mean_decode_batch']:.1f})")
-        print(f"  off-policy token share       {100 * fa['off_policy']:6.1f}%; max version span {fa['max_span']}; "
-              f"wasted tokens {int(fa['wasted_tokens'])}")
+        print(
+            f"  generated tok / step         {fa['generated_tokens'] / fa['steps']:7.0f} vs "
+            f"{fb['generated_tokens'] / fb['steps']:7.0f}"
+        )
+        print(
+            f"  rollout s / step             {fa['rollout_s_mean']:7.3f} vs {fb['rollout_s_mean']:7.3f}; decode steps / step "
+            f"{fa['decode_steps_per_step']:.1f} vs {fb['decode_steps_per_step']:.1f} (mean batch "
+            f"{fa['mean_decode_batch']:.1f} vs {fb['mean_decode_batch']:.1f})"
+        )
+        print(
+            f"  off-policy token share       {100 * fa['off_policy']:6.1f}%; max version span {fa['max_span']}; "
+            f"wasted tokens {int(fa['wasted_tokens'])}"
+        )
 
     e = engine
     pooled = pooled_pair(sums)
@@ -524,36 +625,52 @@ def main() -> None:
         print("\ntwo runs of each arm (sync + sync_repeat, april2 + april2_repeat), pooled over both:")
         for key, label in (("rollout_tok_s", "generated tok / rollout s"), ("wall_tok_s", "generated tok / wall s")):
             runs = {arm: " / ".join(f"{sums[c][key]:.0f}" for c in names) for arm, names in POOLED.items()}
-            print(f"  {label:28s}{pooled['april2'][key]:8.0f} vs {pooled['sync'][key]:8.0f}   "
-                  f"{pooled['april2'][key] / pooled['sync'][key]:.2f}x   (april2 runs {runs['april2']}; sync runs {runs['sync']})")
+            print(
+                f"  {label:28s}{pooled['april2'][key]:8.0f} vs {pooled['sync'][key]:8.0f}   "
+                f"{pooled['april2'][key] / pooled['sync'][key]:.2f}x   (april2 runs {runs['april2']}; sync runs {runs['sync']})"
+            )
 
     print()
     S, A = cal["pair"]
-    print(f"simulator (april/sim.py, preset cpu_tiny) calibrated on this machine and the {S} run, "
-          f"compared with {A} / {S}:")
+    print(
+        f"simulator (april/sim.py, preset cpu_tiny) calibrated on this machine and the {S} run, "
+        f"compared with {A} / {S}:"
+    )
     print("  engine decode step, ms at batch " + ", ".join(f"{b}: {1e3 * v:.2f}" for b, v in e["step_s"].items()))
-    print(f"    -> t0 {1e3 * e['t0']:.2f} ms + k {1e6 * e['k']:.1f} us x batch (fit on 1..64); "
-          f"prefill p {1e6 * e['p']:.1f} us/token")
-    print(f"  learner {cal['train_fixed_s']:.3f} s + {1e6 * cal['train_per_token_s']:.1f} us/token ({S} steps); "
-          f"weight sync + driver {cal['overhead_s']:.3f} s/step")
+    print(
+        f"    -> t0 {1e3 * e['t0']:.2f} ms + k {1e6 * e['k']:.1f} us x batch (fit on 1..64); "
+        f"prefill p {1e6 * e['p']:.1f} us/token"
+    )
+    print(
+        f"  learner {cal['train_fixed_s']:.3f} s + {1e6 * cal['train_per_token_s']:.1f} us/token ({S} steps); "
+        f"weight sync + driver {cal['overhead_s']:.3f} s/step"
+    )
     lens = cal["cfg"].lengths
     ln = cal["lognormal"]
-    print(f"  lengths: {len(lens)} from the {S} run (p50 {np.percentile(lens, 50):.0f}, p99 {np.percentile(lens, 99):.0f}, "
-          f"max {max(lens)}); grouped log-normal fit: median {ln['median_tokens']:.1f}, sigma prompt "
-          f"{ln['sigma_prompt']:.2f}, sample {ln['sigma_sample']:.2f}")
-    print(f"  sim(empirical): the {S} run's lengths, i.i.d.; sim(grouped): log-normal with the groups' spread; "
-          f"sim(+overhead): sim(empirical) + {cal['rollout_overhead_s']:.3f} s/step of rollout time the engine "
-          f"model leaves out (fitted on {S}); sim(calibrated): engine step times x{cal['engine_scale']:.2f} (the "
-          f"{S} run's busy seconds) + {cal['outside_engine_s']:.3f} s/step of its rollout time outside engine steps")
-    print(f"  {'':32s}{'empirical':>11s}{'grouped':>11s}{'+overhead':>11s}{'calibrated':>11s}{'measured':>10s}"
-          f"{'error (calibrated)':>20s}")
+    print(
+        f"  lengths: {len(lens)} from the {S} run (p50 {np.percentile(lens, 50):.0f}, p99 {np.percentile(lens, 99):.0f}, "
+        f"max {max(lens)}); grouped log-normal fit: median {ln['median_tokens']:.1f}, sigma prompt "
+        f"{ln['sigma_prompt']:.2f}, sample {ln['sigma_sample']:.2f}"
+    )
+    print(
+        f"  sim(empirical): the {S} run's lengths, i.i.d.; sim(grouped): log-normal with the groups' spread; "
+        f"sim(+overhead): sim(empirical) + {cal['rollout_overhead_s']:.3f} s/step of rollout time the engine "
+        f"model leaves out (fitted on {S}); sim(calibrated): engine step times x{cal['engine_scale']:.2f} (the "
+        f"{S} run's busy seconds) + {cal['outside_engine_s']:.3f} s/step of its rollout time outside engine steps"
+    )
+    print(
+        f"  {'':32s}{'empirical':>11s}{'grouped':>11s}{'+overhead':>11s}{'calibrated':>11s}{'measured':>10s}"
+        f"{'error (calibrated)':>20s}"
+    )
 
     E, G, O, C = cal["empirical"], cal["grouped"], cal["overhead"], cal["calibrated"]
 
     def cmp(label: str, key: str, m: float, unit: str = "x", k: str | None = None, term: str | None = None) -> None:
         vals = [V[key] if k is None else V["per_step"][k][term] for V in (E, G, O, C)]
-        print(f"  {label:32s}" + "".join(f"{v:>10.2f}{unit}" for v in vals) + f"{m:>9.2f}{unit}"
-              f"{100 * (vals[3] - m) / m:>19.1f}%")
+        print(
+            f"  {label:32s}" + "".join(f"{v:>10.2f}{unit}" for v in vals) + f"{m:>9.2f}{unit}"
+            f"{100 * (vals[3] - m) / m:>19.1f}%"
+        )
 
     cmp("april2/sync tok/s, wall-clock", "pred_wall", cal["meas_wall"])
     cmp("april2/sync tok/s, rollout time", "pred_rollout", cal["meas_rollout"])
@@ -561,21 +678,31 @@ def main() -> None:
         for term, key in (("step", "step_s_mean"), ("rollout", "rollout_s_mean"), ("learner", "learner_s_mean")):
             cmp(f"{k} {term} s / step", "", sums[measured][key], " ", k, term)
     a = C["sim"]["april2"]
-    print(f"  april2 off-policy share (sim / measured): {100 * a.off_policy_share:.1f}% / {100 * sums[A]['off_policy']:.1f}%;"
-          f" max span {a.max_span} / {sums[A]['max_span']}")
+    print(
+        f"  april2 off-policy share (sim / measured): {100 * a.off_policy_share:.1f}% / {100 * sums[A]['off_policy']:.1f}%;"
+        f" max span {a.max_span} / {sums[A]['max_span']}"
+    )
     pc = cal["pad_coef"]
-    print(f"  learner as rows x widest row ({1e6 * pc:.2f} us per padded token, {S} fit): predicts {A} "
-          f"{pc * sums[A]['padded_per_step']:.3f} s/step vs measured {sums[A]['learner_s_mean']:.3f}")
+    print(
+        f"  learner as rows x widest row ({1e6 * pc:.2f} us per padded token, {S} fit): predicts {A} "
+        f"{pc * sums[A]['padded_per_step']:.3f} s/step vs measured {sums[A]['learner_s_mean']:.3f}"
+    )
     total_s = time.time() - bench_started
-    print(f"\nbenchmark wall {total_s:.0f} s (model dir {model_s:.1f} s, calibration {calib_s:.1f} s, eval {eval_s:.1f} s); "
-          f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+    print(
+        f"\nbenchmark wall {total_s:.0f} s (model dir {model_s:.1f} s, calibration {calib_s:.1f} s, eval {eval_s:.1f} s); "
+        f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}"
+    )
 
     def ratio(c: str, key: str) -> float:
         return round(sums[c][key] / base[key], 3)
 
-    result: dict = {"steps": args.steps, "warmup_steps_excluded": args.warmup_steps,
-                    "sync_rollout_tokens_per_s": round(base["rollout_tok_s"], 1),
-                    "sync_wall_tokens_per_s": round(base["wall_tok_s"], 1), "sync_step_time_s": round(base["step_s_mean"], 3)}
+    result: dict = {
+        "steps": args.steps,
+        "warmup_steps_excluded": args.warmup_steps,
+        "sync_rollout_tokens_per_s": round(base["rollout_tok_s"], 1),
+        "sync_wall_tokens_per_s": round(base["wall_tok_s"], 1),
+        "sync_step_time_s": round(base["step_s_mean"], 3),
+    }
     for c in cols[1:]:
         if not math.isnan(sums[c]["rollout_tok_s"]):
             result[f"{c}_over_sync_rollout_tokens_per_s_ratio"] = ratio(c, "rollout_tok_s")
@@ -602,14 +729,19 @@ def main() -> None:
     if all(c in sums for c in STREAMING_PAIR):
         sb, st = (sums[c] for c in STREAMING_PAIR)
         result["ppo_streaming_over_ppo_sync_wall_tokens_per_s_ratio"] = round(st["wall_tok_s"] / sb["wall_tok_s"], 3)
-        result["ppo_streaming_over_ppo_sync_trained_tokens_per_s_ratio"] = round(st["trained_tok_s"] / sb["trained_tok_s"], 3)
+        result["ppo_streaming_over_ppo_sync_trained_tokens_per_s_ratio"] = round(
+            st["trained_tok_s"] / sb["trained_tok_s"], 3
+        )
     if pooled:
         for key, name in (("rollout_tok_s", "rollout_tokens_per_s"), ("wall_tok_s", "wall_tokens_per_s")):
             result[f"pooled2_april2_over_sync_{name}_ratio"] = round(pooled["april2"][key] / pooled["sync"][key], 3)
     if all(c in sums for c in FROZEN_PAIR):
         fb, fa = (sums[c] for c in FROZEN_PAIR)
-        for key, name in (("rollout_tok_s", "rollout_tokens_per_s"), ("wall_tok_s", "wall_tokens_per_s"),
-                          ("trained_tok_s", "trained_tokens_per_s")):
+        for key, name in (
+            ("rollout_tok_s", "rollout_tokens_per_s"),
+            ("wall_tok_s", "wall_tokens_per_s"),
+            ("trained_tok_s", "trained_tokens_per_s"),
+        ):
             result[f"april2_frozen_over_sync_frozen_{name}_ratio"] = round(fa[key] / fb[key], 3)
     result.update(
         initial_heldout_reward=round(evals["initial"], 3),
@@ -630,9 +762,13 @@ def main() -> None:
         sim_calibrated_error_pct=round(C["err_wall_pct"], 1),
         sim_calibrated_predicted_april2_rollout_ratio=round(C["pred_rollout"], 3),
         sim_calibrated_rollout_error_pct=round(C["err_rollout_pct"], 1),
-        calib_engine_scale=round(cal["engine_scale"], 3), calib_outside_engine_s_per_step=round(cal["outside_engine_s"], 4),
-        calib_t0_s=round(e["t0"], 5), calib_k_s_per_request=round(e["k"], 7), calib_prefill_s_per_token=round(e["p"], 8),
-        calib_train_fixed_s=round(cal["train_fixed_s"], 4), calib_train_s_per_token=round(cal["train_per_token_s"], 7),
+        calib_engine_scale=round(cal["engine_scale"], 3),
+        calib_outside_engine_s_per_step=round(cal["outside_engine_s"], 4),
+        calib_t0_s=round(e["t0"], 5),
+        calib_k_s_per_request=round(e["k"], 7),
+        calib_prefill_s_per_token=round(e["p"], 8),
+        calib_train_fixed_s=round(cal["train_fixed_s"], 4),
+        calib_train_s_per_token=round(cal["train_per_token_s"], 7),
         calib_overhead_s_per_step=round(cal["overhead_s"], 4),
         benchmark_wall_s=round(total_s, 1),
     )

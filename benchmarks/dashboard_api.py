@@ -61,8 +61,10 @@ def fill(buffer: TrajectoryStore, n_trajectories: int, group_size: int = 4, seed
             gid, sids = new_id(), [new_id() for _ in range(group_size)]
             groups.append(sids)
             prompt = rng.integers(6, 60, 24).astype(WIRE_TOKEN).tobytes()
-            buffer._add_group(args=[buffer.prefix, gid, group_size, 128, prompt, json.dumps({"prompt_text": "bench"}),
-                                    *sids], client=pipe)
+            buffer._add_group(
+                args=[buffer.prefix, gid, group_size, 128, prompt, json.dumps({"prompt_text": "bench"}), *sids],
+                client=pipe,
+            )
         for sids in groups:
             for sid in sids:
                 status = rng.choice(STATUSES, p=STATUS_P)
@@ -107,8 +109,11 @@ async def _load(url: str, path_fn, clients: int, seconds: float) -> list[float]:
                 writer.write(f"GET {path_fn()} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
                 head = await reader.readuntil(b"\r\n\r\n")
                 status = head.split(b" ", 2)[1]
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
                 body = await reader.readexactly(length)
                 if t >= warm_until:
                     latencies.append(time.perf_counter() - t)
@@ -135,14 +140,20 @@ def api_latency(n: int, clients_list: list[int], seconds: float) -> dict:
     fill_s = fill(buffer, n)
     print(f"filled {n} trajectories in {fill_s:.1f} s ({buffer.counts()['groups_total']} groups)", flush=True)
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slime.cli", "dashboard", "--redis", server.url, "--job", job,
-                             "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slime.cli", "dashboard", "--redis", server.url, "--job", job, "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_http(url + "/api/summary", 60)
         mid = httpx.get(url + "/api/trajectories", params={"limit": 1}).json()["next_cursor"]
         rank = int(mid.split(".")[0]) // 2
-        some_id = httpx.get(url + "/api/trajectories", params={"limit": 1, "cursor": f"{rank}.0"}).json()["items"][0]["id"]
+        some_id = httpx.get(url + "/api/trajectories", params={"limit": 1, "cursor": f"{rank}.0"}).json()["items"][0][
+            "id"
+        ]
         cases = {
             "summary": lambda: "/api/summary",
             "list_first_page": lambda: "/api/trajectories?limit=50",
@@ -155,10 +166,17 @@ def api_latency(n: int, clients_list: list[int], seconds: float) -> dict:
             for name, path_fn in cases.items():
                 lat = asyncio.run(_load(url, path_fn, clients, seconds))
                 key = f"{name}_c{clients}"
-                out[key] = {"p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99), "requests": len(lat),
-                            "per_s": len(lat) / seconds}
-                print(f"  {clients} client(s) {name:16s} p50 {out[key]['p50_ms']:6.1f} ms  "
-                      f"p99 {out[key]['p99_ms']:6.1f} ms  {out[key]['per_s']:6.0f} req/s", flush=True)
+                out[key] = {
+                    "p50_ms": _pct(lat, 50),
+                    "p99_ms": _pct(lat, 99),
+                    "requests": len(lat),
+                    "per_s": len(lat) / seconds,
+                }
+                print(
+                    f"  {clients} client(s) {name:16s} p50 {out[key]['p50_ms']:6.1f} ms  "
+                    f"p99 {out[key]['p99_ms']:6.1f} ms  {out[key]['per_s']:6.0f} req/s",
+                    flush=True,
+                )
         return {"fill_s": fill_s, "endpoints": out}
     finally:
         proc.terminate()
@@ -219,16 +237,40 @@ def rollout_overhead(steps: int, poll: str = "pages") -> dict:
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     port = _free_port()
     try:
-        cfg = load_config(None, [
-            "job_name=bench-rollout", f"output_dir={tmp / 'run'}", f"buffer.url={server.url}", f"steps={steps}",
-            "april.enabled=true", "april.oversample=2", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
-            "rollout.max_new_tokens=64", "data.num_generated=256", "logging.progress=false",
-            "logging.tensorboard=false", "logging.plot=false", "weights.check_every=0",
-            "dashboard.enabled=true", f"dashboard.port={port}",
-        ])
-        poller = subprocess.Popen([sys.executable, "-c", POLLER, f"http://127.0.0.1:{port}",
-                                   str(tmp / "run" / "metrics.jsonl"), str(steps), poll],
-                                  stdout=subprocess.PIPE, text=True)
+        cfg = load_config(
+            None,
+            [
+                "job_name=bench-rollout",
+                f"output_dir={tmp / 'run'}",
+                f"buffer.url={server.url}",
+                f"steps={steps}",
+                "april.enabled=true",
+                "april.oversample=2",
+                "rollout.batch_size=4",
+                "rollout.n_samples_per_prompt=4",
+                "rollout.max_new_tokens=64",
+                "data.num_generated=256",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+                "logging.plot=false",
+                "weights.check_every=0",
+                "dashboard.enabled=true",
+                f"dashboard.port={port}",
+            ],
+        )
+        poller = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                POLLER,
+                f"http://127.0.0.1:{port}",
+                str(tmp / "run" / "metrics.jsonl"),
+                str(steps),
+                poll,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         history = train(cfg)
         try:  # it stops by itself once the job's dashboard is gone
             out, _ = poller.communicate(timeout=30)
@@ -243,10 +285,18 @@ def rollout_overhead(steps: int, poll: str = "pages") -> dict:
         per_step["with" if int(h["step"]) % 4 in (1, 2) else "without"].append(h["rollout_tokens_per_s"])
     without, with_ = statistics.median(per_step["without"]), statistics.median(per_step["with"])
     for name, values in per_step.items():
-        print(f"  {name:8s} polling: median {statistics.median(values):7.1f} tok/s over {len(values)} steps "
-              f"(min {min(values):.0f}, max {max(values):.0f})", flush=True)
-    return {"without_tokens_per_s": without, "with_tokens_per_s": with_, "ratio": with_ / without,
-            "steps_each": len(per_step["with"]), "poller_requests": int(out.strip() or 0)}
+        print(
+            f"  {name:8s} polling: median {statistics.median(values):7.1f} tok/s over {len(values)} steps "
+            f"(min {min(values):.0f}, max {max(values):.0f})",
+            flush=True,
+        )
+    return {
+        "without_tokens_per_s": without,
+        "with_tokens_per_s": with_,
+        "ratio": with_ / without,
+        "steps_each": len(per_step["with"]),
+        "poller_requests": int(out.strip() or 0),
+    }
 
 
 def _free_port() -> int:
@@ -275,11 +325,20 @@ def _wait_http(url: str, timeout: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trajectories", type=int, default=100_000)
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4],
-                    help="concurrent connections of the load generator; the first is the target's")
+    ap.add_argument(
+        "--clients",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="concurrent connections of the load generator; the first is the target's",
+    )
     ap.add_argument("--seconds", type=float, default=8.0, help="load time per endpoint")
-    ap.add_argument("--poll", choices=["pages", "summary"], default="pages",
-                    help="what the poller asks: ten pages' worth, or only ten live summaries a second")
+    ap.add_argument(
+        "--poll",
+        choices=["pages", "summary"],
+        default="pages",
+        help="what the poller asks: ten pages' worth, or only ten live summaries a second",
+    )
     ap.add_argument("--steps", type=int, default=82, help="steps of the real job (ABBA: steps 1, 2, 5, 6, ... polled)")
     args = ap.parse_args()
     t0 = time.time()
@@ -294,8 +353,9 @@ def main() -> None:
         "fill_s": round(api["fill_s"], 1),
         **{f"{name}_p{q}_ms": round(v[f"p{q}_ms"], 2) for name, v in e.items() for q in (50, 99)},
         **{f"{name}_req_per_s": round(v["per_s"], 1) for name, v in e.items()},
-        "summary_and_list_p99_under_50ms": all(e[f"{k}_c{args.clients[0]}"]["p99_ms"] < 50
-                                               for k in ("summary", "list_first_page", "list_deep_page")),
+        "summary_and_list_p99_under_50ms": all(
+            e[f"{k}_c{args.clients[0]}"]["p99_ms"] < 50 for k in ("summary", "list_first_page", "list_deep_page")
+        ),
         "rollout_tokens_per_s_without": round(job["without_tokens_per_s"], 1),
         "rollout_tokens_per_s_with_polling": round(job["with_tokens_per_s"], 1),
         "rollout_with_over_without_ratio": round(job["ratio"], 4),

@@ -92,7 +92,9 @@ def main() -> None:
     total = B * N
     engine_tps, hf_tps = total / t_engine, total / t_hf
     same = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
-    print(f"tiny Qwen3-MoE, float32, CPU, {args.threads} threads, batch {B}, {N} new tokens, greedy, best of {args.repeats}")
+    print(
+        f"tiny Qwen3-MoE, float32, CPU, {args.threads} threads, batch {B}, {N} new tokens, greedy, best of {args.repeats}"
+    )
     print(f"{'':22s}{'seconds':>10s}{'decode tok/s':>15s}")
     print(f"{'BuiltinEngine':22s}{t_engine:10.3f}{engine_tps:15.1f}")
     print(f"{'model.generate':22s}{t_hf:10.3f}{hf_tps:15.1f}")

@@ -78,12 +78,19 @@ def make_engine(kind: str, model_dir: str, slots: int):
         from slime.engines.builtin import BuiltinEngine
         from slime.model import load_model
 
-        return BuiltinEngine(load_model(model_dir), max_running_requests=slots, seed=0,
-                             kept_kv_tokens=RolloutConfig().kept_kv_tokens)
+        return BuiltinEngine(
+            load_model(model_dir), max_running_requests=slots, seed=0, kept_kv_tokens=RolloutConfig().kept_kv_tokens
+        )
     from slime.engines.vllm import VllmEngine
 
-    return VllmEngine(model_dir, max_running_requests=slots, seed=0, max_model_len=512, cpu_kv_cache_gib=1.0,
-                      enable_prefix_caching=True)
+    return VllmEngine(
+        model_dir,
+        max_running_requests=slots,
+        seed=0,
+        max_model_len=512,
+        cpu_kv_cache_gib=1.0,
+        enable_prefix_caching=True,
+    )
 
 
 def drive(engine, reqs) -> int:
@@ -101,8 +108,10 @@ def decode(engine, batch: int, new_tokens: int) -> float:
 
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
-    reqs = lambda tag: [GenerationRequest(f"{tag}{i}", [rng.randrange(6, 60) for _ in range(rng.randint(8, 12))], params)
-                        for i in range(batch)]
+    reqs = lambda tag: [
+        GenerationRequest(f"{tag}{i}", [rng.randrange(6, 60) for _ in range(rng.randint(8, 12))], params)
+        for i in range(batch)
+    ]
     drive(engine, reqs("warm"))
     best = float("inf")
     for rep in range(2):
@@ -119,8 +128,11 @@ def sync_rollout(engine, steps: int) -> dict:
     groups = long_tail_groups(GROUPS * steps, seed=0)
     tokens, t0 = 0, time.perf_counter()
     for s in range(steps):
-        reqs = [GenerationRequest(f"s{s}-{g}-{i}", prompt, SamplingParams(temperature=1.0, max_new_tokens=n))
-                for g, (prompt, lengths) in enumerate(groups[s * GROUPS:(s + 1) * GROUPS]) for i, n in enumerate(lengths)]
+        reqs = [
+            GenerationRequest(f"s{s}-{g}-{i}", prompt, SamplingParams(temperature=1.0, max_new_tokens=n))
+            for g, (prompt, lengths) in enumerate(groups[s * GROUPS : (s + 1) * GROUPS])
+            for i, n in enumerate(lengths)
+        ]
         tokens += drive(engine, reqs)
     wall = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
@@ -144,7 +156,9 @@ def april_rollout(engine, steps: int, oversample: float = 2.0) -> dict:
         # resumed partials first, then new groups up to the in-flight target
         groups_now = {members_g for _, _, _, _, members_g in partials}
         for rid, prompt, done, budget, g in partials:
-            engine.add_request(GenerationRequest(rid, prompt, SamplingParams(temperature=1.0, max_new_tokens=budget), done))
+            engine.add_request(
+                GenerationRequest(rid, prompt, SamplingParams(temperature=1.0, max_new_tokens=budget), done)
+            )
             members[rid], response[rid], origin[rid] = g, list(done), (prompt, done, budget)
             left[g] += 1
         partials.clear()
@@ -197,7 +211,7 @@ def run_child(kind: str, model_dir: str, steps: int, threads: int) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{kind} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def best_of_rounds(rounds: list[dict]) -> dict:
@@ -242,15 +256,19 @@ def main() -> None:
         ("decode batch 1 tok/s", "decode_b1_tokens_per_s"),
         ("decode batch 32 tok/s", "decode_b32_tokens_per_s"),
     ]
-    print(f"tiny Qwen3-MoE (untied), float32, CPU, {args.threads} threads each; long-tail mix "
-          f"{GROUPS} groups x {SAMPLES}, cap {CAP}, T=1, {args.steps} steps; "
-          f"load average {load_before:.1f} before, {load_after:.1f} after (other jobs skew both)")
+    print(
+        f"tiny Qwen3-MoE (untied), float32, CPU, {args.threads} threads each; long-tail mix "
+        f"{GROUPS} groups x {SAMPLES}, cap {CAP}, T=1, {args.steps} steps; "
+        f"load average {load_before:.1f} before, {load_after:.1f} after (other jobs skew both)"
+    )
     print(f"{'':28s}{'builtin':>12s}{'vllm':>12s}{'builtin/vllm':>14s}")
     for label, key in rows:
         print(f"{label:28s}{b[key]:12.1f}{v[key]:12.1f}{b[key] / v[key]:14.2f}")
     for mode in ("sync", "april"):
-        print(f"{mode + ' rollout tok/s':28s}{b[mode]['tokens_per_s']:12.1f}{v[mode]['tokens_per_s']:12.1f}"
-              f"{b[mode]['tokens_per_s'] / v[mode]['tokens_per_s']:14.2f}")
+        print(
+            f"{mode + ' rollout tok/s':28s}{b[mode]['tokens_per_s']:12.1f}{v[mode]['tokens_per_s']:12.1f}"
+            f"{b[mode]['tokens_per_s'] / v[mode]['tokens_per_s']:14.2f}"
+        )
     figures = {
         "builtin_decode_b1_tokens_per_s": round(b["decode_b1_tokens_per_s"], 1),
         "vllm_decode_b1_tokens_per_s": round(v["decode_b1_tokens_per_s"], 1),

@@ -68,9 +68,12 @@ def reward_throughput(n: int) -> dict[str, float]:
 
     port = 18000 + os.getpid() % 1000
     token_file = Path(tempfile.mkdtemp(prefix="reward-bench-")) / "token"  # the server writes its token there
-    server = subprocess.Popen([sys.executable, "-m", "slime.cli", "reward-serve", spec, "--port", str(port),
-                               "--token-file", str(token_file)],
-                              cwd=HERE.parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "slime.cli", "reward-serve", spec, "--port", str(port), "--token-file", str(token_file)],
+        cwd=HERE.parent.parent,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 60
@@ -126,11 +129,20 @@ def rollout_with_slow_reward(window_s: float, rounds: int) -> dict[str, float]:
                 for kind in ("none", "slow") if round_ % 2 == 0 else ("slow", "none"):
                     job = f"bench-rewards-{kind}-{round_}"
                     fn = f"{HERE}:{'slow_reward' if kind == 'slow' else 'instant_reward'}"
-                    cfg = load_config(None, [
-                        f"job_name={job}", f"output_dir={tmp}", "rollout.max_new_tokens=48",
-                        "rollout.max_running_requests=16", "rollout.temperature=1.0", "rollout.ignore_eos=true",
-                        "reward.max_concurrency=128", "reward.timeout_s=30", f"reward.fn={fn}",
-                    ])
+                    cfg = load_config(
+                        None,
+                        [
+                            f"job_name={job}",
+                            f"output_dir={tmp}",
+                            "rollout.max_new_tokens=48",
+                            "rollout.max_running_requests=16",
+                            "rollout.temperature=1.0",
+                            "rollout.ignore_eos=true",
+                            "reward.max_concurrency=128",
+                            "reward.timeout_s=30",
+                            f"reward.fn={fn}",
+                        ],
+                    )
                     buffer = TrajectoryStore.open(redis.url, job)
                     buffer.delete_job()
                     for ids, p in prompts:

@@ -121,8 +121,13 @@ def run_slime(args, out_dir: str) -> dict:
             pass
         history = job.logger.history
     completions = sum(h.get("samples", PROMPTS * SAMPLES) for h in history)
-    return {"startup_s": startup, "times": times, "rewards": rewards, "completions": completions,
-            "threads": cfg.cluster.torch_threads}
+    return {
+        "startup_s": startup,
+        "times": times,
+        "rewards": rewards,
+        "completions": completions,
+        "threads": cfg.cluster.torch_threads,
+    }
 
 
 def run_trl(args, model_dir: str, out_dir: str) -> dict:
@@ -250,8 +255,13 @@ def main() -> None:
     model_dir = str(ensure_model_dir(load_config(None, [f"model.warmstart.steps={WARMSTART_STEPS}"]).model))
     print(f"model {model_dir} (ready in {time.time() - t0:.1f}s, excluded)", flush=True)
 
-    summary: dict = {"threshold_reward": args.threshold, "ma_window_steps": args.window, "budget_seconds": args.budget_s,
-                     "completions_per_step": PROMPTS * SAMPLES, "trl_torch_threads": args.trl_threads}
+    summary: dict = {
+        "threshold_reward": args.threshold,
+        "ma_window_steps": args.window,
+        "budget_seconds": args.budget_s,
+        "completions_per_step": PROMPTS * SAMPLES,
+        "trl_torch_threads": args.trl_threads,
+    }
     tmp = tempfile.mkdtemp(prefix="vs_trl-")
     try:
         for side in sides:
@@ -275,8 +285,15 @@ def main() -> None:
         summary["trl_over_slime_time_ratio_at_least"] = round(args.budget_s / a, 2)
 
     print(f"\nthreshold: 5-step MA of batch-mean reward >= {args.threshold}, budget {args.budget_s:.0f}s per side")
-    cols = ["seconds_to_threshold", "steps", "seconds_per_step", "completions_per_s", "first_reward",
-            "final_reward_ma5", "startup_seconds"]
+    cols = [
+        "seconds_to_threshold",
+        "steps",
+        "seconds_per_step",
+        "completions_per_s",
+        "first_reward",
+        "final_reward_ma5",
+        "startup_seconds",
+    ]
     print(f"{'':22s}" + "".join(f"{s:>12s}" for s in sides))
     for c in cols:
         print(f"{c:22s}" + "".join(f"{summary.get(f'{s}_{c}')!s:>12s}" for s in sides))

@@ -43,8 +43,11 @@ def make_tensors(total_mb: float, seed: int = 0) -> list[tuple[str, torch.Tensor
 def engine_process(total_mb: float, bucket_mb: float, jobs: mp.Queue, acks: mp.Queue) -> None:
     torch.set_num_threads(1)
     params = {n: torch.zeros_like(t) for n, t in make_tensors(total_mb, seed=1)}
-    transports = {"shm": SharedMemoryTransport("bench_unused"), "file": FileTransport(tempfile.gettempdir()),
-                  "broadcast": BroadcastTransport(bucket_mb)}
+    transports = {
+        "shm": SharedMemoryTransport("bench_unused"),
+        "file": FileTransport(tempfile.gettempdir()),
+        "broadcast": BroadcastTransport(bucket_mb),
+    }
     try:
         while (job := jobs.get()) is not None:
             kind, handle = job
@@ -134,7 +137,9 @@ def main() -> None:
         result[f"{kind}_gb_per_s"] = round(gb / s, 3)
         result[f"{kind}_vs_memcpy_ratio"] = round((gb / s) / copy_gb_s, 3)
     for kind in seconds:
-        print(f"{kind:>10}: {seconds[kind]:.3f} s  {gb / seconds[kind]:.2f} GB/s  ({(gb / seconds[kind]) / copy_gb_s:.2f} x memcpy)")
+        print(
+            f"{kind:>10}: {seconds[kind]:.3f} s  {gb / seconds[kind]:.2f} GB/s  ({(gb / seconds[kind]) / copy_gb_s:.2f} x memcpy)"
+        )
     print(f"{'memcpy':>10}: {best_copy:.3f} s  {copy_gb_s:.2f} GB/s")
     print(json.dumps(result))
 

@@ -33,13 +33,29 @@ def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int) -> torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if tiny:
-        cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                          tie_word_embeddings=False)
+        cfg = Qwen3Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+        )
     else:  # Qwen3-0.6B's shape with untied embeddings: ~0.75B parameters
-        cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                          tie_word_embeddings=False)
+        cfg = Qwen3Config(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device):  # initialise directly on the device: seconds, not minutes, for 0.75B
@@ -77,8 +93,14 @@ def engine_process(args: argparse.Namespace, jobs: mp.Queue, results: mp.Queue) 
             elif kind == "decode":
                 batch, new_tokens = payload
                 g = torch.Generator().manual_seed(7)
-                reqs = [GenerationRequest(f"r{i}", torch.randint(0, vocab, (64,), generator=g).tolist(),
-                                          SamplingParams(temperature=1.0, max_new_tokens=new_tokens)) for i in range(batch)]
+                reqs = [
+                    GenerationRequest(
+                        f"r{i}",
+                        torch.randint(0, vocab, (64,), generator=g).tolist(),
+                        SamplingParams(temperature=1.0, max_new_tokens=new_tokens),
+                    )
+                    for i in range(batch)
+                ]
                 engine.generate(reqs[:1])  # warm-up (kernels, allocator)
                 if args.device.startswith("cuda"):
                     torch.cuda.synchronize()
@@ -178,8 +200,11 @@ def main() -> int:
         ("transport", transport.name),
         ("weight sync (publish -> applied)", f"{best:.3f} s, {nbytes / best / 1e9:.2f} GB/s"),
         ("  engine apply only", f"{engine_best:.3f} s, {nbytes / engine_best / 1e9:.2f} GB/s"),
-        ("probe |logp diff| max", f"{probe_diff:.2e} (tolerance {tolerance:.0e}; {diff_before:.2e} before the sync) "
-                                  f"{'OK' if ok else 'MISMATCH'}"),
+        (
+            "probe |logp diff| max",
+            f"{probe_diff:.2e} (tolerance {tolerance:.0e}; {diff_before:.2e} before the sync) "
+            f"{'OK' if ok else 'MISMATCH'}",
+        ),
         ("decode batch 32", f"{tps32:.0f} tokens/s"),
         ("decode batch 1", f"{tps1:.0f} tokens/s"),
         ("total wall", f"{total:.1f} s"),
@@ -187,12 +212,27 @@ def main() -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    print(json.dumps({
-        "check": "gpu_check", "device": a.device, "params": n_params, "dtype": a.dtype, "transport": transport.name,
-        "weight_bytes": nbytes, "weight_sync_seconds": round(best, 4), "weight_sync_gb_per_s": round(nbytes / best / 1e9, 3),
-        "engine_apply_seconds": round(engine_best, 4), "probe_max_abs_diff": probe_diff, "probe_diff_before_sync": diff_before, "probe_ok": ok,
-        "decode_b32_tokens_per_s": round(tps32, 1), "decode_b1_tokens_per_s": round(tps1, 1), "total_seconds": round(total, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "check": "gpu_check",
+                "device": a.device,
+                "params": n_params,
+                "dtype": a.dtype,
+                "transport": transport.name,
+                "weight_bytes": nbytes,
+                "weight_sync_seconds": round(best, 4),
+                "weight_sync_gb_per_s": round(nbytes / best / 1e9, 3),
+                "engine_apply_seconds": round(engine_best, 4),
+                "probe_max_abs_diff": probe_diff,
+                "probe_diff_before_sync": diff_before,
+                "probe_ok": ok,
+                "decode_b32_tokens_per_s": round(tps32, 1),
+                "decode_b1_tokens_per_s": round(tps1, 1),
+                "total_seconds": round(total, 1),
+            }
+        )
+    )
     return 0 if ok else 1
 
 

@@ -45,7 +45,7 @@ def extract_code(response: str) -> str:
     return response or ""
 
 
-_HARNESS = r'''
+_HARNESS = r"""
 import json as _json, os as _os, signal as _signal, sys as _sys, traceback as _tb
 def _harness(_nonce, _solution, _tests, _per_test_s):
     _fd = _os.dup(1)
@@ -81,7 +81,7 @@ def _harness(_nonce, _solution, _tests, _per_test_s):
         _report({"i": _i, "status": _st, "stderr": _err})
 _args = _json.loads(_sys.stdin.readline())
 _harness(*_args)
-'''
+"""
 
 
 def _tail(s: str, n: int = 1000) -> str:
@@ -105,7 +105,7 @@ def run_assert_tests(code: str, tests: list[str], sandbox: Sandbox, per_test_s: 
         if not line.startswith(nonce):
             continue
         try:
-            obj = json.loads(line[len(nonce):])
+            obj = json.loads(line[len(nonce) :])
         except ValueError:
             continue
         if "setup" in obj:
@@ -136,8 +136,15 @@ def run_io_cases(code: str, cases: list[dict], pool: SandboxPool) -> list[dict]:
         else:
             passed = _norm(r.stdout) == _norm(expected)
             status = "ok" if passed else "wrong_answer"
-        out.append({"stdin": _tail(str(c.get("stdin", "")), 200), "passed": passed, "status": status,
-                    "stderr": _tail(r.stderr), "stdout": _tail(r.stdout, 200)})
+        out.append(
+            {
+                "stdin": _tail(str(c.get("stdin", "")), 200),
+                "passed": passed,
+                "status": status,
+                "stderr": _tail(r.stderr),
+                "stdout": _tail(r.stdout, 200),
+            }
+        )
     return out
 
 
@@ -153,8 +160,13 @@ def default_pool() -> SandboxPool:
         return _default_pool
 
 
-def score_code(response: str, tests: list[str] | None = None, cases: list[dict] | None = None,
-               pool: SandboxPool | None = None, per_test_s: float = 2.0) -> dict[str, Any]:
+def score_code(
+    response: str,
+    tests: list[str] | None = None,
+    cases: list[dict] | None = None,
+    pool: SandboxPool | None = None,
+    per_test_s: float = 2.0,
+) -> dict[str, Any]:
     pool = pool or default_pool()
     code = extract_code(response)
     tests, cases = list(tests or []), list(cases or [])

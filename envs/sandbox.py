@@ -191,13 +191,17 @@ def _fix_hint() -> str:
     hints = ["install bubblewrap (`apt-get install -y bubblewrap`)"]
     p = "/proc/sys/kernel/unprivileged_userns_clone"
     if os.path.exists(p):
-        hints.append(f"enable unprivileged user namespaces (`sysctl -w kernel.unprivileged_userns_clone=1`, now {_read(p)})")
+        hints.append(
+            f"enable unprivileged user namespaces (`sysctl -w kernel.unprivileged_userns_clone=1`, now {_read(p)})"
+        )
     p = "/proc/sys/user/max_user_namespaces"
     if os.path.exists(p):
         hints.append(f"make sure `sysctl user.max_user_namespaces` > 0 (now {_read(p)})")
     p = "/proc/sys/kernel/apparmor_restrict_unprivileged_userns"
     if os.path.exists(p):
-        hints.append("on Ubuntu >= 23.10 allow userns for bwrap (`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile)")
+        hints.append(
+            "on Ubuntu >= 23.10 allow userns for bwrap (`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile)"
+        )
     hints.append("in Docker, run with `--security-opt seccomp=unconfined` (or `--privileged`) or as root")
     hints.append('or, knowing it gives NO isolation, set mode="unsafe_no_namespaces"')
     return "; ".join(hints)
@@ -243,8 +247,10 @@ class Sandbox:
             return f"bubblewrap (`{cfg.bwrap}`) not found on PATH; fix: {_fix_hint()}"
         steps = [
             ("`bwrap --ro-bind / / true`", [bwrap, "--ro-bind", "/", "/", "true"]),
-            ("bwrap with the sandbox's namespaces running the interpreter",
-             self._bwrap_argv(bwrap, "/nonexistent-probe-dir") + [cfg.python, "-c", "pass"]),
+            (
+                "bwrap with the sandbox's namespaces running the interpreter",
+                self._bwrap_argv(bwrap, "/nonexistent-probe-dir") + [cfg.python, "-c", "pass"],
+            ),
         ]
         for what, argv in steps:
             uid = _acquire_uid(cfg)
@@ -252,9 +258,17 @@ class Sandbox:
                 if argv[0] == bwrap and "--bind" in argv:
                     argv = [a for a in argv]  # the probe needs no /work: replace bind with tmpfs
                     i = argv.index("--bind")
-                    argv[i:i + 3] = ["--tmpfs", "/work"]
-                r = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False,
-                                   user=uid, group=uid, extra_groups=[] if uid is not None else None)
+                    argv[i : i + 3] = ["--tmpfs", "/work"]
+                r = subprocess.run(
+                    argv,
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=False,
+                    user=uid,
+                    group=uid,
+                    extra_groups=[] if uid is not None else None,
+                )
             except (OSError, subprocess.SubprocessError) as e:
                 return f"{what} failed to start: {e}; fix: {_fix_hint()}"
             finally:
@@ -263,43 +277,74 @@ class Sandbox:
                 _release_uid(uid)
             if r.returncode != 0:
                 who = f"host uid {uid}" if uid is not None else f"uid {os.geteuid()}"
-                return (f"{what} failed (exit {r.returncode}, as {who}): {r.stderr.strip()[-500:]}; "
-                        f"fix: {_fix_hint()}")
+                return f"{what} failed (exit {r.returncode}, as {who}): {r.stderr.strip()[-500:]}; fix: {_fix_hint()}"
         return None
 
     # -- argv --------------------------------------------------------------------------
 
     def _bwrap_argv(self, bwrap: str, workdir: str) -> list[str]:
         cfg = self.config
-        a = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
-             "--uid", "65534", "--gid", "65534", "--hostname", "sandbox",
-             "--die-with-parent", "--new-session", "--clearenv",
-             "--ro-bind", "/usr", "/usr"]
+        a = [
+            bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--uid",
+            "65534",
+            "--gid",
+            "65534",
+            "--hostname",
+            "sandbox",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+        ]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
             if os.path.islink(top):
                 a += ["--symlink", os.readlink(top), top]
             elif os.path.isdir(top):
                 a += ["--ro-bind", top, top]
-        for etc in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
-                    "/etc/localtime"):
+        for etc in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
             a += ["--ro-bind-try", etc, etc]
         for name in sorted(os.listdir("/etc")) if os.path.isdir("/etc") else []:
             if name.startswith("python3"):
                 a += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
         for p in cfg.extra_ro_binds:
             a += ["--ro-bind", p, p]
-        a += ["--proc", "/proc", "--dev", "/dev",
-              "--size", str(cfg.tmp_size_mb * 1024 * 1024), "--tmpfs", "/tmp",
-              "--bind", workdir, "/work", "--chdir", "/work",
-              "--remount-ro", "/"]  # the skeleton root tmpfs (/, /etc, ...) read-only too
+        a += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(cfg.tmp_size_mb * 1024 * 1024),
+            "--tmpfs",
+            "/tmp",
+            "--bind",
+            workdir,
+            "/work",
+            "--chdir",
+            "/work",
+            "--remount-ro",
+            "/",
+        ]  # the skeleton root tmpfs (/, /etc, ...) read-only too
         for k, v in self._env().items():
             a += ["--setenv", k, v]
         return a
 
     def _env(self) -> dict[str, str]:
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
-               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-               "PYTHONIOENCODING": "utf-8"}
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/work",
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONIOENCODING": "utf-8",
+        }
         env.update(self.config.env)
         return env
 
@@ -310,14 +355,22 @@ class Sandbox:
         # RLIMIT_NPROC counts every process of the real uid, zombies included, not just this run's:
         # our own uid when not root; leftover unreaped zombies of the dedicated uid when root
         nproc += _count_procs_of_uid(os.getuid() if uid is None else uid)
-        return ["prlimit", f"--cpu={cpu}", f"--as={cfg.memory_mb * 1024 * 1024}", f"--nproc={nproc}",
-                f"--fsize={cfg.max_file_mb * 1024 * 1024}", f"--nofile={cfg.max_open_files}",
-                "--core=0", "--"]
+        return [
+            "prlimit",
+            f"--cpu={cpu}",
+            f"--as={cfg.memory_mb * 1024 * 1024}",
+            f"--nproc={nproc}",
+            f"--fsize={cfg.max_file_mb * 1024 * 1024}",
+            f"--nofile={cfg.max_open_files}",
+            "--core=0",
+            "--",
+        ]
 
     # -- public API --------------------------------------------------------------------
 
-    def run_python(self, code: str, stdin: str = "", files: dict[str, str | bytes] | None = None,
-                   args: list[str] | None = None) -> SandboxResult:
+    def run_python(
+        self, code: str, stdin: str = "", files: dict[str, str | bytes] | None = None, args: list[str] | None = None
+    ) -> SandboxResult:
         files = dict(files or {})
         if MAIN_FILE in files:
             raise ValueError(f"{MAIN_FILE} is reserved")
@@ -383,14 +436,21 @@ _SIGNAL_STATUS: dict[int, Status] = {
 }
 
 
-def _execute(argv: list[str], stdin_file, env: dict, cwd: str, uid: int | None,
-             cfg: SandboxConfig) -> SandboxResult:
+def _execute(argv: list[str], stdin_file, env: dict, cwd: str, uid: int | None, cfg: SandboxConfig) -> SandboxResult:
     t0 = time.monotonic()
     deadline = t0 + cfg.timeout_s
     proc = subprocess.Popen(
-        argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
-        start_new_session=True, close_fds=True,
-        user=uid, group=uid, extra_groups=[] if uid is not None else None,
+        argv,
+        stdin=stdin_file,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+        close_fds=True,
+        user=uid,
+        group=uid,
+        extra_groups=[] if uid is not None else None,
     )
     limit = cfg.max_output_bytes
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
@@ -423,7 +483,7 @@ def _execute(argv: list[str], stdin_file, env: dict, cwd: str, uid: int | None,
                     continue
                 room = limit - len(bufs[fd])
                 if len(chunk) > room:
-                    bufs[fd] += chunk[:max(room, 0)]
+                    bufs[fd] += chunk[: max(room, 0)]
                     trunc[fd] = True
                     reason = "output_limit"
                 else:
@@ -464,8 +524,9 @@ def _execute(argv: list[str], stdin_file, env: dict, cwd: str, uid: int | None,
         status = _SIGNAL_STATUS[sig]
     else:
         status = "error"
-    return SandboxResult(status, None if reason in ("timeout", "output_limit") else rc, stdout, stderr,
-                         t_out, t_err, round(wall, 4))
+    return SandboxResult(
+        status, None if reason in ("timeout", "output_limit") else rc, stdout, stderr, t_out, t_err, round(wall, 4)
+    )
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

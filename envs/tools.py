@@ -40,8 +40,13 @@ class ToolCallError(ValueError):
 
 # ---- calculator --------------------------------------------------------------------------------
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 200
@@ -138,7 +143,12 @@ class DocumentIndex:
             for w in words:
                 f = tf.get(w, 0)
                 if f:
-                    score += self.idf[w] * f * (self.k1 + 1) / (f + self.k1 * (1 - self.b + self.b * length / self.avg_length))
+                    score += (
+                        self.idf[w]
+                        * f
+                        * (self.k1 + 1)
+                        / (f + self.k1 * (1 - self.b + self.b * length / self.avg_length))
+                    )
             if score > 0:
                 scored.append((score, doc))
         scored.sort(key=lambda pair: -pair[0])

@@ -1,9 +1,9 @@
 """Write the small datasets of the environment examples (committed; rerun to regenerate):
 
-    examples/data/calculator.jsonl   multi-step arithmetic for the calculator tool (examples/calculator_tools.yaml)
-    examples/data/code_gen.jsonl     small functions with assert-based unit tests (examples/code_gen.yaml)
+examples/data/calculator.jsonl   multi-step arithmetic for the calculator tool (examples/calculator_tools.yaml)
+examples/data/code_gen.jsonl     small functions with assert-based unit tests (examples/code_gen.yaml)
 
-    python examples/make_env_data.py
+python examples/make_env_data.py
 """
 
 from __future__ import annotations
@@ -22,10 +22,18 @@ CODE_PROBLEMS = [
     ("last(xs)", "the last item of the list xs", ["assert last([1, 2, 3]) == 3", "assert last('ab') == 'b'"]),
     ("rev(s)", "the string s reversed", ["assert rev('abc') == 'cba'", "assert rev('') == ''"]),
     ("count_a(s)", "how many 'a' characters s has", ["assert count_a('banana') == 3", "assert count_a('xyz') == 0"]),
-    ("maxi(a, b)", "the larger of a and b", ["assert maxi(1, 2) == 2", "assert maxi(5, -1) == 5", "assert maxi(3, 3) == 3"]),
+    (
+        "maxi(a, b)",
+        "the larger of a and b",
+        ["assert maxi(1, 2) == 2", "assert maxi(5, -1) == 5", "assert maxi(3, 3) == 3"],
+    ),
     ("total(xs)", "the sum of the list xs", ["assert total([1, 2, 3]) == 6", "assert total([]) == 0"]),
     ("repeat(s, n)", "s repeated n times", ["assert repeat('ab', 3) == 'ababab'", "assert repeat('x', 0) == ''"]),
-    ("first_char(s)", "the first character of s", ["assert first_char('hello') == 'h'", "assert first_char('z') == 'z'"]),
+    (
+        "first_char(s)",
+        "the first character of s",
+        ["assert first_char('hello') == 'h'", "assert first_char('z') == 'z'"],
+    ),
     ("neg(x)", "minus x", ["assert neg(3) == -3", "assert neg(-8) == 8", "assert neg(0) == 0"]),
 ]
 

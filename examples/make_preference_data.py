@@ -62,12 +62,18 @@ def make_preference_pairs(num: int, seed: int = 0, kinds: tuple[str, ...] = KIND
         problem = repeat.make_problem(rng)
         pattern, n = _parse(problem)
         rows.append(
-            {"prompt": problem["prompt"], "chosen": problem["label"], "rejected": corrupt(pattern, n, rng.choice(kinds), rng)}
+            {
+                "prompt": problem["prompt"],
+                "chosen": problem["label"],
+                "rejected": corrupt(pattern, n, rng.choice(kinds), rng),
+            }
         )
     return rows
 
 
-def make_prm_examples(num: int, seed: int = 0, error_rate: float = 0.6, alphabet: str = FOREIGN) -> list[dict[str, Any]]:
+def make_prm_examples(
+    num: int, seed: int = 0, error_rate: float = 0.6, alphabet: str = FOREIGN
+) -> list[dict[str, Any]]:
     """Step-labelled answers; a wrong step has one character from `alphabet` (default: letters the task never uses)."""
     rng = random.Random(seed)
     rows = []

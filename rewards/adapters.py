@@ -141,17 +141,21 @@ def native_caller(fn: Callable[..., Any], name: str | None = None) -> Callable[[
 # --- styles --------------------------------------------------------------------------------------
 
 
-def _native(fn: Callable[..., Any], name: str, build: Callable[..., tuple[tuple, dict]],
-            post: Callable[[Any], Any]) -> Callable[..., Any]:
+def _native(
+    fn: Callable[..., Any], name: str, build: Callable[..., tuple[tuple, dict]], post: Callable[[Any], Any]
+) -> Callable[..., Any]:
     """A native-signature function calling `fn(*args, **kwargs)` from `build`, sync or async like fn."""
     if _is_async(fn):
+
         async def reward(prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Any:
             args, kwargs = build(prompt, response, label, dict(metadata or {}))
             return post(await fn(*args, **kwargs))
     else:
+
         def reward(prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Any:
             args, kwargs = build(prompt, response, label, dict(metadata or {}))
             return post(fn(*args, **kwargs))
+
     reward.__name__ = getattr(fn, "__name__", "reward")
     reward.__qualname__ = name  # the runner names failures after this
     reward.__module__ = ""
@@ -180,7 +184,9 @@ def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     def post(value: Any) -> Any:
         if isinstance(value, Mapping):
             if "score" not in value:
-                raise ValueError(f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})")
+                raise ValueError(
+                    f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
+                )
             return value["score"]
         return value
 
@@ -194,7 +200,8 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     accepts = _acceptor(fn)
     sig = inspect.signature(fn)
     required = [
-        n for n, p in sig.parameters.items()
+        n
+        for n, p in sig.parameters.items()
         if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
 
@@ -221,8 +228,7 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             )
         if len(value) != 1:
             raise ValueError(
-                f"TRL-style reward {name} returned {len(value)} scores for 1 completion; "
-                f"expected a list of exactly 1"
+                f"TRL-style reward {name} returned {len(value)} scores for 1 completion; expected a list of exactly 1"
             )
         if value[0] is None:
             raise ValueError(f"TRL-style reward {name} returned [None]: it does not apply to this sample")

@@ -62,7 +62,9 @@ Explain briefly, then give your verdict on the last line: [[A]] if A is better, 
 _NUM = r"(-?\d+(?:\.\d+)?)"
 _SCORE_PATTERNS = [
     re.compile(r"\[\[\s*" + _NUM + r"\s*(?:/\s*\d+(?:\.\d+)?)?\s*\]\]"),  # [[8]], [[8/10]]
-    re.compile(r"\b(?:score|rating|grade)\b\s*(?:is|of|=|:)?\s*\**\s*" + _NUM + r"(?:\s*(?:/|out of)\s*(\d+(?:\.\d+)?))?", re.I),
+    re.compile(
+        r"\b(?:score|rating|grade)\b\s*(?:is|of|=|:)?\s*\**\s*" + _NUM + r"(?:\s*(?:/|out of)\s*(\d+(?:\.\d+)?))?", re.I
+    ),
     re.compile(_NUM + r"\s*(?:/|out of)\s*(\d+(?:\.\d+)?)"),  # bare 8/10
 ]
 
@@ -134,8 +136,14 @@ def _winner(token: str) -> Literal["A", "B", "tie"]:
 class OpenAIBackend:
     """Any OpenAI-compatible server: POST {url}/v1/chat/completions (api="chat") or /v1/completions."""
 
-    def __init__(self, url: str, model: str | None = None, api: Literal["chat", "completions"] = "chat",
-                 api_key: str | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str | None = None,
+        api: Literal["chat", "completions"] = "chat",
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"judge url must start with http:// or https://, got {redact_url(url)!r}")
         if api not in ("chat", "completions"):
@@ -169,7 +177,9 @@ class OpenAIBackend:
             choice = resp.json()["choices"][0]
             text = choice["message"]["content"] if self.api == "chat" else choice["text"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise RuntimeError(f"judge {self.name}: unexpected reply ({type(exc).__name__}): {resp.text[:300]}") from None
+            raise RuntimeError(
+                f"judge {self.name}: unexpected reply ({type(exc).__name__}): {resp.text[:300]}"
+            ) from None
         if not isinstance(text, str):
             raise RuntimeError(f"judge {self.name}: reply text is {type(text).__name__}, not a string")
         return text
@@ -191,7 +201,11 @@ class EngineBackend:
         self.name = f"engine:{model_dir}"
 
     async def complete(self, prompt: str, max_tokens: int, temperature: float) -> str:
-        ids = self.generator.chat_ids([{"role": "user", "content": prompt}]) if self.chat else self.generator.text_ids(prompt)
+        ids = (
+            self.generator.chat_ids([{"role": "user", "content": prompt}])
+            if self.chat
+            else self.generator.text_ids(prompt)
+        )
         completion = await asyncio.wrap_future(self.generator.submit(ids, max_tokens, temperature))
         return completion.text
 
@@ -230,7 +244,12 @@ class LLMJudge:
         self.__name__ = self.__qualname__ = f"llm_judge({mode}, {backend.name})"
 
     def _fill(self, **fields: Any) -> str:
-        values = {"rubric": self.rubric, "max_score": f"{self.max_score:g}", "min_score": f"{self.min_score:g}", **fields}
+        values = {
+            "rubric": self.rubric,
+            "max_score": f"{self.max_score:g}",
+            "min_score": f"{self.min_score:g}",
+            **fields,
+        }
         return self.template.format_map(_Blank(values))
 
     async def __call__(self, prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> dict:
@@ -240,8 +259,9 @@ class LLMJudge:
 
     async def _pointwise(self, prompt: str, response: str, label: Any) -> dict:
         reference = f"[Reference answer]\n{label}\n" if label not in (None, "") else ""
-        text = await self.backend.complete(self._fill(prompt=prompt, response=response, reference=reference),
-                                           self.max_tokens, self.temperature)
+        text = await self.backend.complete(
+            self._fill(prompt=prompt, response=response, reference=reference), self.max_tokens, self.temperature
+        )
         rating = parse_score(text, self.max_score, self.min_score)
         if rating is None:
             raise JudgeParseError(
@@ -258,10 +278,14 @@ class LLMJudge:
         orders = [(response, str(reference), "A")]
         if self.swap:
             orders.append((str(reference), response, "B"))
-        texts = await asyncio.gather(*(
-            self.backend.complete(self._fill(prompt=prompt, response_a=a, response_b=b), self.max_tokens, self.temperature)
-            for a, b, _ in orders
-        ))
+        texts = await asyncio.gather(
+            *(
+                self.backend.complete(
+                    self._fill(prompt=prompt, response_a=a, response_b=b), self.max_tokens, self.temperature
+                )
+                for a, b, _ in orders
+            )
+        )
         points = []
         for (_, _, ours), text in zip(orders, texts):
             verdict = parse_verdict(text)
@@ -270,7 +294,10 @@ class LLMJudge:
                     f"no verdict in the judge's text (expected [[A]], [[B]] or [[C]]); judge said: {text[:1000]!r}"
                 )
             points.append(0.5 if verdict == "tie" else 1.0 if verdict == ours else 0.0)
-        return {"score": sum(points) / len(points), "info": {"judge": [t[:1000] for t in texts], "judge_points": points}}
+        return {
+            "score": sum(points) / len(points),
+            "info": {"judge": [t[:1000] for t in texts], "judge_points": points},
+        }
 
 
 class _Blank(dict):
@@ -294,7 +321,9 @@ def llm_judge(
     model_dir="tiny" is the built-in tiny MoE).
     Other keywords go to LLMJudge (mode, rubric, template, max_score, min_score, max_tokens, temperature, swap)."""
     if (url is None) == (model_dir is None):
-        raise ValueError("llm_judge needs exactly one of url (an OpenAI-compatible server) or model_dir (the built-in engine)")
+        raise ValueError(
+            "llm_judge needs exactly one of url (an OpenAI-compatible server) or model_dir (the built-in engine)"
+        )
     backend: OpenAIBackend | EngineBackend
     if url is not None:
         backend = OpenAIBackend(url, model, api, api_key, timeout_s)

@@ -46,7 +46,9 @@ def as_score(value: Any, name: str) -> float:
     """A child's return value as a finite float, or RewardChildError saying why not."""
     if isinstance(value, Mapping):
         if "score" not in value:
-            raise RewardChildError(f"reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})")
+            raise RewardChildError(
+                f"reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
+            )
         value = value["score"]
     if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise RewardChildError(f"reward {name} returned {type(value).__name__} {value!r:.80}, not a number")
@@ -114,6 +116,7 @@ def WeightedSum(children: Sequence[tuple[Callable[..., Any] | str, float]]) -> C
     label_ = "WeightedSum(" + " + ".join(f"{w:g}*{c.name}" for c, w in parts) + ")"
 
     if any(c.is_async for c, _ in parts):
+
         async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
             meta = metadata if metadata is not None else {}
             tasks = [asyncio.ensure_future(c.run(prompt, response, label, meta)) for c, _ in parts]
@@ -125,6 +128,7 @@ def WeightedSum(children: Sequence[tuple[Callable[..., Any] | str, float]]) -> C
                 raise
             return sum(w * s for (_, w), s in zip(parts, scores))
     else:
+
         def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
             meta = metadata if metadata is not None else {}
             return sum(w * c.sync(prompt, response, label, meta) for c, w in parts)
@@ -156,16 +160,22 @@ def RouteByField(
 
     everyone = list(table.values()) + ([fallback] if fallback else [])
     if any(c.is_async for c in everyone):
+
         async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
             meta = metadata if metadata is not None else {}
             return await pick(meta).run(prompt, response, label, meta)
     else:
+
         def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
             meta = metadata if metadata is not None else {}
             return pick(meta).sync(prompt, response, label, meta)
 
-    return _finish(reward, f"RouteByField({field!r}: {', '.join(known)}{'; default' if fallback else ''})",
-                   routes={k: c.fn for k, c in table.items()}, default=fallback.fn if fallback else None)
+    return _finish(
+        reward,
+        f"RouteByField({field!r}: {', '.join(known)}{'; default' if fallback else ''})",
+        routes={k: c.fn for k, c in table.items()},
+        default=fallback.fn if fallback else None,
+    )
 
 
 # --- from config ---------------------------------------------------------------------------------
@@ -205,8 +215,10 @@ class RouteSpec(_Strict):
         return v
 
 
-_FORMS = ("a spec string 'pkg.module:fn' or 'path.py:fn'; {'fn': ..., 'style': ...}; "
-          "{'mix': [{'fn': ..., 'weight': ...}, ...]}; {'route': field, 'routes': {...}, 'default': ...}")
+_FORMS = (
+    "a spec string 'pkg.module:fn' or 'path.py:fn'; {'fn': ..., 'style': ...}; "
+    "{'mix': [{'fn': ..., 'weight': ...}, ...]}; {'route': field, 'routes': {...}, 'default': ...}"
+)
 
 
 class RewardSpecError(ValueError):
@@ -222,9 +234,9 @@ def load_reward_spec(spec: str | dict, _path: str = "reward") -> Callable[..., A
     keys = set(spec)
     if "mix" in keys:
         model = _validate(MixSpec, spec, _path)
-        return WeightedSum([
-            (load_reward_spec(item.fn, f"{_path}.mix.{i}.fn"), item.weight) for i, item in enumerate(model.mix)
-        ])
+        return WeightedSum(
+            [(load_reward_spec(item.fn, f"{_path}.mix.{i}.fn"), item.weight) for i, item in enumerate(model.mix)]
+        )
     if "route" in keys or "routes" in keys:
         model = _validate(RouteSpec, spec, _path)
         routes = {k: load_reward_spec(v, f"{_path}.routes.{k}") for k, v in model.routes.items()}
@@ -256,9 +268,7 @@ def _validate(model: type[BaseModel], spec: Mapping, path: str) -> Any:
     try:
         return model.model_validate(dict(spec))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join([path, *map(str, e['loc'])])}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join([path, *map(str, e['loc'])])}: {e['msg']}" for e in exc.errors())
         raise RewardSpecError(f"invalid reward spec: {problems}") from None
 
 

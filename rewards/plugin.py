@@ -29,7 +29,9 @@ def load_function(spec: str) -> Callable[..., Any]:
         raise PluginError(f"plugin spec {spec!r} has no ':'; write {SPEC_FORMS}")
     target, _, attr = spec.strip().rpartition(":")
     if not target or not attr:
-        raise PluginError(f"plugin spec {spec!r}: empty {'module/file' if not target else 'function'} name; write {SPEC_FORMS}")
+        raise PluginError(
+            f"plugin spec {spec!r}: empty {'module/file' if not target else 'function'} name; write {SPEC_FORMS}"
+        )
 
     if target.endswith(".py") or "/" in target or "\\" in target:
         module = _load_file(spec, target)
@@ -59,9 +61,13 @@ def _import_module(spec: str, name: str) -> ModuleType:
                 f"plugin spec {spec!r}: module {name!r} not found (is it installed or on PYTHONPATH? "
                 f"working directory: {Path.cwd()})"
             ) from exc
-        raise PluginError(f"plugin spec {spec!r}: importing module {name!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise PluginError(
+            f"plugin spec {spec!r}: importing module {name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     except Exception as exc:
-        raise PluginError(f"plugin spec {spec!r}: importing module {name!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise PluginError(
+            f"plugin spec {spec!r}: importing module {name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _load_file(spec: str, target: str) -> ModuleType:

@@ -211,7 +211,9 @@ class ProcessRewardModel(ScalarHeadModel):
                 self.train(was_training)
         return out
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str], how: str = "min", batch_size: int = 32) -> list[float]:
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], how: str = "min", batch_size: int = 32
+    ) -> list[float]:
         return [aggregate(s, how) for s in self.step_scores(prompts, responses, batch_size)]
 
     def token_rewards(
@@ -357,7 +359,11 @@ class PRMReward:
     """Native-signature reward: the aggregated step scores of a saved PRM (see `prm_reward`)."""
 
     def __init__(
-        self, model_dir: str | Path, aggregation: str = "min", device: str = "cpu", batch_size: int = 32,
+        self,
+        model_dir: str | Path,
+        aggregation: str = "min",
+        device: str = "cpu",
+        batch_size: int = 32,
         token_level: bool = False,
     ):
         if aggregation not in AGGREGATIONS:
@@ -390,7 +396,11 @@ class PRMReward:
 
 
 def prm_reward(
-    model_dir: str | Path, aggregation: str = "min", device: str = "cpu", batch_size: int = 32, token_level: bool = False
+    model_dir: str | Path,
+    aggregation: str = "min",
+    device: str = "cpu",
+    batch_size: int = 32,
+    token_level: bool = False,
 ) -> PRMReward:
     """`fn(prompt, response, label, metadata)`: aggregated step scores of the PRM in `model_dir`;
     with token_level=True also the per-step scores, which PPO/GAE then gets on step-end tokens."""

@@ -135,7 +135,6 @@ class ScalarHeadModel(torch.nn.Module):
     def from_backbone(cls, model_dir: str | Path, seed: int = 0, device: str = "cpu", **meta: Any):
         """A fresh (randomly initialised from `seed`) head on the HF model in `model_dir`."""
 
-
         model_dir = Path(model_dir).expanduser()
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir}: no config.json (expected a local HF model directory)")
@@ -163,7 +162,6 @@ class ScalarHeadModel(torch.nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu"):
-
 
         path = Path(path).expanduser()
         cfg_file = path / CONFIG_NAME
@@ -214,7 +212,9 @@ class ScalarHeadModel(torch.nn.Module):
         ids, attn = self._pad(seqs)
         hidden = self.backbone(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
         values = self.head(hidden).squeeze(-1)  # [B, T]
-        return [values[i, torch.as_tensor(list(p), dtype=torch.long, device=values.device)] for i, p in enumerate(positions)]
+        return [
+            values[i, torch.as_tensor(list(p), dtype=torch.long, device=values.device)] for i, p in enumerate(positions)
+        ]
 
 
 class RewardModel(ScalarHeadModel):
@@ -289,7 +289,13 @@ def fit(
 
 
 def _optimizer_step(
-    model: torch.nn.Module, optim: torch.optim.Optimizer, loss: torch.Tensor, lr: float, step: int, steps: int, warmup: int
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    lr: float,
+    step: int,
+    steps: int,
+    warmup: int,
 ) -> None:
     """Warm-up + linear-decay lr, backward, clip to 1.0, step: one update of the RM/PRM trainers."""
     _set_lr(optim, lr, step, steps, warmup)
@@ -424,8 +430,17 @@ def run_cli(
         model_dir = resolve_model_dir(ns.model_dir)
         kwargs = {k: getattr(ns, k) for k in extra}
         result = train_fn(
-            model_dir, ns.data, ns.out, steps=ns.steps, lr=ns.lr, batch_size=ns.batch_size,
-            eval_fraction=ns.eval_fraction, seed=ns.seed, device=ns.device, log_every=ns.log_every, **kwargs,
+            model_dir,
+            ns.data,
+            ns.out,
+            steps=ns.steps,
+            lr=ns.lr,
+            batch_size=ns.batch_size,
+            eval_fraction=ns.eval_fraction,
+            seed=ns.seed,
+            device=ns.device,
+            log_every=ns.log_every,
+            **kwargs,
         )
     except (DataError, FileNotFoundError, ValueError) as e:
         print(f"{parser.prog}: error: {e}", flush=True)

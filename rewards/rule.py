@@ -213,11 +213,14 @@ def length_penalty(
         return as_score(value, inner_name) - penalty
 
     if _is_async(inner):
+
         async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
             return penalised(await call(prompt, response, label, metadata), response)
     else:
+
         def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
             return penalised(call(prompt, response, label, metadata), response)
+
     reward.__qualname__ = f"length_penalty({inner_name}, budget={budget} {unit})"
     return reward
 
@@ -296,9 +299,23 @@ def extract_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-_LATEX_NOISE = [("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\dfrac", "\\frac"),
-                ("\\tfrac", "\\frac"), ("\\cdot", "*"), ("\\times", "*"), ("\\%", ""), ("%", ""), ("$", ""),
-                ("^{\\circ}", ""), ("^\\circ", ""), ("\\displaystyle", "")]
+_LATEX_NOISE = [
+    ("\\left", ""),
+    ("\\right", ""),
+    ("\\!", ""),
+    ("\\,", ""),
+    ("\\;", ""),
+    ("\\dfrac", "\\frac"),
+    ("\\tfrac", "\\frac"),
+    ("\\cdot", "*"),
+    ("\\times", "*"),
+    ("\\%", ""),
+    ("%", ""),
+    ("$", ""),
+    ("^{\\circ}", ""),
+    ("^\\circ", ""),
+    ("\\displaystyle", ""),
+]
 
 
 def _normalise(text: str) -> str:
@@ -357,7 +374,8 @@ def _equal(a: str, b: str, depth: int = 0) -> bool:
         if sa and sb and sa[0] == sb[0] and len(sa[1]) == len(sb[1]):
             if sa[0] == "set":
                 return all(any(_equal(p, q, depth + 1) for q in sb[1]) for p in sa[1]) and all(
-                    any(_equal(q, p, depth + 1) for p in sa[1]) for q in sb[1])
+                    any(_equal(q, p, depth + 1) for p in sa[1]) for q in sb[1]
+                )
             return all(_equal(p, q, depth + 1) for p, q in zip(sa[1], sb[1]))
     return _sympy_equal(a, b)
 

@@ -161,7 +161,9 @@ class RewardRunner:
                 self._settle(call, None, self._closed_message())
         return future
 
-    def score(self, prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> RewardResult:
+    def score(
+        self, prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None
+    ) -> RewardResult:
         """Blocking `submit`: waits for a free slot, then at most about timeout_s."""
         return self.submit(prompt, response, label, metadata).result()
 
@@ -291,7 +293,11 @@ class RewardRunner:
             self._wake.notify()
 
     def _settle(
-        self, call: _Call, reward: float | None, failure: str | None, timed_out: bool = False,
+        self,
+        call: _Call,
+        reward: float | None,
+        failure: str | None,
+        timed_out: bool = False,
         extras: dict[str, Any] | None = None,
     ) -> bool:
         with self._lock:
@@ -343,7 +349,10 @@ class RewardRunner:
             log.warning(
                 "reward function %s timed out after %gs; its thread cannot be stopped and is written off "
                 "(%d hung now, max_hung_calls=%d)",
-                self.name, self.timeout_s, hung, self.max_hung_calls,
+                self.name,
+                self.timeout_s,
+                hung,
+                self.max_hung_calls,
             )
 
     def _drain_queue(self) -> list[_Call]:  # caller holds self._lock
@@ -417,7 +426,10 @@ def check_reward_value(value: Any, who: str, response: str) -> tuple[float | Non
 
 def _check_steps(scores: Any, ends: Any, response_chars: int) -> tuple[StepScores | None, str | None]:
     if not isinstance(scores, (list, tuple)) or not isinstance(ends, (list, tuple)):
-        return None, f"step_scores and step_ends must both be lists, got {type(scores).__name__} and {type(ends).__name__}"
+        return (
+            None,
+            f"step_scores and step_ends must both be lists, got {type(scores).__name__} and {type(ends).__name__}",
+        )
     if len(scores) != len(ends):
         return None, f"{len(scores)} step_scores but {len(ends)} step_ends"
     out_scores, out_ends = [], []
@@ -425,7 +437,10 @@ def _check_steps(scores: Any, ends: Any, response_chars: int) -> tuple[StepScore
         if isinstance(s, (str, bytes, bool)) or not isinstance(s, (int, float)) or not math.isfinite(float(s)):
             return None, f"step_scores[{i}] = {s!r:.40} is not a finite number"
         if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < max(response_chars, 1):
-            return None, f"step_ends[{i}] = {e!r:.40} is not a character index into the {response_chars}-character response"
+            return (
+                None,
+                f"step_ends[{i}] = {e!r:.40} is not a character index into the {response_chars}-character response",
+            )
         if out_ends and e < out_ends[-1]:
             return None, f"step_ends must not decrease (step_ends[{i}] = {e} < {out_ends[-1]})"
         out_scores.append(float(s))
@@ -469,11 +484,16 @@ def _keyword_plan(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:
     missing = [arg for arg in ("prompt", "response") if not accepts(arg)]
     native = {"prompt", "response", "label", "metadata"}
     unsupplied = [
-        n for n, p in params.items()
+        n
+        for n, p in params.items()
         if n not in native and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     if missing or unsupplied:
-        why = f"does not take {missing} as keyword arguments" if missing else f"requires {unsupplied}, which are never passed"
+        why = (
+            f"does not take {missing} as keyword arguments"
+            if missing
+            else f"requires {unsupplied}, which are never passed"
+        )
         raise TypeError(
             f"reward function {name}{sig} {why}; the native reward signature is {_SIGNATURE} "
             f"(see rewards/runner.py); other signatures need an adapter"

@@ -123,11 +123,17 @@ def make_app(
     async def score(request: ScoreRequest) -> ScoreResponse:
         n = len(request.samples)
         if n > backlog.limit:
-            raise HTTPException(413, f"samples: {n} in one request, more than this server queues "
-                                     f"(--max-pending {backlog.limit}); send smaller batches")
+            raise HTTPException(
+                413,
+                f"samples: {n} in one request, more than this server queues "
+                f"(--max-pending {backlog.limit}); send smaller batches",
+            )
         if not backlog.admit(n):
-            raise HTTPException(429, f"{backlog.count} samples are waiting (at most {backlog.limit}); retry later",
-                                headers={"Retry-After": "1"})
+            raise HTTPException(
+                429,
+                f"{backlog.count} samples are waiting (at most {backlog.limit}); retry later",
+                headers={"Retry-After": "1"},
+            )
         futures = []
         try:
             for s in request.samples:
@@ -142,8 +148,14 @@ def make_app(
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:
-        return Health(status="ok", reward=runner.name, hung_calls=runner.hung_calls, pending=backlog.count,
-                      max_pending=backlog.limit, **counts)
+        return Health(
+            status="ok",
+            reward=runner.name,
+            hung_calls=runner.hung_calls,
+            pending=backlog.count,
+            max_pending=backlog.limit,
+            **counts,
+        )
 
     return app
 
@@ -220,21 +232,34 @@ def main_reward_serve(args: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="slime reward-serve",
         description="Serve a reward over HTTP (POST /score, GET /health); jobs use it with reward.mode=http, "
-                    "reward.url=..., reward.token=... (docs/rewards.md)",
+        "reward.url=..., reward.token=... (docs/rewards.md)",
     )
-    parser.add_argument("spec", help="pkg.module:fn, path/to/file.py:fn, or a YAML/JSON file with a spec (or a job config)")
+    parser.add_argument(
+        "spec", help="pkg.module:fn, path/to/file.py:fn, or a YAML/JSON file with a spec (or a job config)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need a token)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--token-file", default=None,
-                        help=f"read the token from this file; on loopback, when it does not exist and "
-                             f"{API_TOKEN_ENV} is unset, a new token is written there (0600). Default: "
-                             f"~/.cache/slime-april/reward-serve-PORT.token")
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help=f"read the token from this file; on loopback, when it does not exist and "
+        f"{API_TOKEN_ENV} is unset, a new token is written there (0600). Default: "
+        f"~/.cache/slime-april/reward-serve-PORT.token",
+    )
     parser.add_argument("--timeout-s", type=float, default=30.0, help="per-sample timeout (default 30)")
     parser.add_argument("--max-concurrency", type=int, default=8, help="samples scored at once (default 8)")
-    parser.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING,
-                        help=f"samples waiting across requests before 429 (default {DEFAULT_MAX_PENDING})")
-    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
-                        help="largest request body in MiB (default 4); bigger ones get 413")
+    parser.add_argument(
+        "--max-pending",
+        type=int,
+        default=DEFAULT_MAX_PENDING,
+        help=f"samples waiting across requests before 429 (default {DEFAULT_MAX_PENDING})",
+    )
+    parser.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
+        help="largest request body in MiB (default 4); bigger ones get 413",
+    )
     ns = parser.parse_args(args)
 
     try:
@@ -247,12 +272,20 @@ def main_reward_serve(args: list[str]) -> int:
         print(f"slime reward-serve: {exc}", file=sys.stderr)
         return 2
     if written is not None:
-        print(f"slime reward-serve: generated a token in {written} (0600); clients send it as "
-              f"'Authorization: Bearer <token>' (reward.token)", flush=True)
+        print(
+            f"slime reward-serve: generated a token in {written} (0600); clients send it as "
+            f"'Authorization: Bearer <token>' (reward.token)",
+            flush=True,
+        )
     shown = f"[{ns.host}]" if ":" in ns.host else ns.host
     print(f"slime reward-serve: {runner.name} on http://{shown}:{ns.port} (POST /score, GET /health)", flush=True)
-    app = make_app(runner, token=token, bind_host=ns.host, max_body_bytes=int(ns.max_body_mb * (1 << 20)),
-                   max_pending=ns.max_pending)
+    app = make_app(
+        runner,
+        token=token,
+        bind_host=ns.host,
+        max_body_bytes=int(ns.max_body_mb * (1 << 20)),
+        max_pending=ns.max_pending,
+    )
     uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
     runner.close()
     return 0

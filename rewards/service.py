@@ -51,7 +51,9 @@ log = logging.getLogger(__name__)
 class RewardService(Protocol):
     name: str
 
-    def submit(self, prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Future: ...
+    def submit(
+        self, prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None
+    ) -> Future: ...
 
     def close(self) -> None: ...
 
@@ -72,13 +74,21 @@ def result_to_wire(result: RewardResult) -> dict[str, Any]:
 def result_from_wire(item: Any, who: str, response: str, latency_s: float) -> RewardResult:
     """One item of a remote reply as a RewardResult; anything malformed is a failure naming it."""
     if not isinstance(item, dict):
-        return RewardResult(None, f"{who} sent a result of type {type(item).__name__}, not an object: {item!r:.80}", latency_s)
+        return RewardResult(
+            None, f"{who} sent a result of type {type(item).__name__}, not an object: {item!r:.80}", latency_s
+        )
     if item.get("failure") is not None:
         return RewardResult(None, str(item["failure"]), _as_latency(item, latency_s))
     if "reward" not in item:
-        return RewardResult(None, f"{who} sent a result without 'reward' or 'failure' (keys: {sorted(item)[:10]})", latency_s)
-    value = {"score": item["reward"], "step_scores": item.get("step_scores"), "step_ends": item.get("step_ends"),
-             "info": item.get("info")}
+        return RewardResult(
+            None, f"{who} sent a result without 'reward' or 'failure' (keys: {sorted(item)[:10]})", latency_s
+        )
+    value = {
+        "score": item["reward"],
+        "step_scores": item.get("step_scores"),
+        "step_ends": item.get("step_ends"),
+        "info": item.get("info"),
+    }
     reward, failure, extras = check_reward_value(value, who, response)
     return RewardResult(reward, failure, _as_latency(item, latency_s), **extras)
 
@@ -191,7 +201,9 @@ class RemoteRewardClient:
         self._close_transport = close_transport
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(make_transport, ready), name="reward-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(make_transport, ready), name="reward-client", daemon=True
+        )
         self._thread.start()
         ready.wait()
 
@@ -322,8 +334,10 @@ def http_transport(url: str, token: str | None = None) -> tuple[Callable[[], Tra
             if resp.status_code == 429 or resp.status_code >= 500:
                 raise RetryableError(f"POST {shown}: HTTP {resp.status_code}: {resp.text[:200]}")
             if resp.status_code in (401, 403):
-                raise RuntimeError(f"POST {shown}: HTTP {resp.status_code} (not retried): the reward server "
-                                   f"wants its token; set reward.token: {resp.text[:200]}")
+                raise RuntimeError(
+                    f"POST {shown}: HTTP {resp.status_code} (not retried): the reward server "
+                    f"wants its token; set reward.token: {resp.text[:200]}"
+                )
             if resp.status_code != 200:
                 raise RuntimeError(f"POST {shown}: HTTP {resp.status_code} (not retried): {resp.text[:300]}")
             try:
@@ -393,14 +407,25 @@ def make_reward_service(cfg: Any, job_name: str) -> RewardService:
     elif cfg.mode == "ray_actor":
         actor = reward_actor(job_name, cfg.fn, cfg.timeout_s, cfg.max_concurrency)
         service = RemoteRewardClient(
-            f"ray actor slime-reward-{job_name} ({describe_spec(cfg.fn)})", ray_transport(actor), request_timeout,
-            cfg.max_concurrency, cfg.batch_size, cfg.max_retries, cfg.backoff_s,
+            f"ray actor slime-reward-{job_name} ({describe_spec(cfg.fn)})",
+            ray_transport(actor),
+            request_timeout,
+            cfg.max_concurrency,
+            cfg.batch_size,
+            cfg.max_retries,
+            cfg.backoff_s,
         )
     elif cfg.mode == "http":
         make, close = http_transport(cfg.url, cfg.token)
         service = RemoteRewardClient(
-            redact_url(cfg.url), make, request_timeout, cfg.max_concurrency, cfg.batch_size, cfg.max_retries,
-            cfg.backoff_s, close_transport=close,
+            redact_url(cfg.url),
+            make,
+            request_timeout,
+            cfg.max_concurrency,
+            cfg.batch_size,
+            cfg.max_retries,
+            cfg.backoff_s,
+            close_transport=close,
         )
     else:
         raise ValueError(f"reward.mode: unknown mode {cfg.mode!r}; choose in_process, ray_actor or http")

@@ -66,9 +66,12 @@ def _dashboard(ns: argparse.Namespace) -> int:
     from slime.dashboard.server import DashboardServer  # subcommand
 
     if ns.token is not None:
-        print(f"slime dashboard: --token was removed (a command line is visible to every user in `ps`); "
-              f"pass the token in the environment ({API_TOKEN_ENV}), --token-file PATH or --secret-file "
-              f"RUN_DIR/job.secret", file=sys.stderr)
+        print(
+            f"slime dashboard: --token was removed (a command line is visible to every user in `ps`); "
+            f"pass the token in the environment ({API_TOKEN_ENV}), --token-file PATH or --secret-file "
+            f"RUN_DIR/job.secret",
+            file=sys.stderr,
+        )
         return 2
     if not JOB_NAME_PATTERN.match(ns.job):
         print(f"slime: --job {ns.job!r} must match {JOB_NAME_PATTERN.pattern}", file=sys.stderr)
@@ -80,8 +83,11 @@ def _dashboard(ns: argparse.Namespace) -> int:
     except (redis.RedisError, ValueError, OSError) as exc:
         print(f"slime: dashboard: {redact_url(str(exc))} (redis {redact_url(ns.redis)})", file=sys.stderr)
         return 2
-    how = ("open it as URL#token=<token> for the control routes" if token
-           else f"read-only: control routes need a token ({API_TOKEN_ENV}, --token-file or --secret-file)")
+    how = (
+        "open it as URL#token=<token> for the control routes"
+        if token
+        else f"read-only: control routes need a token ({API_TOKEN_ENV}, --token-file or --secret-file)"
+    )
     print(f"dashboard of job {ns.job!r}: {server.url} ({how})", flush=True)
     server.run()
     return 0
@@ -116,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("train-rm", help="train a Bradley-Terry reward model on preference JSONL (--help for flags)")
     sub.add_parser("train-prm", help="train a process reward model on step-labelled JSONL (--help for flags)")
     sub.add_parser("reward-serve", help="serve a reward over HTTP: reward-serve SPEC --port N (--help for flags)")
-    sub.add_parser("serve-sglang", help="serve the built-in engine over SGLang's HTTP API: serve-sglang --model DIR --port N")
+    sub.add_parser(
+        "serve-sglang", help="serve the built-in engine over SGLang's HTTP API: serve-sglang --model DIR --port N"
+    )
     p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim.py)")
     p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
     p_dash = sub.add_parser("dashboard", help="serve the buffer API and live page of one job (docs/dashboard.md)")
@@ -124,11 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     p_dash.add_argument("--job", required=True, help="the job_name whose buffer to show")
     p_dash.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need a token)")
     p_dash.add_argument("--port", type=int, default=8377, help="0 picks a free port")
-    p_dash.add_argument("--token-file", default=None,
-                        help="file holding the token (else env SLIME_API_TOKEN): control routes always need it, "
-                             "every route does off loopback")
-    p_dash.add_argument("--secret-file", default=None,
-                        help="a run's job.secret: the dashboard token and the job's Redis password derive from it")
+    p_dash.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the token (else env SLIME_API_TOKEN): control routes always need it, "
+        "every route does off loopback",
+    )
+    p_dash.add_argument(
+        "--secret-file",
+        default=None,
+        help="a run's job.secret: the dashboard token and the job's Redis password derive from it",
+    )
     p_dash.add_argument("--token", default=None, help=argparse.SUPPRESS)  # removed: argv shows in `ps`
     ns = parser.parse_args(argv)
 

@@ -103,7 +103,8 @@ class RolloutConfig(_Strict):
     max_running_requests: int = Field(64, gt=0, description="Engine batch slots (continuous batching).")
     chunk_tokens: int = Field(16, gt=0, description="Tokens per chunk a worker writes to the buffer.")
     kept_kv_tokens: int = Field(
-        65536, ge=0,
+        65536,
+        ge=0,
         description="Built-in engine (fast path): tokens of aborted requests' KV cache kept, so that a partial "
         "resumed on the same worker with exactly its stored tokens skips the re-prefill (also after a weight "
         "update: its context keys/values are then the older weights', as for a request running through an "
@@ -111,7 +112,8 @@ class RolloutConfig(_Strict):
     )
     device: str = "cpu"
     engine: Literal["builtin", "vllm", "sglang"] = Field(
-        "builtin", description="Rollout engine: the built-in torch engine, vLLM (extra `vllm`) or SGLang (extra `sglang`)."
+        "builtin",
+        description="Rollout engine: the built-in torch engine, vLLM (extra `vllm`) or SGLang (extra `sglang`).",
     )
 
 
@@ -135,12 +137,15 @@ class AprilConfig(_Strict):
     beyond_budget: Literal["restart", "drop"] = Field(
         "restart", description="A partial over the budget: regenerate it from scratch, or fail it (counted)."
     )
-    filter_zero_variance: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal.")
+    filter_zero_variance: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal."
+    )
     max_filtered_per_step: int | None = Field(
         None, ge=0, description="Fallback: after this many drops in a step, keep groups (default: batch_size)."
     )
     streaming_chunk_tokens: int | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="GLM-5 streaming variant (PPO): train on each trajectory every N new tokens before it "
         "finishes, bootstrapping unfinished returns with the critic; None = abort-and-resume.",
     )
@@ -256,7 +261,8 @@ class RewardConfig(_Strict):
         4096, ge=0, description="Successful results kept, keyed by prompt+response+label (0: no cache)."
     )
     token: str | None = Field(
-        None, description="mode=http: the reward server's token (sent as `Authorization: Bearer`); write it as "
+        None,
+        description="mode=http: the reward server's token (sent as `Authorization: Bearer`); write it as "
         "an environment reference such as ${SLIME_REWARD_TOKEN} to keep it out of files.",
     )
 
@@ -282,10 +288,16 @@ class EnvConfig(_Strict):
         "env", description="Final reward: the sum of the env's step rewards, or reward.fn on the whole transcript."
     )
     max_turns: int = Field(4, gt=0, description="Model turns per episode.")
-    max_turn_tokens: int = Field(64, gt=0, description="Tokens per model turn (rollout.max_new_tokens caps the episode).")
+    max_turn_tokens: int = Field(
+        64, gt=0, description="Tokens per model turn (rollout.max_new_tokens caps the episode)."
+    )
     max_observation_tokens: int = Field(128, gt=0, description="Longer observations are cut to this many tokens.")
-    max_turn_seconds: float | None = Field(None, gt=0, description="A model turn running longer ends the episode (truncated).")
-    max_episode_seconds: float | None = Field(None, gt=0, description="Episode wall clock on one worker (truncated past it).")
+    max_turn_seconds: float | None = Field(
+        None, gt=0, description="A model turn running longer ends the episode (truncated)."
+    )
+    max_episode_seconds: float | None = Field(
+        None, gt=0, description="Episode wall clock on one worker (truncated past it)."
+    )
     step_timeout_s: float = Field(30.0, gt=0, description="An env step (or reset) running longer fails the sample.")
     max_concurrency: int = Field(4, gt=0, description="Env steps running at once per worker (thread pool).")
 
@@ -340,7 +352,9 @@ class SglangConfig(_Strict):
     )
     host: str = "127.0.0.1"
     port: int | None = Field(
-        None, gt=0, lt=65536,
+        None,
+        gt=0,
+        lt=65536,
         description="First launched server's port (worker i, server j: port + i * num_servers + j); None: free ports.",
     )
     tensor_parallel_size: int = Field(1, gt=0)
@@ -374,7 +388,9 @@ class SglangConfig(_Strict):
         if self.router == "none" and self.router_port is not None:
             raise ValueError("sglang.router_port is set but sglang.router=none launches no router")
         if self.router_policy == "power_of_two" and n < 2:
-            raise ValueError("sglang.router_policy=power_of_two needs at least 2 servers (sglang-router refuses to start)")
+            raise ValueError(
+                "sglang.router_policy=power_of_two needs at least 2 servers (sglang-router refuses to start)"
+            )
         return self
 
 
@@ -417,8 +433,10 @@ class DashboardConfig(_Strict):
     host: str = Field("127.0.0.1", description="Bind address; anything but loopback needs a token.")
     port: int = Field(8377, ge=0, lt=65536, description="0: a free port.")
     token: str | None = Field(
-        None, min_length=8, description="Control routes always need it, every route off loopback (header "
-        "Authorization: Bearer); default: derived from the job secret and written to run_dir/dashboard.token."
+        None,
+        min_length=8,
+        description="Control routes always need it, every route off loopback (header "
+        "Authorization: Bearer); default: derived from the job secret and written to run_dir/dashboard.token.",
     )
 
     @model_validator(mode="after")
@@ -471,8 +489,10 @@ class JobConfig(_Strict):
                 f"learner.num_minibatches={self.learner.num_minibatches} exceeds the "
                 f"{n_seqs} sequences per step (rollout.batch_size * rollout.n_samples_per_prompt)"
             )
-        if self.april.enabled and self.april.oversample_groups is not None and (
-            self.april.oversample_groups < self.rollout.batch_size
+        if (
+            self.april.enabled
+            and self.april.oversample_groups is not None
+            and (self.april.oversample_groups < self.rollout.batch_size)
         ):
             raise ValueError(
                 f"april.oversample_groups={self.april.oversample_groups} is below rollout.batch_size="
@@ -578,7 +598,9 @@ def _resolve_env_refs(node: Any, path: str, refs: dict[str, str]) -> Any:
     if isinstance(node, str) and (m := ENV_REFERENCE.match(node.strip())):
         name = m.group(1)
         if name not in os.environ:
-            raise ConfigError(f"invalid config:\n  {path}: environment variable {name} is not set (the value is {node})")
+            raise ConfigError(
+                f"invalid config:\n  {path}: environment variable {name} is not set (the value is {node})"
+            )
         refs[path] = node.strip()
         return os.environ[name]
     return node

@@ -26,7 +26,9 @@ class DatasetError(ValueError):
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
-SUPPORTED_FORMATS = "JSON Lines (.jsonl/.json), Parquet (.parquet), or a directory saved with datasets.Dataset.save_to_disk"
+SUPPORTED_FORMATS = (
+    "JSON Lines (.jsonl/.json), Parquet (.parquet), or a directory saved with datasets.Dataset.save_to_disk"
+)
 
 
 def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> list[PromptRecord]:
@@ -113,8 +115,7 @@ def _read_hf_dir(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         ds = datasets.load_from_disk(str(p))
     except Exception as exc:  # not a save_to_disk directory, or a corrupt one
         raise DatasetError(
-            f"{p}: a directory, but not loadable with datasets.load_from_disk ({exc}); "
-            f"supported: {SUPPORTED_FORMATS}"
+            f"{p}: a directory, but not loadable with datasets.load_from_disk ({exc}); supported: {SUPPORTED_FORMATS}"
         ) from exc
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
@@ -130,8 +131,7 @@ def _read_hf_dir(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> PromptRecord:
     if cfg.prompt_key not in row:
         raise DatasetError(
-            f"{where}: missing the prompt column {cfg.prompt_key!r} (data.prompt_key); "
-            f"the row has {sorted(row)}"
+            f"{where}: missing the prompt column {cfg.prompt_key!r} (data.prompt_key); the row has {sorted(row)}"
         )
     prompt = row[cfg.prompt_key]
     if isinstance(prompt, str):
@@ -174,8 +174,7 @@ def _check_messages(where: str, key: str, messages: list[Any]) -> list[dict[str,
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise DatasetError(
-                f"{where}: chat message {i} of {key!r} must be a dict with 'role' and 'content', "
-                f"got {type(m).__name__}"
+                f"{where}: chat message {i} of {key!r} must be a dict with 'role' and 'content', got {type(m).__name__}"
             )
         for field_name in ("role", "content"):
             if not isinstance(m.get(field_name), str):

@@ -35,7 +35,8 @@ def scheduler_for(cfg: JobConfig) -> GroupScheduler:
     else:
         policy = "april" if cfg.april.enabled else "sync"
     return GroupScheduler(
-        policy, cfg.rollout.batch_size,
+        policy,
+        cfg.rollout.batch_size,
         oversample=cfg.april.oversample if cfg.april.enabled else None,
         oversample_groups=cfg.april.oversample_groups if cfg.april.enabled else None,
         max_staleness=cfg.max_staleness,
@@ -49,8 +50,9 @@ def prompt_text(record: PromptRecord) -> str:
 
 
 class RolloutFleet:
-    def __init__(self, cfg: JobConfig, workers: list, buffer: TrajectoryStore, telemetry: JobTelemetry,
-                 sampler: PromptSampler):
+    def __init__(
+        self, cfg: JobConfig, workers: list, buffer: TrajectoryStore, telemetry: JobTelemetry, sampler: PromptSampler
+    ):
         self.cfg = cfg
         self.workers = workers
         self.buffer = buffer
@@ -78,10 +80,15 @@ class RolloutFleet:
         )
         for _ in range(missing):
             record = self.sampler.next()
-            metadata = {**record.metadata, "label": record.label, "prompt_text": prompt_text(record),
-                        "record_index": record.index}
-            gid = self.buffer.add_group(record.prompt_ids, cfg.rollout.n_samples_per_prompt,
-                                        cfg.rollout.max_new_tokens, metadata)
+            metadata = {
+                **record.metadata,
+                "label": record.label,
+                "prompt_text": prompt_text(record),
+                "record_index": record.index,
+            }
+            gid = self.buffer.add_group(
+                record.prompt_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens, metadata
+            )
             if cfg.april.streaming_chunk_tokens is not None:
                 self.buffer.track_streaming(gid)
         return missing
@@ -113,7 +120,9 @@ class RolloutFleet:
             self._between_polls(counts, needed, on_wait)
             time.sleep(0.02)
 
-    def _between_polls(self, counts: dict[str, int], needed: int, on_wait: Callable[[dict[str, int], int], None]) -> None:
+    def _between_polls(
+        self, counts: dict[str, int], needed: int, on_wait: Callable[[dict[str, int], int], None]
+    ) -> None:
         on_wait(counts, needed)
         self.apply_controls()
         if time.time() - self.last_health > 2.0:

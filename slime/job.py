@@ -125,8 +125,13 @@ class RunningJob:
         import ray  # after its auth settings are in the environment
 
         if not ray.is_initialized():
-            ray.init(address=cfg.cluster.ray_address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
-                     logging_level="warning", log_to_driver=True)
+            ray.init(
+                address=cfg.cluster.ray_address,
+                num_cpus=cfg.cluster.num_cpus,
+                include_dashboard=False,
+                logging_level="warning",
+                log_to_driver=True,
+            )
             self.ray_started = True
             if main_thread():  # ray.init installs its own SIGTERM handler; ours stores partials
                 signal.signal(signal.SIGTERM, raise_interrupted)
@@ -139,27 +144,35 @@ class RunningJob:
         run_id = new_id()[:6]  # lease owner names never collide with a previous run's workers
         self.learner = ray.remote(num_cpus=0)(Learner).remote(cfg, self.model_dir, self.redis_url, self.credentials)
         self.workers = [
-            ray.remote(num_cpus=0)(RolloutWorker).remote(cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i,
-                                                         self.credentials)
+            ray.remote(num_cpus=0)(RolloutWorker).remote(
+                cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i, self.credentials
+            )
             for i in range(cfg.rollout.num_workers)
         ]
         self.fleet = RolloutFleet(cfg, self.workers, self.buffer, self.telemetry, self.sampler)
 
     def _start_dashboard(self) -> None:
         cfg = self.cfg
-        self.telemetry.set_job_info({
-            "mode": cfg.mode, "steps": cfg.steps, "april_enabled": cfg.april.enabled,
-            "oversample": scheduler_for(cfg).target / cfg.rollout.batch_size if cfg.april.enabled else None,
-            "batch_size": cfg.rollout.batch_size, "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
-            "model_dir": self.model_dir, "started_at": time.time(),
-        })
+        self.telemetry.set_job_info(
+            {
+                "mode": cfg.mode,
+                "steps": cfg.steps,
+                "april_enabled": cfg.april.enabled,
+                "oversample": scheduler_for(cfg).target / cfg.rollout.batch_size if cfg.april.enabled else None,
+                "batch_size": cfg.rollout.batch_size,
+                "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+                "model_dir": self.model_dir,
+                "started_at": time.time(),
+            }
+        )
         self.telemetry.set_control(paused="0")  # a pause from a previous run does not carry over
         if cfg.dashboard.enabled:
             d = cfg.dashboard
             token = d.token or self.credentials.token("dashboard")
             token_file = write_private(self.run_dir / "dashboard.token", token + "\n")
-            self.dashboard = DashboardProcess(self.redis_url, cfg.job_name, d.host, d.port, token,
-                                              redis_password=self.credentials.redis_password)
+            self.dashboard = DashboardProcess(
+                self.redis_url, cfg.job_name, d.host, d.port, token, redis_password=self.credentials.redis_password
+            )
             print(f"dashboard: {self.dashboard.url} (control token in {token_file})", flush=True)
 
     def __exit__(self, *exc) -> None:
@@ -227,8 +240,11 @@ class RunningJob:
         metrics = ray.get(ref)
         # The engines never pause here: count what they made over the whole step, training included.
         generated = self.buffer.stats().get("generated_tokens", 0.0) - self.tokens_at_step_start
-        metrics.update(rollout_seconds=rollout_seconds, generated_tokens=generated,
-                       rollout_tokens_per_s=generated / max(time.time() - self.step_started, 1e-9))
+        metrics.update(
+            rollout_seconds=rollout_seconds,
+            generated_tokens=generated,
+            rollout_tokens_per_s=generated / max(time.time() - self.step_started, 1e-9),
+        )
         return metrics
 
     def start_abort(self) -> list:
@@ -253,7 +269,9 @@ class RunningJob:
         import ray  # see the module docstring
 
         record = self.records[0]
-        probe = [int(t) for t in (self.tokenizer(str(record.label or "probe"), add_special_tokens=False)["input_ids"] or [0])]
+        probe = [
+            int(t) for t in (self.tokenizer(str(record.label or "probe"), add_special_tokens=False)["input_ids"] or [0])
+        ]
         expected = ray.get(self.learner.probe_logprobs.remote(record.prompt_ids, probe))
         worst = 0.0
         for got in self.fleet.probe_logprobs(record.prompt_ids, probe):
@@ -362,8 +380,10 @@ def _check_context_fits(cfg: JobConfig, model_dir: str) -> None:
     engine contract): say so at start, naming the field, instead of failing every request."""
     context = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
     if context is not None and cfg.rollout.max_new_tokens > context:
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} exceeds the model's context "
-                          f"(max_position_embeddings={context} in {model_dir})")
+        raise ConfigError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} exceeds the model's context "
+            f"(max_position_embeddings={context} in {model_dir})"
+        )
 
 
 def _ray_token_auth(credentials: JobCredentials, ray_address: str | None) -> tuple[str, ...]:
@@ -377,8 +397,11 @@ def _ray_token_auth(credentials: JobCredentials, ray_address: str | None) -> tup
     os.environ["RAY_AUTH_TOKEN"] = credentials.token("ray")
     if not _reload_ray_auth():
         _unset_ray_auth(("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"))
-        print("warning: Ray was imported before the job started and cannot switch to token "
-              "authentication; the job's Ray accepts unauthenticated clients (set RAY_AUTH_MODE)", flush=True)
+        print(
+            "warning: Ray was imported before the job started and cannot switch to token "
+            "authentication; the job's Ray accepts unauthenticated clients (set RAY_AUTH_MODE)",
+            flush=True,
+        )
         return ()
     return ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 

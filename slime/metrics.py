@@ -36,7 +36,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True) if cfg.progress else None
+        self.bar = (
+            tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True) if cfg.progress else None
+        )
 
     def waiting(self, counts: dict[str, int], ready_needed: int) -> None:
         """Live buffer state while the step's groups are generated."""
@@ -83,13 +85,17 @@ class MetricsLogger:
         rewards = [h.get("reward_mean", math.nan) for h in self.history]
         ax1.plot(t, rewards, marker="o", ms=3, alpha=0.5, label="per step")
         window = 10
-        smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
-                  for i in range(len(rewards))]
+        smooth = [
+            sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+            for i in range(len(rewards))
+        ]
         ax1.plot(t, smooth, color="tab:blue", lw=2, label=f"mean of last {window}")
         ax1.legend(loc="lower right")
         ax1.set_ylabel("mean reward")
         ax1.grid(alpha=0.3)
-        ax2.plot(t, [h.get("rollout_tokens_per_s", math.nan) for h in self.history], marker="o", ms=3, color="tab:orange")
+        ax2.plot(
+            t, [h.get("rollout_tokens_per_s", math.nan) for h in self.history], marker="o", ms=3, color="tab:orange"
+        )
         ax2.set_ylabel("rollout tokens/s")
         ax2.set_xlabel("wall-clock seconds")
         ax2.grid(alpha=0.3)

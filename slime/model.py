@@ -41,9 +41,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[3:]})
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -113,7 +111,10 @@ def warmstart(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, cfg: M
         optim.zero_grad(set_to_none=True)
         losses.append(out.loss.item())
     model.eval()
-    return {"warmstart_first_loss": losses[0] if losses else None, "warmstart_last_loss": losses[-1] if losses else None}
+    return {
+        "warmstart_first_loss": losses[0] if losses else None,
+        "warmstart_last_loss": losses[-1] if losses else None,
+    }
 
 
 def _tiny_cache_key(cfg: ModelConfig) -> str:
@@ -134,7 +135,9 @@ def ensure_model_dir(cfg: ModelConfig) -> Path:
     if cfg.path is not None:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path={cfg.path}: no config.json there (expected a local HF model directory)")
+            raise FileNotFoundError(
+                f"model.path={cfg.path}: no config.json there (expected a local HF model directory)"
+            )
         return path
     cache_root = Path(cfg.cache_dir).expanduser()
     target = cache_root / f"tiny-moe-{_tiny_cache_key(cfg)}"

@@ -72,8 +72,10 @@ async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONRespo
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = ".".join(str(p) for p in first["loc"] if p != "body")
     message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in errors[:5])
-    return JSONResponse(status_code=400, content={
-        "error": {"message": message, "type": "invalid_request_error", "param": param or None, "code": None}})
+    return JSONResponse(
+        status_code=400,
+        content={"error": {"message": message, "type": "invalid_request_error", "param": param or None, "code": None}},
+    )
 
 
 def make_openai_app(
@@ -87,18 +89,26 @@ def make_openai_app(
 ) -> FastAPI:
     check_bind(bind_host, token, "OpenAI-compatible server")
     app = FastAPI(title="slime OpenAI-compatible server")
-    app.add_middleware(HttpGuard, policy=GuardPolicy(
-        token=token, bind_host=bind_host, max_body_bytes=max_body_bytes,
-        open_posts=frozenset({"/v1/completions", "/v1/chat/completions"}),
-    ))
+    app.add_middleware(
+        HttpGuard,
+        policy=GuardPolicy(
+            token=token,
+            bind_host=bind_host,
+            max_body_bytes=max_body_bytes,
+            open_posts=frozenset({"/v1/completions", "/v1/chat/completions"}),
+        ),
+    )
     app.add_exception_handler(RequestValidationError, _invalid_request)
     in_flight = 0  # touched on the event loop only
 
     async def run(ids_of, max_tokens: int, temperature: float, top_p: float) -> Completion:
         nonlocal in_flight
         if in_flight >= max_in_flight:
-            raise HTTPException(503, f"{in_flight} requests are running (at most {max_in_flight}); retry later",
-                                headers={"Retry-After": "1"})
+            raise HTTPException(
+                503,
+                f"{in_flight} requests are running (at most {max_in_flight}); retry later",
+                headers={"Retry-After": "1"},
+            )
         in_flight += 1
         try:
             try:  # tokenizing a long prompt or a chat template is CPU work: off the event loop
@@ -110,24 +120,38 @@ def make_openai_app(
             in_flight -= 1
 
     def usage(c: Completion) -> dict[str, int]:
-        return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-                "total_tokens": c.prompt_tokens + c.completion_tokens}
+        return {
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+        }
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> dict:
         c = await run(lambda: gen.text_ids(req.prompt), req.max_tokens, req.temperature, req.top_p)
-        return {"id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()),
-                "model": req.model or model_name, "usage": usage(c),
-                "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}]}
+        return {
+            "id": f"cmpl-{time.time_ns()}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model or model_name,
+            "usage": usage(c),
+            "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest) -> dict:
         messages = [m.model_dump() for m in req.messages]
         c = await run(lambda: gen.chat_ids(messages), req.max_tokens, req.temperature, req.top_p)
-        return {"id": f"chatcmpl-{time.time_ns()}", "object": "chat.completion", "created": int(time.time()),
-                "model": req.model or model_name, "usage": usage(c),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                             "finish_reason": c.finish_reason}]}
+        return {
+            "id": f"chatcmpl-{time.time_ns()}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model or model_name,
+            "usage": usage(c),
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+            ],
+        }
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -145,12 +169,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model-name", default="local")
-    parser.add_argument("--token-file", default=None,
-                        help="the token clients must send (else env SLIME_API_TOKEN); required off loopback")
-    parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
-                        help=f"requests generating at once before 503 (default {DEFAULT_MAX_IN_FLIGHT})")
-    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
-                        help="largest request body in MiB (default 4)")
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help="the token clients must send (else env SLIME_API_TOKEN); required off loopback",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help=f"requests generating at once before 503 (default {DEFAULT_MAX_IN_FLIGHT})",
+    )
+    parser.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
+        help="largest request body in MiB (default 4)",
+    )
     ns = parser.parse_args(argv)
     try:  # before loading the model: a refused bind should not cost a minute
         token = read_token(ns.token_file)
@@ -161,10 +196,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slime.openai_server: {exc}", file=sys.stderr)
         return 2
     gen = LocalGenerator(ns.model_dir, device=ns.device)
-    app = make_openai_app(gen, ns.model_name, token=token, bind_host=ns.host, max_in_flight=ns.max_in_flight,
-                          max_body_bytes=int(ns.max_body_mb * (1 << 20)))
-    print(f"serving {ns.model_dir} as {ns.model_name!r} on http://{ns.host}:{ns.port}/v1"
-          + (" (token required)" if token else ""), flush=True)
+    app = make_openai_app(
+        gen,
+        ns.model_name,
+        token=token,
+        bind_host=ns.host,
+        max_in_flight=ns.max_in_flight,
+        max_body_bytes=int(ns.max_body_mb * (1 << 20)),
+    )
+    print(
+        f"serving {ns.model_dir} as {ns.model_name!r} on http://{ns.host}:{ns.port}/v1"
+        + (" (token required)" if token else ""),
+        flush=True,
+    )
     uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
     gen.close()
     return 0

@@ -206,9 +206,13 @@ Receive = Callable[[], Awaitable[dict]]
 
 async def send_error(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -235,28 +239,44 @@ class HttpGuard:
         headers = {k.lower(): v for k, v in scope["headers"]}
         host = headers.get(b"host", b"").decode("latin-1")
         if self.allowed_hosts is not None and _host_name(host) not in self.allowed_hosts:
-            return await send_error(send, 421, f"Host header {host!r} is not served here (DNS-rebinding guard); "
-                                               f"use one of {sorted(self.allowed_hosts)}")
+            return await send_error(
+                send,
+                421,
+                f"Host header {host!r} is not served here (DNS-rebinding guard); "
+                f"use one of {sorted(self.allowed_hosts)}",
+            )
         path, method = scope["path"], scope["method"]
         state_changing = method not in ("GET", "HEAD", "OPTIONS") or path in p.state_changing_gets
         if state_changing and method not in ("GET", "HEAD"):
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if ctype != b"application/json":
-                return await send_error(send, 415, f"{method} {path} accepts only Content-Type: application/json "
-                                                   f"(got {ctype.decode('latin-1') or 'none'})")
+                return await send_error(
+                    send,
+                    415,
+                    f"{method} {path} accepts only Content-Type: application/json "
+                    f"(got {ctype.decode('latin-1') or 'none'})",
+                )
         is_open = path in p.open_paths or (bool(p.open_prefixes) and path.startswith(p.open_prefixes))
         needs_token = not is_open and (not p.loopback or (state_changing and path not in p.open_posts))
         if needs_token:
             if self.token is None:
-                return await send_error(send, 403, f"{method} {path} needs a token and this server was started "
-                                                   f"without one (set {API_TOKEN_ENV} or give a token file)")
+                return await send_error(
+                    send,
+                    403,
+                    f"{method} {path} needs a token and this server was started "
+                    f"without one (set {API_TOKEN_ENV} or give a token file)",
+                )
             given = _bearer(headers)
             if given is None and method == "GET" and path in p.query_token_paths:
                 values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
                 given = values[0].encode() if values else None
             if given is None or not hmac.compare_digest(given, self.token):
-                return await send_error(send, 401, "missing or wrong token (header Authorization: Bearer <token>)",
-                                        [(b"www-authenticate", b"Bearer")])
+                return await send_error(
+                    send,
+                    401,
+                    "missing or wrong token (header Authorization: Bearer <token>)",
+                    [(b"www-authenticate", b"Bearer")],
+                )
         if method in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         limit = p.large_body_paths.get(path, p.max_body_bytes)

@@ -61,7 +61,6 @@ def config_from_cli(args: list[str]) -> tuple[SimConfig, Path]:
     other dotted keys override the job YAML, `preset=NAME` picks the base, `out=PATH` the plot.
     """
 
-
     source = args[0] if args and "=" not in args[0] else None
     rest = args[1:] if source is not None else args
     sim_overrides: dict[str, Any] = {}

@@ -25,12 +25,20 @@ from tests.helpers import wait_for
 PROMPTS = [[6, 7, 77, 61, 86], [8, 77, 62, 64, 86], [9, 10, 11, 77, 63, 86]]
 
 
-
 def _worker_cfg(tmp_path, job: str, *extra: str):
-    return load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path}", "rollout.temperature=0", "rollout.ignore_eos=true",
-        "rollout.max_new_tokens=40", "rollout.chunk_tokens=3", "rollout.max_running_requests=4", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"job_name={job}",
+            f"output_dir={tmp_path}",
+            "rollout.temperature=0",
+            "rollout.ignore_eos=true",
+            "rollout.max_new_tokens=40",
+            "rollout.chunk_tokens=3",
+            "rollout.max_running_requests=4",
+            *extra,
+        ],
+    )
 
 
 def test_abort_at_random_points_resumes_token_exact(tiny_model_dir, redis_url, tmp_path):
@@ -121,8 +129,13 @@ def test_buffer_drop_and_requeue_operations(buffer):
 # ---- whole jobs --------------------------------------------------------------------------------
 
 SMALL = [
-    "rollout.batch_size=3", "rollout.n_samples_per_prompt=3", "rollout.max_new_tokens=48",
-    "data.num_generated=64", "logging.progress=false", "april.enabled=true", "april.oversample=2.0",
+    "rollout.batch_size=3",
+    "rollout.n_samples_per_prompt=3",
+    "rollout.max_new_tokens=48",
+    "data.num_generated=64",
+    "logging.progress=false",
+    "april.enabled=true",
+    "april.oversample=2.0",
 ]
 
 
@@ -131,11 +144,22 @@ def test_april_sync_job_aborts_resumes_and_wastes_nothing(ray_session, tiny_mode
     from slime.train import train
 
     job = "april-e2e-sync"
-    history = train(load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
-        # 4 engine slots for 6 groups in flight: when 3 groups are done, others are mid-generation.
-        *SMALL, "steps=4", "rollout.ignore_eos=true", "rollout.max_running_requests=4",
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                f"output_dir={tmp_path}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                # 4 engine slots for 6 groups in flight: when 3 groups are done, others are mid-generation.
+                *SMALL,
+                "steps=4",
+                "rollout.ignore_eos=true",
+                "rollout.max_running_requests=4",
+            ],
+        )
+    )
     assert len(history) == 4
     assert all(h["groups"] == 3 for h in history)
     assert sum(h["aborted_samples"] for h in history) > 0
@@ -164,11 +188,22 @@ def test_zero_variance_filter_drops_and_counts(ray_session, tiny_model_dir, redi
         "    return len(response) / 100\n"
     )
     job = "april-e2e-filter"
-    history = train(load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
-        f"buffer.url={redis_url}", *SMALL, "steps=3", "april.filter_zero_variance=true",
-        "april.max_filtered_per_step=100", f"reward.fn={reward_file}:reward",
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                f"output_dir={tmp_path / 'run'}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                *SMALL,
+                "steps=3",
+                "april.filter_zero_variance=true",
+                "april.max_filtered_per_step=100",
+                f"reward.fn={reward_file}:reward",
+            ],
+        )
+    )
     dropped = sum(h["filtered_zero_variance"] for h in history)
     assert dropped > 0
     assert all(h["groups"] == 3 for h in history)
@@ -182,8 +217,11 @@ def test_zero_variance_filter_drops_and_counts(ray_session, tiny_model_dir, redi
 
 def _run_cli(args: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "slime.cli", "train", *args], env=env, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "slime.cli", "train", *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
 
 
@@ -193,11 +231,19 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     """Kill the whole job (driver, its Redis, its Ray) mid-run; `resume=auto` continues the partials
     stored in Redis from their tokens and trains every group exactly once."""
     out = tmp_path / "run"
-    args = [f"job_name=kill-{sig.name}", f"output_dir={out}", f"model.path={tiny_model_dir}", *SMALL,
-            "rollout.ignore_eos=true", "rollout.max_running_requests=4", "checkpoint_every=1", "cluster.num_cpus=2",
-            # Small chunks: a running sample has tokens in Redis within a few decode steps, so the kill
-            # finds partials whenever it lands (with 16-token chunks it could land between flushes).
-            "rollout.chunk_tokens=4"]
+    args = [
+        f"job_name=kill-{sig.name}",
+        f"output_dir={out}",
+        f"model.path={tiny_model_dir}",
+        *SMALL,
+        "rollout.ignore_eos=true",
+        "rollout.max_running_requests=4",
+        "checkpoint_every=1",
+        "cluster.num_cpus=2",
+        # Small chunks: a running sample has tokens in Redis within a few decode steps, so the kill
+        # finds partials whenever it lands (with 16-token chunks it could land between flushes).
+        "rollout.chunk_tokens=4",
+    ]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = _run_cli([*args, "steps=40"], env)
     metrics = out / "metrics.jsonl"
@@ -205,10 +251,18 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     # Kill at a moment the live buffer holds a partial with most of its tokens still to come (with
     # a fast engine a fixed sleep can land while no sample has tokens in flight).
     # The job's own Redis requires the password derived from its secret (run_dir/job.secret).
-    live = TrajectoryStore.open(f"redis://127.0.0.1:{json.loads((out / 'redis' / 'server.json').read_text())['port']}/0",
-                       f"kill-{sig.name}", password=JobCredentials.read(out).redis_password)
-    wait_for(lambda: any(s.status in (Status.ABORTED, Status.RUNNING) and 0 < s.response_length <= 24
-                         for s in live.iter_samples()), 120, "a partial trajectory in the live buffer")
+    live = TrajectoryStore.open(
+        f"redis://127.0.0.1:{json.loads((out / 'redis' / 'server.json').read_text())['port']}/0",
+        f"kill-{sig.name}",
+        password=JobCredentials.read(out).redis_password,
+    )
+    wait_for(
+        lambda: any(
+            s.status in (Status.ABORTED, Status.RUNNING) and 0 < s.response_length <= 24 for s in live.iter_samples()
+        ),
+        120,
+        "a partial trajectory in the live buffer",
+    )
     os.killpg(proc.pid, sig) if sig == signal.SIGKILL else proc.send_signal(sig)
     proc.wait(timeout=120)
     if sig == signal.SIGKILL:
@@ -223,8 +277,11 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
 
     with LocalRedisServer(out / "redis", password="inspect") as server:
         buffer = TrajectoryStore.open(server.url, f"kill-{sig.name}", password="inspect")
-        partials = {s.id: s.response_ids.copy() for s in buffer.iter_samples()
-                    if s.status in (Status.ABORTED, Status.RUNNING) and s.response_length > 0}
+        partials = {
+            s.id: s.response_ids.copy()
+            for s in buffer.iter_samples()
+            if s.status in (Status.ABORTED, Status.RUNNING) and s.response_length > 0
+        }
         steps_done = len(metrics.read_text().splitlines())
     assert partials, "the killed job left no partial trajectories to resume"
 

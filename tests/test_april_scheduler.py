@@ -45,9 +45,15 @@ def test_async_admission_never_starts_a_group_trained_too_late():
     assert s.groups_to_start(GroupCounts(unfinished=2, ready=2, started=8), engine_version=1) == 2
 
 
-@pytest.mark.parametrize(("oldest", "engine", "verdict"), [
-    (None, 5, "resume"), (3, 5, "resume"), (2, 5, "resume"), (1, 5, "restart"),
-])
+@pytest.mark.parametrize(
+    ("oldest", "engine", "verdict"),
+    [
+        (None, 5, "resume"),
+        (3, 5, "resume"),
+        (2, 5, "resume"),
+        (1, 5, "restart"),
+    ],
+)
 def test_staleness_budget(oldest, engine, verdict):
     assert StalenessBudget(3, "restart").verdict(oldest, engine) == verdict
     assert StalenessBudget(None).verdict(0, 100) == "resume"

@@ -15,9 +15,24 @@ from slime.simulate import main_simulate, sim_config_from_job
 
 # A small cluster: 2 engines x 16 slots, B*n = 32 requests (= the slots), GPU-like step costs.
 SMALL = dict(
-    engines=2, slots=16, kv_tokens=100_000, batch_size=8, n_samples=4, prompt_tokens=32, max_tokens=1024,
-    median_tokens=128.0, sigma_prompt=0.6, sigma_sample=0.5, t0=0.006, k=5e-5, t_kv=0.0, p=2e-5,
-    t_sync=0.5, t_train0=0.5, t_train_per_token=2e-5, steps=12,
+    engines=2,
+    slots=16,
+    kv_tokens=100_000,
+    batch_size=8,
+    n_samples=4,
+    prompt_tokens=32,
+    max_tokens=1024,
+    median_tokens=128.0,
+    sigma_prompt=0.6,
+    sigma_sample=0.5,
+    t0=0.006,
+    k=5e-5,
+    t_kv=0.0,
+    p=2e-5,
+    t_sync=0.5,
+    t_train0=0.5,
+    t_train_per_token=2e-5,
+    steps=12,
 )
 
 
@@ -30,9 +45,22 @@ def test_hand_checked_single_slot():
     # then training t_train0 + t_train_per_token * (prompt + L), then the weight sync.
     L, prompt, t_train0, per_token, t_sync = 10, 4, 3.0, 0.5, 2.0
     cfg = SimConfig(
-        engines=1, slots=1, kv_tokens=100, batch_size=1, n_samples=1, prompt_tokens=prompt, max_tokens=50,
-        lengths=[L], t0=1.0, k=0.0, t_kv=0.0, p=0.0, t_sync=t_sync, t_train0=t_train0,
-        t_train_per_token=per_token, steps=3,
+        engines=1,
+        slots=1,
+        kv_tokens=100,
+        batch_size=1,
+        n_samples=1,
+        prompt_tokens=prompt,
+        max_tokens=50,
+        lengths=[L],
+        t0=1.0,
+        k=0.0,
+        t_kv=0.0,
+        p=0.0,
+        t_sync=t_sync,
+        t_train0=t_train0,
+        t_train_per_token=per_token,
+        steps=3,
     )
     r = simulate("sync", cfg)
     t_train = t_train0 + per_token * (prompt + L)  # 3 + 7 = 10 s
@@ -170,17 +198,30 @@ def test_compare_and_plot(tmp_path):
     results = compare(small(steps=4))
     names = [r.policy for r in results]
     assert names == [
-        "sync", "april_x1.5", "april_x2", "april_x3", "one_step_async", "async_bounded_s1", "async_bounded_s2",
+        "sync",
+        "april_x1.5",
+        "april_x2",
+        "april_x3",
+        "one_step_async",
+        "async_bounded_s1",
+        "async_bounded_s2",
     ]
     out = plot(results, tmp_path / "sim.png")
     assert out.stat().st_size > 1000
 
 
 def test_sim_config_from_job():
-    job = load_config(None, [
-        "rollout.batch_size=16", "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=64",
-        "rollout.num_workers=2", "rollout.max_running_requests=32", "april.oversample=3",
-    ])
+    job = load_config(
+        None,
+        [
+            "rollout.batch_size=16",
+            "rollout.n_samples_per_prompt=8",
+            "rollout.max_new_tokens=64",
+            "rollout.num_workers=2",
+            "rollout.max_running_requests=32",
+            "april.oversample=3",
+        ],
+    )
     cfg = sim_config_from_job(job, {"steps": 5})
     assert (cfg.batch_size, cfg.n_samples, cfg.max_tokens, cfg.engines, cfg.slots) == (16, 8, 64, 2, 32)
     assert cfg.oversample == 3.0 and cfg.steps == 5
@@ -195,7 +236,10 @@ def test_cli_sim_yaml_and_job_yaml(tmp_path, capsys):
     ratios = json.loads(lines[-1])
     aprils = {"april_x1.5", "april_x2", "april_x3"}
     assert set(ratios) == aprils | {f"{p}_trained_per_rollout_s" for p in aprils} | {
-        "one_step_async", "async_bounded_s1", "async_bounded_s2"}
+        "one_step_async",
+        "async_bounded_s1",
+        "async_bounded_s2",
+    }
     assert (tmp_path / "a.png").exists()
     assert any(line.startswith("sync") for line in lines)
 

@@ -33,12 +33,27 @@ AUTH = {"X-Slime-Token": TOKEN}
 def job(ray_session, tiny_model_dir, redis_url, tmp_path_factory) -> Iterator[TrajectoryStore]:
     """The buffer as a real job left it: partials aborted by APRIL, trained groups, step history."""
     out = tmp_path_factory.mktemp("dash-api")
-    history = train(load_config(None, [
-        f"job_name={JOB}", f"output_dir={out}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
-        "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=24",
-        "data.num_generated=32", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
-        "steps=2", "april.enabled=true", "april.oversample=2",
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={JOB}",
+                f"output_dir={out}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                "rollout.batch_size=2",
+                "rollout.n_samples_per_prompt=2",
+                "rollout.max_new_tokens=24",
+                "data.num_generated=32",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+                "logging.plot=false",
+                "steps=2",
+                "april.enabled=true",
+                "april.oversample=2",
+            ],
+        )
+    )
     assert len(history) == 2
     buffer = TrajectoryStore.open(redis_url, JOB)
     yield buffer
@@ -93,11 +108,15 @@ def test_pages_cover_every_trajectory_once(client, job):
 def test_filters_select_what_they_say(client, job):
     samples = {s.id: s for s in job.iter_samples()}
     done = _all_pages(client, 50, status=["completed", "truncated"])
-    assert {r["id"] for r in done} == {i for i, s in samples.items() if s.status in (Status.COMPLETED, Status.TRUNCATED)}
+    assert {r["id"] for r in done} == {
+        i for i, s in samples.items() if s.status in (Status.COMPLETED, Status.TRUNCATED)
+    }
     long_ones = _all_pages(client, 50, min_length=10)
     assert {r["id"] for r in long_ones} == {i for i, s in samples.items() if s.response_length >= 10}
     rewarded = _all_pages(client, 50, min_reward=0.5, max_reward=1.0)
-    assert {r["id"] for r in rewarded} == {i for i, s in samples.items() if s.reward is not None and 0.5 <= s.reward <= 1}
+    assert {r["id"] for r in rewarded} == {
+        i for i, s in samples.items() if s.reward is not None and 0.5 <= s.reward <= 1
+    }
     spanning = _all_pages(client, 50, min_version_span=1)
     assert {r["id"] for r in spanning} == {
         i for i, s in samples.items() if s.response_length and int(s.versions.max() - s.versions.min()) >= 1
@@ -108,10 +127,19 @@ def test_filters_select_what_they_say(client, job):
     assert page["scanned"] <= 3 and page["next_cursor"] is not None
 
 
-@pytest.mark.parametrize("params", [
-    {"limit": 0}, {"limit": 201}, {"cursor": "abc"}, {"cursor": "1.2.3"}, {"status": "bogus"},
-    {"min_reward": "nan"}, {"min_age_s": "-1"}, {"max_scan": 100000},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"limit": 0},
+        {"limit": 201},
+        {"cursor": "abc"},
+        {"cursor": "1.2.3"},
+        {"status": "bogus"},
+        {"min_reward": "nan"},
+        {"min_age_s": "-1"},
+        {"max_scan": 100000},
+    ],
+)
 def test_bad_queries_are_refused_with_the_field_named(client, params):
     r = client.get("/api/trajectories", params=params)
     assert r.status_code == 422
@@ -177,15 +205,28 @@ def test_groups_histograms_engines_experts_rewards_steps(client, job):
 
 def test_openapi_is_published(client):
     spec = client.get("/openapi.json").json()
-    for path in ("/api/summary", "/api/trajectories", "/api/trajectories/{sample_id}", "/api/histograms",
-                 "/api/engines", "/api/experts", "/api/rewards", "/api/stream", "/metrics",
-                 "/api/control/pause", "/api/trajectories/{sample_id}/drop"):
+    for path in (
+        "/api/summary",
+        "/api/trajectories",
+        "/api/trajectories/{sample_id}",
+        "/api/histograms",
+        "/api/engines",
+        "/api/experts",
+        "/api/rewards",
+        "/api/stream",
+        "/metrics",
+        "/api/control/pause",
+        "/api/trajectories/{sample_id}/drop",
+    ):
         assert path in spec["paths"], path
 
 
 def test_control_needs_a_configured_token(client, job, telemetry):
-    for path, body in (("/api/control/pause", None), ("/api/control/resume", None),
-                       ("/api/control/oversample", {"oversample": 3})):
+    for path, body in (
+        ("/api/control/pause", None),
+        ("/api/control/resume", None),
+        ("/api/control/oversample", {"oversample": 3}),
+    ):
         r = client.post(path, json=body if body is not None else {})
         assert r.status_code == 403 and "token" in r.json()["detail"]
     sid = next(job.iter_samples()).id
@@ -245,8 +286,7 @@ def test_live_stream_and_bind_rules(job):
         DashboardServer(job.url, JOB, host="0.0.0.0")
     server = DashboardServer(job.url, JOB, port=0, token=TOKEN).start()
     try:
-        with httpx.stream("GET", server.url + "api/stream", params={"interval": 0.2}, headers=AUTH,
-                          timeout=10) as r:
+        with httpx.stream("GET", server.url + "api/stream", params={"interval": 0.2}, headers=AUTH, timeout=10) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             seen: list[str] = []
             for line in r.iter_lines():
@@ -270,6 +310,7 @@ def test_fuzzing_the_schema_finds_no_server_errors(job):
     assert len(operations) >= 15
 
     for operation in operations:
+
         @given(case=operation.as_strategy())
         @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def fuzz(case):

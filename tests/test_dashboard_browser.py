@@ -36,11 +36,28 @@ def _free_port() -> int:
 def running_job(tiny_model_dir, redis_url, tmp_path):
     """`slime train` in a subprocess with the dashboard on; yields (url, buffer); SIGTERM at the end."""
     job = f"dash-browser-{os.getpid()}"
-    cmd = [sys.executable, "-m", "slime.cli", "train", f"job_name={job}", f"output_dir={tmp_path / 'run'}",
-           f"model.path={tiny_model_dir}", f"buffer.url={redis_url}", "steps=500", "april.enabled=true",
-           "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=32",
-           "data.num_generated=64", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
-           "dashboard.enabled=true", f"dashboard.port={_free_port()}", f"dashboard.token={TOKEN}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slime.cli",
+        "train",
+        f"job_name={job}",
+        f"output_dir={tmp_path / 'run'}",
+        f"model.path={tiny_model_dir}",
+        f"buffer.url={redis_url}",
+        "steps=500",
+        "april.enabled=true",
+        "rollout.batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_new_tokens=32",
+        "data.num_generated=64",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "dashboard.enabled=true",
+        f"dashboard.port={_free_port()}",
+        f"dashboard.token={TOKEN}",
+    ]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
@@ -89,7 +106,13 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
     url, buffer = running_job
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,2200"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,2200",
+    ):
         options.add_argument(arg)
     browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     try:
@@ -111,7 +134,11 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
 
         # Pause from the page: the driver pauses the workers and no token is generated meanwhile.
         browser.find_element(By.ID, "btn-pause").click()
-        wait_for(lambda: any(e["kind"] == "rollout_paused" for e in JobTelemetry(buffer.connection).events(20)), 30, "the driver to pause")
+        wait_for(
+            lambda: any(e["kind"] == "rollout_paused" for e in JobTelemetry(buffer.connection).events(20)),
+            30,
+            "the driver to pause",
+        )
         time.sleep(0.5)  # a decode step in progress when the pause arrived may still land
         frozen = buffer.stats()["generated_tokens"]
         time.sleep(1.5)
@@ -131,15 +158,19 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
 
         browser.find_element(By.ID, "btn-refresh").click()
         wait_for(lambda: click(f'tr[data-id="{probe.id}"]'), 20, "the probe's row to click")
-        wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#inspector-tokens .tok")) == 8, 20,
-                 "the probe's tokens in the inspector")
+        wait_for(
+            lambda: len(browser.find_elements(By.CSS_SELECTOR, "#inspector-tokens .tok")) == 8,
+            20,
+            "the probe's tokens in the inspector",
+        )
         spans = browser.find_elements(By.CSS_SELECTOR, "#inspector-tokens .tok")
         colour = [s.value_of_css_property("background-color") for s in spans]
         assert colour[0] == colour[1] == colour[2] != colour[5] == colour[6] == colour[7]  # v0 vs v1
         assert [s.get_attribute("data-version") for s in spans] == ["0"] * 5 + ["1"] * 3
         masked = [s for s in spans if "masked" in s.get_attribute("class")]
         assert len(masked) == 2 and {s.value_of_css_property("background-color") for s in masked} == {
-            "rgba(213, 216, 220, 1)"}  # grey, whatever their version
+            "rgba(213, 216, 220, 1)"
+        }  # grey, whatever their version
         JobTelemetry(buffer.connection).drop_sample(probe.id, "browser test probe")
 
         # Open a trajectory the job generated, resume, and watch the counters move again.
@@ -148,8 +179,13 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
         browser.find_element(By.ID, "btn-refresh").click()
         # The page lists the newest 50 trajectories; _rows is oldest first.
         wait_for(lambda: any(click(f'tr[data-id="{sid}"]') for sid in generated[-10:]), 20, "a generated row to click")
-        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#inspector-tokens .tok")
-                 and text("inspector-id") in generated, 20, "a generated trajectory in the inspector")
+        wait_for(
+            lambda: (
+                browser.find_elements(By.CSS_SELECTOR, "#inspector-tokens .tok") and text("inspector-id") in generated
+            ),
+            20,
+            "a generated trajectory in the inspector",
+        )
         browser.find_element(By.ID, "btn-resume").click()
         paused_at = int(text("generated-tokens"))
         wait_for(lambda: int(text("generated-tokens")) > paused_at, 60, "generation to resume")

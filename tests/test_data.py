@@ -22,7 +22,11 @@ TEXT_ROWS = [
 ]
 # A column holds one type in Arrow, so chat prompts are their own dataset.
 CHAT_ROWS = [
-    {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "label": "hello", "task": "chat"},
+    {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        "label": "hello",
+        "task": "chat",
+    },
 ]
 
 

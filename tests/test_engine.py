@@ -43,8 +43,9 @@ def model():
 def engine(request, model):
     """Both forward paths: the fast decoder (default for this model) and Hugging Face's forward."""
     # A copy: weight-update tests write into the engine's model in place.
-    eng = BuiltinEngine(copy.deepcopy(model), max_running_requests=16, seed=0,
-                        fast_path=None if request.param == "fast" else False)
+    eng = BuiltinEngine(
+        copy.deepcopy(model), max_running_requests=16, seed=0, fast_path=None if request.param == "fast" else False
+    )
     assert eng.health()["forward"] == request.param
     return eng
 
@@ -343,15 +344,37 @@ def test_request_validation(engine):
     engine.abort()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.1), ("temperature", 100.5),
-    ("temperature", "0.5"), ("temperature", True),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_p", None),
-    ("top_k", 10**30), ("top_k", 1e30), ("top_k", VOCAB + 1), ("top_k", -1), ("top_k", 2.0), ("top_k", True),
-    ("max_new_tokens", -1), ("max_new_tokens", 1 << 40), ("max_new_tokens", 3.0), ("max_new_tokens", False),
-    ("stop_token_ids", [VOCAB]), ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]),
-    ("stop_token_ids", list(range(VOCAB)) * 5), ("stop_token_ids", 3),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", -0.1),
+        ("temperature", 100.5),
+        ("temperature", "0.5"),
+        ("temperature", True),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", float("nan")),
+        ("top_p", None),
+        ("top_k", 10**30),
+        ("top_k", 1e30),
+        ("top_k", VOCAB + 1),
+        ("top_k", -1),
+        ("top_k", 2.0),
+        ("top_k", True),
+        ("max_new_tokens", -1),
+        ("max_new_tokens", 1 << 40),
+        ("max_new_tokens", 3.0),
+        ("max_new_tokens", False),
+        ("stop_token_ids", [VOCAB]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", [True]),
+        ("stop_token_ids", list(range(VOCAB)) * 5),
+        ("stop_token_ids", 3),
+    ],
+)
 def test_bad_sampling_values_are_refused_naming_the_field(model, field, value):
     """Every bound of validate_sampling, through add_request: a ValueError naming the field, nothing
     queued, and the engine serves the next request."""
@@ -366,12 +389,18 @@ def test_bad_sampling_values_are_refused_naming_the_field(model, field, value):
 
 def test_bad_token_ids_are_refused_naming_the_field(model):
     eng = BuiltinEngine(model, max_running_requests=2)
-    for prompt, response, field in (([1, 2.0], [], "prompt_ids"), ([1, True], [], "prompt_ids"),
-                                    ([1], [VOCAB], "response_ids"), ([1], ["3"], "response_ids")):
+    for prompt, response, field in (
+        ([1, 2.0], [], "prompt_ids"),
+        ([1, True], [], "prompt_ids"),
+        ([1], [VOCAB], "response_ids"),
+        ([1], ["3"], "response_ids"),
+    ):
         with pytest.raises(ValueError, match=field):
             eng.add_request(GenerationRequest("bad", prompt, greedy(2), response))
     # numpy ids and integer scalars are token ids (the rollout worker keeps them in arrays)
-    c = run_alone(eng, np.array([1, 2, 3]), SamplingParams(temperature=0.0, top_k=np.int64(3), max_new_tokens=np.int32(2)))
+    c = run_alone(
+        eng, np.array([1, 2, 3]), SamplingParams(temperature=0.0, top_k=np.int64(3), max_new_tokens=np.int32(2))
+    )
     assert len(c.token_ids) == 2
 
 
@@ -384,8 +413,20 @@ CONTRACT = sorted(name for name in vars(RolloutEngine) if not name.startswith("_
 def test_every_engine_class_implements_the_contract(engine_class):
     """Every member of `RolloutEngine`, with its parameter names, and the shared `from_config`
     (the vLLM and SGLang adapters import without their packages)."""
-    assert CONTRACT == ["abort", "add_request", "close", "has_unfinished", "health", "num_running", "num_waiting",
-                        "score_logprobs", "set_temperature", "step", "update_weights", "version"]
+    assert CONTRACT == [
+        "abort",
+        "add_request",
+        "close",
+        "has_unfinished",
+        "health",
+        "num_running",
+        "num_waiting",
+        "score_logprobs",
+        "set_temperature",
+        "step",
+        "update_weights",
+        "version",
+    ]
     for name in CONTRACT:
         want, got = getattr(RolloutEngine, name), getattr(engine_class, name, None)
         assert got is not None, f"{engine_class.__name__} has no {name}"
@@ -394,12 +435,24 @@ def test_every_engine_class_implements_the_contract(engine_class):
         else:
             assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), name
     assert list(inspect.signature(engine_class.from_config).parameters) == [
-        "cfg", "model_dir", "index", "version", "api_token"]
+        "cfg",
+        "model_dir",
+        "index",
+        "version",
+        "api_token",
+    ]
 
 
 def test_make_engine_builds_the_configured_builtin_engine(tiny_model_dir, tmp_path):
-    cfg = load_config(None, [f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "rollout.max_running_requests=3",
-                             "rollout.kept_kv_tokens=100"])
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={tmp_path}",
+            f"model.path={tiny_model_dir}",
+            "rollout.max_running_requests=3",
+            "rollout.kept_kv_tokens=100",
+        ],
+    )
     engine = make_engine(cfg, str(tiny_model_dir), 1, 5)
     assert isinstance(engine, BuiltinEngine) and engine.version == 5
     assert engine.max_running_requests == 3 and engine.kept_kv_tokens == 100

@@ -35,8 +35,15 @@ def tiny_dense(kind: str) -> torch.nn.Module:
     """A small dense Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norm), random init."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common)).eval()
@@ -89,8 +96,9 @@ def test_sampled_logprobs_equal_the_model_forward_through_growth_and_compaction(
     engine = BuiltinEngine(model, max_running_requests=40, seed=5)
     ps = prompts(30, seed=2, lo=1, hi=60)
     rng = random.Random(0)
-    params = [SamplingParams(temperature=0.7, top_k=rng.choice([0, 10]), max_new_tokens=rng.randint(1, 150))
-              for _ in ps]
+    params = [
+        SamplingParams(temperature=0.7, top_k=rng.choice([0, 10]), max_new_tokens=rng.randint(1, 150)) for _ in ps
+    ]
     chunks = run(engine, ps, lambda i: params[i])
     assert max(len(p) + len(c.token_ids) for p, c in zip(ps, chunks)) > 128
     for p, c, sp in zip(ps, chunks, params):
@@ -288,7 +296,9 @@ def test_kept_cache_across_a_weight_update_equals_running_through_it():
     _drive(through, got_t, lps_t, steps=6)
     _drive(parked, got_p, lps_p, steps=6)
     for c in parked.abort(None):
-        parked.add_request(GenerationRequest(c.request_id, ps[int(c.request_id[1:])], greedy, list(got_p[c.request_id])))
+        parked.add_request(
+            GenerationRequest(c.request_id, ps[int(c.request_id[1:])], greedy, list(got_p[c.request_id]))
+        )
     for e in (through, parked):
         e.update_weights(1, new.state_dict().items())
     _drive(through, got_t, lps_t)

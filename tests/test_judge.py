@@ -16,33 +16,39 @@ from rewards.server import ServerThread
 TINY_TEMPLATE = "Rate 1-10.\nQ: {prompt}\nA: {response}\nScore:"
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("Score: 7/10", 7.0),
-    ("The answer is fine. [[8]]", 8.0),
-    ('{"score": 9, "reason": "ok"}', 9.0),
-    ('Verdict as JSON: {"rating": "6"}', 6.0),
-    ("First I thought 3 out of 10. Final score: 6", 6.0),
-    ("**Score:** 4", 4.0),
-    ("Rating: 2.5", 2.5),
-    ("[[7/10]]", 7.0),
-    ("I'd give it 7/10.", 7.0),
-    ("Score: 11/10", None),  # out of range
-    ("Score: 4/5", None),  # another scale than asked for
-    ("ababab", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Score: 7/10", 7.0),
+        ("The answer is fine. [[8]]", 8.0),
+        ('{"score": 9, "reason": "ok"}', 9.0),
+        ('Verdict as JSON: {"rating": "6"}', 6.0),
+        ("First I thought 3 out of 10. Final score: 6", 6.0),
+        ("**Score:** 4", 4.0),
+        ("Rating: 2.5", 2.5),
+        ("[[7/10]]", 7.0),
+        ("I'd give it 7/10.", 7.0),
+        ("Score: 11/10", None),  # out of range
+        ("Score: 4/5", None),  # another scale than asked for
+        ("ababab", None),
+        ("", None),
+    ],
+)
 def test_parse_score(text, expected):
     assert parse_score(text, max_score=10, min_score=1) == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("A is clearer. [[A]]", "A"),
-    ("[[A]] at first, but on reflection [[B]]", "B"),
-    ("[[C]]", "tie"),
-    ('{"winner": "tie"}', "tie"),
-    ("Verdict: B", "B"),
-    ("both are bad", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("A is clearer. [[A]]", "A"),
+        ("[[A]] at first, but on reflection [[B]]", "B"),
+        ("[[C]]", "tie"),
+        ('{"winner": "tie"}', "tie"),
+        ("Verdict: B", "B"),
+        ("both are bad", None),
+    ],
+)
 def test_parse_verdict(text, expected):
     assert parse_verdict(text) == expected
 
@@ -111,8 +117,12 @@ def test_judge_config_errors_are_clear():
 def test_judge_on_the_builtin_engine_reports_parse_failures(tiny_model_dir):
     """The tiny model cannot judge: its verdicts are unparseable, and each one is reported as a
     failure carrying the judge's text; nothing hangs, nothing is silently scored."""
-    judge = load_reward_spec({"fn": "rewards.judge:llm_judge", "kwargs": {
-        "model_dir": str(tiny_model_dir), "template": TINY_TEMPLATE, "max_tokens": 16}})
+    judge = load_reward_spec(
+        {
+            "fn": "rewards.judge:llm_judge",
+            "kwargs": {"model_dir": str(tiny_model_dir), "template": TINY_TEMPLATE, "max_tokens": 16},
+        }
+    )
     answers = ["abab", "abc", "7", "aaaa"]
     with RewardRunner(judge, timeout_s=60, max_concurrency=4) as runner:
         results = [f.result() for f in [runner.submit("ab*2=", a) for a in answers]]
@@ -131,8 +141,16 @@ def test_openai_server_on_the_builtin_engine(tiny_model_dir):
     gen = LocalGenerator(tiny_model_dir)
     try:
         with ServerThread(make_openai_app(gen, "tiny")) as server:
-            chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-                "model": "tiny", "messages": [{"role": "user", "content": "ab*2="}], "max_tokens": 8, "temperature": 0})
+            chat = httpx.post(
+                f"{server.url}/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "ab*2="}],
+                    "max_tokens": 8,
+                    "temperature": 0,
+                },
+            )
             assert chat.status_code == 200
             body = chat.json()
             assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] <= 8
@@ -140,8 +158,9 @@ def test_openai_server_on_the_builtin_engine(tiny_model_dir):
             # Greedy decoding of the same prompt gives the same text through the generator directly.
             direct = gen.generate(gen.chat_ids([{"role": "user", "content": "ab*2="}]), 8, temperature=0)
             assert body["choices"][0]["message"]["content"] == direct.text
-            too_long = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                                  json={"prompt": "a" * 600, "max_tokens": 4})
+            too_long = httpx.post(
+                f"{server.url}/v1/completions", timeout=60, json={"prompt": "a" * 600, "max_tokens": 4}
+            )
             assert too_long.status_code == 400 and "reads at most 512" in too_long.text
             # The judge through the OpenAI path, on this server: completions and chat.
             for api in ("completions", "chat"):

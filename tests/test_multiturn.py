@@ -74,12 +74,23 @@ def reference(tiny_model_dir):
 
 
 def job_config(buffer: TrajectoryStore, tmp_path, *overrides: str):
-    return load_config(None, [
-        f"job_name={buffer.job}", f"output_dir={tmp_path}", "rollout.temperature=0", "rollout.ignore_eos=true",
-        "rollout.max_new_tokens=80", "rollout.chunk_tokens=2", "rollout.max_running_requests=8",
-        "env.plugin=tests.test_multiturn:ScriptedEnv", f"env.max_turn_tokens={TURN_TOKENS}", "env.max_turns=6",
-        "env.kwargs={done_at: 3}", *overrides,
-    ])
+    return load_config(
+        None,
+        [
+            f"job_name={buffer.job}",
+            f"output_dir={tmp_path}",
+            "rollout.temperature=0",
+            "rollout.ignore_eos=true",
+            "rollout.max_new_tokens=80",
+            "rollout.chunk_tokens=2",
+            "rollout.max_running_requests=8",
+            "env.plugin=tests.test_multiturn:ScriptedEnv",
+            f"env.max_turn_tokens={TURN_TOKENS}",
+            "env.max_turns=6",
+            "env.kwargs={done_at: 3}",
+            *overrides,
+        ],
+    )
 
 
 def run_worker(cfg, model_dir, redis_url, buffer, groups, timeout=120):
@@ -184,22 +195,47 @@ def test_live_abort_while_env_steps_run_resumes_exactly(buffer, redis_url, tiny_
         assert_matches_reference(s, reference)
 
 
-@pytest.mark.parametrize("overrides, status, reason, check", [
-    (["env.kwargs={done_at: 0}", "env.max_turns=2"], Status.TRUNCATED, "max_turns",
-     lambda s: s.metadata["env_turns"] == 2 and int(np.sum(np.diff(s.loss_mask) == 1)) == 1),
-    (["rollout.max_new_tokens=14"], Status.TRUNCATED, "max_new_tokens", lambda s: s.response_length <= 14),
-    (["env.kwargs={done_at: 2, observation: 'a very long observation text'}", "env.max_observation_tokens=4"],
-     Status.COMPLETED, "done", lambda s: s.loss_mask.tolist() == [1] * 5 + [0] * 4 + [1] * 5),
-    (["env.kwargs={done_at: 0, sleep_s: 3}", "env.step_timeout_s=0.5"], Status.FAILED,
-     "env call exceeded env.step_timeout_s=0.5", lambda s: s.response_length == 5),
-    (["env.kwargs={fail_at: 2}"], Status.FAILED, "RuntimeError: scripted failure", lambda s: s.response_length > 5),
-    (["env.kwargs={observation: ''}"], Status.FAILED, "empty observation", lambda s: s.response_length == 5),
-    (["env.max_turn_tokens=480", "env.max_turn_seconds=0.1", "rollout.max_new_tokens=480"], Status.TRUNCATED,
-     "max_turn_seconds", lambda s: s.response_length < 480),
-    (["env.kwargs={done_at: 0, sleep_s: 0.3}", "env.max_episode_seconds=0.5", "env.max_turns=50"],
-     Status.TRUNCATED, "max_episode_seconds", lambda s: s.metadata["env_turns"] >= 1),
-])
-def test_limits_end_the_episode_and_say_which(buffer, redis_url, tiny_model_dir, tmp_path, overrides, status, reason, check):
+@pytest.mark.parametrize(
+    "overrides, status, reason, check",
+    [
+        (
+            ["env.kwargs={done_at: 0}", "env.max_turns=2"],
+            Status.TRUNCATED,
+            "max_turns",
+            lambda s: s.metadata["env_turns"] == 2 and int(np.sum(np.diff(s.loss_mask) == 1)) == 1,
+        ),
+        (["rollout.max_new_tokens=14"], Status.TRUNCATED, "max_new_tokens", lambda s: s.response_length <= 14),
+        (
+            ["env.kwargs={done_at: 2, observation: 'a very long observation text'}", "env.max_observation_tokens=4"],
+            Status.COMPLETED,
+            "done",
+            lambda s: s.loss_mask.tolist() == [1] * 5 + [0] * 4 + [1] * 5,
+        ),
+        (
+            ["env.kwargs={done_at: 0, sleep_s: 3}", "env.step_timeout_s=0.5"],
+            Status.FAILED,
+            "env call exceeded env.step_timeout_s=0.5",
+            lambda s: s.response_length == 5,
+        ),
+        (["env.kwargs={fail_at: 2}"], Status.FAILED, "RuntimeError: scripted failure", lambda s: s.response_length > 5),
+        (["env.kwargs={observation: ''}"], Status.FAILED, "empty observation", lambda s: s.response_length == 5),
+        (
+            ["env.max_turn_tokens=480", "env.max_turn_seconds=0.1", "rollout.max_new_tokens=480"],
+            Status.TRUNCATED,
+            "max_turn_seconds",
+            lambda s: s.response_length < 480,
+        ),
+        (
+            ["env.kwargs={done_at: 0, sleep_s: 0.3}", "env.max_episode_seconds=0.5", "env.max_turns=50"],
+            Status.TRUNCATED,
+            "max_episode_seconds",
+            lambda s: s.metadata["env_turns"] >= 1,
+        ),
+    ],
+)
+def test_limits_end_the_episode_and_say_which(
+    buffer, redis_url, tiny_model_dir, tmp_path, overrides, status, reason, check
+):
     cfg = job_config(buffer, tmp_path, *overrides)
     groups = [buffer.add_group(PROMPT, 1, cfg.rollout.max_new_tokens, {"label": "ababab"})]
     _, (s,) = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
@@ -219,9 +255,18 @@ def test_reward_fn_mode_scores_the_transcript(buffer, redis_url, tiny_model_dir,
 def test_tool_env_through_the_worker(buffer, redis_url, tiny_model_dir, tmp_path):
     """The real ToolEnv as a plugin: every observation the worker stored is the tokenisation of a
     tool reply (<result> or <error>, cut to max_observation_tokens), with mask 0."""
-    cfg = job_config(buffer, tmp_path, "env.plugin=envs.agent:ToolEnv", "env.kwargs={tools: [calculator]}",
-                     "env.max_turns=3", "env.max_turn_tokens=16", "env.max_observation_tokens=24",
-                     "rollout.temperature=1.0", "rollout.ignore_eos=false", "rollout.max_new_tokens=200")
+    cfg = job_config(
+        buffer,
+        tmp_path,
+        "env.plugin=envs.agent:ToolEnv",
+        "env.kwargs={tools: [calculator]}",
+        "env.max_turns=3",
+        "env.max_turn_tokens=16",
+        "env.max_observation_tokens=24",
+        "rollout.temperature=1.0",
+        "rollout.ignore_eos=false",
+        "rollout.max_new_tokens=200",
+    )
     groups = [buffer.add_group(PROMPT, 2, 200, {"label": "6"})]
     _, samples = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
     tokenizer = load_tokenizer(tiny_model_dir)
@@ -234,7 +279,9 @@ def test_tool_env_through_the_worker(buffer, redis_url, tiny_model_dir, tmp_path
                 runs.append((mask[start], start, i))
                 start = i
         observations = [tokenizer.decode(s.response_ids[a:b].tolist()) for m, a, b in runs if m == 0]
-        assert len(observations) == s.metadata["env_turns"] - (s.status == Status.COMPLETED or s.metadata["env_end"] == "max_turns")
+        assert len(observations) == s.metadata["env_turns"] - (
+            s.status == Status.COMPLETED or s.metadata["env_end"] == "max_turns"
+        )
         for text in observations:
             assert text.startswith(("<error>", "<result")), text
             assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 24

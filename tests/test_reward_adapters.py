@@ -54,7 +54,9 @@ def trl_accuracy(completions, solution, **kwargs):
 
 
 def trl_format(completions, **kwargs):
-    return [1.0 if re.fullmatch(r"<think>.*?</think>\s*<answer>.*?</answer>", c, re.DOTALL) else 0.0 for c in completions]
+    return [
+        1.0 if re.fullmatch(r"<think>.*?</think>\s*<answer>.*?</answer>", c, re.DOTALL) else 0.0 for c in completions
+    ]
 
 
 def trl_uses_prompts(prompts, completions, ground_truth, difficulty, **kwargs):
@@ -87,8 +89,16 @@ def native(prompt, response, label, metadata):
 
 @pytest.mark.parametrize(
     "fn, style",
-    [(slime_rm, "slime"), (slime_rm_sync, "slime"), (verl_compute_score, "verl"), (verl_gsm8k_style, "verl"),
-     (trl_accuracy, "trl"), (trl_format, "trl"), (trl_uses_prompts, "trl"), (native, "native")],
+    [
+        (slime_rm, "slime"),
+        (slime_rm_sync, "slime"),
+        (verl_compute_score, "verl"),
+        (verl_gsm8k_style, "verl"),
+        (trl_accuracy, "trl"),
+        (trl_format, "trl"),
+        (trl_uses_prompts, "trl"),
+        (native, "native"),
+    ],
 )
 def test_detect_style(fn, style):
     assert detect_style(fn) == style
@@ -165,7 +175,9 @@ def test_verl_dict_without_score_is_an_error():
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return {"acc": 1.0}
 
-    with pytest.raises(ValueError, match=r"verl-style reward .*compute_score returned a dict without a 'score' key \(keys: \['acc'\]\)"):
+    with pytest.raises(
+        ValueError, match=r"verl-style reward .*compute_score returned a dict without a 'score' key \(keys: \['acc'\]\)"
+    ):
         adapt(compute_score)("p", "r", "l", {})
 
 
@@ -188,11 +200,19 @@ def test_trl_async_stays_async():
 
 
 def test_trl_errors_name_the_function():
-    with pytest.raises(ValueError, match=r"TRL-style reward .*trl_broken returned 2 scores for 1 completion; expected a list of exactly 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"TRL-style reward .*trl_broken returned 2 scores for 1 completion; expected a list of exactly 1",
+    ):
         adapt(trl_broken)("p", "r", None, {})
-    with pytest.raises(TypeError, match=r"trl_scalar returned float 1.0; expected a list with one score per completion"):
+    with pytest.raises(
+        TypeError, match=r"trl_scalar returned float 1.0; expected a list with one score per completion"
+    ):
         adapt(trl_scalar)("p", "r", None, {})
-    with pytest.raises(TypeError, match=r"trl_strict requires \['solution'\], which this sample does not have \(dataset columns in metadata: \['ground_truth', 'label', 'task'\]\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"trl_strict requires \['solution'\], which this sample does not have \(dataset columns in metadata: \['ground_truth', 'label', 'task'\]\)",
+    ):
         adapt(trl_strict)("p", "r", None, {"task": "math"})
 
 
@@ -206,8 +226,7 @@ def test_load_reward_from_file_and_run_through_the_runner(tmp_path: Path, monkey
         "    return [float(c == s) for c, s in zip(completions, solution)]\n"
     )
     (tmp_path / "my_slime.py").write_text(
-        "async def rm(args, sample):\n"
-        "    return float(sample.response == sample.label)\n"
+        "async def rm(args, sample):\n    return float(sample.response == sample.label)\n"
     )
     with RewardRunner(load_reward("my_trl.py:accuracy"), 5.0, 2, name="my_trl.py:accuracy") as runner:
         assert runner.score("p", "7", None, {"solution": "7"}).reward == 1.0

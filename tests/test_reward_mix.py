@@ -156,9 +156,13 @@ def test_load_reward_spec_errors_give_the_path():
         load_reward_spec({"mix": [{"fn": "rewards.rule:f1", "weight": "heavy"}]})
     with pytest.raises(RewardSpecError, match=r"reward\.mix: List should have at least 1 item"):
         load_reward_spec({"mix": []})
-    with pytest.raises(RewardSpecError, match=r"reward\.routes\.qa: unrecognised keys \['func'\]; expected a spec string"):
+    with pytest.raises(
+        RewardSpecError, match=r"reward\.routes\.qa: unrecognised keys \['func'\]; expected a spec string"
+    ):
         load_reward_spec({"route": "task", "routes": {"qa": {"func": "x:y"}}})
-    with pytest.raises(RewardSpecError, match=r"reward\.routes: Value error, routes must name at least one field value"):
+    with pytest.raises(
+        RewardSpecError, match=r"reward\.routes: Value error, routes must name at least one field value"
+    ):
         load_reward_spec({"route": "task", "routes": {}})
     with pytest.raises(RewardSpecError, match=r"reward\.style: Input should be 'native', 'slime', 'verl' or 'trl'"):
         load_reward_spec({"fn": "rewards.rule:f1", "style": "openrlhf"})

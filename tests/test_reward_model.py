@@ -146,7 +146,11 @@ class _PairTokenizer:
     is_fast = False
 
     def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(text[i]) * 1000 + (ord(text[i + 1]) if i + 1 < len(text) else 0) for i in range(0, len(text), 2)]}
+        return {
+            "input_ids": [
+                ord(text[i]) * 1000 + (ord(text[i + 1]) if i + 1 < len(text) else 0) for i in range(0, len(text), 2)
+            ]
+        }
 
     def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join(chr(t // 1000) + (chr(t % 1000) if t % 1000 else "") for t in ids)
@@ -175,7 +179,15 @@ def test_aggregation_by_hand():
 def test_prm_training_and_reward(tiny_model_dir, tmp_path):
     data = mpd.write_jsonl(mpd.make_prm_examples(120, seed=1), tmp_path / "steps.jsonl")
     result = train_prm(
-        tiny_model_dir, data, tmp_path / "prm", steps=20, lr=2e-3, batch_size=8, eval_fraction=0.25, seed=0, delimiter="|"
+        tiny_model_dir,
+        data,
+        tmp_path / "prm",
+        steps=20,
+        lr=2e-3,
+        batch_size=8,
+        eval_fraction=0.25,
+        seed=0,
+        delimiter="|",
     )
     assert result["eval_examples"] == 30 and 0.0 <= result["eval_step_accuracy"] <= 1.0
     assert result["final_loss"] < result["first_loss"]

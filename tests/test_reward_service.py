@@ -26,7 +26,7 @@ from tests.helpers import wait_for
 TOKEN = "reward-service-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
-REWARDS_PY = '''
+REWARDS_PY = """
 import math, time
 
 CALLS = {"n": 0}
@@ -47,7 +47,7 @@ def garbage(prompt, response, label=None):
     if response == "steps":
         return {"score": 1.0, "step_scores": [0.5], "step_ends": [99]}
     return 1.0
-'''
+"""
 
 
 @pytest.fixture
@@ -62,8 +62,15 @@ def _results(service, items):
     return [f.result(timeout=30) for f in futures]
 
 
-GARBAGE_ITEMS = [("q", "fine", None), ("q", "nan", None), ("q", "text", None), ("q", "boom", None),
-                 ("q", "hang", None), ("q", "steps", None), ("q", "also fine", None)]
+GARBAGE_ITEMS = [
+    ("q", "fine", None),
+    ("q", "nan", None),
+    ("q", "text", None),
+    ("q", "boom", None),
+    ("q", "hang", None),
+    ("q", "steps", None),
+    ("q", "also fine", None),
+]
 
 
 def _check_garbage(results) -> None:
@@ -82,10 +89,17 @@ def _check_garbage(results) -> None:
 def test_http_service_answers_a_real_http_client(rewards_file):
     runner = RewardRunner(_load(f"{rewards_file}:overlap"), timeout_s=5, max_concurrency=2)
     with ServerThread(make_app(runner, token=TOKEN)) as server:
-        reply = httpx.post(f"{server.url}/score", json={"samples": [
-            {"prompt": "ab*2=", "response": "abab", "label": "abab"},
-            {"prompt": "ab*2=", "response": "abxx", "label": "abab", "metadata": {"task": "repeat"}},
-        ]}, headers=AUTH, timeout=10)
+        reply = httpx.post(
+            f"{server.url}/score",
+            json={
+                "samples": [
+                    {"prompt": "ab*2=", "response": "abab", "label": "abab"},
+                    {"prompt": "ab*2=", "response": "abxx", "label": "abab", "metadata": {"task": "repeat"}},
+                ]
+            },
+            headers=AUTH,
+            timeout=10,
+        )
         assert reply.status_code == 200
         results = reply.json()["results"]
         assert [r["reward"] for r in results] == [1.0, 0.5] and all(r.get("failure") is None for r in results)
@@ -126,7 +140,8 @@ def test_garbage_fails_only_its_samples_in_process_and_over_http(rewards_file):
     runner = RewardRunner(_load(f"{rewards_file}:garbage"), timeout_s=0.5, max_concurrency=8)
     with ServerThread(make_app(runner, token=TOKEN)) as server:
         remote = make_reward_service(
-            RewardConfig(mode="http", url=server.url, timeout_s=0.5, cache_size=0, token=TOKEN), "t")
+            RewardConfig(mode="http", url=server.url, timeout_s=0.5, cache_size=0, token=TOKEN), "t"
+        )
         _check_garbage(_results(remote, GARBAGE_ITEMS))
         remote.close()
     runner.close()
@@ -142,8 +157,13 @@ def test_garbage_replies_from_a_foreign_server():
         samples = (await request.json())["samples"]
         if samples[0]["response"] == "extra":
             return JSONResponse({"results": [{"reward": 1.0}] * (len(samples) + 1)})
-        replies = {"ok": '{"reward": 0.25}', "nan": '{"reward": NaN}', "str": '{"reward": "high"}',
-                   "none": '{"latency_s": 1}', "list": '[1, 2]'}
+        replies = {
+            "ok": '{"reward": 0.25}',
+            "nan": '{"reward": NaN}',
+            "str": '{"reward": "high"}',
+            "none": '{"latency_s": 1}',
+            "list": "[1, 2]",
+        }
         body = '{"results": [' + ", ".join(replies[s["response"]] for s in samples) + "]}"
         return Response(body, media_type="application/json")
 
@@ -270,10 +290,20 @@ def test_prm_step_rewards_land_on_step_end_tokens_in_the_stored_sample(tiny_mode
 
     ProcessRewardModel.from_backbone(tiny_model_dir, delimiter="b").save(tmp_path / "prm")
     job = "prm-tokens"
-    cfg = load_config(None, [f"job_name={job}", f"output_dir={tmp_path}", "rollout.max_new_tokens=12",
-                             "rollout.temperature=0", "rollout.ignore_eos=true"])
-    cfg.reward.fn = {"fn": "rewards.prm:prm_reward",
-                     "kwargs": {"model_dir": str(tmp_path / "prm"), "aggregation": "mean", "token_level": True}}
+    cfg = load_config(
+        None,
+        [
+            f"job_name={job}",
+            f"output_dir={tmp_path}",
+            "rollout.max_new_tokens=12",
+            "rollout.temperature=0",
+            "rollout.ignore_eos=true",
+        ],
+    )
+    cfg.reward.fn = {
+        "fn": "rewards.prm:prm_reward",
+        "kwargs": {"model_dir": str(tmp_path / "prm"), "aggregation": "mean", "token_level": True},
+    }
     buffer = TrajectoryStore.open(redis_url, job)
     buffer.delete_job()
     tok = load_tokenizer(tiny_model_dir)
@@ -329,7 +359,10 @@ def _load(spec: str):
     return load_function(spec)
 
 
-def _client(url: str, batch_size: int = 4, backoff_s: float = 0.05, max_retries: int = 3,
-            request_timeout_s: float = 10.0) -> RemoteRewardClient:
+def _client(
+    url: str, batch_size: int = 4, backoff_s: float = 0.05, max_retries: int = 3, request_timeout_s: float = 10.0
+) -> RemoteRewardClient:
     make, close = http_transport(url)
-    return RemoteRewardClient(url, make, request_timeout_s, 2, batch_size, max_retries, backoff_s, close_transport=close)
+    return RemoteRewardClient(
+        url, make, request_timeout_s, 2, batch_size, max_retries, backoff_s, close_transport=close
+    )

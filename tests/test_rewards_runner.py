@@ -13,7 +13,7 @@ from rewards.runner import RewardResult, RewardRunner
 
 # --- plugin loading --------------------------------------------------------------------------
 
-PLUGIN_SOURCE = '''
+PLUGIN_SOURCE = """
 LIMIT = 3
 
 def score(prompt, response, label, metadata):
@@ -25,7 +25,7 @@ def _private():
 class Judge:
     def __call__(self, prompt, response):
         return 1.0
-'''
+"""
 
 
 @pytest.fixture

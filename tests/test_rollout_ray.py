@@ -14,19 +14,26 @@ from tests.helpers import wait_for
 pytestmark = pytest.mark.slow
 
 
-
 def test_killed_worker_loses_no_trajectory(ray_session, tiny_model_dir, redis_url, tmp_path):
     import ray
 
     from slime.rollout import RolloutWorker
 
     job = "kill-test"
-    cfg = load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path}", "buffer.lease_seconds=2", "rollout.max_new_tokens=80",
-        "rollout.chunk_tokens=2", "rollout.max_running_requests=8", "rollout.temperature=1.0",
-        # Never stop early, so every trajectory is long enough to be caught mid-generation.
-        "rollout.ignore_eos=true",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"job_name={job}",
+            f"output_dir={tmp_path}",
+            "buffer.lease_seconds=2",
+            "rollout.max_new_tokens=80",
+            "rollout.chunk_tokens=2",
+            "rollout.max_running_requests=8",
+            "rollout.temperature=1.0",
+            # Never stop early, so every trajectory is long enough to be caught mid-generation.
+            "rollout.ignore_eos=true",
+        ],
+    )
     buffer = TrajectoryStore.open(redis_url, job, lease_seconds=2)
     buffer.delete_job()
     prompt = [6, 7, 77, 61, 86]
@@ -36,7 +43,8 @@ def test_killed_worker_loses_no_trajectory(ray_session, tiny_model_dir, redis_ur
     w0 = Worker.remote(cfg, str(tiny_model_dir), redis_url, "w0")
     running = wait_for(
         lambda: [s for s in buffer.iter_samples(Status.RUNNING) if s.response_length >= 4],
-        120, "w0 to store partial tokens",
+        120,
+        "w0 to store partial tokens",
     )
     ray.kill(w0, no_restart=True)
     partial = {s.id: buffer.get_sample(s.id).response_ids.copy() for s in running}

@@ -56,8 +56,11 @@ def test_regex_format():
     assert make_regex_format(r"\d+", full=False)("q", "a 123") == 1.0
 
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
-          "required": ["name", "age"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+}
 
 
 def test_json_schema():

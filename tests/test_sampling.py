@@ -118,8 +118,10 @@ def test_curriculum_advances_at_the_threshold() -> None:
 
 def test_curriculum_below_threshold_stays() -> None:
     cfg = SamplingConfig(
-        curriculum=[CurriculumStage(name="easy", filter={"level": "easy"}, advance_at_reward=0.5),
-                    CurriculumStage(name="hard", filter={"level": "hard"})],
+        curriculum=[
+            CurriculumStage(name="easy", filter={"level": "easy"}, advance_at_reward=0.5),
+            CurriculumStage(name="hard", filter={"level": "hard"}),
+        ],
         window=2,
     )
     sampler = PromptSampler(make_records(10), cfg, "task", seed=1, shuffle=True)

@@ -55,8 +55,11 @@ def _procs_with_marker(marker: str) -> list[int]:
 
 
 def test_ok_stdin_and_files(sb):
-    r = sb.run_python("import sys; print(sys.stdin.read().upper(), open('data/x.txt').read())",
-                      stdin="hi", files={"data/x.txt": "file"})
+    r = sb.run_python(
+        "import sys; print(sys.stdin.read().upper(), open('data/x.txt').read())",
+        stdin="hi",
+        files={"data/x.txt": "file"},
+    )
     assert r.status == "ok" and r.exit_code == 0 and r.stdout == "HI file\n" and r.warning is None
     r = sb.run_shell("echo $HOME; id -u; exit 3")
     assert r.status == "error" and r.exit_code == 3 and r.stdout == "/work\n65534\n"
@@ -222,11 +225,13 @@ def test_code_reward_assert_tests(pool):
     good = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
     partial = "```python\ndef add(a, b):\n    return a + b if a >= 0 and b else 4\n```"  # fails add(-1, 1)
     crashing = "```python\ndef add(a, b):\n    return a + b\nraise RuntimeError('boom')\n```"
-    hacker = "```python\nimport os\nprint('{\"i\": 0, \"status\": \"ok\"}')\nos._exit(0)\n```"
+    hacker = '```python\nimport os\nprint(\'{"i": 0, "status": "ok"}\')\nos._exit(0)\n```'
     d = score_code(good, tests=TESTS, pool=pool)
     assert d["reward"] == 1.0 and all(r["status"] == "ok" for r in d["results"])
     d = score_code(partial, tests=TESTS, pool=pool)
-    assert d["reward"] == 0.75 and d["results"][1]["status"] == "failed" and "AssertionError" in d["results"][1]["stderr"]
+    assert (
+        d["reward"] == 0.75 and d["results"][1]["status"] == "failed" and "AssertionError" in d["results"][1]["stderr"]
+    )
     d = score_code(crashing, tests=TESTS, pool=pool)
     assert d["reward"] == 0.0 and all("boom" in r["stderr"] for r in d["results"])
     assert score_code(hacker, tests=TESTS, pool=pool)["reward"] == 0.0
@@ -236,7 +241,11 @@ def test_code_reward_assert_tests(pool):
 
 
 def test_code_reward_io_cases_and_native_signature():
-    cases = [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "5 5\n", "stdout": "10"}, {"stdin": "2 2\n", "stdout": "5\n"}]
+    cases = [
+        {"stdin": "1 2\n", "stdout": "3\n"},
+        {"stdin": "5 5\n", "stdout": "10"},
+        {"stdin": "2 2\n", "stdout": "5\n"},
+    ]
     prog = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     md: dict = {}
     assert code_reward("p", prog, {"cases": cases}, md) == pytest.approx(2 / 3)

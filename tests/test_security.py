@@ -60,7 +60,9 @@ def _unsafe_calls(tree: ast.AST) -> list[tuple[int, str]]:
         attr = node.func.attr
         keywords = {k.arg: k.value for k in node.keywords}
         if owner_name in ("pickle", "cPickle", "dill", "cloudpickle", "marshal", "_pickle") and attr in (
-            "loads", "load", "Unpickler"
+            "loads",
+            "load",
+            "Unpickler",
         ):
             found.append((node.lineno, f"{owner_name}.{attr}"))
         elif owner_name == "torch" and attr == "load":
@@ -85,7 +87,9 @@ def test_no_product_code_deserialises_pickles_or_loads_checkpoints_unsafely():
             # the same rule as text, for what the AST walk cannot see (getattr tricks, aliases)
             for i, line in enumerate(text.splitlines(), 1):
                 code = line.split("#", 1)[0]
-                if "pickle.loads(" in code or (re.search(r"(?<![\w.])torch\.load\(", code) and "weights_only=True" not in code):
+                if "pickle.loads(" in code or (
+                    re.search(r"(?<![\w.])torch\.load\(", code) and "weights_only=True" not in code
+                ):
                     problems.append(f"{path.relative_to(ROOT)}:{i}: {code.strip()}")
     assert not problems, "unsafe deserialisation in product code:\n" + "\n".join(sorted(set(problems)))
 
@@ -150,9 +154,14 @@ def test_job_redis_needs_its_password_and_refuses_file_and_module_commands(tmp_p
         client = redis.Redis.from_url(server.url, password=password, socket_timeout=5)
         # The classic Redis-to-RCE moves, even with the password: write a file where we choose,
         # load a module, crash or stall the server, replicate from an attacker's server.
-        for attack in (["CONFIG", "SET", "dir", str(tmp_path)], ["CONFIG", "GET", "requirepass"],
-                       ["MODULE", "LOAD", "/tmp/evil.so"], ["DEBUG", "SEGFAULT"],
-                       ["REPLICAOF", "127.0.0.1", "1"], ["SLAVEOF", "127.0.0.1", "1"]):
+        for attack in (
+            ["CONFIG", "SET", "dir", str(tmp_path)],
+            ["CONFIG", "GET", "requirepass"],
+            ["MODULE", "LOAD", "/tmp/evil.so"],
+            ["DEBUG", "SEGFAULT"],
+            ["REPLICAOF", "127.0.0.1", "1"],
+            ["SLAVEOF", "127.0.0.1", "1"],
+        ):
             with pytest.raises(redis.ResponseError, match="unknown command"):
                 client.execute_command(*attack)
         # ... and the server still serves the job.
@@ -191,13 +200,25 @@ def test_written_config_keeps_references_and_hides_literal_secrets(tmp_path, mon
     monkeypatch.setenv("JUDGE_KEY_FOR_TEST", "sk-live-0123456789")
     monkeypatch.setenv("DASH_TOKEN_FOR_TEST", "dashboard-token-abcdef")
     source = tmp_path / "job.yaml"
-    source.write_text(yaml.safe_dump({
-        "dashboard": {"token": "${DASH_TOKEN_FOR_TEST}"},
-        "reward": {"fn": {"fn": "rewards.judge:judge_reward",
-                          "kwargs": {"api_key": "${JUDGE_KEY_FOR_TEST}", "password": "hunter2-literal",
-                                     "model": "judge-7b", "max_tokens": 64}}},
-        "buffer": {"url": "redis://:redis-pass-literal@10.0.0.5:6379/0"},
-    }))
+    source.write_text(
+        yaml.safe_dump(
+            {
+                "dashboard": {"token": "${DASH_TOKEN_FOR_TEST}"},
+                "reward": {
+                    "fn": {
+                        "fn": "rewards.judge:judge_reward",
+                        "kwargs": {
+                            "api_key": "${JUDGE_KEY_FOR_TEST}",
+                            "password": "hunter2-literal",
+                            "model": "judge-7b",
+                            "max_tokens": 64,
+                        },
+                    }
+                },
+                "buffer": {"url": "redis://:redis-pass-literal@10.0.0.5:6379/0"},
+            }
+        )
+    )
     cfg = load_config(source, ["reward.token=reward-token-literal"])
     assert cfg.dashboard.token == "dashboard-token-abcdef"  # resolved for the job itself
     assert cfg.reward.fn["kwargs"]["api_key"] == "sk-live-0123456789"
@@ -206,8 +227,13 @@ def test_written_config_keeps_references_and_hides_literal_secrets(tmp_path, mon
     dump_config(cfg, written)
     text = written.read_text()
     assert _mode(written) == 0o600
-    for secret in ("sk-live-0123456789", "dashboard-token-abcdef", "hunter2-literal", "redis-pass-literal",
-                   "reward-token-literal"):
+    for secret in (
+        "sk-live-0123456789",
+        "dashboard-token-abcdef",
+        "hunter2-literal",
+        "redis-pass-literal",
+        "reward-token-literal",
+    ):
         assert secret not in text
     data = yaml.safe_load(text)
     assert data["dashboard"]["token"] == "${DASH_TOKEN_FOR_TEST}"
@@ -229,11 +255,26 @@ def test_unset_reference_names_the_field(tmp_path, monkeypatch):
 
 
 def test_redaction_keeps_ordinary_fields():
-    data = {"max_new_tokens": 64, "tokens_per_s": 1.0, "api_key": "k", "dashboard_token": "t", "token": "x",
-            "stop": ["a"], "url": "http://user:pw@host/x", "kwargs": {"Authorization": "Bearer y", "model": "m"}}
-    assert redact(data) == {"max_new_tokens": 64, "tokens_per_s": 1.0, "api_key": "***", "dashboard_token": "***",
-                            "token": "***", "stop": ["a"], "url": "http://user:***@host/x",
-                            "kwargs": {"Authorization": "***", "model": "m"}}
+    data = {
+        "max_new_tokens": 64,
+        "tokens_per_s": 1.0,
+        "api_key": "k",
+        "dashboard_token": "t",
+        "token": "x",
+        "stop": ["a"],
+        "url": "http://user:pw@host/x",
+        "kwargs": {"Authorization": "Bearer y", "model": "m"},
+    }
+    assert redact(data) == {
+        "max_new_tokens": 64,
+        "tokens_per_s": 1.0,
+        "api_key": "***",
+        "dashboard_token": "***",
+        "token": "***",
+        "stop": ["a"],
+        "url": "http://user:***@host/x",
+        "kwargs": {"Authorization": "***", "model": "m"},
+    }
     assert redact_url("redis://10.0.0.1:6379/0") == "redis://10.0.0.1:6379/0"
 
 
@@ -261,12 +302,25 @@ def test_job_with_its_own_redis_runs_secured_end_to_end(ray_session, tiny_model_
     monkeypatch.setenv("E2E_JUDGE_KEY", "sk-e2e-not-for-files")
     port = _free_port()
     out = tmp_path / "run"
-    cfg = load_config(None, [
-        "job_name=secured", f"output_dir={out}", f"model.path={tiny_model_dir}", "steps=3",
-        "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16",
-        "data.num_generated=32", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
-        "dashboard.enabled=true", f"dashboard.port={port}", "env.kwargs.api_key=${E2E_JUDGE_KEY}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "job_name=secured",
+            f"output_dir={out}",
+            f"model.path={tiny_model_dir}",
+            "steps=3",
+            "rollout.batch_size=2",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_new_tokens=16",
+            "data.num_generated=32",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.plot=false",
+            "dashboard.enabled=true",
+            f"dashboard.port={port}",
+            "env.kwargs.api_key=${E2E_JUDGE_KEY}",
+        ],
+    )
     seen: dict[str, object] = {}
 
     def watch() -> None:
@@ -277,11 +331,15 @@ def test_job_with_its_own_redis_runs_secured_end_to_end(ray_session, tiny_model_
                 if r.status_code == 200:
                     seen["summary"] = r.json()
                     token = (out / "dashboard.token").read_text().strip()
-                    seen["no_token"] = httpx.post(f"http://127.0.0.1:{port}/api/control/resume", json={},
-                                                  timeout=5).status_code
-                    seen["with_token"] = httpx.post(f"http://127.0.0.1:{port}/api/control/resume", json={},
-                                                    headers={"Authorization": f"Bearer {token}"},
-                                                    timeout=5).status_code
+                    seen["no_token"] = httpx.post(
+                        f"http://127.0.0.1:{port}/api/control/resume", json={}, timeout=5
+                    ).status_code
+                    seen["with_token"] = httpx.post(
+                        f"http://127.0.0.1:{port}/api/control/resume",
+                        json={},
+                        headers={"Authorization": f"Bearer {token}"},
+                        timeout=5,
+                    ).status_code
                     redis_port = json.loads((out / "redis" / "server.json").read_text())["port"]
                     try:
                         redis.Redis(port=redis_port, socket_timeout=5).get("slime:secured:policy_version")
@@ -339,14 +397,24 @@ def test_the_jobs_own_ray_refuses_clients_without_its_token(tmp_path):
     creds = JobCredentials.create(tmp_path, own_redis=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = str(ROOT)
-    head = subprocess.Popen([sys.executable, "-c", _RAY_HEAD, str(tmp_path)], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    head = subprocess.Popen(
+        [sys.executable, "-c", _RAY_HEAD, str(tmp_path)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         gcs = json.loads(head.stdout.readline())["gcs"]
 
         def client(extra: dict[str, str]) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-c", _RAY_CLIENT, gcs], env={**env, **extra},
-                                  capture_output=True, text=True, timeout=120)
+            return subprocess.run(
+                [sys.executable, "-c", _RAY_CLIENT, gcs],
+                env={**env, **extra},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
 
         refused = client({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 43})  # a guess (no token: the same)
         assert refused.returncode != 0 and "RAN" not in refused.stdout

@@ -48,11 +48,18 @@ HONEST = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_to
 def secured(tiny_model_dir, tmp_path_factory):
     """One rollout worker's launched server, as a job starts it: token by environment, its
     weights directory, the update-group address it announces; at most 2 running, 8 waiting."""
-    cfg = load_config(None, [
-        f"output_dir={tmp_path_factory.mktemp('secured')}", f"model.path={tiny_model_dir}", "rollout.engine=sglang",
-        "rollout.max_running_requests=2", "sglang.launcher=slime", "sglang.request_timeout_s=60",
-        "sglang.startup_timeout_s=120",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={tmp_path_factory.mktemp('secured')}",
+            f"model.path={tiny_model_dir}",
+            "rollout.engine=sglang",
+            "rollout.max_running_requests=2",
+            "sglang.launcher=slime",
+            "sglang.request_timeout_s=60",
+            "sglang.startup_timeout_s=120",
+        ],
+    )
     engine = SglangEngine.from_config(cfg, str(tiny_model_dir), 0, 0, api_token=TOKEN)
     yield engine
     engine.close()
@@ -113,16 +120,30 @@ def test_a_pickle_in_a_tensor_update_is_never_loaded(url, tmp_path):
     assert_still_serving(url)
 
 
-@pytest.mark.parametrize("field, sampling", [
-    ("top_k", {"top_k": 1e30}), ("top_k", {"top_k": 10**30}), ("top_k", {"top_k": 1.5}), ("top_k", {"top_k": True}),
-    ("top_k", {"top_k": -2}), ("top_k", {"top_k": 100000}),
-    ("temperature", {"temperature": float("nan")}), ("temperature", {"temperature": 1e30}),
-    ("temperature", {"temperature": "hot"}), ("top_p", {"top_p": 0}), ("top_p", {"top_p": float("inf")}),
-    ("max_new_tokens", {"max_new_tokens": 10**12}), ("max_new_tokens", {"max_new_tokens": -5}),
-    ("max_new_tokens", {"max_new_tokens": 3.5}), ("stop_token_ids", {"stop_token_ids": [10**9]}),
-    ("stop_token_ids", {"stop_token_ids": list(range(300))}), ("stop_token_ids", {"stop_token_ids": "7"}),
-    ("ignore_eos", {"ignore_eos": "yes"}), ("min_p", {"min_p": float("nan")}),
-])
+@pytest.mark.parametrize(
+    "field, sampling",
+    [
+        ("top_k", {"top_k": 1e30}),
+        ("top_k", {"top_k": 10**30}),
+        ("top_k", {"top_k": 1.5}),
+        ("top_k", {"top_k": True}),
+        ("top_k", {"top_k": -2}),
+        ("top_k", {"top_k": 100000}),
+        ("temperature", {"temperature": float("nan")}),
+        ("temperature", {"temperature": 1e30}),
+        ("temperature", {"temperature": "hot"}),
+        ("top_p", {"top_p": 0}),
+        ("top_p", {"top_p": float("inf")}),
+        ("max_new_tokens", {"max_new_tokens": 10**12}),
+        ("max_new_tokens", {"max_new_tokens": -5}),
+        ("max_new_tokens", {"max_new_tokens": 3.5}),
+        ("stop_token_ids", {"stop_token_ids": [10**9]}),
+        ("stop_token_ids", {"stop_token_ids": list(range(300))}),
+        ("stop_token_ids", {"stop_token_ids": "7"}),
+        ("ignore_eos", {"ignore_eos": "yes"}),
+        ("min_p", {"min_p": float("nan")}),
+    ],
+)
 def test_bad_sampling_values_answer_400_naming_the_field(url, field, sampling):
     for stream in (False, True):
         r = post_json(f"{url}/generate", {"input_ids": PROMPT, "sampling_params": sampling, "stream": stream})
@@ -130,14 +151,21 @@ def test_bad_sampling_values_answer_400_naming_the_field(url, field, sampling):
     assert_still_serving(url)
 
 
-@pytest.mark.parametrize("field, body", [
-    ("input_ids", {"input_ids": [1, 10**9]}), ("input_ids", {"input_ids": [1, -1]}), ("input_ids", {"input_ids": [1, 2.5]}),
-    ("input_ids", {"input_ids": [1, True]}), ("input_ids", {"input_ids": []}),
-    ("input_ids", {"input_ids": [[1, 2]] * 9}),  # a batch over 4 x max_running_requests
-    ("rid", {"input_ids": [1, 2], "rid": "a\nb"}), ("rid", {"input_ids": [1, 2], "rid": "x" * 200}),
-    ("logprob_start_len", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}),
-    ("stream", {"input_ids": [1, 2], "stream": "yes"}),
-])
+@pytest.mark.parametrize(
+    "field, body",
+    [
+        ("input_ids", {"input_ids": [1, 10**9]}),
+        ("input_ids", {"input_ids": [1, -1]}),
+        ("input_ids", {"input_ids": [1, 2.5]}),
+        ("input_ids", {"input_ids": [1, True]}),
+        ("input_ids", {"input_ids": []}),
+        ("input_ids", {"input_ids": [[1, 2]] * 9}),  # a batch over 4 x max_running_requests
+        ("rid", {"input_ids": [1, 2], "rid": "a\nb"}),
+        ("rid", {"input_ids": [1, 2], "rid": "x" * 200}),
+        ("logprob_start_len", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}),
+        ("stream", {"input_ids": [1, 2], "stream": "yes"}),
+    ],
+)
 def test_bad_prompts_answer_400_naming_the_field(url, field, body):
     r = httpx.post(f"{url}/generate", json=body, timeout=30)
     assert r.status_code == 400 and field in r.json()["message"], r.text
@@ -147,8 +175,18 @@ def test_bad_prompts_answer_400_naming_the_field(url, field, body):
 def test_a_cross_site_pause_is_refused(url):
     """A page can POST text/plain (or a form) without a CORS preflight: such a pause must not act."""
     done: dict = {}
-    t = threading.Thread(target=lambda: done.update(httpx.post(f"{url}/generate", timeout=60, json={
-        "input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}).json()))
+    t = threading.Thread(
+        target=lambda: done.update(
+            httpx.post(
+                f"{url}/generate",
+                timeout=60,
+                json={
+                    "input_ids": PROMPT,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+                },
+            ).json()
+        )
+    )
     t.start()
     wait_for(lambda: httpx.get(f"{url}/get_load").json()[0]["num_reqs"] == 1, 30, "the request to run")
     for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
@@ -169,12 +207,18 @@ def test_a_foreign_host_header_is_refused(url):
 
 
 CONTROL_ROUTES = [
-    ("POST", "/pause_generation", {"mode": "abort"}), ("POST", "/continue_generation", {}),
-    ("POST", "/abort_request", {"rid": "", "abort_all": True}), ("POST", "/flush_cache", {}), ("GET", "/flush_cache", None),
+    ("POST", "/pause_generation", {"mode": "abort"}),
+    ("POST", "/continue_generation", {}),
+    ("POST", "/abort_request", {"rid": "", "abort_all": True}),
+    ("POST", "/flush_cache", {}),
+    ("GET", "/flush_cache", None),
     ("POST", "/update_weights_from_disk", {"model_path": "/tmp"}),
     ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["e30="], "load_format": "safetensors"}),
-    ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                            "world_size": 2, "backend": "gloo"}),
+    (
+        "POST",
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "gloo"},
+    ),
     ("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}),
     ("POST", "/destroy_weights_update_group", {}),
 ]
@@ -214,8 +258,12 @@ def test_disk_updates_load_only_under_the_weights_dir(url, secured, model, tmp_p
     inside = root / "v1"  # the job's own directory: loaded
     inside.mkdir()
     save_file({n: p.detach().clone() for n, p in model.named_parameters()}, str(inside / "model.safetensors"))
-    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(inside), "weight_version": "3"},
-                   headers=AUTH, timeout=60)
+    r = httpx.post(
+        f"{url}/update_weights_from_disk",
+        json={"model_path": str(inside), "weight_version": "3"},
+        headers=AUTH,
+        timeout=60,
+    )
     assert r.status_code == 200 and r.json()["success"], r.text
     assert httpx.get(f"{url}/model_info").json()["weight_version"] == "3"
     assert_still_serving(url)
@@ -223,17 +271,29 @@ def test_disk_updates_load_only_under_the_weights_dir(url, secured, model, tmp_p
 
 def test_update_groups_connect_only_to_announced_addresses(url):
     def init(**fields):
-        body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
-                "group_name": "g", "backend": "gloo", **fields}
+        body = {
+            "master_address": "127.0.0.1",
+            "master_port": free_port(),
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "g",
+            "backend": "gloo",
+            **fields,
+        }
         return httpx.post(f"{url}/init_weights_update_group", json=body, headers=AUTH, timeout=90)
 
     started = time.time()
-    for fields, word in (({"master_address": "10.255.255.1"}, "--update-group-hosts"),
-                         ({"master_address": "evil.example"}, "--update-group-hosts"),
-                         ({"master_port": 0}, "master_port"), ({"master_port": 70000}, "master_port"),
-                         ({"world_size": 5000}, "world_size"), ({"rank_offset": 0}, "rank_offset"),
-                         ({"rank_offset": 2}, "rank_offset"), ({"backend": "mpi"}, "backend"),
-                         ({"group_name": "../x"}, "group_name")):
+    for fields, word in (
+        ({"master_address": "10.255.255.1"}, "--update-group-hosts"),
+        ({"master_address": "evil.example"}, "--update-group-hosts"),
+        ({"master_port": 0}, "master_port"),
+        ({"master_port": 70000}, "master_port"),
+        ({"world_size": 5000}, "world_size"),
+        ({"rank_offset": 0}, "rank_offset"),
+        ({"rank_offset": 2}, "rank_offset"),
+        ({"backend": "mpi"}, "backend"),
+        ({"group_name": "../x"}, "group_name"),
+    ):
         r = init(**fields)
         assert r.status_code == 400 and word in r.text, (fields, r.text)
     assert time.time() - started < 5  # refused at once, no rendezvous attempted
@@ -257,8 +317,12 @@ def test_only_the_token_holder_aborts(url):
     events: list = []
 
     def stream():
-        body = {"input_ids": PROMPT, "rid": "victim", "stream": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}}
+        body = {
+            "input_ids": PROMPT,
+            "rid": "victim",
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True},
+        }
         with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -275,11 +339,15 @@ def test_only_the_token_holder_aborts(url):
 
 
 def test_an_oversized_body_is_refused(url):
-    big = b'{"input_ids": [' + b"1, " * (3 << 20) + b'1]}'  # ~9 MiB, over the 8 MiB limit
+    big = b'{"input_ids": [' + b"1, " * (3 << 20) + b"1]}"  # ~9 MiB, over the 8 MiB limit
     declared = httpx.post(f"{url}/generate", content=big, headers={"Content-Type": "application/json"}, timeout=30)
     assert declared.status_code == 413  # refused on its Content-Length
-    chunked = httpx.post(f"{url}/generate", content=iter([big[i: i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
-                         headers={"Content-Type": "application/json"}, timeout=30)
+    chunked = httpx.post(
+        f"{url}/generate",
+        content=iter([big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert chunked.status_code == 413  # no length given: refused once 8 MiB have arrived
     assert_still_serving(url)
 
@@ -357,12 +425,32 @@ def test_a_non_loopback_bind_without_a_token_does_not_start(tiny_model_dir):
     env = {k: v for k, v in os.environ.items() if k != API_TOKEN_ENV}
     port = free_port()
     started = time.time()
-    out = subprocess.run([sys.executable, "-m", "slime.engines.sglang_server", "--model", str(tiny_model_dir),
-                          "--host", "0.0.0.0", "--port", str(port)], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slime.engines.sglang_server",
+            "--model",
+            str(tiny_model_dir),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and API_TOKEN_ENV in out.stderr and "loopback" in out.stderr, out.stderr
     assert time.time() - started < 30  # refused before the model loads
-    argv_token = subprocess.run([sys.executable, "-m", "slime.engines.sglang_server", "--model", str(tiny_model_dir),
-                                 "--token", "x"], env=env, capture_output=True, text=True, timeout=60)
+    argv_token = subprocess.run(
+        [sys.executable, "-m", "slime.engines.sglang_server", "--model", str(tiny_model_dir), "--token", "x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert argv_token.returncode == 2 and "--token" in argv_token.stderr  # no argv flag for a secret
 
 
@@ -440,9 +528,23 @@ def test_a_server_whose_engine_died_reports_it_and_exits_on_sigterm(tiny_model_d
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-c", _DYING_SERVER, "--model", str(tiny_model_dir), "--port", str(port),
-                             "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _DYING_SERVER,
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--torch-threads",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
+
         def up() -> bool:
             try:
                 return httpx.get(f"{url}/health", timeout=5).status_code == 200
@@ -471,8 +573,23 @@ def _fake_cuda_bucket(numel: int) -> tuple:
     """What `reduce_tensor` returns for a 1-D uint8 CUDA bucket (values made up: no GPU here)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    return rebuild_cuda_tensor, (torch.Tensor, torch.Size([numel]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0,
-                                 b"\x01" * 64, numel + 512, 512, False, b"/torch_1234_5678_9", 3, b"\x02" * 64, True)
+    return rebuild_cuda_tensor, (
+        torch.Tensor,
+        torch.Size([numel]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        0,
+        b"\x01" * 64,
+        numel + 512,
+        512,
+        False,
+        b"/torch_1234_5678_9",
+        3,
+        b"\x02" * 64,
+        True,
+    )
 
 
 def _cuda_handle_json() -> str:
@@ -506,30 +623,33 @@ def test_a_cuda_ipc_handle_is_rebuilt_from_checked_values_only(monkeypatch):
 
     monkeypatch.setattr("torch.multiprocessing.reductions.rebuild_cuda_tensor", rebuild)
     handle = WeightHandle.from_json(_cuda_handle_json())
-    (name, tensor), = CudaIpcTransport().receive(handle)
+    ((name, tensor),) = CudaIpcTransport().receive(handle)
     assert calls == [_fake_cuda_bucket(64)[1]] and name == "model.embed_tokens.weight"
     assert torch.equal(tensor, torch.arange(32, dtype=torch.uint8).view(torch.float32).view(2, 4))
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda d: d.update(version=True), "version"),
-    (lambda d: d.update(transport="file"), "transport"),
-    (lambda d: d.update(extra=1), "extra"),
-    (lambda d: d["metas"][0].update(dtype="object"), "dtype"),
-    (lambda d: d["metas"][0].update(shape=[-1, 8]), "shape"),
-    (lambda d: d["metas"][0].update(shape=[2, 4.0]), "shape"),
-    (lambda d: d["metas"][0].update(nbytes=33), "nbytes"),
-    (lambda d: d["metas"][0].update(offset=2), "offset"),
-    (lambda d: d["metas"][0].update(offset=64), "outside bucket"),
-    (lambda d: d["metas"][0].update(bucket=1), "bucket"),
-    (lambda d: d["metas"][0].update(name="a b"), "name"),
-    (lambda d: d["metas"].append(dict(d["metas"][0])), "twice"),
-    (lambda d: d["buckets"][0].update(handle="not base64!"), "base64"),
-    (lambda d: d["buckets"][0].update(numel=10**6), "storage_size_bytes"),
-    (lambda d: d["buckets"][0].update(device=-1), "device"),
-    (lambda d: d["buckets"][0].update(event_sync_required=1), "event_sync_required"),
-    (lambda d: d.update(buckets=[{"segment": "../../etc/passwd"}]), "segment"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.update(version=True), "version"),
+        (lambda d: d.update(transport="file"), "transport"),
+        (lambda d: d.update(extra=1), "extra"),
+        (lambda d: d["metas"][0].update(dtype="object"), "dtype"),
+        (lambda d: d["metas"][0].update(shape=[-1, 8]), "shape"),
+        (lambda d: d["metas"][0].update(shape=[2, 4.0]), "shape"),
+        (lambda d: d["metas"][0].update(nbytes=33), "nbytes"),
+        (lambda d: d["metas"][0].update(offset=2), "offset"),
+        (lambda d: d["metas"][0].update(offset=64), "outside bucket"),
+        (lambda d: d["metas"][0].update(bucket=1), "bucket"),
+        (lambda d: d["metas"][0].update(name="a b"), "name"),
+        (lambda d: d["metas"].append(dict(d["metas"][0])), "twice"),
+        (lambda d: d["buckets"][0].update(handle="not base64!"), "base64"),
+        (lambda d: d["buckets"][0].update(numel=10**6), "storage_size_bytes"),
+        (lambda d: d["buckets"][0].update(device=-1), "device"),
+        (lambda d: d["buckets"][0].update(event_sync_required=1), "event_sync_required"),
+        (lambda d: d.update(buckets=[{"segment": "../../etc/passwd"}]), "segment"),
+    ],
+)
 def test_a_malformed_cuda_ipc_handle_is_refused(change, message):
     doc = json.loads(_cuda_handle_json())
     change(doc)
@@ -537,8 +657,18 @@ def test_a_malformed_cuda_ipc_handle_is_refused(change, message):
         WeightHandle.from_json(json.dumps(doc))
 
 
-@pytest.mark.parametrize("segment", ["../etc/passwd", "slime_x_1_w0/../../x", "/dev/shm/slime_x_1_w0", "other_1_w0",
-                                     "slime_x_1_w", "slime_x 1_w0", "slime_x_1_w0\n"])
+@pytest.mark.parametrize(
+    "segment",
+    [
+        "../etc/passwd",
+        "slime_x_1_w0/../../x",
+        "/dev/shm/slime_x_1_w0",
+        "other_1_w0",
+        "slime_x_1_w",
+        "slime_x 1_w0",
+        "slime_x_1_w0\n",
+    ],
+)
 def test_shm_segment_names_must_be_ours(segment):
     doc = {"version": 1, "transport": "shm", "metas": [], "buckets": [{"segment": segment}]}
     with pytest.raises(ValueError, match="segment"):

@@ -148,7 +148,9 @@ def test_dashboard_limits_live_streams_per_client_and_in_total(dashboard):
     url = dashboard.url
     with contextlib.ExitStack() as stack:
         greedy = stack.enter_context(_client_from("127.0.0.1"))
-        assert [_open_stream(stack, greedy, url) for _ in range(MAX_STREAMS_PER_CLIENT)] == [200] * MAX_STREAMS_PER_CLIENT
+        assert [_open_stream(stack, greedy, url) for _ in range(MAX_STREAMS_PER_CLIENT)] == [
+            200
+        ] * MAX_STREAMS_PER_CLIENT
         with contextlib.ExitStack() as extra:
             assert _open_stream(extra, greedy, url) == 429  # its share is used up ...
         other = stack.enter_context(_client_from("127.0.0.2"))
@@ -164,6 +166,7 @@ def test_dashboard_limits_live_streams_per_client_and_in_total(dashboard):
         with contextlib.ExitStack() as extra:
             late = extra.enter_context(_client_from("127.0.0.99"))
             assert _open_stream(extra, late, url) == 503
+
     # Every stream closed: their slots come back.
     def stream_again() -> bool:
         with contextlib.ExitStack() as again:
@@ -227,11 +230,13 @@ def test_dashboard_process_gets_its_token_from_the_environment(buffer):
 
 def test_dashboard_cli_refuses_argv_tokens_and_open_binds(redis_url):
     base = [sys.executable, "-m", "slime.cli", "dashboard", "--redis", redis_url, "--job", "sec-cli"]
-    removed = subprocess.run([*base, "--token", TOKEN, "--port", "0"], capture_output=True, text=True,
-                             env=_env(), timeout=120)
+    removed = subprocess.run(
+        [*base, "--token", TOKEN, "--port", "0"], capture_output=True, text=True, env=_env(), timeout=120
+    )
     assert removed.returncode == 2 and "--token was removed" in removed.stderr
-    open_bind = subprocess.run([*base, "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True,
-                               env=_env(), timeout=120)
+    open_bind = subprocess.run(
+        [*base, "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, env=_env(), timeout=120
+    )
     assert open_bind.returncode == 2 and "token" in open_bind.stderr
 
 
@@ -242,9 +247,26 @@ def test_dashboard_cli_derives_its_token_from_a_run_secret(redis_url, tmp_path):
     credentials = JobCredentials.create(tmp_path, own_redis=False)
     token = credentials.token("dashboard")
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slime.cli", "dashboard", "--redis", redis_url, "--job", "sec-cli",
-                             "--port", str(port), "--secret-file", str(tmp_path / "job.secret")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "slime.cli",
+            "dashboard",
+            "--redis",
+            redis_url,
+            "--job",
+            "sec-cli",
+            "--port",
+            str(port),
+            "--secret-file",
+            str(tmp_path / "job.secret"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+    )
     try:
         line, _ = _wait_for_line(proc, r"dashboard of job", 120)
         assert token not in line and credentials.secret not in line
@@ -288,17 +310,42 @@ def _hostile_api(seen: list[tuple[str, str, str]]) -> FastAPI:
 
     @app.get("/api/trajectories")
     def trajectories() -> dict:
-        row = {"id": HOSTILE, "group_id": HOSTILE, "index": 0, "status": HOSTILE, "reward": None, "failure": HOSTILE,
-               "response_length": 3, "max_new_tokens": 8, "min_version": None, "max_version": None,
-               "version_span": None, "created_at": 0.0, "updated_at": 0.0, "age_s": 1.0}
+        row = {
+            "id": HOSTILE,
+            "group_id": HOSTILE,
+            "index": 0,
+            "status": HOSTILE,
+            "reward": None,
+            "failure": HOSTILE,
+            "response_length": 3,
+            "max_new_tokens": 8,
+            "min_version": None,
+            "max_version": None,
+            "version_span": None,
+            "created_at": 0.0,
+            "updated_at": 0.0,
+            "age_s": 1.0,
+        }
         return {"items": [row], "next_cursor": None, "scanned": 1}
 
     @app.get("/api/stream")
     def stream() -> Response:
-        summary = {"job": HOSTILE, "policy_version": 1, "step": None, "total_steps": None, "paused": False,
-                   "oversample": None, "samples_by_status": {s: 0 for s in statuses},
-                   "groups": {"open": 0, "ready": 0, "trained": 0}, "queues": {}, "generated_tokens": 5,
-                   "tokens_per_s": 0.0, "staleness_max": 0, "staleness_mean": 0.0, "server_time": 1.0}
+        summary = {
+            "job": HOSTILE,
+            "policy_version": 1,
+            "step": None,
+            "total_steps": None,
+            "paused": False,
+            "oversample": None,
+            "samples_by_status": {s: 0 for s in statuses},
+            "groups": {"open": 0, "ready": 0, "trained": 0},
+            "queues": {},
+            "generated_tokens": 5,
+            "tokens_per_s": 0.0,
+            "staleness_max": 0,
+            "staleness_mean": 0.0,
+            "server_time": 1.0,
+        }
         return Response(f"event: summary\ndata: {json.dumps(summary)}\n\n", media_type="text/event-stream")
 
     empty = {"edges": [], "counts": [], "n": 0, "mean": None, "p50": None, "p99": None}
@@ -326,8 +373,10 @@ def _hostile_api(seen: list[tuple[str, str, str]]) -> FastAPI:
     return app
 
 
-@pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
-                    reason="needs apt packages chromium and chromium-driver")
+@pytest.mark.skipif(
+    not (shutil.which("chromium") and shutil.which("chromedriver")),
+    reason="needs apt packages chromium and chromium-driver",
+)
 def test_page_shows_hostile_ids_as_text_and_keeps_the_token_out_of_urls():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -361,7 +410,7 @@ def test_page_shows_hostile_ids_as_text_and_keeps_the_token_out_of_urls():
 
 # ================================================================================ reward server
 
-REWARDS_PY = '''
+REWARDS_PY = """
 import time
 
 def length(prompt, response, label=None):
@@ -370,7 +419,7 @@ def length(prompt, response, label=None):
 def slow(prompt, response, label=None):
     time.sleep(0.4)
     return 1.0
-'''
+"""
 
 
 @pytest.fixture
@@ -415,8 +464,11 @@ def test_reward_server_off_loopback_guards_every_route(rewards_file):
 def _raw_post(port: int, path: str, declared: int, body: bytes, token: str) -> int:
     """The status a server answers to a body larger than it sends (a client that declares 30 MB)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                  f"Authorization: Bearer {token}\r\nContent-Length: {declared}\r\n\r\n".encode() + body)
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Length: {declared}\r\n\r\n".encode()
+            + body
+        )
         head = s.recv(4096).decode("latin-1")
     return int(head.split(" ", 2)[1])
 
@@ -426,15 +478,18 @@ def test_reward_server_refuses_huge_bodies(rewards_file):
         assert _raw_post(server.port, "/score", 30 << 20, b'{"samples": [', TOKEN) == 413
         # Streamed without a length: cut off once past the limit.
         chunks = (b'{"samples": [' + b'{"prompt": "p", "response": "' + b"a" * (1 << 20) + b'"},' for _ in range(6))
-        r = httpx.post(f"{server.url}/score", content=chunks, headers={**BEARER, "Content-Type": "application/json"},
-                       timeout=30)
+        r = httpx.post(
+            f"{server.url}/score", content=chunks, headers={**BEARER, "Content-Type": "application/json"}, timeout=30
+        )
         assert r.status_code == 413
         assert _score(server.url, headers=BEARER).status_code == 200
 
 
 def test_reward_server_queue_is_bounded(rewards_file):
-    with _runner(f"{rewards_file}:slow", max_concurrency=2) as runner, \
-            ServerThread(make_app(runner, token=TOKEN, max_pending=4)) as server:
+    with (
+        _runner(f"{rewards_file}:slow", max_concurrency=2) as runner,
+        ServerThread(make_app(runner, token=TOKEN, max_pending=4)) as server,
+    ):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(_score, server.url, 4, BEARER)
             wait_for(lambda: httpx.get(f"{server.url}/health").json()["pending"] == 4, 10, "4 samples pending")
@@ -453,8 +508,15 @@ def test_reward_client_sends_the_token(rewards_file, monkeypatch):
         assert "401" in failure and "reward.token" in failure
         without.close()
         monkeypatch.setenv("SEC_TEST_REWARD_TOKEN", TOKEN)
-        cfg = load_config(None, ["reward.mode=http", f"reward.url={server.url}", "reward.cache_size=0",
-                                 "reward.token=${SEC_TEST_REWARD_TOKEN}"])  # a reference, resolved at load
+        cfg = load_config(
+            None,
+            [
+                "reward.mode=http",
+                f"reward.url={server.url}",
+                "reward.cache_size=0",
+                "reward.token=${SEC_TEST_REWARD_TOKEN}",
+            ],
+        )  # a reference, resolved at load
         service = make_reward_service(cfg.reward, "sec")
         assert service.submit("p", "abc").result(timeout=30).reward == 3.0
         assert TOKEN not in service.name
@@ -477,9 +539,15 @@ def test_judge_api_key_never_shows(caplog, rewards_file):
     seen: list[str] = []
     with _judge_server(seen) as judge:
         user_url = judge.url.replace("http://", "http://judge-user:url-password-77@")
-        spec = {"mix": [{"fn": {"fn": "rewards.judge:llm_judge", "kwargs": {"url": judge.url, "api_key": SECRET_KEY}},
-                         "weight": 1.0},
-                        {"fn": {"fn": "rewards.judge:llm_judge", "kwargs": {"url": user_url}}, "weight": 0.0}]}
+        spec = {
+            "mix": [
+                {
+                    "fn": {"fn": "rewards.judge:llm_judge", "kwargs": {"url": judge.url, "api_key": SECRET_KEY}},
+                    "weight": 1.0,
+                },
+                {"fn": {"fn": "rewards.judge:llm_judge", "kwargs": {"url": user_url}}, "weight": 0.0},
+            ]
+        }
         shown: list[str] = []
         # In a rollout worker (what it writes to Redis is the failure text) ...
         service = make_reward_service(RewardConfig(fn=spec, cache_size=0, timeout_s=10), "sec")
@@ -518,13 +586,23 @@ def _wait_for_line(proc: subprocess.Popen, pattern: str, timeout_s: float) -> tu
 
 def test_reward_serve_cli_generates_a_private_token_and_refuses_open_binds(tmp_path, rewards_file):
     cmd = [sys.executable, "-m", "slime.cli", "reward-serve", f"{rewards_file}:length"]
-    refused = subprocess.run([*cmd, "--host", "0.0.0.0", "--port", str(_free_port())], capture_output=True,
-                             text=True, env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")), timeout=120)
+    refused = subprocess.run(
+        [*cmd, "--host", "0.0.0.0", "--port", str(_free_port())],
+        capture_output=True,
+        text=True,
+        env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
+        timeout=120,
+    )
     assert refused.returncode == 2 and "token" in refused.stderr and API_TOKEN_ENV in refused.stderr
 
     port = _free_port()
-    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")))
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
+    )
     try:
         line, printed = _wait_for_line(proc, r"generated a token in", 120)
         token_file = tmp_path / "cache" / "slime-april" / f"reward-serve-{port}.token"
@@ -545,8 +623,13 @@ def test_reward_serve_cli_generates_a_private_token_and_refuses_open_binds(tmp_p
 
     # A token from the environment: nothing written, the same token works.
     port = _free_port()
-    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(XDG_CACHE_HOME=str(tmp_path / "cache2"), **{API_TOKEN_ENV: TOKEN}))
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(XDG_CACHE_HOME=str(tmp_path / "cache2"), **{API_TOKEN_ENV: TOKEN}),
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _ok(f"{url}/health"), 60, "reward-serve to answer")
@@ -591,8 +674,12 @@ def generator(tiny_model_dir):
 
 
 def _complete(url: str, body: dict, **kwargs) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"prompt": "ab*2=", "max_tokens": 4, "temperature": 0, **body},
-                      timeout=60, **kwargs)
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": "ab*2=", "max_tokens": 4, "temperature": 0, **body},
+        timeout=60,
+        **kwargs,
+    )
 
 
 def test_openai_server_bounds_every_input(generator):
@@ -600,13 +687,22 @@ def test_openai_server_bounds_every_input(generator):
 
     with ServerThread(make_openai_app(generator, "tiny", max_body_bytes=1 << 20)) as server:
         url = server.url
-        for field, value in (("max_tokens", 10**9), ("max_tokens", 0), ("temperature", 1e30), ("temperature", -1),
-                             ("top_p", 0), ("top_p", 7), ("prompt", "a" * 300_000)):
+        for field, value in (
+            ("max_tokens", 10**9),
+            ("max_tokens", 0),
+            ("temperature", 1e30),
+            ("temperature", -1),
+            ("top_p", 0),
+            ("top_p", 7),
+            ("prompt", "a" * 300_000),
+        ):
             r = _complete(url, {field: value})
             assert r.status_code == 400, (field, value, r.text)
             assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
-        chat = lambda messages: httpx.post(f"{url}/v1/chat/completions", timeout=60,  # noqa: E731
-                                           json={"messages": messages, "max_tokens": 4})
+
+        def chat(messages):
+            return httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"messages": messages, "max_tokens": 4})
+
         r = chat([{"role": "user", "content": "x"}] * 1000)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         r = chat([{"role": "user", "content": "x" * 150_000}])
@@ -644,7 +740,9 @@ def test_openai_server_guard(generator):
         assert httpx.get(f"{server.url}/v1/models", headers=BEARER).status_code == 200
         assert _complete(server.url, {}, headers=BEARER).status_code == 200
     with ServerThread(make_openai_app(generator, "tiny")) as server:  # loopback: generation is open, JSON only
-        r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "ab"}', headers={"Content-Type": "text/plain"})
+        r = httpx.post(
+            f"{server.url}/v1/completions", content=b'{"prompt": "ab"}', headers={"Content-Type": "text/plain"}
+        )
         assert r.status_code == 415
         assert httpx.get(f"{server.url}/v1/models", headers={"Host": "rebound.example"}).status_code == 421
         assert _complete(server.url, {}).status_code == 200
@@ -652,6 +750,11 @@ def test_openai_server_guard(generator):
 
 def test_openai_server_cli_refuses_an_open_bind_before_loading(tmp_path):
     started = time.time()
-    r = subprocess.run([sys.executable, "-m", "slime.openai_server", str(tmp_path / "no-model"), "--host", "0.0.0.0"],
-                       capture_output=True, text=True, env=_env(), timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "slime.openai_server", str(tmp_path / "no-model"), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert r.returncode == 2 and "token" in r.stderr and time.time() - started < 60

@@ -40,10 +40,19 @@ def weights_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory, weights_root):
     port = free_port()
-    cmd = launch_command("slime", str(tiny_model_dir), "127.0.0.1", port, torch_threads=1, max_running_requests=8,
-                         weights_dir=weights_root, update_group_hosts=["127.0.0.1"])
-    proc = SglangServerProcess(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("sglang") / "server.log", 120,
-                               token=TOKEN)
+    cmd = launch_command(
+        "slime",
+        str(tiny_model_dir),
+        "127.0.0.1",
+        port,
+        torch_threads=1,
+        max_running_requests=8,
+        weights_dir=weights_root,
+        update_group_hosts=["127.0.0.1"],
+    )
+    proc = SglangServerProcess(
+        cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("sglang") / "server.log", 120, token=TOKEN
+    )
     yield proc
     proc.stop()
 
@@ -74,7 +83,10 @@ def test_generation_logprobs_match_a_direct_forward(engine, model):
     for rid, prompt, temperature in (("g", PROMPT, 1.0), ("s", PROMPT[:4], 0.8)):
         o = out[rid]
         assert o["reason"] == "length" and len(o["tokens"]) == 12
-        assert max(abs(a - b) for a, b in zip(o["logprobs"], _forward_logprobs(model, prompt, o["tokens"], temperature))) < 1e-4
+        assert (
+            max(abs(a - b) for a, b in zip(o["logprobs"], _forward_logprobs(model, prompt, o["tokens"], temperature)))
+            < 1e-4
+        )
     with torch.no_grad():  # greedy really is the argmax of the model
         logits = model(input_ids=torch.tensor([PROMPT + out["g"]["tokens"]])).logits[0]
     assert logits[len(PROMPT) - 1 : -1].argmax(-1).tolist() == out["g"]["tokens"]
@@ -101,7 +113,9 @@ def test_abort_returns_the_partial_and_resume_is_token_exact(engine):
     assert resumed["reason"] == "length"
     assert partial + resumed["tokens"] == reference  # max_new_tokens reduced by the resumed prefix
 
-    done = drive_engine(engine, [GenerationRequest("b", PROMPT, SamplingParams(max_new_tokens=3), response_ids=reference[:3])])
+    done = drive_engine(
+        engine, [GenerationRequest("b", PROMPT, SamplingParams(max_new_tokens=3), response_ids=reference[:3])]
+    )
     assert done["b"] == {"tokens": [], "logprobs": [], "reason": "length"}  # nothing left: finished at once
 
 
@@ -110,14 +124,19 @@ def _perturbed(model, seed: int) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach() + 0.3 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
 
 
-def test_weight_updates_by_tensor_handle_disk_and_broadcast_change_outputs(engine, server, model, tiny_model_dir,
-                                                                          weights_root):
+def test_weight_updates_by_tensor_handle_disk_and_broadcast_change_outputs(
+    engine, server, model, tiny_model_dir, weights_root
+):
     probe = [3, 8, 21, 4]
     before = engine.score_logprobs(PROMPT, probe)
     assert before == pytest.approx(_forward_logprobs(model, PROMPT, probe), abs=1e-4)
-    engines = {"tensor": engine, **{m: SglangEngine(server.url, weight_update=m, weights_dir=weights_root / "w",
-                                                    bucket_mb=0.2, api_token=TOKEN)
-                                    for m in ("disk", "distributed")}}
+    engines = {
+        "tensor": engine,
+        **{
+            m: SglangEngine(server.url, weight_update=m, weights_dir=weights_root / "w", bucket_mb=0.2, api_token=TOKEN)
+            for m in ("disk", "distributed")
+        },
+    }
     try:
         # distributed twice: the second update reuses the group (bucketed: several requests per update)
         for mode, seed, version in (("tensor", 1, 7), ("disk", 2, 8), ("distributed", 3, 9), ("distributed", 4, 10)):
@@ -132,7 +151,9 @@ def test_weight_updates_by_tensor_handle_disk_and_broadcast_change_outputs(engin
             got = eng.score_logprobs(PROMPT, probe)
             assert got == pytest.approx(expected, abs=1e-4), mode
             assert max(abs(a - b) for a, b in zip(got, before)) > 1e-2, mode
-            out = drive_engine(eng, [GenerationRequest(mode, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=4))])
+            out = drive_engine(
+                eng, [GenerationRequest(mode, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=4))]
+            )
             assert httpx.get(f"{server.url}/get_model_info").json()["weight_version"] == str(version)
             with torch.no_grad():  # greedy tokens of the new weights, stamped with the new version
                 logits = new_model(input_ids=torch.tensor([PROMPT + out[mode]["tokens"]])).logits[0]
@@ -173,28 +194,43 @@ def test_health_and_bad_input(engine, server):
         launch_command("slime", "m", "127.0.0.1", 1, tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["sglang.num_servers=2"], "sglang.num_servers=2: several servers need sglang.router=sglang_router"),
-    (["sglang.urls=[http://a:1,http://b:2]"], "sglang.urls lists 2 servers: several servers need sglang.router"),
-    (["sglang.url=http://a:1", "sglang.num_servers=2", "sglang.router=sglang_router"], "list every server in sglang.urls"),
-    (["sglang.url=http://a:1", "sglang.urls=[http://b:1]"], "not both"),
-    (["sglang.router_port=31000"], "sglang.router=none launches no router"),
-    (["sglang.router=sglang_router", "sglang.router_policy=power_of_two"], "power_of_two needs at least 2 servers"),
-    (["sglang.router=sglang_router", "sglang.router_policy=manual"], "sglang.router_policy"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["sglang.num_servers=2"], "sglang.num_servers=2: several servers need sglang.router=sglang_router"),
+        (["sglang.urls=[http://a:1,http://b:2]"], "sglang.urls lists 2 servers: several servers need sglang.router"),
+        (
+            ["sglang.url=http://a:1", "sglang.num_servers=2", "sglang.router=sglang_router"],
+            "list every server in sglang.urls",
+        ),
+        (["sglang.url=http://a:1", "sglang.urls=[http://b:1]"], "not both"),
+        (["sglang.router_port=31000"], "sglang.router=none launches no router"),
+        (["sglang.router=sglang_router", "sglang.router_policy=power_of_two"], "power_of_two needs at least 2 servers"),
+        (["sglang.router=sglang_router", "sglang.router_policy=manual"], "sglang.router_policy"),
+    ],
+)
 def test_router_config_is_checked_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         load_config(None, overrides)
     load_config(None, ["sglang.num_servers=2", "sglang.router=sglang_router", "sglang.router_policy=power_of_two"])
-    load_config(None, ["sglang.urls=[http://a:1,http://b:2]", "sglang.router=sglang_router", "sglang.router_port=31000"])
+    load_config(
+        None, ["sglang.urls=[http://a:1,http://b:2]", "sglang.router=sglang_router", "sglang.router_port=31000"]
+    )
 
 
 def test_raw_sglang_client(server, model):
     """A client written for SGLang: the request and response shapes of its native /generate."""
     body = {
         "input_ids": PROMPT,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "top_k": -1, "ignore_eos": True,
-                            "frequency_penalty": 0.0, "n": 1, "skip_special_tokens": True},  # neutral: accepted
+        "sampling_params": {
+            "temperature": 0,
+            "max_new_tokens": 6,
+            "top_k": -1,
+            "ignore_eos": True,
+            "frequency_penalty": 0.0,
+            "n": 1,
+            "skip_special_tokens": True,
+        },  # neutral: accepted
         "return_logprob": True,
         "rid": "raw-1",
     }
@@ -211,8 +247,17 @@ def test_raw_sglang_client(server, model):
     events: list[dict] = []
 
     def stream():
-        with httpx.stream("POST", f"{server.url}/generate", json={**body, "rid": "raw-2", "stream": True,
-                          "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}, timeout=60) as r:
+        with httpx.stream(
+            "POST",
+            f"{server.url}/generate",
+            json={
+                **body,
+                "rid": "raw-2",
+                "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+            },
+            timeout=60,
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
@@ -222,7 +267,9 @@ def test_raw_sglang_client(server, model):
     deadline = time.time() + 30
     while len(events) < 3 and time.time() < deadline:
         time.sleep(0.01)
-    assert httpx.post(f"{server.url}/abort_request", json={"rid": "", "abort_all": True}, headers=AUTH).status_code == 200
+    assert (
+        httpx.post(f"{server.url}/abort_request", json={"rid": "", "abort_all": True}, headers=AUTH).status_code == 200
+    )
     t.join(timeout=30)
     assert events[-1] == "[DONE]"
     last = events[-2]
@@ -231,9 +278,15 @@ def test_raw_sglang_client(server, model):
     assert events[0]["output_ids"] == last["output_ids"][: len(events[0]["output_ids"])]  # cumulative
 
     # pause in place keeps a request; continue finishes it
-    assert httpx.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, headers=AUTH).json()["status"] == "ok"
+    assert (
+        httpx.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, headers=AUTH).json()["status"] == "ok"
+    )
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(httpx.post(f"{server.url}/generate", json={**body, "rid": "raw-3"}, timeout=60).json()))
+    t = threading.Thread(
+        target=lambda: result.update(
+            httpx.post(f"{server.url}/generate", json={**body, "rid": "raw-3"}, timeout=60).json()
+        )
+    )
     t.start()
     time.sleep(0.3)
     assert not result  # paused: nothing generated
@@ -246,10 +299,25 @@ def test_raw_sglang_client(server, model):
 def test_training_job_on_the_sglang_engine(ray_session, tiny_model_dir, redis_url, tmp_path):
     """rollout.engine=sglang end to end: the worker launches the SGLang-protocol server, generates
     through it, and the probe check after each weight update passes."""
-    history = train(load_config(None, [
-        "job_name=e2e-sglang", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
-        "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=24", "data.num_generated=32",
-        "logging.progress=false", "rollout.engine=sglang", "sglang.launcher=slime", "weights.check_every=1", "steps=2",
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                "job_name=e2e-sglang",
+                f"output_dir={tmp_path}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                "rollout.batch_size=2",
+                "rollout.n_samples_per_prompt=2",
+                "rollout.max_new_tokens=24",
+                "data.num_generated=32",
+                "logging.progress=false",
+                "rollout.engine=sglang",
+                "sglang.launcher=slime",
+                "weights.check_every=1",
+                "steps=2",
+            ],
+        )
+    )
     assert len(history) == 2 and all(m["generated_tokens"] > 0 for m in history)
     assert (tmp_path / "sglang" / "server_0.log").exists()

@@ -44,11 +44,21 @@ def model(tiny_model_dir):
 def routed(tiny_model_dir, tmp_path_factory):
     """One rollout worker's engine: two servers and a round-robin router in front of them."""
     out = tmp_path_factory.mktemp("routed")
-    cfg = load_config(None, [
-        f"output_dir={out}", f"model.path={tiny_model_dir}", "rollout.engine=sglang", "rollout.max_running_requests=4",
-        "sglang.launcher=slime", "sglang.num_servers=2", "sglang.router=sglang_router",
-        "sglang.router_policy=round_robin", "sglang.request_timeout_s=60", "sglang.startup_timeout_s=120",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={out}",
+            f"model.path={tiny_model_dir}",
+            "rollout.engine=sglang",
+            "rollout.max_running_requests=4",
+            "sglang.launcher=slime",
+            "sglang.num_servers=2",
+            "sglang.router=sglang_router",
+            "sglang.router_policy=round_robin",
+            "sglang.request_timeout_s=60",
+            "sglang.startup_timeout_s=120",
+        ],
+    )
     engine = SglangEngine.from_config(cfg, str(tiny_model_dir), 0, 0, api_token=TOKEN)
     yield engine
     engine.close()
@@ -67,8 +77,11 @@ def _forward_logprobs(model, prompt, response) -> list[float]:
 def test_launch_layout(routed, tiny_model_dir):
     assert len(routed.server_urls) == 2 and routed.url not in routed.server_urls
     names = [p.name for p in routed.processes]
-    assert names == ["SGLang server 0 of rollout worker 0", "SGLang server 1 of rollout worker 0",
-                     "sglang-router of rollout worker 0"]
+    assert names == [
+        "SGLang server 0 of rollout worker 0",
+        "SGLang server 1 of rollout worker 0",
+        "sglang-router of rollout worker 0",
+    ]
     assert [p.log_path.name for p in routed.processes] == ["server_0_0.log", "server_0_1.log", "router_0.log"]
     workers = httpx.get(f"{routed.url}/workers", headers=AUTH, timeout=10).json()["workers"]
     assert sorted(w["url"] for w in workers) == sorted(routed.server_urls) and all(w["is_healthy"] for w in workers)
@@ -116,7 +129,9 @@ def test_requests_reach_both_servers_and_greedy_equals_the_builtin_engine(routed
 def test_abort_returns_partials_and_resume_is_token_exact(routed):
     params = SamplingParams(temperature=0.0, max_new_tokens=100)
     reqs = [GenerationRequest(f"ref{i}", p, params) for i, p in enumerate(PROMPTS[:2])]
-    reference = {r.request_id.removeprefix("ref"): o["tokens"] for r, o in zip(reqs, drive_engine(routed, reqs).values())}
+    reference = {
+        r.request_id.removeprefix("ref"): o["tokens"] for r, o in zip(reqs, drive_engine(routed, reqs).values())
+    }
 
     partial = {str(i): [] for i in range(2)}
     for i, p in enumerate(PROMPTS[:2]):
@@ -132,8 +147,9 @@ def test_abort_returns_partials_and_resume_is_token_exact(routed):
         partial[c.request_id] += c.token_ids
     assert all(4 <= len(t) < 100 for t in partial.values()) and not routed.has_unfinished()
 
-    resumed = drive_engine(routed, [GenerationRequest(str(i), p, params, response_ids=partial[str(i)])
-                            for i, p in enumerate(PROMPTS[:2])])
+    resumed = drive_engine(
+        routed, [GenerationRequest(str(i), p, params, response_ids=partial[str(i)]) for i, p in enumerate(PROMPTS[:2])]
+    )
     for rid in partial:
         assert resumed[rid]["reason"] == "length"
         assert partial[rid] + resumed[rid]["tokens"] == reference[rid]
@@ -147,8 +163,10 @@ def _perturbed(model, seed: int) -> list[tuple[str, torch.Tensor]]:
 def test_weight_update_reaches_every_server_and_a_missed_one_is_caught(routed, model, tiny_model_dir):
     prompt, probe = PROMPTS[0], [3, 8, 21, 4]
     # each server on its own, not through the router
-    singles = [SglangEngine(u, weight_update="disk", weights_dir=routed.weights_dir / f"single_{j}", api_token=TOKEN)
-               for j, u in enumerate(routed.server_urls)]
+    singles = [
+        SglangEngine(u, weight_update="disk", weights_dir=routed.weights_dir / f"single_{j}", api_token=TOKEN)
+        for j, u in enumerate(routed.server_urls)
+    ]
     original = list(model.named_parameters())
     try:
         for mode, seed, version in (("tensor", 1, 3), ("distributed", 2, 4)):
@@ -205,12 +223,28 @@ def test_a_killed_server_or_router_is_named(routed):
 def test_training_job_with_two_servers_behind_the_router(ray_session, tiny_model_dir, redis_url, tmp_path):
     """rollout.engine=sglang with sglang.num_servers=2 end to end: the worker launches both servers
     and the router, generates through it, and the probe check after each update asks both servers."""
-    history = train(load_config(None, [
-        "job_name=e2e-sglang-router", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
-        "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=24", "data.num_generated=32",
-        "logging.progress=false", "rollout.engine=sglang", "sglang.launcher=slime", "sglang.num_servers=2",
-        "sglang.router=sglang_router", "weights.check_every=1", "steps=2",
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                "job_name=e2e-sglang-router",
+                f"output_dir={tmp_path}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                "rollout.batch_size=2",
+                "rollout.n_samples_per_prompt=2",
+                "rollout.max_new_tokens=24",
+                "data.num_generated=32",
+                "logging.progress=false",
+                "rollout.engine=sglang",
+                "sglang.launcher=slime",
+                "sglang.num_servers=2",
+                "sglang.router=sglang_router",
+                "weights.check_every=1",
+                "steps=2",
+            ],
+        )
+    )
     assert len(history) == 2 and all(m["generated_tokens"] > 0 for m in history)
     logs = sorted(p.name for p in (tmp_path / "sglang").glob("*.log"))
     assert logs == ["router_0.log", "server_0_0.log", "server_0_1.log"]

@@ -31,28 +31,40 @@ def sample_with_label(label) -> Sample:
 
 
 # ---- calculator ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("expr, value", [
-    ("2+3*4", 14), ("(2+3)*4", 20), ("-7 // 2", -4), ("2**10", 1024), ("2^3", 8), ("7/2", 3.5), ("10 % 4", 2),
-    ("1.5*2", 3),
-])
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("2+3*4", 14),
+        ("(2+3)*4", 20),
+        ("-7 // 2", -4),
+        ("2**10", 1024),
+        ("2^3", 8),
+        ("7/2", 3.5),
+        ("10 % 4", 2),
+        ("1.5*2", 3),
+    ],
+)
 def test_calculator_evaluates_arithmetic(expr, value):
     assert calculate(expr) == value
 
 
-@pytest.mark.parametrize("expr, why", [
-    ("__import__('os').system('id')", "Call"),
-    ("open('/etc/passwd')", "Call"),
-    ("x + 1", "Name"),
-    ("(1).__class__", "Attribute"),
-    ("[1, 2]", "List"),
-    ("'a' * 3", "Constant"),
-    ("lambda: 1", "Lambda"),
-    ("1 if 1 else 2", "IfExp"),
-    ("9**9**9", "exponent"),
-    ("1/0", "division by zero"),
-    ("1 +", "not an arithmetic expression"),
-    ("", "empty"),
-])
+@pytest.mark.parametrize(
+    "expr, why",
+    [
+        ("__import__('os').system('id')", "Call"),
+        ("open('/etc/passwd')", "Call"),
+        ("x + 1", "Name"),
+        ("(1).__class__", "Attribute"),
+        ("[1, 2]", "List"),
+        ("'a' * 3", "Constant"),
+        ("lambda: 1", "Lambda"),
+        ("1 if 1 else 2", "IfExp"),
+        ("9**9**9", "exponent"),
+        ("1/0", "division by zero"),
+        ("1 +", "not an arithmetic expression"),
+        ("", "empty"),
+    ],
+)
 def test_calculator_refuses_everything_but_arithmetic(expr, why):
     with pytest.raises(ToolCallError, match=why):
         calculate(expr)
@@ -86,14 +98,17 @@ def registry(docs_path):
     return build_registry(["calculator", "search"], docs_path)
 
 
-@pytest.mark.parametrize("text", [
-    '{"tool": "calculator", "args": {"expression": "6*7"}}',
-    'Let me compute. {"name": "calculator", "arguments": "{\\"expression\\": \\"6*7\\"}"} ok',
-    '{"tool": "calculator", "args": "6*7"}',
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>',
-    "<calculator>6*7</calculator>",
-    '<tool name="calculator"> 6*7 </tool>',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"tool": "calculator", "args": {"expression": "6*7"}}',
+        'Let me compute. {"name": "calculator", "arguments": "{\\"expression\\": \\"6*7\\"}"} ok',
+        '{"tool": "calculator", "args": "6*7"}',
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>',
+        "<calculator>6*7</calculator>",
+        '<tool name="calculator"> 6*7 </tool>',
+    ],
+)
 def test_calls_parse_in_json_and_xml_styles(text, registry):
     turn = parse_turn(text, registry)
     assert turn.errors == [] and turn.answer is None
@@ -105,16 +120,19 @@ def test_several_calls_in_one_turn_keep_their_order(registry):
     assert [(c.name, c.argument) for c in turn.calls] == [("search", "Berlin"), ("calculator", "1+1")]
 
 
-@pytest.mark.parametrize("text, error", [
-    ('{"tool": "calculator", "args": {"expression": "6*7"}', "malformed JSON tool call"),
-    ('{"tool": "weather", "args": "Paris"}', "unknown tool 'weather'"),
-    ("<weather>Paris</weather>", "unknown tool <weather>"),
-    ("<calculator>6*7", "<calculator> is never closed"),
-    ('{"tool": "calculator", "args": {"expr": "6*7"}}', 'missing argument "expression"'),
-    ("<tool>6*7</tool>", "<tool> needs a name"),
-    ("<tool_call>calculator 6*7</tool_call>", "holds no JSON call"),
-    ("I think it is about forty", "no tool call or answer found"),
-])
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ('{"tool": "calculator", "args": {"expression": "6*7"}', "malformed JSON tool call"),
+        ('{"tool": "weather", "args": "Paris"}', "unknown tool 'weather'"),
+        ("<weather>Paris</weather>", "unknown tool <weather>"),
+        ("<calculator>6*7", "<calculator> is never closed"),
+        ('{"tool": "calculator", "args": {"expr": "6*7"}}', 'missing argument "expression"'),
+        ("<tool>6*7</tool>", "<tool> needs a name"),
+        ("<tool_call>calculator 6*7</tool_call>", "holds no JSON call"),
+        ("I think it is about forty", "no tool call or answer found"),
+    ],
+)
 def test_malformed_calls_become_error_messages(text, error, registry):
     turn = parse_turn(text, registry)
     assert turn.calls == [] and turn.answer is None
@@ -151,11 +169,13 @@ def test_python_tool_runs_in_the_sandbox():
     registry = build_registry(["python"])
     assert registry.call("python", "print(6*7)") == "42"
     # Sandboxed: the project's files and the host's secrets are not there.
-    out = registry.call("python", "import os; print(os.path.exists('/etc/shadow'), os.path.exists('/root'), os.getcwd())")
+    out = registry.call(
+        "python", "import os; print(os.path.exists('/etc/shadow'), os.path.exists('/root'), os.getcwd())"
+    )
     assert out == "False False /work"
     failed = registry.call("python", "print('partial'); raise ValueError('boom')")
     assert failed.startswith("partial\n[error, exit 1]") and "ValueError: boom" in failed
     env = ToolEnv(tools=["python"])
     env.reset(sample_with_label(None))
-    obs, _, done, _ = env.step('<python>print(sum(range(10)))</python>')
+    obs, _, done, _ = env.step("<python>print(sum(range(10)))</python>")
     assert obs == '<result name="python">45</result>\n' and not done

@@ -14,8 +14,12 @@ from slime.train import train
 pytestmark = pytest.mark.slow
 
 SMALL = [
-    "rollout.batch_size=3", "rollout.n_samples_per_prompt=3", "rollout.max_new_tokens=40",
-    "data.num_generated=64", "logging.progress=false", "weights.check_every=1",
+    "rollout.batch_size=3",
+    "rollout.n_samples_per_prompt=3",
+    "rollout.max_new_tokens=40",
+    "data.num_generated=64",
+    "logging.progress=false",
+    "weights.check_every=1",
 ]
 
 
@@ -25,8 +29,13 @@ def _lines(path: Path) -> list[dict]:
 
 def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, redis_url, tmp_path):
     job = "e2e-sync"
-    common = [f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}",
-              f"buffer.url={redis_url}", *SMALL]
+    common = [
+        f"job_name={job}",
+        f"output_dir={tmp_path}",
+        f"model.path={tiny_model_dir}",
+        f"buffer.url={redis_url}",
+        *SMALL,
+    ]
     history = train(load_config(None, [*common, "steps=2", "checkpoint_every=1"]))
     assert [h["step"] for h in history] == [0, 1]
     assert history[-1]["policy_version"] == 2
@@ -50,11 +59,24 @@ def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, r
 @pytest.mark.parametrize("april", [False, True])
 def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp_path, april):
     job = f"e2e-async-{april}"
-    history = train(load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
-        *SMALL, "steps=3", "mode=async", "max_staleness=1", "algorithm.name=ppo", "algorithm.kl_coef=0.01",
-        f"april.enabled={str(april).lower()}",  # APRIL in the async loop: over-provisioned, same bound
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                f"output_dir={tmp_path}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                *SMALL,
+                "steps=3",
+                "mode=async",
+                "max_staleness=1",
+                "algorithm.name=ppo",
+                "algorithm.kl_coef=0.01",
+                f"april.enabled={str(april).lower()}",  # APRIL in the async loop: over-provisioned, same bound
+            ],
+        )
+    )
     assert len(history) == 3
     for h in history:
         # Admission control starts no group that would exceed the staleness bound, so none is dropped.
@@ -75,10 +97,20 @@ def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redi
         "    return 1.0\n"
     )
     job = "e2e-flaky"
-    history = train(load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
-        *SMALL, "steps=2", f"reward.fn={reward_file}:reward",
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                f"output_dir={tmp_path / 'run'}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                *SMALL,
+                "steps=2",
+                f"reward.fn={reward_file}:reward",
+            ],
+        )
+    )
     assert len(history) == 2
     assert sum(h["failed_samples"] for h in history) > 0
     assert all(h["samples"] == 9 for h in history)

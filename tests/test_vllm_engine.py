@@ -12,7 +12,9 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed here (CI runs this file in .venv-vllm: deploy/install_vllm_cpu.sh)")
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed here (CI runs this file in .venv-vllm: deploy/install_vllm_cpu.sh)"
+)
 
 from slime.buffer import TrajectoryStore  # noqa: E402
 from slime.config import JobConfig, WeightsConfig, load_config  # noqa: E402
@@ -80,7 +82,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 # ---------------------------------------------------------------------------- generation
@@ -89,8 +91,10 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_logprobs_match_a_transformers_forward(engine, learner, temperature):
     ps = prompts(6, seed=1)
-    reqs = [GenerationRequest(f"t{temperature}-{i}", p, SamplingParams(temperature=temperature, max_new_tokens=20))
-            for i, p in enumerate(ps)]
+    reqs = [
+        GenerationRequest(f"t{temperature}-{i}", p, SamplingParams(temperature=temperature, max_new_tokens=20))
+        for i, p in enumerate(ps)
+    ]
     out = run(engine, reqs)
     for r in reqs:
         c = out[r.request_id]
@@ -115,8 +119,13 @@ def test_stop_token_is_included_and_reasons(engine, learner):
     assert out["stop"].token_ids == free[: first + 1] and out["stop"].finish_reason == "stop"
     assert out["len"].token_ids == free[:3] and out["len"].finish_reason == "length"
     # resumed after its stop token / with its budget spent: finished at once, nothing generated
-    out = run(engine, [GenerationRequest("s2", p, greedy(12, stop=[stop]), free[: first + 1]),
-                       GenerationRequest("l2", p, greedy(3), free[:3])])
+    out = run(
+        engine,
+        [
+            GenerationRequest("s2", p, greedy(12, stop=[stop]), free[: first + 1]),
+            GenerationRequest("l2", p, greedy(3), free[:3]),
+        ],
+    )
     assert (out["s2"].token_ids, out["s2"].finish_reason) == ([], "stop")
     assert (out["l2"].token_ids, out["l2"].finish_reason) == ([], "length")
 
@@ -138,8 +147,14 @@ def test_abort_then_resume_is_token_exact_under_greedy(engine):
     assert not engine.has_unfinished() and engine.num_running() == 0 and engine.num_waiting() == 0
     assert engine.abort(None) == []
 
-    resumed = run(engine, [GenerationRequest(f"r{i}", p, greedy(n), partial.get(f"a{i}", []))
-                           for i, (p, n) in enumerate(zip(ps, budgets)) if f"a{i}" in {c.request_id for c in aborted}])
+    resumed = run(
+        engine,
+        [
+            GenerationRequest(f"r{i}", p, greedy(n), partial.get(f"a{i}", []))
+            for i, (p, n) in enumerate(zip(ps, budgets))
+            if f"a{i}" in {c.request_id for c in aborted}
+        ],
+    )
     for c in aborted:
         i = int(c.request_id[1:])
         assert partial[c.request_id] + resumed[f"r{i}"].token_ids == full[f"f{i}"].token_ids
@@ -202,7 +217,10 @@ def test_weight_update_in_flight_switches_to_the_learners_weights(engine, learne
         assert changed > 0, "the update did not change any output"
         probe = prompts(1, seed=5)[0]
         for t in (1.0, 0.7):
-            diff = max(abs(a - b) for a, b in zip(engine.score_logprobs(ps[0], probe, t), hf_logprobs(learner, ps[0], probe, t)[0]))
+            diff = max(
+                abs(a - b)
+                for a, b in zip(engine.score_logprobs(ps[0], probe, t), hf_logprobs(learner, ps[0], probe, t)[0])
+            )
             assert diff < PROBE_TOL
         with pytest.raises(ValueError, match="could not load"):
             engine.update_weights(2, [("model.no_such.weight", torch.zeros(3))])
@@ -247,12 +265,28 @@ def test_sync_job_on_vllm_passes_the_probe_check_every_step(ray_session, tiny_mo
     """A real job (Ray learner + rollout worker whose engine is vLLM): weights pushed after every
     step through the shared-memory transport, and the driver's probe check passes each time."""
     job = "e2e-vllm"
-    history = train(load_config(None, [
-        f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}",
-        "rollout.engine=vllm", "vllm.max_model_len=256", "rollout.batch_size=3", "rollout.n_samples_per_prompt=3",
-        "rollout.max_new_tokens=40", "data.num_generated=64", "logging.progress=false", "logging.tensorboard=false",
-        "logging.plot=false", "weights.check_every=1", "steps=2",
-    ]))
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                f"output_dir={tmp_path}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                "rollout.engine=vllm",
+                "vllm.max_model_len=256",
+                "rollout.batch_size=3",
+                "rollout.n_samples_per_prompt=3",
+                "rollout.max_new_tokens=40",
+                "data.num_generated=64",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+                "logging.plot=false",
+                "weights.check_every=1",
+                "steps=2",
+            ],
+        )
+    )
     assert [h["step"] for h in history] == [0, 1] and history[-1]["policy_version"] == 2
     assert all(h["samples"] == 9 and h["trained_tokens"] > 0 for h in history)
     TrajectoryStore.open(redis_url, job).delete_job()

@@ -25,7 +25,12 @@ def _named(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 def test_plan_buckets_splits_and_aligns():
     metas, sizes = plan_buckets(_named(0), bucket_bytes=600)
-    assert [m.bucket for m in metas] == [0, 0, 0, 1]  # a, b, c fit in 600 B at 64-B offsets 0, 448, 512; d (1200 B) alone
+    assert [m.bucket for m in metas] == [
+        0,
+        0,
+        0,
+        1,
+    ]  # a, b, c fit in 600 B at 64-B offsets 0, 448, 512; d (1200 B) alone
     assert all(m.offset % 64 == 0 for m in metas)
     assert sizes[1] >= 1200
     assert sum(m.nbytes for m in metas) == 400 + 42 + 40 + 1200
@@ -34,7 +39,12 @@ def test_plan_buckets_splits_and_aligns():
 def _receive_in_child(handle: WeightHandle, queue: mp.Queue) -> None:
     transport = SharedMemoryTransport("unused")
     # Raw bytes, not tensors: torch would share tensors through file descriptors of this process.
-    queue.put({name: (str(t.dtype), t.contiguous().view(torch.uint8).numpy().tobytes()) for name, t in transport.receive(handle)})
+    queue.put(
+        {
+            name: (str(t.dtype), t.contiguous().view(torch.uint8).numpy().tobytes())
+            for name, t in transport.receive(handle)
+        }
+    )
     transport.close()
 
 
@@ -100,7 +110,11 @@ def test_engine_matches_learner_after_update(tiny_model_dir, tmp_path, transport
     assert torch.allclose(want, got, atol=1e-5)
     after = engine.generate([GenerationRequest("r2", prompt, params)])["r2"].token_ids
     expected = learner_model.generate(
-        torch.tensor([prompt]), max_new_tokens=len(after), do_sample=False, eos_token_id=None,
-        pad_token_id=0, min_new_tokens=len(after),
-    )[0, len(prompt):].tolist()
+        torch.tensor([prompt]),
+        max_new_tokens=len(after),
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        min_new_tokens=len(after),
+    )[0, len(prompt) :].tolist()
     assert after == expected

@@ -55,11 +55,15 @@ class StreamSlots:
     def take(self, client: str) -> None:
         """Hold one for `client`, or raise 503 (all taken) / 429 (this client holds its share)."""
         if sum(self.open.values()) >= self.total:
-            raise HTTPException(503, f"too many live streams (at most {self.total}); retry later",
-                                headers={"Retry-After": "5"})
+            raise HTTPException(
+                503, f"too many live streams (at most {self.total}); retry later", headers={"Retry-After": "5"}
+            )
         if self.open[client] >= self.per_client:
-            raise HTTPException(429, f"this client already holds {self.per_client} live streams (the most "
-                                     f"one client may); close one", headers={"Retry-After": "5"})
+            raise HTTPException(
+                429,
+                f"this client already holds {self.per_client} live streams (the most one client may); close one",
+                headers={"Retry-After": "5"},
+            )
         self.open[client] += 1
 
     def give_back(self, client: str) -> None:
@@ -83,8 +87,14 @@ class _HeldStream(StreamingResponse):
             self._release()
 
 
-def create_app(redis_url: str, job: str, token: str | None = None, *, redis_password: str | None = None,
-               bind_host: str = "127.0.0.1") -> FastAPI:
+def create_app(
+    redis_url: str,
+    job: str,
+    token: str | None = None,
+    *,
+    redis_password: str | None = None,
+    bind_host: str = "127.0.0.1",
+) -> FastAPI:
     """``bind_host``: where the server listens; it decides whether reads need the token."""
     connection = JobConnection(redis_url, job, password=redis_password)
     telemetry = JobTelemetry(connection)  # the dashboard's only writes: control records and events
@@ -94,14 +104,20 @@ def create_app(redis_url: str, job: str, token: str | None = None, *, redis_pass
         title=f"slime buffer API: job {job}",
         version="1",
         description="Read the partial-trajectory buffer of one job; control endpoints need the token "
-                    "(`Authorization: Bearer <token>`), and so does everything off loopback.",
+        "(`Authorization: Bearer <token>`), and so does everything off loopback.",
     )
     app.state.reader = reader
-    app.add_middleware(HttpGuard, policy=GuardPolicy(
-        token=token, bind_host=bind_host, max_body_bytes=MAX_BODY_BYTES,
-        open_paths=frozenset({"/"}), open_prefixes=("/static/",),
-        query_token_paths=frozenset({"/api/stream"}),
-    ))
+    app.add_middleware(
+        HttpGuard,
+        policy=GuardPolicy(
+            token=token,
+            bind_host=bind_host,
+            max_body_bytes=MAX_BODY_BYTES,
+            open_paths=frozenset({"/"}),
+            open_prefixes=("/static/",),
+            query_token_paths=frozenset({"/api/stream"}),
+        ),
+    )
     app.mount("/static", StaticFiles(packages=[("slime.dashboard", "static")]), name="static")
 
     def not_found(exc: KeyError) -> HTTPException:
@@ -133,9 +149,15 @@ def create_app(redis_url: str, job: str, token: str | None = None, *, redis_pass
         max_scan: Annotated[int, Query(ge=1, le=S.MAX_SCAN, description="Samples examined per call.")] = 500,
     ) -> Response:
         flt = TrajectoryFilter(
-            statuses=frozenset(status or ()), min_version_span=min_version_span, max_version_span=max_version_span,
-            min_age_s=min_age_s, max_age_s=max_age_s, min_length=min_length, max_length=max_length,
-            min_reward=min_reward, max_reward=max_reward,
+            statuses=frozenset(status or ()),
+            min_version_span=min_version_span,
+            max_version_span=max_version_span,
+            min_age_s=min_age_s,
+            max_age_s=max_age_s,
+            min_length=min_length,
+            max_length=max_length,
+            min_reward=min_reward,
+            max_reward=max_reward,
         )
         # Serialised here, not re-validated by FastAPI: pages are the hot path (rows come from our buffer).
         return Response(json.dumps(reader.trajectories(flt, limit, cursor, max_scan)), media_type="application/json")
@@ -193,17 +215,30 @@ def create_app(redis_url: str, job: str, token: str | None = None, *, redis_pass
     def events(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
         return telemetry.events(limit)
 
-    @app.get("/api/stream", tags=["read"], response_class=StreamingResponse,
-             responses={200: {"content": {"text/event-stream": {}},
-                              "description": "Server-Sent Events: `summary` every interval, `step` per new "
-                                             "training step, `event` per new control event."}})
+    @app.get(
+        "/api/stream",
+        tags=["read"],
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "content": {"text/event-stream": {}},
+                "description": "Server-Sent Events: `summary` every interval, `step` per new "
+                "training step, `event` per new control event.",
+            }
+        },
+    )
     async def stream(
-        request: Request, interval: Annotated[float, Query(ge=0.2, le=10, allow_inf_nan=False)] = 1.0,
+        request: Request,
+        interval: Annotated[float, Query(ge=0.2, le=10, allow_inf_nan=False)] = 1.0,
     ) -> StreamingResponse:
         client = request.client.host if request.client else "unknown"
         streams.take(client)
-        return _HeldStream(_sse(request, reader, telemetry, interval), lambda: streams.give_back(client),
-                           media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+        return _HeldStream(
+            _sse(request, reader, telemetry, interval),
+            lambda: streams.give_back(client),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store"},
+        )
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["read"])
     def metrics() -> PlainTextResponse:
@@ -212,9 +247,11 @@ def create_app(redis_url: str, job: str, token: str | None = None, *, redis_pass
     # ---- control ----------------------------------------------------------------------------------
     def state(event: dict[str, Any]) -> S.ControlState:
         control = telemetry.get_control()
-        return S.ControlState(paused=control.get("paused") == "1",
-                              oversample=float(control["oversample"]) if "oversample" in control else None,
-                              event=S.Event(**event))
+        return S.ControlState(
+            paused=control.get("paused") == "1",
+            oversample=float(control["oversample"]) if "oversample" in control else None,
+            event=S.Event(**event),
+        )
 
     @app.post("/api/control/pause", response_model=S.ControlState, tags=["control"])
     def pause() -> S.ControlState:
@@ -230,8 +267,9 @@ def create_app(redis_url: str, job: str, token: str | None = None, *, redis_pass
     def oversample(body: S.OversampleRequest) -> S.ControlState:
         info = telemetry.job_info()
         if info and not info.get("april_enabled", False):
-            raise HTTPException(409, "this job runs without APRIL (april.enabled=false): there is no "
-                                     "over-provisioning ratio to change")
+            raise HTTPException(
+                409, "this job runs without APRIL (april.enabled=false): there is no over-provisioning ratio to change"
+            )
         telemetry.set_control(oversample=repr(body.oversample))
         return state(telemetry.log_event("oversample", {"by": "dashboard", "oversample": body.oversample}))
 
@@ -253,7 +291,9 @@ def create_app(redis_url: str, job: str, token: str | None = None, *, redis_pass
             raise not_found(exc) from None
         except ValueError as exc:
             raise HTTPException(409, str(exc)) from None
-        return telemetry.log_event("drop", {"by": "dashboard", "sample_id": sample_id, "was": was, "reason": body.reason})
+        return telemetry.log_event(
+            "drop", {"by": "dashboard", "sample_id": sample_id, "was": was, "reason": body.reason}
+        )
 
     return app
 
@@ -275,5 +315,3 @@ async def _sse(request: Request, reader: BufferReader, telemetry: JobTelemetry, 
         if events:
             last_event_ts = max(last_event_ts, events[0]["ts"])
         await asyncio.sleep(interval)
-
-

@@ -57,12 +57,20 @@ def _row(raw: dict[str, Any], now: float) -> dict[str, Any]:
     lo, hi = raw["min_version"], raw["max_version"]
     created = float(raw["created_at"])
     return {
-        "id": raw["id"], "group_id": raw["group_id"], "index": int(raw["index"]), "status": raw["status"],
+        "id": raw["id"],
+        "group_id": raw["group_id"],
+        "index": int(raw["index"]),
+        "status": raw["status"],
         "reward": _finite_or_none(float(raw["reward"])) if raw["reward"] is not None else None,
-        "failure": raw["failure"], "response_length": raw["response_length"],
-        "max_new_tokens": int(raw["max_new_tokens"]), "min_version": lo, "max_version": hi,
+        "failure": raw["failure"],
+        "response_length": raw["response_length"],
+        "max_new_tokens": int(raw["max_new_tokens"]),
+        "min_version": lo,
+        "max_version": hi,
         "version_span": hi - lo if lo is not None and hi is not None else None,
-        "created_at": created, "updated_at": float(raw["updated_at"]), "age_s": max(0.0, now - created),
+        "created_at": created,
+        "updated_at": float(raw["updated_at"]),
+        "age_s": max(0.0, now - created),
     }
 
 
@@ -82,8 +90,12 @@ def _histogram(values: list[float], bins: int, integer: bool) -> S.Histogram:
         edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
     counts, edges = np.histogram(arr, bins=edges)
     return S.Histogram(
-        edges=[float(e) for e in edges], counts=[int(c) for c in counts], n=int(arr.size),
-        mean=float(arr.mean()), p50=float(np.percentile(arr, 50)), p99=float(np.percentile(arr, 99)),
+        edges=[float(e) for e in edges],
+        counts=[int(c) for c in counts],
+        n=int(arr.size),
+        mean=float(arr.mean()),
+        p50=float(np.percentile(arr, 50)),
+        p99=float(np.percentile(arr, 99)),
     )
 
 
@@ -118,8 +130,12 @@ class BufferReader:
             oversample=oversample if info.get("april_enabled", True) else None,
             samples_by_status={s.value: counts[s.value] for s in Status},
             groups={k.removeprefix("groups_"): v for k, v in counts.items() if k.startswith("groups_")},
-            queues={"resume": counts["queue_resume"], "new": counts["queue_new"], "ready": counts["queue_ready"],
-                    "leases": counts["leases"]},
+            queues={
+                "resume": counts["queue_resume"],
+                "new": counts["queue_new"],
+                "ready": counts["queue_ready"],
+                "leases": counts["leases"],
+            },
             generated_tokens=generated,
             tokens_per_s=self._rate(now, generated),
             staleness_max=max(staleness, default=0),
@@ -141,13 +157,20 @@ class BufferReader:
     def trajectories(self, flt: TrajectoryFilter, limit: int, cursor: str | None, max_scan: int) -> dict[str, Any]:
         """Filtering runs inside Redis (BufferQueries.scan_rows), so a page costs one round trip."""
         rank, pos = (_NEWEST, 0) if cursor is None else self._start(cursor)
-        bounds = {"length": (flt.min_length, flt.max_length), "reward": (flt.min_reward, flt.max_reward),
-                  "version_span": (flt.min_version_span, flt.max_version_span), "age_s": (flt.min_age_s, flt.max_age_s)}
+        bounds = {
+            "length": (flt.min_length, flt.max_length),
+            "reward": (flt.min_reward, flt.max_reward),
+            "version_span": (flt.min_version_span, flt.max_version_span),
+            "age_s": (flt.min_age_s, flt.max_age_s),
+        }
         rows, rank, pos, scanned, now = self.queries.scan_rows(
             rank, pos, limit, max_scan, sorted(s.value for s in flt.statuses), bounds
         )
-        return {"items": [_row(r, now) for r in rows], "next_cursor": f"{rank}.{pos}" if rank >= 0 else None,
-                "scanned": scanned}
+        return {
+            "items": [_row(r, now) for r in rows],
+            "next_cursor": f"{rank}.{pos}" if rank >= 0 else None,
+            "scanned": scanned,
+        }
 
     def groups(self, stages: frozenset[str], limit: int, cursor: str | None) -> S.GroupPage:
         rank, _ = self._start(cursor)
@@ -198,14 +221,20 @@ class BufferReader:
             response_text = "".join(pieces)
         tokens = [
             S.Token(id=t, text=piece, logprob=_finite(lp), version=int(v), loss_mask=int(m))
-            for t, piece, lp, v, m in zip(ids, pieces, sample.logprobs.tolist(), sample.versions.tolist(),
-                                          sample.loss_mask.tolist())
+            for t, piece, lp, v, m in zip(
+                ids, pieces, sample.logprobs.tolist(), sample.versions.tolist(), sample.loss_mask.tolist()
+            )
         ]
         rewards = sample.token_rewards
         return S.Trajectory(
-            row=row, prompt_ids=sample.prompt_ids.tolist(), prompt_text=prompt_text, response_text=response_text,
-            tokens=tokens, token_rewards=[_finite(r) for r in rewards.tolist()] if rewards is not None else None,
-            metadata=sample.metadata, policy_version=self.queries.get_policy_version(),
+            row=row,
+            prompt_ids=sample.prompt_ids.tolist(),
+            prompt_text=prompt_text,
+            response_text=response_text,
+            tokens=tokens,
+            token_rewards=[_finite(r) for r in rewards.tolist()] if rewards is not None else None,
+            metadata=sample.metadata,
+            policy_version=self.queries.get_policy_version(),
         )
 
     def _load_tokenizer(self) -> Any:
@@ -249,9 +278,15 @@ class BufferReader:
             response_length=_histogram([r["response_length"] for r in rows], bins, integer=True),
             version_span=_histogram([r["version_span"] for r in rows if r["version_span"] is not None], bins, True),
             reward=_histogram([r["reward"] for r in rows if r["reward"] is not None], bins, integer=False),
-            staleness=_histogram([version - r["min_version"] for r in rows if r["min_version"] is not None
-                                  and r["status"] not in ("completed", "truncated", "failed")],
-                                 bins, integer=True),
+            staleness=_histogram(
+                [
+                    version - r["min_version"]
+                    for r in rows
+                    if r["min_version"] is not None and r["status"] not in ("completed", "truncated", "failed")
+                ],
+                bins,
+                integer=True,
+            ),
         )
 
     def engines(self) -> list[S.EngineLoad]:
@@ -259,28 +294,38 @@ class BufferReader:
         out = []
         for worker_id, h in sorted(self.telemetry.engine_health().items()):
             uptime = float(h.get("uptime_seconds") or 0.0)
-            out.append(S.EngineLoad(
-                worker_id=worker_id, alive=bool(h.get("alive")), version=h.get("version"),
-                running=int(h.get("running", 0)), waiting=int(h.get("waiting", 0)), scoring=int(h.get("scoring", 0)),
-                generated_tokens=int(h.get("generated_tokens", 0)),
-                busy_fraction=float(h.get("busy_seconds", 0.0)) / uptime if uptime > 0 else 0.0,
-                published_at=float(h["published_at"]), age_s=max(0.0, now - float(h["published_at"])),
-            ))
+            out.append(
+                S.EngineLoad(
+                    worker_id=worker_id,
+                    alive=bool(h.get("alive")),
+                    version=h.get("version"),
+                    running=int(h.get("running", 0)),
+                    waiting=int(h.get("waiting", 0)),
+                    scoring=int(h.get("scoring", 0)),
+                    generated_tokens=int(h.get("generated_tokens", 0)),
+                    busy_fraction=float(h.get("busy_seconds", 0.0)) / uptime if uptime > 0 else 0.0,
+                    published_at=float(h["published_at"]),
+                    age_s=max(0.0, now - float(h["published_at"])),
+                )
+            )
         return out
 
     def experts(self) -> S.ExpertLoad:
         counts = self.telemetry.expert_load()
         if counts.size == 0:
             return S.ExpertLoad(
-                available=False, counts=[], share=[],
+                available=False,
+                counts=[],
+                share=[],
                 reason="no MoE router counts recorded for this job yet: the built-in engine's workers add them "
-                       "every few seconds (slime/engines/expert_load.py); dense models and the vLLM/SGLang engines "
-                       "record none",
+                "every few seconds (slime/engines/expert_load.py); dense models and the vLLM/SGLang engines "
+                "record none",
             )
         per_expert = counts.sum(axis=0)
         total = int(per_expert.sum())
-        return S.ExpertLoad(available=True, counts=counts.tolist(),
-                            share=[float(c) / total if total else 0.0 for c in per_expert])
+        return S.ExpertLoad(
+            available=True, counts=counts.tolist(), share=[float(c) / total if total else 0.0 for c in per_expert]
+        )
 
     def rewards(self, window: int) -> S.RewardStats:
         rows = self.newest_rows(window)
@@ -290,28 +335,44 @@ class BufferReader:
             if r["status"] == "failed":
                 key = (r["failure"] or "unknown").splitlines()[0][:120]
                 reasons[key] = reasons.get(key, 0) + 1
-        per_step = [{k: v for k, v in s.items() if (k == "step" or k == "reward_mean" or k.startswith("reward_stats/"))
-                     and isinstance(v, (int, float)) and math.isfinite(v)} for s in self._steps()[-50:]]
+        per_step = [
+            {
+                k: v
+                for k, v in s.items()
+                if (k == "step" or k == "reward_mean" or k.startswith("reward_stats/"))
+                and isinstance(v, (int, float))
+                and math.isfinite(v)
+            }
+            for s in self._steps()[-50:]
+        ]
         last = per_step[-1] if per_step else {}
         p50 = [v for k, v in last.items() if k.endswith("latency_p50_s")]
         p99 = [v for k, v in last.items() if k.endswith("latency_p99_s")]
         return S.RewardStats(
-            window=len(rows), scored=len(rewards), failed=sum(reasons.values()),
-            mean=float(np.mean(rewards)) if rewards else None, std=float(np.std(rewards)) if rewards else None,
-            failure_reasons=reasons, latency_p50_s=max(p50) if p50 else None,
-            latency_p99_s=max(p99) if p99 else None, per_step=per_step,
+            window=len(rows),
+            scored=len(rewards),
+            failed=sum(reasons.values()),
+            mean=float(np.mean(rewards)) if rewards else None,
+            std=float(np.std(rewards)) if rewards else None,
+            failure_reasons=reasons,
+            latency_p50_s=max(p50) if p50 else None,
+            latency_p99_s=max(p99) if p99 else None,
+            per_step=per_step,
         )
 
     def steps(self, limit: int, since_step: int = -1) -> list[dict[str, Any]]:
         """Per-step metrics of the last `limit` steps after `since_step`."""
-        return [s for s in self._steps()[-max(1, limit):] if s["step"] > since_step]
+        return [s for s in self._steps()[-max(1, limit) :] if s["step"] > since_step]
 
     def _steps(self) -> list[dict[str, Any]]:
         """The whole kept step history, parsed once per STEPS_TTL_S for every caller (a step carries
         a hundred metrics); non-finite values become None (JSON has no NaN)."""
+
         def build() -> list[dict[str, Any]]:
-            return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in s.items()}
-                    for s in self.telemetry.step_history(STEPS_KEPT)]
+            return [
+                {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in s.items()}
+                for s in self.telemetry.step_history(STEPS_KEPT)
+            ]
 
         return self._cached("steps", STEPS_TTL_S, build)
 
@@ -342,29 +403,41 @@ class BufferReader:
         s = self.summary()
         job = self.job
         lines = [
-            "# HELP slime_samples Trajectories in the buffer by status.", "# TYPE slime_samples gauge",
+            "# HELP slime_samples Trajectories in the buffer by status.",
+            "# TYPE slime_samples gauge",
             *[f'slime_samples{{job="{job}",status="{k}"}} {v}' for k, v in s.samples_by_status.items()],
-            "# HELP slime_groups Prompt groups by stage.", "# TYPE slime_groups gauge",
+            "# HELP slime_groups Prompt groups by stage.",
+            "# TYPE slime_groups gauge",
             *[f'slime_groups{{job="{job}",stage="{k}"}} {v}' for k, v in s.groups.items()],
-            "# HELP slime_queue_length Buffer queue lengths.", "# TYPE slime_queue_length gauge",
+            "# HELP slime_queue_length Buffer queue lengths.",
+            "# TYPE slime_queue_length gauge",
             *[f'slime_queue_length{{job="{job}",queue="{k}"}} {v}' for k, v in s.queues.items()],
-            "# HELP slime_policy_version Current policy version.", "# TYPE slime_policy_version gauge",
+            "# HELP slime_policy_version Current policy version.",
+            "# TYPE slime_policy_version gauge",
             f'slime_policy_version{{job="{job}"}} {s.policy_version}',
             "# HELP slime_generated_tokens_total Tokens generated by the rollout engines.",
             "# TYPE slime_generated_tokens_total counter",
             f'slime_generated_tokens_total{{job="{job}"}} {s.generated_tokens}',
             "# HELP slime_staleness_max Oldest unfinished token's lag in policy versions.",
-            "# TYPE slime_staleness_max gauge", f'slime_staleness_max{{job="{job}"}} {s.staleness_max}',
+            "# TYPE slime_staleness_max gauge",
+            f'slime_staleness_max{{job="{job}"}} {s.staleness_max}',
             "# HELP slime_rollout_paused 1 while rollout is paused from the dashboard.",
-            "# TYPE slime_rollout_paused gauge", f'slime_rollout_paused{{job="{job}"}} {int(s.paused)}',
+            "# TYPE slime_rollout_paused gauge",
+            f'slime_rollout_paused{{job="{job}"}} {int(s.paused)}',
         ]
         engines = self.engines()
         if engines:
-            lines += ["# HELP slime_engine_busy_fraction Share of uptime an engine spent decoding.",
-                      "# TYPE slime_engine_busy_fraction gauge"]
-            lines += [f'slime_engine_busy_fraction{{job="{job}",worker="{e.worker_id}"}} {e.busy_fraction}'
-                      for e in engines]
-            lines += ["# HELP slime_engine_running Requests decoding on an engine.", "# TYPE slime_engine_running gauge"]
+            lines += [
+                "# HELP slime_engine_busy_fraction Share of uptime an engine spent decoding.",
+                "# TYPE slime_engine_busy_fraction gauge",
+            ]
+            lines += [
+                f'slime_engine_busy_fraction{{job="{job}",worker="{e.worker_id}"}} {e.busy_fraction}' for e in engines
+            ]
+            lines += [
+                "# HELP slime_engine_running Requests decoding on an engine.",
+                "# TYPE slime_engine_running gauge",
+            ]
             lines += [f'slime_engine_running{{job="{job}",worker="{e.worker_id}"}} {e.running}' for e in engines]
         return "\n".join(lines) + "\n"
 
@@ -372,10 +445,14 @@ class BufferReader:
 def _group_row(gid: str, fields: dict[str, str], sids: list[str]) -> S.GroupRow:
     meta = _json(fields.get("metadata")) or {}
     return S.GroupRow(
-        id=gid, stage=fields.get("status", "open"), n=int(fields.get("n", 0)), done=int(fields.get("done", 0)),
+        id=gid,
+        stage=fields.get("status", "open"),
+        n=int(fields.get("n", 0)),
+        done=int(fields.get("done", 0)),
         created_at=float(fields.get("created_at", 0.0)),
         claimed_step=int(fields["claimed_step"]) if fields.get("claimed_step") else None,
-        prompt_text=str(meta["prompt_text"])[:2000] if "prompt_text" in meta else None, sample_ids=sids,
+        prompt_text=str(meta["prompt_text"])[:2000] if "prompt_text" in meta else None,
+        sample_ids=sids,
     )
 
 
@@ -390,4 +467,3 @@ def _finite_or_none(x: float) -> float | None:
 def _finite(x: float) -> float:
     # JSON has no NaN/Infinity; a -inf logprob (a masked-out token) is shown as a very low number.
     return x if math.isfinite(x) else (-1e30 if x < 0 else 1e30)
-

@@ -41,8 +41,16 @@ def check_bind(host: str, token: str | None) -> None:
 class DashboardServer:
     """uvicorn on its own thread; `url` is known once the socket is bound (port 0 picks a free one)."""
 
-    def __init__(self, redis_url: str, job: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 *, redis_password: str | None = None):
+    def __init__(
+        self,
+        redis_url: str,
+        job: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        *,
+        redis_password: str | None = None,
+    ):
         check_bind(host, token)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
@@ -61,8 +69,9 @@ class DashboardServer:
         self.thread: threading.Thread | None = None
 
     def start(self) -> DashboardServer:
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
-                                       name="slime-dashboard", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, name="slime-dashboard", daemon=True
+        )
         self.thread.start()
         return self
 
@@ -99,8 +108,16 @@ class DashboardProcess:
     then never holds the driver's GIL (which delayed its refills and step boundaries, ~20% rollout
     throughput under ten polling pages), and it runs at a lower CPU priority than training."""
 
-    def __init__(self, redis_url: str, job: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 *, redis_password: str | None = None):
+    def __init__(
+        self,
+        redis_url: str,
+        job: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        *,
+        redis_password: str | None = None,
+    ):
         check_bind(host, token)
         redis_url, url_password = split_password(redis_url)
         redis_password = redis_password or url_password
@@ -108,8 +125,20 @@ class DashboardProcess:
             with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
                 probe.bind((host, 0))
                 port = probe.getsockname()[1]
-        cmd = [sys.executable, "-m", "slime.cli", "dashboard", "--redis", redis_url, "--job", job,
-               "--host", host, "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "slime.cli",
+            "dashboard",
+            "--redis",
+            redis_url,
+            "--job",
+            job,
+            "--host",
+            host,
+            "--port",
+            str(port),
+        ]
         if shutil.which("nice"):
             cmd = ["nice", "-n", "10", *cmd]
         root = str(Path(__file__).resolve().parents[2])

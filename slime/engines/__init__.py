@@ -21,8 +21,9 @@ from slime.config import JobConfig
 from slime.engines.contract import RolloutEngine
 
 
-def make_engine(cfg: JobConfig, model_dir: str, index: int, version: int, *,
-                api_token: str | None = None) -> RolloutEngine:
+def make_engine(
+    cfg: JobConfig, model_dir: str, index: int, version: int, *, api_token: str | None = None
+) -> RolloutEngine:
     """Rollout worker ``index``'s engine, at policy ``version``. ``api_token``: the job's token for
     the SGLang engine's servers and router (sent on every request, handed to launched ones in their
     environment); the in-process engines ignore it."""

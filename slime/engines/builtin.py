@@ -133,7 +133,9 @@ class BuiltinEngine:
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: list[_Seq] = []
         self._ids: set[str] = set()  # ids waiting or running
-        self._batch = None if fast_path is False else fast_decoder_for(self.model, max_running_requests, self.max_seq_len)
+        self._batch = (
+            None if fast_path is False else fast_decoder_for(self.model, max_running_requests, self.max_seq_len)
+        )
         if self._batch is None:
             if fast_path:
                 raise ValueError(f"fast_path=True: {type(model).__name__} does not fit the fast forward (see the log)")
@@ -160,8 +162,9 @@ class BuiltinEngine:
         self._kv_resumed_tokens = 0  # context tokens they did not prefill again
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, model_dir: str, index: int, version: int, *,
-                    api_token: str | None = None) -> BuiltinEngine:
+    def from_config(
+        cls, cfg: JobConfig, model_dir: str, index: int, version: int, *, api_token: str | None = None
+    ) -> BuiltinEngine:
         """Rollout worker ``index``'s engine on ``model_dir``. ``api_token`` is unused: the engine
         runs in the worker's process and serves nobody else."""
         model = load_model(model_dir, cfg.model.dtype, cfg.rollout.device)
@@ -197,8 +200,13 @@ class BuiltinEngine:
             response = checked_token_ids(req.response_ids, vocab_size=self.vocab_size, field_name="response_ids")
         except ValueError as e:
             raise ValueError(f"request {req.request_id!r}: {e}") from None
-        params = SamplingParams(float(p.temperature), float(p.top_p), int(p.top_k), int(p.max_new_tokens),
-                                [int(t) for t in p.stop_token_ids])
+        params = SamplingParams(
+            float(p.temperature),
+            float(p.top_p),
+            int(p.top_k),
+            int(p.max_new_tokens),
+            [int(t) for t in p.stop_token_ids],
+        )
         self._ids.add(req.request_id)
         self._waiting.append(GenerationRequest(req.request_id, prompt, params, response))
 
@@ -311,7 +319,9 @@ class BuiltinEngine:
             for name, tensor in named_tensors:
                 target = self._tensors.get(name)
                 if target is None:
-                    raise ValueError(f"update_weights: unknown tensor name {name!r} ({applied} tensors already applied)")
+                    raise ValueError(
+                        f"update_weights: unknown tensor name {name!r} ({applied} tensors already applied)"
+                    )
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(
                         f"update_weights: shape mismatch for {name!r}: engine has {tuple(target.shape)}, "
@@ -444,8 +454,9 @@ class BuiltinEngine:
         samples its first token; all rows are sampled together."""
         b = len(self._running)
         # A newcomer's tokens are its whole context (read before _record appends to them).
-        logits = self._batch.forward(self._last if b else None, self._pos if b else None,
-                                     [[q.tokens for q in seqs] for seqs in groups])
+        logits = self._batch.forward(
+            self._last if b else None, self._pos if b else None, [[q.tokens for q in seqs] for seqs in groups]
+        )
         if b:
             self._decode_steps += 1
             self._decode_rows += b
@@ -489,7 +500,9 @@ class BuiltinEngine:
                 keep.append(i)
             c = chunks.get(s.request_id)
             if c is None:
-                chunks[s.request_id] = GenerationChunk(s.request_id, [t], [logprob], version, reason is not None, reason)
+                chunks[s.request_id] = GenerationChunk(
+                    s.request_id, [t], [logprob], version, reason is not None, reason
+                )
             else:
                 c.token_ids.append(t)
                 c.logprobs.append(logprob)

@@ -115,7 +115,9 @@ def checked_token_ids(ids, *, vocab_size: int | None, field_name: str) -> list[i
             raise ValueError(f"{field_name}: token ids must be integers, got {t!r:.100}")
         t = int(t)
         if t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise ValueError(f"{field_name}: token id {t} out of range [0, {vocab_size if vocab_size is not None else 'inf'})")
+            raise ValueError(
+                f"{field_name}: token id {t} out of range [0, {vocab_size if vocab_size is not None else 'inf'})"
+            )
         out.append(t)
     return out
 

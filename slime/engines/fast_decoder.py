@@ -163,7 +163,8 @@ class FastDecoder:
         # Tokens sorted by expert, one grouped matmul for all experts (CPU kernel since torch 2.9;
         # on CUDA it needs compute capability 8.0+); otherwise one matmul per expert.
         self.grouped_mm = hasattr(torch, "_grouped_mm") and (
-            self.device.type == "cpu" or (self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0))
+            self.device.type == "cpu"
+            or (self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0))
         )
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -272,8 +273,9 @@ class FastDecoder:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms_norm(hidden, self.final_norm, self.final_eps), self.lm_head, self.lm_head_bias)
 
-    def forward(self, last_tokens: torch.Tensor | None, positions: torch.Tensor | None,
-                groups: list[list[list[int]]]) -> torch.Tensor:
+    def forward(
+        self, last_tokens: torch.Tensor | None, positions: torch.Tensor | None, groups: list[list[list[int]]]
+    ) -> torch.Tensor:
         """One forward pass over every token of this step, flattened into one sequence:
 
         - with ``last_tokens`` [rows], each existing row decodes: its token is fed at position
@@ -339,7 +341,8 @@ class FastDecoder:
             rows_idx = torch.arange(b, device=dev)
             # Additive mask [b, 1, 1, used]: 0 on a row's own cached positions, -inf past them.
             decode_bias = torch.zeros(b, 1, 1, used, dtype=self.dtype, device=dev).masked_fill_(
-                (torch.arange(used, device=dev)[None, :] > lens[:, None])[:, None, None, :], float("-inf"))
+                (torch.arange(used, device=dev)[None, :] > lens[:, None])[:, None, None, :], float("-inf")
+            )
             group = self.num_heads // self.num_kv_heads
             segments = decode_segments(self.lens)
 

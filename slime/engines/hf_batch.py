@@ -23,8 +23,6 @@ def _left_pad(t: torch.Tensor, length: int, dim: int, value=0) -> torch.Tensor:
     return torch.cat([t.new_full(shape, value), t], dim=dim)
 
 
-
-
 class HfBatch:
     """The running rows' model state for any causal LM: its own forward over a ``DynamicCache``,
     rows left padded to a common length (``mask`` False = padding)."""
@@ -55,8 +53,8 @@ class HfBatch:
         ids = torch.zeros(len(contexts), width, dtype=torch.long)
         mask = torch.zeros(len(contexts), width, dtype=torch.bool)
         for i, c in enumerate(contexts):
-            ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
-            mask[i, width - len(c):] = True
+            ids[i, width - len(c) :] = torch.tensor(c, dtype=torch.long)
+            mask[i, width - len(c) :] = True
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.long().cumsum(1) - 1).clamp_(min=0)
         cache = DynamicCache()
@@ -71,8 +69,9 @@ class HfBatch:
                 a.values = torch.cat([_left_pad(a.values, length, 2), _left_pad(b.values, length, 2)])
         return logits
 
-    def forward(self, last_tokens: torch.Tensor | None, positions: torch.Tensor | None,
-                groups: list[list[list[int]]]) -> torch.Tensor:
+    def forward(
+        self, last_tokens: torch.Tensor | None, positions: torch.Tensor | None, groups: list[list[list[int]]]
+    ) -> torch.Tensor:
         """Decode the existing rows (if ``last_tokens``), then prefill each group as new rows;
         the logits of every row fed, in row order."""
         logits = [self.decode(last_tokens, positions)] if last_tokens is not None else []

@@ -30,12 +30,19 @@ class Completion:
 class LocalGenerator:
     """Text in, text out over a BuiltinEngine on a local HF model directory; thread-safe."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str = "float32",
-                 max_running_requests: int = 16, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_running_requests: int = 16,
+        seed: int = 0,
+    ) -> None:
         self.model_dir = str(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self.engine = BuiltinEngine(load_model(model_dir, dtype, device), device=device,
-                                   max_running_requests=max_running_requests, seed=seed)
+        self.engine = BuiltinEngine(
+            load_model(model_dir, dtype, device), device=device, max_running_requests=max_running_requests, seed=seed
+        )
         self.stop_ids = stop_token_ids(self.tokenizer, [])
         self._ids = itertools.count()
         self._cond = threading.Condition()
@@ -54,7 +61,9 @@ class LocalGenerator:
     def text_ids(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
-    def submit(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> Future:
+    def submit(
+        self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+    ) -> Future:
         """Future[Completion]; a prompt that does not fit the model's context raises ValueError now."""
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -63,8 +72,9 @@ class LocalGenerator:
             raise ValueError(
                 f"prompt is {len(prompt_ids)} tokens; {self.model_dir} reads at most {self.engine.max_seq_len}"
             )
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=min(max_new_tokens, room),
-                                stop_token_ids=self.stop_ids)
+        params = SamplingParams(
+            temperature=temperature, top_p=top_p, max_new_tokens=min(max_new_tokens, room), stop_token_ids=self.stop_ids
+        )
         future: Future = Future()
         with self._cond:
             if self._closed:
@@ -75,7 +85,9 @@ class LocalGenerator:
             self._cond.notify()
         return future
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> Completion:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+    ) -> Completion:
         return self.submit(prompt_ids, max_new_tokens, temperature, top_p).result()
 
     def close(self) -> None:

@@ -157,8 +157,9 @@ class SglangEngine:
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, model_dir: str, index: int, version: int, *,
-                    api_token: str | None = None) -> SglangEngine:
+    def from_config(
+        cls, cfg: JobConfig, model_dir: str, index: int, version: int, *, api_token: str | None = None
+    ) -> SglangEngine:
         """Worker ``index``: attach to ``sglang.url``/``urls`` or launch ``sglang.num_servers``
         servers, then (``sglang.router=sglang_router``) a router in front of them. ``api_token``
         (else the environment's `API_TOKEN_ENV`; launched processes without either get a fresh
@@ -170,16 +171,26 @@ class SglangEngine:
         if token is None and launches:
             token = new_secret()  # launched processes need one: every control route requires it
         url, server_urls, processes = launch_worker_servers(cfg, model_dir, index, weights_dir, token)
-        return cls(url, server_urls=server_urls, processes=processes, version=version, weight_update=sg.weight_update,
-                   weights_dir=weights_dir, request_timeout_s=sg.request_timeout_s,
-                   bucket_mb=cfg.weights.bucket_mb, tensor_parallel_size=sg.tensor_parallel_size,
-                   probe_tolerance=cfg.weights.check_tolerance, api_token=token)
+        return cls(
+            url,
+            server_urls=server_urls,
+            processes=processes,
+            version=version,
+            weight_update=sg.weight_update,
+            weights_dir=weights_dir,
+            request_timeout_s=sg.request_timeout_s,
+            bucket_mb=cfg.weights.bucket_mb,
+            tensor_parallel_size=sg.tensor_parallel_size,
+            probe_tolerance=cfg.weights.check_tolerance,
+            api_token=token,
+        )
 
     # ---- the private event loop -----------------------------------------------------------------
     async def _make_async_client(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        return httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self._timeout), limits=limits,
-                                 headers=self._headers)
+        return httpx.AsyncClient(
+            base_url=self.url, timeout=httpx.Timeout(self._timeout), limits=limits, headers=self._headers
+        )
 
     def _on_loop(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -187,6 +198,7 @@ class SglangEngine:
     def _send(self, requests: list[tuple[str, dict]]) -> concurrent.futures.Future:
         """POST every ``(absolute url, body)`` at once on the client loop; the future holds the
         responses in order. A server that cannot be reached raises, naming its URL."""
+
         async def post(url: str, body: dict, in_flight: asyncio.Semaphore) -> httpx.Response:
             try:
                 async with in_flight:
@@ -238,7 +250,7 @@ class SglangEngine:
         new = total - r.seen
         # Streamed outputs are cumulative by default and incremental with
         # --incremental-streaming-output; the last `new` entries are the new tokens either way.
-        ids = out["output_ids"][len(out["output_ids"]) - new:] if new > 0 else []
+        ids = out["output_ids"][len(out["output_ids"]) - new :] if new > 0 else []
         lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])[-new:]] if new > 0 else []
         if len(lps) != len(ids):
             raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs (return_logprob missing?)")
@@ -252,7 +264,9 @@ class SglangEngine:
             version = self._version
         self._emit(r, ids, lps, reason, version)
 
-    def _emit(self, r: _Request, ids: list[int], lps: list[float], reason: str | None, version: int | None = None) -> None:
+    def _emit(
+        self, r: _Request, ids: list[int], lps: list[float], reason: str | None, version: int | None = None
+    ) -> None:
         with self._cond:
             if r.finished:
                 return
@@ -261,8 +275,16 @@ class SglangEngine:
                 self._requests.pop(r.request_id, None)
             self._tokens_generated += len(ids)
             if ids or reason is not None:
-                self._outbox.add(GenerationChunk(r.request_id, list(ids), list(lps), self._version if version is None else version,
-                                                 reason is not None, reason))
+                self._outbox.add(
+                    GenerationChunk(
+                        r.request_id,
+                        list(ids),
+                        list(lps),
+                        self._version if version is None else version,
+                        reason is not None,
+                        reason,
+                    )
+                )
             self._cond.notify_all()
 
     # ---- the engine contract ----------------------------------------------------------------------
@@ -335,8 +357,9 @@ class SglangEngine:
                 # knows which server holds a rid; one that does not hold it ignores the abort
                 # (SGLang, and our server: BuiltinEngine.abort skips unknown ids).
                 unfinished = [rid for rid, r in waiting.items() if not r.finished]
-                for resp in self._send([(f"{u}/abort_request", {"rid": rid})
-                                        for u in self.server_urls for rid in unfinished]).result():
+                for resp in self._send(
+                    [(f"{u}/abort_request", {"rid": rid}) for u in self.server_urls for rid in unfinished]
+                ).result():
                     self._check(resp)
                 with self._cond:
                     # A rid the server had not registered yet ignores the abort: ask again.
@@ -378,8 +401,9 @@ class SglangEngine:
             if self.weight_update == "distributed":
                 self._update_distributed(version, [(n, t.detach().contiguous()) for n, t in named_tensors])
             elif self.weight_update == "disk":  # one directory, loaded by every server
-                self._post_all("/update_weights_from_disk", self._write_safetensors(version, named_tensors),
-                               expect_success=True)
+                self._post_all(
+                    "/update_weights_from_disk", self._write_safetensors(version, named_tensors), expect_success=True
+                )
             else:  # one shared-memory (or CUDA IPC) publication, mapped by every server
                 self._update_from_tensor(version, named_tensors)
         finally:
@@ -397,9 +421,22 @@ class SglangEngine:
             backend = "nccl" if named[0][1].is_cuda else "gloo"
             tp = self.tensor_parallel_size
             world_size = 1 + len(self.server_urls) * tp
-            joined = self._send([(f"{u}/init_weights_update_group", {
-                "master_address": addr, "master_port": port, "rank_offset": 1 + j * tp, "world_size": world_size,
-                "group_name": group_name, "backend": backend}) for j, u in enumerate(self.server_urls)])
+            joined = self._send(
+                [
+                    (
+                        f"{u}/init_weights_update_group",
+                        {
+                            "master_address": addr,
+                            "master_port": port,
+                            "rank_offset": 1 + j * tp,
+                            "world_size": world_size,
+                            "group_name": group_name,
+                            "backend": backend,
+                        },
+                    )
+                    for j, u in enumerate(self.server_urls)
+                ]
+            )
             self._group = join_update_group(addr, port, 0, world_size, group_name, backend, self._timeout)
             for resp in joined.result():
                 self._check(resp, expect_success=True)
@@ -417,7 +454,8 @@ class SglangEngine:
                 "names": [n for n, _ in bucket],
                 "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": group_name, "flush_cache": last,
+                "group_name": group_name,
+                "flush_cache": last,
                 "weight_version": str(version) if last else None,
             }
             answered = self._send([(f"{u}/update_weights_from_distributed", body) for u in self.server_urls])
@@ -444,13 +482,16 @@ class SglangEngine:
         named = [(n, t.detach()) for n, t in named_tensors]
         builtin = self._builtin_servers()
         payloads = {kind: self._tensor_payload(version, named, kind) for kind in set(builtin.values())}
-        for resp in self._send([(f"{u}/update_weights_from_tensor", payloads[builtin[u]]) for u in self.server_urls]).result():
+        for resp in self._send(
+            [(f"{u}/update_weights_from_tensor", payloads[builtin[u]]) for u in self.server_urls]
+        ).result():
             self._check(resp, expect_success=True)
 
     def _builtin_servers(self) -> dict[str, bool]:
         """Which servers are the built-in engine's (``/server_info`` engine ``slime-builtin``), asked once."""
         unknown = [u for u in self.server_urls if u not in self._builtin]
         if unknown:
+
             async def info(url: str) -> bool:
                 try:
                     resp = await self._aclient.get(f"{url}/server_info", timeout=30)
@@ -516,10 +557,11 @@ class SglangEngine:
         for resp in self._send([(f"{u}/generate", body) for u in self.server_urls]).result():
             self._check(resp)
             entries = resp.json()["meta_info"]["input_token_logprobs"]
-            got = [float(e[0]) for e in entries[len(entries) - len(response_ids):]]
+            got = [float(e[0]) for e in entries[len(entries) - len(response_ids) :]]
             if len(got) != len(response_ids):
-                raise RuntimeError(f"SGLang {resp.request.url} returned {len(got)} input logprobs for "
-                                   f"{len(response_ids)} probe tokens")
+                raise RuntimeError(
+                    f"SGLang {resp.request.url} returned {len(got)} input logprobs for {len(response_ids)} probe tokens"
+                )
             per_server.append(got)
         first = per_server[0]
         for url, got in zip(self.server_urls[1:], per_server[1:]):

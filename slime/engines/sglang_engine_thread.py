@@ -61,7 +61,9 @@ class RequestStream:
         """From the engine thread: end this stream with an error finish."""
         self.error = message
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, GenerationChunk(self.rid, [], [], version, True, "error"))
+            self.loop.call_soon_threadsafe(
+                self.events.put_nowait, GenerationChunk(self.rid, [], [], version, True, "error")
+            )
         except RuntimeError:  # its event loop is closed: the server is shutting down, nobody reads it
             pass
 
@@ -73,8 +75,14 @@ class SglangProtocolServer:
     their request's chunks from an asyncio queue the thread feeds.
     """
 
-    def __init__(self, engine: BuiltinEngine, model_path: str = "", tokenizer=None, eos_token_ids: list[int] | None = None,
-                 settings: ServerSettings = ServerSettings()):
+    def __init__(
+        self,
+        engine: BuiltinEngine,
+        model_path: str = "",
+        tokenizer=None,
+        eos_token_ids: list[int] | None = None,
+        settings: ServerSettings = ServerSettings(),
+    ):
         self.engine = engine
         self.model_path = model_path
         self.tokenizer = tokenizer
@@ -82,8 +90,12 @@ class SglangProtocolServer:
         self.settings = settings
         # every name a weight update may carry, with its shape
         model = engine.model
-        self.tensor_shapes = {n: tuple(t.shape) for n, t in chain(model.named_parameters(remove_duplicate=False),
-                                                                  model.named_buffers(remove_duplicate=False))}
+        self.tensor_shapes = {
+            n: tuple(t.shape)
+            for n, t in chain(
+                model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+            )
+        }
         self.streams: dict[str, RequestStream] = {}
         self.paused = False
         self.commands: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
@@ -136,8 +148,13 @@ class SglangProtocolServer:
         """After a failed step: fail every request in flight (their streams end with an error),
         reset the engine (abort all), and keep serving unless this keeps happening."""
         self.step_failures += 1
-        log.error("%s (%d in a row); failing %d requests and resetting the engine\n%s", message, failures,
-                  len(self.streams), traceback.format_exc())
+        log.error(
+            "%s (%d in a row); failing %d requests and resetting the engine\n%s",
+            message,
+            failures,
+            len(self.streams),
+            traceback.format_exc(),
+        )
         self._fail_streams(message)
         try:
             self.engine.abort(None)
@@ -193,8 +210,10 @@ class SglangProtocolServer:
             raise ValueError(f"rid {running!r} is already running")
         waiting = self.engine.num_waiting()
         if waiting + len(items) > self.settings.max_queued_requests:
-            raise QueueFull(f"{waiting} requests are waiting (--max-queued-requests {self.settings.max_queued_requests}); "
-                            "retry later")
+            raise QueueFull(
+                f"{waiting} requests are waiting (--max-queued-requests {self.settings.max_queued_requests}); "
+                "retry later"
+            )
         added: list[str] = []
         try:
             for stream, req in items:

@@ -25,12 +25,16 @@ TARGETS = {"sglang": "sglang.launch_server", "router": "sglang_router.launch_rou
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in TARGETS:
-        raise SystemExit(f"usage: python -m slime.engines.sglang_launch {{{'|'.join(TARGETS)}}} ARGS... "
-                         f"(the API key comes from the environment variable {API_TOKEN_ENV})")
+        raise SystemExit(
+            f"usage: python -m slime.engines.sglang_launch {{{'|'.join(TARGETS)}}} ARGS... "
+            f"(the API key comes from the environment variable {API_TOKEN_ENV})"
+        )
     target, args = TARGETS[sys.argv[1]], sys.argv[2:]
     if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
-        raise SystemExit("slime.engines.sglang_launch: pass the key in the environment variable "
-                         f"{API_TOKEN_ENV}, not as --api-key (argv is visible to every user in ps)")
+        raise SystemExit(
+            "slime.engines.sglang_launch: pass the key in the environment variable "
+            f"{API_TOKEN_ENV}, not as --api-key (argv is visible to every user in ps)"
+        )
     token = os.environ.pop(API_TOKEN_ENV, "").strip()
     if not token:
         raise SystemExit(f"slime.engines.sglang_launch: the environment variable {API_TOKEN_ENV} holds no token")

@@ -60,8 +60,16 @@ class SglangServerProcess:
     ``startup_timeout_s=None`` returns at once (several processes start together, then
     `wait_ready` each)."""
 
-    def __init__(self, command: list[str], url: str, log_path: Path, startup_timeout_s: float | None,
-                 *, name: str = "SGLang server", token: str | None = None):
+    def __init__(
+        self,
+        command: list[str],
+        url: str,
+        log_path: Path,
+        startup_timeout_s: float | None,
+        *,
+        name: str = "SGLang server",
+        token: str | None = None,
+    ):
         self.command, self.url, self.log_path, self.name = command, url, log_path, name
         self.headers = auth_headers(token)
         env = dict(os.environ)
@@ -71,7 +79,11 @@ class SglangServerProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
             env=env,
         )
         if startup_timeout_s is not None:
@@ -87,12 +99,16 @@ class SglangServerProcess:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} while starting: {self.describe()}")
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode} while starting: {self.describe()}"
+                )
             if self.ready():
                 return
             time.sleep(0.25)
         self.stop()
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s (sglang.startup_timeout_s): {self.describe()}")
+        raise TimeoutError(
+            f"{self.name} not ready after {timeout_s:.0f}s (sglang.startup_timeout_s): {self.describe()}"
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -123,8 +139,17 @@ class SglangServerProcess:
 class SglangRouterProcess(SglangServerProcess):
     """A launched sglang-router: ready once it lists every one of its servers as healthy."""
 
-    def __init__(self, command: list[str], url: str, log_path: Path, startup_timeout_s: float, worker_urls: list[str],
-                 *, name: str = "sglang-router", token: str):
+    def __init__(
+        self,
+        command: list[str],
+        url: str,
+        log_path: Path,
+        startup_timeout_s: float,
+        worker_urls: list[str],
+        *,
+        name: str = "sglang-router",
+        token: str,
+    ):
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         super().__init__(command, url, log_path, startup_timeout_s, name=name, token=token)
 
@@ -137,47 +162,125 @@ class SglangRouterProcess(SglangServerProcess):
         return set(self.worker_urls) <= healthy
 
 
-def router_command(worker_urls: list[str], host: str, port: int, *, policy: str, prometheus_port: int,
-                   request_timeout_s: float) -> list[str]:
+def router_command(
+    worker_urls: list[str], host: str, port: int, *, policy: str, prometheus_port: int, request_timeout_s: float
+) -> list[str]:
     """sglang-router 0.3.2's flags (sglang_router/router_args.py), run through `slime.engines.sglang_launch`
     (it adds ``--api-key`` from the environment: the router then requires the key from clients and
     sends it to the servers). Its metrics endpoint defaults to 0.0.0.0:29000, which a second router
     on the machine could not bind: each gets a port of its own."""
-    return [sys.executable, "-m", "slime.engines.sglang_launch", "router", "--worker-urls", *worker_urls,
-            "--host", host, "--port", str(port), "--policy", policy,
-            "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
-            "--request-timeout-secs", str(int(request_timeout_s)), "--log-level", "warn"]
+    return [
+        sys.executable,
+        "-m",
+        "slime.engines.sglang_launch",
+        "router",
+        "--worker-urls",
+        *worker_urls,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--request-timeout-secs",
+        str(int(request_timeout_s)),
+        "--log-level",
+        "warn",
+    ]
 
 
-def launch_router(worker_urls: list[str], host: str, port: int | None, policy: str, log_path: Path,
-                  startup_timeout_s: float, request_timeout_s: float, *, token: str,
-                  name: str = "sglang-router") -> SglangRouterProcess:
+def launch_router(
+    worker_urls: list[str],
+    host: str,
+    port: int | None,
+    policy: str,
+    log_path: Path,
+    startup_timeout_s: float,
+    request_timeout_s: float,
+    *,
+    token: str,
+    name: str = "sglang-router",
+) -> SglangRouterProcess:
     if importlib.util.find_spec("sglang_router") is None:
-        raise RuntimeError("sglang.router=sglang_router needs the sglang-router package where the rollout worker runs: "
-                           "pip install sglang-router (it is in this project's sglang and dev extras)")
+        raise RuntimeError(
+            "sglang.router=sglang_router needs the sglang-router package where the rollout worker runs: "
+            "pip install sglang-router (it is in this project's sglang and dev extras)"
+        )
     port = port if port is not None else free_port(host)
-    cmd = router_command(worker_urls, host, port, policy=policy, prometheus_port=free_port(host),
-                         request_timeout_s=request_timeout_s)
-    return SglangRouterProcess(cmd, f"http://{host}:{port}", log_path, startup_timeout_s, worker_urls, name=name, token=token)
+    cmd = router_command(
+        worker_urls, host, port, policy=policy, prometheus_port=free_port(host), request_timeout_s=request_timeout_s
+    )
+    return SglangRouterProcess(
+        cmd, f"http://{host}:{port}", log_path, startup_timeout_s, worker_urls, name=name, token=token
+    )
 
 
-def launch_command(launcher: str, model_dir: str, host: str, port: int, *, tensor_parallel_size: int = 1,
-                   device: str = "cpu", dtype: str = "float32", max_running_requests: int = 64, seed: int = 0,
-                   torch_threads: int | None = None, weights_dir: str | Path | None = None,
-                   update_group_hosts: Iterable[str] = (), extra_args: Iterable[str] = ()) -> list[str]:
+def launch_command(
+    launcher: str,
+    model_dir: str,
+    host: str,
+    port: int,
+    *,
+    tensor_parallel_size: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_running_requests: int = 64,
+    seed: int = 0,
+    torch_threads: int | None = None,
+    weights_dir: str | Path | None = None,
+    update_group_hosts: Iterable[str] = (),
+    extra_args: Iterable[str] = (),
+) -> list[str]:
     """The command of one server; its token travels in the environment (`SglangServerProcess`).
     ``weights_dir`` / ``update_group_hosts``: what our server accepts in disk updates and as an
     update group's master (SGLang's server has no such limits)."""
     if launcher == "sglang":
-        cmd = [sys.executable, "-m", "slime.engines.sglang_launch", "sglang", "--model-path", model_dir, "--host", host,
-               "--port", str(port), "--tp-size", str(tensor_parallel_size), "--dtype", dtype,
-               "--max-running-requests", str(max_running_requests), "--random-seed", str(seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "slime.engines.sglang_launch",
+            "sglang",
+            "--model-path",
+            model_dir,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(tensor_parallel_size),
+            "--dtype",
+            dtype,
+            "--max-running-requests",
+            str(max_running_requests),
+            "--random-seed",
+            str(seed),
+        ]
     elif launcher == "slime":
         if tensor_parallel_size != 1:
             raise ValueError("sglang.launcher=slime (the built-in engine) supports sglang.tensor_parallel_size=1 only")
-        cmd = [sys.executable, "-m", "slime.engines.sglang_server", "--model", model_dir, "--host", host,
-               "--port", str(port), "--device", device, "--dtype", dtype,
-               "--max-running-requests", str(max_running_requests), "--seed", str(seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "slime.engines.sglang_server",
+            "--model",
+            model_dir,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+            "--max-running-requests",
+            str(max_running_requests),
+            "--seed",
+            str(seed),
+        ]
         if torch_threads:
             cmd += ["--torch-threads", str(torch_threads)]
         if weights_dir is not None:
@@ -190,8 +293,9 @@ def launch_command(launcher: str, model_dir: str, host: str, port: int, *, tenso
     return cmd + list(extra_args)
 
 
-def launch_worker_servers(cfg: JobConfig, model_dir: str, index: int, weights_dir: Path,
-                          token: str | None) -> tuple[str, list[str], list[SglangServerProcess]]:
+def launch_worker_servers(
+    cfg: JobConfig, model_dir: str, index: int, weights_dir: Path, token: str | None
+) -> tuple[str, list[str], list[SglangServerProcess]]:
     """Rollout worker ``index``'s servers: ``sglang.url``/``urls`` attached to, or
     ``sglang.num_servers`` launched (logs under the run directory, disk updates only from
     ``weights_dir``), then (``sglang.router=sglang_router``) a router launched in front of them.
@@ -207,15 +311,31 @@ def launch_worker_servers(cfg: JobConfig, model_dir: str, index: int, weights_di
             for j in range(sg.num_servers):
                 port = sg.port + index * sg.num_servers + j if sg.port is not None else free_port(sg.host)
                 cmd = launch_command(
-                    sg.launcher, model_dir, sg.host, port, tensor_parallel_size=sg.tensor_parallel_size,
-                    device=cfg.rollout.device, dtype=cfg.model.dtype,
-                    max_running_requests=cfg.rollout.max_running_requests, seed=cfg.seed + 1000 * index + j,
-                    torch_threads=cfg.cluster.torch_threads, weights_dir=weights_dir,
-                    update_group_hosts=[update_group_address(sg.host)], extra_args=sg.extra_args,
+                    sg.launcher,
+                    model_dir,
+                    sg.host,
+                    port,
+                    tensor_parallel_size=sg.tensor_parallel_size,
+                    device=cfg.rollout.device,
+                    dtype=cfg.model.dtype,
+                    max_running_requests=cfg.rollout.max_running_requests,
+                    seed=cfg.seed + 1000 * index + j,
+                    torch_threads=cfg.cluster.torch_threads,
+                    weights_dir=weights_dir,
+                    update_group_hosts=[update_group_address(sg.host)],
+                    extra_args=sg.extra_args,
                 )
                 log = run_dir / (f"server_{index}.log" if sg.num_servers == 1 else f"server_{index}_{j}.log")
-                processes.append(SglangServerProcess(cmd, f"http://{sg.host}:{port}", log, None,
-                                                     name=f"SGLang server {j} of rollout worker {index}", token=token))
+                processes.append(
+                    SglangServerProcess(
+                        cmd,
+                        f"http://{sg.host}:{port}",
+                        log,
+                        None,
+                        name=f"SGLang server {j} of rollout worker {index}",
+                        token=token,
+                    )
+                )
             deadline = time.time() + sg.startup_timeout_s  # started together, one deadline for all
             for proc in processes:
                 proc.wait_ready(max(deadline - time.time(), 1.0))
@@ -223,9 +343,15 @@ def launch_worker_servers(cfg: JobConfig, model_dir: str, index: int, weights_di
         url = server_urls[0]
         if sg.router == "sglang_router":
             router = launch_router(
-                server_urls, sg.host, sg.router_port + index if sg.router_port is not None else None,
-                sg.router_policy, run_dir / f"router_{index}.log", sg.startup_timeout_s, sg.request_timeout_s,
-                token=token, name=f"sglang-router of rollout worker {index}",
+                server_urls,
+                sg.host,
+                sg.router_port + index if sg.router_port is not None else None,
+                sg.router_policy,
+                run_dir / f"router_{index}.log",
+                sg.startup_timeout_s,
+                sg.request_timeout_s,
+                token=token,
+                name=f"sglang-router of rollout worker {index}",
             )
             processes.append(router)
             url = router.url

@@ -130,14 +130,32 @@ class GenerateJob:
     return_logprob: bool
 
 
-def parse_sampling_params(raw: dict[str, Any] | None, eos_ids: list[int], vocab_size: int, max_seq_len: int) -> SamplingParams:
+def parse_sampling_params(
+    raw: dict[str, Any] | None, eos_ids: list[int], vocab_size: int, max_seq_len: int
+) -> SamplingParams:
     """SGLang's sampling_params -> the engine's, checked by `validate_sampling` (ValueError naming the field)."""
     raw = dict(raw or {})
     used = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos"}
     # Fields SGLang clients often send: accepted at their neutral value, refused otherwise.
-    neutral = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-               "min_new_tokens": 0, "n": 1, "stop": None, "regex": None, "json_schema": None, "ebnf": None}
-    harmless = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "sampling_seed", "stream_interval"}
+    neutral = {
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_new_tokens": 0,
+        "n": 1,
+        "stop": None,
+        "regex": None,
+        "json_schema": None,
+        "ebnf": None,
+    }
+    harmless = {
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "sampling_seed",
+        "stream_interval",
+    }
     unknown = set(raw) - used - set(neutral) - harmless
     if unknown:
         raise ValueError(f"sampling_params: unsupported field(s) {sorted(unknown)[:10]}")
@@ -170,8 +188,15 @@ def parse_sampling_params(raw: dict[str, Any] | None, eos_ids: list[int], vocab_
     return params
 
 
-def generate_jobs(obj: GenerateReqInput, *, vocab_size: int, max_seq_len: int, eos_token_ids: list[int], tokenizer,
-                  max_batch_size: int) -> tuple[list[GenerateJob], bool]:
+def generate_jobs(
+    obj: GenerateReqInput,
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    eos_token_ids: list[int],
+    tokenizer,
+    max_batch_size: int,
+) -> tuple[list[GenerateJob], bool]:
     """The prompts of one /generate, every field checked (ValueError naming it); whether it was a batch."""
     batch, batched = _prompts(obj, tokenizer, max_batch_size)
     n = len(batch)
@@ -180,8 +205,10 @@ def generate_jobs(obj: GenerateReqInput, *, vocab_size: int, max_seq_len: int, e
     ids = [checked_token_ids(p, vocab_size=vocab_size, field_name="input_ids") for p in batch]
     if any(not p for p in ids):
         raise ValueError("input_ids: a prompt is empty")
-    rids = obj.rid if isinstance(obj.rid, list) else (
-        [obj.rid] if obj.rid is not None and n == 1 else [f"{obj.rid or uuid.uuid4().hex}_{i}" for i in range(n)]
+    rids = (
+        obj.rid
+        if isinstance(obj.rid, list)
+        else ([obj.rid] if obj.rid is not None and n == 1 else [f"{obj.rid or uuid.uuid4().hex}_{i}" for i in range(n)])
     )
     samplings = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params] * n
     logprob = obj.return_logprob if isinstance(obj.return_logprob, list) else [bool(obj.return_logprob)] * n
@@ -196,8 +223,10 @@ def generate_jobs(obj: GenerateReqInput, *, vocab_size: int, max_seq_len: int, e
     if start is not None and start >= 0:
         longest = max(len(p) for p in ids)
         if start > longest or longest > max_seq_len:
-            raise ValueError(f"logprob_start_len {start}: input logprobs need 0 <= logprob_start_len <= the prompt "
-                             f"length, and prompts of at most {max_seq_len} tokens (the model's max_seq_len)")
+            raise ValueError(
+                f"logprob_start_len {start}: input logprobs need 0 <= logprob_start_len <= the prompt "
+                f"length, and prompts of at most {max_seq_len} tokens (the model's max_seq_len)"
+            )
     params = [parse_sampling_params(sp, eos_token_ids, vocab_size, max_seq_len) for sp in samplings]
     return [GenerateJob(r, p, sp, lp) for r, p, sp, lp in zip(rids, ids, params, logprob)], batched
 
@@ -222,7 +251,9 @@ def parse_weight_version(weight_version: str | None) -> int | None:
     if weight_version is None:
         return None
     if not re.fullmatch(r"[0-9]{1,18}", weight_version):
-        raise ValueError(f"weight_version must be a non-negative integer string for this server, got {weight_version!r}")
+        raise ValueError(
+            f"weight_version must be a non-negative integer string for this server, got {weight_version!r}"
+        )
     return int(weight_version)
 
 
@@ -287,8 +318,9 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def check_tensors(tensor_shapes: dict[str, tuple[int, ...]], named_shapes: Iterable[tuple[str, tuple[int, ...]]],
-                  what: str) -> None:
+def check_tensors(
+    tensor_shapes: dict[str, tuple[int, ...]], named_shapes: Iterable[tuple[str, tuple[int, ...]]], what: str
+) -> None:
     """Every tensor is one of the model's (``tensor_shapes``), with its shape (checked before any is applied)."""
     for name, shape in named_shapes:
         want = tensor_shapes.get(name)
@@ -297,8 +329,15 @@ def check_tensors(tensor_shapes: dict[str, tuple[int, ...]], named_shapes: Itera
         if tuple(shape) != want:
             raise ValueError(f"{what}: {name!r} has shape {tuple(shape)}, the model's is {want}")
 
-def tensors_from_payload(payload: str, load_format: str | None, *, tensor_shapes: dict[str, tuple[int, ...]],
-                         device: torch.device, shm_segments: SharedMemorySegments) -> tuple[int | None, list]:
+
+def tensors_from_payload(
+    payload: str,
+    load_format: str | None,
+    *,
+    tensor_shapes: dict[str, tuple[int, ...]],
+    device: torch.device,
+    shm_segments: SharedMemorySegments,
+) -> tuple[int | None, list]:
     """(the handle's version or None, [(name, tensor)]) from one ``serialized_named_tensors`` entry,
     for an engine on ``device`` whose tensors are ``tensor_shapes``."""
     if load_format in (None, "direct"):
@@ -324,18 +363,23 @@ def tensors_from_payload(payload: str, load_format: str | None, *, tensor_shapes
             return handle.version, list(CudaIpcTransport().receive(handle))
         buffers = shm_segments.buffers(handle.buckets)
         handle.check_fits([b.numel() for b in buffers])
-        named = [(m.name, buffers[m.bucket][m.offset: m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape))
-                 for m in handle.metas]
+        named = [
+            (m.name, buffers[m.bucket][m.offset : m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape))
+            for m in handle.metas
+        ]
         return handle.version, named
     raise ValueError(f"load_format={load_format!r}: expected 'safetensors' or 'slime_weight_handle'")
+
 
 def disk_files(model_path: str, weights_dir: str | None) -> list[Path]:
     """The ``*.safetensors`` of ``model_path``, which must lie under ``weights_dir`` (--weights-dir,
     a realpath; None: disk updates are off), symlinks resolved."""
     root = weights_dir
     if root is None:
-        raise PermissionError("update_weights_from_disk is off: start the server with --weights-dir DIR "
-                              "(it then loads only directories under DIR)")
+        raise PermissionError(
+            "update_weights_from_disk is off: start the server with --weights-dir DIR "
+            "(it then loads only directories under DIR)"
+        )
     directory = os.path.realpath(model_path)
     if not _within(directory, root):
         raise PermissionError(f"model_path {model_path[:300]!r} is not under the server's --weights-dir")

@@ -105,9 +105,12 @@ def guard_policy(token: str | None, host: str, max_tensor_body_mb: float = DEFAU
     in front of it forwards its own key anyway) and ``/health`` (liveness only: routers probe it
     without a key). ``GET /flush_cache`` is state-changing."""
     return GuardPolicy(
-        token=token, bind_host=host, max_body_bytes=MAX_BODY_BYTES,
+        token=token,
+        bind_host=host,
+        max_body_bytes=MAX_BODY_BYTES,
         large_body_paths={"/update_weights_from_tensor": int(max_tensor_body_mb * 2**20)},
-        open_posts=frozenset({"/generate"}), open_paths=frozenset({"/health"}),
+        open_posts=frozenset({"/generate"}),
+        open_paths=frozenset({"/health"}),
         state_changing_gets=frozenset({"/flush_cache"}),
     )
 
@@ -151,16 +154,25 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
         """SGLang's input_token_logprobs from position ``start``: [logprob, token_id, None] per
         input token given the tokens before it (None for the very first token)."""
         first = max(start, 1)
-        lps = await server.call(lambda: server.engine.score_logprobs(ids[:first], ids[first:], temperature)) if first < len(ids) else []
+        lps = (
+            await server.call(lambda: server.engine.score_logprobs(ids[:first], ids[first:], temperature))
+            if first < len(ids)
+            else []
+        )
         head = [[None, ids[0], None]] if start == 0 and ids else []
         return head + [[lp, t, None] for lp, t in zip(lps, ids[first:])]
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(obj: GenerateReqInput):
         try:
-            jobs, batched = generate_jobs(obj, vocab_size=server.engine.vocab_size, max_seq_len=server.engine.max_seq_len,
-                                          eos_token_ids=server.eos_token_ids, tokenizer=server.tokenizer,
-                                          max_batch_size=server.settings.max_batch_size)
+            jobs, batched = generate_jobs(
+                obj,
+                vocab_size=server.engine.vocab_size,
+                max_seq_len=server.engine.max_seq_len,
+                eos_token_ids=server.eos_token_ids,
+                tokenizer=server.tokenizer,
+                max_batch_size=server.settings.max_batch_size,
+            )
             streams = await start(jobs)
         except ValueError as e:
             return error(str(e))
@@ -174,7 +186,9 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
                 for out, job in zip(outs, jobs):
                     if job.return_logprob:
                         temperature = job.params.temperature
-                        out["meta_info"]["input_token_logprobs"] = await input_logprobs(job.input_ids, obj.logprob_start_len, temperature)
+                        out["meta_info"]["input_token_logprobs"] = await input_logprobs(
+                            job.input_ids, obj.logprob_start_len, temperature
+                        )
             return outs if batched else outs[0]
 
         stream = streams[0]
@@ -258,8 +272,11 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
         try:
             version = parse_weight_version(obj.weight_version)
             handle_version, named = tensors_from_payload(
-                obj.serialized_named_tensors[0], obj.load_format, tensor_shapes=server.tensor_shapes,
-                device=server.engine.device, shm_segments=server.shm_segments,
+                obj.serialized_named_tensors[0],
+                obj.load_format,
+                tensor_shapes=server.tensor_shapes,
+                device=server.engine.device,
+                shm_segments=server.shm_segments,
             )
             version = handle_version if version is None else version
             if obj.abort_all_requests:
@@ -281,8 +298,10 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
 
         hosts = server.settings.update_group_hosts
         if obj.master_address not in hosts:
-            return refuse(f"master_address {obj.master_address!r} is not one this server accepts "
-                          f"(--update-group-hosts: {sorted(hosts)})")
+            return refuse(
+                f"master_address {obj.master_address!r} is not one this server accepts "
+                f"(--update-group-hosts: {sorted(hosts)})"
+            )
         if obj.backend == "nccl" and server.engine.device.type != "cuda":
             return refuse("backend=nccl needs the engine on CUDA; use gloo")
         if obj.group_name not in server.groups and len(server.groups) >= MAX_UPDATE_GROUPS:
@@ -291,9 +310,16 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
             return refuse("another weight-update group is being joined; retry once it is done", 409)
         async with server.group_joining:
             try:  # a rendezvous: blocks until the sender (rank 0) and every engine rank have joined
-                group = await asyncio.to_thread(join_update_group, obj.master_address, obj.master_port, obj.rank_offset,
-                                                obj.world_size, obj.group_name, obj.backend,
-                                                server.settings.update_group_timeout_s)
+                group = await asyncio.to_thread(
+                    join_update_group,
+                    obj.master_address,
+                    obj.master_port,
+                    obj.rank_offset,
+                    obj.world_size,
+                    obj.group_name,
+                    obj.backend,
+                    server.settings.update_group_timeout_s,
+                )
             except Exception as e:
                 return refuse(f"Failed to initialize the group: {e}")
         server.groups[obj.group_name] = (group, obj.backend)
@@ -303,8 +329,13 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
     async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqInput):
         entry = server.groups.get(obj.group_name)
         if entry is None:
-            return JSONResponse({"success": False, "message": f"no weight-update group {obj.group_name[:64]!r}; "
-                                 "call /init_weights_update_group first"}, 400)
+            return JSONResponse(
+                {
+                    "success": False,
+                    "message": f"no weight-update group {obj.group_name[:64]!r}; call /init_weights_update_group first",
+                },
+                400,
+            )
         try:
             if not (len(obj.names) == len(obj.dtypes) == len(obj.shapes)):
                 raise ValueError("names, dtypes and shapes must have the same length")
@@ -407,18 +438,28 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
     async def get_load():
         """SGLang's shape, one entry per data-parallel rank: sglang-router's ``power_of_two``
         policy sums ``num_tokens`` over them."""
+
         def load() -> dict:
             streams = list(server.streams.values())
-            return {"num_reqs": server.engine.num_running(), "num_waiting_reqs": server.engine.num_waiting(),
-                    "num_tokens": sum(s.prompt_len + len(s.token_ids) for s in streams)}
+            return {
+                "num_reqs": server.engine.num_running(),
+                "num_waiting_reqs": server.engine.num_waiting(),
+                "num_tokens": sum(s.prompt_len + len(s.token_ids) for s in streams),
+            }
 
         return [{"dp_rank": 0, **await server.call(load)}]
 
     return app
 
 
-def build_server(model_dir: str, device: str = "cpu", dtype: str = "float32", max_running_requests: int = 64,
-                 seed: int = 0, settings: ServerSettings = ServerSettings()) -> SglangProtocolServer:
+def build_server(
+    model_dir: str,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_running_requests: int = 64,
+    seed: int = 0,
+    settings: ServerSettings = ServerSettings(),
+) -> SglangProtocolServer:
     model = load_model(model_dir, dtype, device)
     tokenizer, eos = None, []
     try:
@@ -431,24 +472,41 @@ def build_server(model_dir: str, device: str = "cpu", dtype: str = "float32", ma
     return SglangProtocolServer(engine, model_dir, tokenizer, eos, settings)
 
 
-def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", dtype: str = "float32",
-          max_running_requests: int = 64, seed: int = 0, torch_threads: int | None = None, *, token: str | None = None,
-          settings: ServerSettings = ServerSettings(), max_tensor_body_mb: float = DEFAULT_TENSOR_BODY_MB) -> None:
+def serve(
+    model_dir: str,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_running_requests: int = 64,
+    seed: int = 0,
+    torch_threads: int | None = None,
+    *,
+    token: str | None = None,
+    settings: ServerSettings = ServerSettings(),
+    max_tensor_body_mb: float = DEFAULT_TENSOR_BODY_MB,
+) -> None:
     check_bind(host, token, "slime serve-sglang")  # before the model loads: refuse at once
     if torch_threads:
         torch.set_num_threads(torch_threads)
     server = build_server(model_dir, device, dtype, max_running_requests, seed, settings)
     try:
         # A bounded graceful shutdown: SIGTERM never waits on a stream for long.
-        uvicorn.run(create_app(server, guard_policy(token, host, max_tensor_body_mb)), host=host, port=port,
-                    log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(
+            create_app(server, guard_policy(token, host, max_tensor_body_mb)),
+            host=host,
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
     finally:
         server.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="slime serve-sglang", description="Serve the built-in engine over SGLang's native HTTP API.",
+        prog="slime serve-sglang",
+        description="Serve the built-in engine over SGLang's native HTTP API.",
         allow_abbrev=False,  # `--token SECRET` must not pass for --token-file (and echo the secret as a path)
         epilog="The token comes from the environment variable SLIME_API_TOKEN or --token-file (never argv).",
     )
@@ -458,18 +516,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="waiting requests beyond the running ones; more answer 503 (default 4 x --max-running-requests)")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="waiting requests beyond the running ones; more answer 503 (default 4 x --max-running-requests)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--token-file", default=None, help="a file holding the token (else SLIME_API_TOKEN)")
-    p.add_argument("--weights-dir", default=None,
-                   help="/update_weights_from_disk loads only directories under this one (unset: the route is off)")
-    p.add_argument("--update-group-hosts", default=",".join(LOOPBACK_GROUP_HOSTS),
-                   help="comma-separated master_address values /init_weights_update_group may connect to")
+    p.add_argument(
+        "--weights-dir",
+        default=None,
+        help="/update_weights_from_disk loads only directories under this one (unset: the route is off)",
+    )
+    p.add_argument(
+        "--update-group-hosts",
+        default=",".join(LOOPBACK_GROUP_HOSTS),
+        help="comma-separated master_address values /init_weights_update_group may connect to",
+    )
     p.add_argument("--update-group-timeout-s", type=float, default=60.0)
-    p.add_argument("--max-tensor-body-mb", type=float, default=DEFAULT_TENSOR_BODY_MB,
-                   help="body limit of /update_weights_from_tensor (inline safetensors)")
+    p.add_argument(
+        "--max-tensor-body-mb",
+        type=float,
+        default=DEFAULT_TENSOR_BODY_MB,
+        help="body limit of /update_weights_from_tensor (inline safetensors)",
+    )
     a = p.parse_args(argv)
     try:
         token = read_token(a.token_file)
@@ -483,8 +555,19 @@ def main(argv: list[str] | None = None) -> None:
         max_queued_requests=a.max_queued_requests if a.max_queued_requests is not None else 4 * a.max_running_requests,
         max_batch_size=4 * a.max_running_requests,
     )
-    serve(a.model, a.host, a.port, a.device, a.dtype, a.max_running_requests, a.seed, a.torch_threads, token=token,
-          settings=settings, max_tensor_body_mb=a.max_tensor_body_mb)
+    serve(
+        a.model,
+        a.host,
+        a.port,
+        a.device,
+        a.dtype,
+        a.max_running_requests,
+        a.seed,
+        a.torch_threads,
+        token=token,
+        settings=settings,
+        max_tensor_body_mb=a.max_tensor_body_mb,
+    )
 
 
 if __name__ == "__main__":

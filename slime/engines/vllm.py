@@ -71,7 +71,9 @@ def to_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> It
         m = _FUSED_GATE_UP.match(name)
         if m and t.dim() == 3:
             if t.shape[1] % 2:
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}; expected [experts, 2*inter, hidden]")
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(t.shape)}; expected [experts, 2*inter, hidden]"
+                )
             gate, up = t.chunk(2, dim=1)
             for e in range(t.shape[0]):
                 yield f"{m.group(1)}.{e}.gate_proj.weight", gate[e]
@@ -165,7 +167,8 @@ class VllmEngine:
         if self.tied_embeddings:
             log.warning(
                 "%s has tied input/output embeddings: vLLM's in-place weight reload leaves the output head "
-                "stale; keep weights.check_every > 0 so the probe check stops the job", model_dir
+                "stale; keep weights.check_every > 0 so the probe check stops the job",
+                model_dir,
             )
         self._prefix_caching = enable_prefix_caching
         self._version = int(version)
@@ -177,8 +180,9 @@ class VllmEngine:
         self._steps = 0
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, model_dir: str, index: int, version: int, *,
-                    api_token: str | None = None) -> VllmEngine:
+    def from_config(
+        cls, cfg: JobConfig, model_dir: str, index: int, version: int, *, api_token: str | None = None
+    ) -> VllmEngine:
         """Rollout worker ``index``'s engine on ``model_dir`` (options under ``vllm``). ``api_token``
         is unused: the engine core runs in the worker's process."""
         v = cfg.vllm
@@ -292,12 +296,16 @@ class VllmEngine:
         ``version``. Called between steps, so running requests keep their KV cache and continue.
         An unknown name raises ValueError and the version is NOT bumped."""
         try:
-            self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": to_checkpoint_names(named_tensors)})
+            self._engine.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": to_checkpoint_names(named_tensors)}
+            )
         except (KeyError, ValueError, AttributeError) as e:
             raise ValueError(f"update_weights: vLLM could not load the tensors: {e}") from e
         self._engine.collective_rpc(_repack_cpu_moe_experts)
         if self._prefix_caching and not self._engine.reset_prefix_cache():
-            log.warning("vLLM prefix cache not reset after the weight update (blocks in use); cached prefixes are stale")
+            log.warning(
+                "vLLM prefix cache not reset after the weight update (blocks in use); cached prefixes are stale"
+            )
         self._version = int(version)
 
     def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
@@ -316,8 +324,11 @@ class VllmEngine:
         self._probe_count += 1
         probe_id = f"__slime_probe_{self._probe_count}"
         params = VllmSamplingParams(
-            temperature=0.0, max_tokens=1, prompt_logprobs=-1 if whole else 0,
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+            temperature=0.0,
+            max_tokens=1,
+            prompt_logprobs=-1 if whole else 0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            detokenize=False,
         )
         self._engine.add_request(probe_id, TokensPrompt(prompt_token_ids=ids), params)
         result = None
@@ -334,7 +345,9 @@ class VllmEngine:
                 scores.append(float(entry[token].logprob))
                 continue
             if len(entry) < self.vocab_size:
-                raise RuntimeError(f"score_logprobs: vLLM returned {len(entry)} prompt logprobs, expected {self.vocab_size}")
+                raise RuntimeError(
+                    f"score_logprobs: vLLM returned {len(entry)} prompt logprobs, expected {self.vocab_size}"
+                )
             vocab = torch.tensor(sorted(entry), dtype=torch.long)
             logp = torch.tensor([entry[i].logprob for i in vocab.tolist()], dtype=torch.float64)
             logp = torch.log_softmax(logp / t, -1)

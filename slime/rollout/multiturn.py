@@ -65,9 +65,7 @@ def read_layout(sample: Sample, stop_ids: set[int], max_turn_tokens: int) -> Tur
     if not runs or runs[-1][0] == 0:
         return TurnLayout(model_runs, None, False)
     s, e = model_runs[-1]
-    finished = (
-        int(sample.response_ids[e - 1]) in stop_ids or e - s >= max_turn_tokens or sample.remaining_tokens == 0
-    )
+    finished = int(sample.response_ids[e - 1]) in stop_ids or e - s >= max_turn_tokens or sample.remaining_tokens == 0
     return TurnLayout(model_runs[:-1], (s, e), finished)
 
 
@@ -171,12 +169,16 @@ class MultiTurnRollout:
                 if now - ep.job_started_at <= self.cfg.step_timeout_s:
                     continue
                 # The thread cannot be killed; its late result is ignored.
-                outcome = _EnvOutcome([], ep.end(Status.FAILED, f"env call exceeded env.step_timeout_s={self.cfg.step_timeout_s}"))
+                outcome = _EnvOutcome(
+                    [], ep.end(Status.FAILED, f"env call exceeded env.step_timeout_s={self.cfg.step_timeout_s}")
+                )
             else:
                 try:
                     outcome = ep.job.result()
                 except Exception as exc:
-                    outcome = _EnvOutcome([], ep.end(Status.FAILED, f"env {self.cfg.plugin} raised {type(exc).__name__}: {exc}"))
+                    outcome = _EnvOutcome(
+                        [], ep.end(Status.FAILED, f"env {self.cfg.plugin} raised {type(exc).__name__}: {exc}")
+                    )
             ep.job = None
             if outcome.observation_ids:
                 ids = outcome.observation_ids

@@ -54,28 +54,49 @@ class _SentChunks:
 
     __slots__ = ("sent", "finished", "replies")
 
-    def __init__(self, sent: list[tuple[_Pending, list[int], list[float], list[int]]],
-                 finished: list[tuple[_Pending, str | None]], replies: PendingReplies):
+    def __init__(
+        self,
+        sent: list[tuple[_Pending, list[int], list[float], list[int]]],
+        finished: list[tuple[_Pending, str | None]],
+        replies: PendingReplies,
+    ):
         self.sent, self.finished, self.replies = sent, finished, replies
 
 
 class RolloutWorker:
-    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, worker_id: str, index: int = 0,
-                 credentials: JobCredentials | None = None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        model_dir: str,
+        redis_url: str,
+        worker_id: str,
+        index: int = 0,
+        credentials: JobCredentials | None = None,
+    ):
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
         self.worker_id = worker_id
         self.tokenizer = load_tokenizer(model_dir)
-        connection = JobConnection(redis_url, cfg.job_name, password=credentials.redis_password if credentials else None)
+        connection = JobConnection(
+            redis_url, cfg.job_name, password=credentials.redis_password if credentials else None
+        )
         self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
         self.telemetry = JobTelemetry(connection)  # expert load; one Redis connection per process
-        self.engine = make_engine(cfg, model_dir, index, self.buffer.get_policy_version(),
-                                  api_token=credentials.token("sglang") if credentials else None)
+        self.engine = make_engine(
+            cfg,
+            model_dir,
+            index,
+            self.buffer.get_policy_version(),
+            api_token=credentials.token("sglang") if credentials else None,
+        )
         model = getattr(self.engine, "model", None)  # the built-in engine's torch model: per-expert load
         self.expert_load = ExpertLoadRecorder.attach(model if isinstance(model, torch.nn.Module) else None)
         r = cfg.rollout
         self.params = SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
             stop_token_ids=[] if r.ignore_eos else stop_token_ids(self.tokenizer, r.stop),
         )
         self.rewards = make_reward_service(cfg.reward, cfg.job_name)
@@ -83,9 +104,11 @@ class RolloutWorker:
         self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
         # Multi-turn episodes (env.plugin set): slime/rollout/multiturn.py owns the turn state machine.
         self.multiturn = (
-            MultiTurnRollout(cfg.env, self.tokenizer, self.params, self.buffer, worker_id,
-                             getattr(self.engine, "max_seq_len", None))
-            if cfg.env.plugin else None
+            MultiTurnRollout(
+                cfg.env, self.tokenizer, self.params, self.buffer, worker_id, getattr(self.engine, "max_seq_len", None)
+            )
+            if cfg.env.plugin
+            else None
         )
         kind = cfg.weights.transport
         if kind == "auto":
@@ -196,7 +219,9 @@ class RolloutWorker:
             sample.versions, sample.loss_mask = sample.versions[:0], sample.loss_mask[:0]
             return True
         self.buffer.finish(
-            sample.id, self.worker_id, Status.FAILED,
+            sample.id,
+            self.worker_id,
+            Status.FAILED,
             failure=f"stale partial: oldest token is {lag} policy versions old (april.max_version_span={budget})",
         )
         return False
@@ -318,8 +343,12 @@ class RolloutWorker:
             return
         try:
             self.buffer.finish(
-                sample.id, self.worker_id, end.status, failure=end.reason if end.status == Status.FAILED else None,
-                reward=None if end.status == Status.FAILED else end.env_return, metadata_update=end.metadata(),
+                sample.id,
+                self.worker_id,
+                end.status,
+                failure=end.reason if end.status == Status.FAILED else None,
+                reward=None if end.status == Status.FAILED else end.env_return,
+                metadata_update=end.metadata(),
             )
         except LeaseLostError:
             pass  # requeued meanwhile; the new owner resumes the episode
@@ -337,7 +366,10 @@ class RolloutWorker:
                     raise result
         if self.scored:
             batch = [self.scored.popleft() for _ in range(len(self.scored))]
-            self.unsettled_finishes = (batch, self.buffer.send_finish_many(self.worker_id, [self._finish_of(*item) for item in batch]))
+            self.unsettled_finishes = (
+                batch,
+                self.buffer.send_finish_many(self.worker_id, [self._finish_of(*item) for item in batch]),
+            )
         if wait and self.unsettled_finishes is not None:
             self._finish_scored()
 
@@ -345,16 +377,29 @@ class RolloutWorker:
         meta = {"reward_latency_s": result.latency_s}
         stored = sample.metadata  # as leased (with a multi-turn episode's env_ fields added since)
         if result.failure is not None:
-            return Finish(sample.id, Status.FAILED, failure=result.failure, metadata_update=meta, stored_metadata=stored)
+            return Finish(
+                sample.id, Status.FAILED, failure=result.failure, metadata_update=meta, stored_metadata=stored
+            )
         if result.info:
             meta["reward_info"] = result.info
         try:
             token_rewards = self._step_rewards_on_tokens(sample, result.steps)
         except Exception as exc:
-            return Finish(sample.id, Status.FAILED, metadata_update=meta, stored_metadata=stored,
-                          failure=f"placing per-step rewards on tokens failed: {type(exc).__name__}: {exc}")
-        return Finish(sample.id, status, reward=result.reward, token_rewards=token_rewards, metadata_update=meta,
-                      stored_metadata=stored)
+            return Finish(
+                sample.id,
+                Status.FAILED,
+                metadata_update=meta,
+                stored_metadata=stored,
+                failure=f"placing per-step rewards on tokens failed: {type(exc).__name__}: {exc}",
+            )
+        return Finish(
+            sample.id,
+            status,
+            reward=result.reward,
+            token_rewards=token_rewards,
+            metadata_update=meta,
+            stored_metadata=stored,
+        )
 
     def _step_rewards_on_tokens(self, sample: Sample, steps: StepScores | None) -> np.ndarray | None:
         """Per-step rewards (a PRM's) on the token holding each step's last character of the
@@ -366,7 +411,9 @@ class RolloutWorker:
             ids = ids[:-1]  # _finalize scored the text without it
         if not ids:
             return None
-        return place_step_rewards(sample.response_length, step_end_tokens_of_ids(self.tokenizer, ids, steps.ends), steps.scores)
+        return place_step_rewards(
+            sample.response_length, step_end_tokens_of_ids(self.tokenizer, ids, steps.ends), steps.scores
+        )
 
     # ---- control (called by the driver) -------------------------------------------------------
     def update_weights(self, handle: WeightHandle) -> float:
