@@ -150,20 +150,22 @@ class TrajectoryStore:
     ) -> int:
         """Append one chunk to the four per-token arrays and refresh the lease. Returns the new length."""
         tokens, lps, versions, mask = normalize_chunk(token_ids, logprobs, version, loss_mask)
-        code, detail = self._append(
-            args=[
-                self.prefix,
-                sample_id,
-                worker_id,
-                self.lease_seconds,
-                tokens.astype(WIRE_TOKEN).tobytes(),
-                lps.astype(WIRE_LOGPROB).tobytes(),
-                versions.astype(WIRE_VERSION).tobytes(),
-                mask.astype(WIRE_MASK).tobytes(),
-            ]
-        )
+        code, detail = self._append(args=self._append_args(sample_id, worker_id, tokens, lps, versions, mask))
         self._raise_for(code, detail, sample_id, worker_id)
         return int(detail)
+
+    def _append_args(self, sample_id: str, worker_id: str, tokens, lps, versions, mask) -> list:
+        """The append script's arguments: the four per-token arrays in their wire dtypes."""
+        return [
+            self.prefix,
+            sample_id,
+            worker_id,
+            self.lease_seconds,
+            tokens.astype(WIRE_TOKEN).tobytes(),
+            lps.astype(WIRE_LOGPROB).tobytes(),
+            versions.astype(WIRE_VERSION).tobytes(),
+            mask.astype(WIRE_MASK).tobytes(),
+        ]
 
     def append_chunks(
         self, worker_id: str, chunks: Sequence[tuple[str, Sequence[int], Sequence[float], Sequence[int]]]
@@ -180,18 +182,7 @@ class TrajectoryStore:
         calls = []
         for sample_id, token_ids, logprobs, versions in chunks:
             tokens, lps, vers, mask = normalize_chunk(token_ids, logprobs, versions, 1)
-            calls.append(
-                [
-                    self.prefix,
-                    sample_id,
-                    worker_id,
-                    self.lease_seconds,
-                    tokens.astype(WIRE_TOKEN).tobytes(),
-                    lps.astype(WIRE_LOGPROB).tobytes(),
-                    vers.astype(WIRE_VERSION).tobytes(),
-                    mask.astype(WIRE_MASK).tobytes(),
-                ]
-            )
+            calls.append(self._append_args(sample_id, worker_id, tokens, lps, vers, mask))
         return PendingReplies(self, self._append, calls, int)
 
     def renew_leases(self, worker_id: str, sample_ids: Sequence[str]) -> list[str]:
