@@ -125,12 +125,24 @@ class AprilConfig(_Strict):
     oversample_groups: int | None = Field(
         None, gt=0, description="Absolute number of groups in flight; overrides oversample."
     )
-    off_policy: Literal["none", "mask_stale", "tis"] = Field(
+    off_policy: Literal[
+        "none", "mask_stale", "tis", "mis_token", "mis_seq", "decoupled", "icepop", "geo_reject", "m2po", "opsm"
+    ] = Field(
         "tis",
-        description="Tokens of resumed partials made by older policies: train as is, mask them from the "
-        "loss, or weight them by truncated importance sampling min(pi_old/pi_behaviour, tis_cap).",
+        description="Correction for tokens an older or different policy sampled (APRIL partials, async "
+        "staleness, train-inference mismatch); one file each in slime/algorithms/corrections/.",
     )
-    tis_cap: float = Field(2.0, gt=0)
+    tis_cap: float = Field(
+        2.0, gt=0, description="c: tis truncates at c, mis_* mask outside [1/c, c], decoupled masks above c."
+    )
+    icepop_band: tuple[float, float] = Field((0.5, 5.0), description="IcePop [alpha, beta] for pi_old/mu.")
+    geo_band: tuple[float, float] = Field(
+        (0.8, 1.25), description="geo_reject: keep a sequence whose geometric-mean ratio is inside."
+    )
+    m2po_threshold: float = Field(0.04, gt=0, description="M2PO: the batch mean of (log ratio)^2 after masking.")
+    opsm_delta: float = Field(
+        0.1, ge=0, description="OPSM: drop negative-advantage sequences with KL(mu||pi_old) above this."
+    )
     max_version_span: int | None = Field(
         None, ge=0, description="Staleness budget: most versions a partial's oldest token may lag the policy."
     )

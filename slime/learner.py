@@ -17,6 +17,8 @@ from transformers import AutoModel
 from slime.algorithms import make_algorithm
 from slime.algorithms.batch import Batch, Forward, UpdateTensors, collate
 from slime.algorithms.core import entropy_from_logits, masked_mean, off_policy_mask, stale_tokens
+from slime.algorithms.corrections import CorrectionInputs
+from slime.algorithms.mismatch import MismatchMeter
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.buffer import TrajectoryStore
 from slime.config import JobConfig
@@ -194,11 +196,20 @@ class Learner:
         batch.mask = off_policy_mask(batch.mask, stale, self.cfg.april.off_policy)
         with torch.no_grad():
             fixed = self._prepare(batch, kl_coef, unfinished)
+        correction = self.algorithm.correction
+        correction_stats: dict[str, float] = {}
+        if correction.batch_level:  # its weights depend on the whole batch: computed once, here
+            assert fixed.old_logp is not None  # _prepare recomputes π_old for batch-level corrections
+            applied = correction(CorrectionInputs(fixed.old_logp, batch.behaviour_logp, batch.mask, fixed.advantages))
+            fixed.is_weights, correction_stats = applied.weights, applied.stats
         # The metrics report the clip range this update used (adaptive clip moves it afterwards).
         clip_low, clip_high = self.clip.clip_low, self.clip.clip_high
-        stats, grad_norms, critic_grad_norms = self._optimize(batch, fixed, kl_coef, clip_low, clip_high)
+        stats, grad_norms, critic_grad_norms, mismatch = self._optimize(batch, fixed, kl_coef, clip_low, clip_high)
 
-        out = {k: float(np.mean(v)) for k, v in stats.items()}
+        # Maxima stay maxima over the micro-batches; everything else is their mean.
+        out = {k: float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in stats.items()}
+        out.update(correction_stats)
+        out.update(mismatch.metrics())
         if self.algo_cfg.adaptive_clip.enabled and "approx_kl" in out:
             self.clip.update(out["approx_kl"])
         out.update(fixed.metrics)
@@ -231,7 +242,7 @@ class Learner:
                     last_values[idx] = self.critic(batch.rows(idx), with_last=True)[1]
                 # V(s_end) where the trajectory goes on; 0 where it ended (a terminal state).
                 bootstrap = torch.where(torch.tensor(unfinished, device=self.device), last_values, 0.0)
-        if lc.recompute_old_logprobs or lc.ppo_epochs * lc.num_minibatches > 1:
+        if lc.recompute_old_logprobs or lc.ppo_epochs * lc.num_minibatches > 1 or self.algorithm.correction.batch_level:
             old_logp = _per_row(batch, mb, lambda sub: response_logprobs(self.policy, sub, self.temperature)[0])
         return self.algorithm.prepare(
             batch,
@@ -244,15 +255,17 @@ class Learner:
 
     def _optimize(
         self, batch: Batch, fixed: UpdateTensors, kl_coef: float, clip_low: float, clip_high: float
-    ) -> tuple[dict[str, list[float]], list[float], list[float]]:
+    ) -> tuple[dict[str, list[float]], list[float], list[float], MismatchMeter]:
         """ppo_epochs x num_minibatches optimizer steps; each minibatch's gradient accumulates over
-        micro-batches. Returns the per-micro-batch loss stats and the per-step gradient norms."""
+        micro-batches. Returns the per-micro-batch loss stats, the per-step gradient norms and the
+        engine-vs-learner mismatch of the trained tokens (measured against π_old)."""
         lc = self.cfg.learner
+        mismatch = MismatchMeter()
         with_aux = self.is_moe and self.algo_cfg.router_aux_coef > 0
         stats: dict[str, list[float]] = {}
         grad_norms: list[float] = []
         critic_grad_norms: list[float] = []
-        for _epoch in range(lc.ppo_epochs):
+        for epoch in range(lc.ppo_epochs):
             order = torch.randperm(batch.mask.shape[0], device=self.device)
             for mini in order.chunk(lc.num_minibatches):
                 self.optim.zero_grad(set_to_none=True)
@@ -288,6 +301,9 @@ class Learner:
                     st["behaviour_logp_abs_diff"] = masked_mean(
                         (logp.detach() - sub.behaviour_logp).abs(), sub.mask
                     ).item()
+                    if epoch == 0:  # each row once, against π_old
+                        old = fixed.old_logp[part, : sub.mask.shape[1]] if fixed.old_logp is not None else logp
+                        mismatch.add(old.detach(), sub.behaviour_logp, sub.mask, sub.versions, self.version)
                     for k, v in st.items():
                         stats.setdefault(k, []).append(v)
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), lc.grad_clip)))
@@ -297,7 +313,7 @@ class Learner:
                         float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), lc.grad_clip))
                     )
                     self.critic_optim.step()
-        return stats, grad_norms, critic_grad_norms
+        return stats, grad_norms, critic_grad_norms, mismatch
 
     def _batch_metrics(self, samples: list[Sample], batch: Batch, stale: torch.Tensor) -> dict:
         """What was trained on: rewards, lengths, tokens, staleness."""

@@ -10,9 +10,9 @@ import torch
 
 from slime.algorithms import ALGORITHMS, make_algorithm
 from slime.algorithms.batch import Batch, Forward, UpdateTensors, collate
+from slime.algorithms.corrections import Correction, CorrectionInputs, make_correction
 from slime.algorithms.core import (
     aggregate_loss,
-    behaviour_is_weights,
     entropy_from_logits,
     masked_mean,
     masked_whiten,
@@ -27,6 +27,10 @@ from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.config import AdaptiveClip as AdaptiveClipConfig
 from slime.config import AlgorithmConfig, StagedKL, load_config
 from slime.sample import Sample, Status
+
+
+def _correction(mode: str, cap: float) -> Correction:
+    return make_correction(load_config(None, [f"april.off_policy={mode}", f"april.tis_cap={cap}"]).april)
 
 
 def t(rows) -> torch.Tensor:
@@ -162,14 +166,17 @@ def test_policy_loss_is_weights_scale_tokens() -> None:
     assert loss.item() == pytest.approx((-1.0 * 0.5 - 2.0 * 1.0) / 2)
 
 
-def test_behaviour_is_weights_are_truncated_above() -> None:
+def test_tis_weights_are_truncated_above() -> None:
     # pi_old / mu per token: 0.25, 0.8, 1.0, 1.5, 3.0; cap 2
     w = torch.tensor([[0.25, 0.8, 1.0, 1.5, 3.0]])
     behaviour = torch.log(torch.tensor([[0.4, 0.5, 0.2, 0.2, 0.1]]))
     old = behaviour + torch.log(w)
-    assert behaviour_is_weights(old, behaviour, "tis", 2.0).tolist()[0] == pytest.approx([0.25, 0.8, 1.0, 1.5, 2.0])
-    assert behaviour_is_weights(old, behaviour, "none", 2.0) is None
-    assert behaviour_is_weights(old, behaviour, "mask_stale", 2.0) is None
+    x = CorrectionInputs(old, behaviour, torch.ones(1, 5), torch.zeros(1, 5))
+    out = make_correction(load_config(None, ["april.off_policy=tis"]).april)(x)
+    assert out.weights.tolist()[0] == pytest.approx([0.25, 0.8, 1.0, 1.5, 2.0])
+    assert out.stats["offpolicy_clipped_share"] == pytest.approx(1 / 5)
+    for mode in ("none", "mask_stale"):
+        assert make_correction(load_config(None, [f"april.off_policy={mode}"]).april)(x).weights is None
 
 
 def test_aggregation_modes_on_ragged_mask() -> None:
@@ -297,11 +304,11 @@ def test_grpo_prepare_by_hand() -> None:
     batch = _batch(
         [(1.0, [-1.0, -1.0]), (0.0, [-1.0]), (None, [-1.0, -1.0]), (2.0, [-1.0]), (2.0, [-1.0])], [0, 0, 0, 1, 1]
     )
-    grpo = GRPO(AlgorithmConfig(grpo_std_normalize=False), "none", 2.0)
+    grpo = GRPO(AlgorithmConfig(grpo_std_normalize=False), _correction("none", 2.0))
     fixed = grpo.prepare(batch, kl_coef=0.0, old_logp=None, ref_logp=None)
     torch.testing.assert_close(fixed.advantages, torch.tensor([[0.5, 0.5], [-0.5, 0], [0, 0], [0, 0], [0, 0]]))
     assert fixed.returns is None and fixed.metrics == {}
-    fixed = GRPO(AlgorithmConfig(), "none", 2.0).prepare(batch, kl_coef=0.0, old_logp=None, ref_logp=None)
+    fixed = GRPO(AlgorithmConfig(), _correction("none", 2.0)).prepare(batch, kl_coef=0.0, old_logp=None, ref_logp=None)
     assert fixed.advantages[0, 0].item() == pytest.approx(0.5 / (0.5 + 1e-6))  # population std of (1, 0) is 0.5
 
 
@@ -317,7 +324,7 @@ def test_ppo_prepare_by_hand() -> None:
     cfg = AlgorithmConfig(
         name="ppo", gamma=1.0, lam=1.0, normalize_advantages=False, kl_mode="reward", kl_estimator="k1"
     )
-    fixed = PPO(cfg, "none", 2.0).prepare(
+    fixed = PPO(cfg, _correction("none", 2.0)).prepare(
         batch,
         kl_coef=0.2,
         old_logp=None,
@@ -332,7 +339,7 @@ def test_ppo_prepare_by_hand() -> None:
     torch.testing.assert_close(fixed.returns, fixed.advantages + values)
     assert fixed.metrics["advantage_mean"] == pytest.approx(4.0 / 6)
     assert fixed.metrics["return_mean"] == pytest.approx((4.0 + 1.2) / 6)
-    whitened = PPO(cfg.model_copy(update={"normalize_advantages": True}), "none", 2.0).prepare(
+    whitened = PPO(cfg.model_copy(update={"normalize_advantages": True}), _correction("none", 2.0)).prepare(
         batch,
         kl_coef=0.2,
         old_logp=None,
@@ -349,12 +356,12 @@ def test_grpo_loss_by_hand_with_tis_and_kl() -> None:
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     fixed = UpdateTensors(advantages=torch.tensor([[1.0, 1.0]]), ref_logp=torch.tensor([[-1.0, -2.5]]))
     w = [min(math.exp(0.5), 1.5), math.exp(-0.5)]
-    grpo = GRPO(AlgorithmConfig(kl_estimator="k1"), "tis", 1.5)
+    grpo = GRPO(AlgorithmConfig(kl_estimator="k1"), _correction("tis", 1.5))
     loss, stats = grpo.loss(batch, fixed, Forward(logp, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0.1)
     assert stats["pg_loss"] == pytest.approx(-(w[0] + w[1]) / 2, rel=1e-6)
     assert stats["kl"] == pytest.approx(0.25) and loss.item() == pytest.approx(-(w[0] + w[1]) / 2 + 0.1 * 0.25)
     # kl_mode="reward": GRPO has no per-token reward to shape, so no KL term at all
-    reward_kl = GRPO(AlgorithmConfig(kl_mode="reward"), "none", 1.5)
+    reward_kl = GRPO(AlgorithmConfig(kl_mode="reward"), _correction("none", 1.5))
     _, stats = reward_kl.loss(batch, fixed, Forward(logp, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0.1)
     assert "kl" not in stats and stats["pg_loss"] == pytest.approx(-1.0)
 
@@ -366,7 +373,7 @@ def test_ppo_loss_by_hand() -> None:
         advantages=torch.tensor([[1.0, 1.0]]), returns=torch.tensor([[1.0, 1.0]]), old_values=torch.tensor([[0.5, 0.5]])
     )
     values = torch.tensor([[0.5, 0.5]], requires_grad=True)
-    ppo = PPO(AlgorithmConfig(name="ppo", value_clip=None, vf_coef=0.5), "none", 2.0)
+    ppo = PPO(AlgorithmConfig(name="ppo", value_clip=None, vf_coef=0.5), _correction("none", 2.0))
     out = Forward(torch.tensor([[-1.0, -1.0]], requires_grad=True), None, None, values)
     loss, stats = ppo.loss(batch, fixed, out, clip_low=0.2, clip_high=0.28, kl_coef=0.0)
     assert loss.item() == pytest.approx(-1.0 + 0.5 * 0.125)

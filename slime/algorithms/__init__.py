@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from slime.algorithms.batch import Batch, Forward, UpdateTensors
-from slime.algorithms.core import OffPolicyMode
+from slime.algorithms.corrections import Correction, make_correction
 from slime.algorithms.grpo import GRPO
 from slime.algorithms.ppo import PPO
 from slime.config import AlgorithmConfig, JobConfig
@@ -26,7 +26,7 @@ from slime.config import AlgorithmConfig, JobConfig
 class Algorithm(Protocol):
     needs_critic: bool
 
-    def __init__(self, cfg: AlgorithmConfig, off_policy: OffPolicyMode, tis_cap: float) -> None: ...
+    def __init__(self, cfg: AlgorithmConfig, correction: Correction) -> None: ...
 
     def prepare(
         self,
@@ -49,4 +49,4 @@ ALGORITHMS: dict[str, type[Algorithm]] = {"grpo": GRPO, "ppo": PPO}
 
 def make_algorithm(cfg: JobConfig) -> Algorithm:
     """The algorithm `cfg.algorithm.name` names, with the job's off-policy correction."""
-    return ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.april.off_policy, cfg.april.tis_cap)
+    return ALGORITHMS[cfg.algorithm.name](cfg.algorithm, make_correction(cfg.april))

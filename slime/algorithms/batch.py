@@ -118,6 +118,8 @@ class UpdateTensors:
     ref_logp: torch.Tensor | None = None  # log π_ref(a_t|s_t); None: no KL term this step
     returns: torch.Tensor | None = None  # R_t, the critic's regression target
     old_values: torch.Tensor | None = None  # V_old(s_t), the centre of the value clip
+    # w_t of a batch-level off-policy correction, computed once per update; None: per micro-batch
+    is_weights: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     def rows(self, idx: torch.Tensor, t_len: int) -> UpdateTensors:

@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 AggMode = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
-OffPolicyMode = Literal["none", "mask_stale", "tis"]
+OffPolicyMode = str  # AprilConfig.off_policy; only "mask_stale" changes the loss mask here
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -110,16 +110,6 @@ def policy_loss(
             "ratio_max": _masked_max(ratio, mask),
         }
     return loss, stats
-
-
-def behaviour_is_weights(
-    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mode: OffPolicyMode, cap: float
-) -> torch.Tensor | None:
-    """Truncated importance weights of tokens the engine's (possibly older) policy μ sampled:
-    min(π_old(a_t|s_t) / μ(a_t|s_t), cap) for mode "tis"; None (no weights) for "none" and "mask_stale"."""
-    if mode != "tis":
-        return None
-    return torch.exp(old_logp - behaviour_logp).clamp(max=cap)
 
 
 def stale_tokens(versions: torch.Tensor, mask: torch.Tensor, policy_version: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ The loss per token is PPO's clipped surrogate on Â_{i,t}, with the regularisers
   r_t(θ) = π_θ(a_t|s_t) / π_old(a_t|s_t)
   L(θ) = −min(r_t Â_t, clip(r_t, 1 − ε_low, 1 + ε_high) Â_t) · w_t − c_H·H(π_θ) + β·KL(π_θ ‖ π_ref)
 
-w_t are the truncated IS weights vs the behaviour policy (april.off_policy=tis, else 1). The KL to
-π_ref is a loss term only: GRPO has no per-token reward to shape, so kl_mode="reward" adds none.
+w_t are the off-policy correction's weights vs the behaviour policy (april.off_policy; see
+slime/algorithms/corrections/). The KL to π_ref is a loss term only: GRPO has no per-token reward to shape, so kl_mode="reward" adds none.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from slime.algorithms.batch import Batch, Forward, UpdateTensors
-from slime.algorithms.core import AggMode, OffPolicyMode, add_regularizers, behaviour_is_weights, policy_loss
+from slime.algorithms.core import AggMode, add_regularizers, policy_loss
+from slime.algorithms.corrections import Correction, correction_weights
 from slime.algorithms.kl import kl_penalty
 from slime.config import AlgorithmConfig
 
@@ -98,10 +99,9 @@ class GRPO:
 
     needs_critic = False
 
-    def __init__(self, cfg: AlgorithmConfig, off_policy: OffPolicyMode, tis_cap: float) -> None:
+    def __init__(self, cfg: AlgorithmConfig, correction: Correction) -> None:
         self.cfg = cfg
-        self.off_policy = off_policy
-        self.tis_cap = tis_cap
+        self.correction = correction
 
     @torch.no_grad()
     def prepare(
@@ -131,10 +131,11 @@ class GRPO:
         cfg = self.cfg
         # One update per batch: π_old is π_θ before its step, i.e. this forward without grad.
         old_logp = fixed.old_logp if fixed.old_logp is not None else out.logp.detach()
+        is_weights, correction_stats = correction_weights(self.correction, batch, fixed, old_logp)
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
             kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)
-        return grpo_loss(
+        loss, stats = grpo_loss(
             logp=out.logp,
             old_logp=old_logp,
             advantages=fixed.advantages,
@@ -149,5 +150,7 @@ class GRPO:
             kl_coef=kl_coef,
             router_aux=out.router_aux,
             router_aux_coef=cfg.router_aux_coef,
-            is_weights=behaviour_is_weights(old_logp, batch.behaviour_logp, self.off_policy, self.tis_cap),
+            is_weights=is_weights,
         )
+        stats.update(correction_stats)
+        return loss, stats

@@ -18,7 +18,8 @@ The loss, per token (Â_t whitened over the batch when normalize_advantages):
             + c_v · ½ max((V_φ − R_t)², (V_old + clip(V_φ − V_old, −ε_v, ε_v) − R_t)²)
             − c_H·H(π_θ) + β·KL(π_θ ‖ π_ref)          (the KL term when kl_mode="loss")
 
-w_t are the truncated IS weights vs the behaviour policy (april.off_policy=tis, else 1).
+w_t are the off-policy correction's weights vs the behaviour policy (april.off_policy; see
+slime/algorithms/corrections/).
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ import torch
 from slime.algorithms.batch import Batch, Forward, UpdateTensors
 from slime.algorithms.core import (
     AggMode,
-    OffPolicyMode,
     add_regularizers,
     aggregate_loss,
-    behaviour_is_weights,
     masked_mean,
     masked_whiten,
     policy_loss,
 )
+from slime.algorithms.corrections import Correction, correction_weights
 from slime.algorithms.kl import kl_penalty
 from slime.config import AlgorithmConfig
 
@@ -180,10 +180,9 @@ class PPO:
 
     needs_critic = True
 
-    def __init__(self, cfg: AlgorithmConfig, off_policy: OffPolicyMode, tis_cap: float) -> None:
+    def __init__(self, cfg: AlgorithmConfig, correction: Correction) -> None:
         self.cfg = cfg
-        self.off_policy = off_policy
-        self.tis_cap = tis_cap
+        self.correction = correction
 
     @torch.no_grad()
     def prepare(
@@ -234,10 +233,11 @@ class PPO:
             raise ValueError("PPO's loss needs the critic's values and the returns from prepare")
         # One update per batch: π_old is π_θ before its step, i.e. this forward without grad.
         old_logp = fixed.old_logp if fixed.old_logp is not None else out.logp.detach()
+        is_weights, correction_stats = correction_weights(self.correction, batch, fixed, old_logp)
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
             kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)
-        return ppo_loss(
+        loss, stats = ppo_loss(
             logp=out.logp,
             old_logp=old_logp,
             advantages=fixed.advantages,
@@ -257,5 +257,7 @@ class PPO:
             kl_coef=kl_coef,
             router_aux=out.router_aux,
             router_aux_coef=cfg.router_aux_coef,
-            is_weights=behaviour_is_weights(old_logp, batch.behaviour_logp, self.off_policy, self.tis_cap),
+            is_weights=is_weights,
         )
+        stats.update(correction_stats)
+        return loss, stats

@@ -1,0 +1,79 @@
+"""Off-policy corrections: how the loss treats tokens an older or a different policy sampled.
+
+Every trained token was sampled by a behaviour policy μ (the engine, possibly several versions
+behind, possibly numerically different from the learner). The surrogate's ratio is taken against
+π_old, the learner's weights before this update (AReaL's proximal policy). A correction turns the
+behaviour ratio
+
+    ρ_t = π_old(a_t|s_t) / μ(a_t|s_t)
+
+into a per-token weight w_t that multiplies the per-token loss (no gradient through w_t). A weight
+of 0 masks the token: it still counts in the loss's normaliser, as in IcePop's and OPSM's
+formulas, so masking many tokens shrinks the step instead of rescaling the rest.
+
+The same correction applies to every source of mismatch: APRIL's resumed partials, async
+staleness and plain train-inference numerics. One file per correction, its formula in its
+docstring; `april.off_policy` picks one:
+
+  none        w = 1                                        (passthrough.py)
+  mask_stale  stale tokens dropped from the loss mask       (passthrough.py)
+  tis         w = min(ρ, c)                                (tis.py)
+  mis_token   w = ρ inside [1/c, c], else 0                (masked_is.py)
+  mis_seq     w = ρ_seq inside [1/c, c], else 0            (masked_is.py)
+  decoupled   w = ρ, tokens with ρ > c masked (AReaL)      (decoupled.py)
+  icepop      w = ρ inside [α, β], else 0                  (icepop.py)
+  geo_reject  whole sequence kept iff geo-mean ρ in band   (geo_reject.py)
+  m2po        mask the largest (log ρ)² until the batch's mean is under τ   (m2po.py)
+  opsm        drop Â<0 tokens of sequences whose KL(μ‖π_old) > δ           (opsm.py)
+
+Each reports offpolicy_ratio_mean / _max (ρ over trainable tokens), offpolicy_masked_share and
+offpolicy_clipped_share (shares of trainable tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime.algorithms.batch import Batch, UpdateTensors
+from slime.algorithms.corrections.base import Correction, CorrectionInputs, CorrectionOutput
+from slime.algorithms.corrections.decoupled import DecoupledPPO
+from slime.algorithms.corrections.geo_reject import GeometricRejection
+from slime.algorithms.corrections.icepop import IcePop
+from slime.algorithms.corrections.m2po import M2PO
+from slime.algorithms.corrections.masked_is import MaskedISSequence, MaskedISToken
+from slime.algorithms.corrections.opsm import OPSM
+from slime.algorithms.corrections.passthrough import MaskStale, NoCorrection
+from slime.algorithms.corrections.tis import TruncatedIS
+from slime.config import AprilConfig
+
+__all__ = ["Correction", "CorrectionInputs", "CorrectionOutput", "correction_weights", "make_correction"]
+
+
+def make_correction(cfg: AprilConfig) -> Correction:
+    """The correction `april.off_policy` names, with its parameters from the same section."""
+    builders = {
+        "none": lambda: NoCorrection(),
+        "mask_stale": lambda: MaskStale(),
+        "tis": lambda: TruncatedIS(cfg.tis_cap),
+        "mis_token": lambda: MaskedISToken(cfg.tis_cap),
+        "mis_seq": lambda: MaskedISSequence(cfg.tis_cap),
+        "decoupled": lambda: DecoupledPPO(cfg.tis_cap),
+        "icepop": lambda: IcePop(*cfg.icepop_band),
+        "geo_reject": lambda: GeometricRejection(*cfg.geo_band),
+        "m2po": lambda: M2PO(cfg.m2po_threshold),
+        "opsm": lambda: OPSM(cfg.opsm_delta),
+    }
+    return builders[cfg.off_policy]()
+
+
+def correction_weights(
+    correction: Correction, batch: Batch, fixed: UpdateTensors, old_logp: torch.Tensor
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """w_t for one micro-batch: the batch-level weights the learner computed for the update, or the
+    correction applied to this micro-batch (rows are whole responses, so per-token and per-sequence
+    corrections give the same weights either way). Stats only in the per-micro-batch case: the
+    learner reports a batch-level correction's stats once."""
+    if fixed.is_weights is not None:
+        return fixed.is_weights, {}
+    out = correction(CorrectionInputs(old_logp.detach(), batch.behaviour_logp, batch.mask, fixed.advantages))
+    return out.weights, out.stats

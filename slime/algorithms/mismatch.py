@@ -1,0 +1,62 @@
+"""Train-inference mismatch, made visible: how far the engine's logprobs μ of the trained tokens are
+from the learner's π_old (the learner's weights before the update) on the same tokens.
+
+Tokens fall in three kinds, by the policy version that sampled them:
+  fresh    sampled by the learner's current version, in a response that never changed version:
+           any gap here is numerics (kernels, dtype, batch shape) between engine and learner
+  resumed  sampled by the current version after the response was resumed from an older one
+           (APRIL partials): the engine may still attend to the older version's KV cache
+  stale    sampled by an older version: the policy's own change since then
+
+Per kind:  mismatch_<kind>_logp_abs_diff = mean |log π_old − log μ|
+           mismatch_<kind>_kl            = mean of k3 = (ρ − 1) − log ρ, ρ = π_old/μ: an unbiased,
+                                           non-negative estimate of KL(μ ‖ π_old) from μ's samples
+           mismatch_<kind>_tokens        = how many trainable tokens were of that kind
+Sums are accumulated over micro-batches and divided once, so the figures are exact batch means.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KINDS = ("fresh", "resumed", "stale")
+
+
+class MismatchMeter:
+    def __init__(self) -> None:
+        self.sums = {k: [0.0, 0.0, 0.0] for k in KINDS}  # |Δ| sum, k3 sum, tokens
+
+    @torch.no_grad()
+    def add(
+        self,
+        old_logp: torch.Tensor,
+        behaviour_logp: torch.Tensor,
+        mask: torch.Tensor,
+        versions: torch.Tensor,
+        policy_version: int,
+    ) -> None:
+        trainable = mask > 0
+        big = torch.iinfo(versions.dtype).max
+        row_first = torch.where(trainable, versions, big).min(-1, keepdim=True).values
+        current = versions >= policy_version
+        kinds = {
+            "fresh": trainable & current & (row_first >= policy_version),
+            "resumed": trainable & current & (row_first < policy_version),
+            "stale": trainable & ~current,
+        }
+        log_ratio = (old_logp - behaviour_logp).clamp(-20.0, 20.0)
+        k3 = torch.expm1(log_ratio) - log_ratio
+        for kind, sel in kinds.items():
+            s = self.sums[kind]
+            s[0] += float(log_ratio.abs()[sel].sum())
+            s[1] += float(k3[sel].sum())
+            s[2] += float(sel.sum())
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind, (abs_sum, kl_sum, n) in self.sums.items():
+            out[f"mismatch_{kind}_tokens"] = n
+            if n:
+                out[f"mismatch_{kind}_logp_abs_diff"] = abs_sum / n
+                out[f"mismatch_{kind}_kl"] = kl_sum / n
+        return out
