@@ -1,0 +1,235 @@
+"""Which off-policy correction lets APRIL learn as well as sync: wall-clock to a held-out reward.
+
+Every run is one real job (driver, Redis buffer, Ray learner + 1 rollout worker, tiny MoE with the
+default warm start, the long-tail repeat task, batch 16 x 8, 96-token cap), the shape of
+benchmarks/april_vs_sync.py. Arms:
+
+    sync     APRIL off, the synchronous baseline
+    april2   APRIL, oversample 2.0, no staleness budget, under a correction (april.off_policy)
+    async2   mode=async, max_staleness=2, under a correction
+
+Each run saves a checkpoint every --eval-every steps; after all runs (off the training clock) every
+checkpoint is scored greedily on the same held-out prompts. Per arm and learning rate, the curve is
+the mean over seeds of held-out reward against the mean wall-clock (from the first step's start) at
+each checkpoint. The threshold is sync's final held-out reward (mean over seeds); time to reward is
+the first checkpoint where an arm's mean curve reaches it.
+
+Order: seed by seed, learning rate by learning rate, the arms alternating (A B C A B C ...), one
+Redis server and one Ray for all runs, each job under its own name.
+
+    python benchmarks/offpolicy_study.py                     # the defaults' comparison, < 10 min here
+    python benchmarks/offpolicy_study.py --corrections all   # every correction for april2 and async2
+    python benchmarks/offpolicy_study.py --corrections tis,icepop --arms april2 --lrs 1e-3 --seeds 2
+
+Prints a table, then LAST one JSON line (names carry units).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import typing
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from slime.config import AprilConfig, load_config
+
+SHAPE = [
+    "rollout.num_workers=1",
+    "rollout.batch_size=16",
+    "rollout.n_samples_per_prompt=8",
+    "rollout.max_new_tokens=96",
+    "rollout.temperature=1.0",
+    "rollout.max_running_requests=256",
+    "logging.tensorboard=false",
+    "logging.plot=false",
+    "logging.progress=false",
+]
+ARMS: dict[str, list[str]] = {
+    "sync": ["april.enabled=false"],
+    "april2": ["april.enabled=true", "april.oversample=2.0"],
+    "async2": ["mode=async", "max_staleness=2", "april.enabled=false"],
+}
+ALL_CORRECTIONS = list(typing.get_args(AprilConfig.model_fields["off_policy"].annotation))
+DEFAULT_CORRECTION = AprilConfig().off_policy
+
+
+def run_job(name: str, overrides: list[str], args, redis_url: str) -> dict:
+    from slime.train import RunningJob, async_loop, sync_loop
+
+    cfg = load_config(
+        None,
+        [
+            f"job_name=study-{name}",
+            f"output_dir={args.out}/{name}",
+            f"steps={args.steps}",
+            f"checkpoint_every={args.eval_every}",
+            f"buffer.url={redis_url}",
+            *SHAPE,
+            *overrides,
+        ],
+    )
+    with RunningJob(cfg) as job:
+        loop_start = time.time() - job.logger.started  # on the logger's clock
+        (sync_loop if cfg.mode == "sync" else async_loop)(job)
+        history = list(job.logger.history)
+        run_dir = job.run_dir
+        buffer = job.buffer
+    buffer.delete_job()
+    wall = {int(h["step"]): h["wall_seconds"] - loop_start for h in history}
+    checkpoints = {0: (None, 0.0)}
+    for path in sorted((run_dir / "checkpoints").glob("step_*")):
+        steps_done = int(path.name.split("_")[1])
+        if (path / "driver_state.json").exists():
+            checkpoints[steps_done] = (path / "policy", wall[steps_done - 1])
+    return {
+        "checkpoints": checkpoints,
+        "train_reward_last5": statistics.mean(h.get("reward_mean", float("nan")) for h in history[-5:]),
+        "offpolicy_masked_share": statistics.mean(h.get("offpolicy_masked_share", 0.0) for h in history),
+        "stale_kl": statistics.mean(h.get("mismatch_stale_kl", 0.0) for h in history),
+        "loop_s": wall[max(wall)],
+    }
+
+
+def mean_curve(runs: list[dict], scores: dict[str, float]) -> list[tuple[int, float, float]]:
+    """(steps done, mean wall s, mean held-out reward) at each checkpoint every seed has."""
+    common = sorted(set.intersection(*(set(r["checkpoints"]) for r in runs)))
+    curve = []
+    for k in common:
+        wall = statistics.mean(r["checkpoints"][k][1] for r in runs)
+        reward = statistics.mean(scores[str(r["checkpoints"][k][0])] for r in runs)
+        curve.append((k, wall, reward))
+    return curve
+
+
+def time_to(curve: list[tuple[int, float, float]], threshold: float) -> float | None:
+    for _, wall, reward in curve:
+        if reward >= threshold - 1e-9:
+            return wall
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--lrs", default="5e-4,1e-3")
+    ap.add_argument("--arms", default="sync,april2,async2")
+    ap.add_argument(
+        "--corrections",
+        default=DEFAULT_CORRECTION,
+        help=f"for april2 and async2: comma list or 'all' ({', '.join(ALL_CORRECTIONS)})",
+    )
+    ap.add_argument("--eval-prompts", type=int, default=128)
+    ap.add_argument("--out", default="outputs/bench-offpolicy-study")
+    args = ap.parse_args()
+    started = time.time()
+
+    import ray
+    from april_vs_sync import evaluate
+
+    from envs import repeat
+    from slime.buffer.redis_server import LocalRedisServer
+    from slime.model import ensure_model_dir
+
+    corrections = ALL_CORRECTIONS if args.corrections == "all" else args.corrections.split(",")
+    lrs = args.lrs.split(",")
+    arms = args.arms.split(",")
+    variants = [(arm, corr) for arm in arms for corr in (["-"] if arm == "sync" else corrections)]  # (arm, correction)
+    out = Path(args.out).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    args.out = str(out)
+    model_dir = str(ensure_model_dir(load_config(None, []).model))
+
+    server = LocalRedisServer(out / "redis", aof=False)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+    runs: dict[tuple[str, str, str], list[dict]] = {}
+    try:
+        for seed in range(args.seeds):
+            for lr in lrs:
+                for arm, corr in variants:
+                    name = f"{arm}-{corr}-lr{lr}-s{seed}"
+                    overrides = [f"seed={seed}", f"data.seed={seed}", f"learner.lr={lr}", *ARMS[arm]]
+                    if corr != "-":
+                        overrides.append(f"april.off_policy={corr}")
+                    run = run_job(name, overrides, args, server.url)
+                    runs.setdefault((arm, corr, lr), []).append(run)
+                    print(
+                        f"[{time.time() - started:6.1f}s] {name}: {run['loop_s']:.1f}s, "
+                        f"train reward last 5 {run['train_reward_last5']:.3f}",
+                        flush=True,
+                    )
+    finally:
+        ray.shutdown()
+        server.stop()
+
+    eval_started = time.time()
+    held_out = repeat.make_dataset(args.eval_prompts, seed=10_000)
+    scores: dict[str, float] = {}
+    for group in runs.values():
+        for run in group:
+            for policy, _ in run["checkpoints"].values():
+                if str(policy) not in scores:
+                    scores[str(policy)] = evaluate(model_dir, policy, held_out, 1)
+    eval_s = time.time() - eval_started
+
+    result: dict[str, float | int | str | None] = {
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "eval_prompts": args.eval_prompts,
+        "initial_heldout_reward": round(scores["None"], 3),
+    }
+    print(f"\noff-policy study: {args.steps} steps, {args.seeds} seeds, held-out = greedy on {args.eval_prompts}")
+    print(
+        f"{'arm':<10} {'correction':<11} {'lr':>6} {'final held-out':>17} {'train last5':>12} "
+        f"{'loop s':>8} {'time to sync final':>19} {'vs sync':>8} {'masked':>7} {'stale KL':>9}"
+    )
+    for lr in lrs:
+        sync_curve = mean_curve(runs[("sync", "-", lr)], scores) if ("sync", "-", lr) in runs else None
+        threshold = sync_curve[-1][2] if sync_curve else None
+        sync_time = time_to(sync_curve, threshold) if sync_curve else None
+        for arm, corr in variants:
+            group = runs[(arm, corr, lr)]
+            finals = [scores[str(r["checkpoints"][max(r["checkpoints"])][0])] for r in group]
+            curve = mean_curve(group, scores)
+            t = time_to(curve, threshold) if threshold is not None else None
+            ratio = t / sync_time if t is not None and sync_time else None
+            fin_mean, fin_std = statistics.mean(finals), statistics.pstdev(finals)
+            print(
+                f"{arm:<10} {corr:<11} {lr:>6} {fin_mean:>9.3f} ± {fin_std:<5.3f} "
+                f"{statistics.mean(r['train_reward_last5'] for r in group):>12.3f} "
+                f"{statistics.mean(r['loop_s'] for r in group):>8.1f} "
+                f"{f'{t:.1f} s' if t is not None else 'not reached':>19} "
+                f"{f'{ratio:.2f}x' if ratio is not None else '-':>8} "
+                f"{100 * statistics.mean(r['offpolicy_masked_share'] for r in group):>6.1f}% "
+                f"{statistics.mean(r['stale_kl'] for r in group):>9.4f}"
+            )
+            key = arm if corr == "-" else f"{arm}_{corr}"
+            suffix = "" if lr == "1e-3" else f"_lr{lr}"
+            result[f"{key}_final_heldout_reward{suffix}"] = round(fin_mean, 3)
+            result[f"{key}_final_heldout_reward_std{suffix}"] = round(fin_std, 3)
+            result[f"{key}_time_to_sync_final_s{suffix}"] = round(t, 1) if t is not None else None
+            if arm != "sync":
+                result[f"{key}_over_sync_time_to_reward_ratio{suffix}"] = round(ratio, 3) if ratio else None
+                if corr == DEFAULT_CORRECTION:
+                    result[f"{arm}_over_sync_time_to_reward_ratio{suffix}"] = round(ratio, 3) if ratio else None
+        for arm, corr in variants:
+            curve = mean_curve(runs[(arm, corr, lr)], scores)
+            print(f"  curve {arm:<7} {corr:<11} lr {lr}: " + "  ".join(f"{w:.0f}s:{r:.3f}" for _, w, r in curve))
+    result["eval_s"] = round(eval_s, 1)
+    result["benchmark_wall_s"] = round(time.time() - started, 1)
+    (out / "result.json").write_text(json.dumps(result))
+    print(f"\nbenchmark wall {time.time() - started:.0f} s (eval {eval_s:.0f} s)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
