@@ -191,6 +191,13 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
         wait_for(lambda: int(text("generated-tokens")) > paused_at, 60, "generation to resume")
         # Per-expert load arrives from the workers' router counts within a few seconds of decoding.
         wait_for(lambda: text("experts-note") == "", 30, "the expert-load chart to have data")
+        # The train-inference mismatch chart draws each trained step's per-kind figures.
+        wait_for(lambda: text("legend-mismatch").split() == ["fresh", "resumed", "stale"], 30, "the mismatch legend")
+        wait_for(
+            lambda: browser.execute_script("return steps.some(s => typeof s.mismatch_fresh_logp_abs_diff === 'number')"),
+            90,
+            "a trained step's mismatch figures on the page",
+        )
         shot = tmp_path / "dashboard.png"
         browser.save_screenshot(str(shot))
         assert shot.stat().st_size > 10_000

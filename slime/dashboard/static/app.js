@@ -99,6 +99,12 @@ async function refreshSteps() {  // only the steps this page has not seen yet
   if (steps.length > 500) steps.splice(0, steps.length - 500);
   Charts.lines($("chart-reward"), [{ name: "reward", points: steps.filter(s => s.reward_mean !== undefined)
     .map(s => [s.step, s.reward_mean]) }], steps.length ? [`step ${steps[0].step}`, `step ${steps[steps.length - 1].step}`] : null);
+  // Fresh tokens: numerics only; resumed: after an APRIL resume; stale: sampled by an older policy.
+  const kinds = ["fresh", "resumed", "stale"];
+  Charts.lines($("chart-mismatch"), kinds.map(k => ({ name: k, points: steps
+    .filter(s => typeof s[`mismatch_${k}_logp_abs_diff`] === "number").map(s => [s.step, s[`mismatch_${k}_logp_abs_diff`]]) })),
+    steps.length ? [`step ${steps[0].step}`, `step ${steps[steps.length - 1].step}`] : null);
+  $("legend-mismatch").replaceChildren(...kinds.map((k, i) => swatch(Charts.PALETTE[i], k)));
 }
 
 async function refreshDistributions() {
