@@ -3,10 +3,16 @@
 A file path is resolved against the current working directory. A file is loaded as a module
 registered under a private name (`_slime_plugin_<stem>_<hash>`), once per process; so across
 processes (Ray actors) pass the spec string and load it there, not the function object.
+
+A file plugin imports modules beside it as a script would (`from task import grade` next to
+`task.py`): its folder goes on `sys.path`, at the end, so it never shadows an installed module.
+A module the file imports that exists both beside it and elsewhere is an error naming both paths,
+instead of one of the two silently winning.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.util
@@ -83,6 +89,7 @@ def _load_file(spec: str, target: str) -> ModuleType:
     name = f"_slime_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     if name in sys.modules:
         return sys.modules[name]
+    _add_folder_to_path(spec, path)
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise PluginError(f"plugin spec {spec!r}: cannot load {path} as a Python module")
@@ -98,6 +105,55 @@ def _load_file(spec: str, target: str) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Top-level module names the file imports (absolute imports only); empty if it does not parse
+    (running it reports the syntax error with its line)."""
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _provided_elsewhere(mod: str) -> str | None:
+    """Where `mod` would be imported from without the plugin's folder, or None."""
+    if mod in sys.builtin_module_names:
+        return f"the built-in module {mod!r}"
+    loaded = sys.modules.get(mod)
+    if loaded is not None:
+        return getattr(loaded, "__file__", None) or f"the already imported module {mod!r}"
+    try:
+        found = importlib.util.find_spec(mod)
+    except (ImportError, ValueError):
+        return None
+    if found is None:
+        return None
+    return found.origin or ", ".join(found.submodule_search_locations or []) or mod
+
+
+def _add_folder_to_path(spec: str, path: Path) -> None:
+    """Make the plugin's folder importable, after everything already on sys.path; refuse a module
+    name the file imports that both its folder and another place provide."""
+    folder = path.parent
+    if str(folder) in {str(Path(p or ".").resolve()) for p in sys.path}:
+        return  # already importable the way a script's folder is
+    for mod in sorted(_imported_names(path)):
+        beside = next((c for c in (folder / f"{mod}.py", folder / mod) if c.exists()), None)
+        elsewhere = _provided_elsewhere(mod) if beside is not None else None
+        if elsewhere is not None:
+            raise PluginError(
+                f"plugin spec {spec!r}: {path.name} imports {mod!r}, which is both {beside} beside it and "
+                f"{elsewhere}; rename the one beside the plugin"
+            )
+    sys.path.append(str(folder))
 
 
 def _callables(module: ModuleType, limit: int = 8) -> str:

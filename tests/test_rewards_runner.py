@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -80,6 +83,40 @@ def test_file_plugin_that_raises_on_import(plugin_dir: Path) -> None:
     (plugin_dir / "broken.py").write_text("x = 1\nraise ValueError('no key')\n")
     with pytest.raises(PluginError, match=r"running .*broken\.py failed: ValueError: no key"):
         load_function("broken.py:score")
+
+
+def test_file_plugin_imports_modules_beside_it_like_a_script(tmp_path: Path) -> None:
+    # A fresh interpreter started elsewhere, as a Ray worker is: the file's folder is not the cwd.
+    folder = tmp_path / "task_dir"
+    folder.mkdir()
+    (folder / "slime_task_helper_abc.py").write_text("def grade(r):\n    return float(len(r))\n")
+    (folder / "slime_lazy_helper_abc.py").write_text("BONUS = 0.5\n")
+    (folder / "reward.py").write_text(
+        "from slime_task_helper_abc import grade\n"
+        "def reward(prompt, response, label, metadata):\n"
+        "    import slime_lazy_helper_abc  # imported at call time, as scripts may\n"
+        "    return grade(response) + slime_lazy_helper_abc.BONUS\n"
+    )
+    code = (
+        "import sys; from rewards.plugin import load_function; "
+        f"f = load_function({str(folder / 'reward.py')!r} + ':reward'); "
+        "print(f('p', 'abc', None, {})); "
+        f"print(sys.path.index({str(folder)!r}) == len(sys.path) - 1)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3.5", "True"]  # and the folder went last: it shadows nothing installed
+
+
+def test_file_plugin_name_clash_with_an_installed_module_names_both(tmp_path: Path) -> None:
+    folder = tmp_path / "clash"
+    folder.mkdir()
+    (folder / "yaml.py").write_text("def load(x):\n    return 'the local one'\n")
+    (folder / "reward.py").write_text("import yaml\ndef reward(p, r, l, m):\n    return 1.0\n")
+    with pytest.raises(PluginError, match=r"imports 'yaml', which is both .*clash/yaml\.py beside it and .*yaml"):
+        load_function(f"{folder / 'reward.py'}:reward")
+    assert str(folder) not in sys.path  # refused: nothing was changed
 
 
 # --- runner ----------------------------------------------------------------------------------

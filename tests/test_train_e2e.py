@@ -89,10 +89,13 @@ def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp
 
 
 def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redis_url, tmp_path):
+    # The reward file imports a helper beside it, as a script would (in the Ray rollout worker).
+    (tmp_path / "flaky_rules.py").write_text("def is_odd(text):\n    return len(text) % 2 == 1\n")
     reward_file = tmp_path / "flaky_reward.py"
     reward_file.write_text(
+        "from flaky_rules import is_odd\n"
         "def reward(prompt, response, label, metadata):\n"
-        "    if len(response) % 2:\n"
+        "    if is_odd(response):\n"
         "        raise ValueError('odd length')\n"
         "    return 1.0\n"
     )
