@@ -36,8 +36,14 @@ class MismatchMeter:
         policy_version: int,
     ) -> None:
         trainable = mask > 0
+        # The oldest version in the response, over its tokens trained or not: a current-version token
+        # whose response began under an older version is resumed even when the older tokens are out
+        # of the loss (mask_stale, a streaming segment's context, tool tokens). Every position up to
+        # the last trainable token is a real token; padding (version 0) only follows the response.
+        positions = torch.arange(versions.shape[-1], device=versions.device)
+        last = torch.where(trainable, positions, -1).max(-1, keepdim=True).values
         big = torch.iinfo(versions.dtype).max
-        row_first = torch.where(trainable, versions, big).min(-1, keepdim=True).values
+        row_first = torch.where(positions <= last, versions, big).min(-1, keepdim=True).values
         current = versions >= policy_version
         kinds = {
             "fresh": trainable & current & (row_first >= policy_version),

@@ -22,8 +22,10 @@ class CorrectionInputs:
 
     @property
     def log_ratio(self) -> torch.Tensor:
-        """log ρ_t = log π_old − log μ on trainable tokens, 0 elsewhere."""
-        return ((self.old_logp - self.behaviour_logp) * self.mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        """log ρ_t = log π_old − log μ on trainable tokens, 0 elsewhere. Selected, not multiplied by
+        the mask: a −inf logprob on padding would otherwise give inf·0 = nan."""
+        log_ratio = torch.where(self.mask > 0, self.old_logp - self.behaviour_logp, 0.0)
+        return log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
 @dataclass

@@ -23,5 +23,5 @@ class TruncatedIS:
 
     def __call__(self, x: CorrectionInputs) -> CorrectionOutput:
         ratio = torch.exp(x.log_ratio)
-        weights = ratio.clamp(max=self.cap)
+        weights = ratio.clamp(max=self.cap) * x.mask
         return CorrectionOutput(weights, ratio_stats(x, weights, clipped=ratio > self.cap))
