@@ -22,10 +22,12 @@ from slime.algorithms.corrections import CorrectionInputs, CorrectionOutput, mak
 from slime.algorithms.corrections.m2po import M2PO
 from slime.algorithms.grpo import GRPO
 from slime.algorithms.mismatch import MismatchMeter
+from slime.buffer import TrajectoryStore
 from slime.config import AlgorithmConfig, AprilConfig, TinyModelConfig, load_config
 from slime.learner import Learner
 from slime.model import build_tiny_moe
 from slime.sample import Sample, Status
+from slime.train import train
 
 NAMES = typing.get_args(AprilConfig.model_fields["off_policy"].annotation)
 TINY = 1e-6  # μ of a padding token: its ρ would be 10⁶ if padding were ever counted
@@ -500,12 +502,12 @@ KIND_COUNTS = ("mismatch_fresh_tokens", "mismatch_resumed_tokens", "mismatch_sta
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_april_job_trains_with_each_correction(ray_session, tiny_model_dir, redis_url, tmp_path, name):
-    from slime.buffer import TrajectoryStore
-    from slime.train import train
-
     job = f"corr-e2e-{name}"
     overrides = [f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}"]
-    history = train(load_config(None, [*overrides, *E2E, f"april.off_policy={name}"]))
+    try:
+        history = train(load_config(None, [*overrides, *E2E, f"april.off_policy={name}"]))
+    finally:
+        TrajectoryStore.open(redis_url, job).delete_job()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [r["step"] for r in lines] == [0, 1]
     assert history[0]["trained_tokens"] > 0  # step 0: every token fresh
@@ -518,9 +520,8 @@ def test_april_job_trains_with_each_correction(ray_session, tiny_model_dir, redi
         assert all(k in h and k in line and math.isfinite(h[k]) for k in OFFPOLICY), name
         assert 0 <= h["offpolicy_masked_share"] <= 1 and h["offpolicy_ratio_max"] >= h["offpolicy_ratio_mean"] > 0
         assert sum(h[k] for k in KIND_COUNTS) == h["trained_tokens"]  # each trained token of one kind
-    # APRIL: step 1 trains groups that version 0 generated (in part at least) at version 1.
+    # APRIL: at version 1, step 1 trains groups that version 0 generated, at least in part.
     if name == "mask_stale":
         assert history[1]["mismatch_stale_tokens"] == 0  # dropped from the loss mask
     else:
         assert history[1]["mismatch_stale_tokens"] > 0
-    TrajectoryStore.open(redis_url, job).delete_job()
