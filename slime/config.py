@@ -183,7 +183,7 @@ class AdaptiveClip(_Strict):
 
 
 class AlgorithmConfig(_Strict):
-    name: Literal["ppo", "grpo"] = "grpo"
+    name: Literal["ppo", "grpo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo"] = "grpo"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     clip_low: float = Field(0.2, gt=0, lt=1)
@@ -201,9 +201,19 @@ class AlgorithmConfig(_Strict):
     normalize_advantages: bool = True
     grpo_std_normalize: bool = True
     router_aux_coef: float = Field(0.001, ge=0, description="MoE router load-balancing loss weight.")
+    gspo_clip_low: float = Field(3e-4, gt=0, lt=1, description="GSPO: epsilon_low on the sequence ratio.")
+    gspo_clip_high: float = Field(4e-4, gt=0, description="GSPO: epsilon_high on the sequence ratio.")
+    cispo_clip_high: float = Field(0.28, gt=0, description="CISPO: the IS weight is capped at 1 + this.")
+    dr_grpo_norm_tokens: int | None = Field(None, gt=0, description="Dr. GRPO divisor; None: max_new_tokens.")
+    overlong_buffer: int | None = Field(None, gt=0, description="DAPO overlong shaping: L_cache; None = off.")
+    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: the penalty at L_max.")
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
+        if self.name in ("gspo", "dr_grpo") and self.loss_agg == "token_mean":  # learner weighs by sequences
+            if "loss_agg" in self.model_fields_set:
+                raise ValueError(f"algorithm.name={self.name} averages over sequences: loss_agg must be seq_*")
+            self.loss_agg = "seq_mean_token_sum" if self.name == "dr_grpo" else "seq_mean_token_mean"
         steps = [s.until_step for s in self.kl_schedule]
         if steps != sorted(steps):
             raise ValueError("algorithm.kl_schedule: until_step values must increase")

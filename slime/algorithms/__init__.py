@@ -8,6 +8,16 @@ An algorithm is built from the config and answers three things for the learner:
 The learner does everything else (micro-batching, accumulation, optimizers, clipping, weights).
 To add an algorithm: a file here with a class of that shape, and its name in ALGORITHMS (and in
 `AlgorithmConfig.name`).
+
+  ppo                    critic + token-level GAE, clipped surrogate, value loss     (ppo.py)
+  grpo                   group-normalised Â_i, clipped surrogate                    (grpo.py)
+  gspo                   GRPO's Â_i, clipped SEQUENCE ratio (geometric mean)         (gspo.py)
+  cispo                  GRPO's Â_i, REINFORCE weighted by the clipped detached IS   (cispo.py)
+  rloo                   leave-one-out Â_i, clipped surrogate                        (rloo.py)
+  reinforce_pp           discounted token returns (KL in the reward), batch-whitened (reinforce_pp.py)
+  reinforce_pp_baseline  the same on group-centred scores                            (reinforce_pp.py)
+  dr_grpo                centred Â_i (no std), Σ_t ℓ / C with a constant C           (dr_grpo.py)
+Any of them can add DAPO's overlong length penalty to the scores (shaping.py).
 """
 
 from __future__ import annotations
@@ -17,9 +27,14 @@ from typing import Protocol
 import torch
 
 from slime.algorithms.batch import Batch, Forward, UpdateTensors
+from slime.algorithms.cispo import CISPO
 from slime.algorithms.corrections import Correction, make_correction
+from slime.algorithms.dr_grpo import DrGRPO
 from slime.algorithms.grpo import GRPO
+from slime.algorithms.gspo import GSPO
 from slime.algorithms.ppo import PPO
+from slime.algorithms.reinforce_pp import ReinforcePP, ReinforcePPBaseline
+from slime.algorithms.rloo import RLOO
 from slime.config import AlgorithmConfig, JobConfig
 
 
@@ -44,7 +59,16 @@ class Algorithm(Protocol):
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"grpo": GRPO, "ppo": PPO}
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    "grpo": GRPO,
+    "ppo": PPO,
+    "gspo": GSPO,
+    "cispo": CISPO,
+    "rloo": RLOO,
+    "reinforce_pp": ReinforcePP,
+    "reinforce_pp_baseline": ReinforcePPBaseline,
+    "dr_grpo": DrGRPO,
+}
 
 
 def make_algorithm(cfg: JobConfig) -> Algorithm:

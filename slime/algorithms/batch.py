@@ -33,6 +33,7 @@ class Batch:
     # [N] bool: rows with token_rewards. PPO/GAE uses those alone for such a row (its scalar
     # reward, e.g. a PRM's aggregate, is for GRPO and the metrics), so nothing is counted twice.
     token_reward_rows: torch.Tensor | None = None
+    max_new_tokens: torch.Tensor | None = None  # [N] each sample's budget L_max (overlong shaping, Dr. GRPO)
 
     def rows(self, idx: torch.Tensor) -> Batch:
         """The rows `idx`, cut to their own widths (no compute on other rows' padding)."""
@@ -102,6 +103,7 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
         last_pos=torch.tensor([len(s.prompt_ids) + s.response_length - 1 for s in samples]),
         response_len=torch.tensor([s.response_length for s in samples]),
         token_reward_rows=token_reward_rows if token_rewards is not None else None,
+        max_new_tokens=torch.tensor([s.max_new_tokens for s in samples]),
     )
 
 

@@ -25,6 +25,7 @@ from slime.algorithms.batch import Batch, Forward, UpdateTensors
 from slime.algorithms.core import AggMode, add_regularizers, policy_loss
 from slime.algorithms.corrections import Correction, correction_weights
 from slime.algorithms.kl import kl_penalty
+from slime.algorithms.shaping import shape_scores
 from slime.config import AlgorithmConfig
 
 
@@ -117,12 +118,14 @@ class GRPO:
         """Â_{i,t} = Â_i of row i's group. Rows without trainable tokens (failed, fully masked)
         take no part in their group's mean and std. No critic: values and bootstrap are unused."""
         valid = batch.mask.sum(-1) > 0
+        scores, metrics = shape_scores(batch.scores, batch, self.cfg)  # DAPO overlong shaping, when set
         adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device)
         if valid.any():
             adv_seq[valid] = group_advantages(
-                batch.scores[valid], batch.group_index[valid], std_normalize=self.cfg.grpo_std_normalize
+                scores[valid], batch.group_index[valid], std_normalize=self.cfg.grpo_std_normalize
             )
-        return UpdateTensors(advantages=broadcast_to_tokens(adv_seq, batch.mask), old_logp=old_logp, ref_logp=ref_logp)
+        advantages = broadcast_to_tokens(adv_seq, batch.mask)
+        return UpdateTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, metrics=metrics)
 
     def loss(
         self, batch: Batch, fixed: UpdateTensors, out: Forward, *, clip_low: float, clip_high: float, kl_coef: float

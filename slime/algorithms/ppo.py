@@ -37,6 +37,7 @@ from slime.algorithms.core import (
 )
 from slime.algorithms.corrections import Correction, correction_weights
 from slime.algorithms.kl import kl_penalty
+from slime.algorithms.shaping import shape_scores
 from slime.config import AlgorithmConfig
 
 
@@ -208,6 +209,9 @@ class PPO:
         outcome = batch.scores
         if batch.token_reward_rows is not None:
             outcome = batch.scores.masked_fill(batch.token_reward_rows, 0.0)
+        if bootstrap_values is not None and cfg.overlong_buffer is not None:
+            raise ValueError("algorithm.overlong_buffer needs whole responses: it does not apply to streaming")
+        outcome, shaping = shape_scores(outcome, batch, cfg)  # DAPO overlong shaping, when set
         rewards = token_level_rewards(outcome, batch.mask, kl_reward, kl_coef, batch.token_rewards)
         advantages, returns = gae(rewards, old_values, batch.mask, cfg.gamma, cfg.lam, bootstrap_values)
         if cfg.normalize_advantages:
@@ -221,6 +225,7 @@ class PPO:
             metrics={
                 "advantage_mean": masked_mean(advantages, batch.mask).item(),
                 "return_mean": masked_mean(returns, batch.mask).item(),
+                **shaping,
             },
         )
 

@@ -1,0 +1,106 @@
+"""Dr. GRPO: GRPO done right (Liu et al. 2025, "Understanding R1-Zero-like training").
+
+GRPO's two normalisations bias the update: dividing Â by the group's std up-weights nearly
+solved or nearly failed prompts, and dividing each response's loss by its own length |o_i|
+shrinks the penalty on long wrong answers. Dr. GRPO drops both:
+
+  Â_i = r_i − mean(r_1..r_G)                                       Â_{i,t} = Â_i
+  ℓ_{i,t} = −min(r_t Â_i, clip(r_t, 1 − ε_low, 1 + ε_high) Â_i) · w_t     (PPO's, learner's clip range)
+  L(θ) = 1/G Σ_i (1/C) Σ_t (ℓ_{i,t} − c_H·H_{i,t} + β·KL_{i,t})
+
+C is a constant, not a length: algorithm.dr_grpo_norm_tokens, or None (the default) for each
+sample's generation budget max_new_tokens (the paper divides by the generation budget too), so
+every token weighs the same whatever the length of its response. The regularisers are summed and
+divided the same way.
+
+Micro-batches: the loss is a mean over sequences, and the config turns algorithm.loss_agg to
+seq_mean_token_sum for dr_grpo (token_mean is refused), so the learner weighs each micro-batch
+by its share of sequences and the accumulated gradient equals the one of the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime.algorithms.batch import Batch, Forward, UpdateTensors
+from slime.algorithms.core import add_regularizers, policy_loss
+from slime.algorithms.corrections import correction_weights
+from slime.algorithms.grpo import GRPO, broadcast_to_tokens, group_advantages
+from slime.algorithms.kl import kl_penalty
+from slime.algorithms.shaping import shape_scores
+
+
+def norm_constants(batch: Batch, norm_tokens: int | None) -> torch.Tensor:
+    """C per row [n, 1]: norm_tokens, or each row's max_new_tokens when None."""
+    n = batch.mask.shape[0]
+    if norm_tokens is not None:
+        return torch.full((n, 1), float(norm_tokens), dtype=batch.mask.dtype, device=batch.mask.device)
+    if batch.max_new_tokens is None:
+        raise ValueError("dr_grpo needs algorithm.dr_grpo_norm_tokens or each row's max_new_tokens in the batch")
+    return batch.max_new_tokens.to(batch.mask.device, batch.mask.dtype)[:, None]
+
+
+class DrGRPO(GRPO):
+    """Centred group advantages (no std) and a loss summed over tokens over a constant."""
+
+    @torch.no_grad()
+    def prepare(
+        self,
+        batch: Batch,
+        *,
+        kl_coef: float,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        old_values: torch.Tensor | None = None,
+        bootstrap_values: torch.Tensor | None = None,
+    ) -> UpdateTensors:
+        """Â_{i,t} = r_i − mean of its group; rows without trainable tokens take no part."""
+        valid = batch.mask.sum(-1) > 0
+        scores, metrics = shape_scores(batch.scores, batch, self.cfg)
+        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device)
+        if valid.any():
+            adv_seq[valid] = group_advantages(scores[valid], batch.group_index[valid], std_normalize=False)
+        advantages = broadcast_to_tokens(adv_seq, batch.mask)
+        return UpdateTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, metrics=metrics)
+
+    def loss(
+        self, batch: Batch, fixed: UpdateTensors, out: Forward, *, clip_low: float, clip_high: float, kl_coef: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """L(θ) on one micro-batch. stats: policy_loss's, the regularisers' and dr_grpo_norm (mean C)."""
+        cfg = self.cfg
+        old_logp = fixed.old_logp if fixed.old_logp is not None else out.logp.detach()
+        is_weights, correction_stats = correction_weights(self.correction, batch, fixed, old_logp)
+        inv_c = 1.0 / norm_constants(batch, cfg.dr_grpo_norm_tokens)
+        # 1/C is a constant per row: it rides with the (detached) correction weights, and the
+        # seq_mean_token_sum aggregate then gives mean_i Σ_t ℓ_{i,t} / C.
+        weights = inv_c if is_weights is None else is_weights * inv_c
+        loss, stats = policy_loss(
+            out.logp,
+            old_logp,
+            fixed.advantages,
+            batch.mask,
+            clip_low,
+            clip_high,
+            cfg.dual_clip,
+            "seq_mean_token_sum",
+            weights,
+        )
+        kl = None
+        if fixed.ref_logp is not None and cfg.kl_mode == "loss":
+            kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator) * inv_c
+        entropy = out.entropy * inv_c if out.entropy is not None else None
+        loss = add_regularizers(
+            loss,
+            stats,
+            batch.mask,
+            "seq_mean_token_sum",
+            entropy,
+            cfg.entropy_coef,
+            kl,
+            kl_coef,
+            out.router_aux,
+            cfg.router_aux_coef,
+        )
+        stats["dr_grpo_norm"] = (1.0 / inv_c).mean().item()
+        stats.update(correction_stats)
+        return loss, stats

@@ -1,0 +1,65 @@
+"""RLOO: REINFORCE Leave-One-Out (Ahmadian et al. 2024; Kool et al. 2019).
+
+Each response's baseline is the mean reward of the OTHER responses to the same prompt, so the
+baseline does not depend on the response itself (no bias) and needs no critic:
+
+  Â_i = r_i − 1/(G−1) Σ_{j≠i} r_j = G/(G−1) · (r_i − mean(r_1..r_G))       Â_{i,t} = Â_i
+
+A group of one has no other response: its Â is 0. The loss is GRPO's: PPO's clipped surrogate on
+Â_{i,t} with the learner's clip range, w_t the off-policy correction's weights, and the
+regularisers (algorithm.loss_agg).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime.algorithms.batch import Batch, UpdateTensors
+from slime.algorithms.grpo import GRPO, broadcast_to_tokens
+from slime.algorithms.shaping import shape_scores
+
+
+@torch.no_grad()
+def leave_one_out_advantages(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Â_i [N] from scores [N] and integer group ids [N] (any ids, any order); valid samples only.
+
+    A group of one, or a group whose rewards are all equal, gets exactly 0.
+    """
+    if scores.numel() == 0:
+        return scores.clone()
+    scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
+    _, group = torch.unique(group_index, return_inverse=True)
+    num_groups = int(group.max().item()) + 1
+    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, group, torch.ones_like(scores)
+    )
+    mean = torch.zeros_like(count).index_add_(0, group, scores) / count
+    size = count[group]
+    adv = size / (size - 1).clamp_min(1.0) * (scores - mean[group])
+    # A constant group would keep float round-off from its mean; a group of one has no baseline.
+    high = torch.full_like(count, -torch.inf).scatter_reduce(0, group, scores, "amax")
+    low = torch.full_like(count, torch.inf).scatter_reduce(0, group, scores, "amin")
+    return torch.where((high == low)[group] | (size < 2), 0.0, adv)
+
+
+class RLOO(GRPO):
+    """Leave-one-out advantages, then GRPO's clipped-surrogate loss; no critic."""
+
+    @torch.no_grad()
+    def prepare(
+        self,
+        batch: Batch,
+        *,
+        kl_coef: float,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        old_values: torch.Tensor | None = None,
+        bootstrap_values: torch.Tensor | None = None,
+    ) -> UpdateTensors:
+        """Â_{i,t} = Â_i; rows without trainable tokens take no part in their group."""
+        valid = batch.mask.sum(-1) > 0
+        scores, metrics = shape_scores(batch.scores, batch, self.cfg)
+        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device)
+        adv_seq[valid] = leave_one_out_advantages(scores[valid], batch.group_index[valid]).to(adv_seq.dtype)
+        advantages = broadcast_to_tokens(adv_seq, batch.mask)
+        return UpdateTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, metrics=metrics)
