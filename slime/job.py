@@ -64,8 +64,12 @@ class RunningJob:
         self.workers: list = []
         self.learner = None
         self.dashboard = None
+        # The step's clocks (see _reset_step_counters and train_step).
         self.tokens_at_rollout_end = 0.0
-        self.count_from_rollout_end = False  # an APRIL abort overlaps the learner this step
+        self.abort_sent_at: float | None = None  # APRIL's abort of this step, overlapping the learner
+        self.abort_seconds = 0.0
+        self.step_boundary: float | None = None  # where this step ends and the next begins
+        self.engines_released: tuple[float, float] | None = None  # (time, generated tokens) at the resume
         self.weight_sync_seconds = 0.0
 
     # ---- start / stop ------------------------------------------------------------------------
@@ -215,25 +219,39 @@ class RunningJob:
         return load_prompts(cfg.data, self.tokenizer, path)
 
     # ---- learning --------------------------------------------------------------------------------
-    def train_step(self, step: int, max_staleness: int | None) -> dict:
+    def train_step(self, step: int, max_staleness: int | None, aborting: list | None = None) -> dict:
+        """Train on the step's batch. The rollout clock stops when the engines have stopped generating
+        for this step: at once (the batch is complete), or, with ``aborting`` (APRIL's abort, sent by
+        start_abort and overlapping the learner), when every engine has finished the abort: the decode
+        step in flight done, every partial's last tokens stored. Those tokens are this step's."""
         import ray  # see the module docstring
 
-        self.tokens_at_rollout_end = self.buffer.stats().get("generated_tokens", 0.0)
-        generated = self.tokens_at_rollout_end - self.tokens_at_step_start
-        rollout_seconds = time.time() - self.step_started
+        if not aborting:
+            self._stop_rollout_clock()
         ref = self.learner.train_step.remote(step, self.cfg.rollout.batch_size, max_staleness, commit=False)
+        if aborting:
+            ray.wait(list(aborting), num_returns=len(aborting))  # the learner is training meanwhile
+            self._stop_rollout_clock()
+            self.abort_seconds = self.rollout_ended_at - (self.abort_sent_at or self.rollout_ended_at)
         while self.cfg.mode == "async" and not ray.wait([ref], timeout=0.05)[0]:
             self.fleet.schedule_groups()  # the workers keep generating while the learner trains
         metrics = ray.get(ref)
+        generated = self.tokens_at_rollout_end - self.tokens_at_step_start
+        rollout_seconds = self.rollout_ended_at - self.rollout_started_at
         metrics["rollout_seconds"] = rollout_seconds
         metrics["rollout_tokens_per_s"] = generated / max(rollout_seconds, 1e-9)
         metrics["generated_tokens"] = generated
+        metrics["abort_seconds"] = self.abort_seconds  # inside rollout_seconds, overlapping the learner
         return metrics
+
+    def _stop_rollout_clock(self) -> None:
+        self.rollout_ended_at = time.time()
+        self.tokens_at_rollout_end = self.buffer.stats().get("generated_tokens", 0.0)
 
     def train_segments(self, step: int, segments: int) -> dict:
         import ray  # see the module docstring
 
-        rollout_seconds = time.time() - self.step_started
+        rollout_seconds = time.time() - self.rollout_started_at
         ref = self.learner.train_segments.remote(step, segments, self.cfg.april.streaming_chunk_tokens)
         while not ray.wait([ref], timeout=0.05)[0]:
             self.fleet.schedule_groups()  # the workers keep generating while the learner trains
@@ -243,15 +261,23 @@ class RunningJob:
         metrics.update(
             rollout_seconds=rollout_seconds,
             generated_tokens=generated,
-            rollout_tokens_per_s=generated / max(time.time() - self.step_started, 1e-9),
+            rollout_tokens_per_s=generated / max(time.time() - self.rollout_started_at, 1e-9),
         )
         return metrics
 
     def start_abort(self) -> list:
-        """APRIL's abort, overlapping the learner's step; the tokens its partials' last chunks add to
-        the buffer count toward the next step (see _reset_step_counters)."""
-        self.count_from_rollout_end = True
+        """APRIL's abort, sent now; pass the returned refs to train_step, whose rollout clock stops when
+        the abort completes (while the learner trains), and then to fleet.finish_abort."""
+        self.abort_sent_at = time.time()
         return self.fleet.start_abort()
+
+    def resume(self) -> None:
+        """The engines go on (APRIL: the partials resume). The next step starts here, and after an
+        abort its rollout clock too: its engines generate while the driver ends this step."""
+        self.step_boundary = time.time()
+        if self.abort_sent_at is not None:
+            self.engines_released = (self.step_boundary, self.buffer.stats().get("generated_tokens", 0.0))
+        self.fleet.resume()
 
     def push_weights(self, step: int) -> None:
         import ray  # see the module docstring
@@ -288,7 +314,8 @@ class RunningJob:
     # ---- metrics ---------------------------------------------------------------------------------
     def end_step(self, step: int, metrics: dict) -> None:
         metrics["weight_sync_seconds"] = self.weight_sync_seconds
-        metrics["step_seconds"] = time.time() - self.step_started
+        boundary = time.time() if self.step_boundary is None else self.step_boundary
+        metrics["step_seconds"] = boundary - self.step_started
         metrics["buffer"] = counts = self.buffer.counts()
         metrics["filtered_zero_variance"] = self.fleet.filter.dropped_this_step
         metrics["filter_kept_by_fallback"] = self.fleet.filter.kept_by_fallback
@@ -316,16 +343,23 @@ class RunningJob:
         every = self.cfg.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.steps:
             self.save_checkpoint(step)
-        self._reset_step_counters()
+        self._reset_step_counters(boundary)
 
-    def _reset_step_counters(self) -> None:
-        self.step_started = time.time()
-        if self.count_from_rollout_end:
-            # An abort overlapped the learner: what it stored after this step's count goes to the next.
-            self.tokens_at_step_start = self.tokens_at_rollout_end
+    def _reset_step_counters(self, boundary: float | None = None) -> None:
+        """The clocks of the next step. Steps are contiguous: one starts where the last ended, so the
+        step seconds add up to the loop's wall-clock. Its rollout clock runs while its engines may
+        generate: from the resume when the last step aborted (APRIL: the partials go on while the
+        driver ends the last step), else from now (the step's groups are scheduled next); until
+        train_step stops it. Every generated token is counted in the rollout window it was made in."""
+        now = time.time()
+        self.step_started = now if boundary is None else boundary
+        if self.engines_released is not None:
+            self.rollout_started_at, self.tokens_at_step_start = self.engines_released
         else:
+            self.rollout_started_at = now
             self.tokens_at_step_start = self.buffer.stats().get("generated_tokens", 0.0)
-        self.count_from_rollout_end = False
+        self.abort_sent_at, self.abort_seconds = None, 0.0
+        self.step_boundary = self.engines_released = None
         self.fleet.filter.new_step()
 
     # ---- checkpoints -----------------------------------------------------------------------------

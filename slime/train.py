@@ -26,11 +26,12 @@ def sync_loop(job: RunningJob) -> None:
         job.fleet.wait_for_ready_groups(cfg.rollout.batch_size, job.logger.waiting)
         # APRIL: the long tail waits for the next step. The abort (each partial's last tokens
         # stored, then released) runs while the learner trains: it touches no group of this batch.
+        # The step's rollout clock stops when the abort has completed (RunningJob.train_step).
         aborting = job.start_abort() if job.fleet.scheduler.aborts_at_batch_boundary else []
-        metrics = job.train_step(step, max_staleness=None)
+        metrics = job.train_step(step, max_staleness=None, aborting=aborting)
         aborted = job.fleet.finish_abort(aborting)
         job.push_weights(step)
-        job.fleet.resume()
+        job.resume()  # the next step starts here
         job.end_step(step, metrics | {"aborted_samples": aborted})
 
 

@@ -203,6 +203,11 @@ class RolloutWorker:
                 continue
             self.pending[sample.id] = _Pending(sample)
             params = SamplingParams(**{**self.params.__dict__, "max_new_tokens": sample.max_new_tokens})
+            if self.chunk_sampler is not None and sample.response_length and params.temperature > 0:
+                # A resumed partial: the hook's temperature, not the base one, for what it goes on with.
+                temperature = self._chunk_temperature(sample)
+                if temperature is not None:
+                    params = SamplingParams(**{**params.__dict__, "temperature": temperature})
             self.engine.add_request(
                 GenerationRequest(sample.id, sample.prompt_ids.tolist(), params, sample.response_ids.tolist())
             )
@@ -252,6 +257,12 @@ class RolloutWorker:
                 p.tokens, p.logprobs, p.versions = [], [], []
             replies = self.buffer.send_append_chunks(self.worker_id, [(p.sample.id, t, lp, v) for p, t, lp, v in sent])
             self.unsettled = _SentChunks(sent, finished, replies)
+            if self.chunk_sampler is not None:
+                # Now, before the next engine step: that step samples the next chunk's first token.
+                ended = {p.sample.id for p, _ in finished}
+                for p, tokens, _, _ in sent:
+                    if p.sample.id not in ended:
+                        self._sample_next_chunk(p.sample, tokens)
         if wait:
             self._settle()
 
@@ -274,8 +285,6 @@ class RolloutWorker:
             if isinstance(result, Exception):
                 raise result
             p.sample.append(tokens, logprobs, np.array(versions))
-            if self.chunk_sampler is not None:
-                self._sample_next_chunk(p.sample)
         aborted: list[str] = []
         for p, reason in flush.finished:
             if p.sample.id in lost:
@@ -295,19 +304,26 @@ class RolloutWorker:
             if error is not None and not isinstance(error, LeaseLostError):  # lost: requeued meanwhile
                 raise error
 
-    def _sample_next_chunk(self, sample: Sample) -> None:
+    def _sample_next_chunk(self, sample: Sample, new_tokens: list[int]) -> None:
         """The active sampler (GLM-5 report): after each chunk a user hook may pick the temperature
         of the next one from the trajectory's state. The stored behaviour logprobs follow it, and
-        the learner's importance weights correct for the difference."""
+        the learner's importance weights correct for the difference. Called when the chunk is sent
+        (``new_tokens``, not confirmed stored yet), so the next chunk's first token already uses it."""
+        temperature = self._chunk_temperature(sample, new_tokens)
+        if temperature is not None:
+            self.engine.set_temperature(sample.id, temperature)
+
+    def _chunk_temperature(self, sample: Sample, new_tokens: list[int] | None = None) -> float | None:
+        """The hook's temperature for what `sample` generates next (its stored tokens + `new_tokens`)."""
+        ids = sample.response_ids.tolist() + list(new_tokens or [])
         state = {
-            "response_length": sample.response_length,
-            "response_tail": self.tokenizer.decode(sample.response_ids[-32:].tolist(), skip_special_tokens=True),
+            "response_length": len(ids),
+            "response_tail": self.tokenizer.decode(ids[-32:], skip_special_tokens=True),
             "policy_version": self.engine.version,
             "metadata": sample.metadata,
         }
         temperature = self.chunk_sampler(state)
-        if temperature is not None:
-            self.engine.set_temperature(sample.id, float(temperature))
+        return None if temperature is None else float(temperature)
 
     def _finalize(self, p: _Pending, finish_reason: str | None) -> None:
         sample = p.sample
