@@ -10,7 +10,6 @@ import torch
 
 from slime.algorithms import ALGORITHMS, make_algorithm
 from slime.algorithms.batch import Batch, Forward, UpdateTensors, collate
-from slime.algorithms.corrections import Correction, CorrectionInputs, make_correction
 from slime.algorithms.core import (
     aggregate_loss,
     entropy_from_logits,
@@ -20,6 +19,7 @@ from slime.algorithms.core import (
     policy_loss,
     stale_tokens,
 )
+from slime.algorithms.corrections import Correction, CorrectionInputs, make_correction
 from slime.algorithms.grpo import GRPO, broadcast_to_tokens, group_advantages, grpo_loss
 from slime.algorithms.kl import kl_penalty
 from slime.algorithms.ppo import PPO, gae, ppo_loss, token_level_rewards, value_loss

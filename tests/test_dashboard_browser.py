@@ -194,7 +194,9 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
         # The train-inference mismatch chart draws each trained step's per-kind figures.
         wait_for(lambda: text("legend-mismatch").split() == ["fresh", "resumed", "stale"], 30, "the mismatch legend")
         wait_for(
-            lambda: browser.execute_script("return steps.some(s => typeof s.mismatch_fresh_logp_abs_diff === 'number')"),
+            lambda: browser.execute_script(
+                "return steps.some(s => typeof s.mismatch_fresh_logp_abs_diff === 'number')"
+            ),
             90,
             "a trained step's mismatch figures on the page",
         )
