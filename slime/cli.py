@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from slime.config import ConfigError, JobConfig, config_for_display, load_config
+from slime.metrics import TooManyFailures
 from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url
 
 
@@ -166,7 +167,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from slime.train import train  # subcommand
 
-    history = train(_absolute_paths(cfg))
+    try:
+        history = train(_absolute_paths(cfg))
+    except TooManyFailures as exc:
+        print(f"slime: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:  # a second SIGINT/SIGTERM (the first ends the step gracefully)
+        print(
+            f"slime: {exc or 'interrupted'}; partial trajectories are stored, resume=auto continues from the "
+            "last checkpoint",
+            file=sys.stderr,
+        )
+        return 130
     if history:
         first, last = history[0], history[-1]
         print(

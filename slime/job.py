@@ -28,7 +28,7 @@ from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.fleet import RolloutFleet, scheduler_for
 from slime.learner import Learner
-from slime.metrics import MetricsLogger
+from slime.metrics import FailureWatch, MetricsLogger
 from slime.model import ensure_model_dir, load_tokenizer
 from slime.rollout import RolloutWorker
 from slime.sample import new_id
@@ -41,11 +41,33 @@ class WeightSyncError(RuntimeError):
 
 
 class JobInterrupted(KeyboardInterrupt):
-    """SIGTERM: stop like Ctrl-C, storing every partial trajectory on the way out."""
+    """A second SIGINT/SIGTERM: stop at once, storing every partial trajectory on the way out."""
 
 
-def raise_interrupted(signum, frame) -> None:
-    raise JobInterrupted(f"received signal {signum}")
+class GracefulStop:
+    """The job's SIGINT/SIGTERM handler. The first signal asks the loop to finish its step, write a
+    checkpoint and return (exit 0); a second one stops at once (JobInterrupted): partials are
+    stored, no checkpoint is written, the last complete one stays the resume point."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None  # the signal's name once one arrived
+
+    def __call__(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:
+            raise JobInterrupted(f"received {name} again: stopping now")
+        self.requested = name
+        print(
+            f"\nreceived {name}: finishing this step, then a checkpoint and exit (send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def install(self) -> dict:
+        """Handle SIGINT and SIGTERM (main thread only); returns the handlers it replaced."""
+        if not main_thread():
+            return {}
+        return {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def main_thread() -> bool:
@@ -71,6 +93,7 @@ class RunningJob:
         self.step_boundary: float | None = None  # where this step ends and the next begins
         self.engines_released: tuple[float, float] | None = None  # (time, generated tokens) at the resume
         self.weight_sync_seconds = 0.0
+        self.stop = GracefulStop()
 
     # ---- start / stop ------------------------------------------------------------------------
     def __enter__(self) -> RunningJob:
@@ -115,6 +138,8 @@ class RunningJob:
             if checkpoint is not None:
                 self.push_weights(self.start_step - 1)
             self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.steps, self.start_step)
+            self.failures = FailureWatch(cfg.reward.max_failed_share, cfg.reward.failed_window_steps)
+            self.last_checkpoint_at = time.time()
             self._reset_step_counters()
         except BaseException:
             self.__exit__(None, None, None)
@@ -137,8 +162,7 @@ class RunningJob:
                 log_to_driver=True,
             )
             self.ray_started = True
-            if main_thread():  # ray.init installs its own SIGTERM handler; ours stores partials
-                signal.signal(signal.SIGTERM, raise_interrupted)
+            self.stop.install()  # ray.init installs its own SIGTERM handler; ours ends the step first
 
     def _start_actors(self) -> None:
         import ray  # started by _start_ray
@@ -337,13 +361,26 @@ class RunningJob:
             metrics["curriculum_stage"] = self.sampler.current_stage
         if self.sampler.task_weights:
             metrics["task_weight"] = self.sampler.task_weights
+        self.failures.observe(metrics)
         self.logger.log(step, metrics)
         self.telemetry.record_step(step, self.logger.history[-1])
+        self.failures.check(last_step=step + 1 == self.cfg.steps)  # too many failed: stop before a checkpoint
         self.fleet.apply_controls()
-        every = self.cfg.checkpoint_every
-        if (every and (step + 1) % every == 0) or step + 1 == self.cfg.steps:
-            self.save_checkpoint(step)
+        if self._checkpoint_due(step) or self.stop.requested:
+            if metrics.get("samples") and metrics.get("failed_samples") == metrics["samples"]:
+                # Nothing was learned: a checkpoint would look like progress. The step's groups stay
+                # uncommitted; the next checkpoint (or a resume) takes them.
+                self.logger.say(f"step {step}: every sample failed, no checkpoint written")
+            else:
+                self.save_checkpoint(step)
         self._reset_step_counters(boundary)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Every checkpoint_every steps or checkpoint_every_seconds, whichever comes first; and at the end."""
+        every, seconds = self.cfg.checkpoint_every, self.cfg.checkpoint_every_seconds
+        by_steps = bool(every) and (step + 1) % every == 0
+        by_time = bool(seconds) and time.time() - self.last_checkpoint_at >= seconds
+        return by_steps or by_time or step + 1 == self.cfg.steps
 
     def _reset_step_counters(self, boundary: float | None = None) -> None:
         """The clocks of the next step. Steps are contiguous: one starts where the last ended, so the
@@ -376,6 +413,7 @@ class RunningJob:
         # Groups become "trained" only once the weights that learned from them are on disk. A crash
         # between the line above and this one is repaired by _restore (commit_through).
         self.buffer.commit_through(step)
+        self.last_checkpoint_at = time.time()
         return path
 
     def _find_checkpoint(self) -> Path | None:
@@ -384,7 +422,14 @@ class RunningJob:
             return None
         if resume == "auto":
             complete = sorted((self.run_dir / "checkpoints").glob("step_*/driver_state.json"))
-            return complete[-1].parent if complete else None
+            if not complete:
+                print(
+                    f"resume=auto: no checkpoint in {self.run_dir / 'checkpoints'}: training starts at step 0 "
+                    "(the buffer's unfinished trajectories are kept and resumed)",
+                    flush=True,
+                )
+                return None
+            return complete[-1].parent
         path = Path(resume).expanduser()
         if not (path / "driver_state.json").is_file():
             raise FileNotFoundError(f"resume={resume}: not a checkpoint directory (no driver_state.json)")
@@ -394,6 +439,10 @@ class RunningJob:
         import ray  # see the module docstring
 
         state = json.loads((checkpoint / "driver_state.json").read_text())
+        print(
+            f"resume={self.cfg.resume}: resuming from {checkpoint} at step {state['next_step']} of {self.cfg.steps}",
+            flush=True,
+        )
         ray.get(self.learner.load.remote(str(checkpoint)))
         self.sampler.load_state_dict(state["sampler"])
         # Claims of steps inside the checkpoint are trained (the process may have died before it

@@ -23,7 +23,7 @@ from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.buffer import TrajectoryStore
 from slime.config import JobConfig
 from slime.model import load_model
-from slime.sample import Sample, Status
+from slime.sample import Sample, Status, failure_key
 from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
 
@@ -83,6 +83,17 @@ def _reward_stats(samples: list[Sample]) -> dict[str, dict[str, float]]:
             "latency_p50_s": float(np.percentile(latency, 50)) if latency else float("nan"),
             "latency_p99_s": float(np.percentile(latency, 99)) if latency else float("nan"),
         }
+    return out
+
+
+def _failures_by_reason(samples: list[Sample]) -> dict[str, dict]:
+    """Failed samples by reason (sample.failure_key): how many, and one example of each."""
+    out: dict[str, dict] = {}
+    for s in samples:
+        if s.status != Status.FAILED:
+            continue
+        entry = out.setdefault(failure_key(s.failure), {"count": 0, "example_id": s.id, "example": s.failure})
+        entry["count"] += 1
     return out
 
 
@@ -328,6 +339,7 @@ class Learner:
             reward_by_task={k: float(np.mean(v)) for k, v in by_task.items()},
             samples=len(samples),
             failed_samples=len(samples) - len(ok),
+            failures_by_reason=_failures_by_reason(samples),
             truncated_share=float(batch.truncated.float().mean()),
             response_len_mean=float(lengths.mean()),
             response_len_p50=float(np.percentile(lengths, 50)),

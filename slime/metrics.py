@@ -24,21 +24,69 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return flat
 
 
+class TooManyFailures(RuntimeError):
+    """More samples failed over the last steps than reward.max_failed_share allows."""
+
+
+class FailureWatch:
+    """Makes failed samples loud. Each new kind of failure is printed once, with an example; when
+    the failed share of the samples of the last `window` steps passes `max_share`, `check`
+    raises TooManyFailures naming the most common reasons (the job then stops, exit 1)."""
+
+    def __init__(self, max_share: float, window: int, say=tqdm.write):
+        self.max_share, self.window, self.say = max_share, window, say
+        self.recent: list[tuple[int, int]] = []  # (failed, samples) of the last steps
+        self.reasons: dict[str, dict] = {}  # every reason seen: count, an example
+
+    def observe(self, metrics: dict[str, Any]) -> None:
+        for key, entry in metrics.get("failures_by_reason", {}).items():
+            seen = self.reasons.setdefault(key, {**entry, "count": 0})
+            if seen["count"] == 0:
+                self.say(f"failed sample ({key}): {entry['example']} [sample {entry['example_id']}]")
+            seen["count"] += entry["count"]
+        self.recent = [*self.recent, (int(metrics.get("failed_samples", 0)), int(metrics.get("samples", 0)))]
+        self.recent = self.recent[-self.window :]
+
+    def check(self, last_step: bool = False) -> None:
+        """Judged once the window is full (or at the run's last step, for a run shorter than it)."""
+        if len(self.recent) < self.window and not last_step:
+            return
+        failed, total = (sum(column) for column in zip(*self.recent)) if self.recent else (0, 0)
+        if total == 0 or failed / total <= self.max_share:
+            return
+        top = sorted(self.reasons.items(), key=lambda kv: -kv[1]["count"])[:3]
+        lines = [f"  {e['count']}x {key}\n      e.g. sample {e['example_id']}: {e['example']}" for key, e in top]
+        raise TooManyFailures(
+            f"{failed} of {total} samples failed over the last {len(self.recent)} steps "
+            f"({failed / total:.0%} > reward.max_failed_share={self.max_share:g}); the job stops "
+            "without a checkpoint of these steps. Most common reasons:\n" + "\n".join(lines)
+        )
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, start_step: int = 0):
         self.run_dir = run_dir
         self.cfg = cfg
-        self.started = time.time()
-        self.history: list[dict[str, float]] = []
-        self.jsonl = open(run_dir / "metrics.jsonl", "a") if cfg.jsonl else None
+        # A resumed run continues the series: the steps it will redo are dropped from metrics.jsonl
+        # (and from TensorBoard by purge_step), and its wall clock goes on from the last kept step.
+        self.history: list[dict[str, float]] = _kept_history(run_dir / "metrics.jsonl", start_step)
+        self.started = time.time() - (self.history[-1]["wall_seconds"] if self.history else 0.0)
+        self.jsonl = None
+        if cfg.jsonl:
+            _write_lines(run_dir / "metrics.jsonl", [json.dumps(h) + "\n" for h in self.history])
+            self.jsonl = open(run_dir / "metrics.jsonl", "a")
         self.tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
         self.bar = (
             tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True) if cfg.progress else None
         )
+
+    def say(self, message: str) -> None:
+        """A line above the progress bar."""
+        tqdm.write(message)
 
     def waiting(self, counts: dict[str, int], ready_needed: int) -> None:
         """Live buffer state while the step's groups are generated."""
@@ -68,7 +116,8 @@ class MetricsLogger:
                 f"len p50/p99 {flat.get('response_len_p50', 0):.0f}/{flat.get('response_len_p99', 0):.0f} "
                 f"{flat.get('rollout_tokens_per_s', 0):.0f} tok/s "
                 f"learn {flat.get('learner_seconds', 0):.1f}s "
-                f"buf r{flat.get('buffer/groups_ready', 0):.0f}/p{flat.get('buffer/queue_resume', 0):.0f}",
+                f"buf r{flat.get('buffer/groups_ready', 0):.0f}/p{flat.get('buffer/queue_resume', 0):.0f}"
+                + (f" failed {flat['failed_samples']:.0f}/{flat['samples']:.0f}" if flat.get("failed_samples") else ""),
                 refresh=True,
             )
 
@@ -115,3 +164,25 @@ class MetricsLogger:
             self.tb.close()
         if self.cfg.plot:
             self.plot()
+
+
+def _kept_history(path: Path, start_step: int) -> list[dict[str, float]]:
+    """The metrics of the steps before start_step from an earlier run of this run dir (a resume);
+    nothing for a fresh run. A torn last line (the process died while writing it) is skipped."""
+    if start_step == 0 or not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("step", start_step) < start_step:
+            kept.append(row)
+    return kept
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(lines))
+    tmp.replace(path)

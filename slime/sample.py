@@ -7,6 +7,7 @@ The per-token arrays always have the same length; `append` refuses chunks that w
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -118,6 +119,23 @@ class Sample:
     @property
     def min_version(self) -> int | None:
         return int(self.versions.min()) if len(self.versions) else None
+
+
+# "reward function NAME raised ValueError: ..." -> "reward function NAME raised ValueError"
+_FAILURE_HEAD = re.compile(r"^(reward function|env) (\S+) (raised \w+|timed out|returned|did not finish|not called)")
+
+
+def failure_key(failure: str | None) -> str:
+    """A failure reason without its per-sample details, to count failures by what broke and how:
+    the reward function or env named and the kind of failure ("raised ValueError", "timed out",
+    "returned"; a file plugin by its file name), else the reason's first line up to its first colon (at most 80 characters)."""
+    lines = (failure or "").strip().splitlines()
+    text = lines[0] if lines else "no reason given"
+    head = _FAILURE_HEAD.match(text)
+    if head is None:
+        return text.split(": ", 1)[0][:80]
+    what, name, how = head.groups()
+    return f"{what} {name.rsplit('/', 1)[-1]} {how}"  # a file plugin by its file name, not its path
 
 
 def normalize_chunk(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 
 from slime.config import JobConfig
-from slime.job import RunningJob, main_thread, raise_interrupted
+from slime.job import RunningJob
 
 __all__ = ["RunningJob", "async_loop", "streaming_loop", "sync_loop", "train"]
 
@@ -33,6 +33,8 @@ def sync_loop(job: RunningJob) -> None:
         job.push_weights(step)
         job.resume()  # the next step starts here
         job.end_step(step, metrics | {"aborted_samples": aborted})
+        if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
+            break
 
 
 def async_loop(job: RunningJob) -> None:
@@ -43,6 +45,8 @@ def async_loop(job: RunningJob) -> None:
         metrics = job.train_step(step, max_staleness=cfg.max_staleness)
         job.push_weights(step)
         job.end_step(step, metrics)
+        if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
+            break
 
 
 def streaming_loop(job: RunningJob) -> None:
@@ -55,17 +59,25 @@ def streaming_loop(job: RunningJob) -> None:
         metrics = job.train_segments(step, segments)
         job.push_weights(step)
         job.end_step(step, metrics)
+        if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
+            break
 
 
 def train(cfg: JobConfig) -> list[dict]:
-    previous = signal.signal(signal.SIGTERM, raise_interrupted) if main_thread() else None
+    """Run the job; its metrics, one dict per step. SIGINT/SIGTERM end it after the current step
+    with a checkpoint (a second signal at once, see GracefulStop)."""
+    job = RunningJob(cfg)
+    previous = job.stop.install()
     try:
-        with RunningJob(cfg) as job:
-            if cfg.april.streaming_chunk_tokens is not None:
-                streaming_loop(job)
-            else:
-                (sync_loop if cfg.mode == "sync" else async_loop)(job)
+        with job:
+            if not job.stop.requested:  # a signal during start-up: nothing to train
+                if cfg.april.streaming_chunk_tokens is not None:
+                    streaming_loop(job)
+                else:
+                    (sync_loop if cfg.mode == "sync" else async_loop)(job)
+            if job.stop.requested:
+                job.logger.say(f"stopped by {job.stop.requested} with a checkpoint; resume=auto goes on from it")
             return job.logger.history
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -215,21 +215,23 @@ def test_zero_variance_filter_drops_and_counts(ray_session, tiny_model_dir, redi
     buffer.delete_job()
 
 
-def _run_cli(args: list[str], env: dict) -> subprocess.Popen:
+def _run_cli(args: list[str], env: dict, stdout=subprocess.DEVNULL) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "slime.cli", "train", *args],
         env=env,
         start_new_session=True,
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.PIPE,
     )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tmp_path, sig):
-    """Kill the whole job (driver, its Redis, its Ray) mid-run; `resume=auto` continues the partials
-    stored in Redis from their tokens and trains every group exactly once."""
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGTERM twice"])
+def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tmp_path, how):
+    """Kill the whole job (driver, its Redis, its Ray) mid-run, or stop it by SIGTERM (it ends the
+    step, checkpoints, exits 0) or by SIGTERM twice (it stops at once); `resume=auto` continues the
+    partials stored in Redis from their tokens and trains every group exactly once."""
+    sig = signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM
     out = tmp_path / "run"
     args = [
         f"job_name=kill-{sig.name}",
@@ -263,8 +265,22 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
         120,
         "a partial trajectory in the live buffer",
     )
-    os.killpg(proc.pid, sig) if sig == signal.SIGKILL else proc.send_signal(sig)
-    proc.wait(timeout=120)
+    if sig == signal.SIGKILL:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+        if how == "SIGTERM twice":
+            time.sleep(0.3)
+            proc.send_signal(sig)
+    _, stop_err = proc.communicate(timeout=120)
+    if how == "SIGTERM":  # graceful: the step ends, its checkpoint holds every logged step
+        assert proc.returncode == 0, stop_err.decode()[-3000:]
+        assert "finishing this step, then a checkpoint and exit" in stop_err.decode()
+        latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+        logged = len(metrics.read_text().splitlines())
+        assert json.loads((latest / "driver_state.json").read_text())["next_step"] == logged
+    elif how == "SIGTERM twice":
+        assert proc.returncode == 130, stop_err.decode()[-3000:]
     if sig == signal.SIGKILL:
         # Ray and Redis were in the job's session: make sure nothing of it survives.
         try:
@@ -285,19 +301,20 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
         steps_done = len(metrics.read_text().splitlines())
     assert partials, "the killed job left no partial trajectories to resume"
 
-    resumed = _run_cli([*args, f"steps={steps_done + 3}", "resume=auto"], env)
-    _, err = resumed.communicate(timeout=300)
+    resumed = _run_cli([*args, f"steps={steps_done + 3}", "resume=auto"], env, stdout=subprocess.PIPE)
+    said, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err.decode()[-3000:]
+    assert f"resume=auto: resuming from {out / 'checkpoints'}/step_" in said.decode()  # says where from
 
     with LocalRedisServer(out / "redis", password="inspect") as server:
         buffer = TrajectoryStore.open(server.url, f"kill-{sig.name}", password="inspect")
         for sid, prefix in partials.items():
             s = buffer.get_sample(sid)
             assert np.array_equal(s.response_ids[: len(prefix)], prefix), sid  # continued, not regenerated
-        last_by_step = {}
-        for line in metrics.read_text().splitlines():
-            row = json.loads(line)
-            last_by_step[row["step"]] = row
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        # One series: the steps logged after the last checkpoint were redone and logged once.
+        assert [r["step"] for r in rows] == list(range(len(rows)))
+        last_by_step = {r["step"]: r for r in rows}
         trained_in_metrics = sum(r["groups"] for r in last_by_step.values())
         c = buffer.counts()
         assert c["groups_trained"] == trained_in_metrics == 3 * len(last_by_step)

@@ -192,7 +192,9 @@ def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
         # Per-expert load arrives from the workers' router counts within a few seconds of decoding.
         wait_for(lambda: text("experts-note") == "", 30, "the expert-load chart to have data")
         # The train-inference mismatch chart draws each trained step's per-kind figures.
-        wait_for(lambda: text("legend-mismatch").split() == ["fresh", "resumed", "stale"], 30, "the mismatch legend")
+        # (textContent: the legend may lie outside the window, where Selenium's .text reads "")
+        legend = "return [...document.getElementById('legend-mismatch').children].map(c => c.textContent)"
+        wait_for(lambda: browser.execute_script(legend) == ["fresh", "resumed", "stale"], 30, "the mismatch legend")
         wait_for(
             lambda: browser.execute_script(
                 "return steps.some(s => typeof s.mismatch_fresh_logp_abs_diff === 'number')"

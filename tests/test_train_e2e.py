@@ -9,6 +9,7 @@ import pytest
 
 from slime.buffer import TrajectoryStore
 from slime.config import load_config
+from slime.metrics import TooManyFailures
 from slime.train import train
 
 pytestmark = pytest.mark.slow
@@ -48,7 +49,7 @@ def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, r
     assert list((tmp_path / "tensorboard").iterdir())
 
     history = train(load_config(None, [*common, "steps=3", "resume=auto"]))
-    assert [h["step"] for h in history] == [2]
+    assert [h["step"] for h in history] == [0, 1, 2]  # the series goes on: the plot shows the whole run
     assert history[-1]["policy_version"] == 3
     assert [r["step"] for r in _lines(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     counts = TrajectoryStore.open(redis_url, job).counts()
@@ -111,11 +112,14 @@ def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redi
                 *SMALL,
                 "steps=2",
                 f"reward.fn={reward_file}:reward",
+                "reward.max_failed_share=0.95",  # about half fail: this job goes on
             ],
         )
     )
     assert len(history) == 2
     assert sum(h["failed_samples"] for h in history) > 0
+    key = "failures_by_reason/reward function flaky_reward.py:reward raised ValueError/count"
+    assert sum(h.get(key, 0) for h in history) == sum(h["failed_samples"] for h in history)
     assert all(h["samples"] == 9 for h in history)
     # Reward statistics per route (task) reach the metrics, failures and latency included.
     assert sum(h["reward_stats/repeat/failures"] for h in history) == sum(h["failed_samples"] for h in history)
@@ -123,6 +127,42 @@ def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redi
     failed = [s for s in TrajectoryStore.open(redis_url, job).iter_samples() if s.failure]
     assert failed and all("odd length" in s.failure for s in failed)
     TrajectoryStore.open(redis_url, job).delete_job()
+
+
+def test_a_reward_that_always_fails_stops_the_job_loudly_without_a_checkpoint(
+    ray_session, tiny_model_dir, redis_url, tmp_path, capsys
+):
+    """Before: 3 steps trained on nothing, a checkpoint, exit 0 and `reward nan -> nan`, the reason
+    only inside Redis. Now the reason is printed when first seen, counted in the metrics, and the
+    job stops once the window's failed share passes reward.max_failed_share."""
+    reward_file = tmp_path / "broken_reward.py"
+    reward_file.write_text("def reward(prompt, response, label, metadata):\n    raise RuntimeError('boom')\n")
+    run = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            "job_name=e2e-all-fail",
+            f"output_dir={run}",
+            f"model.path={tiny_model_dir}",
+            f"buffer.url={redis_url}",
+            *SMALL,
+            "steps=6",
+            "checkpoint_every=1",
+            "reward.failed_window_steps=2",
+            f"reward.fn={reward_file}:reward",
+        ],
+    )
+    with pytest.raises(TooManyFailures) as err:
+        train(cfg)
+    key = "reward function broken_reward.py:reward raised RuntimeError"
+    assert "18 of 18 samples failed over the last 2 steps (100% > reward.max_failed_share=0.5)" in str(err.value)
+    assert f"18x {key}" in str(err.value) and "boom" in str(err.value)
+    assert f"failed sample ({key}): " in capsys.readouterr().out  # said once, when first seen
+    rows = _lines(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r[f"failures_by_reason/{key}/count"] == 9 == r["failed_samples"] for r in rows)
+    assert not list(run.glob("checkpoints/step_*/driver_state.json"))  # nothing learned, nothing saved
+    TrajectoryStore.open(redis_url, "e2e-all-fail").delete_job()
 
 
 def test_bad_reward_spec_fails_before_anything_starts(tmp_path):
