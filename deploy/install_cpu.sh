@@ -26,6 +26,13 @@ command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
 if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq $missing >/dev/null) || echo "apt could not install:$missing"
 fi
+# CI (SLIME_CI=1, set by .ci/run) needs every one of them: a failed install stops here, where a
+# developer's machine only skips the tests that need the missing tool.
+if [ "${SLIME_CI:-}" = 1 ]; then
+  for tool in bwrap chromium chromedriver; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "SLIME_CI=1: $tool is missing after the install step" >&2; exit 1; }
+  done
+fi
 python - <<'PY'
 import torch, transformers, ray, redis
 from slime.buffer.redis_server import find_redis_server

@@ -7,16 +7,22 @@ Every run gets:
   inside, the code runs as uid/gid 65534 with no capabilities;
 * a filesystem that holds only what the interpreter needs: `/usr` read-only, the `/bin`, `/lib*`
   links (or read-only binds where the host is not merged-/usr), `/etc/alternatives`,
-  `/etc/ld.so.cache` and `/etc/python3*`; a fresh `/proc` and `/dev`; a size-capped tmpfs at
-  `/tmp`; and a fresh host temp directory bound read-write at `/work` (the working directory,
-  where `files` are written). `/root`, `/home`, the project, `/etc/shadow` are simply not there;
-* `--clearenv` and a minimal environment; `--new-session` (no TIOCSTI into our terminal);
+  `/etc/ld.so.cache` and `/etc/python3*`; a fresh `/proc` and `/dev`; and the run's writable
+  places `/work` (the working directory, where `files` are written), `/tmp` and `/dev/shm`, all
+  in one tmpfs mounted for the run with one limit in bytes (`write_quota_mb`) and in files
+  (`max_files`) for the three together (envs/sandbox_host.py; without root, /tmp and /dev/shm are
+  capped apart and the result carries a warning). `/root`, `/home`, the project, `/etc/shadow`
+  are simply not there;
+* `--clearenv` and a minimal environment, and bwrap itself started with an empty one (its pid-1
+  init's environment is readable inside); `--new-session` (no TIOCSTI into our terminal);
   `--die-with-parent`;
-* rlimits (set by `prlimit` before `bwrap` is exec'd, hard = soft so the code cannot raise
-  them): CPU seconds, address space, processes, file size, open files, no core dumps;
-* when we are root, the whole tree runs as a dedicated unprivileged *host* uid taken from a
-  small range (`host_uid_base`..): RLIMIT_NPROC is per real uid and is not enforced for root,
-  so this is what makes the process limit bite; it also lets us sweep up anything left behind;
+* rlimits (set by `prlimit` before `bwrap` is exec'd; hard = soft so the code cannot raise
+  them, but for CPU: SIGXCPU at the soft limit reports a timeout, SIGKILL one second later):
+  CPU seconds, address space, processes, file size, open files, no core dumps;
+* when we are root, the whole tree runs as a dedicated unprivileged *host* uid, held through a
+  lock file so no other process or job on the host uses it meanwhile: RLIMIT_NPROC is per real
+  uid and is not enforced for root, so this is what makes the process limit bite; it also lets
+  us sweep up anything left behind;
 * a wall-clock timeout that SIGKILLs the process group of `bwrap`; the pid namespace then takes
   every descendant with it (the kernel kills a pid namespace when its init dies);
 * stdout/stderr read incrementally and capped; past the cap the run is killed
@@ -52,6 +58,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from envs.sandbox_host import (
+    PLACES,
+    acquire_uid,
+    count_procs_of_uid,
+    mount_area,
+    release_uid,
+    sweep_uid,
+    unmount_area,
+)
+
 Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed", "sandbox_unavailable"]
 
 TRUNCATION_MARKER = "\n...[truncated by sandbox: output limit of {limit} bytes reached]\n"
@@ -77,7 +93,10 @@ class SandboxConfig(BaseModel):
     max_file_mb: int = Field(16, ge=1, description="RLIMIT_FSIZE")
     max_open_files: int = Field(64, ge=16, description="RLIMIT_NOFILE")
     max_output_bytes: int = Field(64 * 1024, ge=256, description="per stream; past it the run is killed")
-    tmp_size_mb: int = Field(64, ge=1, description="size of the /tmp tmpfs")
+    write_quota_mb: int = Field(
+        64, ge=1, description="one limit for /work, /tmp and /dev/shm together (a tmpfs: memory, not disk)"
+    )
+    max_files: int = Field(4096, ge=16, description="files and directories the run may create, in all those places")
     host_uid_base: int = Field(61000, ge=1000, description="dedicated host uids when run as root")
     host_uid_count: int = Field(1000, ge=1)
     extra_ro_binds: list[str] = Field(default_factory=list, description="host paths bound read-only at the same place")
@@ -102,78 +121,6 @@ class SandboxResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# ----------------------------------------------------------------------------- host uids
-
-_uid_lock = threading.Lock()
-_uids_in_use: set[int] = set()
-_uid_cursor = 0
-
-
-def _acquire_uid(cfg: SandboxConfig) -> int | None:
-    """A dedicated host uid when we are root (so RLIMIT_NPROC applies), else None (run as us)."""
-    if os.geteuid() != 0:
-        return None
-    global _uid_cursor
-    with _uid_lock:  # round-robin, so zombies not yet reaped by pid 1 spread over many uids
-        for _ in range(cfg.host_uid_count):
-            uid = cfg.host_uid_base + _uid_cursor % cfg.host_uid_count
-            _uid_cursor += 1
-            if uid not in _uids_in_use:
-                _uids_in_use.add(uid)
-                return uid
-    raise RuntimeError("no free sandbox uid: raise host_uid_count")
-
-
-def _release_uid(uid: int | None) -> None:
-    if uid is not None:
-        with _uid_lock:
-            _uids_in_use.discard(uid)
-
-
-def _pids_of_uid(uid: int, include_zombies: bool = False) -> list[int]:
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as f:
-                status = f.read()
-        except OSError:
-            continue
-        zombie = False
-        for line in status.splitlines():
-            if line.startswith("State:"):
-                zombie = line.split()[1] in ("Z", "X")
-            elif line.startswith("Uid:"):
-                if int(line.split()[1]) == uid and (include_zombies or not zombie):
-                    pids.append(int(name))
-                break
-    return pids
-
-
-def _sweep_uid(uid: int, rounds: int = 20) -> int:
-    """SIGKILL every live process whose real uid is `uid`; returns how many were found.
-
-    Zombies are skipped: they are already dead and wait for their reaper (pid 1 for orphans)."""
-    found = 0
-    for _ in range(rounds):
-        pids = _pids_of_uid(uid)
-        if not pids:
-            break
-        found += len(pids)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.01)
-    return found
-
-
-def _count_procs_of_uid(uid: int) -> int:
-    return len(_pids_of_uid(uid, include_zombies=True))
 
 
 # ----------------------------------------------------------------------------- probe
@@ -253,7 +200,7 @@ class Sandbox:
             ),
         ]
         for what, argv in steps:
-            uid = _acquire_uid(cfg)
+            uid = acquire_uid(cfg.host_uid_base, cfg.host_uid_count)
             try:
                 if argv[0] == bwrap and "--bind" in argv:
                     argv = [a for a in argv]  # the probe needs no /work: replace bind with tmpfs
@@ -273,8 +220,8 @@ class Sandbox:
                 return f"{what} failed to start: {e}; fix: {_fix_hint()}"
             finally:
                 if uid is not None:
-                    _sweep_uid(uid)
-                _release_uid(uid)
+                    sweep_uid(uid)
+                release_uid(uid)
             if r.returncode != 0:
                 who = f"host uid {uid}" if uid is not None else f"uid {os.geteuid()}"
                 return f"{what} failed (exit {r.returncode}, as {who}): {r.stderr.strip()[-500:]}; fix: {_fix_hint()}"
@@ -282,7 +229,10 @@ class Sandbox:
 
     # -- argv --------------------------------------------------------------------------
 
-    def _bwrap_argv(self, bwrap: str, workdir: str) -> list[str]:
+    def _bwrap_argv(self, bwrap: str, area: str, quota_mounted: bool = False) -> list[str]:
+        """`area`: the host directory holding the run's places (sandbox_host.PLACES). Mounted as
+        one quota'd tmpfs, every place is bound from it; otherwise /tmp and /dev/shm are tmpfs
+        of write_quota_mb each and /work is a host directory (RLIMIT_FSIZE per file only)."""
         cfg = self.config
         a = [
             bwrap,
@@ -319,13 +269,15 @@ class Sandbox:
             "/proc",
             "--dev",
             "/dev",
-            "--size",
-            str(cfg.tmp_size_mb * 1024 * 1024),
-            "--tmpfs",
-            "/tmp",
-            "--bind",
-            workdir,
-            "/work",
+        ]
+        if quota_mounted:
+            for name, place in PLACES.items():
+                a += ["--bind", os.path.join(area, name), place]
+        else:
+            size = str(cfg.write_quota_mb * 1024 * 1024)
+            a += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm"]
+            a += ["--bind", os.path.join(area, "work"), "/work"]
+        a += [
             "--chdir",
             "/work",
             "--remount-ro",
@@ -354,10 +306,10 @@ class Sandbox:
         nproc = cfg.max_processes + 4  # bwrap's monitor + its pid-1 init + slack
         # RLIMIT_NPROC counts every process of the real uid, zombies included, not just this run's:
         # our own uid when not root; leftover unreaped zombies of the dedicated uid when root
-        nproc += _count_procs_of_uid(os.getuid() if uid is None else uid)
+        nproc += count_procs_of_uid(os.getuid() if uid is None else uid)
         return [
-            "prlimit",
-            f"--cpu={cpu}",
+            shutil.which("prlimit") or "prlimit",
+            f"--cpu={cpu}:{cpu + 1}",
             f"--as={cfg.memory_mb * 1024 * 1024}",
             f"--nproc={nproc}",
             f"--fsize={cfg.max_file_mb * 1024 * 1024}",
@@ -389,8 +341,15 @@ class Sandbox:
         err = self._probe()
         if err is not None:
             return SandboxResult("sandbox_unavailable", None, "", "", error=err)
-        workdir = tempfile.mkdtemp(prefix="slime-sandbox-")
-        uid = _acquire_uid(cfg)
+        area = tempfile.mkdtemp(prefix="slime-sandbox-")
+        uid = acquire_uid(cfg.host_uid_base, cfg.host_uid_count)
+        no_quota = "unsafe mode" if unsafe else mount_area(area, cfg.write_quota_mb << 20, cfg.max_files, uid)
+        if no_quota is not None:
+            os.chmod(area, 0o711)  # the run's uid passes through to its work dir
+            os.mkdir(os.path.join(area, "work"))
+            if not unsafe:
+                warning = f"no total write quota ({no_quota}): /tmp and /dev/shm are capped apart, /work per file only"
+        workdir = os.path.join(area, "work")
         try:
             _write_files(workdir, files, uid)
             with tempfile.TemporaryFile() as stdin_file:
@@ -401,16 +360,20 @@ class Sandbox:
                     env, cwd = {**self._env(), "HOME": workdir, "TMPDIR": workdir}, workdir
                 else:
                     bwrap = shutil.which(cfg.bwrap) or cfg.bwrap
-                    full = self._prlimit_argv(uid) + self._bwrap_argv(bwrap, workdir) + argv
-                    env, cwd = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, "/"
+                    full = self._prlimit_argv(uid) + self._bwrap_argv(bwrap, area, no_quota is None) + argv
+                    # bwrap and its pid-1 init keep the environment they were started with (readable in
+                    # /proc/1/environ inside): give them none; the code's own comes from --setenv.
+                    env, cwd = {}, "/"
                 res = _execute(full, stdin_file, env, cwd, uid, cfg)
             res.warning = warning
             return res
         finally:
             if uid is not None:
-                _sweep_uid(uid)
-            _release_uid(uid)
-            shutil.rmtree(workdir, ignore_errors=True)
+                sweep_uid(uid)
+            release_uid(uid)
+            if no_quota is None:
+                unmount_area(area)
+            shutil.rmtree(area, ignore_errors=True)
 
 
 def _write_files(workdir: str, files: dict[str, str | bytes], uid: int | None) -> None:

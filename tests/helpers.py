@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from transformers import PreTrainedTokenizerFast
 
 from slime.model import CHAT_TEMPLATE, build_char_tokenizer
+
+
+def needs(available: bool, reason: str) -> pytest.MarkDecorator:
+    """skipif for a system tool a developer's machine may lack (bubblewrap, Chromium). In CI
+    (.ci/run sets SLIME_CI=1) a missing tool fails the run at collection instead of skipping."""
+    if not available and os.environ.get("SLIME_CI") == "1":
+        raise RuntimeError(f"SLIME_CI=1 and a test's system tool is missing: {reason}")
+    return pytest.mark.skipif(not available, reason=reason)
 
 
 def make_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from slime.buffer import BufferQueries, JobTelemetry, TrajectoryStore
-from tests.helpers import wait_for
+from tests.helpers import needs, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def _rows(buffer: TrajectoryStore) -> list[dict]:
     return q.sample_rows([sid for _, sids in q.group_rows(q.group_ids_by_rank(0, 10**6)) for sid in sids])
 
 
-@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs apt packages chromium and chromium-driver")
+@needs(bool(CHROMIUM and CHROMEDRIVER), "needs apt packages chromium and chromium-driver")
 def test_page_shows_the_live_job_and_colours_tokens(running_job, tmp_path):
     from selenium import webdriver
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException

@@ -2,13 +2,16 @@
 
 Every attack test ends with a clear status AND checks the sandbox still serves the next request.
 Skipped only when bubblewrap is missing or cannot create namespaces here (the reason says which);
-CI installs it with `apt-get install -y bubblewrap`.
+in CI (SLIME_CI=1) that fails instead; CI installs it with `apt-get install -y bubblewrap`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -16,11 +19,15 @@ import pytest
 
 from envs.code_reward import code_reward, extract_code, score_code
 from envs.sandbox import Sandbox, SandboxConfig, SandboxPool
+from envs.sandbox_host import acquire_uid, release_uid
+from tests.helpers import needs
 
-CFG = SandboxConfig(timeout_s=3.0, memory_mb=256, max_processes=16, max_output_bytes=8192)
+CFG = SandboxConfig(
+    timeout_s=3.0, memory_mb=256, max_processes=16, max_output_bytes=8192, write_quota_mb=32, max_files=200
+)
 _sb = Sandbox(CFG)
 _probe_error = _sb._probe()
-pytestmark = pytest.mark.skipif(_probe_error is not None, reason=f"bubblewrap sandbox unusable here: {_probe_error}")
+pytestmark = needs(_probe_error is None, f"bubblewrap sandbox unusable here: {_probe_error}")
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +200,121 @@ print("spawned", flush=True)
     assert r.status == "timeout"
     time.sleep(0.2)
     assert _procs_with_marker(marker) == []
+    _still_serving(sb)
+
+
+def test_one_write_quota_holds_across_work_tmp_and_shm(sb):
+    """Before: /tmp was capped but /work and /dev/shm were not (eight 16 MB files went through).
+    Now one tmpfs holds all three: their sum stops at write_quota_mb, and its files at max_files."""
+    code = """
+import errno, os
+total, chunk = 0, b"x" * (4 << 20)
+for i in range(64):
+    place = ("/work", "/tmp", "/dev/shm")[i % 3]
+    try:
+        with open(f"{place}/f{i}", "wb") as f:
+            f.write(chunk)
+        total += len(chunk)
+    except OSError as e:
+        print("bytes stopped", e.errno == errno.ENOSPC, total >> 20, flush=True)
+        break
+for name in os.listdir("/work") + os.listdir("/tmp") + os.listdir("/dev/shm"):
+    pass
+for place in ("/work", "/tmp", "/dev/shm"):
+    for name in os.listdir(place):
+        os.unlink(f"{place}/{name}")
+n = 0
+try:
+    while n < 100000:
+        open(f"{('/work', '/tmp', '/dev/shm')[n % 3]}/e{n}", "w").close()
+        n += 1
+except OSError as e:
+    print("files stopped", e.errno == errno.ENOSPC, n, flush=True)
+"""
+    r = sb.run_python(code)
+    assert r.status == "ok" and r.warning is None, r
+    stopped, mb = r.stdout.split("bytes stopped ")[1].split()[:2]
+    assert stopped == "True" and CFG.write_quota_mb - 8 <= int(mb) <= CFG.write_quota_mb, r.stdout
+    stopped, files = r.stdout.split("files stopped ")[1].split()[:2]
+    assert stopped == "True" and CFG.max_files - 8 <= int(files) <= CFG.max_files, r.stdout
+    _still_serving(sb)
+
+
+def test_host_environment_invisible(sb):
+    """Before: the host's PATH (and the rest of bwrap's environment) read in /proc/1/environ."""
+    code = """
+import json
+for pid in ("1", "self"):
+    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\\0")
+    print(pid, json.dumps(sorted(e.split(b"=")[0].decode() for e in env if e)))
+"""
+    r = sb.run_python(code)
+    assert r.status == "ok", r
+    minimal = {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING", "PWD"}
+    for line in r.stdout.splitlines():
+        assert set(json.loads(line.split(" ", 1)[1])) <= minimal, line
+    assert os.environ["PATH"] not in r.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dedicated host uids are used only when run as root")
+def test_concurrent_processes_never_share_a_uid(sb):
+    """Before: each process counted uids from the same base, and a run's cleanup killed every
+    process of its uid: a second process using the sandbox killed this one's runs."""
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from envs.sandbox import Sandbox, SandboxConfig\n"
+            f"sb = Sandbox(SandboxConfig(timeout_s=3.0, host_uid_base={CFG.host_uid_base}, host_uid_count=4))\n"
+            "for _ in range(12):\n    assert sb.run_python('print(1)').stdout == '1\\n'\n",
+        ],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    try:
+        tight = Sandbox(CFG.model_copy(update={"host_uid_count": 4}))
+        for _ in range(3):
+            r = tight.run_python("import time; time.sleep(0.8); print('survived')")
+            assert r.status == "ok" and r.stdout == "survived\n", r
+    finally:
+        assert other.wait(timeout=120) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dedicated host uids are used only when run as root")
+def test_a_held_uid_is_not_handed_out_by_another_process():
+    code = (
+        "from envs.sandbox_host import acquire_uid\n"
+        "try:\n    acquire_uid(64999, 1)\nexcept RuntimeError as e:\n    print('refused:', e)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    uid = acquire_uid(64999, 1)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+        assert "refused: no free sandbox uid in 64999..64999" in out.stdout, out
+    finally:
+        release_uid(uid)
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.stdout == "", out  # free again
+
+
+def test_cpu_file_size_and_open_file_limits_hold(sb):
+    cpu = Sandbox(CFG.model_copy(update={"timeout_s": 10.0, "cpu_s": 1}))
+    t0 = time.monotonic()
+    r = cpu.run_python("while True:\n    pass")
+    assert r.status == "timeout" and time.monotonic() - t0 < 5, r  # RLIMIT_CPU (SIGXCPU), not the wall clock
+    r = sb.run_python(
+        "import os, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "f = open('big', 'wb')\ntry:\n    f.write(b'x' * (CFG_MB + 1 << 20)); f.flush()\n"
+        "except OSError as e:\n    print('refused', e.errno)\nprint(os.path.getsize('big') >> 20)".replace(
+            "CFG_MB", str(CFG.max_file_mb)
+        )
+    )
+    assert r.status == "ok" and r.stdout.split() == ["refused", "27", str(CFG.max_file_mb)], r  # EFBIG at the cap
+    r = sb.run_python(
+        "fs = []\ntry:\n    while True:\n        fs.append(open(f'o{len(fs)}', 'w'))\n"
+        "except OSError as e:\n    print(e.errno, len(fs))"
+    )
+    errno_, opened = r.stdout.split()
+    assert r.status == "ok" and errno_ == "24" and CFG.max_open_files - 8 <= int(opened) < CFG.max_open_files, r
     _still_serving(sb)
 
 
