@@ -338,7 +338,7 @@ class Learner:
             reward_std=float(np.std([s.reward for s in ok])) if ok else float("nan"),
             reward_by_task={k: float(np.mean(v)) for k, v in by_task.items()},
             samples=len(samples),
-            failed_samples=len(samples) - len(ok),
+            failed_samples=sum(s.status == Status.FAILED for s in samples),  # not the unscored (streaming)
             failures_by_reason=_failures_by_reason(samples),
             truncated_share=float(batch.truncated.float().mean()),
             response_len_mean=float(lengths.mean()),

@@ -106,6 +106,13 @@ def test_failed_samples_are_not_trained(tiny_model_dir, redis_url, tmp_path):
     learner = _learner(tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=1")
     m = learner.train_step(0, num_groups=1)
     assert m["failed_samples"] == 1 and m["trained_tokens"] == 6
+    assert m["failures_by_reason"] == {
+        "reward raised ValueError": {
+            "count": 1,
+            "example_id": m["failures_by_reason"]["reward raised ValueError"]["example_id"],
+            "example": "reward raised ValueError",
+        }
+    }
     assert m["reward_mean"] == pytest.approx(1.5)
     buffer.delete_job()
 
@@ -296,6 +303,7 @@ GOLDEN_SAMPLE_METRICS = {
     "mismatch_resumed_tokens",
     "mismatch_stale_tokens",
     "failed_samples",
+    "failures_by_reason",
     "lr",
     "kl_coef",
     "clip_low",

@@ -39,13 +39,19 @@ from slime.weights import WeightHandle, make_transport
 class _Pending:
     """Tokens produced by the engine and not yet written to the buffer, for one trajectory."""
 
-    __slots__ = ("sample", "tokens", "logprobs", "versions")
+    __slots__ = ("sample", "tokens", "logprobs", "versions", "sent")
 
     def __init__(self, sample: Sample):
         self.sample = sample
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.sent = sample.response_length  # response tokens stored or on their way to the buffer
+
+    def chunk_due(self, chunk_tokens: int) -> bool:
+        """Chunks end at multiples of chunk_tokens of the whole response, so a resumed partial's
+        chunks (and the chunk sampler's decisions) fall where they would have without the abort."""
+        return len(self.tokens) >= chunk_tokens - self.sent % chunk_tokens
 
 
 class _SentChunks:
@@ -247,13 +253,14 @@ class RolloutWorker:
             p.logprobs.extend(chunk.logprobs)
             p.versions.extend([chunk.version] * len(chunk.token_ids))
             self.generated_tokens += len(chunk.token_ids)
-            if (chunk.finished or len(p.tokens) >= self.cfg.rollout.chunk_tokens) and p.tokens:
+            if (chunk.finished or p.chunk_due(self.cfg.rollout.chunk_tokens)) and p.tokens:
                 to_flush.append(p)
             if chunk.finished:
                 finished.append((p, chunk.finish_reason))
         if to_flush or finished:
             sent = [(p, p.tokens, p.logprobs, p.versions) for p in to_flush]
             for p in to_flush:
+                p.sent += len(p.tokens)
                 p.tokens, p.logprobs, p.versions = [], [], []
             replies = self.buffer.send_append_chunks(self.worker_id, [(p.sample.id, t, lp, v) for p, t, lp, v in sent])
             self.unsettled = _SentChunks(sent, finished, replies)
