@@ -421,10 +421,12 @@ class JobConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> JobConfig:
-        if self.algorithm.name == "grpo" and self.rollout.n_samples_per_prompt < 2:
+        # Their baseline is the other responses to the same prompt: a group of one has none.
+        group_baseline = ("grpo", "gspo", "cispo", "rloo", "dr_grpo", "reinforce_pp_baseline")
+        if self.algorithm.name in group_baseline and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(
-                "rollout.n_samples_per_prompt must be >= 2 for algorithm.name=grpo "
-                "(group-normalised advantages need a group)"
+                f"rollout.n_samples_per_prompt must be >= 2 for algorithm.name={self.algorithm.name} "
+                "(its advantages compare the responses to one prompt; with 1 they are all 0)"
             )
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("max_staleness must be >= 1 when mode=async (0 would make the loop synchronous)")

@@ -476,3 +476,11 @@ def test_staged_kl_coef_boundaries() -> None:
     assert staged_kl_coef(20, schedule, 0.5) == 0.01  # past the last stage: its coef stays
     assert staged_kl_coef(1000, schedule, 0.5) == 0.01
     assert staged_kl_coef(3, [], 0.5) == 0.5
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "cispo", "rloo", "dr_grpo", "reinforce_pp_baseline"])
+def test_group_baseline_algorithms_refuse_groups_of_one(name):
+    with pytest.raises(ValueError, match=f"n_samples_per_prompt must be >= 2 for algorithm.name={name} "):
+        load_config(None, [f"algorithm.name={name}", "rollout.n_samples_per_prompt=1"])
+    for alone in ("ppo", "reinforce_pp"):  # a critic, or the whole batch, is their baseline
+        load_config(None, [f"algorithm.name={alone}", "rollout.n_samples_per_prompt=1"])
