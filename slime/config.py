@@ -400,6 +400,9 @@ class JobConfig(_Strict):
         300.0, ge=0, description="Save when this long has passed since the last save (0: not by time); and at the end."
     )
     resume: str | None = Field(None, description="A checkpoint directory, or 'auto' for the latest in output_dir.")
+    max_restarts: int = Field(
+        3, ge=0, description="Times the job restarts itself from its last checkpoint when a Ray actor dies (0: never)."
+    )
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()

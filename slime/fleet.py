@@ -199,10 +199,9 @@ class RolloutFleet:
 
         healths = []
         for w in self.workers:
-            try:
-                h = ray.get(w.health.remote(), timeout=30)
-            except ray.exceptions.RayActorError as exc:
-                h = {"alive": False, "error": f"actor died: {exc}"}
+            # A dead actor's RayActorError goes up as it is: train() restarts the job from its
+            # checkpoint. A worker that reports an error (its rollout thread raised) fails the job.
+            h = ray.get(w.health.remote(), timeout=30)
             if h.get("error"):
                 raise WorkerFailed(f"rollout worker failed:\n{h['error']}")
             healths.append(h)

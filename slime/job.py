@@ -77,7 +77,7 @@ def main_thread() -> bool:
 class RunningJob:
     """Starts and stops the parts of one job; trains, pushes weights, logs and checkpoints."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, stop: GracefulStop | None = None):
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.redis_server = None
@@ -93,7 +93,7 @@ class RunningJob:
         self.step_boundary: float | None = None  # where this step ends and the next begins
         self.engines_released: tuple[float, float] | None = None  # (time, generated tokens) at the resume
         self.weight_sync_seconds = 0.0
-        self.stop = GracefulStop()
+        self.stop = stop or GracefulStop()
 
     # ---- start / stop ------------------------------------------------------------------------
     def __enter__(self) -> RunningJob:

@@ -12,9 +12,10 @@ streaming: train trajectories chunk by chunk while they grow (GLM-5's variant, P
 from __future__ import annotations
 
 import signal
+import sys
 
 from slime.config import JobConfig
-from slime.job import RunningJob
+from slime.job import GracefulStop, RunningJob
 
 __all__ = ["RunningJob", "async_loop", "streaming_loop", "sync_loop", "train"]
 
@@ -65,19 +66,44 @@ def streaming_loop(job: RunningJob) -> None:
 
 def train(cfg: JobConfig) -> list[dict]:
     """Run the job; its metrics, one dict per step. SIGINT/SIGTERM end it after the current step
-    with a checkpoint (a second signal at once, see GracefulStop)."""
-    job = RunningJob(cfg)
-    previous = job.stop.install()
+    with a checkpoint (a second signal at once, see GracefulStop). When a Ray actor dies (the
+    learner or a rollout worker: killed, pre-empted, out of memory), the job restarts itself from
+    its last checkpoint and the buffer, up to `max_restarts` times: partials keep their tokens and
+    the groups trained after that checkpoint are trained again, once."""
+    stop = GracefulStop()
+    previous = stop.install()
     try:
-        with job:
-            if not job.stop.requested:  # a signal during start-up: nothing to train
-                if cfg.april.streaming_chunk_tokens is not None:
-                    streaming_loop(job)
-                else:
-                    (sync_loop if cfg.mode == "sync" else async_loop)(job)
-            if job.stop.requested:
-                job.logger.say(f"stopped by {job.stop.requested} with a checkpoint; resume=auto goes on from it")
-            return job.logger.history
+        for attempt in range(cfg.max_restarts + 1):
+            try:
+                return _run(cfg, stop)
+            except Exception as exc:
+                if not _actor_lost(exc) or attempt == cfg.max_restarts or stop.requested:
+                    raise
+                print(
+                    f"a Ray actor of the job died ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                    f"restarting from the last checkpoint (restart {attempt + 1} of max_restarts={cfg.max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                cfg = cfg.model_copy(update={"resume": "auto"})
+        raise AssertionError("unreachable")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _run(cfg: JobConfig, stop: GracefulStop) -> list[dict]:
+    with RunningJob(cfg, stop) as job:
+        if not job.stop.requested:  # a signal during start-up: nothing to train
+            if cfg.april.streaming_chunk_tokens is not None:
+                streaming_loop(job)
+            else:
+                (sync_loop if cfg.mode == "sync" else async_loop)(job)
+        if job.stop.requested:
+            job.logger.say(f"stopped by {job.stop.requested} with a checkpoint; resume=auto goes on from it")
+        return job.logger.history
+
+
+def _actor_lost(exc: BaseException) -> bool:
+    ray = sys.modules.get("ray")  # imported by the job once it started Ray
+    return ray is not None and isinstance(exc, ray.exceptions.RayActorError)

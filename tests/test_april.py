@@ -321,3 +321,67 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
         assert c["groups_claimed"] == 0
         resumed_final = [buffer.get_sample(sid) for sid in partials]
         assert any(s.status in FINAL_STATUSES for s in resumed_final)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _actor_pid(root: int, actor: str) -> int | None:
+    for pid in _descendants(root):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(f"ray::{actor}".encode()):
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("actor", ["Learner", "RolloutWorker"])
+def test_a_killed_actor_restarts_the_job_from_its_checkpoint(tiny_model_dir, tmp_path, actor):
+    """SIGKILL of the learner actor (or a rollout worker) alone: the job restarts itself from its
+    last checkpoint and the buffer, ends with exit 0, logs every step once and trains every group
+    exactly once (the groups trained after the checkpoint are not committed and train again)."""
+    out = tmp_path / "run"
+    steps = 8
+    args = [
+        f"job_name=actor-{actor}",
+        f"output_dir={out}",
+        f"model.path={tiny_model_dir}",
+        *SMALL,
+        "checkpoint_every=3",
+        "cluster.num_cpus=2",
+        f"steps={steps}",
+    ]
+    proc = _run_cli(args, {**os.environ, "RAY_AUTH_MODE": "disabled"})
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 4, 240, "four steps")
+    pid = wait_for(lambda: _actor_pid(proc.pid, actor), 30, f"the {actor} actor's process")
+    os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert "restarting from the last checkpoint (restart 1 of max_restarts=3)" in err.decode()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))  # one series, no step twice
+    from slime.buffer.redis_server import LocalRedisServer
+
+    with LocalRedisServer(out / "redis", password="inspect") as server:
+        c = TrajectoryStore.open(server.url, f"actor-{actor}", password="inspect").counts()
+    assert c["groups_trained"] == 3 * steps == sum(r["groups"] for r in rows)  # each group once
+    assert c["groups_claimed"] == 0
