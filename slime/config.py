@@ -113,6 +113,12 @@ class RolloutConfig(_Strict):
         "builtin",
         description="Rollout engine: the built-in torch engine, vLLM (extra `vllm`) or SGLang (extra `sglang`).",
     )
+    hang_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A worker that does not answer its health check, or makes no decode step with requests "
+        "queued, for this long is killed and the job restarts from its checkpoint (max_restarts).",
+    )
 
 
 class AprilConfig(_Strict):

@@ -12,6 +12,7 @@ before Ray is first imported (slime/job.py), and Ray reads it then.
 from __future__ import annotations
 
 import time
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,10 @@ from slime.sampling import PromptSampler
 
 class WorkerFailed(RuntimeError):
     pass
+
+
+class WorkerHung(RuntimeError):
+    """A rollout worker stopped making progress (rollout.hang_timeout_s); it has been killed."""
 
 
 def scheduler_for(cfg: JobConfig) -> GroupScheduler:
@@ -66,6 +71,7 @@ class RolloutFleet:
         self.oversample_override: float | None = None  # the dashboard's over-provisioning ratio
         self.controls_read_at = 0.0
         self.last_health = time.time()
+        self.progress: dict[int, tuple[tuple, float]] = {}  # worker -> (engine counters, since when)
 
     # ---- starting groups -------------------------------------------------------------------------
     def schedule_groups(self) -> int:
@@ -198,17 +204,35 @@ class RolloutFleet:
         import ray  # see the module docstring
 
         healths = []
-        for w in self.workers:
+        limit, now = self.cfg.rollout.hang_timeout_s, time.time()
+        for i, w in enumerate(self.workers):
             # A dead actor's RayActorError goes up as it is: train() restarts the job from its
             # checkpoint. A worker that reports an error (its rollout thread raised) fails the job.
-            h = ray.get(w.health.remote(), timeout=30)
+            try:
+                h = ray.get(w.health.remote(), timeout=limit)
+            except ray.exceptions.GetTimeoutError:
+                self._kill_hung(i, f"it did not answer its health check for {limit:g}s")
             if h.get("error"):
                 raise WorkerFailed(f"rollout worker failed:\n{h['error']}")
+            counters = (h["engine_tokens_generated"], h.get("decode_steps", 0))
+            queued = h["running"] + h["waiting"]
+            last = self.progress.get(i)
+            if last is None or last[0] != counters or not queued or self.dashboard_paused:
+                self.progress[i] = (counters, now)
+            elif now - last[1] > limit:
+                self._kill_hung(i, f"no decode step for {now - last[1]:.0f}s with {queued} requests queued")
             healths.append(h)
         self.telemetry.record_engine_health(healths)
         if healths and not any(h.get("alive") for h in healths):
             raise WorkerFailed("every rollout worker has stopped")
         return healths
+
+    def _kill_hung(self, index: int, why: str) -> typing.NoReturn:
+        import ray  # see the module docstring
+
+        ray.kill(self.workers[index])
+        self.telemetry.log_event("worker_hung", {"worker": index, "why": why})
+        raise WorkerHung(f"rollout worker {index} hung ({why}, rollout.hang_timeout_s); killed")
 
     def healths(self) -> list[dict]:
         import ray  # see the module docstring

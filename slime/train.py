@@ -15,6 +15,7 @@ import signal
 import sys
 
 from slime.config import JobConfig
+from slime.fleet import WorkerHung
 from slime.job import GracefulStop, RunningJob
 
 __all__ = ["RunningJob", "async_loop", "streaming_loop", "sync_loop", "train"]
@@ -80,7 +81,7 @@ def train(cfg: JobConfig) -> list[dict]:
                 if not _actor_lost(exc) or attempt == cfg.max_restarts or stop.requested:
                     raise
                 print(
-                    f"a Ray actor of the job died ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                    f"the job lost a Ray actor ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                     f"restarting from the last checkpoint (restart {attempt + 1} of max_restarts={cfg.max_restarts})",
                     file=sys.stderr,
                     flush=True,
@@ -105,5 +106,6 @@ def _run(cfg: JobConfig, stop: GracefulStop) -> list[dict]:
 
 
 def _actor_lost(exc: BaseException) -> bool:
+    """A Ray actor died, or a hung rollout worker was killed (see RolloutFleet.check_workers)."""
     ray = sys.modules.get("ray")  # imported by the job once it started Ray
-    return ray is not None and isinstance(exc, ray.exceptions.RayActorError)
+    return isinstance(exc, WorkerHung) or (ray is not None and isinstance(exc, ray.exceptions.RayActorError))

@@ -353,11 +353,14 @@ def _actor_pid(root: int, actor: str) -> int | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("actor", ["Learner", "RolloutWorker"])
-def test_a_killed_actor_restarts_the_job_from_its_checkpoint(tiny_model_dir, tmp_path, actor):
-    """SIGKILL of the learner actor (or a rollout worker) alone: the job restarts itself from its
-    last checkpoint and the buffer, ends with exit 0, logs every step once and trains every group
-    exactly once (the groups trained after the checkpoint are not committed and train again)."""
+@pytest.mark.parametrize(
+    ("actor", "sig"), [("Learner", "SIGKILL"), ("RolloutWorker", "SIGKILL"), ("RolloutWorker", "SIGSTOP")]
+)
+def test_a_killed_actor_restarts_the_job_from_its_checkpoint(tiny_model_dir, tmp_path, actor, sig):
+    """SIGKILL of the learner actor (or a rollout worker) alone, or a rollout worker hung (SIGSTOP:
+    it answers nothing, generates nothing): the job restarts itself from its last checkpoint and
+    the buffer, ends with exit 0, logs every step once and trains every group exactly once (the
+    groups trained after the checkpoint are not committed and train again)."""
     out = tmp_path / "run"
     steps = 8
     args = [
@@ -368,15 +371,18 @@ def test_a_killed_actor_restarts_the_job_from_its_checkpoint(tiny_model_dir, tmp
         "checkpoint_every=3",
         "cluster.num_cpus=2",
         f"steps={steps}",
+        "rollout.hang_timeout_s=5",
     ]
     proc = _run_cli(args, {**os.environ, "RAY_AUTH_MODE": "disabled"})
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 4, 240, "four steps")
     pid = wait_for(lambda: _actor_pid(proc.pid, actor), 30, f"the {actor} actor's process")
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, getattr(signal, sig))
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err.decode()[-3000:]
     assert "restarting from the last checkpoint (restart 1 of max_restarts=3)" in err.decode()
+    if sig == "SIGSTOP":
+        assert "WorkerHung: rollout worker 0 hung (it did not answer its health check for 5s" in err.decode()
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps))  # one series, no step twice
     from slime.buffer.redis_server import LocalRedisServer

@@ -3,12 +3,17 @@ loses no trajectory, and the tokens it had stored are continued, not regenerated
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
-from slime.buffer import TrajectoryStore
+from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import load_config
+from slime.data import PromptRecord
+from slime.fleet import RolloutFleet, WorkerHung
 from slime.sample import FINAL_STATUSES, Status
+from slime.sampling import PromptSampler
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
@@ -67,4 +72,49 @@ def test_killed_worker_loses_no_trajectory(ray_session, tiny_model_dir, redis_ur
     assert buffer.stats()["generated_tokens"] == sum(s.response_length for s in samples)
     ray.get(w1.stop.remote())
     ray.kill(w1)
+    buffer.delete_job()
+
+
+def test_a_worker_that_makes_no_progress_with_work_queued_is_killed(ray_session, redis_url, tmp_path):
+    import ray  # late: Ray reads its auth settings when imported (conftest's ray_session sets them)
+
+    # Defined here: Ray pickles it by value (the test module is not importable in a Ray worker).
+    class _StuckWorker:
+        """A worker whose engine has requests queued and never makes a decode step (a stuck kernel,
+        a deadlock): it still answers its health check."""
+
+        def health(self) -> dict:
+            return {
+                "alive": True,
+                "error": None,
+                "running": 2,
+                "waiting": 1,
+                "engine_tokens_generated": 7,
+                "decode_steps": 3,
+            }
+
+    cfg = load_config(None, ["job_name=hung-worker", f"output_dir={tmp_path}", "rollout.hang_timeout_s=0.5"])
+    buffer = TrajectoryStore.open(redis_url, cfg.job_name)
+    stuck = ray.remote(num_cpus=0)(_StuckWorker).remote()
+    ray.get(stuck.health.remote(), timeout=60)  # started (an actor's start may take longer than 0.5 s)
+    fleet = RolloutFleet(
+        cfg,
+        [stuck],
+        buffer,
+        JobTelemetry(buffer.connection),
+        PromptSampler([PromptRecord(0, "p", [6, 7])], cfg.sampling, "task", 0, False),
+    )
+    fleet.check_workers()  # the counters are seen for the first time
+    fleet.check_workers()  # unchanged, but not for long yet
+    fleet.dashboard_paused = True  # a paused engine is not hung
+    time.sleep(0.6)
+    fleet.check_workers()
+    fleet.dashboard_paused = False
+    time.sleep(0.6)
+    with pytest.raises(WorkerHung, match=r"no decode step for \ds with 3 requests queued"):
+        fleet.check_workers()
+    with pytest.raises(ray.exceptions.RayActorError):  # killed
+        ray.get(stuck.health.remote(), timeout=30)
+    events = JobTelemetry(buffer.connection).events(10)
+    assert any(e["kind"] == "worker_hung" for e in events)
     buffer.delete_job()
