@@ -276,6 +276,33 @@ def test_ray_actor_mode(ray_session, rewards_file):
     ray.kill(actor)
 
 
+def test_a_crashed_reward_actor_is_restarted_and_its_samples_retried(ray_session, tmp_path):
+    """The reward actor's process dies in the middle of a batch (here: the reward itself exits
+    the process, once). Ray restarts the actor (max_restarts=3), the client retries the batch with
+    backoff, and every sample gets its reward; none is lost or failed."""
+    import ray
+
+    marker = tmp_path / "crashed-once"
+    reward_file = tmp_path / "crash_once.py"
+    reward_file.write_text(
+        "import os\n"
+        "def reward(prompt, response, label=None):\n"
+        f"    if not os.path.exists({str(marker)!r}):\n"
+        f"        open({str(marker)!r}, 'w').close()\n"
+        "        os._exit(1)  # the actor's whole process, mid-batch\n"
+        "    return float(len(response))\n"
+    )
+    cfg = RewardConfig(mode="ray_actor", fn=f"{reward_file}:reward", max_retries=3, backoff_s=0.2, cache_size=0)
+    service = make_reward_service(cfg, "actor-crash")
+    try:
+        results = [f.result(timeout=120) for f in [service.submit("p", "x" * n) for n in range(1, 6)]]
+        assert marker.exists()  # it did crash
+        assert [(r.reward, r.failure) for r in results] == [(float(n), None) for n in range(1, 6)]
+    finally:
+        service.close()
+        ray.kill(ray.get_actor("slime-reward-actor-crash"))
+
+
 # ----------------------------------------------------------------------------- PRM -> tokens
 
 
