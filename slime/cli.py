@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from rewards.server import main_reward_serve  # subcommand
 
         return main_reward_serve(argv[1:])
+    if argv and argv[0] == "chaos":
+        from slime.chaos import main_chaos  # subcommand
+
+        return main_chaos(argv[1:])
     if argv and argv[0] == "serve-sglang":
         from slime.engines.sglang_server import main as main_serve_sglang  # subcommand
 
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("train-rm", help="train a Bradley-Terry reward model on preference JSONL (--help for flags)")
     sub.add_parser("train-prm", help="train a process reward model on step-labelled JSONL (--help for flags)")
     sub.add_parser("reward-serve", help="serve a reward over HTTP: reward-serve SPEC --port N (--help for flags)")
+    sub.add_parser("chaos", help="run a short job, kill its parts on a seeded schedule, audit what it lost (--help)")
     sub.add_parser(
         "serve-sglang", help="serve the built-in engine over SGLang's HTTP API: serve-sglang --model DIR --port N"
     )

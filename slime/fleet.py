@@ -156,33 +156,28 @@ class RolloutFleet:
         return [w.abort_all.remote() for w in self.workers]
 
     def finish_abort(self, refs: list) -> int:
-        import ray  # see the module docstring
 
-        return int(sum(ray.get(refs))) if refs else 0
+        return int(sum(self._wait_all(refs, "abort_all"))) if refs else 0
 
     def resume(self) -> None:
-        import ray  # see the module docstring
 
         if not self.dashboard_paused:  # paused from the dashboard: stays paused until resumed there
-            ray.get([w.resume.remote() for w in self.workers])
+            self._wait_all([w.resume.remote() for w in self.workers], "resume")
 
     # ---- weights ------------------------------------------------------------------------------------
     def update_weights(self, handle: Any) -> None:
-        import ray  # see the module docstring
 
-        ray.get([w.update_weights.remote(handle) for w in self.workers])
+        self._wait_all([w.update_weights.remote(handle) for w in self.workers], "update_weights")
         self.engine_version = handle.version
 
     def probe_logprobs(self, prompt_ids: list[int], probe: list[int]) -> list:
-        import ray  # see the module docstring
 
-        return [ray.get(w.probe_logprobs.remote(prompt_ids, probe)) for w in self.workers]
+        return self._wait_all([w.probe_logprobs.remote(prompt_ids, probe) for w in self.workers], "probe_logprobs")
 
     # ---- dashboard controls and health -----------------------------------------------------------
     def apply_controls(self) -> None:
         """Honour the dashboard's control hash (read at most every 0.25 s): pause/resume rollout,
         and the APRIL over-provisioning override, which the next schedule_groups uses."""
-        import ray  # see the module docstring
 
         if time.time() - self.controls_read_at < 0.25:
             return
@@ -190,7 +185,7 @@ class RolloutFleet:
         control = self.telemetry.get_control()
         paused = control.get("paused") == "1"
         if paused != self.dashboard_paused:
-            ray.get([(w.pause if paused else w.resume).remote() for w in self.workers])
+            self._wait_all([(w.pause if paused else w.resume).remote() for w in self.workers], "pause")
             self.dashboard_paused = paused
             self.telemetry.log_event("rollout_paused" if paused else "rollout_resumed", {"by": "driver"})
         oversample = float(control["oversample"]) if "oversample" in control else None
@@ -227,6 +222,19 @@ class RolloutFleet:
             raise WorkerFailed("every rollout worker has stopped")
         return healths
 
+    def _wait_all(self, refs: list, what: str) -> list:
+        """The workers' replies to one call each (refs in worker order); a worker that has not
+        replied within rollout.hang_timeout_s is hung (a call into a live engine returns in seconds)."""
+        import ray  # see the module docstring
+
+        limit = self.cfg.rollout.hang_timeout_s
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
+        if len(ready) < len(refs):
+            done = {r.hex() for r in ready}
+            late = next(i for i, r in enumerate(refs) if r.hex() not in done)
+            self._kill_hung(late, f"{what} did not return for {limit:g}s")
+        return ray.get(refs)
+
     def _kill_hung(self, index: int, why: str) -> typing.NoReturn:
         import ray  # see the module docstring
 
@@ -235,8 +243,7 @@ class RolloutFleet:
         raise WorkerHung(f"rollout worker {index} hung ({why}, rollout.hang_timeout_s); killed")
 
     def healths(self) -> list[dict]:
-        import ray  # see the module docstring
 
-        healths = ray.get([w.health.remote() for w in self.workers])
+        healths = self._wait_all([w.health.remote() for w in self.workers], "health")
         self.telemetry.record_engine_health(healths)
         return healths

@@ -254,7 +254,8 @@ class RunningJob:
             self._stop_rollout_clock()
         ref = self.learner.train_step.remote(step, self.cfg.rollout.batch_size, max_staleness, commit=False)
         if aborting:
-            ray.wait(list(aborting), num_returns=len(aborting))  # the learner is training meanwhile
+            # The learner is training meanwhile. A worker hung in its abort is found by finish_abort.
+            ray.wait(list(aborting), num_returns=len(aborting), timeout=self.cfg.rollout.hang_timeout_s)
             self._stop_rollout_clock()
             self.abort_seconds = self.rollout_ended_at - (self.abort_sent_at or self.rollout_ended_at)
         while self.cfg.mode == "async" and not ray.wait([ref], timeout=0.05)[0]:
