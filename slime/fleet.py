@@ -156,22 +156,18 @@ class RolloutFleet:
         return [w.abort_all.remote() for w in self.workers]
 
     def finish_abort(self, refs: list) -> int:
-
         return int(sum(self._wait_all(refs, "abort_all"))) if refs else 0
 
     def resume(self) -> None:
-
         if not self.dashboard_paused:  # paused from the dashboard: stays paused until resumed there
             self._wait_all([w.resume.remote() for w in self.workers], "resume")
 
     # ---- weights ------------------------------------------------------------------------------------
     def update_weights(self, handle: Any) -> None:
-
         self._wait_all([w.update_weights.remote(handle) for w in self.workers], "update_weights")
         self.engine_version = handle.version
 
     def probe_logprobs(self, prompt_ids: list[int], probe: list[int]) -> list:
-
         return self._wait_all([w.probe_logprobs.remote(prompt_ids, probe) for w in self.workers], "probe_logprobs")
 
     # ---- dashboard controls and health -----------------------------------------------------------
@@ -243,7 +239,6 @@ class RolloutFleet:
         raise WorkerHung(f"rollout worker {index} hung ({why}, rollout.hang_timeout_s); killed")
 
     def healths(self) -> list[dict]:
-
         healths = self._wait_all([w.health.remote() for w in self.workers], "health")
         self.telemetry.record_engine_health(healths)
         return healths

@@ -28,7 +28,7 @@ from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.fleet import RolloutFleet, scheduler_for
 from slime.learner import Learner
-from slime.metrics import FailureWatch, MetricsLogger
+from slime.metrics import FailureWatch, MetricsLogger, write_atomic
 from slime.model import ensure_model_dir, load_tokenizer
 from slime.rollout import RolloutWorker
 from slime.sample import new_id
@@ -409,8 +409,8 @@ class RunningJob:
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
         # Written last and atomically: a checkpoint directory counts only once this file exists,
         # however the process is stopped while saving.
-        _write_atomic(path / "driver_state.json", json.dumps(state))
-        _write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
+        write_atomic(path / "driver_state.json", json.dumps(state))
+        write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
         # Groups become "trained" only once the weights that learned from them are on disk. A crash
         # between the line above and this one is repaired by _restore (commit_through).
         self.buffer.commit_through(step)
@@ -451,12 +451,6 @@ class RunningJob:
         self.buffer.commit_through(int(state["next_step"]) - 1)
         self.buffer.requeue_uncommitted()
         return int(state["next_step"])
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _check_context_fits(cfg: JobConfig, model_dir: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ class MetricsLogger:
         self.started = time.time() - (self.history[-1]["wall_seconds"] if self.history else 0.0)
         self.jsonl = None
         if cfg.jsonl:
-            _write_lines(run_dir / "metrics.jsonl", [json.dumps(h) + "\n" for h in self.history])
+            write_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in self.history))
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
         self.tb = None
         if cfg.tensorboard:
@@ -182,7 +183,8 @@ def _kept_history(path: Path, start_step: int) -> list[dict[str, float]]:
     return kept
 
 
-def _write_lines(path: Path, lines: list[str]) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text` at once: a reader (or a crash) sees the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(lines))
-    tmp.replace(path)
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -73,21 +73,22 @@ def train(cfg: JobConfig) -> list[dict]:
     the groups trained after that checkpoint are trained again, once."""
     stop = GracefulStop()
     previous = stop.install()
+    restarts = 0
     try:
-        for attempt in range(cfg.max_restarts + 1):
+        while True:
             try:
                 return _run(cfg, stop)
             except Exception as exc:
-                if not _actor_lost(exc) or attempt == cfg.max_restarts or stop.requested:
+                if not _actor_lost(exc) or restarts == cfg.max_restarts or stop.requested:
                     raise
+                restarts += 1
                 print(
                     f"the job lost a Ray actor ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                    f"restarting from the last checkpoint (restart {attempt + 1} of max_restarts={cfg.max_restarts})",
+                    f"restarting from the last checkpoint (restart {restarts} of max_restarts={cfg.max_restarts})",
                     file=sys.stderr,
                     flush=True,
                 )
                 cfg = cfg.model_copy(update={"resume": "auto"})
-        raise AssertionError("unreachable")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

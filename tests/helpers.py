@@ -12,6 +12,17 @@ from transformers import PreTrainedTokenizerFast
 
 from slime.model import CHAT_TEMPLATE, build_char_tokenizer
 
+# A whole APRIL job small enough for a test: 3 groups of 3 per step, 48 tokens, APRIL x2.
+APRIL_SMALL_JOB = [
+    "rollout.batch_size=3",
+    "rollout.n_samples_per_prompt=3",
+    "rollout.max_new_tokens=48",
+    "data.num_generated=64",
+    "logging.progress=false",
+    "april.enabled=true",
+    "april.oversample=2.0",
+]
+
 
 def needs(available: bool, reason: str) -> pytest.MarkDecorator:
     """skipif for a system tool a developer's machine may lack (bubblewrap, Chromium). In CI

@@ -20,7 +20,7 @@ from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.model import load_model
 from slime.sample import FINAL_STATUSES, Status
 from slime.security import JobCredentials
-from tests.helpers import wait_for
+from tests.helpers import APRIL_SMALL_JOB, wait_for
 
 PROMPTS = [[6, 7, 77, 61, 86], [8, 77, 62, 64, 86], [9, 10, 11, 77, 63, 86]]
 
@@ -128,15 +128,7 @@ def test_buffer_drop_and_requeue_operations(buffer):
 
 # ---- whole jobs --------------------------------------------------------------------------------
 
-SMALL = [
-    "rollout.batch_size=3",
-    "rollout.n_samples_per_prompt=3",
-    "rollout.max_new_tokens=48",
-    "data.num_generated=64",
-    "logging.progress=false",
-    "april.enabled=true",
-    "april.oversample=2.0",
-]
+SMALL = APRIL_SMALL_JOB
 
 
 @pytest.mark.slow

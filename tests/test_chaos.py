@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from slime.chaos import FAULTS, clean, plan, print_report, run
+from tests.helpers import APRIL_SMALL_JOB
 
 KINDS = list(FAULTS)
 
@@ -36,13 +37,7 @@ def test_a_job_survives_a_killed_worker_a_hung_worker_and_a_killed_learner(tiny_
             "job_name=chaos-e2e",
             f"output_dir={tmp_path / 'run'}",
             f"model.path={tiny_model_dir}",
-            "rollout.batch_size=3",
-            "rollout.n_samples_per_prompt=3",
-            "rollout.max_new_tokens=48",
-            "data.num_generated=64",
-            "logging.progress=false",
-            "april.enabled=true",
-            "april.oversample=2.0",
+            *APRIL_SMALL_JOB,
             "checkpoint_every=2",
             "cluster.num_cpus=2",
             "steps=9",
