@@ -194,5 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `slime` command. After an interrupt, Ray's background threads can still call into
+    Python while the interpreter finalizes (a fatal error, SIGABRT); the job's parts are already
+    stopped and its data stored by then, so the process leaves without finalizing."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
