@@ -1,21 +1,23 @@
-"""`slime chaos [CONFIG.yaml] [key=value ...] --seed S --faults worker_kill,worker_hang,learner_kill`:
+"""`slime chaos [CONFIG.yaml] [key=value ...] --seed S --faults worker_kill,worker_hang,learner_kill,redis_kill`:
 run a short real job (`slime train` in a child process) and hurt it on a seeded schedule, then
 audit what it left behind.
 
-Faults, each on one process of the job found by its Ray name:
+Faults, each on one process of the job (a Ray actor found by its name, or the job's redis-server):
     worker_kill   SIGKILL of a rollout worker actor
     worker_hang   SIGSTOP of a rollout worker actor (it answers nothing; rollout.hang_timeout_s)
     learner_kill  SIGKILL of the learner actor
+    redis_kill    SIGKILL of the job's redis-server
 
-The job recovers by itself (train() restarts from its last checkpoint and the buffer). Per fault:
-the time from the fault to the first token generated after the restart and to the first step
-trained after it. Then the audit, from the job's Redis (its AOF) and its files:
+The job recovers by itself: train() restarts from its last checkpoint and the buffer after a lost
+actor; the driver restarts its redis-server on the same port (AOF replayed) while every part
+retries. Per fault: the time from the fault to the first token generated after the recovery and
+to the first step trained after it. Then the audit, from the job's Redis (its AOF) and its files:
     groups lost or trained twice   groups_trained == steps x batch_size, none left claimed
     steps logged twice or missing  metrics.jsonl holds 0..steps-1, each once
     trajectories lost              every sample final, or partial (its tokens kept), or failed with a reason
     tokens lost                    tokens stored + tokens discarded by a restart == tokens generated
-Every "lost" or "twice" figure must be 0. Not injected yet: Redis kills (the buffer does not
-reconnect yet) and reward-server kills (`slime reward-serve` is the user's process).
+Every "lost" or "twice" figure must be 0. Not injected: reward-server kills (`slime reward-serve`
+is the user's process; tests/test_reward_service.py covers a reward actor that dies).
 """
 
 from __future__ import annotations
@@ -40,7 +42,14 @@ from slime.security import JobCredentials
 
 FAULTS = {"worker_kill": ("RolloutWorker", signal.SIGKILL), "worker_hang": ("RolloutWorker", signal.SIGSTOP)}
 FAULTS["learner_kill"] = ("Learner", signal.SIGKILL)
+FAULTS["redis_kill"] = ("redis-server", signal.SIGKILL)
 RESTART_NOTICE = "restarting from the last checkpoint"
+REDIS_RESTART_NOTICE = "redis-server exited"  # slime/job.py, RunningJob._redis_restarted
+
+
+def recovery_notice(kind: str) -> str:
+    """The stderr line that says the job recovered from a fault of this kind."""
+    return REDIS_RESTART_NOTICE if kind == "redis_kill" else RESTART_NOTICE
 
 
 @dataclass
@@ -157,7 +166,8 @@ def run(
     deadline = time.time() + timeout_s
     try:
         for index, fault in enumerate(faults):  # one at a time: the next once the last recovered
-            _watch(proc, chaos, fault, index, deadline)
+            earlier = sum(recovery_notice(f.kind) == recovery_notice(fault.kind) for f in faults[:index])
+            _watch(proc, chaos, fault, earlier, deadline)
         while proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
     finally:
@@ -180,24 +190,38 @@ def run(
     return report
 
 
-def _watch(proc: subprocess.Popen, chaos: ChaosRun, fault: Fault, index: int, deadline: float) -> None:
-    """Inject `fault` once the job has logged its steps, then time the recovery: the job's restart
-    notice, its first new token, its first step logged after the restart."""
+def _fault_pid(root: int, run_dir: Path, kind: str) -> int | None:
+    if kind == "redis_kill":
+        try:
+            return int(json.loads((run_dir / "redis" / "server.json").read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            return None
+    return actor_pid(root, FAULTS[kind][0])
+
+
+def _watch(proc: subprocess.Popen, chaos: ChaosRun, fault: Fault, earlier: int, deadline: float) -> None:
+    """Inject `fault` once the job has logged its steps, then time the recovery: the job's
+    recovery notice (the `earlier`+1-th of its kind), its first new token, its first step logged
+    after it."""
     cfg = chaos.cfg
     metrics = cfg.run_dir / "metrics.jsonl"
     before: set[tuple] = set()
-    while proc.poll() is None and time.time() < deadline and fault.next_step_s is None:
+    def timed() -> bool:  # the first new token may come after the next step: wait a little for it
+        return fault.next_step_s is not None and (
+            fault.first_token_s is not None or time.time() - fault.injected_at > fault.next_step_s + 30
+        )
+
+    while proc.poll() is None and time.time() < deadline and not timed():
         time.sleep(0.1)
         rows = _metric_rows(metrics)
         if fault.injected_at is None:
-            actor, sig = FAULTS[fault.kind]
-            pid = actor_pid(proc.pid, actor) if len(rows) >= fault.after_steps else None
+            pid = _fault_pid(proc.pid, cfg.run_dir, fault.kind) if len(rows) >= fault.after_steps else None
             if pid is not None:
-                os.kill(pid, sig)
+                os.kill(pid, FAULTS[fault.kind][1])
                 fault.injected_at = time.time()
             continue
         if fault.restarted_at is None:
-            if sum(RESTART_NOTICE in line for line in chaos.stderr) > index:
+            if sum(recovery_notice(fault.kind) in line for line in chaos.stderr) > earlier:
                 fault.restarted_at = time.time()
                 before = {(r.get("step"), r.get("wall_seconds")) for r in rows}
             continue
@@ -207,7 +231,7 @@ def _watch(proc: subprocess.Popen, chaos: ChaosRun, fault: Fault, index: int, de
                 fault.tokens_at_restart = tokens
             elif tokens is not None and tokens > (fault.tokens_at_restart or 0.0):
                 fault.first_token_s = time.time() - fault.injected_at
-        if any((r.get("step"), r.get("wall_seconds")) not in before for r in rows):
+        if fault.next_step_s is None and any((r.get("step"), r.get("wall_seconds")) not in before for r in rows):
             fault.next_step_s = time.time() - fault.injected_at
 
 
@@ -236,6 +260,7 @@ def audit(chaos: ChaosRun, returncode: int | None) -> dict:
     return {
         "exit_code": returncode,
         "restarts": sum(RESTART_NOTICE in line for line in chaos.stderr),
+        "redis_restarts": sum(REDIS_RESTART_NOTICE in line for line in chaos.stderr),
         "steps_logged": len(steps),
         "steps_missing": len(set(range(cfg.steps)) - set(steps)),
         "steps_logged_twice": len(steps) - len(set(steps)),
@@ -266,7 +291,15 @@ def print_report(report: dict) -> None:
         token = "-" if f["fault_to_first_token_s"] is None else f"{f['fault_to_first_token_s']:.1f} s"
         step = "-" if f["fault_to_next_step_s"] is None else f"{f['fault_to_next_step_s']:.1f} s"
         print(f"{f['kind']:<13} {f['after_steps']:>10} {str(f['recovered']):>9} {token:>15} {step:>13}")
-    keys = ("exit_code", "restarts", "steps_missing", "steps_logged_twice", "groups_lost", "groups_trained_twice")
+    keys = (
+        "exit_code",
+        "restarts",
+        "redis_restarts",
+        "steps_missing",
+        "steps_logged_twice",
+        "groups_lost",
+        "groups_trained_twice",
+    )
     keys += ("groups_left_claimed", "trajectories", "trajectories_lost", "tokens_stored", "tokens_lost")
     print("  ".join(f"{k}={report[k]}" for k in keys))
     print("clean" if clean(report) else "NOT CLEAN: something was lost, duplicated or did not recover")

@@ -345,7 +345,20 @@ class EnvConfig(_Strict):
 class BufferConfig(_Strict):
     url: str | None = Field(None, description="redis://host:port/db; None starts a local redis-server.")
     aof: bool = True
+    appendfsync: Literal["always", "everysec"] = Field(
+        "everysec",
+        description="The local redis-server's AOF fsync. Either way a killed redis-server loses no "
+        "acknowledged write (Redis writes the AOF before it replies); a crash of the machine loses up "
+        "to the last second with everysec (detected and resumed from what was stored), nothing with "
+        "always, which costs one fsync per write.",
+    )
     lease_seconds: float = Field(10.0, gt=0)
+    reconnect_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long every part retries (with backoff) a Redis that went away before it "
+        "gives up: long enough for a restart that replays the AOF.",
+    )
 
 
 class WeightsConfig(_Strict):

@@ -107,11 +107,22 @@ class RunningJob:
             # service token derive from it; actors get it as an argument, children by environment.
             self.credentials = JobCredentials.create(self.run_dir, own_redis=cfg.buffer.url is None)
             self.redis_url, self.redis_server = connect_or_start(
-                cfg.buffer.url, self.run_dir / "redis", cfg.buffer.aof, self.credentials.redis_password
+                cfg.buffer.url,
+                self.run_dir / "redis",
+                cfg.buffer.aof,
+                self.credentials.redis_password,
+                cfg.buffer.appendfsync,
             )
-            connection = JobConnection(self.redis_url, cfg.job_name, password=self.credentials.redis_password)
+            connection = JobConnection(
+                self.redis_url,
+                cfg.job_name,
+                password=self.credentials.redis_password,
+                reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
+            )
             self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
             self.telemetry = JobTelemetry(connection)
+            if self.redis_server is not None:  # every part retries meanwhile (buffer.reconnect_timeout_s)
+                self.redis_server.keep_alive(self._redis_restarted)
             self.model_dir = str(ensure_model_dir(cfg.model))
             _check_context_fits(cfg, self.model_dir)
             self.tokenizer = load_tokenizer(self.model_dir)
@@ -145,6 +156,10 @@ class RunningJob:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _redis_restarted(self, message: str) -> None:
+        print(f"slime: {message}", file=sys.stderr, flush=True)
+        self.telemetry.log_event("redis_restarted", {"message": message})
 
     def _start_ray(self) -> None:
         cfg = self.cfg

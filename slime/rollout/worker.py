@@ -24,7 +24,15 @@ from rewards.plugin import load_function
 from rewards.prm import place_step_rewards, step_end_tokens_of_ids
 from rewards.runner import RewardResult, StepScores
 from rewards.service import make_reward_service
-from slime.buffer import Finish, JobConnection, JobTelemetry, LeaseLostError, PendingReplies, TrajectoryStore
+from slime.buffer import (
+    ChunksLostError,
+    Finish,
+    JobConnection,
+    JobTelemetry,
+    LeaseLostError,
+    PendingReplies,
+    TrajectoryStore,
+)
 from slime.config import JobConfig
 from slime.engines import make_engine
 from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams
@@ -84,7 +92,10 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.tokenizer = load_tokenizer(model_dir)
         connection = JobConnection(
-            redis_url, cfg.job_name, password=credentials.redis_password if credentials else None
+            redis_url,
+            cfg.job_name,
+            password=credentials.redis_password if credentials else None,
+            reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
         )
         self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
         self.telemetry = JobTelemetry(connection)  # expert load; one Redis connection per process
@@ -262,7 +273,9 @@ class RolloutWorker:
             for p in to_flush:
                 p.sent += len(p.tokens)
                 p.tokens, p.logprobs, p.versions = [], [], []
-            replies = self.buffer.send_append_chunks(self.worker_id, [(p.sample.id, t, lp, v) for p, t, lp, v in sent])
+            replies = self.buffer.send_append_chunks(
+                self.worker_id, [(p.sample.id, t, lp, v, p.sample.response_length) for p, t, lp, v in sent]
+            )
             self.unsettled = _SentChunks(sent, finished, replies)
             if self.chunk_sampler is not None:
                 # Now, before the next engine step: that step samples the next chunk's first token.
@@ -281,13 +294,17 @@ class RolloutWorker:
         if flush is None:
             return
         lost: set[str] = set()
+        gaps: list[str] = []
         for (p, tokens, logprobs, versions), result in zip(flush.sent, flush.replies.wait()):
-            if isinstance(result, LeaseLostError):
+            if isinstance(result, (LeaseLostError, ChunksLostError)):
                 self.engine.abort([p.sample.id])
                 self.pending.pop(p.sample.id, None)
                 if self.multiturn is not None:
                     self.multiturn.drop(p.sample.id)
                 lost.add(p.sample.id)
+                if isinstance(result, ChunksLostError):  # resumed, by any worker, from what is stored
+                    gaps.append(p.sample.id)
+                    self.buffer.incr_stat("lost_chunk_tokens", p.sample.response_length - result.stored_length)
                 continue
             if isinstance(result, Exception):
                 raise result
@@ -303,7 +320,7 @@ class RolloutWorker:
                 aborted.append(p.sample.id)
             else:
                 self._finalize(p, reason)
-        self._release(aborted)
+        self._release(gaps + aborted)
 
     def _release(self, sample_ids: list[str]) -> None:
         """Aborted: back to the front of the resume queue, tokens kept, in one round trip."""

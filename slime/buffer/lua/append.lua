@@ -1,4 +1,4 @@
--- ARGV: prefix, sid, worker, lease_seconds, tok, lp, ver, mask
+-- ARGV: prefix, sid, worker, lease_seconds, tok, lp, ver, mask, stored_length ('' = unchecked)
 local sid, worker = ARGV[2], ARGV[3]
 local skey = P .. 'sample:' .. sid
 if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
@@ -15,6 +15,12 @@ local len_ver = redis.call('STRLEN', skey .. ':ver')
 local len_mask = redis.call('STRLEN', skey .. ':mask')
 if len_tok ~= 4 * len_mask or len_lp ~= 4 * len_mask or len_ver ~= 4 * len_mask then
   return {-3, string.format('stored bytes tok=%d lp=%d ver=%d mask=%d', len_tok, len_lp, len_ver, len_mask)}
+end
+-- The writer's count of what is stored must match: fewer stored tokens are writes Redis lost (the
+-- AOF's unsynced second before a crash of the machine), and appending would leave a gap.
+local expected = tonumber(ARGV[9])
+if expected and expected ~= len_mask then
+  return {-6, len_mask .. ':' .. expected}
 end
 if n > 0 then
   redis.call('APPEND', skey .. ':tok', tok)

@@ -1,0 +1,173 @@
+"""A Redis restart mid-run (issue 20, item 3): the parts retry with backoff instead of crashing, a
+script whose reply was lost is never applied twice, no acknowledged chunk is lost when the server
+is killed, and writes lost with the AOF's unsynced second (a crash of the machine) are detected,
+the trajectory resumed token-exactly from what was stored."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from slime.buffer import ChunksLostError, TrajectoryStore
+from slime.buffer.connection import JobConnection
+from slime.buffer.redis_server import LocalRedisServer
+from slime.sample import Status
+
+PROMPT = [5, 6, 7]
+
+
+def _kill(server: LocalRedisServer) -> None:
+    os.kill(json.loads((server.data_dir / "server.json").read_text())["pid"], signal.SIGKILL)
+
+
+def _aof_tail_file(data_dir: Path) -> Path:
+    """The file Redis appends to: Redis 7's newest incremental AOF, or Redis 6's appendonly.aof."""
+    incremental = sorted((data_dir / "appendonlydir").glob("*.incr.aof"), key=lambda p: int(p.name.split(".")[-3]))
+    return incremental[-1] if incremental else data_dir / "appendonly.aof"
+
+
+def _drop_last_transactions(aof: Path, count: int) -> None:
+    """Cut the AOF before its last `count` MULTI blocks (one per script run): what a crash of the
+    machine leaves when the last writes were not fsynced yet."""
+    data, starts, i = aof.read_bytes(), [], 0
+    while i < len(data):
+        start, end = i, data.index(b"\r\n", i)
+        argc, i = int(data[i + 1 : end]), end + 2
+        for k in range(argc):
+            end = data.index(b"\r\n", i)
+            size, i = int(data[i + 1 : end]), end + 2
+            if k == 0 and data[i : i + size].upper() == b"MULTI":
+                starts.append(start)
+            i += size + 2
+    aof.write_bytes(data[: starts[-count]])
+
+
+def test_a_script_sent_twice_changes_the_buffer_once(buffer: TrajectoryStore) -> None:
+    # A reply lost on the way (Redis restarted after running the script) makes the client send the
+    # same call again; it gets the first run's reply and nothing is applied twice.
+    raw = buffer.redis
+    buffer._add_group.load()
+    buffer._append.load()
+    call = buffer._add_group.call_args([buffer.prefix, "g1", 2, 8, b"\x05\x00\x00\x00", "{}", "s1", "s2"])
+    assert raw.evalsha(buffer._add_group.sha, *call) == raw.evalsha(buffer._add_group.sha, *call) == 1
+    assert len(list(buffer.iter_samples())) == 2
+    (sample,) = buffer.lease("w", 1)
+    append = buffer._append.call_args(
+        buffer._append_args(
+            sample.id,
+            "w",
+            np.array([1, 2]),
+            np.array([-0.5, -0.25], dtype=np.float32),
+            np.array([0, 0]),
+            np.array([1, 1]),
+            0,
+        )
+    )
+    first, again = raw.evalsha(buffer._append.sha, *append), raw.evalsha(buffer._append.sha, *append)
+    assert first == again == [0, 2]
+    assert buffer.get_sample(sample.id).response_ids.tolist() == [1, 2]
+    # A new call (fresh request id) with the same stale stored length is refused, not appended.
+    with pytest.raises(ChunksLostError, match="has 2 tokens stored, 0 were acknowledged"):
+        buffer.append_chunk(sample.id, "w", [3], [-0.1], 0, stored_length=0)
+    reply_key = append[1]
+    assert 0 < raw.ttl(reply_key) <= buffer.connection.reply_ttl_s
+
+
+def test_a_killed_redis_restarts_and_every_acknowledged_chunk_is_kept(tmp_path: Path) -> None:
+    server = LocalRedisServer(tmp_path / "redis", aof=True, password="pw")
+    restarts: list[str] = []
+    server.keep_alive(restarts.append)
+    store = TrajectoryStore(JobConnection(server.url, "restart", password="pw", reconnect_timeout_s=30), 30.0)
+    try:
+        store.add_group(PROMPT, n=4, max_new_tokens=10_000, metadata={})
+        samples = store.lease("w", 4)
+        acknowledged = {s.id: [] for s in samples}
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def write() -> None:  # a rollout worker's chunk writes, pipelined, with the stored length
+            token = 0
+            try:
+                while not stop.is_set():
+                    chunks = []
+                    for s in samples:
+                        ids = [token, token + 1]
+                        token += 2
+                        chunks.append((s.id, ids, [-0.5, -0.5], [0, 0], len(acknowledged[s.id])))
+                    for (sid, ids, *_), result in zip(chunks, store.send_append_chunks("w", chunks).wait()):
+                        if isinstance(result, Exception):
+                            raise result
+                        acknowledged[sid].extend(ids)
+                        assert result == len(acknowledged[sid])
+            except BaseException as exc:
+                errors.append(exc)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        for _ in range(2):
+            time.sleep(0.5)
+            _kill(server)
+            deadline = time.time() + 30
+            while len(restarts) < _ + 1 and time.time() < deadline:
+                time.sleep(0.05)
+        time.sleep(0.5)
+        stop.set()
+        writer.join(timeout=60)
+        assert not errors, errors
+        assert len(restarts) == 2 and "restarted on port" in restarts[0], restarts
+        for s in samples:
+            stored = store.get_sample(s.id)
+            assert stored.response_ids.tolist() == acknowledged[s.id], "a chunk was lost or applied twice"
+            assert stored.status == Status.RUNNING and len(acknowledged[s.id]) > 20
+        assert store.stats()["generated_tokens"] == sum(len(v) for v in acknowledged.values())
+    finally:
+        store.close()
+        server.stop()
+
+
+def test_a_client_gives_up_with_the_cause_after_its_reconnect_timeout(tmp_path: Path) -> None:
+    server = LocalRedisServer(tmp_path / "redis", aof=False)
+    store = TrajectoryStore(JobConnection(server.url, "gone", reconnect_timeout_s=1.0))
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(redis.ConnectionError):
+        store.counts()
+    with pytest.raises(redis.ConnectionError):
+        store.append_chunks("w", [("s", [1], [-0.1], [0], 0)])
+    assert time.monotonic() - started < 30
+
+
+def test_writes_lost_with_the_unsynced_second_are_detected_and_resumed_from_what_is_stored(tmp_path: Path) -> None:
+    data_dir = tmp_path / "redis"
+    server = LocalRedisServer(data_dir, aof=True)
+    store = TrajectoryStore.open(server.url, "crash", 60.0)
+    store.add_group(PROMPT, n=1, max_new_tokens=64, metadata={})
+    (sample,) = store.lease("w", 1)
+    for k in range(4):  # four chunks acknowledged to the worker
+        store.append_chunk(sample.id, "w", [10 * k, 10 * k + 1], [-0.1, -0.2], k, stored_length=2 * k)
+    store.close()
+    _kill(server)
+    _drop_last_transactions(_aof_tail_file(data_dir), 2)  # the machine crashed: the last two never reached disk
+    server = LocalRedisServer(data_dir, aof=True)  # replays what is on disk
+    store = TrajectoryStore.open(server.url, "crash", 60.0)
+    try:
+        with pytest.raises(ChunksLostError, match="has 4 tokens stored, 8 were acknowledged") as lost:
+            store.append_chunk(sample.id, "w", [40, 41], [-0.1, -0.2], 4, stored_length=8)
+        assert lost.value.stored_length == 4
+        # Nothing was appended after the gap; the worker releases it and it resumes from the prefix.
+        store.release(sample.id, "w")
+        (resumed,) = store.lease("w2", 1)
+        assert resumed.id == sample.id and resumed.response_ids.tolist() == [0, 1, 10, 11]
+        assert resumed.versions.tolist() == [0, 0, 1, 1]
+        assert store.append_chunk(sample.id, "w2", [20, 21], [-0.1, -0.2], 2, stored_length=4) == 6
+    finally:
+        store.close()
+        server.stop()
