@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slime.buffer import TrajectoryStore
+from slime.buffer import JobConnection, TrajectoryStore
 from slime.buffer.redis_server import LocalRedisServer
 from slime.config import JobConfig, load_config
 from slime.sample import FINAL_STATUSES, Status
@@ -128,9 +128,10 @@ def _generated_tokens(run: Path, job: str) -> float | None:
     """The live job's generated-token counter, or None while its Redis is down (a restart)."""
     try:
         port = json.loads((run / "redis" / "server.json").read_text())["port"]
-        store = TrajectoryStore.open(
-            f"redis://127.0.0.1:{port}/0", job, password=JobCredentials.read(run).redis_password
+        connection = JobConnection(
+            f"redis://127.0.0.1:{port}/0", job, password=JobCredentials.read(run).redis_password, reconnect_timeout_s=1
         )
+        store = TrajectoryStore(connection)
         try:
             return float(store.stats().get("generated_tokens", 0.0))
         finally:
@@ -206,6 +207,7 @@ def _watch(proc: subprocess.Popen, chaos: ChaosRun, fault: Fault, earlier: int, 
     cfg = chaos.cfg
     metrics = cfg.run_dir / "metrics.jsonl"
     before: set[tuple] = set()
+
     def timed() -> bool:  # the first new token may come after the next step: wait a little for it
         return fault.next_step_s is not None and (
             fault.first_token_s is not None or time.time() - fault.injected_at > fault.next_step_s + 30
