@@ -7,7 +7,8 @@ Every mode offers the same call to the rollout worker:
 
 * `in_process`: a `RewardRunner` in the worker (timeout and concurrency per call).
 * `ray_actor`: one `RewardActor` per job (named, num_cpus=0, created by the first worker that
-  needs it) runs the RewardRunner; workers send it batches.
+  needs it) runs the RewardRunner; workers send it batches. Ray restarts it when it dies; one
+  that times out and then does not answer a health probe is hung, and is killed to be restarted.
 * `http`: a reward server (`slime reward-serve SPEC --port N`, rewards/server.py) runs the
   RewardRunner; workers POST batches to `{url}/score` with the server's token
   (`reward.token`, sent as `Authorization: Bearer`).
@@ -33,6 +34,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -181,7 +183,10 @@ class RemoteRewardClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         close_transport: Callable[[], Awaitable[None]] | None = None,
+        on_timeout: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
+        """``on_timeout``: called after an attempt timed out, before the retry; it may find the
+        service hung and restart it (the Ray actor mode does), saying so in what it returns."""
         if request_timeout_s <= 0 or max_concurrency < 1 or batch_size < 1 or max_retries < 0 or backoff_s < 0:
             raise ValueError(
                 f"RemoteRewardClient({name}): need request_timeout_s > 0, max_concurrency >= 1, batch_size >= 1, "
@@ -199,6 +204,7 @@ class RemoteRewardClient:
         self.retries = 0
         self._closed = False
         self._close_transport = close_transport
+        self._on_timeout = on_timeout
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
         self._thread = threading.Thread(
@@ -303,6 +309,9 @@ class RemoteRewardClient:
                 return await asyncio.wait_for(self._transport(samples, self.request_timeout_s), self.request_timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
                 last = RetryableError(f"timed out after {self.request_timeout_s:g}s")
+                restarted = await self._on_timeout() if self._on_timeout is not None else None
+                if restarted:
+                    last = RetryableError(f"timed out after {self.request_timeout_s:g}s; {restarted}")
             except RetryableError as exc:
                 last = exc
             log.warning("reward service %s: attempt %d failed: %s", self.name, attempt + 1, last)
@@ -369,7 +378,7 @@ class RewardActor:
         return [result_to_wire(r) for r in results]
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "reward": self.runner.name, "hung_calls": self.runner.hung_calls}
+        return {"status": "ok", "reward": self.runner.name, "hung_calls": self.runner.hung_calls, "pid": os.getpid()}
 
 
 def ray_transport(actor: Any) -> Callable[[], Transport]:
@@ -387,11 +396,37 @@ def ray_transport(actor: Any) -> Callable[[], Transport]:
     return make
 
 
+HEALTH_PROBE_S = 15.0  # longer than a restart of the actor takes (a probe may land in one)
+ACTOR_MAX_RESTARTS = 10
+
+
+def ray_hang_check(actor: Any, probe_s: float = HEALTH_PROBE_S) -> Callable[[], Awaitable[str | None]]:
+    """After a timed-out call: an actor that does not answer `health` either is hung (stopped,
+    deadlocked, its event loop blocked by user code), not merely slow. Kill it so that Ray restarts
+    it; the caller retries the batch on the new one."""
+
+    async def check() -> str | None:
+        import ray
+
+        try:
+            await asyncio.wait_for(actor.health.remote(), probe_s)
+            return None
+        except (asyncio.TimeoutError, TimeoutError):
+            ray.kill(actor, no_restart=False)
+            message = f"reward actor hung (no health answer in {probe_s:g}s): killed, Ray restarts it"
+            log.warning(message)
+            return message
+        except Exception:  # dead or restarting: Ray handles it
+            return None
+
+    return check
+
+
 def reward_actor(job_name: str, spec: str | dict, timeout_s: float, max_concurrency: int) -> Any:
     """The job's reward actor, created on first use (num_cpus=0: it waits on user code, not on a core)."""
     import ray
 
-    cls = ray.remote(num_cpus=0, max_restarts=3, max_concurrency=1000)(RewardActor)
+    cls = ray.remote(num_cpus=0, max_restarts=ACTOR_MAX_RESTARTS, max_concurrency=1000)(RewardActor)
     return cls.options(name=f"slime-reward-{job_name}", get_if_exists=True).remote(spec, timeout_s, max_concurrency)
 
 
@@ -414,6 +449,7 @@ def make_reward_service(cfg: Any, job_name: str) -> RewardService:
             cfg.batch_size,
             cfg.max_retries,
             cfg.backoff_s,
+            on_timeout=ray_hang_check(actor, max(5.0, min(HEALTH_PROBE_S, request_timeout))),
         )
     elif cfg.mode == "http":
         make, close = http_transport(cfg.url, cfg.token)

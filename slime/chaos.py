@@ -7,17 +7,21 @@ Faults, each on one process of the job (a Ray actor found by its name, or the jo
     worker_hang   SIGSTOP of a rollout worker actor (it answers nothing; rollout.hang_timeout_s)
     learner_kill  SIGKILL of the learner actor
     redis_kill    SIGKILL of the job's redis-server
+    reward_kill   SIGKILL of the reward actor (reward.mode=ray_actor)
+    reward_hang   SIGSTOP of the reward actor (reward.mode=ray_actor; reward.request_timeout_s)
 
 The job recovers by itself: train() restarts from its last checkpoint and the buffer after a lost
-actor; the driver restarts its redis-server on the same port (AOF replayed) while every part
-retries. Per fault: the time from the fault to the first token generated after the recovery and
-to the first step trained after it. Then the audit, from the job's Redis (its AOF) and its files:
+rollout worker or learner; the driver restarts its redis-server on the same port (AOF replayed)
+while every part retries; Ray restarts a dead reward actor, and the workers kill a hung one to be
+restarted, retrying their batches. Per fault: the time from the fault to the first output after
+the recovery (a token generated; for a reward fault, a sample scored) and to the first step
+trained after it (for a reward fault: after that first scored sample). Then the audit, from the job's Redis (its AOF) and its files:
     groups lost or trained twice   groups_trained == steps x batch_size, none left claimed
     steps logged twice or missing  metrics.jsonl holds 0..steps-1, each once
     trajectories lost              every sample final, or partial (its tokens kept), or failed with a reason
     tokens lost                    tokens stored + tokens discarded by a restart == tokens generated
-Every "lost" or "twice" figure must be 0. Not injected: reward-server kills (`slime reward-serve`
-is the user's process; tests/test_reward_service.py covers a reward actor that dies).
+Every "lost" or "twice" figure must be 0. Not injected: kills of an HTTP reward server (`slime
+reward-serve` is the user's process, not the job's; the workers retry it with backoff).
 """
 
 from __future__ import annotations
@@ -43,12 +47,17 @@ from slime.security import JobCredentials
 FAULTS = {"worker_kill": ("RolloutWorker", signal.SIGKILL), "worker_hang": ("RolloutWorker", signal.SIGSTOP)}
 FAULTS["learner_kill"] = ("Learner", signal.SIGKILL)
 FAULTS["redis_kill"] = ("redis-server", signal.SIGKILL)
+FAULTS["reward_kill"] = ("RewardActor", signal.SIGKILL)
+FAULTS["reward_hang"] = ("RewardActor", signal.SIGSTOP)
 RESTART_NOTICE = "restarting from the last checkpoint"
 REDIS_RESTART_NOTICE = "redis-server exited"  # slime/job.py, RunningJob._redis_restarted
 
 
-def recovery_notice(kind: str) -> str:
-    """The stderr line that says the job recovered from a fault of this kind."""
+def recovery_notice(kind: str) -> str | None:
+    """The stderr line that says the job recovered from a fault of this kind (None: the job goes
+    on without a restart, and the recovery shows only as new tokens and steps)."""
+    if kind.startswith("reward_"):
+        return None
     return REDIS_RESTART_NOTICE if kind == "redis_kill" else RESTART_NOTICE
 
 
@@ -58,9 +67,9 @@ class Fault:
     after_steps: int  # injected once metrics.jsonl holds this many steps
     injected_at: float | None = None
     restarted_at: float | None = None
-    first_token_s: float | None = None
+    first_output_s: float | None = None  # first token generated (a reward fault: first sample scored)
     next_step_s: float | None = None
-    tokens_at_restart: float | None = None
+    output_at_restart: float | None = None
 
 
 @dataclass
@@ -124,8 +133,9 @@ def _metric_rows(path: Path) -> list[dict]:
     return rows
 
 
-def _generated_tokens(run: Path, job: str) -> float | None:
-    """The live job's generated-token counter, or None while its Redis is down (a restart)."""
+def _output(run: Path, job: str, kind: str) -> float | None:
+    """The live job's generated-token counter (a reward fault: its count of scored samples), or
+    None while its Redis is down (a restart)."""
     try:
         port = json.loads((run / "redis" / "server.json").read_text())["port"]
         connection = JobConnection(
@@ -133,6 +143,9 @@ def _generated_tokens(run: Path, job: str) -> float | None:
         )
         store = TrajectoryStore(connection)
         try:
+            if kind.startswith("reward_"):
+                counts = store.counts()
+                return float(sum(counts[s.value] for s in FINAL_STATUSES))
             return float(store.stats().get("generated_tokens", 0.0))
         finally:
             store.connection.close()
@@ -154,7 +167,13 @@ def run(
     settings = [*overrides, f"max_restarts={(count or len(kinds)) + 1}"]
     if not any(o.startswith("rollout.hang_timeout_s=") for o in overrides):
         settings.append("rollout.hang_timeout_s=5")
+    if not any(o.startswith("reward.request_timeout_s=") for o in overrides):
+        settings.append("reward.request_timeout_s=5")
     cfg = load_config(cfg_path, settings)
+    if any(k.startswith("reward_") for k in kinds) and cfg.reward.mode != "ray_actor":
+        raise ValueError(
+            f"reward_kill and reward_hang hurt the reward actor: set reward.mode=ray_actor (got {cfg.reward.mode})"
+        )
     if cfg.resume is not None or cfg.buffer.url is not None:
         raise ValueError("chaos runs a fresh job with its own Redis: leave resume and buffer.url unset")
     faults = plan(seed, kinds, cfg.steps, count)
@@ -183,7 +202,7 @@ def run(
             "after_steps": f.after_steps,
             "injected": f.injected_at is not None,
             "recovered": f.next_step_s is not None,
-            "fault_to_first_token_s": None if f.first_token_s is None else round(f.first_token_s, 1),
+            "fault_to_first_output_s": None if f.first_output_s is None else round(f.first_output_s, 1),
             "fault_to_next_step_s": None if f.next_step_s is None else round(f.next_step_s, 1),
         }
         for f in faults
@@ -210,7 +229,7 @@ def _watch(proc: subprocess.Popen, chaos: ChaosRun, fault: Fault, earlier: int, 
 
     def timed() -> bool:  # the first new token may come after the next step: wait a little for it
         return fault.next_step_s is not None and (
-            fault.first_token_s is not None or time.time() - fault.injected_at > fault.next_step_s + 30
+            fault.first_output_s is not None or time.time() - fault.injected_at > fault.next_step_s + 30
         )
 
     while proc.poll() is None and time.time() < deadline and not timed():
@@ -223,16 +242,19 @@ def _watch(proc: subprocess.Popen, chaos: ChaosRun, fault: Fault, earlier: int, 
                 fault.injected_at = time.time()
             continue
         if fault.restarted_at is None:
-            if sum(recovery_notice(fault.kind) in line for line in chaos.stderr) > earlier:
+            notice = recovery_notice(fault.kind)
+            if notice is None or sum(notice in line for line in chaos.stderr) > earlier:
                 fault.restarted_at = time.time()
                 before = {(r.get("step"), r.get("wall_seconds")) for r in rows}
             continue
-        if fault.first_token_s is None:
-            tokens = _generated_tokens(cfg.run_dir, cfg.job_name)
-            if tokens is not None and fault.tokens_at_restart is None:
-                fault.tokens_at_restart = tokens
-            elif tokens is not None and tokens > (fault.tokens_at_restart or 0.0):
-                fault.first_token_s = time.time() - fault.injected_at
+        if fault.first_output_s is None:
+            output = _output(cfg.run_dir, cfg.job_name, fault.kind)
+            if output is not None and fault.output_at_restart is None:
+                fault.output_at_restart = output
+            elif output is not None and output > (fault.output_at_restart or 0.0):
+                fault.first_output_s = time.time() - fault.injected_at
+        if fault.first_output_s is None and recovery_notice(fault.kind) is None:
+            continue  # no restart to wait for: a step counts once the job produced again
         if fault.next_step_s is None and any((r.get("step"), r.get("wall_seconds")) not in before for r in rows):
             fault.next_step_s = time.time() - fault.injected_at
 
@@ -288,11 +310,11 @@ def clean(report: dict) -> bool:
 
 
 def print_report(report: dict) -> None:
-    print(f"{'fault':<13} {'after step':>10} {'recovered':>9} {'to first token':>15} {'to next step':>13}")
+    print(f"{'fault':<13} {'after step':>10} {'recovered':>9} {'to first output':>16} {'to next step':>13}")
     for f in report["faults"]:
-        token = "-" if f["fault_to_first_token_s"] is None else f"{f['fault_to_first_token_s']:.1f} s"
+        token = "-" if f["fault_to_first_output_s"] is None else f"{f['fault_to_first_output_s']:.1f} s"
         step = "-" if f["fault_to_next_step_s"] is None else f"{f['fault_to_next_step_s']:.1f} s"
-        print(f"{f['kind']:<13} {f['after_steps']:>10} {str(f['recovered']):>9} {token:>15} {step:>13}")
+        print(f"{f['kind']:<13} {f['after_steps']:>10} {str(f['recovered']):>9} {token:>16} {step:>13}")
     keys = (
         "exit_code",
         "restarts",

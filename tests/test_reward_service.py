@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -301,6 +303,35 @@ def test_a_crashed_reward_actor_is_restarted_and_its_samples_retried(ray_session
     finally:
         service.close()
         ray.kill(ray.get_actor("slime-reward-actor-crash"))
+
+
+def test_a_hung_reward_actor_is_killed_restarted_and_its_samples_retried(ray_session, tmp_path):
+    """The reward actor's process stops answering (SIGSTOP: a deadlock or a blocked event loop
+    looks the same). A call times out, the actor does not answer a health probe either, so the
+    client kills it, Ray restarts it, and the retried batch gets every reward."""
+    import ray
+
+    reward_file = tmp_path / "length.py"
+    reward_file.write_text("def reward(prompt, response, label=None):\n    return float(len(response))\n")
+    cfg = RewardConfig(
+        mode="ray_actor", fn=f"{reward_file}:reward", request_timeout_s=3, max_retries=3, backoff_s=0.2, cache_size=0
+    )
+    service = make_reward_service(cfg, "actor-hang")
+    actor = ray.get_actor("slime-reward-actor-hang")
+    try:
+        assert service.submit("p", "xy").result(timeout=60).reward == 2.0
+        hung_pid = ray.get(actor.health.remote())["pid"]
+        os.kill(hung_pid, signal.SIGSTOP)
+        results = [f.result(timeout=120) for f in [service.submit("p", "x" * n) for n in range(1, 6)]]
+        assert [(r.reward, r.failure) for r in results] == [(float(n), None) for n in range(1, 6)]
+        assert ray.get(actor.health.remote())["pid"] != hung_pid and service.retries >= 1
+    finally:
+        service.close()
+        ray.kill(actor)
+        try:
+            os.kill(hung_pid, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
 
 
 # ----------------------------------------------------------------------------- PRM -> tokens
