@@ -54,31 +54,27 @@ def test_a_script_sent_twice_changes_the_buffer_once(buffer: TrajectoryStore) ->
     # A reply lost on the way (Redis restarted after running the script) makes the client send the
     # same call again; it gets the first run's reply and nothing is applied twice.
     raw = buffer.redis
-    buffer._add_group.load()
-    buffer._append.load()
+    for script in (buffer._add_group, buffer._append, buffer._release):
+        script.load()
     call = buffer._add_group.call_args([buffer.prefix, "g1", 2, 8, b"\x05\x00\x00\x00", "{}", "s1", "s2"])
     assert raw.evalsha(buffer._add_group.sha, *call) == raw.evalsha(buffer._add_group.sha, *call) == 1
-    assert len(list(buffer.iter_samples())) == 2
-    (sample,) = buffer.lease("w", 1)
-    append = buffer._append.call_args(
-        buffer._append_args(
-            sample.id,
-            "w",
-            np.array([1, 2]),
-            np.array([-0.5, -0.25], dtype=np.float32),
-            np.array([0, 0]),
-            np.array([1, 1]),
-            0,
-        )
-    )
-    first, again = raw.evalsha(buffer._append.sha, *append), raw.evalsha(buffer._append.sha, *append)
-    assert first == again == [0, 2]
-    assert buffer.get_sample(sample.id).response_ids.tolist() == [1, 2]
-    # A new call (fresh request id) with the same stale stored length is refused, not appended.
-    with pytest.raises(ChunksLostError, match="has 2 tokens stored, 0 were acknowledged"):
-        buffer.append_chunk(sample.id, "w", [3], [-0.1], 0, stored_length=0)
-    reply_key = append[1]
-    assert 0 < raw.ttl(reply_key) <= buffer.connection.reply_ttl_s
+    assert len(list(buffer.iter_samples())) == 2 and 0 < raw.ttl(call[1]) <= buffer.connection.reply_ttl_s
+    # A fresh call (a new request id) is a new request: the group exists already.
+    with pytest.raises(ValueError, match="already exists"):
+        buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={}, group_id="g1")
+    first, second = buffer.lease("w", 2)
+    # The chunk append stores no reply: the stored length it carries recognises a resend.
+    tokens, lps, versions, mask = np.array([1, 2]), np.array([-0.5, -0.25]), np.array([0, 0]), np.array([1, 1])
+    append = buffer._append.call_args(buffer._append_args(first.id, "w", tokens, lps, versions, mask, 0))
+    assert raw.evalsha(buffer._append.sha, *append) == raw.evalsha(buffer._append.sha, *append) == [0, 2]
+    assert buffer.get_sample(first.id).response_ids.tolist() == [1, 2]
+    with pytest.raises(ChunksLostError, match="has 2 tokens stored, 4 were acknowledged"):
+        buffer.append_chunk(first.id, "w", [3], [-0.1], 0, stored_length=4)
+    with pytest.raises(RuntimeError, match="another writer appended"):
+        buffer.append_chunk(first.id, "w", [3], [-0.1], 0, stored_length=0)
+    release = buffer._release.call_args([buffer.prefix, second.id, "w"])
+    assert raw.evalsha(buffer._release.sha, *release) == raw.evalsha(buffer._release.sha, *release)
+    assert buffer.counts()["queue_resume"] == 1  # released once, queued once
 
 
 def test_a_killed_redis_restarts_and_every_acknowledged_chunk_is_kept(tmp_path: Path) -> None:

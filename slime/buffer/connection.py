@@ -73,20 +73,25 @@ def reconnecting_retry(timeout_s: float) -> Retry:
 
 
 class OnceScript:
-    """A state-changing script that runs at most once per call, however often the call is sent.
+    """A state-changing script that takes effect at most once per call, however often the call is
+    sent. By default each call gets a fresh request id (`call_args`) and the script stores its reply
+    under it for ``reply_ttl_s`` (the last ARGV, taken off before the script runs), longer than any
+    retry lasts. A script that makes a resend harmless by itself (``stores_reply=False``: the chunk
+    append, which checks the stored length) is called plainly: the hot path pays nothing."""
 
-    `__call__` and `call_args` give each call a fresh request id; the reply is stored under it for
-    ``reply_ttl_s`` (the last ARGV, taken off before the script runs), longer than any retry lasts."""
-
-    def __init__(self, connection: JobConnection, script: Script) -> None:
-        self.connection, self._script = connection, script
+    def __init__(self, connection: JobConnection, script: Script, stores_reply: bool = True) -> None:
+        self.connection, self._script, self.stores_reply = connection, script, stores_reply
         self.script, self.sha = script.script, script.sha  # the source and its digest, as Script has them
 
     def call_args(self, args: Sequence) -> tuple:
         """The EVALSHA arguments after the sha for one call: numkeys, its reply key, ARGV."""
+        if not self.stores_reply:
+            return (0, *args)
         return (1, self.connection.key("reply", uuid.uuid4().hex), *args, self.connection.reply_ttl_s)
 
     def __call__(self, args: Sequence):
+        if not self.stores_reply:
+            return self._script(args=args)
         numkeys, reply_key, *argv = self.call_args(args)
         return self._script(keys=[reply_key], args=argv)
 
@@ -133,9 +138,11 @@ class JobConnection:
         """A read-only script of slime/buffer/lua/ (ARGV[1] is the job prefix), prelude.lua in front."""
         return self.redis.register_script(lua_source("prelude.lua", *files))
 
-    def once_script(self, *files: str) -> OnceScript:
-        """A state-changing script of slime/buffer/lua/, run at most once per call (OnceScript)."""
+    def once_script(self, *files: str, stores_reply: bool = True) -> OnceScript:
+        """A state-changing script of slime/buffer/lua/, taking effect once per call (OnceScript)."""
         body = lua_source("prelude.lua", *files)
+        if not stores_reply:
+            return OnceScript(self, self.redis.register_script(body), stores_reply=False)
         return OnceScript(self, self.redis.register_script(_ONCE_HEAD + body + _ONCE_TAIL))
 
     def close(self) -> None:

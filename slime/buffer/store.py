@@ -89,7 +89,8 @@ class TrajectoryStore:
         self._key = connection.key
         self._add_group = connection.once_script("add_group.lua")
         self._lease = connection.once_script("transitions.lua", "lease.lua")
-        self._append = connection.once_script("transitions.lua", "append.lua")
+        # The append checks the writer's stored length, so a resent chunk is recognised there.
+        self._append = connection.once_script("transitions.lua", "append.lua", stores_reply=False)
         self._renew = connection.once_script("transitions.lua", "renew.lua")
         self._finish = connection.once_script("transitions.lua", "finish.lua")
         self._release = connection.once_script("transitions.lua", "release.lua")
@@ -165,7 +166,8 @@ class TrajectoryStore:
     ) -> int:
         """Append one chunk to the four per-token arrays and refresh the lease. Returns the new length.
         ``stored_length``: the length the caller knows is stored; a shorter stored trajectory raises
-        ChunksLostError instead of appending after a gap."""
+        ChunksLostError instead of appending after a gap, and a resend of a chunk already applied
+        (its reply lost to a Redis restart) changes nothing. Without it neither is checked."""
         tokens, lps, versions, mask = normalize_chunk(token_ids, logprobs, version, loss_mask)
         args = self._append_args(sample_id, worker_id, tokens, lps, versions, mask, stored_length)
         code, detail = self._append(args=args)
@@ -439,6 +441,11 @@ class TrajectoryStore:
             raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
         if code == ScriptReply.LOST_CHUNKS:
             stored, expected = (int(x) for x in text.split(":"))
+            if stored > expected:
+                raise RuntimeError(
+                    f"job {self.job!r}: sample {sample_id!r} has {stored} tokens stored, more than the {expected} "
+                    f"worker {worker_id!r} knows of: another writer appended to it"
+                )
             raise ChunksLostError(
                 f"job {self.job!r}: sample {sample_id!r} has {stored} tokens stored, {expected} were "
                 f"acknowledged to worker {worker_id!r}: Redis lost its last writes",

@@ -16,10 +16,14 @@ local len_mask = redis.call('STRLEN', skey .. ':mask')
 if len_tok ~= 4 * len_mask or len_lp ~= 4 * len_mask or len_ver ~= 4 * len_mask then
   return {-3, string.format('stored bytes tok=%d lp=%d ver=%d mask=%d', len_tok, len_lp, len_ver, len_mask)}
 end
--- The writer's count of what is stored must match: fewer stored tokens are writes Redis lost (the
--- AOF's unsynced second before a crash of the machine), and appending would leave a gap.
+-- The writer's count of what is stored must match. Exactly one chunk more, ending in this chunk's
+-- tokens: this call was applied already and is sent again (its reply was lost); fewer: writes
+-- Redis lost (the AOF's unsynced second before a crash of the machine); never append after a gap.
 local expected = tonumber(ARGV[9])
 if expected and expected ~= len_mask then
+  if n > 0 and len_mask == expected + n and redis.call('GETRANGE', skey .. ':tok', 4 * expected, -1) == tok then
+    return {0, len_mask}
+  end
   return {-6, len_mask .. ':' .. expected}
 end
 if n > 0 then
