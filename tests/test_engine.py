@@ -39,13 +39,13 @@ def model():
     return tiny_moe(0)
 
 
-@pytest.fixture(params=["fast", "hf"])
+@pytest.fixture(params=["fast", "generic", "hf"])
 def engine(request, model):
-    """Both forward paths: the fast decoder (default for this model) and Hugging Face's forward."""
+    """Every forward path: the hand-written fast decoder (default for this model), the generic one
+    (the model's own modules over the cached attention) and Hugging Face's forward."""
     # A copy: weight-update tests write into the engine's model in place.
-    eng = BuiltinEngine(
-        copy.deepcopy(model), max_running_requests=16, seed=0, fast_path=None if request.param == "fast" else False
-    )
+    fast_path = {"fast": None, "generic": "generic", "hf": False}[request.param]
+    eng = BuiltinEngine(copy.deepcopy(model), max_running_requests=16, seed=0, fast_path=fast_path)
     assert eng.health()["forward"] == request.param
     return eng
 

@@ -13,7 +13,8 @@ from slime.engines import fast_decoder as fd
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
-from slime.engines.fast_decoder import SEGMENT_ROWS, FastDecoder, decode_segments, fast_decoder_for
+from slime.engines.fast_decoder import SEGMENT_ROWS, FastDecoder, decode_segments
+from slime.engines.generic_decoder import fast_decoder_for
 from slime.model import build_tiny_moe
 
 VOCAB = 64
@@ -159,23 +160,29 @@ def test_router_hooks_still_fire_for_the_expert_load_recorder():
     recorder.detach()
 
 
-def test_unsupported_model_uses_the_hf_forward_and_fast_path_true_says_why():
+def test_gpt2_takes_the_generic_fast_path_with_the_hf_paths_tokens():
+    """GPT-2 is none of the hand-written families (learned positions, fused qkv, GELU): its own
+    modules run over the engine's cached attention."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
-    assert BuiltinEngine(gpt2).health()["forward"] == "hf"
-    with pytest.raises(ValueError, match="fast_path=True"):
-        BuiltinEngine(gpt2, fast_path=True)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
+    fast, hf = BuiltinEngine(gpt2, max_running_requests=8), BuiltinEngine(gpt2, fast_path=False)
+    assert fast.health()["forward"] == "generic" and hf.health()["forward"] == "hf"
+    ps = prompts(6, seed=4, hi=20)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[])
+    a, b = run(fast, ps, lambda i: greedy), run(hf, ps, lambda i: greedy)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
-def test_a_model_whose_numbers_differ_is_refused():
-    """A forward hook that changes an MLP's output is invisible to the fast forward: the start-up
-    check compares logits and keeps the Hugging Face path."""
+def test_a_model_whose_numbers_differ_from_the_hand_written_path_takes_the_generic_one():
+    """A forward hook that changes an MLP's output is invisible to the hand-written forward: the
+    start-up check compares logits and refuses it; the generic path runs the model's own modules,
+    hooks included, and agrees."""
     model = tiny_moe(0)
-    assert isinstance(fast_decoder_for(model, 8, 128), FastDecoder)
+    assert type(fast_decoder_for(model, 8, 128)) is FastDecoder
     model.model.layers[1].mlp.register_forward_hook(lambda module, inputs, output: output * 1.5)
-    assert fast_decoder_for(model, 8, 128) is None
-    assert BuiltinEngine(model).health()["forward"] == "hf"
+    assert type(fast_decoder_for(model, 8, 128)).__name__ == "GenericDecoder"
+    assert BuiltinEngine(model).health()["forward"] == "generic"
 
 
 # ---------------------------------------------------------------- kept KV of aborted requests

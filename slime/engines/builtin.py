@@ -12,11 +12,12 @@ whose rows share one batched KV cache. Each :meth:`BuiltinEngine.step` is one fo
 
 The batch's model state has two implementations with the same operations (one forward of
 decode rows + prefill groups, keep some rows, report the cache length):
-- the fast path (`slime.engines.fast_decoder`), for Llama/Qwen-family decoders (the default tiny
-  MoE included): plain torch ops on the model's own tensors over a preallocated slot KV cache,
-  decode and prefill tokens flattened into one pass, checked at start against the model's
-  forward; it can also keep and restore an aborted row's cache;
-- `slime.engines.hf_batch.HfBatch`, for any other causal LM: the model's own forward with a
+- the fast path: a preallocated slot KV cache, decode and prefill tokens flattened into one
+  pass, checked at start against the model's forward; it can also keep and restore an aborted
+  row's cache. For Llama/Qwen-family decoders (the default tiny MoE included) plain torch ops on
+  the model's own tensors (`slime.engines.fast_decoder`); for any other decoder-only model the
+  model's own modules with the engine's attention over that cache (`slime.engines.generic_decoder`);
+- `slime.engines.hf_batch.HfBatch`, for a model neither fits: the model's own forward with a
   ``DynamicCache`` (decode, then each prefill group), rows LEFT padded (the shorter cache is
   padded on the left when batches merge; leading columns that are padding in every row are
   trimmed when rows leave).
@@ -47,6 +48,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import Literal
 
 import torch
 
@@ -58,7 +60,8 @@ from slime.engines.contract import (
     checked_token_ids,
     validate_sampling,
 )
-from slime.engines.fast_decoder import FastDecoder, fast_decoder_for
+from slime.engines.fast_decoder import FastDecoder
+from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
 from slime.engines.hf_batch import HfBatch
 from slime.model import load_model
 
@@ -91,11 +94,12 @@ class BuiltinEngine:
         seed: int = 0,
         version: int = 0,
         max_seq_len: int | None = None,
-        fast_path: bool | None = None,
+        fast_path: bool | Literal["generic"] | None = None,
         kept_kv_tokens: int = 0,
     ):
         """``fast_path``: None uses the fast forward when the model fits it (checked against the
-        model's own logits), False always uses the Hugging Face forward, True requires the fast one.
+        model's own logits), False always uses the Hugging Face forward, True requires the fast one,
+        "generic" requires the one over the model's own modules (to compare with the hand-written).
 
         ``kept_kv_tokens``: on the fast path, an aborted request's KV cache is kept (up to this many
         tokens in all, least recently aborted dropped first); when the same request comes back
@@ -134,7 +138,11 @@ class BuiltinEngine:
         self._running: list[_Seq] = []
         self._ids: set[str] = set()  # ids waiting or running
         self._batch = (
-            None if fast_path is False else fast_decoder_for(self.model, max_running_requests, self.max_seq_len)
+            None
+            if fast_path is False
+            else fast_decoder_for(
+                self.model, max_running_requests, self.max_seq_len, hand_written=fast_path != "generic"
+            )
         )
         if self._batch is None:
             if fast_path:
@@ -353,7 +361,7 @@ class BuiltinEngine:
             "decode_rows": self._decode_rows,
             "kv_len": self._batch.kv_len(),
             "device": str(self.device),
-            "forward": "fast" if isinstance(self._batch, FastDecoder) else "hf",
+            "forward": _forward_kind(self._batch),
             "kv_kept_requests": len(self._kept),
             "kv_resumes": self._kv_resumes,
             "kv_resumed_tokens": self._kv_resumed_tokens,
@@ -578,3 +586,10 @@ def _synchronized(device: torch.device):
     finally:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+def _forward_kind(batch) -> str:
+    """health()'s name for the batch state: the hand-written fast path, the generic one, or HF's."""
+    if isinstance(batch, GenericDecoder):
+        return "generic"
+    return "fast" if isinstance(batch, FastDecoder) else "hf"

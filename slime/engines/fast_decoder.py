@@ -19,8 +19,9 @@ Supported: ``model.model.{embed_tokens, layers, norm, rotary_emb}`` + ``model.lm
 causal attention (optional q/k RMSNorm and q/k/v bias), and per layer either a SwiGLU MLP
 (``gate_proj``/``up_proj``/``down_proj``) or a top-k routed MoE (``mlp.gate`` router returning
 ``(logits, weights, indices)`` + ``mlp.experts`` with fused ``gate_up_proj``/``down_proj``), as in
-Llama, Qwen2, Qwen3 and Qwen3-MoE. :func:`fast_decoder_for` checks the structure and then the
-numbers (logits against the model's own forward); anything else keeps the Hugging Face path.
+Llama, Qwen2, Qwen3 and Qwen3-MoE. `slime.engines.generic_decoder.fast_decoder_for` checks the
+structure and then the numbers (logits against the model's own forward); other models take the
+generic fast path there (this cache and layout, the model's own modules), or the Hugging Face one.
 The router is called as a module, so forward hooks on it (the dashboard's expert-load
 recorder) still fire.
 """
@@ -28,6 +29,7 @@ recorder) still fire.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -139,6 +141,35 @@ def decode_segments(lens: np.ndarray) -> list[tuple[int, int, int]]:
     return [(r0, r1, used) for r0, r1, used in segments]
 
 
+@dataclass
+class _Step:
+    """One forward's layout: flat tokens (decode rows first, then the new contexts' tokens)."""
+
+    b: int  # decode rows fed (the first b flat tokens)
+    ids: torch.Tensor  # [S] token ids
+    pos: torch.Tensor  # [S] positions
+    ctx_lens: list[int]  # per new row, its context length
+    used: int  # decode: longest cached length + 1
+    lens: torch.Tensor | None  # [b] decode rows' input positions
+    padded: list[tuple[torch.Tensor, torch.Tensor, slice, int]] = field(default_factory=list)
+    rows_idx: torch.Tensor | None = None
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    last: torch.Tensor | None = None  # [rows fed] flat index of each row's last token
+
+
+def _softmax(
+    scores: torch.Tensor, bias: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(scores + bias) over the last dim, with logit soft-capping and attention sinks."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype)[..., None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 class FastDecoder:
     """Batched prefill/decode over a slot KV cache; rows are appended by ``prefill`` and removed
     by ``select``. Call under ``torch.inference_mode()``."""
@@ -166,6 +197,11 @@ class FastDecoder:
             self.device.type == "cpu"
             or (self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0))
         )
+        self._init_cache([(self.num_kv_heads, self.head_dim, self.head_dim)] * len(self.layers))
+
+    def _init_cache(self, kv_shapes: list[tuple[int, int, int]]) -> None:
+        """``kv_shapes``: per layer (kv heads, key head dim, value head dim)."""
+        self.kv_shapes = kv_shapes
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lens = np.zeros(0, dtype=np.int64)  # host copy of each row's cached length
@@ -184,14 +220,13 @@ class FastDecoder:
             return
         new_rows = cap_rows if rows <= cap_rows else max(rows, min(max(2 * cap_rows, 8), self.max_rows))
         new_len = cap_len if length <= cap_len else max(length, min(max(2 * cap_len, 64), self.max_len))
-        shape = (new_rows, self.num_kv_heads, new_len, self.head_dim)
         used = int(self.lens.max()) if self.rows else 0
-        for store in (self.keys, self.values):
-            for i in range(len(self.layers)):
-                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for store, dim in ((self.keys, 1), (self.values, 2)):
+            for i, shape in enumerate(self.kv_shapes):
+                fresh = torch.zeros((new_rows, shape[0], new_len, shape[dim]), dtype=self.dtype, device=self.device)
                 if store and self.rows:
                     fresh[: self.rows, :, :used] = store[i][: self.rows, :, :used]
-                if len(store) == len(self.layers):
+                if len(store) == len(self.kv_shapes):
                     store[i] = fresh
                 else:
                     store.append(fresh)
@@ -288,6 +323,16 @@ class FastDecoder:
         Projections, norms and the MoE run once over the real tokens of both kinds. Returns the
         next-token logits of every row fed: [decoded rows + new rows, V].
         """
+        step = self._plan(last_tokens, groups)
+        logits = self._compute(step)
+        if step.b:
+            self.lens = self.lens + 1
+        self.lens = np.concatenate([self.lens, np.array(step.ctx_lens, dtype=np.int64)])
+        self.rows += len(step.ctx_lens)
+        return logits
+
+    def _plan(self, last_tokens: torch.Tensor | None, groups: list[list[list[int]]]) -> _Step:
+        """The flat tokens, positions and row layout of one forward (see `forward`); grows the cache."""
         dev = self.device
         b = self.rows if last_tokens is not None else 0
         contexts = [c for g in groups for c in g]
@@ -317,12 +362,11 @@ class FastDecoder:
         if contexts:
             flat_ids.append(torch.tensor(fed, dtype=torch.long, device=dev))
             pos_parts.append(torch.cat([torch.arange(n, device=dev) for n, f in zip(ctx_lens, first) if f]))
-        ids, pos = torch.cat(flat_ids), torch.cat(pos_parts)
+        step = _Step(b=b, ids=torch.cat(flat_ids), pos=torch.cat(pos_parts), ctx_lens=ctx_lens, used=used, lens=lens)
         # Each new group, right padded: padded slot -> flat index (pads repeat the group's first
         # token; causal attention keeps real tokens off the padding after them, and a row's padding
         # keys are overwritten by its own decode steps before they are read). A repeated context's
         # row computes attention too, but only first occurrences give the flat outputs.
-        padded = []
         new_row = 0
         row = self.rows
         for g in groups:
@@ -334,22 +378,92 @@ class FastDecoder:
                 start = starts[new_row + j]
                 index[j, :n] = torch.arange(start, start + n)
                 real[j, :n] = first[new_row + j]
-            padded.append((index.to(dev), real.reshape(-1).to(dev), slice(row, row + len(g)), w))
+            step.padded.append((index.to(dev), real.reshape(-1).to(dev), slice(row, row + len(g)), w))
             row += len(g)
             new_row += len(g)
         if b:
-            rows_idx = torch.arange(b, device=dev)
-            # Additive mask [b, 1, 1, used]: 0 on a row's own cached positions, -inf past them.
-            decode_bias = torch.zeros(b, 1, 1, used, dtype=self.dtype, device=dev).masked_fill_(
-                (torch.arange(used, device=dev)[None, :] > lens[:, None])[:, None, None, :], float("-inf")
-            )
-            group = self.num_heads // self.num_kv_heads
-            segments = decode_segments(self.lens)
+            step.rows_idx = torch.arange(b, device=dev)
+            step.segments = decode_segments(self.lens)
+        step.last = torch.tensor(list(range(b)) + [start + n - 1 for start, n in zip(starts, ctx_lens)], device=dev)
+        return step
 
-        x = F.embedding(ids, self.embed)  # [S, H]
-        cos, sin = self.rotary(x[None], pos[None])
+    def _attend(
+        self,
+        i: int,
+        step: _Step,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scaling: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Layer ``i``'s attention for every flat token: q [S, heads, D], k [S, kv heads, D],
+        v [S, kv heads, Dv] (after RoPE). Stores the keys and values in the cache and returns
+        [S, heads * Dv]. ``window``: a query at p sees keys at (p - window, p]; ``softcap``:
+        scores become softcap * tanh(scores / softcap); ``sinks`` [heads]: one more logit per head
+        that takes probability mass and gives no value (attention sinks)."""
+        keys, values = self.keys[i], self.values[i]
+        heads, kv_heads = q.shape[1], k.shape[1]
+        group = heads // kv_heads
+        plain = softcap is None and sinks is None
+        out = []
+        b = step.b
+        if b:
+            keys[step.rows_idx, :, step.lens] = k[:b]
+            values[step.rows_idx, :, step.lens] = v[:b]
+            positions = torch.arange(step.used, device=self.device)[None, :]
+            hidden = positions > step.lens[:, None]
+            if window is not None:
+                hidden = hidden | (positions <= step.lens[:, None] - window)
+            # Additive mask [b, 1, 1, used]: 0 on a row's own visible positions, -inf elsewhere.
+            decode_bias = torch.zeros(b, 1, 1, step.used, dtype=q.dtype, device=self.device).masked_fill_(
+                hidden[:, None, None, :], float("-inf")
+            )
+            for r0, r1, seg_used in step.segments:
+                n = r1 - r0
+                seg_keys, seg_values = keys[r0:r1, :, :seg_used], values[r0:r1, :, :seg_used]
+                seg_bias = decode_bias[r0:r1, :, :, :seg_used]
+                if self.device.type == "cpu" or not plain:
+                    # One query per row: plain batched matmuls over [n, kv heads, group, .] beat
+                    # SDPA's CPU kernel (query head h reads kv head h // group, as enable_gqa).
+                    qg = q[r0:r1].reshape(n, kv_heads, group, q.shape[-1])
+                    scores = torch.matmul(qg, seg_keys.transpose(-1, -2)) * scaling
+                    probs = _softmax(scores, seg_bias, softcap, None if sinks is None else sinks.view(kv_heads, group))
+                    att = torch.matmul(probs, seg_values)
+                else:
+                    att = F.scaled_dot_product_attention(
+                        q[r0:r1, :, None], seg_keys, seg_values, attn_mask=seg_bias, enable_gqa=True, scale=scaling
+                    )  # [n, heads, 1, Dv]
+                out.append(att.reshape(n, -1))
+        for index, real, rows, w in step.padded:
+            qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, heads, w, D]
+            keys[rows, :, :w] = kp
+            values[rows, :, :w] = vp
+            if plain and window is None:
+                att = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=scaling)
+            else:
+                positions = torch.arange(w, device=self.device)
+                hidden = positions[None, :] > positions[:, None]
+                if window is not None:
+                    hidden = hidden | (positions[None, :] <= positions[:, None] - window)
+                bias = torch.zeros(w, w, dtype=q.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
+                n = qp.shape[0]
+                qg = qp.reshape(n, kv_heads, group, w, qp.shape[-1])
+                scores = torch.matmul(qg, kp[:, :, None].transpose(-1, -2)) * scaling  # [n, kv, group, w, w]
+                probs = _softmax(scores, bias, softcap, None if sinks is None else sinks.view(kv_heads, group, 1))
+                att = torch.matmul(probs, vp[:, :, None]).reshape(n, heads, w, -1)
+            out.append(att.transpose(1, 2).reshape(-1, heads * v.shape[-1])[real])
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _compute(self, step: _Step) -> torch.Tensor:
+        """The hand-written layers (Llama/Qwen family): next-token logits of ``step.last``."""
+        x = F.embedding(step.ids, self.embed)  # [S, H]
+        cos, sin = self.rotary(x[None], step.pos[None])
         cos, sin = cos[0][:, None], sin[0][:, None]  # [S, 1, D]
-        s_tokens = ids.shape[0]
+        s_tokens = step.ids.shape[0]
+        scaling = self.head_dim**-0.5
         for i, L in enumerate(self.layers):
             h = _rms_norm(x, L.ln_in, L.eps)
             q = F.linear(h, L.wq, L.bq).view(s_tokens, self.num_heads, self.head_dim)
@@ -361,42 +475,9 @@ class FastDecoder:
                 k = _rms_norm(k, *L.k_norm)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            keys, values = self.keys[i], self.values[i]
-            out = []
-            if b:
-                keys[rows_idx, :, lens] = k[:b]
-                values[rows_idx, :, lens] = v[:b]
-                for r0, r1, seg_used in segments:
-                    n = r1 - r0
-                    seg_keys, seg_values = keys[r0:r1, :, :seg_used], values[r0:r1, :, :seg_used]
-                    seg_bias = decode_bias[r0:r1, :, :, :seg_used]
-                    if self.device.type == "cpu":
-                        # One query per row: plain batched matmuls over [n, kv heads, group, .] beat
-                        # SDPA's CPU kernel (query head h reads kv head h // group, as enable_gqa).
-                        qg = q[r0:r1].view(n, self.num_kv_heads, group, self.head_dim)
-                        scores = torch.matmul(qg, seg_keys.transpose(-1, -2)) * self.head_dim**-0.5
-                        att = torch.matmul(torch.softmax(scores + seg_bias, dim=-1), seg_values)
-                    else:
-                        att = F.scaled_dot_product_attention(
-                            q[r0:r1, :, None], seg_keys, seg_values, attn_mask=seg_bias, enable_gqa=True
-                        )  # [n, heads, 1, D]
-                    out.append(att.reshape(n, -1))
-            for index, real, rows, w in padded:
-                qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, heads, w, D]
-                keys[rows, :, :w] = kp
-                values[rows, :, :w] = vp
-                att = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-                out.append(att.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)[real])
-            x = x + F.linear(torch.cat(out) if len(out) > 1 else out[0], L.wo, L.bo)
+            x = x + F.linear(self._attend(i, step, q, k, v, scaling), L.wo, L.bo)
             x = x + self._mlp(L, _rms_norm(x, L.ln_post, L.eps))
-
-        last = list(range(b)) + [start + n - 1 for start, n in zip(starts, ctx_lens)]
-        logits = self._logits(x[torch.tensor(last, device=dev)])
-        if b:
-            self.lens = self.lens + 1
-        self.lens = np.concatenate([self.lens, np.array(ctx_lens, dtype=np.int64)])
-        self.rows += n_new
-        return logits
+        return self._logits(x[step.last])
 
     def prefill(self, contexts: list[list[int]]) -> torch.Tensor:
         """Append one row per context (existing rows are not fed); next-token logits [n, V]."""
@@ -414,9 +495,12 @@ class FastDecoder:
 @torch.inference_mode()
 def _agrees_with_model(model: torch.nn.Module, fast: FastDecoder, tol: float = 1e-3) -> str | None:
     """Prefill two unequal prompts and decode 3 tokens both ways; a mismatch is the reason."""
-    vocab = fast.embed.shape[0]
+    vocab = int(model.get_input_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 3)]
+    # Longer than a sliding window, when the model has one, so that the window is exercised.
+    window = getattr(model.config, "sliding_window", None)
+    longest = 7 if not isinstance(window, int) else min(window + 3, max(7, fast.max_len // 2))
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (longest, 3)]
     steps = [torch.randint(0, vocab, (2,), generator=gen) for _ in range(3)]
     got = [fast.prefill(prompts)]
     for tokens in steps:
@@ -435,19 +519,3 @@ def _agrees_with_model(model: torch.nn.Module, fast: FastDecoder, tol: float = 1
     if not worst <= (tol if fast.dtype == torch.float32 else 5e-2):
         return f"logits differ from the model's forward by {worst:.2e} (relative)"
     return None
-
-
-def fast_decoder_for(model: torch.nn.Module, max_rows: int, max_len: int) -> FastDecoder | None:
-    """A checked FastDecoder for ``model``, or None (with the reason logged) when it does not fit."""
-    reason = _check_structure(model)
-    fast = None
-    if reason is None:
-        try:
-            fast = FastDecoder(model, max_rows, max_len)
-            reason = _agrees_with_model(model, fast)
-        except Exception as exc:  # an unexpected module layout: keep the Hugging Face path
-            reason = f"{type(exc).__name__}: {exc}"
-    if reason is not None:
-        log.info("built-in engine: Hugging Face forward path (%s)", reason)
-        return None
-    return fast

@@ -1,0 +1,164 @@
+"""The engine's fast path for any decoder family (slime/engines/generic_decoder.py): the model's
+own modules with the engine's attention over the slot KV cache. Every family of
+slime/engines/families.py takes a fast path whose logits and greedy tokens are the model's own,
+and an aborted request on a family outside the hand-written four resumes token-exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from slime.engines.builtin import BuiltinEngine
+from slime.engines.contract import GenerationRequest, SamplingParams
+from slime.engines.families import FAMILIES, tiny_model
+from slime.engines.fast_decoder import FastDecoder
+from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
+
+VOCAB = 97
+HAND_WRITTEN = {"llama", "qwen2", "qwen3", "qwen3_moe"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def prompts(n: int, seed: int, lo: int = 2, hi: int = 20) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy_with_hf_generate(model, prompt: list[int], n: int) -> list[int]:
+    """`model.generate`, greedy, n tokens whatever they are (no end-of-sequence token)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0)
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), generation_config=config)
+    finally:
+        model.generation_config.eos_token_id = eos
+    return out[0, len(prompt) :].tolist()
+
+
+def reference_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response]), use_cache=False).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(response)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_takes_a_fast_path_whose_tokens_and_logprobs_are_the_models(family):
+    model = tiny_model(family, VOCAB)
+    engine = BuiltinEngine(model, max_running_requests=8, max_seq_len=256)
+    kind = engine.health()["forward"]
+    assert kind == ("fast" if family in HAND_WRITTEN else "generic"), kind
+    ps = prompts(6, seed=1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=14, stop_token_ids=[])
+    out = engine.generate([GenerationRequest(f"r{i}", p, greedy) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        got = out[f"r{i}"]
+        assert got.token_ids == greedy_with_hf_generate(model, p, 14), (family, i)
+        assert got.logprobs == pytest.approx(reference_logprobs(model, p, got.token_ids), abs=2e-4)
+
+
+def test_the_generic_path_equals_the_hand_written_one_on_the_default_moe():
+    model = tiny_model("qwen3_moe", VOCAB)
+    hand = BuiltinEngine(model, max_running_requests=16)
+    generic = BuiltinEngine(model, max_running_requests=16, fast_path="generic")
+    assert hand.health()["forward"] == "fast" and generic.health()["forward"] == "generic"
+    ps = prompts(12, seed=2, lo=1, hi=30)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=[])
+    a = hand.generate([GenerationRequest(f"r{i}", p, greedy) for i, p in enumerate(ps)])
+    b = generic.generate([GenerationRequest(f"r{i}", p, greedy) for i, p in enumerate(ps)])
+    for i in range(len(ps)):
+        assert a[f"r{i}"].token_ids == b[f"r{i}"].token_ids
+        assert a[f"r{i}"].logprobs == pytest.approx(b[f"r{i}"].logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_an_aborted_request_resumes_token_exactly_outside_the_hand_written_families(family):
+    """MLA attention (DeepSeek-V3) and sliding windows with sinks (gpt-oss): aborted at several
+    points and resumed with its stored tokens (from the kept cache, or by a prefill), each
+    request ends exactly as an uninterrupted run, past the sliding window."""
+    model = tiny_model(family, VOCAB)
+    ps = prompts(6, seed=3, lo=2, hi=12)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[])
+    alone = BuiltinEngine(model, max_running_requests=8)
+    assert alone.health()["forward"] == "generic"
+    want = alone.generate([GenerationRequest(f"q{i}", p, greedy) for i, p in enumerate(ps)])
+    for kept in (0, 10_000):
+        engine = BuiltinEngine(model, max_running_requests=8, kept_kv_tokens=kept)
+        got: dict[str, list[int]] = {}
+        lps: dict[str, list[float]] = {}
+        for i, p in enumerate(ps):
+            engine.add_request(GenerationRequest(f"q{i}", p, greedy))
+        for cut in (4, 9, 2):
+            for _ in range(cut):
+                for c in engine.step():
+                    got.setdefault(c.request_id, []).extend(c.token_ids)
+                    lps.setdefault(c.request_id, []).extend(c.logprobs)
+            for c in engine.abort(None):
+                i = int(c.request_id[1:])
+                engine.add_request(GenerationRequest(c.request_id, ps[i], greedy, list(got[c.request_id])))
+        while engine.has_unfinished():
+            for c in engine.step():
+                got.setdefault(c.request_id, []).extend(c.token_ids)
+                lps.setdefault(c.request_id, []).extend(c.logprobs)
+        for i in range(len(ps)):
+            assert got[f"q{i}"] == want[f"q{i}"].token_ids, (kept, i)
+            assert lps[f"q{i}"] == pytest.approx(want[f"q{i}"].logprobs, abs=1e-4)
+        if kept:
+            assert engine.health()["kv_resumes"] > 0
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "ignored"),
+    [
+        ("mistral", {}, "window"),
+        ("gemma2", {"attn_logit_softcapping": 0.05}, "softcap"),
+        ("gpt_oss", {}, "sinks"),
+    ],
+)
+def test_a_path_that_ignores_what_the_attention_asks_for_is_refused(family, overrides, ignored, monkeypatch):
+    """The start-up check has teeth: attention without the sliding window, the soft-cap or the
+    sinks gives other logits, and the model keeps the Hugging Face path."""
+    model = tiny_model(family, VOCAB, **overrides)
+    with torch.no_grad():  # sharper attention than at init (scores of ~1e-4 would hide a soft-cap)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(50)
+    assert isinstance(fast_decoder_for(model, 8, 128), GenericDecoder)
+    attend = FastDecoder._attend
+
+    def without(self, i, step, q, k, v, scaling, window=None, softcap=None, sinks=None):
+        kept = {"window": window, "softcap": softcap, "sinks": sinks}
+        kept[ignored] = None
+        return attend(self, i, step, q, k, v, scaling, **kept)
+
+    monkeypatch.setattr(FastDecoder, "_attend", without)
+    assert fast_decoder_for(model, 8, 128) is None
+
+
+def test_a_layer_outside_the_attention_hook_keeps_the_hf_path(monkeypatch, caplog):
+    """A layer that does not call the attention interface (as a linear-attention or state-space
+    layer would not) cannot be served from the cache: refused, with the reason logged."""
+    model = tiny_model("mistral", VOCAB)
+
+    def no_interface(*args, **kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        return torch.zeros_like(hidden), None
+
+    monkeypatch.setattr(model.model.layers[1].self_attn, "forward", no_interface)
+    with caplog.at_level("INFO", logger="slime.engines.generic_decoder"):
+        assert fast_decoder_for(model, 8, 128) is None
+    assert "layers [1] do not call the attention interface" in caplog.text
+    assert BuiltinEngine(model).health()["forward"] == "hf"
+    with pytest.raises(ValueError, match="fast_path=True"):
+        BuiltinEngine(model, fast_path=True)
