@@ -1,0 +1,196 @@
+"""The built-in engine on every decoder family transformers can build, against `model.generate`.
+
+For each family of slime/engines/families.py a random-init model of a few M parameters
+(hidden 256, 4 layers, 8 query / 4 key-value heads; experts, MLA, windows and sinks as the family
+has them), float32, CPU. Per family: which forward the engine takes (hand-written fast path,
+generic fast path over the model's own modules, or Hugging Face's, and why), decode throughput
+against `model.generate` at batch 1 and 32 (16-token prompts, `--new-tokens` greedy tokens each,
+EOS off for both, prefill included on both sides), and the share of greedy tokens the two
+agree on. On the hand-written families also the generic path against the hand-written one.
+
+Fair by construction: the same prompts, threads and token counts; the arms alternate
+(engine, generate, engine, generate, ...) after one warm-up each, `--repeats` timed runs per arm;
+the mean and spread per arm, ratios of the means.
+
+Prints a table, then LAST one JSON line.   python benchmarks/model_zoo.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slime.engines.builtin import BuiltinEngine  # noqa: E402
+from slime.engines.contract import GenerationRequest, SamplingParams  # noqa: E402
+from slime.engines.families import FAMILIES, tiny_model  # noqa: E402
+
+VOCAB = 2048
+PROMPT_TOKENS = 16
+SIZE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
+
+
+def bench_model(family: str) -> torch.nn.Module:
+    """A few-M-parameter model of ``family``: the tiny family config at the benchmark's size."""
+    extra = dict(SIZE)
+    if "head_dim" in FAMILIES[family]:
+        extra["head_dim"] = 32
+    if "moe_intermediate_size" in FAMILIES[family]:
+        extra["moe_intermediate_size"] = 128
+    if "shared_expert_intermediate_size" in FAMILIES[family]:
+        extra["shared_expert_intermediate_size"] = 256
+    return tiny_model(family, VOCAB, **extra)
+
+
+class Why(logging.Handler):
+    """Keeps the engine's log line that says which forward it took and why."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.last = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.last = record.getMessage()
+
+
+def run_engine(model, prompts: list[list[int]], n: int, fast_path) -> tuple[float, list[list[int]]]:
+    engine = BuiltinEngine(model, max_running_requests=len(prompts), fast_path=fast_path)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=[])
+    t0 = time.perf_counter()
+    out = engine.generate([GenerationRequest(f"r{i}", p, greedy) for i, p in enumerate(prompts)])
+    seconds = time.perf_counter() - t0
+    return seconds, [out[f"r{i}"].token_ids for i in range(len(prompts))]
+
+
+def run_generate(model, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    ids = torch.tensor(prompts)  # equal lengths: no padding
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    seconds = time.perf_counter() - t0
+    return seconds, out[:, ids.shape[1] :].tolist()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions whose greedy token is the same (after a first difference the two
+    continue from different contexts, so later positions count as different too)."""
+    same = total = 0
+    for x, y in zip(a, b):
+        first_diff = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        same += first_diff
+        total += max(len(x), len(y))
+    return same / max(1, total)
+
+
+def mean_sd(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    why = Why()
+    logging.getLogger("slime.engines.generic_decoder").addHandler(why)
+    logging.getLogger("slime.engines.generic_decoder").setLevel(logging.INFO)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    n = args.new_tokens
+    rng = random.Random(0)
+    prompts = {b: [[rng.randrange(3, VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(b)] for b in (1, 32)}
+    rows, figures = [], {}
+    started = time.time()
+    for family in args.families.split(","):
+        model = bench_model(family)
+        params_m = sum(p.numel() for p in model.parameters()) / 1e6
+        engine = BuiltinEngine(model, max_running_requests=32)
+        forward = engine.health()["forward"]
+        reason = why.last
+        row = {"family": family, "params_m": round(params_m, 2), "forward": forward, "why": reason}
+        arms = {
+            "engine": lambda ps, m=model: run_engine(m, ps, n, None),
+            "generate": lambda ps, m=model: run_generate(m, ps, n),
+        }
+        if forward == "fast":  # the hand-written path: against the generic one on the same model
+            arms["generic"] = lambda ps, m=model: run_engine(m, ps, n, "generic")
+        for b, ps in prompts.items():
+            times: dict[str, list[float]] = {arm: [] for arm in arms}
+            tokens: dict[str, list[list[int]]] = {}
+            for arm, fn in arms.items():  # warm-up
+                tokens[arm] = fn(ps)[1]
+            for _ in range(args.repeats):
+                for arm, fn in arms.items():
+                    seconds, tokens[arm] = fn(ps)
+                    times[arm].append(b * n / seconds)
+            for arm in arms:
+                row[f"{arm}_b{b}_tok_s"] = mean_sd(times[arm])
+            row[f"ratio_b{b}"] = row[f"engine_b{b}_tok_s"][0] / row[f"generate_b{b}_tok_s"][0]
+            row[f"agree_b{b}"] = agreement(tokens["engine"], tokens["generate"])
+            if "generic" in arms:
+                row[f"hand_over_generic_b{b}"] = row[f"engine_b{b}_tok_s"][0] / row[f"generic_b{b}_tok_s"][0]
+        rows.append(row)
+        print(
+            f"{family:<12} {params_m:5.2f}M {forward:<8} b1 {row['ratio_b1']:.2f}x  b32 {row['ratio_b32']:.2f}x  "
+            f"agree {row['agree_b1']:.2f}/{row['agree_b32']:.2f}"
+            + (
+                f"  hand-written/generic b1 {row['hand_over_generic_b1']:.2f}x b32 {row['hand_over_generic_b32']:.2f}x"
+                if "hand_over_generic_b1" in row
+                else ""
+            ),
+            flush=True,
+        )
+    print()
+    print(
+        f"{'family':<12} {'forward':<8} {'engine b1 tok/s':>17} {'generate b1':>14} {'x':>5} "
+        f"{'engine b32':>17} {'generate b32':>16} {'x':>5}"
+    )
+    for r in rows:
+        e1, g1, e32, g32 = (
+            r[k] for k in ("engine_b1_tok_s", "generate_b1_tok_s", "engine_b32_tok_s", "generate_b32_tok_s")
+        )
+        print(
+            f"{r['family']:<12} {r['forward']:<8} {e1[0]:>10.0f} ± {e1[1]:<5.0f} {g1[0]:>8.0f} ± {g1[1]:<4.0f}"
+            f" {r['ratio_b1']:>5.2f} {e32[0]:>9.0f} ± {e32[1]:<5.0f} {g32[0]:>8.0f} ± {g32[1]:<5.0f} {r['ratio_b32']:>5.2f}"
+        )
+        figures[f"{r['family']}_forward"] = r["forward"]
+        figures[f"{r['family']}_engine_over_generate_b1_ratio"] = round(r["ratio_b1"], 3)
+        figures[f"{r['family']}_engine_over_generate_b32_ratio"] = round(r["ratio_b32"], 3)
+        figures[f"{r['family']}_greedy_agreement_b32_share"] = round(r["agree_b32"], 3)
+        if "hand_over_generic_b32" in r:
+            figures[f"{r['family']}_hand_written_over_generic_b1_ratio"] = round(r["hand_over_generic_b1"], 3)
+            figures[f"{r['family']}_hand_written_over_generic_b32_ratio"] = round(r["hand_over_generic_b32"], 3)
+    for r in rows:
+        if r["forward"] == "hf":
+            print(f"{r['family']}: Hugging Face path: {r['why']}")
+    figures["min_engine_over_generate_b32_ratio"] = round(min(r["ratio_b32"] for r in rows), 3)
+    figures["min_engine_over_generate_b1_ratio"] = round(min(r["ratio_b1"] for r in rows), 3)
+    figures["families"] = len(rows)
+    figures["families_on_a_fast_path"] = sum(r["forward"] != "hf" for r in rows)
+    figures["repeats_per_arm"] = args.repeats
+    figures["new_tokens"] = n
+    figures["wall_s"] = round(time.time() - started, 1)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
