@@ -75,7 +75,11 @@ def tiny_config(family: str, vocab_size: int = 97, **overrides: Any):
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
-    return AutoConfig.for_model(family, **{**TINY_SHAPE, "vocab_size": vocab_size, **FAMILIES[family], **overrides})
+    settings = {**TINY_SHAPE, "vocab_size": vocab_size, **FAMILIES[family], **overrides}
+    if "layer_types" in settings and "layer_types" not in overrides:  # the family's pattern, repeated
+        pattern = settings["layer_types"]
+        settings["layer_types"] = [pattern[i % len(pattern)] for i in range(settings["num_hidden_layers"])]
+    return AutoConfig.for_model(family, **settings)
 
 
 def tiny_model(family: str, vocab_size: int = 97, seed: int = 0, **overrides: Any) -> torch.nn.Module:

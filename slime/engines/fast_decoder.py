@@ -155,6 +155,7 @@ class _Step:
     rows_idx: torch.Tensor | None = None
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     last: torch.Tensor | None = None  # [rows fed] flat index of each row's last token
+    masks: dict = field(default_factory=dict)  # (kind, window, dtype) -> additive mask, built once per step
 
 
 def _softmax(
@@ -413,14 +414,17 @@ class FastDecoder:
         if b:
             keys[step.rows_idx, :, step.lens] = k[:b]
             values[step.rows_idx, :, step.lens] = v[:b]
-            positions = torch.arange(step.used, device=self.device)[None, :]
-            hidden = positions > step.lens[:, None]
-            if window is not None:
-                hidden = hidden | (positions <= step.lens[:, None] - window)
-            # Additive mask [b, 1, 1, used]: 0 on a row's own visible positions, -inf elsewhere.
-            decode_bias = torch.zeros(b, 1, 1, step.used, dtype=q.dtype, device=self.device).masked_fill_(
-                hidden[:, None, None, :], float("-inf")
-            )
+            decode_bias = step.masks.get(("decode", window, q.dtype))
+            if decode_bias is None:
+                positions = torch.arange(step.used, device=self.device)[None, :]
+                hidden = positions > step.lens[:, None]
+                if window is not None:
+                    hidden = hidden | (positions <= step.lens[:, None] - window)
+                # Additive mask [b, 1, 1, used]: 0 on a row's own visible positions, -inf elsewhere.
+                decode_bias = torch.zeros(b, 1, 1, step.used, dtype=q.dtype, device=self.device).masked_fill_(
+                    hidden[:, None, None, :], float("-inf")
+                )
+                step.masks[("decode", window, q.dtype)] = decode_bias
             for r0, r1, seg_used in step.segments:
                 n = r1 - r0
                 seg_keys, seg_values = keys[r0:r1, :, :seg_used], values[r0:r1, :, :seg_used]
@@ -444,11 +448,14 @@ class FastDecoder:
             if plain and window is None:
                 att = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=scaling)
             else:
-                positions = torch.arange(w, device=self.device)
-                hidden = positions[None, :] > positions[:, None]
-                if window is not None:
-                    hidden = hidden | (positions[None, :] <= positions[:, None] - window)
-                bias = torch.zeros(w, w, dtype=q.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
+                bias = step.masks.get(("prefill", w, window, q.dtype))
+                if bias is None:
+                    positions = torch.arange(w, device=self.device)
+                    hidden = positions[None, :] > positions[:, None]
+                    if window is not None:
+                        hidden = hidden | (positions[None, :] <= positions[:, None] - window)
+                    bias = torch.zeros(w, w, dtype=q.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
+                    step.masks[("prefill", w, window, q.dtype)] = bias
                 n = qp.shape[0]
                 qg = qp.reshape(n, kv_heads, group, w, qp.shape[-1])
                 scores = torch.matmul(qg, kp[:, :, None].transpose(-1, -2)) * scaling  # [n, kv, group, w, w]

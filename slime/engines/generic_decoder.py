@@ -72,14 +72,22 @@ AttentionMaskInterface.register(_PROBE, _no_mask)
 
 @contextlib.contextmanager
 def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """Run the model's attention modules through ``name`` (the setter reaches every sub-config)."""
+    """Run the model's attention modules through ``name`` (the setter reaches every sub-config;
+    a config without sub-configs is set directly, once per forward being the hot path)."""
     config = model.config
     previous = config._attn_implementation
-    config._attn_implementation = name
+    direct = not getattr(config, "sub_configs", None) and hasattr(config, "_attn_implementation_internal")
+    if direct:
+        config._attn_implementation_internal = name
+    else:
+        config._attn_implementation = name
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        if direct:
+            config._attn_implementation_internal = previous
+        else:
+            config._attn_implementation = previous
 
 
 def _layer_count(model: torch.nn.Module) -> int:
