@@ -66,10 +66,22 @@ def _reconnect(url: str, job: str, password: str | None, reconnect_timeout_s: fl
     return JobConnection(url, job, password=password, reconnect_timeout_s=reconnect_timeout_s)
 
 
+BACKOFF_BASE_S = 0.02
+
+
+def backoff_s(attempt: int) -> float:
+    """The wait before retry ``attempt`` (0-based): doubling from BACKOFF_BASE_S, capped."""
+    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
+
+
 def reconnecting_retry(timeout_s: float) -> Retry:
     """Retries on a lost connection (and on LOADING while Redis replays its AOF) with exponential
-    backoff capped at BACKOFF_CAP_S, about ``timeout_s`` in all."""
-    return Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.02), retries=math.ceil(timeout_s / BACKOFF_CAP_S) + 6)
+    backoff capped at BACKOFF_CAP_S, as many as fit in ``timeout_s`` of waiting."""
+    retries, waited = 0, 0.0
+    while waited < timeout_s:
+        retries += 1
+        waited += backoff_s(retries)  # redis-py waits backoff(failures) after failure 1, 2, ...
+    return Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries=retries)
 
 
 class OnceScript:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from slime.buffer.connection import BACKOFF_CAP_S, JobConnection, OnceScript, ScriptReply
+from slime.buffer.connection import JobConnection, OnceScript, ScriptReply, backoff_s
 from slime.buffer.records import (
     WIRE_LOGPROB,
     WIRE_MASK,
@@ -472,11 +472,12 @@ class PendingReplies:
         self.commands = [("EVALSHA", script.sha, *script.call_args(args)) for args in calls]
         self.results: list[Any] | None = [] if not calls else None
         self.connection = None
+        self.deadline = time.monotonic() + store.connection.reconnect_timeout_s
         if calls:
             try:
                 self.connection = self._send(self.commands)
             except redis.ConnectionError:
-                pass  # sent again by wait()
+                pass  # sent again by wait(), until the deadline
 
     def _send(self, commands: list[tuple]):
         pool = self.store.redis.connection_pool
@@ -509,7 +510,6 @@ class PendingReplies:
         connection, self.connection = self.connection, None
         replies: list[Any] = [None] * len(self.commands)
         unanswered = list(range(len(self.commands)))
-        deadline = time.monotonic() + self.store.connection.reconnect_timeout_s
         attempt = 0
         while True:
             try:
@@ -518,9 +518,9 @@ class PendingReplies:
                 got = self._read(connection, len(unanswered))
             except redis.ConnectionError:  # also LOADING: a restarted Redis replaying its AOF
                 connection = None
-                if time.monotonic() > deadline:
+                if time.monotonic() > self.deadline:
                     raise
-                time.sleep(min(BACKOFF_CAP_S, 0.02 * 2**attempt))
+                time.sleep(backoff_s(attempt))
                 attempt += 1
                 continue
             connection = None
