@@ -31,6 +31,17 @@ def buffer(redis_url: str) -> Iterator[TrajectoryStore]:
     buf.close()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a test module (engine tests: robust on a shared 2-core machine)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """The default tiny MoE with a short warm-start, built once per session (as a job would)."""

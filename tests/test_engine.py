@@ -26,12 +26,7 @@ def tiny_moe(seed: int) -> torch.nn.Module:
     return build_tiny_moe(TinyModelConfig(), VOCAB, seed).float().eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # robust on a shared 2-core machine
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # robust on a shared 2-core machine
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,7 @@ from slime.model import build_tiny_moe
 VOCAB = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # robust on a shared 2-core machine
 
 
 def tiny_moe(seed: int = 0) -> torch.nn.Module:

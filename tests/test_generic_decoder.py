@@ -20,12 +20,7 @@ VOCAB = 97
 HAND_WRITTEN = {"llama", "qwen2", "qwen3", "qwen3_moe"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # robust on a shared 2-core machine
 
 
 def prompts(n: int, seed: int, lo: int = 2, hi: int = 20) -> list[list[int]]:

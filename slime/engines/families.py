@@ -14,7 +14,8 @@ import torch
 
 _MOE = {"num_experts_per_tok": 2}
 _SLIDING_PAIR = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
-_DEEPSEEK = {
+# Routed experts with a shared one, the first layer dense, grouped routing (DeepSeek, GLM-4.5).
+_ROUTED = {
     **_MOE,
     "n_routed_experts": 4,
     "moe_intermediate_size": 32,
@@ -22,11 +23,8 @@ _DEEPSEEK = {
     "first_k_dense_replace": 1,
     "n_group": 1,
     "topk_group": 1,
-    "kv_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
 }
+_MLA = {"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
 
 # model_type -> what differs from the shared tiny shape (MoE families first, then dense ones).
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -34,18 +32,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2_moe": {**_MOE, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
     "mixtral": {**_MOE, "num_local_experts": 4},
     "olmoe": {**_MOE, "num_experts": 4},
-    "deepseek_v2": {**_DEEPSEEK, "q_lora_rank": None},
-    "deepseek_v3": {**_DEEPSEEK, "q_lora_rank": 24},
-    "glm4_moe": {
-        **_MOE,
-        "n_routed_experts": 4,
-        "moe_intermediate_size": 32,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "head_dim": 16,
-    },
+    "deepseek_v2": {**_ROUTED, **_MLA, "q_lora_rank": None},
+    "deepseek_v3": {**_ROUTED, **_MLA, "q_lora_rank": 24},
+    "glm4_moe": {**_ROUTED, "head_dim": 16},
     "gpt_oss": {**_MOE, **_SLIDING_PAIR, "num_local_experts": 4, "head_dim": 16},
     "llama": {},
     "mistral": {"sliding_window": 8},
