@@ -97,6 +97,13 @@ def _failures_by_reason(samples: list[Sample]) -> dict[str, dict]:
     return out
 
 
+def _aggregate(name: str, values: list[float], tokens: list[float]) -> float:
+    """A stat over the micro-batches: the maximum for ``*_max``, else the weighted mean."""
+    if name.endswith("_max"):
+        return float(np.max(values))
+    return float(np.average(values, weights=tokens)) if sum(tokens) > 0 else float(np.mean(values))
+
+
 def _histogram(values: list[int]) -> dict[str, int]:
     out: dict[str, int] = {}
     for v in sorted(values):
@@ -220,8 +227,10 @@ class Learner:
         clip_low, clip_high = self.clip.clip_low, self.clip.clip_high
         stats, grad_norms, critic_grad_norms, mismatch = self._optimize(batch, fixed, kl_coef, clip_low, clip_high)
 
-        # Maxima stay maxima over the micro-batches; everything else is their mean.
-        out = {k: float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in stats.items()}
+        # Maxima stay maxima over the micro-batches. Losses are weighted as the gradient accumulated
+        # them, so they report the objective each minibatch optimized (averaged over minibatches);
+        # everything else by trainable tokens: a share or mean over the batch's tokens, not its parts.
+        out = {k: _aggregate(k, [v for v, _ in pairs], [w for _, w in pairs]) for k, pairs in stats.items()}
         out.update(correction_stats)
         out.update(mismatch.metrics())
         if self.algo_cfg.adaptive_clip.enabled and "approx_kl" in out:
@@ -269,14 +278,14 @@ class Learner:
 
     def _optimize(
         self, batch: Batch, fixed: UpdateTensors, kl_coef: float, clip_low: float, clip_high: float
-    ) -> tuple[dict[str, list[float]], list[float], list[float], MismatchMeter]:
+    ) -> tuple[dict[str, list[tuple[float, float]]], list[float], list[float], MismatchMeter]:
         """ppo_epochs x num_minibatches optimizer steps; each minibatch's gradient accumulates over
-        micro-batches. Returns the per-micro-batch loss stats, the per-step gradient norms and the
+        micro-batches. Returns the per-micro-batch loss stats (value, trainable tokens), the per-step gradient norms and the
         engine-vs-learner mismatch of the trained tokens (measured against π_old)."""
         lc = self.cfg.learner
         mismatch = MismatchMeter()
         with_aux = self.is_moe and self.algo_cfg.router_aux_coef > 0
-        stats: dict[str, list[float]] = {}
+        stats: dict[str, list[tuple[float, float]]] = {}
         grad_norms: list[float] = []
         critic_grad_norms: list[float] = []
         for epoch in range(lc.ppo_epochs):
@@ -318,8 +327,11 @@ class Learner:
                     if epoch == 0:  # each row once, against π_old
                         old = fixed.old_logp[part, : sub.mask.shape[1]] if fixed.old_logp is not None else logp
                         mismatch.add(old.detach(), sub.behaviour_logp, sub.mask, sub.versions, self.version)
+                    tokens = float(sub.mask.sum())
                     for k, v in st.items():
-                        stats.setdefault(k, []).append(v)
+                        # A loss is the objective this micro-batch adds to (its accumulation weight);
+                        # every other stat is a token mean or share (its trainable tokens).
+                        stats.setdefault(k, []).append((v, float(weight) if k.endswith("loss") else tokens))
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), lc.grad_clip)))
                 self.optim.step()
                 if self.critic is not None:

@@ -279,3 +279,33 @@ def test_chunk_sampler_temperature_survives_abort_and_resume(tiny_model_dir, red
     samples, _, aborts = _chunk_sampler_run(tiny_model_dir, redis_url, tmp_path, "offpolicy-chunk-abort", 0.03)
     assert aborts >= 3
     _check_temperatures(tiny_model_dir, samples)
+
+
+@pytest.mark.parametrize("off_policy", ["tis", "mis_token", "icepop"])
+def test_token_shares_do_not_depend_on_the_micro_batching(tiny_model_dir, redis_url, tmp_path, off_policy):
+    """A share of the batch's trainable tokens (masked, clipped) or their mean ratio is the same
+    whether the batch goes through in one micro-batch or one row at a time: the micro-batches'
+    values are weighted by their tokens, not averaged as equals. Rows of 12, 8 and 6 tokens."""
+    from slime.learner import Learner
+
+    metrics = {}
+    for micro in (64, 1):
+        cfg = load_config(
+            None,
+            [
+                f"job_name=shares-{off_policy}-{micro}",
+                f"output_dir={tmp_path / str(micro)}",
+                f"april.off_policy={off_policy}",
+                "april.tis_cap=1.5",
+                "april.icepop_band=[0.7,1.4]",
+                f"learner.micro_batch_size={micro}",
+            ],
+        )
+        learner = Learner(cfg, str(tiny_model_dir), redis_url)
+        learner.version = 3
+        metrics[micro] = learner.update(_batch_samples()[0], [0, 0, 0], step=0)
+        learner.buffer.close()
+    keys = [k for k in metrics[64] if k.startswith("offpolicy_") and not k.endswith("_max")]
+    assert keys and any(metrics[64][k] not in (0.0, 1.0) for k in keys), metrics[64]
+    for k in keys:
+        assert metrics[1][k] == pytest.approx(metrics[64][k], rel=1e-5, abs=1e-7), k
