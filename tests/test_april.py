@@ -76,6 +76,64 @@ def test_abort_at_random_points_resumes_token_exact(tiny_model_dir, redis_url, t
     buffer.delete_job()
 
 
+# Cuts a RUNNING sample's four per-token arrays to their first ARGV[1] tokens, as a crash of the
+# machine within the AOF's unsynced second would leave them; returns how many tokens it cut (a
+# finished sample is left alone: -1).
+_LOSE_TAIL = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return -1 end
+local keep = tonumber(ARGV[1])
+local stored = redis.call('STRLEN', KEYS[5])
+for i, width in ipairs({4, 4, 4, 1}) do
+  local key = KEYS[i + 1]
+  redis.call('SET', key, redis.call('GETRANGE', key, 0, keep * width - 1))
+end
+return stored - keep
+"""
+
+
+def test_writes_redis_lost_are_detected_and_regenerated_token_exact(tiny_model_dir, redis_url, tmp_path):
+    """Trajectories whose stored tail is lost again and again while the worker generates them:
+    the worker's next append finds fewer tokens stored than it wrote, releases the sample, and it
+    resumes from the stored prefix; every trajectory ends exactly as one uninterrupted run."""
+    from slime.rollout import RolloutWorker
+
+    job = "april-lost-writes"
+    buffer = TrajectoryStore.open(redis_url, job)
+    buffer.delete_job()
+    groups = [buffer.add_group(p, 2, 40, {"label": "x", "prompt_text": "x"}) for p in PROMPTS]
+    lose_tail = buffer.redis.register_script(_LOSE_TAIL)
+    worker = RolloutWorker(_worker_cfg(tmp_path, job), str(tiny_model_dir), redis_url, "w0")
+    cut_tokens = cuts = 0
+    try:
+        while buffer.counts()["groups_ready"] < len(groups):
+            for s in buffer.iter_samples(Status.RUNNING):
+                if cuts < 6 and s.response_length >= 6:
+                    head = buffer._key("sample", s.id)
+                    keep = s.response_length // 2
+                    keys = [head, *(f"{head}:{part}" for part in ("tok", "lp", "ver", "mask"))]
+                    lost = lose_tail(keys=keys, args=[keep])  # tokens cut (-1: it finished meanwhile)
+                    if lost >= 0:
+                        cuts += 1
+                        cut_tokens += lost
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert cuts >= 2
+
+    engine = BuiltinEngine(load_model(tiny_model_dir), max_running_requests=8)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    reference = engine.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(PROMPTS)])
+    for gi, gid in enumerate(groups):
+        for s in buffer.get_group(gid):
+            assert s.status == Status.TRUNCATED and s.response_length == 40
+            assert s.response_ids.tolist() == reference[str(gi)].token_ids
+    stats = buffer.stats()
+    assert stats["lost_chunk_tokens"] > 0  # the worker noticed (a cut may also land before its next write)
+    stored = sum(s.response_length for gid in groups for s in buffer.get_group(gid))
+    assert stats["generated_tokens"] - cut_tokens == stored  # nothing appended after a gap
+    buffer.delete_job()
+
+
 def test_staleness_budget_restarts_or_drops(tiny_model_dir, redis_url, tmp_path):
     from slime.rollout import RolloutWorker
 

@@ -167,3 +167,17 @@ def test_writes_lost_with_the_unsynced_second_are_detected_and_resumed_from_what
     finally:
         store.close()
         server.stop()
+
+
+def test_a_finish_over_a_lost_tail_is_refused(buffer: TrajectoryStore) -> None:
+    """The last chunks can be lost after the last append (the sample was being scored): the finish
+    carries the length the worker knows is stored, and a shorter stored response is not final."""
+    from slime.buffer import Finish
+
+    buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={})
+    (sample,) = buffer.lease("w", 1)
+    buffer.append_chunk(sample.id, "w", [1, 2, 3, 4], [-0.1] * 4, 0, stored_length=0)
+    (lost,) = buffer.finish_many("w", [Finish(sample.id, Status.COMPLETED, reward=1.0, stored_length=6)])
+    assert isinstance(lost, ChunksLostError) and lost.stored_length == 4
+    assert buffer.get_sample(sample.id).status == Status.RUNNING  # not final: the worker releases it
+    assert buffer.finish_many("w", [Finish(sample.id, Status.COMPLETED, reward=1.0, stored_length=4)]) == [True]

@@ -52,6 +52,8 @@ class Finish:
     # The sample's metadata as stored, when the caller has it: the lease holder does (only it and
     # add_group write a sample's metadata), so it need not be read back to merge the update into.
     stored_metadata: dict[str, Any] | None = None
+    # The response length the writer knows is stored: fewer stored tokens raise ChunksLostError.
+    stored_length: int | None = None
 
 
 class LeaseLostError(RuntimeError):
@@ -273,6 +275,7 @@ class TrajectoryStore:
                     "0" if f.token_rewards is None else "1",
                     token_reward_bytes,
                     metadata_json.get(id(f), ""),
+                    "" if f.stored_length is None else int(f.stored_length),
                 ]
             )
         return PendingReplies(self, self._finish, calls, bool)

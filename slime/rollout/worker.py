@@ -399,11 +399,16 @@ class RolloutWorker:
         sent, self.unsettled_finishes = self.unsettled_finishes, None
         if sent is not None:
             batch, replies = sent
+            gaps = []
             for (sample, _, _), result in zip(batch, replies.wait()):
                 self.scoring.pop(sample.id, None)
+                if isinstance(result, ChunksLostError):  # its tail was lost: resumed from what is stored
+                    gaps.append(sample.id)
+                    self.buffer.incr_stat("lost_chunk_tokens", sample.response_length - result.stored_length)
                 # Lost: requeued meanwhile; the new owner regenerates nothing and rescores it.
-                if isinstance(result, Exception) and not isinstance(result, LeaseLostError):
+                elif isinstance(result, Exception) and not isinstance(result, LeaseLostError):
                     raise result
+            self._release(gaps)
         if self.scored:
             batch = [self.scored.popleft() for _ in range(len(self.scored))]
             self.unsettled_finishes = (
@@ -418,7 +423,12 @@ class RolloutWorker:
         stored = sample.metadata  # as leased (with a multi-turn episode's env_ fields added since)
         if result.failure is not None:
             return Finish(
-                sample.id, Status.FAILED, failure=result.failure, metadata_update=meta, stored_metadata=stored
+                sample.id,
+                Status.FAILED,
+                failure=result.failure,
+                metadata_update=meta,
+                stored_metadata=stored,
+                stored_length=sample.response_length,
             )
         if result.info:
             meta["reward_info"] = result.info
@@ -431,6 +441,7 @@ class RolloutWorker:
                 metadata_update=meta,
                 stored_metadata=stored,
                 failure=f"placing per-step rewards on tokens failed: {type(exc).__name__}: {exc}",
+                stored_length=sample.response_length,
             )
         return Finish(
             sample.id,
@@ -439,6 +450,7 @@ class RolloutWorker:
             token_rewards=token_rewards,
             metadata_update=meta,
             stored_metadata=stored,
+            stored_length=sample.response_length,
         )
 
     def _step_rewards_on_tokens(self, sample: Sample, steps: StepScores | None) -> np.ndarray | None:

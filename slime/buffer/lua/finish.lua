@@ -1,10 +1,17 @@
 -- ARGV: prefix, sid, worker, status, reward ('' = none), failure ('' = none),
---       has_token_rewards ('0'|'1'), token_rewards bytes, metadata json ('' = unchanged)
+--       has_token_rewards ('0'|'1'), token_rewards bytes, metadata json ('' = unchanged),
+--       stored_length ('' = unchecked)
 local sid, worker, status = ARGV[2], ARGV[3], ARGV[4]
 local skey = P .. 'sample:' .. sid
 if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
 local lost = lost_lease(sid, worker)
 if lost then return {-1, lost} end
+-- A response shorter than the writer knows it to be lost its tail with Redis's unsynced writes:
+-- it is not final; the writer releases it and it resumes from what is stored.
+local expected = tonumber(ARGV[10])
+if expected and expected ~= redis.call('STRLEN', skey .. ':mask') then
+  return {-6, redis.call('STRLEN', skey .. ':mask') .. ':' .. expected}
+end
 if ARGV[7] == '1' and #ARGV[8] ~= 4 * redis.call('STRLEN', skey .. ':mask') then
   return {-2, string.format('token_rewards has %d values, the response %d tokens',
     #ARGV[8] / 4, redis.call('STRLEN', skey .. ':mask'))}
