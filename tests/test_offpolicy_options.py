@@ -281,7 +281,7 @@ def test_chunk_sampler_temperature_survives_abort_and_resume(tiny_model_dir, red
     _check_temperatures(tiny_model_dir, samples)
 
 
-@pytest.mark.parametrize("off_policy", ["tis", "mis_token", "icepop"])
+@pytest.mark.parametrize("off_policy", ["tis", "icepop"])
 def test_token_shares_do_not_depend_on_the_micro_batching(tiny_model_dir, redis_url, tmp_path, off_policy):
     """A share of the batch's trainable tokens (masked, clipped) or their mean ratio is the same
     whether the batch goes through in one micro-batch or one row at a time: the micro-batches'
