@@ -41,6 +41,8 @@ SECRET_KEY = re.compile(
     r"private[_\-]?key|access[_\-]?key|secret[_\-]?key|key|cookie|bearer)$",
     re.IGNORECASE,
 )
+# Names that match SECRET_KEY but hold a column name, not a secret (data.prompt_key, ...).
+NOT_SECRET_KEYS = frozenset({"prompt_key", "label_key", "task_key"})
 _URL_WITH_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://)([^/@\s:]*)(:[^/@\s]*)?@")
 
 
@@ -134,7 +136,7 @@ def redact(value: Any, key: str = "") -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(redact(v, key) for v in value)
     if isinstance(value, str):
-        if key and SECRET_KEY.search(key):
+        if key and SECRET_KEY.search(key) and key not in NOT_SECRET_KEYS:
             return REDACTED
         return redact_url(value) if "@" in value else value
     return value

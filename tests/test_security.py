@@ -254,6 +254,17 @@ def test_unset_reference_names_the_field(tmp_path, monkeypatch):
         load_config(source)
 
 
+def test_a_runs_config_yaml_keeps_its_column_names_and_runs_again(tmp_path):
+    """data.prompt_key and its kin name dataset columns: config.yaml must keep them (they once
+    came out as `***`, so the run's own config.yaml did not load the data)."""
+    from slime.config import dump_config
+
+    cfg = load_config(None, ["data.prompt_key=question", "data.label_key=answer"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert (again.data.prompt_key, again.data.label_key, again.data.task_key) == ("question", "answer", "task")
+
+
 def test_redaction_keeps_ordinary_fields():
     data = {
         "max_new_tokens": 64,
