@@ -41,6 +41,17 @@ def _worker_cfg(tmp_path, job: str, *extra: str):
     )
 
 
+def _assert_each_is_the_uninterrupted_greedy_run(tiny_model_dir, buffer: TrajectoryStore, groups: list[str]) -> None:
+    """Every sample of group i is the greedy 40 tokens the engine makes for PROMPTS[i] in one go."""
+    engine = BuiltinEngine(load_model(tiny_model_dir), max_running_requests=8)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    reference = engine.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(PROMPTS)])
+    for gi, gid in enumerate(groups):
+        for s in buffer.get_group(gid):
+            assert s.status == Status.TRUNCATED and s.response_length == 40
+            assert s.response_ids.tolist() == reference[str(gi)].token_ids
+
+
 def test_abort_at_random_points_resumes_token_exact(tiny_model_dir, redis_url, tmp_path):
     """Greedy trajectories aborted again and again by the worker, resumed from the buffer's stored
     token ids, end exactly as one uninterrupted run; every generated token is stored exactly once."""
@@ -63,14 +74,8 @@ def test_abort_at_random_points_resumes_token_exact(tiny_model_dir, redis_url, t
         worker.stop()
     assert aborts >= 3
 
-    engine = BuiltinEngine(load_model(tiny_model_dir), max_running_requests=8)
-    params = SamplingParams(temperature=0.0, max_new_tokens=40)
-    reference = engine.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(PROMPTS)])
+    _assert_each_is_the_uninterrupted_greedy_run(tiny_model_dir, buffer, groups)
     samples = [s for gid in groups for s in buffer.get_group(gid)]
-    for gi, gid in enumerate(groups):
-        for s in buffer.get_group(gid):
-            assert s.status == Status.TRUNCATED and s.response_length == 40
-            assert s.response_ids.tolist() == reference[str(gi)].token_ids
     # Every token the engine generated is in the buffer once: nothing lost, nothing duplicated.
     assert buffer.stats()["generated_tokens"] == sum(s.response_length for s in samples) == engine_tokens
     buffer.delete_job()
@@ -120,13 +125,7 @@ def test_writes_redis_lost_are_detected_and_regenerated_token_exact(tiny_model_d
         worker.stop()
     assert cuts >= 2
 
-    engine = BuiltinEngine(load_model(tiny_model_dir), max_running_requests=8)
-    params = SamplingParams(temperature=0.0, max_new_tokens=40)
-    reference = engine.generate([GenerationRequest(str(i), p, params) for i, p in enumerate(PROMPTS)])
-    for gi, gid in enumerate(groups):
-        for s in buffer.get_group(gid):
-            assert s.status == Status.TRUNCATED and s.response_length == 40
-            assert s.response_ids.tolist() == reference[str(gi)].token_ids
+    _assert_each_is_the_uninterrupted_greedy_run(tiny_model_dir, buffer, groups)
     stats = buffer.stats()
     assert stats["lost_chunk_tokens"] > 0  # the worker noticed (a cut may also land before its next write)
     stored = sum(s.response_length for gid in groups for s in buffer.get_group(gid))
