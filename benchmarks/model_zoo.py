@@ -24,7 +24,6 @@ import argparse
 import json
 import logging
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.spread import mean_sd  # noqa: E402
 from slime.engines.builtin import BuiltinEngine  # noqa: E402
 from slime.engines.contract import GenerationRequest, SamplingParams  # noqa: E402
 from slime.engines.families import FAMILIES, tiny_model  # noqa: E402
@@ -106,10 +106,6 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def fmt(x: float | None, unit: str = "x") -> str:
     return "failed" if x is None else f"{x:.2f}{unit}"
-
-
-def mean_sd(xs: list[float]) -> tuple[float, float]:
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.spread import mean_sd  # noqa: E402
 from slime.buffer.redis_server import LocalRedisServer  # noqa: E402
 from slime.buffer.store import TrajectoryStore  # noqa: E402
 
@@ -82,10 +83,6 @@ def one_run(arm: str, directory: Path, rounds: int, singles: int) -> dict:
         server.stop()
 
 
-def mean_spread(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -100,9 +97,9 @@ def main() -> None:
     figures: dict[str, float | bool | int] = {"repeats_per_arm": ns.repeats}
     print(f"{'arm':<10} {'chunks/s':>16} {'single p50 ms':>15} {'single p99 ms':>15} {'restart s':>12}")
     for arm, rs in runs.items():
-        cps, cps_sd = mean_spread([r["chunks_per_s"] for r in rs])
-        p50, p50_sd = mean_spread([r["single_p50_ms"] for r in rs])
-        p99, _ = mean_spread([r["single_p99_ms"] for r in rs])
+        cps, cps_sd = mean_sd([r["chunks_per_s"] for r in rs])
+        p50, p50_sd = mean_sd([r["single_p50_ms"] for r in rs])
+        p99, _ = mean_sd([r["single_p99_ms"] for r in rs])
         restart = f"{statistics.mean(r['restart_s'] for r in rs):.3f}" if rs[0]["restart_s"] is not None else "-"
         print(f"{arm:<10} {cps:>9.0f} ± {cps_sd:<4.0f} {p50:>8.3f} ± {p50_sd:<4.3f} {p99:>15.3f} {restart:>12}")
         figures[f"{arm}_chunks_per_s"] = round(cps, 1)

@@ -280,8 +280,8 @@ class Learner:
         self, batch: Batch, fixed: UpdateTensors, kl_coef: float, clip_low: float, clip_high: float
     ) -> tuple[dict[str, list[tuple[float, float]]], list[float], list[float], MismatchMeter]:
         """ppo_epochs x num_minibatches optimizer steps; each minibatch's gradient accumulates over
-        micro-batches. Returns the per-micro-batch loss stats (value, trainable tokens), the per-step gradient norms and the
-        engine-vs-learner mismatch of the trained tokens (measured against π_old)."""
+        micro-batches. Returns the per-micro-batch loss stats as (value, weight) pairs, the per-step
+        gradient norms and the engine-vs-learner mismatch of the trained tokens (measured against π_old)."""
         lc = self.cfg.learner
         mismatch = MismatchMeter()
         with_aux = self.is_moe and self.algo_cfg.router_aux_coef > 0

@@ -179,5 +179,27 @@ def test_a_finish_over_a_lost_tail_is_refused(buffer: TrajectoryStore) -> None:
     buffer.append_chunk(sample.id, "w", [1, 2, 3, 4], [-0.1] * 4, 0, stored_length=0)
     (lost,) = buffer.finish_many("w", [Finish(sample.id, Status.COMPLETED, reward=1.0, stored_length=6)])
     assert isinstance(lost, ChunksLostError) and lost.stored_length == 4
+    assert buffer.stats()["lost_chunk_tokens"] == 2  # counted where it is found, for every writer
     assert buffer.get_sample(sample.id).status == Status.RUNNING  # not final: the worker releases it
     assert buffer.finish_many("w", [Finish(sample.id, Status.COMPLETED, reward=1.0, stored_length=4)]) == [True]
+
+
+def test_a_fresh_start_takes_another_port_when_the_probed_one_is_taken(tmp_path: Path, monkeypatch) -> None:
+    """The free port can be taken between probing and binding: the next try probes a new one (a
+    restart, by contrast, must keep its port, which the clients know)."""
+    import socket
+
+    import slime.buffer.redis_server as redis_server
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real_free_port = redis_server._free_port
+    monkeypatch.setattr(redis_server, "_free_port", lambda: ports.pop() if ports else real_free_port())
+    try:
+        server = LocalRedisServer(tmp_path / "redis", aof=False)
+        assert server.port != taken.getsockname()[1] and server.running
+        server.stop()
+    finally:
+        taken.close()

@@ -39,7 +39,7 @@ class ScriptReply(IntEnum):
     LOST_CHUNKS = -6  # append: the stored trajectory is shorter than the writer knows it to be
 
 
-BACKOFF_CAP_S = 1.0
+BACKOFF_BASE_S, BACKOFF_CAP_S = 0.02, 1.0
 # Wrapped around a state-changing script: KEYS[1] names the call's stored reply (see OnceScript).
 # cmsgpack, not cjson: replies hold raw token bytes.
 _ONCE_HEAD = """local reply_ttl = tonumber(table.remove(ARGV))
@@ -66,11 +66,8 @@ def _reconnect(url: str, job: str, password: str | None, reconnect_timeout_s: fl
     return JobConnection(url, job, password=password, reconnect_timeout_s=reconnect_timeout_s)
 
 
-BACKOFF_BASE_S = 0.02
-
-
 def backoff_s(attempt: int) -> float:
-    """The wait before retry ``attempt`` (0-based): doubling from BACKOFF_BASE_S, capped."""
+    """The wait after failure ``attempt``: doubling from BACKOFF_BASE_S, capped at BACKOFF_CAP_S."""
     return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
 
 
@@ -102,10 +99,8 @@ class OnceScript:
         return (1, self.connection.key("reply", uuid.uuid4().hex), *args, self.connection.reply_ttl_s)
 
     def __call__(self, args: Sequence):
-        if not self.stores_reply:
-            return self._script(args=args)
-        numkeys, reply_key, *argv = self.call_args(args)
-        return self._script(keys=[reply_key], args=argv)
+        numkeys, *rest = self.call_args(args)
+        return self._script(keys=rest[:numkeys], args=rest[numkeys:])
 
     def load(self) -> None:
         self.connection.redis.script_load(self.script)

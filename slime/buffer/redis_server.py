@@ -162,26 +162,26 @@ class LocalRedisServer:
         ``port`` (a restart: the clients know that one)."""
         last_error = ""
         for _attempt in range(3):
-            port = port or _free_port()
+            chosen = port or _free_port()
             # Errors before Redis opens its logfile (a bad option) go to stderr: send them to the same log.
             fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             with open(fd, "ab") as early_log:
                 # umask 077: the AOF, the log and anything else the server creates are 0600.
                 process = subprocess.Popen(
-                    self._command(port), stdin=subprocess.DEVNULL, stdout=early_log, stderr=early_log, umask=0o077
+                    self._command(chosen), stdin=subprocess.DEVNULL, stdout=early_log, stderr=early_log, umask=0o077
                 )
-            error = self._wait_until_ready(process, port, timeout_s)
+            error = self._wait_until_ready(process, chosen, timeout_s)
             if error is None:
-                self.port = port
+                self.port = chosen
                 self._process = process
                 if self._finalizer is not None:  # a restart: the dead process needs no stopping
                     self._finalizer.detach()
-                write_private(self._pid_file, json.dumps({"pid": process.pid, "port": port}))
+                write_private(self._pid_file, json.dumps({"pid": process.pid, "port": chosen}))
                 self._finalizer = weakref.finalize(self, _terminate, process)
                 return
             _terminate(process)
             last_error = f"{error}; log tail ({self.log_path}):\n{_log_tail(self.log_path)}"
-            if "Address already in use" not in last_error or self.port:
+            if "Address already in use" not in last_error or port:
                 break
         raise RuntimeError(f"redis-server ({self.binary}) did not start in {self.data_dir}: {last_error}")
 

@@ -78,8 +78,8 @@ class _Layer:
             self.w_gate, self.w_up, self.w_down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
 
-def _check_structure(model: torch.nn.Module) -> str | None:
-    """Why this model cannot take the fast path, or None."""
+def hand_written_misfit(model: torch.nn.Module) -> str | None:
+    """Why this model cannot take the hand-written fast path, or None."""
     config = model.config
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return f"model_type {getattr(config, 'model_type', None)!r} not in {sorted(SUPPORTED_MODEL_TYPES)}"
@@ -142,7 +142,7 @@ def decode_segments(lens: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 @dataclass
-class _Step:
+class StepLayout:
     """One forward's layout: flat tokens (decode rows first, then the new contexts' tokens)."""
 
     b: int  # decode rows fed (the first b flat tokens)
@@ -332,7 +332,7 @@ class FastDecoder:
         self.rows += len(step.ctx_lens)
         return logits
 
-    def _plan(self, last_tokens: torch.Tensor | None, groups: list[list[list[int]]]) -> _Step:
+    def _plan(self, last_tokens: torch.Tensor | None, groups: list[list[list[int]]]) -> StepLayout:
         """The flat tokens, positions and row layout of one forward (see `forward`); grows the cache."""
         dev = self.device
         b = self.rows if last_tokens is not None else 0
@@ -363,7 +363,9 @@ class FastDecoder:
         if contexts:
             flat_ids.append(torch.tensor(fed, dtype=torch.long, device=dev))
             pos_parts.append(torch.cat([torch.arange(n, device=dev) for n, f in zip(ctx_lens, first) if f]))
-        step = _Step(b=b, ids=torch.cat(flat_ids), pos=torch.cat(pos_parts), ctx_lens=ctx_lens, used=used, lens=lens)
+        step = StepLayout(
+            b=b, ids=torch.cat(flat_ids), pos=torch.cat(pos_parts), ctx_lens=ctx_lens, used=used, lens=lens
+        )
         # Each new group, right padded: padded slot -> flat index (pads repeat the group's first
         # token; causal attention keeps real tokens off the padding after them, and a row's padding
         # keys are overwritten by its own decode steps before they are read). A repeated context's
@@ -391,7 +393,7 @@ class FastDecoder:
     def _attend(
         self,
         i: int,
-        step: _Step,
+        step: StepLayout,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -464,7 +466,7 @@ class FastDecoder:
             out.append(att.transpose(1, 2).reshape(-1, heads * v.shape[-1])[real])
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def _compute(self, step: _Step) -> torch.Tensor:
+    def _compute(self, step: StepLayout) -> torch.Tensor:
         """The hand-written layers (Llama/Qwen family): next-token logits of ``step.last``."""
         x = F.embedding(step.ids, self.embed)  # [S, H]
         cos, sin = self.rotary(x[None], step.pos[None])
@@ -500,7 +502,7 @@ class FastDecoder:
 
 
 @torch.inference_mode()
-def _agrees_with_model(model: torch.nn.Module, fast: FastDecoder, tol: float = 1e-3) -> str | None:
+def agrees_with_model(model: torch.nn.Module, fast: FastDecoder, tol: float = 1e-3) -> str | None:
     """Prefill two unequal prompts and decode 3 tokens both ways; a mismatch is the reason."""
     vocab = int(model.get_input_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from slime.engines.fast_decoder import FastDecoder, _agrees_with_model, _check_structure, _Step
+from slime.engines.fast_decoder import FastDecoder, StepLayout, agrees_with_model, hand_written_misfit
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class GenericDecoder(FastDecoder):
         self._logits_to_keep = True
         self._init_cache(kv_shapes)
 
-    def _compute(self, step: _Step) -> torch.Tensor:
+    def _compute(self, step: StepLayout) -> torch.Tensor:
         _active.run = (self, step)
         try:
             with attention_implementation(self.model, ATTENTION):
@@ -151,11 +151,11 @@ def fast_decoder_for(
     ``hand_written``), else the model's own modules over the cached attention; None (the reasons
     logged) when neither agrees with the model's forward."""
     reasons = []
-    reason = _check_structure(model) if hand_written else "not asked for"
+    reason = hand_written_misfit(model) if hand_written else "not asked for"
     if reason is None:
         try:
             fast = FastDecoder(model, max_rows, max_len)
-            reason = _agrees_with_model(model, fast)
+            reason = agrees_with_model(model, fast)
         except Exception as exc:  # an unexpected module layout
             reason = f"{type(exc).__name__}: {exc}"
         if reason is None:
@@ -168,7 +168,7 @@ def fast_decoder_for(
             reason = shapes
         else:
             generic = GenericDecoder(model, max_rows, max_len, shapes)
-            reason = _agrees_with_model(model, generic)
+            reason = agrees_with_model(model, generic)
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
     if reason is None:

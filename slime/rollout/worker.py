@@ -304,7 +304,6 @@ class RolloutWorker:
                 lost.add(p.sample.id)
                 if isinstance(result, ChunksLostError):  # resumed, by any worker, from what is stored
                     gaps.append(p.sample.id)
-                    self.buffer.incr_stat("lost_chunk_tokens", p.sample.response_length - result.stored_length)
                 continue
             if isinstance(result, Exception):
                 raise result
@@ -404,7 +403,6 @@ class RolloutWorker:
                 self.scoring.pop(sample.id, None)
                 if isinstance(result, ChunksLostError):  # its tail was lost: resumed from what is stored
                     gaps.append(sample.id)
-                    self.buffer.incr_stat("lost_chunk_tokens", sample.response_length - result.stored_length)
                 # Lost: requeued meanwhile; the new owner regenerates nothing and rescores it.
                 elif isinstance(result, Exception) and not isinstance(result, LeaseLostError):
                     raise result

@@ -24,6 +24,7 @@ if expected and expected ~= len_mask then
   if n > 0 and len_mask == expected + n and redis.call('GETRANGE', skey .. ':tok', 4 * expected, -1) == tok then
     return {0, len_mask}
   end
+  if len_mask < expected then redis.call('HINCRBYFLOAT', P .. 'stats', 'lost_chunk_tokens', expected - len_mask) end
   return {-6, len_mask .. ':' .. expected}
 end
 if n > 0 then

@@ -9,12 +9,13 @@ if lost then return {-1, lost} end
 -- A response shorter than the writer knows it to be lost its tail with Redis's unsynced writes:
 -- it is not final; the writer releases it and it resumes from what is stored.
 local expected = tonumber(ARGV[10])
-if expected and expected ~= redis.call('STRLEN', skey .. ':mask') then
-  return {-6, redis.call('STRLEN', skey .. ':mask') .. ':' .. expected}
+local stored = redis.call('STRLEN', skey .. ':mask')
+if expected and expected ~= stored then
+  if stored < expected then redis.call('HINCRBYFLOAT', P .. 'stats', 'lost_chunk_tokens', expected - stored) end
+  return {-6, stored .. ':' .. expected}
 end
-if ARGV[7] == '1' and #ARGV[8] ~= 4 * redis.call('STRLEN', skey .. ':mask') then
-  return {-2, string.format('token_rewards has %d values, the response %d tokens',
-    #ARGV[8] / 4, redis.call('STRLEN', skey .. ':mask'))}
+if ARGV[7] == '1' and #ARGV[8] ~= 4 * stored then
+  return {-2, string.format('token_rewards has %d values, the response %d tokens', #ARGV[8] / 4, stored)}
 end
 local t = fmt(now())
 redis.call('HSET', skey, 'status', status, 'updated_at', t)
