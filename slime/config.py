@@ -241,6 +241,25 @@ class LearnerConfig(_Strict):
         "detached logprobs are pi_old (identical when ppo_epochs=num_minibatches=1).",
     )
     device: str = "cpu"
+    num_ranks: int = Field(
+        1,
+        ge=1,
+        description="Learner processes forming one torch.distributed group (gloo on CPU, NCCL on CUDA). "
+        "Above 1, FSDP2 shards the policy, the critic and their optimizer state over them.",
+    )
+    mixed_precision: bool = Field(
+        False,
+        description="bf16 compute over fp32 master weights, fp32 gradient reduction and optimizer state "
+        "(FSDP2's MixedPrecisionPolicy; the model loads in float32). For GPUs.",
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute each layer's activations in backward.")
+    cpus_per_rank: float = Field(
+        0.0, ge=0, description="Ray CPUs each learner rank reserves (0 keeps a 2-core box schedulable)."
+    )
+    resources_per_rank: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each learner rank needs, e.g. {learner_node: 1} to place the ranks.",
+    )
 
 
 class TaskWeighting(_Strict):

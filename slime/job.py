@@ -27,7 +27,8 @@ from slime.config import ConfigError, JobConfig, dump_config
 from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.fleet import RolloutFleet, scheduler_for
-from slime.learner import Learner
+from slime.learner import LearnerGroup
+from slime.learner.group import check_resources
 from slime.metrics import FailureWatch, MetricsLogger, write_atomic
 from slime.model import ensure_model_dir, load_tokenizer
 from slime.rollout import RolloutWorker
@@ -101,6 +102,7 @@ class RunningJob:
         try:
             if cfg.reward.mode != "http":  # an http reward lives in its own server
                 load_reward_spec(cfg.reward.fn)  # a bad reward spec fails here, before anything starts
+            _check_local_resources(cfg)  # a learner that cannot fit fails before anything starts
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
             # One secret per run (run_dir/job.secret, 0600): the job's Redis password and every
@@ -145,7 +147,7 @@ class RunningJob:
                 self.buffer.requeue_uncommitted()  # no checkpoint yet: no step's update survived
             import ray  # started above
 
-            ray.get([w.health.remote() for w in self.workers] + [self.learner.publish_weights.remote()])
+            ray.get([w.health.remote() for w in self.workers] + self.learner.publish_weights())
             if checkpoint is not None:
                 self.push_weights(self.start_step - 1)
             self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.steps, self.start_step)
@@ -185,7 +187,7 @@ class RunningJob:
         cfg = self.cfg
         # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
         run_id = new_id()[:6]  # lease owner names never collide with a previous run's workers
-        self.learner = ray.remote(num_cpus=0)(Learner).remote(cfg, self.model_dir, self.redis_url, self.credentials)
+        self.learner = LearnerGroup(cfg, self.model_dir, self.redis_url, self.credentials)
         self.workers = [
             ray.remote(num_cpus=0)(RolloutWorker).remote(
                 cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i, self.credentials
@@ -235,11 +237,13 @@ class RunningJob:
                     pass
             if self.learner is not None:
                 try:
-                    ray.get(self.learner.close.remote(), timeout=30)
+                    LearnerGroup.result(self.learner.close(), timeout=30)
                 except Exception:
                     pass
-            for actor in self.workers + ([self.learner] if self.learner is not None else []):
+            for actor in self.workers:
                 ray.kill(actor)
+            if self.learner is not None:
+                self.learner.kill()
             if self.ray_started:
                 ray.shutdown()
         _unset_ray_auth(self._ray_auth_env)
@@ -267,15 +271,15 @@ class RunningJob:
 
         if not aborting:
             self._stop_rollout_clock()
-        ref = self.learner.train_step.remote(step, self.cfg.rollout.batch_size, max_staleness, commit=False)
+        refs = self.learner.train_step(step, self.cfg.rollout.batch_size, max_staleness, commit=False)
         if aborting:
             # The learner is training meanwhile. A worker hung in its abort is found by finish_abort.
             ray.wait(list(aborting), num_returns=len(aborting), timeout=self.cfg.rollout.hang_timeout_s)
             self._stop_rollout_clock()
             self.abort_seconds = self.rollout_ended_at - (self.abort_sent_at or self.rollout_ended_at)
-        while self.cfg.mode == "async" and not ray.wait([ref], timeout=0.05)[0]:
+        while self.cfg.mode == "async" and len(ray.wait(refs, num_returns=len(refs), timeout=0.05)[0]) < len(refs):
             self.fleet.schedule_groups()  # the workers keep generating while the learner trains
-        metrics = ray.get(ref)
+        metrics = LearnerGroup.result(refs)
         generated = self.tokens_at_rollout_end - self.tokens_at_step_start
         rollout_seconds = self.rollout_ended_at - self.rollout_started_at
         metrics["rollout_seconds"] = rollout_seconds
@@ -292,10 +296,10 @@ class RunningJob:
         import ray  # see the module docstring
 
         rollout_seconds = time.time() - self.rollout_started_at
-        ref = self.learner.train_segments.remote(step, segments, self.cfg.april.streaming_chunk_tokens)
-        while not ray.wait([ref], timeout=0.05)[0]:
+        refs = self.learner.train_segments(step, segments, self.cfg.april.streaming_chunk_tokens)
+        while len(ray.wait(refs, num_returns=len(refs), timeout=0.05)[0]) < len(refs):
             self.fleet.schedule_groups()  # the workers keep generating while the learner trains
-        metrics = ray.get(ref)
+        metrics = LearnerGroup.result(refs)
         # The engines never pause here: count what they made over the whole step, training included.
         generated = self.buffer.stats().get("generated_tokens", 0.0) - self.tokens_at_step_start
         metrics.update(
@@ -320,10 +324,8 @@ class RunningJob:
         self.fleet.resume()
 
     def push_weights(self, step: int) -> None:
-        import ray  # see the module docstring
-
         t0 = time.time()
-        handle = ray.get(self.learner.publish_weights.remote())
+        handle = LearnerGroup.result(self.learner.publish_weights())
         self.fleet.update_weights(handle)
         self.weight_sync_seconds = time.time() - t0
         every = self.cfg.weights.check_every
@@ -332,13 +334,11 @@ class RunningJob:
 
     def check_weights(self) -> float:
         """Engine and learner must give the same logprobs for a fixed probe after an update."""
-        import ray  # see the module docstring
-
         record = self.records[0]
         probe = [
             int(t) for t in (self.tokenizer(str(record.label or "probe"), add_special_tokens=False)["input_ids"] or [0])
         ]
-        expected = ray.get(self.learner.probe_logprobs.remote(record.prompt_ids, probe))
+        expected = LearnerGroup.result(self.learner.probe_logprobs(record.prompt_ids, probe))
         worst = 0.0
         for got in self.fleet.probe_logprobs(record.prompt_ids, probe):
             diff = float(np.max(np.abs(got - expected)))
@@ -417,10 +417,8 @@ class RunningJob:
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
-        import ray  # see the module docstring
-
         path = self.run_dir / "checkpoints" / f"step_{step + 1:06d}"
-        ray.get(self.learner.save.remote(str(path)))
+        LearnerGroup.result(self.learner.save(str(path)))
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
         # Written last and atomically: a checkpoint directory counts only once this file exists,
         # however the process is stopped while saving.
@@ -452,20 +450,30 @@ class RunningJob:
         return path
 
     def _restore(self, checkpoint: Path) -> int:
-        import ray  # see the module docstring
-
         state = json.loads((checkpoint / "driver_state.json").read_text())
         print(
             f"resume={self.cfg.resume}: resuming from {checkpoint} at step {state['next_step']} of {self.cfg.steps}",
             flush=True,
         )
-        ray.get(self.learner.load.remote(str(checkpoint)))
+        LearnerGroup.result(self.learner.load(str(checkpoint)))
         self.sampler.load_state_dict(state["sampler"])
         # Claims of steps inside the checkpoint are trained (the process may have died before it
         # marked them); claims of later steps go back to the ready queue, to train on these weights.
         self.buffer.commit_through(int(state["next_step"]) - 1)
         self.buffer.requeue_uncommitted()
         return int(state["next_step"])
+
+
+def _check_local_resources(cfg: JobConfig) -> None:
+    """The Ray this job starts itself has this machine's CPUs and GPUs and no custom resources:
+    check the learner against them now (a cluster is checked once connected, LearnerGroup)."""
+    ray = sys.modules.get("ray")
+    if cfg.cluster.ray_address is not None or (ray is not None and ray.is_initialized()):
+        return
+    import torch
+
+    available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+    check_resources(cfg, available, "this machine (the job's local Ray)")
 
 
 def _check_context_fits(cfg: JobConfig, model_dir: str) -> None:

@@ -278,6 +278,15 @@ def bucket_views(buffers: list[torch.Tensor], metas: list[TensorMeta]) -> Iterat
 
 
 def pack_buckets(named: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], buffers: list[torch.Tensor]) -> None:
+    """Copy each tensor into its place; a sharded one (a DTensor of an FSDP2 learner) is gathered
+    just before its copy and freed after, so the whole model never exists twice."""
     with torch.no_grad():
         for (_name, src), (_, dst) in zip(named, bucket_views(buffers, metas)):
-            dst.copy_(src.detach().reshape(dst.shape))
+            dst.copy_(whole(src.detach()).reshape(dst.shape))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's full value: a DTensor is gathered from its ranks (a collective: they all call it)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

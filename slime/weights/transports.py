@@ -10,7 +10,15 @@ from pathlib import Path
 
 import torch
 
-from slime.weights.handles import SHM_SEGMENT_NAME, TensorMeta, WeightHandle, bucket_views, pack_buckets, plan_buckets
+from slime.weights.handles import (
+    SHM_SEGMENT_NAME,
+    TensorMeta,
+    WeightHandle,
+    bucket_views,
+    pack_buckets,
+    plan_buckets,
+    whole,
+)
 
 
 class SharedMemoryTransport:
@@ -130,7 +138,7 @@ class FileTransport:
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightHandle:
         from safetensors.torch import save_file
 
-        named = {n: t.detach().cpu().contiguous() for n, t in named_tensors}
+        named = {n: whole(t.detach()).cpu().contiguous() for n, t in named_tensors}  # one file: whole tensors
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"weights_v{version}.safetensors"
         save_file(named, str(path))

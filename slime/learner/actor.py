@@ -1,7 +1,12 @@
-"""The learner actor: claims complete groups from the buffer, runs one update of the configured
-algorithm, publishes the new weights. What turns a batch into a loss lives in slime/algorithms
-(one file per algorithm); this file moves tensors: micro-batches, gradient accumulation, the
-optimizers, gradient clipping, checkpoints and weight publishing."""
+"""The learner actor, one rank of the learner group: claims complete groups from the buffer, runs
+one update of the configured algorithm, publishes the new weights. What turns a batch into a loss
+lives in slime/algorithms (one file per algorithm); this file moves tensors: micro-batches,
+gradient accumulation, the optimizers, gradient clipping, checkpoints and weight publishing.
+
+With learner.num_ranks = N > 1 every rank holds the whole batch (rank 0 claims it; the group hands
+it to all), computes the rows the token-balanced split gives it, and FSDP2 sums the gradients
+into each rank's shard (sharding.py). Every micro-batch is weighted by its share of the global
+minibatch, so N ranks take the optimizer step one rank would on the same batch."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from slime.algorithms.mismatch import MismatchMeter
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.buffer import JobConnection, TrajectoryStore
 from slime.config import JobConfig
+from slime.learner import sharding
 from slime.model import load_model
 from slime.sample import Sample, Status, failure_key
 from slime.security import JobCredentials
@@ -118,36 +124,61 @@ def _micro_batches(batch: Batch, idx: torch.Tensor, size: int) -> list[torch.Ten
     return list(order.split(size))
 
 
-def _per_row(batch: Batch, size: int, fn) -> torch.Tensor:
-    """fn(micro-batch) -> [rows, T'] for every row, assembled into [N, T] (zeros beyond T')."""
-    n, t = batch.mask.shape
-    out = torch.zeros((n, t), device=batch.mask.device)
-    for idx in _micro_batches(batch, torch.arange(n, device=batch.mask.device), size):
-        values = fn(batch.rows(idx))
-        out[idx, : values.shape[1]] = values
-    return out
+def _merge_rank_stats(per_rank: list[dict]) -> tuple[dict[str, list[tuple[float, float]]], dict]:
+    """The ranks' micro-batch stats as one list per name, and their mismatch sums added."""
+    stats: dict[str, list[tuple[float, float]]] = {}
+    sums: dict[str, list[float]] = {}
+    for part in per_rank:
+        for name, pairs in part["stats"].items():
+            stats.setdefault(name, []).extend((float(v), float(w)) for v, w in pairs)
+        for kind, values in part["mismatch"].items():
+            sums[kind] = [a + b for a, b in zip(sums.get(kind, [0.0] * len(values)), values)]
+    return stats, sums
 
 
 class Learner:
-    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, credentials: JobCredentials | None = None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        model_dir: str,
+        redis_url: str,
+        credentials: JobCredentials | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        master: str | None = None,
+    ):
+        """One rank of world_size; master is rank 0's "host:port" (LearnerGroup finds it)."""
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.algo_cfg = cfg.algorithm
-        self.device = torch.device(cfg.learner.device)
-        self.policy = load_model(model_dir, cfg.model.dtype, cfg.learner.device)
+        lc = cfg.learner
+        self.device = torch.device(lc.device)
+        self.rank, self.world_size = rank, world_size
+        if world_size > 1:
+            assert master is not None, "a learner group's ranks need rank 0's address"
+            sharding.init_group(rank, world_size, master, self.device, cfg.rollout.hang_timeout_s)
+        # FSDP2 also for one rank with mixed precision: its policy casts to bf16 around fp32 masters.
+        self.sharded = world_size > 1 or lc.mixed_precision
+        self.policy = load_model(model_dir, "float32" if lc.mixed_precision else cfg.model.dtype, lc.device)
         self.policy.train()
+        if lc.activation_checkpointing:
+            self.policy.gradient_checkpointing_enable()
         self.is_moe = hasattr(self.policy.config, "num_experts") or hasattr(self.policy.config, "num_local_experts")
         self.pad_id = self.policy.config.pad_token_id or 0
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         needs_ref = self.algo_cfg.kl_coef > 0 or any(s.coef > 0 for s in self.algo_cfg.kl_schedule)
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if needs_ref else None
-        lc = cfg.learner
-        self.optim = torch.optim.AdamW(self.policy.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
         self.algorithm = make_algorithm(cfg)
         self.critic = None
         if self.algorithm.needs_critic:
             self.critic = ValueModel(model_dir, self.policy.dtype).to(self.device).train()
+        if self.sharded:  # before the optimizers: they hold the shards
+            for module in (self.policy, self.ref, self.critic):
+                if module is not None:
+                    sharding.shard(module, lc.mixed_precision)
+        self.optim = torch.optim.AdamW(self.policy.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
+        if self.critic is not None:
             self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=lc.critic_lr, betas=lc.betas)
         self.clip = AdaptiveClip(self.algo_cfg.adaptive_clip, self.algo_cfg.clip_low, self.algo_cfg.clip_high)
         self.buffer = TrajectoryStore(
@@ -163,19 +194,26 @@ class Learner:
         kind = cfg.weights.transport
         if kind == "auto":
             kind = "cuda_ipc" if self.device.type == "cuda" else "shm"
-        self.transport = make_transport(
-            kind,
-            prefix=f"slime_{cfg.job_name}",
-            directory=cfg.run_dir / "weights",
-            bucket_mb=cfg.weights.bucket_mb,
-            num_receivers=cfg.rollout.num_workers,  # broadcast: every engine joins each collective
-        )
+        self.transport = None  # rank 0 publishes; the other ranks only gather their shards for it
+        if rank == 0:
+            self.transport = make_transport(
+                kind,
+                prefix=f"slime_{cfg.job_name}",
+                directory=cfg.run_dir / "weights",
+                bucket_mb=cfg.weights.bucket_mb,
+                num_receivers=cfg.rollout.num_workers,  # broadcast: every engine joins each collective
+            )
 
     # ---- one training step -------------------------------------------------------------------
     def train_step(self, step: int, num_groups: int, max_staleness: int | None = None, commit: bool = True) -> dict:
         """Claim up to num_groups complete groups and run one update. With commit=False the groups stay
         claimed until the caller commits the step (the driver does at each checkpoint, so a crash
-        before the checkpoint requeues them for the restored weights: each group trains exactly once)."""
+        before the checkpoint requeues them for the restored weights: each group trains exactly once).
+        A learner group calls the two halves itself: rank 0 claims, every rank trains."""
+        return self.train_claimed(self.claim_groups(step, num_groups, max_staleness), step, commit)
+
+    def claim_groups(self, step: int, num_groups: int, max_staleness: int | None = None) -> dict:
+        """Rank 0: the step's groups from the buffer, those beyond max_staleness dropped (and counted)."""
         started = time.time()
         groups = self.buffer.claim_groups(num_groups, step)
         kept, dropped_stale, wasted_tokens = [], 0, 0
@@ -195,15 +233,22 @@ class Learner:
             "dropped_stale_groups": dropped_stale,
             "dropped_stale_tokens": wasted_tokens,
         }
+        return {"started": started, "groups": kept, "metrics": metrics}
+
+    def train_claimed(self, claimed: dict, step: int, commit: bool = True) -> dict:
+        """Every rank: one update on the groups claim_groups returned; rank 0 then publishes the new
+        version number and (commit=True) marks the groups trained."""
+        kept, metrics = claimed["groups"], dict(claimed["metrics"])
         samples = [s for g in kept for s in g]
         if samples:
             metrics.update(self.update(samples, [gi for gi, g in enumerate(kept) for _ in g], step))
         self.version += 1
-        self.buffer.set_policy_version(self.version)
-        if commit:
-            self.buffer.commit_step(step)
+        if self.rank == 0:
+            self.buffer.set_policy_version(self.version)
+            if commit:
+                self.buffer.commit_step(step)
         metrics["policy_version"] = self.version
-        metrics["learner_seconds"] = time.time() - started
+        metrics["learner_seconds"] = time.time() - claimed["started"]
         return metrics
 
     def update(
@@ -253,20 +298,17 @@ class Learner:
         """The quantities fixed for the whole update: π_ref, V_old, π_old (when recomputed), then
         the algorithm's advantages and returns."""
         lc = self.cfg.learner
-        n, mb = batch.mask.shape[0], lc.micro_batch_size
         ref_logp = old_values = old_logp = bootstrap = None
         if self.ref is not None and kl_coef > 0:
-            ref_logp = _per_row(batch, mb, lambda sub: response_logprobs(self.ref, sub, self.temperature)[0])
+            ref_logp = self._per_row(batch, lambda sub: response_logprobs(self.ref, sub, self.temperature)[0])
         if self.critic is not None:
-            old_values = _per_row(batch, mb, self.critic)
+            old_values = self._per_row(batch, self.critic)
             if unfinished is not None:
-                last_values = torch.zeros(n, device=self.device)
-                for idx in _micro_batches(batch, torch.arange(n, device=self.device), mb):
-                    last_values[idx] = self.critic(batch.rows(idx), with_last=True)[1]
+                last_values = self._per_row(batch, lambda sub: self.critic(sub, with_last=True)[1][:, None])[:, 0]
                 # V(s_end) where the trajectory goes on; 0 where it ended (a terminal state).
                 bootstrap = torch.where(torch.tensor(unfinished, device=self.device), last_values, 0.0)
         if lc.recompute_old_logprobs or lc.ppo_epochs * lc.num_minibatches > 1 or self.algorithm.correction.batch_level:
-            old_logp = _per_row(batch, mb, lambda sub: response_logprobs(self.policy, sub, self.temperature)[0])
+            old_logp = self._per_row(batch, lambda sub: response_logprobs(self.policy, sub, self.temperature)[0])
         return self.algorithm.prepare(
             batch,
             kl_coef=kl_coef,
@@ -275,6 +317,41 @@ class Learner:
             old_values=old_values,
             bootstrap_values=bootstrap,
         )
+
+    def _my_micro_batches(self, batch: Batch, idx: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+        """This rank's micro-batches of the rows `idx` (their token-balanced share), and how many
+        empty passes it adds so that every rank runs as many forwards and backwards: FSDP2's
+        gathers and reductions are collectives."""
+        size = self.cfg.learner.micro_batch_size
+        if self.world_size == 1:
+            return _micro_batches(batch, idx, size), 0
+        shares = sharding.split_rows(batch.last_pos[idx].tolist(), self.world_size)
+        counts = [-(-len(share) // size) for share in shares]
+        mine = idx[torch.tensor(shares[self.rank], dtype=torch.long, device=idx.device)]
+        parts = _micro_batches(batch, mine, size) if len(mine) else []
+        return parts, max(counts) - len(parts)
+
+    def _per_row(self, batch: Batch, fn) -> torch.Tensor:
+        """fn(micro-batch) -> [rows, T'] for every row, assembled into [N, T] (zeros beyond T').
+        Ranks compute their own rows and sum the zero-filled rest: exact, each row has one owner."""
+        n, t = batch.mask.shape
+        out = torch.zeros((n, t), device=batch.mask.device)
+        parts, empty_passes = self._my_micro_batches(batch, torch.arange(n, device=batch.mask.device))
+        for idx in parts:
+            values = fn(batch.rows(idx))
+            out[idx, : values.shape[1]] = values
+        for _ in range(empty_passes):
+            fn(batch.rows(torch.arange(1, device=batch.mask.device)))
+        return sharding.sum_across_ranks(out) if self.world_size > 1 else out
+
+    def _empty_pass(self, sub: Batch, with_aux: bool) -> None:
+        """A forward and backward that adds nothing to any gradient: a rank with fewer micro-batches
+        than the others still joins every collective of theirs."""
+        logp, _, aux = response_logprobs(self.policy, sub, self.temperature, with_aux=with_aux)
+        loss = logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)
+        if self.critic is not None:
+            loss = loss + self.critic(sub).sum() * 0.0
+        loss.backward()
 
     def _optimize(
         self, batch: Batch, fixed: UpdateTensors, kl_coef: float, clip_low: float, clip_high: float
@@ -290,21 +367,30 @@ class Learner:
         critic_grad_norms: list[float] = []
         for epoch in range(lc.ppo_epochs):
             order = torch.randperm(batch.mask.shape[0], device=self.device)
+            if self.world_size > 1:  # one order for every rank, whatever their RNG did
+                sharding.broadcast_from_rank0(order)
             for mini in order.chunk(lc.num_minibatches):
                 self.optim.zero_grad(set_to_none=True)
                 if self.critic is not None:
                     self.critic_optim.zero_grad(set_to_none=True)
                 mini_tokens = batch.mask[mini].sum().clamp_min(1)
                 mini_seqs = (batch.mask[mini].sum(-1) > 0).sum().clamp_min(1)
-                for part in _micro_batches(batch, mini, lc.micro_batch_size):
+                parts, empty_passes = self._my_micro_batches(batch, mini)
+                for _ in range(empty_passes):
+                    self._empty_pass(batch.rows(mini[:1]), with_aux)
+                for part in parts:
                     sub = batch.rows(part)
                     # Each micro-batch's aggregate is weighted by its share of the minibatch's
-                    # tokens (token_mean) or sequences, so accumulation equals one big batch.
+                    # tokens (token_mean) or sequences, so accumulation equals one big batch; over
+                    # ranks too: the shares are of the global minibatch, and x ranks undoes FSDP2's
+                    # average of the ranks' gradients.
                     if self.algo_cfg.loss_agg == "token_mean":
                         weight = sub.mask.sum() / mini_tokens
                     else:
                         weight = (sub.mask.sum(-1) > 0).sum() / mini_seqs
                     if weight == 0:
+                        if self.sharded:
+                            self._empty_pass(sub, with_aux)
                         continue
                     logp, entropy, aux = response_logprobs(
                         self.policy, sub, self.temperature, with_entropy=True, with_aux=with_aux
@@ -318,7 +404,7 @@ class Learner:
                         clip_high=clip_high,
                         kl_coef=kl_coef,
                     )
-                    (loss * weight).backward()
+                    (loss * (weight * self.world_size)).backward()
                     # Engine vs learner logprobs of the same tokens: ~0 on-policy; large means the
                     # engine and learner disagree (stale weights, numerics, or a bug).
                     st["behaviour_logp_abs_diff"] = masked_mean(
@@ -332,13 +418,13 @@ class Learner:
                         # A loss is the objective this micro-batch adds to (its accumulation weight);
                         # every other stat is a token mean or share (its trainable tokens).
                         stats.setdefault(k, []).append((v, float(weight) if k.endswith("loss") else tokens))
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), lc.grad_clip)))
+                grad_norms.append(sharding.clip_grad_norm(self.policy.parameters(), lc.grad_clip))
                 self.optim.step()
                 if self.critic is not None:
-                    critic_grad_norms.append(
-                        float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), lc.grad_clip))
-                    )
+                    critic_grad_norms.append(sharding.clip_grad_norm(self.critic.parameters(), lc.grad_clip))
                     self.critic_optim.step()
+        if self.world_size > 1:  # every rank reports what all of them computed
+            stats, mismatch.sums = _merge_rank_stats(sharding.gather_json({"stats": stats, "mismatch": mismatch.sums}))
         return stats, grad_norms, critic_grad_norms, mismatch
 
     def _batch_metrics(self, samples: list[Sample], batch: Batch, stale: torch.Tensor) -> dict:
@@ -370,10 +456,16 @@ class Learner:
     def train_segments(self, step: int, max_segments: int, chunk_tokens: int) -> dict:
         """Streaming variant: train on every trajectory's new tokens (>= chunk_tokens of them, or its
         end) before the trajectory finishes. Earlier tokens are context only (loss mask 0)."""
-        started = time.time()
-        claimed = self.buffer.claim_segments(chunk_tokens, max_segments)
+        return self.train_claimed_segments(self.claim_segments(max_segments, chunk_tokens), step)
+
+    def claim_segments(self, max_segments: int, chunk_tokens: int) -> dict:
+        """Rank 0: the segments of train_segments, claimed from the buffer."""
+        return {"started": time.time(), "segments": self.buffer.claim_segments(chunk_tokens, max_segments)}
+
+    def train_claimed_segments(self, claimed: dict, step: int) -> dict:
+        """Every rank: one update on the segments claim_segments returned."""
         samples, unfinished = [], []
-        for sample, start, final in claimed:
+        for sample, start, final in claimed["segments"]:
             sample.loss_mask = sample.loss_mask.copy()
             sample.loss_mask[:start] = 0
             if not final:
@@ -384,13 +476,21 @@ class Learner:
         if samples:
             metrics.update(self.update(samples, list(range(len(samples))), step, unfinished))
         self.version += 1
-        self.buffer.set_policy_version(self.version)
+        if self.rank == 0:
+            self.buffer.set_policy_version(self.version)
         metrics["policy_version"] = self.version
-        metrics["learner_seconds"] = time.time() - started
+        metrics["learner_seconds"] = time.time() - claimed["started"]
         return metrics
 
     # ---- weights -----------------------------------------------------------------------------
-    def publish_weights(self) -> WeightHandle:
+    def publish_weights(self) -> WeightHandle | None:
+        """Rank 0 publishes (a handle); sharded, each parameter is gathered from the ranks as the
+        transport packs it, one at a time, so no rank holds a second whole copy of the model. The
+        other ranks join those gathers in the same order and return None."""
+        if self.transport is None:
+            for _, param in self.policy.named_parameters():
+                sharding.full_tensor(param.detach())
+            return None
         return self.transport.publish(self.version, self.policy.named_parameters())
 
     @torch.no_grad()
@@ -406,8 +506,17 @@ class Learner:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, directory: str) -> None:
+        """One rank: the Hugging Face policy directory and the optimizer state. Sharded: every rank
+        writes its shards (torch.distributed.checkpoint), which any number of ranks can load."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
+        if self.sharded:
+            critic_optim = self.critic_optim if self.critic is not None else None
+            sharding.save_sharded(path, self.policy, self.optim, self.critic, critic_optim)
+            if self.rank == 0:
+                info = {"version": self.version, "clip": self.clip.state_dict(), "ranks": self.world_size}
+                (path / "learner.json").write_text(json.dumps(info))
+            return
         self.policy.save_pretrained(path / "policy")
         state = {"optim": self.optim.state_dict(), "clip": self.clip.state_dict(), "version": self.version}
         if self.critic is not None:
@@ -417,22 +526,39 @@ class Learner:
         (path / "learner.json").write_text(json.dumps({"version": self.version}))
 
     def load(self, directory: str) -> int:
+        """A checkpoint of any number of ranks, into this learner's (N to M)."""
         path = Path(directory)
-        # from_pretrained, not the raw files: transformers converts its on-disk layout (e.g.
-        # per-expert MoE weights) back to the in-memory one.
-        saved = load_model(path / "policy", self.cfg.model.dtype, "cpu")
-        self.policy.load_state_dict(saved.state_dict())
-        del saved
-        # weights_only: tensors and plain containers only; a crafted checkpoint cannot run code.
-        state = torch.load(path / "learner_state.pt", weights_only=True)
-        self.optim.load_state_dict(state["optim"])
-        self.clip.load_state_dict(state["clip"])
-        if self.critic is not None and "critic" in state:
-            self.critic.load_state_dict(state["critic"])
-            self.critic_optim.load_state_dict(state["critic_optim"])
-        self.version = int(state["version"])
-        self.buffer.set_policy_version(self.version)
+        critic_optim = self.critic_optim if self.critic is not None else None
+        if (path / sharding.CHECKPOINT_DIR).is_dir():
+            sharding.load_sharded(path, self.policy, self.optim, self.critic, critic_optim)
+            info = json.loads((path / "learner.json").read_text())
+            self.clip.load_state_dict(info["clip"])
+            self.version = int(info["version"])
+        else:
+            # from_pretrained, not the raw files: transformers converts its on-disk layout (e.g.
+            # per-expert MoE weights) back to the in-memory one.
+            saved = load_model(path / "policy", self.cfg.model.dtype, "cpu").state_dict()
+            # weights_only: tensors and plain containers only; a crafted checkpoint cannot run code.
+            state = torch.load(path / "learner_state.pt", weights_only=True)
+            if self.sharded:  # a 1-rank checkpoint, dealt out to this rank's shards
+                sharding.load_full(self.policy, self.optim, saved, state["optim"])
+                if self.critic is not None and "critic" in state:
+                    sharding.load_full(self.critic, critic_optim, state["critic"], state["critic_optim"])
+            else:
+                self.policy.load_state_dict(saved)
+                self.optim.load_state_dict(state["optim"])
+                if self.critic is not None and "critic" in state:
+                    self.critic.load_state_dict(state["critic"])
+                    self.critic_optim.load_state_dict(state["critic_optim"])
+            del saved
+            self.clip.load_state_dict(state["clip"])
+            self.version = int(state["version"])
+        if self.rank == 0:
+            self.buffer.set_policy_version(self.version)
         return self.version
 
     def close(self) -> None:
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

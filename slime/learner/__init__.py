@@ -1,0 +1,20 @@
+"""The learner group (DESIGN.md room 3): N Ray actors, one torch.distributed group, FSDP2 shards.
+
+- actor.py     one rank: claims, updates, publishes weights, checkpoints (the whole learner at N=1)
+- group.py     the driver's handle on the N ranks: placement, rendezvous, calls fanned out to all
+- sharding.py  what the ranks share: FSDP2, the token-balanced split, sums, sharded checkpoints
+"""
+
+from slime.algorithms.batch import collate
+from slime.learner.actor import Learner, ValueModel, response_logprobs
+from slime.learner.group import LearnerGroup, ResourceError, required_resources
+
+__all__ = [
+    "Learner",
+    "LearnerGroup",
+    "ResourceError",
+    "ValueModel",
+    "collate",
+    "required_resources",
+    "response_logprobs",
+]

@@ -1,0 +1,159 @@
+"""The driver's handle on the learner: learner.num_ranks Ray actors (actor.py's Learner, one per
+rank) placed from the config, joined in one torch.distributed group, called as one.
+
+Each call goes to every rank (FSDP2's forwards are collectives) and returns their Ray refs;
+`result` waits for all of them, raises the first failure at once, and gives rank 0's answer.
+Claims stay on rank 0: it claims the step's groups once, and the others receive the claimed
+groups through Ray's object store (numpy arrays: no copy on one node).
+
+Ray is imported inside the methods: the job sets Ray's token authentication in the environment
+before Ray is first imported (slime/job.py), and Ray reads it then.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from slime.config import JobConfig
+from slime.learner.actor import Learner
+from slime.security import JobCredentials
+
+
+class ResourceError(RuntimeError):
+    """The Ray cluster lacks a resource the job's config asks for."""
+
+
+def required_resources(cfg: JobConfig) -> dict[str, float]:
+    """What the learner ranks reserve, summed: CPUs (learner.cpus_per_rank), a GPU per rank on CUDA,
+    and learner.resources_per_rank. (Rollout workers reserve nothing: they mostly wait, and on one
+    GPU they share the learner's device.)"""
+    lc = cfg.learner
+    need = {"CPU": lc.cpus_per_rank, "GPU": 1.0 if lc.device.startswith("cuda") else 0.0, **lc.resources_per_rank}
+    return {name: amount * lc.num_ranks for name, amount in need.items() if amount > 0}
+
+
+def check_resources(cfg: JobConfig, available: dict[str, float], where: str) -> None:
+    """Fail at once, naming each missing resource and the settings that ask for it."""
+    missing = [
+        f"{name}: needs {amount:g}, {where} has {available.get(name, 0.0):g}"
+        for name, amount in required_resources(cfg).items()
+        if available.get(name, 0.0) < amount
+    ]
+    if missing:
+        lc = cfg.learner
+        raise ResourceError(
+            f"the learner does not fit: {'; '.join(missing)} (learner.num_ranks={lc.num_ranks}, "
+            f"learner.device={lc.device}, learner.cpus_per_rank={lc.cpus_per_rank:g}, "
+            f"learner.resources_per_rank={lc.resources_per_rank})"
+        )
+
+
+def _free_address() -> str:
+    """host:port for rank 0's rendezvous, found on rank 0's node (this runs in its bundle)."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+class LearnerGroup:
+    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, credentials: JobCredentials | None):
+        import ray
+
+        n = cfg.learner.num_ranks
+        check_resources(cfg, ray.cluster_resources(), "the Ray cluster")
+        self.placement = None
+        strategies: list[dict[str, Any]] = [{} for _ in range(n)]
+        per_rank = {name: amount / n for name, amount in required_resources(cfg).items()}
+        if n == 1:  # one rank shares its GPU with the engines (CUDA IPC); like them, it reserves none
+            per_rank.pop("GPU", None)
+        if per_rank:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            # PACK: the ranks on as few nodes as fit (their collectives are the learner's hot path).
+            self.placement = placement_group([per_rank] * n, strategy="PACK", name=f"{cfg.job_name}-learner")
+            try:
+                ray.get(self.placement.ready(), timeout=60)
+            except ray.exceptions.GetTimeoutError:
+                ray.util.remove_placement_group(self.placement)
+                raise ResourceError(
+                    f"the learner's {n} ranks ({per_rank} each) could not be placed within 60 s: "
+                    "the cluster has the resources but they are in use"
+                ) from None
+            strategies = [
+                {
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        self.placement, placement_group_bundle_index=i
+                    )
+                }
+                for i in range(n)
+            ]
+        # Resources come from the bundle; outside one, num_cpus=0: the learner mostly waits on the engines.
+        options = [
+            {**s, "num_cpus": per_rank.get("CPU", 0), "num_gpus": per_rank.get("GPU", 0)}
+            | ({"resources": {k: v for k, v in per_rank.items() if k not in ("CPU", "GPU")}} if per_rank else {})
+            for s in strategies
+        ]
+        master = None
+        if n > 1:
+            master = ray.get(ray.remote(_free_address).options(num_cpus=0, **strategies[0]).remote())
+        actor = ray.remote(Learner)
+        self.ranks = [
+            actor.options(**options[rank]).remote(cfg, model_dir, redis_url, credentials, rank, n, master)
+            for rank in range(n)
+        ]
+
+    # ---- calls: each returns the ranks' refs; result() waits for them -------------------------------
+    def train_step(self, step: int, num_groups: int, max_staleness: int | None, commit: bool) -> list:
+        if len(self.ranks) == 1:
+            return [self.ranks[0].train_step.remote(step, num_groups, max_staleness, commit=commit)]
+        claimed = self.ranks[0].claim_groups.remote(step, num_groups, max_staleness)
+        return [r.train_claimed.remote(claimed, step, commit) for r in self.ranks]
+
+    def train_segments(self, step: int, max_segments: int, chunk_tokens: int) -> list:
+        if len(self.ranks) == 1:
+            return [self.ranks[0].train_segments.remote(step, max_segments, chunk_tokens)]
+        claimed = self.ranks[0].claim_segments.remote(max_segments, chunk_tokens)
+        return [r.train_claimed_segments.remote(claimed, step) for r in self.ranks]
+
+    def publish_weights(self) -> list:
+        return [r.publish_weights.remote() for r in self.ranks]
+
+    def probe_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list:
+        return [r.probe_logprobs.remote(prompt_ids, response_ids) for r in self.ranks]
+
+    def save(self, directory: str) -> list:
+        return [r.save.remote(directory) for r in self.ranks]
+
+    def load(self, directory: str) -> list:
+        return [r.load.remote(directory) for r in self.ranks]
+
+    def close(self) -> list:
+        return [r.close.remote() for r in self.ranks]
+
+    @staticmethod
+    def result(refs: list, timeout: float | None = None):
+        """Rank 0's answer once every rank has answered. A rank that failed raises at once: the
+        others would wait for it in a collective."""
+        import ray
+
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                raise ray.exceptions.GetTimeoutError(f"{len(pending)} learner ranks did not answer in {timeout}s")
+            ray.get(ready[0])
+        return ray.get(refs[0])
+
+    def kill(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            ray.kill(r)
+        if self.placement is not None:
+            ray.util.remove_placement_group(self.placement)
+            self.placement = None

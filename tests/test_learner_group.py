@@ -1,0 +1,194 @@
+"""The learner group: N real Ray actors in one gloo process group, FSDP2 shards. N ranks take the
+optimizer step one rank takes on the same batch; checkpoints move between rank counts; the weight
+push gathers the shards; a learner that cannot fit fails at once, naming what is missing."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from slime.buffer import TrajectoryStore
+from slime.config import load_config
+from slime.learner import Learner, LearnerGroup, ResourceError, required_resources
+from slime.learner.sharding import CheckpointError, split_rows
+from slime.train import train
+from test_learner import _fill
+from test_security import _WritesMarker
+
+PROMPT = [6, 7, 77, 61, 86]
+
+
+def _cfg(job, tmp_path, algo, ranks, *extra):
+    return load_config(
+        None,
+        [
+            f"job_name={job}",
+            f"output_dir={tmp_path}",
+            f"algorithm.name={algo}",
+            "rollout.batch_size=3",
+            "algorithm.kl_coef=0.01",  # the reference model is sharded too
+            "learner.micro_batch_size=3",  # ranks run unequal micro-batch counts: empty passes
+            # The router's load-balancing loss is a statistic of each forward's tokens: it changes with
+            # which rows share a micro-batch, across ranks as with micro_batch_size. Off here.
+            "algorithm.router_aux_coef=0",
+            "weights.transport=file",  # whole tensors on disk: the gathered push, compared here
+            f"learner.num_ranks={ranks}",
+            *extra,
+        ],
+    )
+
+
+def _filled(redis_url, job, groups, skip=0):
+    buffer = TrajectoryStore.open(redis_url, job)
+    buffer.delete_job()
+    _fill(buffer, groups=groups, n=4)
+    if skip:  # the groups another learner already trained: claimed and set aside
+        assert len(buffer.claim_groups(skip, 99)) == skip
+        buffer.commit_step(99)
+    return buffer
+
+
+def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    diff = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in a) ** 0.5
+    return diff / sum(float(a[k].double().norm() ** 2) for k in a) ** 0.5
+
+
+def _weights(handle) -> dict[str, torch.Tensor]:
+    return load_file(handle.buckets[0])
+
+
+def _greedy(model_dir, weights: dict[str, torch.Tensor]) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(weights)
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    return out[0, len(PROMPT) :].tolist()
+
+
+def test_rows_are_dealt_by_tokens_not_by_count():
+    shares = split_rows([100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10], 2)
+    assert shares[0] == [0]  # the long row alone balances the ten short ones
+    assert sorted(shares[0] + shares[1]) == list(range(11))
+    assert split_rows([5, 5, 5, 5], 2) == [[0, 2], [1, 3]]
+    assert split_rows([3], 2) == [[0], []]  # a rank may get nothing: it then runs empty passes
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_two_ranks_take_the_optimizer_step_one_rank_takes(tiny_model_dir, redis_url, tmp_path, ray_session, algo):
+    _filled(redis_url, f"one-{algo}", groups=3)
+    _filled(redis_url, f"two-{algo}", groups=3)
+    one = Learner(_cfg(f"one-{algo}", tmp_path, algo, 1), str(tiny_model_dir), redis_url)
+    before = {n: p.detach().clone() for n, p in one.policy.named_parameters()}
+    m1 = one.train_step(0, num_groups=3)
+    w1 = _weights(one.publish_weights())
+    one.close()
+    group = LearnerGroup(_cfg(f"two-{algo}", tmp_path, algo, 2), str(tiny_model_dir), redis_url, None)
+    try:
+        m2 = LearnerGroup.result(group.train_step(0, 3, None, commit=True))
+        w2 = _weights(LearnerGroup.result(group.publish_weights()))
+    finally:
+        LearnerGroup.result(group.close())
+        group.kill()
+    assert _relative_difference(before, w1) > 1e-4  # the step moved the weights
+    assert _relative_difference(w1, w2) < 1e-5
+    assert m1["samples"] == m2["samples"] == 12 and m1["trained_tokens"] == m2["trained_tokens"]
+    # The reported figures are the whole batch's, not rank 0's half.
+    for key in ["loss", "pg_loss", "grad_norm", "entropy", "mismatch_fresh_tokens"] + (
+        ["vf_loss", "critic_grad_norm"] if algo == "ppo" else []
+    ):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-3, abs=1e-6), key
+    assert m2["policy_version"] == 1
+    assert TrajectoryStore.open(redis_url, f"two-{algo}").counts()["groups_ready"] == 0  # claimed once
+
+
+def test_checkpoints_move_between_rank_counts(tiny_model_dir, redis_url, tmp_path, ray_session):
+    """Saved by 2 ranks, resumed by 1: the same weights and optimizer state, so the next step is the
+    one the 2 ranks take, and greedy decoding agrees token for token. And 1 -> 2 ranks."""
+    _filled(redis_url, "ckpt-two", groups=6)
+    _filled(redis_url, "ckpt-one", groups=6, skip=3)
+    group = LearnerGroup(_cfg("ckpt-two", tmp_path, "ppo", 2), str(tiny_model_dir), redis_url, None)
+    one = None
+    try:
+        LearnerGroup.result(group.train_step(0, 3, None, commit=True))
+        LearnerGroup.result(group.save(str(tmp_path / "by-two")))
+        at_save = _weights(LearnerGroup.result(group.publish_weights()))
+        one = Learner(_cfg("ckpt-one", tmp_path, "ppo", 1), str(tiny_model_dir), redis_url)
+        assert one.load(str(tmp_path / "by-two")) == 1
+        resumed = _weights(one.publish_weights())
+        assert all(torch.equal(at_save[k], resumed[k]) for k in at_save)
+        assert _greedy(tiny_model_dir, resumed) == _greedy(tiny_model_dir, at_save)
+
+        LearnerGroup.result(group.train_step(1, 3, None, commit=True))
+        one.train_step(1, num_groups=3)
+        after_two = _weights(LearnerGroup.result(group.publish_weights()))
+        after_one = _weights(one.publish_weights())
+        # Adam's second step depends on the moments the checkpoint carried.
+        assert _relative_difference(after_two, after_one) < 1e-5
+        assert _greedy(tiny_model_dir, after_one) == _greedy(tiny_model_dir, after_two)
+
+        one.save(str(tmp_path / "by-one"))  # the 1-rank format: a Hugging Face policy and torch state
+        assert LearnerGroup.result(group.load(str(tmp_path / "by-one"))) == 2
+        reloaded = _weights(LearnerGroup.result(group.publish_weights()))
+        assert all(torch.equal(after_one[k], reloaded[k]) for k in after_one)
+
+        # The sharded format's index is a pickle: a crafted one is refused before it runs anything.
+        marker = tmp_path / "pwned"
+        with open(tmp_path / "by-two" / "dcp" / ".metadata", "wb") as f:
+            pickle.dump(_WritesMarker(marker), f)
+        with pytest.raises(CheckpointError, match="checkpoint index refers to posix.system"):
+            one.load(str(tmp_path / "by-two"))
+        assert not marker.exists()
+    finally:
+        if one is not None:
+            one.close()
+        LearnerGroup.result(group.close())
+        group.kill()
+
+
+@pytest.mark.parametrize(
+    "overrides, missing",
+    [
+        (["learner.device=cuda", "learner.num_ranks=2"], "GPU: needs 2"),
+        (["learner.num_ranks=2", "learner.resources_per_rank={learner_node: 1}"], "learner_node: needs 2"),
+        (["learner.num_ranks=3", "learner.cpus_per_rank=1", "cluster.num_cpus=2"], "CPU: needs 3"),
+    ],
+)
+def test_a_learner_that_does_not_fit_fails_at_once_naming_the_resource(tmp_path, overrides, missing):
+    cfg = load_config(None, ["job_name=too-big", f"output_dir={tmp_path}", "steps=1", *overrides])
+    assert required_resources(cfg)
+    started = time.time()
+    with pytest.raises(ResourceError, match=missing):
+        train(cfg)
+    assert time.time() - started < 10
+
+
+@pytest.mark.slow
+def test_a_two_rank_job_trains_pushes_checkpoints_and_resumes(tmp_path):
+    """The example job with 2 learner ranks: APRIL sync steps, the gathered weights reach the
+    engine (the probe check after every push), a sharded checkpoint, and resume=auto from it."""
+    base = [
+        "job_name=two-ranks",
+        f"output_dir={tmp_path}",
+        "learner.num_ranks=2",
+        "rollout.batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=16",
+        "weights.check_every=1",
+        "checkpoint_every=2",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "logging.progress=false",
+    ]
+    history = train(load_config(None, [*base, "steps=2"]))
+    assert [m["step"] for m in history] == [0, 1]
+    assert all(np.isfinite(m["loss"]) and m["samples"] == 16 for m in history)
+    checkpoint = tmp_path / "checkpoints" / "step_000002"
+    assert (checkpoint / "dcp" / ".metadata").is_file()
+    resumed = train(load_config(None, [*base, "steps=3", "resume=auto"]))
+    assert resumed[-1]["step"] == 2 and resumed[-1]["policy_version"] == 3
