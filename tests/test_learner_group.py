@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_learner import _fill
+from test_security import _WritesMarker
 from transformers import AutoModelForCausalLM
 
 from slime.buffer import TrajectoryStore
@@ -18,8 +20,6 @@ from slime.config import load_config
 from slime.learner import Learner, LearnerGroup, ResourceError, required_resources
 from slime.learner.sharding import CheckpointError, split_rows
 from slime.train import train
-from test_learner import _fill
-from test_security import _WritesMarker
 
 PROMPT = [6, 7, 77, 61, 86]
 
