@@ -155,11 +155,12 @@ class Learner:
         lc = cfg.learner
         self.device = torch.device(lc.device)
         self.rank, self.world_size = rank, world_size
-        if world_size > 1:
-            assert master is not None, "a learner group's ranks need rank 0's address"
-            sharding.init_group(rank, world_size, master, self.device, cfg.rollout.hang_timeout_s)
         # FSDP2 also for one rank with mixed precision: its policy casts to bf16 around fp32 masters.
         self.sharded = world_size > 1 or lc.mixed_precision
+        if self.sharded:
+            assert master is not None or world_size == 1, "a learner group's ranks need rank 0's address"
+            master = master or sharding.free_local_address()
+            sharding.init_group(rank, world_size, master, self.device, cfg.rollout.hang_timeout_s)
         self.policy = load_model(model_dir, "float32" if lc.mixed_precision else cfg.model.dtype, lc.device)
         self.policy.train()
         if lc.activation_checkpointing:
@@ -504,6 +505,32 @@ class Learner:
         self.policy.train()
         return logp.cpu().numpy()
 
+    def memory(self) -> dict[str, float]:
+        """This rank's parameters, gradients and optimizer state in bytes (its shards when sharded),
+        and its process's resident set, now and at its peak (Linux)."""
+        modules = [m for m in (self.policy, self.ref, self.critic) if m is not None]
+        optims = [self.optim] + ([self.critic_optim] if self.critic is not None else [])
+        params = [p for m in modules for p in m.parameters()]
+        out = {
+            "param_bytes": float(sum(sharding.local_bytes(p) for p in params)),
+            "grad_bytes": float(sum(sharding.local_bytes(p.grad) for p in params if p.grad is not None)),
+            "optimizer_bytes": float(
+                sum(
+                    sharding.local_bytes(v)
+                    for o in optims
+                    for st in o.state.values()
+                    for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim()
+                )
+            ),
+        }
+        status = Path("/proc/self/status")
+        if status.exists():
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+            out["rss_bytes"] = float(fields["VmRSS"].split()[0]) * 1024
+            out["peak_rss_bytes"] = float(fields["VmHWM"].split()[0]) * 1024
+        return out
+
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, directory: str) -> None:
         """One rank: the Hugging Face policy directory and the optimizer state. Sharded: every rank
@@ -518,7 +545,12 @@ class Learner:
                 (path / "learner.json").write_text(json.dumps(info))
             return
         self.policy.save_pretrained(path / "policy")
-        state = {"optim": self.optim.state_dict(), "clip": self.clip.state_dict(), "version": self.version}
+        state = {
+            "optim": self.optim.state_dict(),
+            "clip": self.clip.state_dict(),
+            "version": self.version,
+            "rng": torch.get_rng_state(),  # the minibatch order goes on after a resume
+        }
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
             state["critic_optim"] = self.critic_optim.state_dict()
@@ -551,6 +583,8 @@ class Learner:
                     self.critic.load_state_dict(state["critic"])
                     self.critic_optim.load_state_dict(state["critic_optim"])
             del saved
+            if "rng" in state:  # checkpoints from before 2026-12-03 have none
+                torch.set_rng_state(state["rng"])
             self.clip.load_state_dict(state["clip"])
             self.version = int(state["version"])
         if self.rank == 0:
@@ -560,5 +594,5 @@ class Learner:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-        if self.world_size > 1 and torch.distributed.is_initialized():
+        if self.sharded and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,6 +27,13 @@ def init_group(rank: int, world_size: int, master: str, device: torch.device, ti
     dist.init_process_group(
         backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
+
+
+def free_local_address() -> str:
+    """A loopback host:port for a group of one process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def shard(model: torch.nn.Module, mixed_precision: bool) -> None:
@@ -52,6 +60,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of `t` (its shard when sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
 
 
 def clip_grad_norm(parameters, max_norm: float) -> float:
@@ -102,7 +118,8 @@ def _training_state(model, optim, critic, critic_optim) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     policy_sd, optim_sd = get_state_dict(model, optim)
-    state = {"policy": policy_sd, "optim": optim_sd}
+    # The RNG orders the minibatches (rank 0's order is every rank's): a resumed run goes on with it.
+    state = {"policy": policy_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
     if critic is not None:
         state["critic"], state["critic_optim"] = get_state_dict(critic, critic_optim)
     return state
@@ -144,6 +161,7 @@ def load_sharded(directory: Path, model, optim, critic=None, critic_optim=None) 
     reader = _MetadataCheckedReader(str(path))
     _checkpoint_call("cannot load", path, lambda: dcp.load(state, checkpoint_id=str(path), storage_reader=reader))
     set_state_dict(model, optim, model_state_dict=state["policy"], optim_state_dict=state["optim"])
+    torch.set_rng_state(state["rng"])
     if critic is not None and "critic" in state:
         set_state_dict(critic, critic_optim, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
 
