@@ -159,8 +159,13 @@ def test_checkpoints_move_between_rank_counts(tiny_model_dir, redis_url, tmp_pat
         (["learner.num_ranks=3", "learner.cpus_per_rank=1", "cluster.num_cpus=2"], "CPU: needs 3"),
     ],
 )
-def test_a_learner_that_does_not_fit_fails_at_once_naming_the_resource(tmp_path, overrides, missing):
-    cfg = load_config(None, ["job_name=too-big", f"output_dir={tmp_path}", "steps=1", *overrides])
+def test_a_learner_that_does_not_fit_fails_at_once_naming_the_resource(
+    tiny_model_dir, redis_url, tmp_path, overrides, missing
+):
+    """Before Redis, the model or Ray start when the job starts its own Ray (this machine's CPUs and
+    GPUs); once connected when a Ray runs already (this session's, when another test started it)."""
+    common = [f"model.path={tiny_model_dir}", f"buffer.url={redis_url}", "steps=1"]
+    cfg = load_config(None, ["job_name=too-big", f"output_dir={tmp_path}", *common, *overrides])
     assert required_resources(cfg)
     started = time.time()
     with pytest.raises(ResourceError, match=missing):
@@ -169,12 +174,14 @@ def test_a_learner_that_does_not_fit_fails_at_once_naming_the_resource(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_two_rank_job_trains_pushes_checkpoints_and_resumes(tmp_path):
+def test_a_two_rank_job_trains_pushes_checkpoints_and_resumes(ray_session, tiny_model_dir, redis_url, tmp_path):
     """The example job with 2 learner ranks: APRIL sync steps, the gathered weights reach the
     engine (the probe check after every push), a sharded checkpoint, and resume=auto from it."""
     base = [
         "job_name=two-ranks",
         f"output_dir={tmp_path}",
+        f"model.path={tiny_model_dir}",
+        f"buffer.url={redis_url}",
         "learner.num_ranks=2",
         "rollout.batch_size=4",
         "rollout.n_samples_per_prompt=4",
