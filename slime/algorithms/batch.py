@@ -80,7 +80,8 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
         response_ids[i, :r] = input_ids[i, p : p + r]
         if s.status != Status.FAILED:
             mask[i, :r] = torch.from_numpy(s.loss_mask.astype(np.float32))
-        behaviour[i, :r] = torch.from_numpy(s.logprobs)
+        # astype copies: arrays that came through Ray's object store are read-only.
+        behaviour[i, :r] = torch.from_numpy(s.logprobs.astype(np.float32))
         versions[i, :r] = torch.from_numpy(s.versions.astype(np.int64))
         scores[i] = float(s.reward) if s.reward is not None else 0.0
         if s.token_rewards is not None:
