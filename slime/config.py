@@ -253,6 +253,11 @@ class LearnerConfig(_Strict):
         "(FSDP2's MixedPrecisionPolicy; the model loads in float32). For GPUs.",
     )
     activation_checkpointing: bool = Field(False, description="Recompute each layer's activations in backward.")
+    routing_replay: bool = Field(
+        False,
+        description="MoE routing replay (R3): the built-in engine records each token's experts, and the learner's "
+        "policy forwards route those tokens through them (slime/engines/routing.py).",
+    )
     cpus_per_rank: float = Field(
         0.0, ge=0, description="Ray CPUs each learner rank reserves (0 keeps a 2-core box schedulable)."
     )
@@ -468,6 +473,10 @@ class JobConfig(_Strict):
             raise ValueError(
                 f"rollout.n_samples_per_prompt must be >= 2 for algorithm.name={self.algorithm.name} "
                 "(its advantages compare the responses to one prompt; with 1 they are all 0)"
+            )
+        if self.learner.routing_replay and self.rollout.engine != "builtin":
+            raise ValueError(
+                f"learner.routing_replay needs rollout.engine=builtin (it records the experts); got {self.rollout.engine}"
             )
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("max_staleness must be >= 1 when mode=async (0 would make the loop synchronous)")

@@ -66,6 +66,9 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
+    # Routing replay: per response token, the experts each MoE layer chose at the position that
+    # sampled it [T, layers * top_k] (255: none recorded); None when the engine recorded none.
+    routing: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=TOKEN_DTYPE)
@@ -80,6 +83,8 @@ class Sample:
                 f"sample {self.id}: per-token arrays differ in length: response_ids={n}, "
                 f"logprobs={len(self.logprobs)}, versions={len(self.versions)}, loss_mask={len(self.loss_mask)}"
             )
+        if self.routing is not None and len(self.routing) != n:
+            raise ChunkLengthError(f"sample {self.id}: routing has {len(self.routing)} rows for {n} response tokens")
 
     def append(
         self,
@@ -94,6 +99,8 @@ class Sample:
         self.logprobs = np.concatenate([self.logprobs, lps])
         self.versions = np.concatenate([self.versions, vers])
         self.loss_mask = np.concatenate([self.loss_mask, mask])
+        if self.routing is not None:  # tokens appended here carry no recorded experts
+            self.routing = np.concatenate([self.routing, np.full((len(tokens), self.routing.shape[1]), 255, np.uint8)])
         self.updated_at = time.time()
 
     @property

@@ -34,6 +34,7 @@ class Batch:
     # reward, e.g. a PRM's aggregate, is for GRPO and the metrics), so nothing is counted twice.
     token_reward_rows: torch.Tensor | None = None
     max_new_tokens: torch.Tensor | None = None  # [N] each sample's budget L_max (overlong shaping, Dr. GRPO)
+    routing: torch.Tensor | None = None  # [N, T, layers * top_k] uint8 recorded experts (255: none)
 
     def rows(self, idx: torch.Tensor) -> Batch:
         """The rows `idx`, cut to their own widths (no compute on other rows' padding)."""
@@ -46,7 +47,7 @@ class Batch:
             t = t[idx]
             if name in ("input_ids", "attention_mask"):
                 return t[:, :width]
-            return t[:, :t_len] if t.dim() == 2 else t
+            return t[:, :t_len] if t.dim() >= 2 else t
 
         sub = Batch(**{k: pick(k, v) for k, v in self.__dict__.items()})
         sub.response_pos = sub.response_pos.clamp(max=width - 1)
@@ -70,6 +71,10 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
     scores = torch.zeros(n)
     token_rewards = None
     token_reward_rows = torch.zeros(n, dtype=torch.bool)
+    widths = {s.routing.shape[1] for s in samples if s.routing is not None}
+    if len(widths) > 1:
+        raise ValueError(f"routing replay: samples recorded {sorted(widths)} bytes of experts per token")
+    routing = torch.full((n, t_max, widths.pop()), 255, dtype=torch.uint8) if widths else None
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), s.response_length
         input_ids[i, :p] = torch.from_numpy(s.prompt_ids.astype(np.int64))
@@ -83,6 +88,8 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
         # astype copies: arrays that came through Ray's object store are read-only.
         behaviour[i, :r] = torch.from_numpy(s.logprobs.astype(np.float32))
         versions[i, :r] = torch.from_numpy(s.versions.astype(np.int64))
+        if routing is not None and s.routing is not None:
+            routing[i, :r] = torch.from_numpy(s.routing.copy())
         scores[i] = float(s.reward) if s.reward is not None else 0.0
         if s.token_rewards is not None:
             if token_rewards is None:
@@ -105,6 +112,7 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
         response_len=torch.tensor([s.response_length for s in samples]),
         token_reward_rows=token_reward_rows if token_rewards is not None else None,
         max_new_tokens=torch.tensor([s.max_new_tokens for s in samples]),
+        routing=routing,
     )
 
 

@@ -32,12 +32,13 @@ def load_samples(connection: JobConnection, sample_ids: Sequence[str]) -> list[S
         pipe.get(key + ":lp")
         pipe.get(key + ":ver")
         pipe.get(key + ":mask")
+        pipe.get(key + ":route")
     replies = pipe.execute()
     samples = []
     for i, sid in enumerate(sample_ids):
-        fields, tok, lp, ver, mask = replies[5 * i : 5 * i + 5]
+        fields, tok, lp, ver, mask, route = replies[6 * i : 6 * i + 6]
         if fields:
-            samples.append(decode_sample(sid, fields, tok, lp, ver, mask))
+            samples.append(decode_sample(sid, fields, tok, lp, ver, mask, route))
     return samples
 
 
@@ -88,6 +89,7 @@ def decode_sample(
     lp: bytes | None,
     ver: bytes | None,
     mask: bytes | None,
+    route: bytes | None = None,
 ) -> Sample:
     fields = {name.decode(): value for name, value in raw_fields.items()}
     token_rewards = fields.get("token_rewards")
@@ -103,6 +105,8 @@ def decode_sample(
         logprobs=_array(lp, WIRE_LOGPROB, LOGPROB_DTYPE),
         versions=_array(ver, WIRE_VERSION, VERSION_DTYPE),
         loss_mask=_array(mask, WIRE_MASK, MASK_DTYPE),
+        # routing replay: [tokens, layers * top_k] expert ids (255: none recorded)
+        routing=np.frombuffer(route, dtype=np.uint8).reshape(len(tok) // 4, -1).copy() if route and tok else None,
         status=Status(fields["status"].decode()),
         reward=float(reward) if reward is not None else None,
         token_rewards=_array(token_rewards, WIRE_LOGPROB, np.float32) if token_rewards is not None else None,

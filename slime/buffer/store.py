@@ -71,7 +71,12 @@ class ChunksLostError(RuntimeError):
 
 
 # One chunk for `append_chunks`: sample id, token ids, logprobs, versions, stored length (or None).
-ChunkWrite = tuple[str, Sequence[int], Sequence[float], Sequence[int], int | None]
+# sample id, token ids, logprobs, versions, stored length (or None), and optionally the tokens'
+# recorded experts (routing replay: layers x top_k bytes per token, or None)
+ChunkWrite = (
+    tuple[str, Sequence[int], Sequence[float], Sequence[int], int | None]
+    | tuple[str, Sequence[int], Sequence[float], Sequence[int], int | None, bytes | None]
+)
 
 
 def _float_text(value: float) -> str:
@@ -165,19 +170,26 @@ class TrajectoryStore:
         version: int | np.ndarray | Sequence[int],
         loss_mask: int | np.ndarray | Sequence[int] = 1,
         stored_length: int | None = None,
+        routing: bytes | None = None,
     ) -> int:
         """Append one chunk to the four per-token arrays and refresh the lease. Returns the new length.
         ``stored_length``: the length the caller knows is stored; a shorter stored trajectory raises
         ChunksLostError instead of appending after a gap, and a resend of a chunk already applied
-        (its reply lost to a Redis restart) changes nothing. Without it neither is checked."""
+        (its reply lost to a Redis restart) changes nothing. Without it neither is checked.
+        ``routing``: the tokens' recorded experts, the same number of bytes per token (routing
+        replay); a trajectory's tokens without any (an environment's) read as none recorded."""
         tokens, lps, versions, mask = normalize_chunk(token_ids, logprobs, version, loss_mask)
-        args = self._append_args(sample_id, worker_id, tokens, lps, versions, mask, stored_length)
+        args = self._append_args(sample_id, worker_id, tokens, lps, versions, mask, stored_length, routing)
         code, detail = self._append(args=args)
         self._raise_for(code, detail, sample_id, worker_id)
         return int(detail)
 
-    def _append_args(self, sample_id: str, worker_id: str, tokens, lps, versions, mask, stored_length) -> list:
+    def _append_args(
+        self, sample_id: str, worker_id: str, tokens, lps, versions, mask, stored_length, routing=None
+    ) -> list:
         """The append script's arguments: the four per-token arrays in their wire dtypes."""
+        if routing is not None and (len(tokens) == 0 or len(routing) % len(tokens)):
+            raise ValueError(f"routing: {len(routing)} bytes do not divide into {len(tokens)} tokens")
         return [
             self.prefix,
             sample_id,
@@ -188,6 +200,7 @@ class TrajectoryStore:
             versions.astype(WIRE_VERSION).tobytes(),
             mask.astype(WIRE_MASK).tobytes(),
             "" if stored_length is None else int(stored_length),
+            routing or b"",
         ]
 
     def append_chunks(self, worker_id: str, chunks: Sequence[ChunkWrite]) -> list[int | Exception]:
@@ -200,9 +213,10 @@ class TrajectoryStore:
         """`append_chunks`, sent now; its replies are read by ``.wait()``. The rollout thread runs an
         engine step in between, while Redis executes the scripts (on another core)."""
         calls = []
-        for sample_id, token_ids, logprobs, versions, stored_length in chunks:
+        for sample_id, token_ids, logprobs, versions, stored_length, *routing in chunks:
             tokens, lps, vers, mask = normalize_chunk(token_ids, logprobs, versions, 1)
-            calls.append(self._append_args(sample_id, worker_id, tokens, lps, vers, mask, stored_length))
+            route = routing[0] if routing else None
+            calls.append(self._append_args(sample_id, worker_id, tokens, lps, vers, mask, stored_length, route))
         return PendingReplies(self, self._append, calls, int)
 
     def renew_leases(self, worker_id: str, sample_ids: Sequence[str]) -> list[str]:

@@ -63,6 +63,7 @@ from slime.engines.contract import (
 from slime.engines.fast_decoder import FastDecoder
 from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
 from slime.engines.hf_batch import HfBatch
+from slime.engines.routing import RoutingRecorder
 from slime.model import load_model
 
 __all__ = ["BuiltinEngine"]
@@ -96,6 +97,7 @@ class BuiltinEngine:
         max_seq_len: int | None = None,
         fast_path: bool | Literal["generic"] | None = None,
         kept_kv_tokens: int = 0,
+        record_routing: bool = False,
     ):
         """``fast_path``: None uses the fast forward when the model fits it (checked against the
         model's own logits), False always uses the Hugging Face forward, True requires the fast one,
@@ -106,7 +108,10 @@ class BuiltinEngine:
         with exactly the tokens it had (prompt + response), it rejoins the batch from that cache
         instead of a prefill. A weight update does not drop kept caches: like a request running
         through an update, the resumed one attends over keys/values of the older weights (its new
-        tokens carry the new version and their true behaviour logprobs). 0 turns it off."""
+        tokens carry the new version and their true behaviour logprobs). 0 turns it off.
+
+        ``record_routing`` (routing replay, engines/routing.py): each chunk carries, per token, the
+        experts every MoE layer chose at the position that sampled it. Needs the fast path."""
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.device = torch.device(device)
@@ -148,6 +153,13 @@ class BuiltinEngine:
             if fast_path:
                 raise ValueError(f"fast_path=True: {type(model).__name__} does not fit the fast forward (see the log)")
             self._batch = HfBatch(self.model, self._decode_mask_4d)
+        if record_routing:
+            if not isinstance(self._batch, FastDecoder):
+                raise ValueError(
+                    f"routing replay records the experts on the engine's fast path; {type(model).__name__} "
+                    "runs on the Hugging Face path here (see the log for why)"
+                )
+            self._batch.routing_recorder = RoutingRecorder(self.model)
         # Per-row state of the running rows, aligned with self._running (and the batch's rows).
         self._pos: torch.Tensor | None = None  # [B] position of the next input token
         self._last: torch.Tensor | None = None  # [B] last sampled token (next decode input)
@@ -183,6 +195,7 @@ class BuiltinEngine:
             seed=cfg.seed + 1000 * index,  # reproducible across runs (worker_id carries a run nonce)
             version=version,
             kept_kv_tokens=cfg.rollout.kept_kv_tokens,
+            record_routing=cfg.learner.routing_replay,
         )
 
     # ------------------------------------------------------------------ public API
@@ -308,10 +321,13 @@ class BuiltinEngine:
                 merged[c.request_id] = GenerationChunk(
                     c.request_id, list(c.token_ids), list(c.logprobs), c.version, c.finished, c.finish_reason
                 )
+                merged[c.request_id].routing = list(c.routing) if c.routing is not None else None
             else:
                 m.token_ids += c.token_ids
                 m.logprobs += c.logprobs
                 m.version, m.finished, m.finish_reason = c.version, c.finished, c.finish_reason
+                if m.routing is not None and c.routing is not None:
+                    m.routing += c.routing
         return merged
 
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -485,12 +501,13 @@ class BuiltinEngine:
             any_top_p=self._any_top_p,
         )
         self._last = tok
-        keep = self._record(self._running, tok, lp, chunks)
+        keep = self._record(self._running, tok, lp, chunks, getattr(self._batch, "step_routing", None))
         if len(keep) != len(self._running):
             self._keep_rows(keep)
 
-    def _record(self, seqs: list[_Seq], tok: torch.Tensor, lp: torch.Tensor, chunks) -> list[int]:
-        """Append one sampled token per row to the step's chunks; return the rows still running."""
+    def _record(self, seqs: list[_Seq], tok: torch.Tensor, lp: torch.Tensor, chunks, routing=None) -> list[int]:
+        """Append one sampled token per row to the step's chunks; return the rows still running.
+        ``routing`` [rows, layers * top_k] uint8: each row's recorded experts (routing replay)."""
         # One device->host transfer for both (token ids < 2**53 are exact in float64).
         host = torch.stack([tok.double(), lp.double()]).cpu().tolist()
         version = self._version
@@ -508,13 +525,17 @@ class BuiltinEngine:
                 keep.append(i)
             c = chunks.get(s.request_id)
             if c is None:
-                chunks[s.request_id] = GenerationChunk(
+                c = chunks[s.request_id] = GenerationChunk(
                     s.request_id, [t], [logprob], version, reason is not None, reason
                 )
+                if routing is not None:
+                    c.routing = []
             else:
                 c.token_ids.append(t)
                 c.logprobs.append(logprob)
                 c.finished, c.finish_reason = reason is not None, reason
+            if routing is not None:
+                c.routing.append(routing[i].tobytes())
             if reason is not None:
                 self._ids.discard(s.request_id)
         self._tokens_generated += len(seqs)

@@ -60,6 +60,8 @@ class GenerationChunk:
     version: int
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
+    # Routing replay (engines/routing.py): per token, layers x top_k expert ids; None when not recorded.
+    routing: list[bytes] | None = None
 
 
 # Bounds every engine enforces on a request (validate_sampling): values far outside them are

@@ -199,6 +199,8 @@ class FastDecoder:
             or (self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0))
         )
         self._init_cache([(self.num_kv_heads, self.head_dim, self.head_dim)] * len(self.layers))
+        self.routing_recorder = None  # routing replay: set by the engine (engines/routing.py)
+        self.step_routing = None  # [rows, layers * top_k] uint8 after each forward, when recording
 
     def _init_cache(self, kv_shapes: list[tuple[int, int, int]]) -> None:
         """``kv_shapes``: per layer (kv heads, key head dim, value head dim)."""
@@ -325,7 +327,11 @@ class FastDecoder:
         next-token logits of every row fed: [decoded rows + new rows, V].
         """
         step = self._plan(last_tokens, groups)
+        if self.routing_recorder is not None:
+            self.routing_recorder.start()
         logits = self._compute(step)
+        # Routing replay: each row's experts at the position that gives its next token.
+        self.step_routing = self.routing_recorder.rows(step.last) if self.routing_recorder is not None else None
         if step.b:
             self.lens = self.lens + 1
         self.lens = np.concatenate([self.lens, np.array(step.ctx_lens, dtype=np.int64)])

@@ -128,6 +128,8 @@ class GenericDecoder(FastDecoder):
         self.layer_slot = {i: i for i in range(len(kv_shapes))}
         self._logits_to_keep = True
         self._init_cache(kv_shapes)
+        self.routing_recorder = None  # routing replay (see FastDecoder)
+        self.step_routing = None
 
     def _compute(self, step: StepLayout) -> torch.Tensor:
         _active.run = (self, step)

@@ -10,6 +10,7 @@ minibatch, so N ranks take the optimizer step one rank would on the same batch."
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -27,6 +28,7 @@ from slime.algorithms.mismatch import MismatchMeter
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.buffer import JobConnection, TrajectoryStore
 from slime.config import JobConfig
+from slime.engines.routing import replay_misfit, replayed_routing
 from slime.learner import sharding
 from slime.model import load_model
 from slime.sample import Sample, Status, failure_key
@@ -35,11 +37,23 @@ from slime.weights import WeightHandle, make_transport
 
 
 def response_logprobs(
-    model: torch.nn.Module, batch: Batch, temperature: float, with_entropy: bool = False, with_aux: bool = False
+    model: torch.nn.Module,
+    batch: Batch,
+    temperature: float,
+    with_entropy: bool = False,
+    with_aux: bool = False,
+    replay: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """log π(a_t|s_t) of each response token under `temperature` (as the engine samples), [N, T]."""
+    """log π(a_t|s_t) of each response token under `temperature` (as the engine samples), [N, T].
+    replay: the response tokens go through the experts the engine recorded (routing replay)."""
     kwargs = {"output_router_logits": True} if with_aux else {}
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kwargs)
+    replaying = (
+        replayed_routing(model, batch.routing, batch.response_pos, batch.input_ids.shape[1])
+        if replay and batch.routing is not None
+        else contextlib.nullcontext()
+    )
+    with replaying:
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kwargs)
     vocab = out.logits.shape[-1]
     logits = out.logits.gather(1, batch.response_pos[..., None].expand(-1, -1, vocab)) / temperature
     logp_all = torch.log_softmax(logits.float(), dim=-1)
@@ -166,6 +180,9 @@ class Learner:
         if lc.activation_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.is_moe = hasattr(self.policy.config, "num_experts") or hasattr(self.policy.config, "num_local_experts")
+        self.replay = lc.routing_replay
+        if self.replay and (misfit := replay_misfit(self.policy)):
+            raise ValueError(f"learner.routing_replay: {misfit}")
         self.pad_id = self.policy.config.pad_token_id or 0
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         needs_ref = self.algo_cfg.kl_coef > 0 or any(s.coef > 0 for s in self.algo_cfg.kl_schedule)
@@ -309,7 +326,9 @@ class Learner:
                 # V(s_end) where the trajectory goes on; 0 where it ended (a terminal state).
                 bootstrap = torch.where(torch.tensor(unfinished, device=self.device), last_values, 0.0)
         if lc.recompute_old_logprobs or lc.ppo_epochs * lc.num_minibatches > 1 or self.algorithm.correction.batch_level:
-            old_logp = self._per_row(batch, lambda sub: response_logprobs(self.policy, sub, self.temperature)[0])
+            old_logp = self._per_row(
+                batch, lambda sub: response_logprobs(self.policy, sub, self.temperature, replay=self.replay)[0]
+            )
         return self.algorithm.prepare(
             batch,
             kl_coef=kl_coef,
@@ -348,7 +367,7 @@ class Learner:
     def _empty_pass(self, sub: Batch, with_aux: bool) -> None:
         """A forward and backward that adds nothing to any gradient: a rank with fewer micro-batches
         than the others still joins every collective of theirs."""
-        logp, _, aux = response_logprobs(self.policy, sub, self.temperature, with_aux=with_aux)
+        logp, _, aux = response_logprobs(self.policy, sub, self.temperature, with_aux=with_aux, replay=self.replay)
         loss = logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)
         if self.critic is not None:
             loss = loss + self.critic(sub).sum() * 0.0
@@ -394,7 +413,7 @@ class Learner:
                             self._empty_pass(sub, with_aux)
                         continue
                     logp, entropy, aux = response_logprobs(
-                        self.policy, sub, self.temperature, with_entropy=True, with_aux=with_aux
+                        self.policy, sub, self.temperature, with_entropy=True, with_aux=with_aux, replay=self.replay
                     )
                     values = self.critic(sub) if self.critic is not None else None
                     loss, st = self.algorithm.loss(

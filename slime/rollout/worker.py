@@ -47,13 +47,14 @@ from slime.weights import WeightHandle, make_transport
 class _Pending:
     """Tokens produced by the engine and not yet written to the buffer, for one trajectory."""
 
-    __slots__ = ("sample", "tokens", "logprobs", "versions", "sent")
+    __slots__ = ("sample", "tokens", "logprobs", "versions", "routing", "sent")
 
     def __init__(self, sample: Sample):
         self.sample = sample
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.routing: list[bytes] = []  # routing replay: each token's recorded experts
         self.sent = sample.response_length  # response tokens stored or on their way to the buffer
 
     def chunk_due(self, chunk_tokens: int) -> bool:
@@ -263,6 +264,8 @@ class RolloutWorker:
             p.tokens.extend(chunk.token_ids)
             p.logprobs.extend(chunk.logprobs)
             p.versions.extend([chunk.version] * len(chunk.token_ids))
+            if chunk.routing is not None:
+                p.routing.extend(chunk.routing)
             self.generated_tokens += len(chunk.token_ids)
             if (chunk.finished or p.chunk_due(self.cfg.rollout.chunk_tokens)) and p.tokens:
                 to_flush.append(p)
@@ -270,11 +273,13 @@ class RolloutWorker:
                 finished.append((p, chunk.finish_reason))
         if to_flush or finished:
             sent = [(p, p.tokens, p.logprobs, p.versions) for p in to_flush]
+            routing = [b"".join(p.routing) if p.routing else None for p in to_flush]
             for p in to_flush:
                 p.sent += len(p.tokens)
-                p.tokens, p.logprobs, p.versions = [], [], []
+                p.tokens, p.logprobs, p.versions, p.routing = [], [], [], []
             replies = self.buffer.send_append_chunks(
-                self.worker_id, [(p.sample.id, t, lp, v, p.sample.response_length) for p, t, lp, v in sent]
+                self.worker_id,
+                [(p.sample.id, t, lp, v, p.sample.response_length, r) for (p, t, lp, v), r in zip(sent, routing)],
             )
             self.unsettled = _SentChunks(sent, finished, replies)
             if self.chunk_sampler is not None:

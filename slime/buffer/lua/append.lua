@@ -1,4 +1,5 @@
--- ARGV: prefix, sid, worker, lease_seconds, tok, lp, ver, mask, stored_length ('' = unchecked)
+-- ARGV: prefix, sid, worker, lease_seconds, tok, lp, ver, mask, stored_length ('' = unchecked),
+-- route (routing replay: the same number of bytes per token; '' = none recorded)
 local sid, worker = ARGV[2], ARGV[3]
 local skey = P .. 'sample:' .. sid
 if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
@@ -27,7 +28,20 @@ if expected and expected ~= len_mask then
   if len_mask < expected then redis.call('HINCRBYFLOAT', P .. 'stats', 'lost_chunk_tokens', expected - len_mask) end
   return {-6, len_mask .. ':' .. expected}
 end
+-- Routing replay: ':route' keeps `width` bytes per stored token once any chunk brought some; tokens
+-- without a record (an environment's, or stored before the first record) read 255 (none).
+local route = ARGV[10] or ''
+local have = redis.call('STRLEN', skey .. ':route')
+local width = 0
+if #route > 0 then width = #route / n elseif have > 0 then width = have / len_mask end
+if width ~= math.floor(width) or (have > 0 and have ~= width * len_mask) then
+  return {-2, string.format('routing bytes route=%d stored=%d for %d+%d tokens', #route, have, len_mask, n)}
+end
 if n > 0 then
+  if width > 0 then
+    if have == 0 and len_mask > 0 then redis.call('APPEND', skey .. ':route', string.rep('\255', width * len_mask)) end
+    redis.call('APPEND', skey .. ':route', #route > 0 and route or string.rep('\255', width * n))
+  end
   redis.call('APPEND', skey .. ':tok', tok)
   redis.call('APPEND', skey .. ':lp', lp)
   redis.call('APPEND', skey .. ':ver', ver)
