@@ -12,6 +12,8 @@ The policies, with B = batch size (groups per step):
   async      keep the in-flight target, but start group k only if it will be trained within
              `max_staleness` versions of the version the engines hold now: group k is trained at
              step k // B, so at most (version + 1 + max_staleness) * B groups may ever have started.
+             The learner claims async groups in the order they started (the buffer's
+             claim_in_order.lua), which is what makes "group k is trained at step k // B" true.
   streaming  (GLM-5's variant) keep the in-flight target of unfinished plus ready groups.
 """
 

@@ -105,8 +105,12 @@ class RolloutFleet:
             checked = self.filter_ready_groups() if self.cfg.april.filter_zero_variance else None
             counts = self.buffer.counts()
             # With the filter, only groups it has seen count: one that turned ready after its pass
-            # would reach the learner (FIFO claims) unchecked.
-            if self.scheduler.batch_full(counts["groups_ready"] if checked is None else checked):
+            # would reach the learner (FIFO claims) unchecked. Async trains in start order (the
+            # staleness bound's premise): the batch is full when the oldest waiting groups are ready.
+            ready = counts["groups_ready"] if checked is None else checked
+            if self.scheduler.policy == "async":
+                ready = min(ready, self.buffer.ready_in_start_order(needed))
+            if self.scheduler.batch_full(ready):
                 return
             self.schedule_groups()  # refill as groups finish or are filtered, one group at a time
             self._between_polls(counts, needed, on_wait)

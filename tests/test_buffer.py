@@ -452,3 +452,33 @@ def test_every_lua_script_compiles(buffer: TrajectoryStore) -> None:
     for script in scripts:
         assert buffer.redis.script_load(script.script) == script.sha
     assert "local function member_done" in lua_source("transitions.lua")
+
+
+def test_async_claims_train_groups_in_the_order_they_started(buffer: TrajectoryStore) -> None:
+    """A group that finishes early does not overtake an older one still generating: the async
+    admission's staleness bound assumes group k is trained at step k // B."""
+    gids = []
+    for _ in range(4):
+        gids.append(buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={}))
+        time.sleep(0.002)  # distinct start times
+    sids = {s.group_id: s.id for s in buffer.lease("w", 4)}
+
+    def finish(gid: str) -> None:
+        buffer.append_chunk(sids[gid], "w", [1], [-0.1], 0)
+        buffer.finish(sids[gid], "w", Status.COMPLETED, reward=1.0)
+
+    finish(gids[1])
+    finish(gids[2])
+    assert buffer.ready_in_start_order(2) == 0  # the oldest is still generating
+    assert buffer.claim_groups(2, 0, in_start_order=True) == []
+    finish(gids[0])
+    assert buffer.ready_in_start_order(2) == 2
+    assert [g[0].group_id for g in buffer.claim_groups(2, 0, in_start_order=True)] == gids[:2]
+    # The claim left the ready queue too: a FIFO claim does not find them again.
+    assert buffer.ready_group_ids() == [gids[2]]
+    buffer.requeue_uncommitted()  # a restart: the claimed groups wait again, from the start of the line
+    assert [g[0].group_id for g in buffer.claim_groups(1, 1, in_start_order=True)] == gids[:1]
+    buffer.commit_step(1)
+    assert buffer.drop_ready_group(gids[1], "zero_variance")  # a dropped group is skipped
+    assert buffer.ready_in_start_order(2) == 1  # gids[2] ready, gids[3] still open
+    assert [g[0].group_id for g in buffer.claim_groups(2, 2, in_start_order=True)] == [gids[2]]

@@ -124,40 +124,6 @@ def test_the_buffer_keeps_each_tokens_experts_beside_it(buffer: TrajectoryStore)
         buffer.append_chunk(sid, "w", [14, 15], [-0.1, -0.2], 0, routing=bytes([1, 2, 3]))
 
 
-@pytest.mark.slow
-def test_a_job_with_routing_replay_records_stores_and_replays(ray_session, tiny_model_dir, redis_url, tmp_path):
-    from slime.train import train
-
-    history = train(
-        load_config(
-            None,
-            [
-                "job_name=replay",
-                f"output_dir={tmp_path}",
-                f"model.path={tiny_model_dir}",
-                f"buffer.url={redis_url}",
-                "learner.routing_replay=true",
-                "steps=2",
-                "rollout.batch_size=3",
-                "rollout.n_samples_per_prompt=3",
-                "rollout.max_new_tokens=24",
-                "logging.progress=false",
-                "weights.check_every=1",
-            ],
-        )
-    )
-    assert [h["step"] for h in history] == [0, 1]
-    # On-policy tokens, the engine's experts: the learner's logprobs are the engine's.
-    assert all(h["mismatch_fresh_logp_abs_diff"] < 1e-3 for h in history)
-    buffer = TrajectoryStore.open(redis_url, "replay")
-    trained = [gid.decode() for gid in buffer.redis.zrange(buffer._key("trained"), 0, -1)]
-    assert len(trained) == 6
-    for s in (s for gid in trained for s in buffer.get_group(gid)):
-        assert s.routing is not None and s.routing.shape == (s.response_length, 8)
-        assert (s.routing < 8).all()  # every token recorded: 8 experts, none missing
-    buffer.delete_job()
-
-
 def test_a_learner_with_routing_replay_trains_on_recorded_experts(tiny_model_dir, redis_url, tmp_path):
     model = load_model(tiny_model_dir, "float32", "cpu")
     out = _generate(model)

@@ -29,6 +29,8 @@ def _lines(path: Path) -> list[dict]:
 
 
 def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, redis_url, tmp_path):
+    """Also with MoE routing replay: every trained token's experts recorded by the engine, stored,
+    and replayed by the learner (tests/test_routing_replay.py has the parts)."""
     job = "e2e-sync"
     common = [
         f"job_name={job}",
@@ -36,6 +38,7 @@ def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, r
         f"model.path={tiny_model_dir}",
         f"buffer.url={redis_url}",
         *SMALL,
+        "learner.routing_replay=true",
     ]
     history = train(load_config(None, [*common, "steps=2", "checkpoint_every=1"]))
     assert [h["step"] for h in history] == [0, 1]
@@ -52,9 +55,15 @@ def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, r
     assert [h["step"] for h in history] == [0, 1, 2]  # the series goes on: the plot shows the whole run
     assert history[-1]["policy_version"] == 3
     assert [r["step"] for r in _lines(tmp_path / "metrics.jsonl")] == [0, 1, 2]
-    counts = TrajectoryStore.open(redis_url, job).counts()
-    assert counts["groups_trained"] == 9  # 3 steps x 3 groups, each trained exactly once
-    TrajectoryStore.open(redis_url, job).delete_job()
+    buffer = TrajectoryStore.open(redis_url, job)
+    assert buffer.counts()["groups_trained"] == 9  # 3 steps x 3 groups, each trained exactly once
+    for gid in buffer.redis.zrange(buffer._key("trained"), 0, -1):
+        for s in buffer.get_group(gid.decode()):
+            # 4 MoE layers x top-2 experts per token, each one recorded (255: none)
+            assert s.routing is not None and s.routing.shape == (s.response_length, 8) and (s.routing < 8).all()
+    # On-policy tokens through the engine's own experts: the learner's logprobs are the engine's.
+    assert all(h["mismatch_fresh_logp_abs_diff"] < 1e-3 for h in history)
+    buffer.delete_job()
 
 
 @pytest.mark.parametrize("april", [False, True])

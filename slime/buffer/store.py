@@ -103,6 +103,9 @@ class TrajectoryStore:
         self._release = connection.once_script("transitions.lua", "release.lua")
         self._reap = connection.once_script("transitions.lua", "reap.lua")
         self._claim = connection.once_script("claim.lua")
+        self._claim_in_order = connection.once_script("claim_in_order.lua")
+        # The dry run only reads (and moves a cursor): polled often, so no reply is stored.
+        self._count_in_order = connection.once_script("claim_in_order.lua", stores_reply=False)
         self._commit = connection.once_script("commit.lua")
         self._commit_through = connection.once_script("commit_through.lua")
         self._requeue = connection.once_script("requeue.lua")
@@ -310,12 +313,22 @@ class TrajectoryStore:
         """Requeue (ABORTED, tokens kept, front of resume) every sample whose lease expired."""
         return [sid.decode() for sid in self._reap(args=[self.prefix])]
 
-    def claim_groups(self, max_groups: int, step: int) -> list[list[Sample]]:
-        """Pop up to max_groups complete groups for training `step`; each group's samples by index."""
+    def claim_groups(self, max_groups: int, step: int, in_start_order: bool = False) -> list[list[Sample]]:
+        """Pop up to max_groups complete groups for training `step`; each group's samples by index.
+        In the order they became ready; with ``in_start_order`` (async), the ready groups at the head
+        of the line of groups waiting for training, oldest started first (claim_in_order.lua)."""
         if max_groups <= 0:
             return []
-        group_ids = [gid.decode() for gid in self._claim(args=[self.prefix, int(max_groups), int(step)])]
-        return [self.get_group(gid) for gid in group_ids]
+        if in_start_order:
+            claimed = self._claim_in_order(args=[self.prefix, int(max_groups), int(step), ""])
+        else:
+            claimed = self._claim(args=[self.prefix, int(max_groups), int(step)])
+        return [self.get_group(gid.decode()) for gid in claimed]
+
+    def ready_in_start_order(self, max_groups: int) -> int:
+        """How many of the oldest groups waiting for training are ready, in a row (at most max_groups):
+        what an in-order claim would take now."""
+        return int(self._count_in_order(args=[self.prefix, int(max_groups), 0, "1"]))
 
     def commit_step(self, step: int) -> int:
         """Mark the groups claimed by `step` as trained. Returns how many."""

@@ -233,7 +233,8 @@ class Learner:
     def claim_groups(self, step: int, num_groups: int, max_staleness: int | None = None) -> dict:
         """Rank 0: the step's groups from the buffer, those beyond max_staleness dropped (and counted)."""
         started = time.time()
-        groups = self.buffer.claim_groups(num_groups, step)
+        # Async (a staleness bound): in start order, the order the admission control counted on.
+        groups = self.buffer.claim_groups(num_groups, step, in_start_order=max_staleness is not None)
         kept, dropped_stale, wasted_tokens = [], 0, 0
         for g in groups:
             versions = [s.min_version for s in g if s.min_version is not None]

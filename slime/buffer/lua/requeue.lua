@@ -10,4 +10,6 @@ for i = #gids, 1, -1 do
   redis.call('HDEL', P .. 'group:' .. gid, 'claimed_step')
   redis.call('LPUSH', P .. 'queue:ready', gid)
 end
+-- They wait for training again: the in-order claim (claim_in_order.lua) looks from the start.
+if #gids > 0 then redis.call('DEL', P .. 'claim_cursor') end
 return #gids
