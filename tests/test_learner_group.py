@@ -199,3 +199,6 @@ def test_a_two_rank_job_trains_pushes_checkpoints_and_resumes(ray_session, tiny_
     assert (checkpoint / "dcp" / ".metadata").is_file()
     resumed = train(load_config(None, [*base, "steps=3", "resume=auto"]))
     assert resumed[-1]["step"] == 2 and resumed[-1]["policy_version"] == 3
+    buffer = TrajectoryStore.open(redis_url, "two-ranks")
+    assert buffer.counts()["groups_trained"] == 12  # 3 steps x 4 groups, each trained once
+    buffer.delete_job()
