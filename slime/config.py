@@ -109,6 +109,12 @@ class RolloutConfig(_Strict):
         "update; its new tokens carry their true behaviour logprobs). 0: always re-prefill from token ids.",
     )
     device: str = "cpu"
+    release_memory: bool | None = Field(
+        None,
+        description="Sync loops: the engines free their KV cache (and kept caches of aborted requests) once "
+        "they stop for the learner, and take memory back as they generate again. None: when "
+        "cluster.placement=colocated and the engines are on a GPU. Built-in engine.",
+    )
     engine: Literal["builtin", "vllm", "sglang"] = Field(
         "builtin",
         description="Rollout engine: the built-in torch engine, vLLM (extra `vllm`) or SGLang (extra `sglang`).",
@@ -402,6 +408,12 @@ class ClusterConfig(_Strict):
     ray_address: str | None = None
     num_cpus: int | None = Field(None, gt=0)
     torch_threads: int = Field(1, gt=0, description="torch threads per actor (2-core boxes: keep 1).")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated",
+        description="colocated: learner ranks and rollout engines share the devices (GPUs needed: the larger "
+        "of the two counts; in sync mode GPU engines free their KV memory while the learner trains, see "
+        "rollout.release_memory). disaggregated: separate devices, each rank and each GPU engine reserves one.",
+    )
 
 
 class LoggingConfig(_Strict):
@@ -474,6 +486,16 @@ class JobConfig(_Strict):
                 f"rollout.n_samples_per_prompt must be >= 2 for algorithm.name={self.algorithm.name} "
                 "(its advantages compare the responses to one prompt; with 1 they are all 0)"
             )
+        if self.rollout.release_memory and (self.mode != "sync" or self.april.streaming_chunk_tokens is not None):
+            raise ValueError(
+                "rollout.release_memory needs the sync loop (async and streaming engines generate while the "
+                "learner trains)"
+            )
+        if self.rollout.release_memory and self.rollout.engine != "builtin":
+            raise ValueError(
+                f"rollout.release_memory is built for rollout.engine=builtin; with {self.rollout.engine} it is not "
+                "built yet (vLLM's sleep mode, SGLang's memory release)"
+            )
         if self.learner.routing_replay and self.rollout.engine != "builtin":
             raise ValueError(
                 f"learner.routing_replay needs rollout.engine=builtin (it records the experts); got {self.rollout.engine}"
@@ -506,6 +528,19 @@ class JobConfig(_Strict):
         if self.sampling.tasks is not None and self.data.task_key == "":
             raise ValueError("data.task_key must be set when sampling.tasks is configured")
         return self
+
+    @property
+    def releases_engine_memory(self) -> bool:
+        """rollout.release_memory, its default resolved (see its description)."""
+        if self.rollout.release_memory is not None:
+            return self.rollout.release_memory
+        return (
+            self.cluster.placement == "colocated"
+            and self.rollout.device.startswith("cuda")
+            and self.mode == "sync"
+            and self.april.streaming_chunk_tokens is None
+            and self.rollout.engine == "builtin"
+        )
 
     @property
     def run_dir(self) -> Path:

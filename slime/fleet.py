@@ -162,6 +162,10 @@ class RolloutFleet:
     def finish_abort(self, refs: list) -> int:
         return int(sum(self._wait_all(refs, "abort_all"))) if refs else 0
 
+    def release_memory(self) -> int:
+        """Every engine frees its KV memory (colocated placement, sync loops); total bytes freed."""
+        return int(sum(self._wait_all([w.release_memory.remote() for w in self.workers], "release_memory")))
+
     def resume(self) -> None:
         if not self.dashboard_paused:  # paused from the dashboard: stays paused until resumed there
             self._wait_all([w.resume.remote() for w in self.workers], "resume")

@@ -188,8 +188,10 @@ class RunningJob:
         # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
         run_id = new_id()[:6]  # lease owner names never collide with a previous run's workers
         self.learner = LearnerGroup(cfg, self.model_dir, self.redis_url, self.credentials)
+        # Disaggregated GPU engines reserve a GPU each; colocated ones share the learner's devices.
+        gpus = 1 if cfg.cluster.placement == "disaggregated" and cfg.rollout.device.startswith("cuda") else 0
         self.workers = [
-            ray.remote(num_cpus=0)(RolloutWorker).remote(
+            ray.remote(num_cpus=0, num_gpus=gpus)(RolloutWorker).remote(
                 cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i, self.credentials
             )
             for i in range(cfg.rollout.num_workers)
@@ -269,14 +271,19 @@ class RunningJob:
         step in flight done, every partial's last tokens stored. Those tokens are this step's."""
         import ray  # see the module docstring
 
+        released = 0
         if not aborting:
             self._stop_rollout_clock()
+            if self.cfg.releases_engine_memory:  # colocated: the learner gets the engines' KV memory
+                released = self.fleet.release_memory()
         refs = self.learner.train_step(step, self.cfg.rollout.batch_size, max_staleness, commit=False)
         if aborting:
             # The learner is training meanwhile. A worker hung in its abort is found by finish_abort.
             ray.wait(list(aborting), num_returns=len(aborting), timeout=self.cfg.rollout.hang_timeout_s)
             self._stop_rollout_clock()
             self.abort_seconds = self.rollout_ended_at - (self.abort_sent_at or self.rollout_ended_at)
+            if self.cfg.releases_engine_memory:  # after the abort: the partials' caches go too
+                released = self.fleet.release_memory()
         while self.cfg.mode == "async" and len(ray.wait(refs, num_returns=len(refs), timeout=0.05)[0]) < len(refs):
             self.fleet.schedule_groups()  # the workers keep generating while the learner trains
         metrics = LearnerGroup.result(refs)
@@ -286,6 +293,8 @@ class RunningJob:
         metrics["rollout_tokens_per_s"] = generated / max(rollout_seconds, 1e-9)
         metrics["generated_tokens"] = generated
         metrics["abort_seconds"] = self.abort_seconds  # inside rollout_seconds, overlapping the learner
+        if self.cfg.releases_engine_memory:
+            metrics["engine_memory_released_bytes"] = released
         return metrics
 
     def _stop_rollout_clock(self) -> None:

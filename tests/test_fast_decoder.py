@@ -226,6 +226,37 @@ def test_aborted_requests_resume_from_their_kept_cache_token_exact():
     assert engine.health()["kv_resumed_tokens"] >= context_tokens
 
 
+def test_released_memory_comes_back_and_aborted_requests_resume_token_exact():
+    """Colocated placement: after an abort the engine frees its slot cache and the kept caches while
+    the learner trains; the partials resume by prefill, exactly as an uninterrupted run."""
+    model = tiny_moe(2)
+    ps = prompts(6, seed=5, lo=2, hi=16)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
+    want = {
+        f"q{i}": c.token_ids
+        for i, c in enumerate(run(BuiltinEngine(model, max_running_requests=6), ps, lambda i: greedy, rid="q"))
+    }
+
+    engine = BuiltinEngine(model, max_running_requests=6, kept_kv_tokens=10_000)
+    got: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    for i, p in enumerate(ps):
+        engine.add_request(GenerationRequest(f"q{i}", p, greedy))
+    for cut in (4, 9):
+        _drive(engine, got, lps, steps=cut)
+        aborted = [c.request_id for c in engine.abort(None)]
+        cache = engine._batch.keys[0]
+        freed = engine.release_memory()
+        # The slot cache (keys and values of every layer) and each aborted request's kept cache.
+        assert freed >= 2 * len(engine._batch.layers) * cache.numel() * cache.element_size()
+        assert engine._batch.keys == [] and engine.health()["kv_kept_requests"] == 0
+        for rid in aborted:
+            engine.add_request(GenerationRequest(rid, ps[int(rid[1:])], greedy, list(got[rid])))
+    _drive(engine, got, lps)
+    assert got == want
+    assert engine.health()["kv_resumes"] == 0 and engine.health()["memory_releases"] == 2
+
+
 def test_sampled_logprobs_after_a_kept_cache_resume_are_the_models():
     model = tiny_moe(4)
     engine = BuiltinEngine(model, max_running_requests=16, seed=3, kept_kv_tokens=10_000)

@@ -157,9 +157,15 @@ def test_checkpoints_move_between_rank_counts(tiny_model_dir, redis_url, tmp_pat
         (["learner.device=cuda", "learner.num_ranks=2"], "GPU: needs 2"),
         (["learner.num_ranks=2", "learner.resources_per_rank={learner_node: 1}"], "learner_node: needs 2"),
         (["learner.num_ranks=3", "learner.cpus_per_rank=1", "cluster.num_cpus=2"], "CPU: needs 3"),
+        # Engines on GPUs: colocated they share the learner's, disaggregated they need their own.
+        (["learner.device=cuda", "rollout.device=cuda", "rollout.num_workers=2"], "GPU: needs 2"),
+        (
+            ["learner.device=cuda", "rollout.device=cuda", "rollout.num_workers=2", "cluster.placement=disaggregated"],
+            "GPU: needs 3",
+        ),
     ],
 )
-def test_a_learner_that_does_not_fit_fails_at_once_naming_the_resource(
+def test_a_job_that_does_not_fit_fails_at_once_naming_the_resource(
     tiny_model_dir, redis_url, tmp_path, overrides, missing
 ):
     """Before Redis, the model or Ray start when the job starts its own Ray (this machine's CPUs and
@@ -171,6 +177,18 @@ def test_a_learner_that_does_not_fit_fails_at_once_naming_the_resource(
     with pytest.raises(ResourceError, match=missing):
         train(cfg)
     assert time.time() - started < 10
+
+
+def test_engine_memory_release_is_refused_where_it_cannot_work():
+    with pytest.raises(ValueError, match="needs the sync loop"):
+        load_config(None, ["rollout.release_memory=true", "mode=async"])
+    with pytest.raises(ValueError, match="not built yet"):
+        load_config(None, ["rollout.release_memory=true", "rollout.engine=vllm"])
+    # The default: colocated GPU engines in the sync loop release; CPU engines and async ones do not.
+    assert load_config(None, ["rollout.device=cuda"]).releases_engine_memory
+    assert not load_config(None, ["rollout.device=cuda", "cluster.placement=disaggregated"]).releases_engine_memory
+    assert not load_config(None, ["rollout.device=cuda", "mode=async"]).releases_engine_memory
+    assert not load_config(None, []).releases_engine_memory
 
 
 @pytest.mark.slow

@@ -180,6 +180,7 @@ class BuiltinEngine:
         self._kept_len = 0
         self._kv_resumes = 0  # requests resumed from a kept cache
         self._kv_resumed_tokens = 0  # context tokens they did not prefill again
+        self._memory_releases = 0
 
     @classmethod
     def from_config(
@@ -356,6 +357,24 @@ class BuiltinEngine:
         self._version = int(version)
 
     @torch.no_grad()
+    def release_memory(self) -> int:
+        """Free the KV memory while the learner trains (colocated placement): the kept caches of
+        aborted requests, and the slot cache when no request runs; it is allocated again as requests
+        come. Requests running keep their cache. Returns the bytes freed."""
+        freed = 0
+        for _tokens, (keys, values) in self._kept.values():
+            freed += sum(t.numel() * t.element_size() for t in (*keys, *values))
+        self._kept.clear()
+        self._kept_len = 0
+        batch = self._batch
+        if isinstance(batch, FastDecoder) and not self._running and batch.rows == 0:
+            freed += sum(t.numel() * t.element_size() for t in (*batch.keys, *batch.values))
+            batch.keys, batch.values = [], []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._memory_releases += 1
+        return freed
+
     def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Logprob of each response token given the prefix, under the current weights (one
         forward pass, no cache): the probe the driver compares with the learner after an update."""
@@ -381,6 +400,7 @@ class BuiltinEngine:
             "kv_kept_requests": len(self._kept),
             "kv_resumes": self._kv_resumes,
             "kv_resumed_tokens": self._kv_resumed_tokens,
+            "memory_releases": self._memory_releases,
             # Context tokens not prefilled because an identical context (a group's shared prompt)
             # was prefilled in the same forward.
             "shared_prefill_tokens": getattr(self._batch, "shared_prefill_tokens", 0),

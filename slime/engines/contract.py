@@ -164,6 +164,11 @@ class RolloutEngine(Protocol):
         raises and leaves the version unchanged (the caller resends)."""
         ...
 
+    def release_memory(self) -> int:
+        """Free the KV memory while the learner trains (colocated placement, sync loops), taking it
+        back as requests come; requests running keep theirs. Bytes freed."""
+        ...
+
     def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Logprob of each response token given its prefix, under the current weights: the
         weight-sync probe the driver compares with the learner."""

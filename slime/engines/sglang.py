@@ -392,6 +392,10 @@ class SglangEngine:
     def num_waiting(self) -> int:
         return 0  # the server queues what it cannot run yet; we cannot see its queue
 
+    def release_memory(self) -> int:
+        """Not built for this engine yet (SGLang's memory release); the config refuses rollout.release_memory here."""
+        raise NotImplementedError(f"release_memory: not built for {type(self).__name__} (SGLang's memory release)")
+
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Pause every server in place, load the weights, continue. Raises on a refused update (the
         version is then not bumped and the caller must resend). Every server is paused first and

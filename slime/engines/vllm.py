@@ -291,6 +291,10 @@ class VllmEngine:
     def num_waiting(self) -> int:
         return self._request_counts()[1] + len(self._ready)
 
+    def release_memory(self) -> int:
+        """Not built for this engine yet (vLLM's sleep mode); the config refuses rollout.release_memory here."""
+        raise NotImplementedError(f"release_memory: not built for {type(self).__name__} (vLLM's sleep mode)")
+
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload the weights in place from the learner's ``named_parameters()`` tensors, then set
         ``version``. Called between steps, so running requests keep their KV cache and continue.

@@ -7,7 +7,7 @@
 
 from slime.algorithms.batch import collate
 from slime.learner.actor import Learner, ValueModel, response_logprobs
-from slime.learner.group import LearnerGroup, ResourceError, required_resources
+from slime.learner.group import LearnerGroup, ResourceError, learner_resources, required_resources
 
 __all__ = [
     "Learner",
@@ -15,6 +15,7 @@ __all__ = [
     "ResourceError",
     "ValueModel",
     "collate",
+    "learner_resources",
     "required_resources",
     "response_logprobs",
 ]

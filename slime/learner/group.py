@@ -24,13 +24,25 @@ class ResourceError(RuntimeError):
     """The Ray cluster lacks a resource the job's config asks for."""
 
 
-def required_resources(cfg: JobConfig) -> dict[str, float]:
+def learner_resources(cfg: JobConfig) -> dict[str, float]:
     """What the learner ranks reserve, summed: CPUs (learner.cpus_per_rank), a GPU per rank on CUDA,
-    and learner.resources_per_rank. (Rollout workers reserve nothing: they mostly wait, and on one
-    GPU they share the learner's device.)"""
+    and learner.resources_per_rank."""
     lc = cfg.learner
     need = {"CPU": lc.cpus_per_rank, "GPU": 1.0 if lc.device.startswith("cuda") else 0.0, **lc.resources_per_rank}
     return {name: amount * lc.num_ranks for name, amount in need.items() if amount > 0}
+
+
+def required_resources(cfg: JobConfig) -> dict[str, float]:
+    """What the job needs from the cluster: the learner's resources, and a GPU per rollout engine on
+    CUDA. cluster.placement=colocated: ranks and engines share GPUs (the larger count is needed);
+    disaggregated: one GPU each. (Rollout workers reserve no CPU: they mostly wait.)"""
+    need = learner_resources(cfg)
+    engine_gpus = float(cfg.rollout.num_workers) if cfg.rollout.device.startswith("cuda") else 0.0
+    if engine_gpus:
+        learner_gpus = need.get("GPU", 0.0)
+        colocated = cfg.cluster.placement == "colocated"
+        need["GPU"] = max(learner_gpus, engine_gpus) if colocated else learner_gpus + engine_gpus
+    return need
 
 
 def check_resources(cfg: JobConfig, available: dict[str, float], where: str) -> None:
@@ -41,11 +53,12 @@ def check_resources(cfg: JobConfig, available: dict[str, float], where: str) -> 
         if available.get(name, 0.0) < amount
     ]
     if missing:
-        lc = cfg.learner
+        lc, r = cfg.learner, cfg.rollout
         raise ResourceError(
-            f"the learner does not fit: {'; '.join(missing)} (learner.num_ranks={lc.num_ranks}, "
+            f"the job does not fit: {'; '.join(missing)} (learner.num_ranks={lc.num_ranks}, "
             f"learner.device={lc.device}, learner.cpus_per_rank={lc.cpus_per_rank:g}, "
-            f"learner.resources_per_rank={lc.resources_per_rank})"
+            f"learner.resources_per_rank={lc.resources_per_rank}, rollout.num_workers={r.num_workers}, "
+            f"rollout.device={r.device}, cluster.placement={cfg.cluster.placement})"
         )
 
 
@@ -67,7 +80,7 @@ class LearnerGroup:
         check_resources(cfg, ray.cluster_resources(), "the Ray cluster")
         self.placement = None
         strategies: list[dict[str, Any]] = [{} for _ in range(n)]
-        per_rank = {name: amount / n for name, amount in required_resources(cfg).items()}
+        per_rank = {name: amount / n for name, amount in learner_resources(cfg).items()}
         if n == 1:  # one rank shares its GPU with the engines (CUDA IPC); like them, it reserves none
             per_rank.pop("GPU", None)
         if per_rank:

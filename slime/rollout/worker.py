@@ -490,6 +490,11 @@ class RolloutWorker:
             self._release(env_turns)
             return len(chunks) + len(env_turns)
 
+    def release_memory(self) -> int:
+        """The engine frees its KV memory while the learner trains (rollout.release_memory); bytes freed."""
+        with self.lock:
+            return int(self.engine.release_memory())
+
     def pause(self) -> None:
         self.paused.set()
 
