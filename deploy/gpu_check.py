@@ -10,9 +10,12 @@ random weights inside a `slime.engines.builtin.BuiltinEngine`. Then:
 1. weight sync: the learner publishes with `slime.weights.CudaIpcTransport` (shared memory on CPU),
    the engine applies it with `update_weights`; best of 3 syncs, seconds and GB/s;
 2. probe check: the engine's logprobs of a fixed sequence must match the learner's;
-3. decode: tokens/s of the engine at batch 32 and batch 1.
+3. decode: tokens/s of the engine at batch 32 and batch 1;
+4. a real job (`--job-steps`, 3): the built-in defaults with the learner as an FSDP2 group of one in
+   bf16 mixed precision, its shards gathered into the push, the probe check after every push, and
+   the colocated engines freeing their KV memory while the learner trains.
 
-Prints a short table and one JSON line last; exits 1 if the probe check fails.
+Prints a short table and one JSON line last; exits 1 if a probe check fails or the job does.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def engine_process(args: argparse.Namespace, jobs: mp.Queue, results: mp.Queue) 
         dtype = getattr(torch, args.dtype)
         model = build_model(args.tiny, args.device, dtype, seed=1)
         engine = BuiltinEngine(model, device=args.device, max_running_requests=64, seed=0)
-        transport = CudaIpcTransport() if args.device.startswith("cuda") else SharedMemoryTransport("gpu_check")
+        transport = (
+            CudaIpcTransport() if args.device.startswith("cuda") else SharedMemoryTransport("slime_gpu_check_engine")
+        )
         vocab = model.config.vocab_size
         results.put(("ready", sum(p.numel() for p in model.parameters())))
         while (job := jobs.get()) is not None:
@@ -124,6 +129,43 @@ def expect(results: mp.Queue, kind: str, timeout: float = 600):
     return value
 
 
+def run_job(device: str, steps: int) -> dict:
+    """A real job on the built-in defaults (tiny MoE, GRPO, APRIL) with the learner as an FSDP2 group
+    of one in bf16 mixed precision: the weight push gathers its shards (CUDA IPC on a GPU, shared
+    memory on CPU), the probe check runs after every push, and the colocated engines free their KV
+    memory while the learner trains."""
+    import tempfile
+
+    from slime.config import load_config
+    from slime.train import train
+
+    overrides = [
+        f"output_dir={tempfile.mkdtemp(prefix='gpu_check_job_')}",
+        f"steps={steps}",
+        f"learner.device={device}",
+        f"rollout.device={device}",
+        "learner.mixed_precision=true",
+        "rollout.release_memory=true",
+        "weights.check_every=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+    ]
+    out: dict = {"steps": steps, "transport": "cuda_ipc" if device.startswith("cuda") else "shm"}
+    try:
+        history = train(load_config(None, overrides))
+    except Exception as e:  # reported in the table: the check's other rows still count
+        return {**out, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {
+        **out,
+        "ok": len(history) == steps,
+        "reward_first": float(history[0]["reward_mean"]),
+        "reward_last": float(history[-1]["reward_mean"]),
+        "learner_seconds": sum(h["learner_seconds"] for h in history) / len(history),
+        "released_mb": sum(h.get("engine_memory_released_bytes", 0) for h in history) / len(history) / 2**20,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -131,6 +173,7 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--job-steps", type=int, default=3, help="then a real job of this many steps (0: none)")
     a = ap.parse_args()
     cuda = a.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -168,7 +211,7 @@ def main() -> int:
     jobs.put(("probe", None))  # before the sync the engine holds other weights: the check must see it
     diff_before = max(abs(x - y) for x, y in zip(expect(results, "probe"), expected))
 
-    transport = CudaIpcTransport() if cuda else SharedMemoryTransport("gpu_check_learner")
+    transport = CudaIpcTransport() if cuda else SharedMemoryTransport("slime_gpu_check")
     nbytes = sum(p.numel() * p.element_size() for p in learner.parameters())
     best, engine_best = float("inf"), float("inf")
     for version in range(1, a.syncs + 1):
@@ -192,8 +235,10 @@ def main() -> int:
     proc.join(timeout=60)
     transport.close()
 
+    job = run_job(a.device, a.job_steps) if a.job_steps else None
     total = time.perf_counter() - started
-    ok = probe_diff <= tolerance < diff_before
+    probe_ok = probe_diff <= tolerance < diff_before
+    ok = probe_ok and (job is None or job["ok"])
     rows = [
         ("device", f"{a.device} ({torch.cuda.get_device_name() if cuda else 'cpu'})"),
         ("model", f"Qwen3 random init, {n_params / 1e6:,.1f} M params, {a.dtype}"),
@@ -203,12 +248,23 @@ def main() -> int:
         (
             "probe |logp diff| max",
             f"{probe_diff:.2e} (tolerance {tolerance:.0e}; {diff_before:.2e} before the sync) "
-            f"{'OK' if ok else 'MISMATCH'}",
+            f"{'OK' if probe_ok else 'MISMATCH'}",
         ),
         ("decode batch 32", f"{tps32:.0f} tokens/s"),
         ("decode batch 1", f"{tps1:.0f} tokens/s"),
-        ("total wall", f"{total:.1f} s"),
     ]
+    if job is not None:
+        rows += [
+            ("job", f"{job['steps']} steps, FSDP2 learner (1 rank, bf16 mixed precision), {job['transport']} push"),
+            ("  probe check after each push", "OK" if job["ok"] else "FAILED: " + job.get("error", "")),
+            (
+                "  reward first -> last step",
+                f"{job.get('reward_first', float('nan')):.3f} -> {job.get('reward_last', float('nan')):.3f}",
+            ),
+            ("  learner seconds per step", f"{job.get('learner_seconds', float('nan')):.2f}"),
+            ("  engine memory released per step", f"{job.get('released_mb', float('nan')):.1f} MB"),
+        ]
+    rows.append(("total wall", f"{total:.1f} s"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -226,9 +282,11 @@ def main() -> int:
                 "engine_apply_seconds": round(engine_best, 4),
                 "probe_max_abs_diff": probe_diff,
                 "probe_diff_before_sync": diff_before,
-                "probe_ok": ok,
+                "probe_ok": probe_ok,
+                "ok": ok,
                 "decode_b32_tokens_per_s": round(tps32, 1),
                 "decode_b1_tokens_per_s": round(tps1, 1),
+                "job": job,
                 "total_seconds": round(total, 1),
             }
         )

@@ -352,10 +352,10 @@ class RunningJob:
         for got in self.fleet.probe_logprobs(record.prompt_ids, probe):
             diff = float(np.max(np.abs(got - expected)))
             worst = max(worst, diff)
-            if diff > self.cfg.weights.check_tolerance:
+            if diff > self.cfg.weight_check_tolerance:
                 raise WeightSyncError(
                     f"after the weight update the engine's probe logprobs differ from the learner's by {diff:.2e} "
-                    f"(weights.check_tolerance={self.cfg.weights.check_tolerance}); the engine does not hold the "
+                    f"(weights.check_tolerance={self.cfg.weight_check_tolerance}); the engine does not hold the "
                     "learner's weights (e.g. tied embeddings not refreshed)"
                 )
         return worst
