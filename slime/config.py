@@ -113,7 +113,8 @@ class RolloutConfig(_Strict):
         None,
         description="Sync loops: the engines free their KV cache (and kept caches of aborted requests) once "
         "they stop for the learner, and take memory back as they generate again. None: when "
-        "cluster.placement=colocated and the engines are on a GPU. Built-in engine.",
+        "cluster.placement=colocated and the engines are on a GPU. vLLM: sleep mode (CUDA); SGLang: memory "
+        "release (its server started with --enable-memory-saver).",
     )
     engine: Literal["builtin", "vllm", "sglang"] = Field(
         "builtin",
@@ -496,10 +497,10 @@ class JobConfig(_Strict):
                 "rollout.release_memory needs the sync loop (async and streaming engines generate while the "
                 "learner trains)"
             )
-        if self.rollout.release_memory and self.rollout.engine != "builtin":
+        if self.rollout.release_memory and self.rollout.engine == "vllm" and not self.rollout.device.startswith("cuda"):
             raise ValueError(
-                f"rollout.release_memory is built for rollout.engine=builtin; with {self.rollout.engine} it is not "
-                "built yet (vLLM's sleep mode, SGLang's memory release)"
+                "rollout.release_memory with rollout.engine=vllm uses vLLM's sleep mode, which needs CUDA "
+                f"(rollout.device={self.rollout.device})"
             )
         if self.learner.routing_replay and self.rollout.engine != "builtin":
             raise ValueError(
@@ -551,7 +552,6 @@ class JobConfig(_Strict):
             and self.rollout.device.startswith("cuda")
             and self.mode == "sync"
             and self.april.streaming_chunk_tokens is None
-            and self.rollout.engine == "builtin"
         )
 
     @property

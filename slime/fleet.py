@@ -166,6 +166,9 @@ class RolloutFleet:
         """Every engine frees its KV memory (colocated placement, sync loops); total bytes freed."""
         return int(sum(self._wait_all([w.release_memory.remote() for w in self.workers], "release_memory")))
 
+    def resume_memory(self) -> None:
+        self._wait_all([w.resume_memory.remote() for w in self.workers], "resume_memory")
+
     def resume(self) -> None:
         if not self.dashboard_paused:  # paused from the dashboard: stays paused until resumed there
             self._wait_all([w.resume.remote() for w in self.workers], "resume")

@@ -335,6 +335,8 @@ class RunningJob:
     def push_weights(self, step: int) -> None:
         t0 = time.time()
         handle = LearnerGroup.result(self.learner.publish_weights())
+        if self.cfg.releases_engine_memory:  # vLLM/SGLang: awake before loading weights
+            self.fleet.resume_memory()
         self.fleet.update_weights(handle)
         self.weight_sync_seconds = time.time() - t0
         every = self.cfg.weights.check_every

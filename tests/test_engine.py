@@ -416,6 +416,8 @@ def test_every_engine_class_implements_the_contract(engine_class):
         "health",
         "num_running",
         "num_waiting",
+        "release_memory",
+        "resume_memory",
         "score_logprobs",
         "set_temperature",
         "step",

@@ -182,7 +182,7 @@ def test_a_job_that_does_not_fit_fails_at_once_naming_the_resource(
 def test_engine_memory_release_is_refused_where_it_cannot_work():
     with pytest.raises(ValueError, match="needs the sync loop"):
         load_config(None, ["rollout.release_memory=true", "mode=async"])
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="sleep mode, which needs CUDA"):
         load_config(None, ["rollout.release_memory=true", "rollout.engine=vllm"])
     # The default: colocated GPU engines in the sync loop release; CPU engines and async ones do not.
     assert load_config(None, ["rollout.device=cuda"]).releases_engine_memory

@@ -242,9 +242,13 @@ def test_training_job_with_two_servers_behind_the_router(ray_session, tiny_model
                 "sglang.router=sglang_router",
                 "weights.check_every=1",
                 "steps=2",
+                # Colocated placement's release through the SGLang protocol (/release_memory_occupation
+                # while the learner trains, /resume_memory_occupation before the weight update).
+                "rollout.release_memory=true",
             ],
         )
     )
     assert len(history) == 2 and all(m["generated_tokens"] > 0 for m in history)
+    assert all(m["engine_memory_released_bytes"] > 0 for m in history)
     logs = sorted(p.name for p in (tmp_path / "sglang").glob("*.log"))
     assert logs == ["router_0.log", "server_0_0.log", "server_0_1.log"]

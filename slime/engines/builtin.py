@@ -375,6 +375,9 @@ class BuiltinEngine:
         self._memory_releases += 1
         return freed
 
+    def resume_memory(self) -> None:
+        """Nothing to do: the cache is allocated again by the next prefill (release_memory)."""
+
     def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Logprob of each response token given the prefix, under the current weights (one
         forward pass, no cache): the probe the driver compares with the learner after an update."""

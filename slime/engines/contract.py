@@ -169,6 +169,10 @@ class RolloutEngine(Protocol):
         back as requests come; requests running keep theirs. Bytes freed."""
         ...
 
+    def resume_memory(self) -> None:
+        """Take the memory back before generating or loading weights again (after release_memory)."""
+        ...
+
     def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Logprob of each response token given its prefix, under the current weights: the
         weight-sync probe the driver compares with the learner."""

@@ -393,8 +393,24 @@ class SglangEngine:
         return 0  # the server queues what it cannot run yet; we cannot see its queue
 
     def release_memory(self) -> int:
-        """Not built for this engine yet (SGLang's memory release); the config refuses rollout.release_memory here."""
-        raise NotImplementedError(f"release_memory: not built for {type(self).__name__} (SGLang's memory release)")
+        """SGLang's memory release on every server (``/release_memory_occupation``; a real SGLang
+        server needs ``--enable-memory-saver``, which the launch adds with rollout.release_memory).
+        Bytes freed when the server says (the SGLang-protocol server over the built-in engine does)."""
+        responses = self._post_all("/release_memory_occupation", {})
+        self._released = True
+        freed = 0
+        for resp in responses:
+            try:
+                freed += int(resp.json().get("freed_bytes", 0))
+            except (ValueError, AttributeError):  # SGLang answers without a body
+                pass
+        return freed
+
+    def resume_memory(self) -> None:
+        """Every server takes its memory back (``/resume_memory_occupation``) before generating again."""
+        if getattr(self, "_released", False):  # SGLang refuses a resume without a release
+            self._post_all("/resume_memory_occupation", {})
+            self._released = False
 
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Pause every server in place, load the weights, continue. Raises on a refused update (the

@@ -323,7 +323,9 @@ def launch_worker_servers(
                     torch_threads=cfg.cluster.torch_threads,
                     weights_dir=weights_dir,
                     update_group_hosts=[update_group_address(sg.host)],
-                    extra_args=sg.extra_args,
+                    # SGLang releases memory (rollout.release_memory) only when started with its saver.
+                    extra_args=[*sg.extra_args]
+                    + (["--enable-memory-saver"] if sg.launcher == "sglang" and cfg.releases_engine_memory else []),
                 )
                 log = run_dir / (f"server_{index}.log" if sg.num_servers == 1 else f"server_{index}_{j}.log")
                 processes.append(

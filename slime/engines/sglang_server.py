@@ -23,6 +23,8 @@ the built-in torch engine unchanged. Request and response shapes follow SGLang's
   = the JSON form of a `slime.weights.WeightHandle` of the shared-memory or CUDA IPC transport,
   the zero-copy path). Both are in place; running requests continue with the new weights (their
   KV cache stays). SGLang's own ``load_format`` null (a pickled list) is refused.
+- ``POST /release_memory_occupation`` and ``/resume_memory_occupation``: the engine frees its KV
+  memory while a colocated learner trains (``freed_bytes`` in the answer) and takes it back.
 - ``/flush_cache`` (400 while requests run, as SGLang; the engine has no prefix cache),
   ``/health`` (is the engine thread alive), ``/health_generate`` (a one-token generation when
   idle), ``/model_info`` and ``/server_info`` (also under their older names ``/get_model_info``,
@@ -236,6 +238,16 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
 
         await server.call(resume)
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation():
+        freed = await server.call(server.engine.release_memory)
+        return {"success": True, "message": "Memory released.", "freed_bytes": int(freed)}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation():
+        await server.call(server.engine.resume_memory)
+        return {"success": True, "message": "Memory resumed."}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():

@@ -121,6 +121,7 @@ class VllmEngine:
         cpu_kv_cache_gib: float = 1.0,
         enable_prefix_caching: bool = False,
         enforce_eager: bool = False,
+        enable_sleep_mode: bool = False,
     ):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError(
@@ -156,6 +157,7 @@ class VllmEngine:
             enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",
             max_logprobs=-1,  # the probe asks for whole-vocabulary prompt logprobs when T != 1
+            enable_sleep_mode=enable_sleep_mode,  # release_memory (colocated placement); GPUs only
             **memory,
         )
         self._engine = LLMEngine.from_engine_args(args)
@@ -171,6 +173,7 @@ class VllmEngine:
                 model_dir,
             )
         self._prefix_caching = enable_prefix_caching
+        self._sleep_mode = enable_sleep_mode
         self._version = int(version)
         self._ids: set[str] = set()  # our requests waiting or running in vLLM
         self._ready: list[GenerationChunk] = []  # chunks to hand out at the next step()
@@ -198,6 +201,7 @@ class VllmEngine:
             cpu_kv_cache_gib=v.cpu_kv_cache_gib,
             enable_prefix_caching=v.enable_prefix_caching,
             enforce_eager=v.enforce_eager,
+            enable_sleep_mode=cfg.releases_engine_memory,
         )
 
     # ------------------------------------------------------------------ contract
@@ -292,8 +296,19 @@ class VllmEngine:
         return self._request_counts()[1] + len(self._ready)
 
     def release_memory(self) -> int:
-        """Not built for this engine yet (vLLM's sleep mode); the config refuses rollout.release_memory here."""
-        raise NotImplementedError(f"release_memory: not built for {type(self).__name__} (vLLM's sleep mode)")
+        """vLLM's sleep mode, level 1: the KV cache is discarded and the weights move to host memory
+        until resume_memory (needs enable_sleep_mode, which the job sets with rollout.release_memory;
+        CUDA only). Bytes freed on the device."""
+        if not self._sleep_mode:
+            raise RuntimeError("VllmEngine.release_memory: the engine was built without enable_sleep_mode")
+        free_before = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        self._engine.sleep(level=1)
+        return max(0, torch.cuda.mem_get_info()[0] - free_before) if torch.cuda.is_available() else 0
+
+    def resume_memory(self) -> None:
+        """Weights back on the device and the KV cache allocated again (vLLM's wake_up)."""
+        if self._sleep_mode and self._engine.is_sleeping():
+            self._engine.wake_up()
 
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload the weights in place from the learner's ``named_parameters()`` tensors, then set

@@ -495,6 +495,11 @@ class RolloutWorker:
         with self.lock:
             return int(self.engine.release_memory())
 
+    def resume_memory(self) -> None:
+        """The engine takes its memory back (before the weight update and the next generation)."""
+        with self.lock:
+            self.engine.resume_memory()
+
     def pause(self) -> None:
         self.paused.set()
 
