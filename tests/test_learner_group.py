@@ -107,6 +107,25 @@ def test_two_ranks_take_the_optimizer_step_one_rank_takes(tiny_model_dir, redis_
     assert TrajectoryStore.open(redis_url, f"two-{algo}").counts()["groups_ready"] == 0  # claimed once
 
 
+def test_activation_checkpointing_and_mixed_precision_change_no_update(tiny_model_dir, redis_url, tmp_path):
+    """Recomputing activations in backward takes the same step; bf16 mixed precision (FSDP2, a group
+    of one) takes a step close to it, publishing fp32 master weights."""
+    weights = {}
+    for name, extra in (
+        ("plain", []),
+        ("recompute", ["learner.activation_checkpointing=true"]),
+        ("bf16", ["learner.mixed_precision=true"]),
+    ):
+        _filled(redis_url, f"ac-{name}", groups=2)
+        learner = Learner(_cfg(f"ac-{name}", tmp_path / name, "ppo", 1, *extra), str(tiny_model_dir), redis_url)
+        learner.train_step(0, num_groups=2)
+        weights[name] = _weights(learner.publish_weights())
+        learner.close()
+    assert all(torch.equal(weights["plain"][k], weights["recompute"][k]) for k in weights["plain"])
+    assert all(w.dtype == torch.float32 for w in weights["bf16"].values())
+    assert _relative_difference(weights["plain"], weights["bf16"]) < 1e-2
+
+
 def test_checkpoints_move_between_rank_counts(tiny_model_dir, redis_url, tmp_path, ray_session):
     """Saved by 2 ranks, resumed by 1: the same weights and optimizer state, so the next step is the
     one the 2 ranks take, and greedy decoding agrees token for token. And 1 -> 2 ranks."""
