@@ -24,8 +24,9 @@ from slime.algorithms.grpo import GRPO, broadcast_to_tokens, group_advantages, g
 from slime.algorithms.kl import kl_penalty
 from slime.algorithms.ppo import PPO, gae, ppo_loss, token_level_rewards, value_loss
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
-from slime.config import AdaptiveClip as AdaptiveClipConfig
-from slime.config import AlgorithmConfig, StagedKL, load_config
+from slime.config import AlgorithmConfig, load_config
+from slime.config_training import AdaptiveClip as AdaptiveClipConfig
+from slime.config_training import StagedKL
 from slime.sample import Sample, Status
 
 

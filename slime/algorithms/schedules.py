@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from slime.config import AdaptiveClip as AdaptiveClipConfig
-from slime.config import StagedKL
+from slime.config_training import AdaptiveClip as AdaptiveClipConfig
+from slime.config_training import StagedKL
 
 
 class AdaptiveClip:

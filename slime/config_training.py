@@ -1,0 +1,108 @@
+"""The training side's options (`algorithm.*`, `learner.*` in the job config): the algorithm and its
+loss terms, the optimizer, and the learner group's shape (ranks, precision, routing replay). The
+rest of the job configuration is slime/config.py, which checks the rules across sections."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from slime.config_engines import StrictModel as _Strict
+
+
+class StagedKL(_Strict):
+    until_step: int = Field(..., ge=0)
+    coef: float = Field(..., ge=0)
+
+
+class AdaptiveClip(_Strict):
+    """GLM-5 report 4.7: shrink the clip range when measured KL overshoots the target, widen it below."""
+
+    enabled: bool = False
+    kl_target: float = Field(0.01, gt=0)
+    shrink: float = Field(0.9, gt=0, lt=1)
+    grow: float = Field(1.1, gt=1)
+    min_clip: float = Field(0.05, gt=0)
+    max_clip: float = Field(0.4, gt=0)
+
+
+class AlgorithmConfig(_Strict):
+    name: Literal["ppo", "grpo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo"] = "grpo"
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.28, gt=0)
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip c for negative advantages; None disables.")
+    value_clip: float | None = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    kl_schedule: list[StagedKL] = Field(default_factory=list, description="Staged KL coefficient; overrides kl_coef.")
+    adaptive_clip: AdaptiveClip = AdaptiveClip()
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    normalize_advantages: bool = True
+    grpo_std_normalize: bool = True
+    router_aux_coef: float = Field(0.001, ge=0, description="MoE router load-balancing loss weight.")
+    gspo_clip_low: float = Field(3e-4, gt=0, lt=1, description="GSPO: epsilon_low on the sequence ratio.")
+    gspo_clip_high: float = Field(4e-4, gt=0, description="GSPO: epsilon_high on the sequence ratio.")
+    cispo_clip_high: float = Field(0.28, gt=0, description="CISPO: the IS weight is capped at 1 + this.")
+    dr_grpo_norm_tokens: int | None = Field(None, gt=0, description="Dr. GRPO divisor; None: max_new_tokens.")
+    overlong_buffer: int | None = Field(None, gt=0, description="DAPO overlong shaping: L_cache; None = off.")
+    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: the penalty at L_max.")
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgorithmConfig:
+        if self.name in ("gspo", "dr_grpo") and self.loss_agg == "token_mean":  # learner weighs by sequences
+            if "loss_agg" in self.model_fields_set:
+                raise ValueError(f"algorithm.name={self.name} averages over sequences: loss_agg must be seq_*")
+            self.loss_agg = "seq_mean_token_sum" if self.name == "dr_grpo" else "seq_mean_token_mean"
+        steps = [s.until_step for s in self.kl_schedule]
+        if steps != sorted(steps):
+            raise ValueError("algorithm.kl_schedule: until_step values must increase")
+        if self.adaptive_clip.min_clip > self.adaptive_clip.max_clip:
+            raise ValueError("algorithm.adaptive_clip.min_clip must not exceed max_clip")
+        return self
+
+
+class LearnerConfig(_Strict):
+    lr: float = Field(1e-3, gt=0)
+    critic_lr: float = Field(2e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, gt=0)
+    num_minibatches: int = Field(1, gt=0)
+    micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward; gradients accumulate.")
+    recompute_old_logprobs: bool = Field(
+        False,
+        description="Recompute pi_old with the learner before the update; otherwise the first forward's "
+        "detached logprobs are pi_old (identical when ppo_epochs=num_minibatches=1).",
+    )
+    device: str = "cpu"
+    num_ranks: int = Field(
+        1,
+        ge=1,
+        description="Learner processes forming one torch.distributed group (gloo on CPU, NCCL on CUDA). "
+        "Above 1, FSDP2 shards the policy, the critic and their optimizer state over them.",
+    )
+    mixed_precision: bool = Field(
+        False,
+        description="bf16 compute over fp32 master weights, fp32 gradient reduction and optimizer state "
+        "(FSDP2's MixedPrecisionPolicy; the model loads in float32). For GPUs.",
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute each layer's activations in backward.")
+    routing_replay: bool = Field(
+        False,
+        description="MoE routing replay (R3): the built-in engine records each token's experts, and the learner's "
+        "policy forwards route those tokens through them (slime/engines/routing.py).",
+    )
+    cpus_per_rank: float = Field(
+        0.0, ge=0, description="Ray CPUs each learner rank reserves (0 keeps a 2-core box schedulable)."
+    )
+    resources_per_rank: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each learner rank needs, e.g. {learner_node: 1} to place the ranks.",
+    )
