@@ -110,6 +110,10 @@ class RolloutConfig(_Strict):
         "update; its new tokens carry their true behaviour logprobs). 0: always re-prefill from token ids.",
     )
     device: str = "cpu"
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to place the workers.",
+    )
     release_memory: bool | None = Field(
         None,
         description="Sync loops: the engines free their KV cache (and kept caches of aborted requests) once "

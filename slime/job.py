@@ -191,9 +191,9 @@ class RunningJob:
         # Disaggregated GPU engines reserve a GPU each; colocated ones share the learner's devices.
         gpus = 1 if cfg.cluster.placement == "disaggregated" and cfg.rollout.device.startswith("cuda") else 0
         self.workers = [
-            ray.remote(num_cpus=0, num_gpus=gpus)(RolloutWorker).remote(
-                cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i, self.credentials
-            )
+            ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.rollout.resources_per_worker or None)(
+                RolloutWorker
+            ).remote(cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i, self.credentials)
             for i in range(cfg.rollout.num_workers)
         ]
         self.fleet = RolloutFleet(cfg, self.workers, self.buffer, self.telemetry, self.sampler)

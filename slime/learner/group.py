@@ -37,6 +37,8 @@ def required_resources(cfg: JobConfig) -> dict[str, float]:
     CUDA. cluster.placement=colocated: ranks and engines share GPUs (the larger count is needed);
     disaggregated: one GPU each. (Rollout workers reserve no CPU: they mostly wait.)"""
     need = learner_resources(cfg)
+    for name, amount in cfg.rollout.resources_per_worker.items():
+        need[name] = need.get(name, 0.0) + amount * cfg.rollout.num_workers
     engine_gpus = float(cfg.rollout.num_workers) if cfg.rollout.device.startswith("cuda") else 0.0
     if engine_gpus:
         learner_gpus = need.get("GPU", 0.0)
