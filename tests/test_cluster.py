@@ -1,6 +1,7 @@
 """A job across two Ray nodes (deploy/local_cluster.py on this machine): the learner ranks on one
-node, the rollout workers on the other, weights by the broadcast transport (gloo); placement read
-from Ray's state API; nothing of the cluster left behind."""
+node, the rollout workers on the other, weights by the broadcast transport (gloo: the learner
+stages, both workers' receives join every collective, the probe check of each engine after every
+push); placement read from Ray's state API; nothing of the cluster left behind."""
 
 from __future__ import annotations
 
@@ -71,7 +72,9 @@ def test_learner_and_rollout_workers_on_different_nodes(tiny_model_dir, tmp_path
                 "learner.resources_per_rank={learner_node: 1}",
                 "rollout.resources_per_worker={rollout_node: 1}",
                 "weights.transport=broadcast",
-                "weights.check_every=1",
+                "weights.bucket_mb=0.5",  # several buckets per push
+                "weights.check_every=1",  # the probe check of every engine after every push
+                "rollout.num_workers=2",  # both engines join every collective
                 "steps=2",
                 "rollout.batch_size=3",
                 "rollout.n_samples_per_prompt=3",
@@ -90,7 +93,7 @@ def test_learner_and_rollout_workers_on_different_nodes(tiny_model_dir, tmp_path
         )
         actors = json.loads(placed.stdout.strip().splitlines()[-1])
         assert sorted(node for kind, node in actors if kind == "Learner") == [["learner_node"]] * 2
-        assert [node for kind, node in actors if kind == "RolloutWorker"] == [["rollout_node"]]
+        assert [node for kind, node in actors if kind == "RolloutWorker"] == [["rollout_node"]] * 2
     finally:
         cluster.terminate()
         cluster.wait(timeout=60)
