@@ -11,11 +11,7 @@ import threading
 import numpy as np
 import torch
 
-
-def _is_router(module: torch.nn.Module) -> bool:
-    # Hugging Face MoE routers (Qwen3-MoE's TopKRouter, Mixtral's and others' gates) expose top_k
-    # and num_experts and return (logits, scores, expert indices).
-    return hasattr(module, "top_k") and hasattr(module, "num_experts") and type(module).__name__.endswith("Router")
+from slime.engines.routing import routers_of
 
 
 class ExpertLoadRecorder:
@@ -31,7 +27,7 @@ class ExpertLoadRecorder:
         """A recorder on every router of `model`; None for a dense model (or none at all)."""
         if model is None:
             return None
-        routers = [m for m in model.modules() if _is_router(m)]
+        routers = routers_of(model)
         return cls(routers) if routers else None
 
     def _hook(self, layer: int):

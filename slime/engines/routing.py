@@ -19,7 +19,6 @@ gpt-oss) is refused at start, naming the router.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import numpy as np
 import torch
@@ -71,12 +70,7 @@ class RoutingRecorder:
             raise ValueError("routing replay: the engine's model has no MoE router to record")
         self.top_k = int(self.routers[0].top_k)
         self._step: list[torch.Tensor | None] = [None] * len(self.routers)
-        self._local = threading.local()
         self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
-
-    @property
-    def width(self) -> int:
-        return len(self.routers) * self.top_k
 
     def _hook(self, layer: int):
         def hook(module: torch.nn.Module, inputs: tuple, output: tuple) -> None:
@@ -95,10 +89,6 @@ class RoutingRecorder:
             raise RuntimeError("routing replay: a router did not run in this forward")
         chosen = torch.stack([s[last] for s in self._step], dim=1)  # [rows, layers, k]
         return chosen.reshape(len(last), -1).to(torch.uint8).cpu().numpy()
-
-    def detach(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 @contextlib.contextmanager
