@@ -10,7 +10,8 @@ connection per process (`JobConnection`):
   and the queries share.
 
 Key layout, all under `slime:<job>:` so jobs sharing a server never see each other (unchanged since
-the single-file buffer; tests/test_buffer_compat.py reads a job the old code wrote):
+the single-file buffer; tests/test_buffer_compat.py reads a job the old code wrote). On a Redis
+Cluster the prefix is `slime:{<job>}:`: the hash tag keeps every key of the job in one slot.
 
     sample:<sid>                hash: group_id, index, status, prompt_ids (int32 bytes), max_new_tokens,
                                 reward, token_rewards (float32 bytes), failure, metadata (JSON),
@@ -35,10 +36,11 @@ the single-file buffer; tests/test_buffer_compat.py reads a job the old code wro
     events, control, engines, expert_load, steps, job_info: the telemetry (telemetry.py)
 
 Every state change is one Lua script (lua/), atomic. The scripts build key names from the job
-prefix, so they need a standalone (or Sentinel) Redis, not Cluster.
+prefix; each call names one key of the job's slot, so on a cluster it runs on the master that holds
+the job (connection.py).
 """
 
-from slime.buffer.connection import JOB_NAME_PATTERN, JobConnection
+from slime.buffer.connection import JOB_NAME_PATTERN, JobConnection, ReplicaAckError, is_cluster_url, open_client
 from slime.buffer.queries import BufferQueries
 from slime.buffer.store import ChunksLostError, Finish, LeaseLostError, PendingReplies, TrajectoryStore
 from slime.buffer.telemetry import JobTelemetry
@@ -52,5 +54,8 @@ __all__ = [
     "JobTelemetry",
     "LeaseLostError",
     "PendingReplies",
+    "ReplicaAckError",
     "TrajectoryStore",
+    "is_cluster_url",
+    "open_client",
 ]

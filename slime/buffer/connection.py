@@ -5,12 +5,20 @@ Redis may go away (restarted, replaying its AOF): every command is retried with 
 ``reconnect_timeout_s``. A state-changing script must then not run twice when its reply, not its
 request, was lost: each call carries a request id, and the script stores its reply under it in the
 same atomic step (`OnceScript`); a call sent again gets the stored reply and changes nothing.
+
+A Redis Cluster (`redis+cluster://host:port`, any one node) serves the same scripts: every key of a
+job carries the hash tag ``{job}``, so all of them lie in one slot and each script stays atomic on the
+one master that owns it (one job's buffer is served by one master; the cluster spreads jobs and
+gives failover). With ``replica_acks`` a state-changing script counts as stored only once that many
+replicas have it (`WAIT` on the same connection): a master killed after the reply loses nothing
+that was acknowledged, and its promoted replica carries on.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import time
 import uuid
 from collections.abc import Sequence
 from enum import IntEnum
@@ -19,12 +27,36 @@ from importlib import resources
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
+from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, TryAgainError
 from redis.retry import Retry
 
 from slime.security import redact_url
 
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+# buffer.url schemes of a Redis Cluster (any one node's address; the client finds the rest)
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+# Replies that mean "send it again, maybe to another node": the slot moved (a failover promoted a
+# replica), the cluster is between states, or the server lacks the script (first use, restarted).
+_SEND_AGAIN = (NoScriptError, MovedError, AskError, TryAgainError, ClusterDownError)
+
+
+class ReplicaAckError(redis.RedisError):
+    """Fewer replicas than ``buffer.replica_acks`` confirmed a write within its timeout: the write
+    is on the master but does not count as stored."""
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def open_client(url: str, **kwargs) -> redis.Redis | RedisCluster:
+    """A client for a buffer URL: `redis://`, `rediss://`, `unix://`, or a cluster's
+    `redis+cluster://host:port` (`rediss+cluster://` with TLS). Keyword arguments go to redis-py."""
+    if is_cluster_url(url):
+        return RedisCluster.from_url(url.replace("+cluster", "", 1), **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
 
 
 class ScriptReply(IntEnum):
@@ -62,8 +94,12 @@ def lua_source(*files: str) -> str:
     return "\n".join(folder.joinpath(name).read_text() for name in files)
 
 
-def _reconnect(url: str, job: str, password: str | None, reconnect_timeout_s: float = 60.0) -> JobConnection:
-    return JobConnection(url, job, password=password, reconnect_timeout_s=reconnect_timeout_s)
+def _reconnect(
+    url: str, job: str, password: str | None, reconnect_timeout_s: float = 60.0, replica_acks: int = 0
+) -> JobConnection:
+    return JobConnection(
+        url, job, password=password, reconnect_timeout_s=reconnect_timeout_s, replica_acks=replica_acks
+    )
 
 
 def backoff_s(attempt: int) -> float:
@@ -93,46 +129,212 @@ class OnceScript:
         self.script, self.sha = script.script, script.sha  # the source and its digest, as Script has them
 
     def call_args(self, args: Sequence) -> tuple:
-        """The EVALSHA arguments after the sha for one call: numkeys, its reply key, ARGV."""
+        """The EVALSHA arguments after the sha for one call: numkeys, one key (the reply key; else
+        the job's anchor, which names the slot on a cluster), ARGV."""
         if not self.stores_reply:
-            return (0, *args)
+            return (1, self.connection.anchor, *args)
         return (1, self.connection.key("reply", uuid.uuid4().hex), *args, self.connection.reply_ttl_s)
 
     def __call__(self, args: Sequence):
-        numkeys, *rest = self.call_args(args)
-        return self._script(keys=rest[:numkeys], args=rest[numkeys:])
+        return ScriptBatch(self, [list(args)]).replies()[0]
 
     def load(self) -> None:
-        self.connection.redis.script_load(self.script)
+        """Load the script into the server that holds the job's keys (a cluster: the slot's master)."""
+        self.connection.node_client().script_load(self.script)
+
+
+class JobScript:
+    """A script called plainly through the client (reads, and the dashboard's rare writes): the
+    job's anchor is its one key, so a cluster client sends it to the node that holds the job."""
+
+    def __init__(self, connection: JobConnection, script: Script) -> None:
+        self.connection, self._script = connection, script
+        self.script, self.sha = script.script, script.sha
+
+    def __call__(self, args: Sequence, client=None):
+        return self._script(keys=[self.connection.anchor], args=args, client=client)
+
+
+class ScriptBatch:
+    """Calls of one OnceScript sent as EVALSHA in one pipeline, on one connection to the node that
+    holds the job's keys, replies not read yet (redis-py's pipelines of Script calls ask SCRIPT
+    EXISTS first: one more round trip). With replica acknowledgement a WAIT follows on the same
+    connection, so it waits for exactly these writes.
+
+    ``replies()`` reads them (once). A server without the script answers NOSCRIPT: the script is
+    loaded and the calls it refused are sent again. A connection lost on the way (Redis restarting,
+    a master killed), or a slot that moved (its replica promoted), sends every call not yet
+    acknowledged again, with backoff, for up to the connection's reconnect_timeout_s: the scripts
+    are OnceScripts (or check what is stored), so a call that had run answers as it did.
+    """
+
+    def __init__(self, script: OnceScript, calls: list[list]) -> None:
+        self.script, self.connection = script, script.connection
+        self.commands = [("EVALSHA", script.sha, *script.call_args(args)) for args in calls]
+        self.deadline = time.monotonic() + self.connection.reconnect_timeout_s
+        self._sent = None
+        if self.commands:
+            try:
+                self._sent = self._send(self.commands)
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass  # sent again by replies(), until the deadline
+
+    def _send(self, commands: list[tuple]):
+        client = self.connection.node_client()
+        pool = client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command(connection.pack_commands(commands + self.connection.wait_commands()))
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+        return client, connection
+
+    def _read(self, sent, n: int) -> list:
+        """n replies, then the replica acknowledgement; a reply that asks to send again is returned
+        in its call's place."""
+        client, connection = sent
+        replies: list = []
+        try:
+            for _ in range(n):
+                try:
+                    replies.append(connection.read_response())
+                except _SEND_AGAIN as exc:
+                    replies.append(exc)
+            if not self._await_replicas(connection, any(not isinstance(r, Exception) for r in replies)):
+                # The node turned replica under us (a failover): whether it kept the writes is
+                # unknown, so every call is sent again to the new master (each is safe to resend).
+                replies = [TryAgainError("the node became a replica") for _ in replies]
+        except BaseException:
+            connection.disconnect()  # replies half read: the connection cannot be reused
+            raise
+        finally:
+            client.connection_pool.release(connection)
+        return replies
+
+    def _await_replicas(self, connection, wrote: bool) -> bool:
+        """Read the WAIT reply (and WAIT again while replicas lag, up to the deadline); False when
+        the node can no longer take WAIT: it is a replica now."""
+        wanted = self.connection.replica_acks
+        if not wanted:
+            return True
+        while True:
+            try:
+                acked = int(connection.read_response())
+            except redis.ResponseError:  # "WAIT cannot be used with replica instances"
+                return not wrote
+            if not wrote or acked >= wanted:
+                return True
+            if time.monotonic() > self.deadline:
+                raise ReplicaAckError(
+                    f"job {self.connection.job!r}: {acked} of the {wanted} replicas required (buffer.replica_acks) "
+                    f"confirmed a write within {self.connection.reconnect_timeout_s:.0f} s"
+                )
+            connection.send_command("WAIT", wanted, self.connection.replica_ack_timeout_ms)
+
+    def replies(self) -> list:
+        sent, self._sent = self._sent, None
+        replies: list = [None] * len(self.commands)
+        unanswered = list(range(len(self.commands)))
+        attempt = 0
+        while True:
+            try:
+                if sent is None:
+                    sent = self._send([self.commands[i] for i in unanswered])
+                got = self._read(sent, len(unanswered))
+            except (redis.ConnectionError, redis.TimeoutError):  # also LOADING: Redis replaying its AOF
+                sent = None
+                if time.monotonic() > self.deadline:
+                    raise
+                self.connection.refresh_slots()
+                time.sleep(backoff_s(attempt))
+                attempt += 1
+                continue
+            sent = None
+            again = []
+            for i, reply in zip(unanswered, got):
+                if isinstance(reply, _SEND_AGAIN):
+                    again.append((i, reply))
+                else:
+                    replies[i] = reply
+            if not again:
+                return replies
+            if any(isinstance(reply, NoScriptError) for _, reply in again):
+                self.script.load()
+            if any(not isinstance(reply, NoScriptError) for _, reply in again):
+                if time.monotonic() > self.deadline:
+                    raise next(reply for _, reply in again if not isinstance(reply, NoScriptError))
+                self.connection.refresh_slots()
+                time.sleep(backoff_s(attempt))
+                attempt += 1
+            unanswered = [i for i, _ in again]
 
 
 class JobConnection:
     """The Redis client and key prefix of one job; the store, the telemetry and the dashboard's
     queries of one process share one (`TrajectoryStore(connection)`, `JobTelemetry(connection)`)."""
 
-    def __init__(self, url: str, job: str, *, password: str | None = None, reconnect_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        *,
+        password: str | None = None,
+        reconnect_timeout_s: float = 60.0,
+        replica_acks: int = 0,
+    ) -> None:
         """``password``: the job's own redis-server requires one (kept out of the URL, which is
         shown and passed around); a password inside ``url`` wins over it. ``reconnect_timeout_s``:
-        how long a command waits for a Redis that went away (see the module docstring)."""
+        how long a command waits for a Redis that went away (see the module docstring).
+        ``replica_acks``: replicas that must confirm each state-changing script (0: none)."""
         if not JOB_NAME_PATTERN.match(job):
             raise ValueError(f"job name {job!r} must match {JOB_NAME_PATTERN.pattern} (it becomes a key prefix)")
+        if replica_acks < 0:
+            raise ValueError(f"replica_acks must be >= 0, got {replica_acks}")
         self.url = url
         self.job = job
-        self.prefix = f"slime:{job}:"
+        self.cluster = is_cluster_url(url)
+        # On a cluster the hash tag puts every key of the job in one slot (one master runs each
+        # script); a standalone server keeps the layout older jobs were written in.
+        self.prefix = f"slime:{{{job}}}:" if self.cluster else f"slime:{job}:"
+        self.anchor = self.key("anchor")  # a key of the job's slot, never written: routes keyless calls
         self._password = password
         self.reconnect_timeout_s = float(reconnect_timeout_s)
+        self.replica_acks = int(replica_acks)
+        self.replica_ack_timeout_ms = 1000
         # A stored reply outlives every retry of its call.
         self.reply_ttl_s = max(60, math.ceil(2 * self.reconnect_timeout_s))
-        self.redis = redis.Redis.from_url(
-            url, socket_connect_timeout=10, retry=reconnecting_retry(self.reconnect_timeout_s), password=password
-        )
+        retry = reconnecting_retry(self.reconnect_timeout_s)
+        self.redis = open_client(url, socket_connect_timeout=10, retry=retry, password=password)
 
-    # Ray actors and worker processes get their own connection from the same (url, job, password).
+    # Ray actors and worker processes get their own connection from the same settings.
     def __reduce__(self) -> tuple:
-        return (_reconnect, (self.url, self.job, self._password, self.reconnect_timeout_s))
+        return (_reconnect, (self.url, self.job, self._password, self.reconnect_timeout_s, self.replica_acks))
 
     def __repr__(self) -> str:
         return f"JobConnection(job={self.job!r}, url={redact_url(self.url)!r})"
+
+    def node_client(self) -> redis.Redis:
+        """The client of the server that holds the job's keys (on a cluster: the slot's master now)."""
+        if not self.cluster:
+            return self.redis
+        node = self.redis.get_node_from_key(self.anchor)
+        if node.redis_connection is None:
+            self.redis.nodes_manager.create_redis_connections([node])
+        return node.redis_connection
+
+    def refresh_slots(self) -> None:
+        """After a lost connection or a MOVED reply: learn the cluster's masters again."""
+        if self.cluster:
+            try:
+                self.redis.nodes_manager.initialize()
+            except redis.RedisError:
+                pass  # the cluster is between states: the caller backs off and tries again
+
+    def wait_commands(self) -> list[tuple]:
+        """What follows a batch of writes on the same connection: WAIT for the required replicas."""
+        return [("WAIT", self.replica_acks, self.replica_ack_timeout_ms)] if self.replica_acks else []
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -141,9 +343,9 @@ class JobConnection:
         seconds, micros = self.redis.time()
         return seconds + micros / 1e6
 
-    def script(self, *files: str) -> Script:
-        """A read-only script of slime/buffer/lua/ (ARGV[1] is the job prefix), prelude.lua in front."""
-        return self.redis.register_script(lua_source("prelude.lua", *files))
+    def script(self, *files: str) -> JobScript:
+        """A script of slime/buffer/lua/ called plainly (ARGV[1] is the job prefix), prelude.lua in front."""
+        return JobScript(self, self.redis.register_script(lua_source("prelude.lua", *files)))
 
     def once_script(self, *files: str, stores_reply: bool = True) -> OnceScript:
         """A state-changing script of slime/buffer/lua/, taking effect once per call (OnceScript)."""

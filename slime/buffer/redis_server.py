@@ -34,6 +34,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from slime.buffer.connection import open_client
 from slime.security import private_dir, redact_url, write_private
 
 LOG_FILE_NAME = "redis-server.log"
@@ -304,8 +305,8 @@ def connect_or_start(
         server = LocalRedisServer(data_dir, aof=aof, password=password, appendfsync=appendfsync)
         return server.url, server
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, retry=Retry(NoBackoff(), 0))
-    except ValueError as exc:
+        client = open_client(url, socket_connect_timeout=5, socket_timeout=5, retry=Retry(NoBackoff(), 0))
+    except (ValueError, redis.RedisError) as exc:  # a cluster client asks its node for the slots at once
         raise RuntimeError(f"buffer.url {redact_url(url)!r} is not a Redis URL: {exc}") from exc
     try:
         client.ping()

@@ -8,15 +8,13 @@ Redis server's clock (`TIME`), so workers on machines with skewed clocks agree o
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import redis
 
-from slime.buffer.connection import JobConnection, OnceScript, ScriptReply, backoff_s
+from slime.buffer.connection import JobConnection, OnceScript, ScriptBatch, ScriptReply
 from slime.buffer.records import (
     WIRE_LOGPROB,
     WIRE_MASK,
@@ -487,89 +485,20 @@ class TrajectoryStore:
 
 
 class PendingReplies:
-    """Per-sample scripts sent as EVALSHA in one pipeline on a connection of their own, replies not
-    read yet (redis-py's pipelines of Script calls ask SCRIPT EXISTS first: one more round trip).
-
-    ``wait()`` reads them (once): per call value(detail), or the error its code stands for. A
-    server without the script (first use, or restarted) answers NOSCRIPT: the script is loaded and
-    the calls it refused are sent again. A connection lost on the way (Redis restarting) sends
-    every unanswered call again, with backoff, for up to the connection's reconnect_timeout_s: the
-    scripts are OnceScripts, so a call that had run answers with its stored reply.
-    """
+    """Per-sample scripts sent now in one pipeline (`ScriptBatch`, slime/buffer/connection.py: resent
+    on a lost connection, a moved slot or a missing script), replies not read yet. ``wait()`` reads
+    them (once): per call value(detail), or the error its code stands for."""
 
     def __init__(self, store: TrajectoryStore, script: OnceScript, calls: list[list[Any]], value: Callable[[Any], Any]):
-        self.store, self.script, self.calls, self.value = store, script, calls, value
-        self.commands = [("EVALSHA", script.sha, *script.call_args(args)) for args in calls]
-        self.results: list[Any] | None = [] if not calls else None
-        self.connection = None
-        self.deadline = time.monotonic() + store.connection.reconnect_timeout_s
-        if calls:
-            try:
-                self.connection = self._send(self.commands)
-            except redis.ConnectionError:
-                pass  # sent again by wait(), until the deadline
-
-    def _send(self, commands: list[tuple]):
-        pool = self.store.redis.connection_pool
-        connection = pool.get_connection()
-        try:
-            connection.send_packed_command(connection.pack_commands(commands))
-        except BaseException:
-            connection.disconnect()
-            pool.release(connection)
-            raise
-        return connection
-
-    def _read(self, connection, n: int) -> list[Any]:
-        """n replies; a NOSCRIPT error is returned in its call's place."""
-        replies: list[Any] = []
-        try:
-            for _ in range(n):
-                try:
-                    replies.append(connection.read_response())
-                except redis.exceptions.NoScriptError as exc:
-                    replies.append(exc)
-        except BaseException:
-            connection.disconnect()  # replies half read: the connection cannot be reused
-            raise
-        finally:
-            self.store.redis.connection_pool.release(connection)
-        return replies
-
-    def _replies(self) -> list[Any]:
-        connection, self.connection = self.connection, None
-        replies: list[Any] = [None] * len(self.commands)
-        unanswered = list(range(len(self.commands)))
-        attempt = 0
-        while True:
-            try:
-                if connection is None:
-                    connection = self._send([self.commands[i] for i in unanswered])
-                got = self._read(connection, len(unanswered))
-            except redis.ConnectionError:  # also LOADING: a restarted Redis replaying its AOF
-                connection = None
-                if time.monotonic() > self.deadline:
-                    raise
-                time.sleep(backoff_s(attempt))
-                attempt += 1
-                continue
-            connection = None
-            refused = []
-            for i, reply in zip(unanswered, got):
-                if isinstance(reply, redis.exceptions.NoScriptError):
-                    refused.append(i)
-                else:
-                    replies[i] = reply
-            if not refused:
-                return replies
-            self.script.load()
-            unanswered = refused
+        self.store, self.calls, self.value = store, calls, value
+        self.batch = ScriptBatch(script, calls)
+        self.results: list[Any] | None = None
 
     def wait(self) -> list[Any]:
         if self.results is not None:
             return self.results
         results: list[Any] = []
-        for args, (code, detail) in zip(self.calls, self._replies()):
+        for args, (code, detail) in zip(self.calls, self.batch.replies()):
             try:
                 self.store._raise_for(code, detail, args[1], args[2])
                 results.append(self.value(detail))

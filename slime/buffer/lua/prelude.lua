@@ -1,5 +1,6 @@
 -- Loaded in front of every script (slime/buffer/connection.py). ARGV[1] is always the job prefix:
--- key names are built from it, so the scripts need a standalone (or Sentinel) Redis, not Cluster.
+-- key names are built from it. On a Redis Cluster the prefix carries the job's hash tag, so every
+-- key a script touches lies in the slot of the one key the call names (KEYS[1]).
 local P = ARGV[1]
 -- The Redis server's clock (seconds), which every worker agrees on whatever its own clock says.
 local function now()
