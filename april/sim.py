@@ -17,9 +17,12 @@ Policies (same seed => the same groups with the same lengths, in the same order)
                   the contrast that shows what "wasted tokens" means.
   one_step_async  generation of batch k+1 (a sync-style wave) overlaps training of batch k.
   async_bounded   engines never stop; the learner trains groups in start order; a group may
-                  start only if it will be trained within `max_staleness` versions.
+                  start only if it will be trained within `max_staleness` versions. With
+                  `elastic`, april/elastic.py adds and removes engines when the learner asks for
+                  its batch, as the live job does (rollout.elastic).
 
-Entry points: `simulate`, `compare`, `plot`; `slime simulate` (slime/simulate.py) builds a SimConfig from a job.
+Entry points: `simulate`, `compare`, and the report (april/sim_report.py: `headline`, `format_table`,
+`plot`); `slime simulate` (slime/simulate.py) builds a SimConfig from a job.
 """
 
 from __future__ import annotations
@@ -29,13 +32,12 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import numpy as np
-
+from april.elastic import ElasticPolicy
 from april.scheduler import GroupCounts, GroupScheduler
 from april.sim_config import POLICIES, PRESETS, SimConfig
 from april.sim_engine import Engine, Group, LengthSampler, Request
+from april.sim_report import format_table, headline, plot
 
 __all__ = ["POLICIES", "PRESETS", "SimConfig", "SimResult", "compare", "format_table", "headline", "plot", "simulate"]
 
@@ -70,7 +72,9 @@ class SimResult:
     partials: int  # requests aborted with tokens kept for resumption
     preemptions: int
     prefill_tokens: int  # prefix tokens prefilled (new prompts, resumed partials, preempted requests)
+    mean_engines: float  # engines (GPUs they hold) averaged over wall-clock; elastic varies it
     step_times: list[float] = field(default_factory=list)
+    engines_per_step: list[int] = field(default_factory=list)  # engines (running or starting) at each step end
 
 
 # --------------------------------------------------------------------------- simulation core
@@ -85,6 +89,9 @@ class Simulation:
         self.cfg = cfg
         self.sampler = LengthSampler(cfg, seed)
         self.engines = [Engine(cfg) for _ in range(cfg.engines)]
+        self.starting: list[Engine] = []  # elastic: added, not generating yet (they hold a GPU)
+        self.removed: list[Engine] = []  # elastic: their tokens and times still count
+        self.engines_per_step: list[int] = []
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.now = 0.0
@@ -176,19 +183,22 @@ class Simulation:
     # ---- work
     def new_group(self) -> Group:
         g = Group(gid=len(self.groups), filtered=self.sampler.filtered())
-        g.requests = [Request(g, self.cfg.prompt_tokens, n) for n in self.sampler.group()]
+        lengths = self.sampler.group(self.cfg.length_growth**self.version)
+        g.requests = [Request(g, self.cfg.prompt_tokens, n) for n in lengths]
         self.groups.append(g)
         return g
 
     def dispatch(self, groups: list[Group]) -> None:
         """Queue every unfinished request on the least-loaded engine (in order: first in, first served)."""
         touched: dict[int, Engine] = {}
+        loads = [e.load for e in self.engines]  # read once per call: hundreds of engines x requests
         for g in groups:
             for r in g.requests:
                 if not r.finished:
-                    e = min(self.engines, key=lambda x: x.load)
-                    e.waiting.append(r)
-                    touched[id(e)] = e
+                    i = loads.index(min(loads))  # the first least-loaded engine
+                    self.engines[i].waiting.append(r)
+                    loads[i] += 1
+                    touched[i] = self.engines[i]
         for e in touched.values():
             self.wake(e)
 
@@ -202,7 +212,11 @@ class Simulation:
                 self.trained_tokens += r.generated
                 self.off_policy_tokens += sum(n for v, n in r.segments if v < self.version)
                 self.spans[self.version - min(v for v, _ in r.segments)] += 1
-        seconds = self.cfg.t_train0 + self.cfg.t_train_per_token * tokens
+        c = self.cfg
+        per_token = c.t_train_per_token
+        if c.gpu_pool is not None:  # the GPUs no engine holds train
+            per_token /= c.gpu_pool - len(self.engines) - len(self.starting)
+        seconds = c.t_train0 + per_token * tokens
         self.learner_time += seconds
         self.at(self.now + seconds, then)
 
@@ -212,17 +226,20 @@ class Simulation:
         for e in self.engines:
             e.version = self.version
         self.step_ends.append(self.now)
+        self.engines_per_step.append(len(self.engines) + len(self.starting))
         self.done = len(self.step_ends) >= self.cfg.steps
 
     # ---- results
     def result(self, oversample: float | None, max_staleness: int | None) -> SimResult:
         c, wall = self.cfg, self.now
-        generated = sum(e.tokens for e in self.engines)
+        every = self.engines + self.removed + self.starting  # a starting engine holds its GPU, idle
+        generated = sum(e.tokens for e in every)
         wasted = sum(g.generated for g in self.groups if g.state == "dropped")
         filtered = sum(g.generated for g in self.groups if g.state == "filtered")
         held = sum(g.generated for g in self.groups if g.state == "open")
         assert generated == self.trained_tokens + wasted + filtered + held, "token accounting does not add up"
-        busy = sum(e.slot_time for e in self.engines) / (c.engines * c.slots * wall)
+        engine_seconds = sum((wall if e.left_at is None else e.left_at) - e.joined_at for e in every)
+        busy = sum(e.slot_time for e in every) / (c.slots * engine_seconds)
         return SimResult(
             policy=self.label,
             oversample=oversample,
@@ -240,16 +257,18 @@ class Simulation:
             throughput=generated / wall,
             trained_throughput=self.trained_tokens / wall,
             engine_busy=busy,
-            engine_stepping=sum(e.step_time for e in self.engines) / (c.engines * wall),
+            engine_stepping=sum(e.step_time for e in every) / engine_seconds,
             bubble_ratio=1.0 - busy,
             learner_busy=self.learner_time / wall,
             off_policy_share=self.off_policy_tokens / max(1, self.trained_tokens),
             span_histogram=dict(sorted(self.spans.items())),
             max_span=max(self.spans, default=0),
             partials=self.partials,
-            preemptions=sum(e.preemptions for e in self.engines),
-            prefill_tokens=sum(e.prefill_tokens for e in self.engines),
+            preemptions=sum(e.preemptions for e in every),
+            prefill_tokens=sum(e.prefill_tokens for e in every),
+            mean_engines=engine_seconds / wall,
             step_times=[b - a for a, b in zip([0.0, *self.step_ends], self.step_ends)],
+            engines_per_step=list(self.engines_per_step),
         )
 
 
@@ -402,12 +421,30 @@ class BoundedAsync(Simulation):
     Batch i is groups i*B .. (i+1)*B-1. A group started while the engines hold version w is
     admitted only if started < (w + s + 1) * B, so it is trained at a version <= w + s: every
     trained token is at most `s` versions old. The learner waits when its batch is not done.
+
+    Elastic: when the learner asks for its batch (after each weight sync), april/elastic.py decides
+    on the ready share of the s * B admission budget. An added engine holds its GPU at once and
+    generates `t_engine_start` later, taking queued requests from the others; a removed one (the
+    newest) gives its requests, tokens kept, to the front of the others' queues.
     """
 
-    def __init__(self, cfg: SimConfig, seed: int, max_staleness: int):
+    def __init__(self, cfg: SimConfig, seed: int, max_staleness: int, elastic: bool = False):
         super().__init__(cfg, seed)
         self.s = max_staleness
-        self.label = f"async_bounded_s{max_staleness}"
+        self.label = f"async_bounded_s{max_staleness}" + ("_elastic" if elastic else "")
+        self.elastic = (
+            ElasticPolicy(
+                cfg.elastic_min_engines,
+                cfg.elastic_max_engines,
+                cfg.elastic_low_watermark,
+                cfg.elastic_high_watermark,
+                cfg.elastic_cooldown_steps,
+            )
+            if elastic
+            else None
+        )
+        self.syncing = False  # engines held for the weight sync
+        self.peak_queued = 0  # elastic: the most requests waiting for a slot since the last decision
         # The live job's admission rule; the engines here take every admitted group (an in-flight
         # target of (s + 1) * B never binds before the staleness cap does).
         self.scheduler = GroupScheduler(
@@ -417,6 +454,7 @@ class BoundedAsync(Simulation):
         self.learner_free = True
 
     def start(self) -> None:
+        self.rebalance()
         self.admit()
 
     def admit(self) -> None:
@@ -425,6 +463,7 @@ class BoundedAsync(Simulation):
         new = [self.new_group() for _ in range(self.scheduler.groups_to_start(counts, self.version))]
         self.queue.extend(new)
         self.dispatch(new)
+        self.peak_queued = max(self.peak_queued, sum(len(e.waiting) for e in self.engines))
 
     def on_group_complete(self, g: Group) -> None:
         self.maybe_train()
@@ -435,7 +474,11 @@ class BoundedAsync(Simulation):
             return
         self.learner_free = False
         batch = [self.queue.popleft() for _ in range(b)]
-        self.train(batch, then=lambda: self.hold_engines(self.engines_paused))
+        self.train(batch, then=self.pause_for_sync)
+
+    def pause_for_sync(self) -> None:
+        self.syncing = True
+        self.hold_engines(self.engines_paused)
 
     def engines_paused(self) -> None:
         self.at(self.now + self.cfg.t_sync, self.synced)
@@ -445,9 +488,46 @@ class BoundedAsync(Simulation):
         if self.done:
             return
         self.learner_free = True
+        self.rebalance()  # the learner asks for its next batch
+        self.syncing = False
         self.release_engines()
         self.admit()
         self.maybe_train()
+
+    # ---- elastic rollout
+    def rebalance(self) -> None:
+        """As the live job's RolloutFleet.rebalance; every engine is idle here (held, or at the start)."""
+        if self.elastic is None:
+            return
+        ready = next((i for i, g in enumerate(self.queue) if not g.complete), len(self.queue))  # in start order
+        workers = len(self.engines) + len(self.starting)
+        queued, self.peak_queued = self.peak_queued, 0
+        decision = self.elastic.decide(workers, ready, self.s * self.cfg.batch_size, queued)
+        if decision.action == "add":
+            e = Engine(self.cfg, joined_at=self.now)
+            e.hold = True
+            self.starting.append(e)
+            self.at(self.now + self.cfg.t_engine_start, lambda: self.join(e))
+        elif decision.action == "remove":
+            e = self.starting.pop() if self.starting else self.engines.pop()
+            e.left_at = self.now
+            self.removed.append(e)
+            aborted = e.clear()
+            self.partials += sum(1 for r in aborted if r.generated > 0)
+            for r in reversed(aborted):  # first in line on the engines left
+                min(self.engines, key=lambda x: x.load).waiting.appendleft(r)
+
+    def join(self, e: Engine) -> None:
+        if e not in self.starting:
+            return  # removed while it was starting
+        self.starting.remove(e)
+        self.engines.append(e)
+        e.version = self.version
+        e.hold = self.syncing  # released with the others after the sync
+        # The live worker leases from the one shared queue: here it takes queued requests from the others.
+        while (donor := max(self.engines, key=lambda x: len(x.waiting))).waiting and donor.load > e.load + 1:
+            e.waiting.appendleft(donor.waiting.pop())
+        self.wake(e)
 
 
 # --------------------------------------------------------------------------- API
@@ -459,8 +539,12 @@ def simulate(
     oversample: float | None = None,
     max_staleness: int | None = None,
     seed: int = 0,
+    elastic: bool = False,
 ) -> SimResult:
-    """Run one policy for `cfg.steps` training steps. `oversample` / `max_staleness` default to cfg's."""
+    """Run one policy for `cfg.steps` training steps. `oversample` / `max_staleness` default to cfg's;
+    `elastic` (async_bounded only) adds and removes engines within cfg's elastic_* bounds."""
+    if elastic and policy != "async_bounded":
+        raise ValueError(f"elastic is modelled for async_bounded, not {policy}")
     sim: Simulation
     if policy == "sync":
         sim = WaveRollout(cfg, seed, oversample=None)
@@ -477,7 +561,7 @@ def simulate(
         max_staleness = cfg.max_staleness if max_staleness is None else max_staleness
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
-        sim = BoundedAsync(cfg, seed, max_staleness)
+        sim = BoundedAsync(cfg, seed, max_staleness, elastic)
     else:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     sim.run()
@@ -488,8 +572,9 @@ def simulate(
 
 
 def compare(cfg: SimConfig) -> list[SimResult]:
-    """sync, april at each cfg.compare_oversample, one_step_async, async_bounded at each budget
-    (the async policies only where they are modelled: no filter, refill=group)."""
+    """sync, april at each cfg.compare_oversample, one_step_async, async_bounded at each budget, and
+    with cfg.elastic async_bounded at cfg.max_staleness with elastic rollout (the async policies
+    only where they are modelled: no filter, refill=group)."""
     seed = cfg.seed
     results = [simulate("sync", cfg, seed=seed)]
     results += [simulate("april", cfg, oversample=r, seed=seed) for r in cfg.compare_oversample]
@@ -497,72 +582,6 @@ def compare(cfg: SimConfig) -> list[SimResult]:
         return results
     results.append(simulate("one_step_async", cfg, seed=seed))
     results += [simulate("async_bounded", cfg, max_staleness=s, seed=seed) for s in cfg.compare_staleness]
+    if cfg.elastic:
+        results.append(simulate("async_bounded", cfg, max_staleness=cfg.max_staleness, seed=seed, elastic=True))
     return results
-
-
-def headline(results: list[SimResult]) -> dict[str, float]:
-    """Each policy relative to sync (the first result named 'sync'): generated tokens per second, and
-    for the wave policies trained tokens per rollout-phase second (`<policy>_trained_per_rollout_s`)."""
-    sync = next(r for r in results if r.policy == "sync")
-    out: dict[str, float] = {}
-    for r in results:
-        if r.policy == "sync":
-            continue
-        out[r.policy] = round(r.throughput / sync.throughput, 3)
-        if r.trained_rollout_throughput and sync.trained_rollout_throughput:
-            out[f"{r.policy}_trained_per_rollout_s"] = round(
-                r.trained_rollout_throughput / sync.trained_rollout_throughput, 3
-            )
-    return out
-
-
-def format_table(results: list[SimResult]) -> str:
-    sync = next((r for r in results if r.policy == "sync"), results[0])
-    head = (
-        f"{'policy':<18} {'tok/s':>9} {'vs sync':>8} {'trained/s':>9} {'step s':>8} {'engine busy':>11} "
-        f"{'off-policy':>10} {'max span':>8} {'wasted tok':>10} {'filtered tok':>12} {'trained/rollout s':>17}"
-    )
-    rows = [head, "-" * len(head)]
-    for r in results:
-        per_rollout = "n/a"
-        if r.trained_rollout_throughput and sync.trained_rollout_throughput:
-            per_rollout = (
-                f"{r.trained_rollout_throughput:.0f} "
-                f"({r.trained_rollout_throughput / sync.trained_rollout_throughput:.2f}x)"
-            )
-        rows.append(
-            f"{r.policy:<18} {r.throughput:>9.0f} {r.throughput / sync.throughput:>7.2f}x {r.trained_throughput:>9.0f} "
-            f"{r.step_s:>8.2f} {100 * r.engine_busy:>10.1f}% {100 * r.off_policy_share:>9.1f}% {r.max_span:>8d} "
-            f"{r.wasted_tokens:>10d} {r.filtered_tokens:>12d} {per_rollout:>17}"
-        )
-    return "\n".join(rows)
-
-
-def plot(results: list[SimResult], path: str | Path) -> Path:
-    """Bars: throughput relative to sync, and off-policy token share, per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    base = next((r.throughput for r in results if r.policy == "sync"), results[0].throughput)
-    names = [r.policy for r in results]
-    x = np.arange(len(results))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    bars = ax1.bar(x, [r.throughput / base for r in results], color="tab:blue")
-    ax1.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax1.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax1.set_title("rollout throughput vs sync")
-    ax1.set_ylabel("ratio")
-    bars = ax2.bar(x, [100 * r.off_policy_share for r in results], color="tab:orange")
-    ax2.bar_label(bars, fmt="%.0f%%", fontsize=8)
-    ax2.set_title("off-policy token share")
-    ax2.set_ylabel("% of trained tokens")
-    for ax in (ax1, ax2):
-        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

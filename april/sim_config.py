@@ -31,6 +31,13 @@ class SimConfig(BaseModel):
     lengths: list[int] | None = Field(
         None, description="Empirical response lengths, sampled with replacement (replaces the log-normal)."
     )
+    length_growth: float = Field(
+        1.0,
+        gt=0,
+        description="Response lengths of a group started at trainer version v are drawn x length_growth**v "
+        "(RL on reasoning tasks: responses lengthen as training goes on; the balance of rollout and "
+        "training shifts). 1: one fixed distribution.",
+    )
     filter_rate: float = Field(
         0.0,
         ge=0.0,
@@ -68,6 +75,23 @@ class SimConfig(BaseModel):
     t_sync: float = Field(5.0, ge=0, description="Weight sync (learner -> engines) per step.")
     t_train0: float = Field(10.0, ge=0, description="Fixed cost of a training step.")
     t_train_per_token: float = Field(2e-5, ge=0, description="Training cost per (prompt + response) token.")
+    gpu_pool: int | None = Field(
+        None,
+        gt=0,
+        description="GPUs the engines and the learner share: one per engine (also while it starts), the rest "
+        "train, and t_train_per_token is then the time per token on one GPU (divided by the learner's GPUs). "
+        "None: t_train_per_token is the learner's, whatever the engine count.",
+    )
+    # elastic rollout (april/elastic.py; the job's rollout.elastic), modelled for async_bounded
+    elastic: bool = Field(False, description="compare also runs async_bounded with elastic rollout.")
+    elastic_min_engines: int = Field(1, gt=0)
+    elastic_max_engines: int = Field(16, gt=0)
+    elastic_low_watermark: float = Field(0.5, ge=0, le=1, description="Fill at or below this: add an engine.")
+    elastic_high_watermark: float = Field(1.0, gt=0, le=1, description="Fill at or above this: remove an engine.")
+    elastic_cooldown_steps: int = Field(2, ge=0, description="Steps observed after a change; their mean fill decides.")
+    t_engine_start: float = Field(
+        30.0, ge=0, description="Seconds from adding an engine to its first step (start, model load, weights)."
+    )
     # run
     steps: int = Field(20, gt=0, description="Training steps simulated per policy.")
     oversample: float = Field(2.0, ge=1.0, description="APRIL default over-provisioning ratio.")
@@ -89,6 +113,19 @@ class SimConfig(BaseModel):
             raise ValueError("compare_oversample ratios must be >= 1")
         if any(s < 1 for s in self.compare_staleness):
             raise ValueError("compare_staleness budgets must be >= 1")
+        if self.elastic:
+            if not self.elastic_min_engines <= self.engines <= self.elastic_max_engines:
+                raise ValueError(
+                    f"engines={self.engines} must lie within elastic_min_engines={self.elastic_min_engines} "
+                    f"and elastic_max_engines={self.elastic_max_engines}"
+                )
+            if self.elastic_low_watermark >= self.elastic_high_watermark:
+                raise ValueError("elastic_low_watermark must be below elastic_high_watermark")
+            if self.wave_policies_only:
+                raise ValueError("elastic is modelled for async_bounded, which models no filter_rate or refill=batch")
+        top = self.elastic_max_engines if self.elastic else self.engines
+        if self.gpu_pool is not None and self.gpu_pool <= top:
+            raise ValueError(f"gpu_pool={self.gpu_pool} leaves the learner no GPU with {top} engines")
         return self
 
     @property

@@ -26,14 +26,15 @@ class LengthSampler:
     def filtered(self) -> bool:
         return bool(self.filter_rng.random() < self.cfg.filter_rate)
 
-    def group(self) -> list[int]:
+    def group(self, scale: float = 1.0) -> list[int]:
+        """``scale``: every length drawn is multiplied by it (SimConfig.length_growth), then capped."""
         c = self.cfg
         if c.lengths is not None:
             drawn = self.rng.choice(np.asarray(c.lengths), size=c.n_samples)
         else:
             prompt_median = c.median_tokens * math.exp(c.sigma_prompt * self.rng.standard_normal())
             drawn = prompt_median * np.exp(c.sigma_sample * self.rng.standard_normal(c.n_samples))
-        return [int(min(c.max_tokens, max(1, round(float(x))))) for x in drawn]
+        return [int(min(c.max_tokens, max(1, round(float(x) * scale)))) for x in drawn]
 
 
 @dataclass(eq=False)
@@ -92,8 +93,10 @@ class Engine:
     `epoch` changes whenever the macro step is replaced, so a stale end-event is ignored.
     """
 
-    def __init__(self, cfg: SimConfig):
+    def __init__(self, cfg: SimConfig, joined_at: float = 0.0):
         self.cfg = cfg
+        self.joined_at = joined_at  # elastic: when it joined (0: from the start)
+        self.left_at: float | None = None  # elastic: when it was removed
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.kv = 0

@@ -2,9 +2,11 @@
 multi-node tests place learner ranks and rollout workers on, and a way to try a cluster job by hand.
 
     python deploy/local_cluster.py --node learner_node=2 --node rollout_node=2
-    # prints "address: 127.0.0.1:PORT", then serves until SIGINT/SIGTERM, which stops every node
+    # prints "address: 127.0.0.1:PORT" (the GCS, for ray.init) and "dashboard: http://IP:PORT" (the Jobs
+    # API), then serves until SIGINT/SIGTERM, which stops every node
     slime train cfg.yaml cluster.ray_address=127.0.0.1:PORT learner.resources_per_rank='{learner_node: 1}' \\
         rollout.resources_per_worker='{rollout_node: 1}'
+    slime submit cfg.yaml --address http://IP:PORT   # the same job through the Jobs API (docs/cluster.md)
 
 Each `--node` is one Ray node (its own raylet and object store; the first is the head, with the
 dashboard the state API reads) with `--cpus` CPUs and the given custom resources.
@@ -17,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 
 def parse_node(text: str) -> dict[str, float]:
@@ -37,6 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     nodes = [parse_node(n) for n in args.node] or [{}]
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback only: nothing else can reach it
+    # A submitted job's command runs `python` from the nodes' PATH: this interpreter, with slime's dependencies.
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
@@ -54,6 +59,7 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"address: {cluster.address}", flush=True)
+    print(f"dashboard: http://{cluster.webui_url}", flush=True)
     try:
         stop.wait()
     finally:

@@ -63,7 +63,7 @@ def _dashboard_secrets(ns: argparse.Namespace) -> tuple[str | None, str | None]:
 def _dashboard(ns: argparse.Namespace) -> int:
     import redis  # subcommand
 
-    from slime.buffer import JOB_NAME_PATTERN  # subcommand
+    from slime.buffer import JOB_NAME_PATTERN, open_client  # subcommand
     from slime.dashboard.server import DashboardServer  # subcommand
 
     if ns.token is not None:
@@ -79,7 +79,7 @@ def _dashboard(ns: argparse.Namespace) -> int:
         return 2
     try:
         token, password = _dashboard_secrets(ns)
-        redis.Redis.from_url(ns.redis, password=password, socket_connect_timeout=5).ping()
+        open_client(ns.redis, password=password, socket_connect_timeout=5).ping()
         server = DashboardServer(ns.redis, ns.job, ns.host, ns.port, token, redis_password=password)
     except (redis.RedisError, ValueError, OSError) as exc:
         print(f"slime: dashboard: {redact_url(str(exc))} (redis {redact_url(ns.redis)})", file=sys.stderr)
@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         from slime.chaos import main_chaos  # subcommand
 
         return main_chaos(argv[1:])
+    if argv and argv[0] in ("submit", "status", "logs", "stop"):
+        from slime.submit import main_jobs  # subcommand
+
+        return main_jobs(argv)
     if argv and argv[0] == "serve-sglang":
         from slime.engines.sglang_server import main as main_serve_sglang  # subcommand
 
@@ -128,13 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("train-prm", help="train a process reward model on step-labelled JSONL (--help for flags)")
     sub.add_parser("reward-serve", help="serve a reward over HTTP: reward-serve SPEC --port N (--help for flags)")
     sub.add_parser("chaos", help="run a short job, kill its parts on a seeded schedule, audit what it lost (--help)")
+    sub.add_parser("submit", help="run a training job on a Ray cluster: submit CONFIG.yaml --address URL [k=v ...]")
+    sub.add_parser("status", help="a job's status, or a table of the cluster's jobs: status [ID] --address URL")
+    sub.add_parser("logs", help="a submitted job's logs: logs ID --address URL [--follow]")
+    sub.add_parser("stop", help="stop a submitted job: stop ID --address URL")
     sub.add_parser(
         "serve-sglang", help="serve the built-in engine over SGLang's HTTP API: serve-sglang --model DIR --port N"
     )
     p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim.py)")
     p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
     p_dash = sub.add_parser("dashboard", help="serve the buffer API and live page of one job (docs/dashboard.md)")
-    p_dash.add_argument("--redis", required=True, help="redis://host:port/db of the job's buffer")
+    p_dash.add_argument(
+        "--redis", required=True, help="redis://host:port/db (or redis+cluster://host:port) of the job's buffer"
+    )
     p_dash.add_argument("--job", required=True, help="the job_name whose buffer to show")
     p_dash.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need a token)")
     p_dash.add_argument("--port", type=int, default=8377, help="0 picks a free port")

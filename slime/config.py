@@ -89,6 +89,31 @@ class DataConfig(_Strict):
     num_generated: int = Field(2000, gt=0, description="Prompts generated for the example task when path is None.")
 
 
+class ElasticRolloutConfig(_Strict):
+    """Elastic rollout (GLM-5's dynamic load balancing; docs/elastic.md), async mode: a worker more when
+    the learner finds the buffer dry, one less when ready groups wait for the learner. The fill is
+    the ready share of the admission budget (max_staleness * batch_size groups) when the learner asks."""
+
+    enabled: bool = False
+    min_workers: int = Field(1, gt=0)
+    max_workers: int = Field(4, gt=0)
+    low_watermark: float = Field(0.5, ge=0, le=1, description="Fill at or below this: add a worker.")
+    high_watermark: float = Field(1.0, gt=0, le=1, description="Fill at or above this: remove a worker.")
+    cooldown_steps: int = Field(
+        2,
+        ge=0,
+        description="Steps observed after a change (and the first step) before the next; their mean fill decides.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ElasticRolloutConfig:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers={self.min_workers} exceeds max_workers={self.max_workers}")
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(f"low_watermark={self.low_watermark} must be below high_watermark={self.high_watermark}")
+        return self
+
+
 class RolloutConfig(_Strict):
     num_workers: int = Field(1, gt=0)
     batch_size: int = Field(8, gt=0, description="Prompt groups per training step.")
@@ -131,6 +156,7 @@ class RolloutConfig(_Strict):
         description="A worker that does not answer its health check, or makes no decode step with requests "
         "queued, for this long is killed and the job restarts from its checkpoint (max_restarts).",
     )
+    elastic: ElasticRolloutConfig = ElasticRolloutConfig()
 
 
 class AprilConfig(_Strict):
@@ -282,14 +308,18 @@ class EnvConfig(_Strict):
 
 
 class BufferConfig(_Strict):
-    url: str | None = Field(None, description="redis://host:port/db; None starts a local redis-server.")
+    url: str | None = Field(
+        None,
+        description="redis://host:port/db, or a Redis Cluster's redis+cluster://host:port (any node); "
+        "None starts a local redis-server.",
+    )
     aof: bool = True
     appendfsync: Literal["always", "everysec"] = Field(
         "everysec",
-        description="The local redis-server's AOF fsync. Either way a killed redis-server loses no "
-        "acknowledged write (Redis writes the AOF before it replies); a crash of the machine loses up "
-        "to the last second with everysec (detected and resumed from what was stored), nothing with "
-        "always, which costs one fsync per write.",
+        description="The local redis-server's AOF fsync. always: nothing acknowledged is lost, at one fsync "
+        "per write. everysec: a crash of the machine loses up to the last second or two, and so can a "
+        "killed redis-server under disk load (Redis then replies before it writes the AOF while an "
+        "earlier fsync runs); the lost tail is detected and resumed from what was stored.",
     )
     lease_seconds: float = Field(10.0, gt=0)
     reconnect_timeout_s: float = Field(
@@ -297,6 +327,13 @@ class BufferConfig(_Strict):
         gt=0,
         description="How long every part retries (with backoff) a Redis that went away before it "
         "gives up: long enough for a restart that replays the AOF.",
+    )
+    replica_acks: int = Field(
+        0,
+        ge=0,
+        description="Replicas that must confirm each buffer write (WAIT) before it counts as stored: with 1, "
+        "a master killed after acknowledging loses nothing once its replica is promoted (Redis Cluster or a "
+        "replicated server). 0: acknowledged when the master has it.",
     )
 
 
@@ -319,7 +356,11 @@ class WeightsConfig(_Strict):
 
 
 class ClusterConfig(_Strict):
-    ray_address: str | None = None
+    ray_address: str | None = Field(
+        None,
+        description="None: the job starts a Ray of its own; auto: join the cluster this machine belongs to "
+        "(what a submitted job does, slime submit); HOST:PORT: that cluster's GCS address.",
+    )
     num_cpus: int | None = Field(None, gt=0)
     torch_threads: int = Field(1, gt=0, description="torch threads per actor (2-core boxes: keep 1).")
     placement: Literal["colocated", "disaggregated"] = Field(
@@ -441,7 +482,30 @@ class JobConfig(_Strict):
                 raise ValueError("april.streaming_chunk_tokens runs its own loop: leave mode=sync")
         if self.sampling.tasks is not None and self.data.task_key == "":
             raise ValueError("data.task_key must be set when sampling.tasks is configured")
+        self._check_elastic()
         return self
+
+    def _check_elastic(self) -> None:
+        """rollout.elastic's combinations with the rest of the job."""
+        e = self.rollout.elastic
+        if not e.enabled:
+            return
+        if self.mode != "async":
+            raise ValueError(
+                "rollout.elastic needs mode=async: in the sync loops rollout and training take turns, so the "
+                "learner always waits for the whole rollout and the buffer never fills; there is no balance to shift"
+            )
+        if self.weights.transport == "broadcast":
+            raise ValueError(
+                "rollout.elastic does not work with weights.transport=broadcast: its torch.distributed group is "
+                "formed once, with one rank per engine started (rollout.num_workers), and an engine added later "
+                "cannot join it; use shm, cuda_ipc or file (auto picks one)"
+            )
+        if not e.min_workers <= self.rollout.num_workers <= e.max_workers:
+            raise ValueError(
+                f"rollout.num_workers={self.rollout.num_workers} must lie within rollout.elastic.min_workers="
+                f"{e.min_workers} and rollout.elastic.max_workers={e.max_workers}"
+            )
 
     @property
     def weight_check_tolerance(self) -> float:

@@ -2,8 +2,9 @@
 
 It starts groups in the buffer as APRIL's scheduler decides (april/scheduler.py), waits for the
 step's batch (or, streaming, for segments), drops zero-variance groups, aborts the long tail and
-resumes it, pushes weights into the engines, follows the dashboard's controls and watches the
-workers' health. The decisions are APRIL's; this file only carries them out.
+resumes it, pushes weights into the engines, follows the dashboard's controls, watches the
+workers' health, and (rollout.elastic) adds and removes workers as april/elastic.py decides. The
+decisions are APRIL's; this file only carries them out.
 
 Ray is imported inside the methods: the job sets Ray's token authentication in the environment
 before Ray is first imported (slime/job.py), and Ray reads it then.
@@ -14,13 +15,17 @@ from __future__ import annotations
 import time
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from april.elastic import ElasticPolicy
 from april.scheduler import GroupCounts, GroupScheduler, ZeroVarianceFilter
 from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import JobConfig
 from slime.data import PromptRecord
+from slime.rollout import RolloutWorker
 from slime.sampling import PromptSampler
+from slime.security import JobCredentials
 
 
 class WorkerFailed(RuntimeError):
@@ -54,12 +59,66 @@ def prompt_text(record: PromptRecord) -> str:
     return "\n".join(m.get("content", "") for m in record.prompt)
 
 
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """What the job starts its rollout workers with; the fleet starts more of them (rollout.elastic)."""
+
+    model_dir: str
+    redis_url: str
+    credentials: JobCredentials | None
+    run_id: str  # in every worker id: lease owners never collide with a previous run's workers
+
+
+def worker_resources(cfg: JobConfig) -> dict[str, float]:
+    """What one rollout worker reserves: a GPU for a disaggregated GPU engine (colocated engines share
+    the learner's devices), and rollout.resources_per_worker."""
+    gpu = cfg.cluster.placement == "disaggregated" and cfg.rollout.device.startswith("cuda")
+    return ({"GPU": 1.0} if gpu else {}) | cfg.rollout.resources_per_worker
+
+
+def start_rollout_worker(
+    cfg: JobConfig, launch: WorkerLaunch, index: int, *, paused: bool = False, placement: Any = None
+) -> Any:
+    """Rollout worker ``index`` as a Ray actor (in ``placement``, a one-bundle placement group, if given)."""
+    import ray  # see the module docstring
+
+    need = worker_resources(cfg)
+    # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": need.pop("GPU", 0.0), "resources": need or None}
+    if placement is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # with Ray, as above
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
+    worker_id = f"w{index}-{launch.run_id}"
+    return ray.remote(**options)(RolloutWorker).remote(
+        cfg, launch.model_dir, launch.redis_url, worker_id, index, launch.credentials, paused
+    )
+
+
+@dataclass
+class _Changing:
+    """A worker joining the fleet (``done``: its first health call, answered once it has started) or
+    leaving it (``done``: its retire call)."""
+
+    actor: Any
+    worker_id: str
+    placement: Any  # its placement group, or None
+    done: Any  # ObjectRef
+    since: float
+
+
 class RolloutFleet:
     def __init__(
-        self, cfg: JobConfig, workers: list, buffer: TrajectoryStore, telemetry: JobTelemetry, sampler: PromptSampler
+        self,
+        cfg: JobConfig,
+        workers: list,
+        buffer: TrajectoryStore,
+        telemetry: JobTelemetry,
+        sampler: PromptSampler,
+        launch: WorkerLaunch | None = None,
     ):
         self.cfg = cfg
-        self.workers = workers
+        self.workers = workers  # the job's list: changed in place as workers join and leave
         self.buffer = buffer
         self.telemetry = telemetry
         self.sampler = sampler
@@ -72,12 +131,34 @@ class RolloutFleet:
         self.controls_read_at = 0.0
         self.last_health = time.time()
         self.progress: dict[int, tuple[tuple, float]] = {}  # worker -> (engine counters, since when)
+        # Elastic rollout (rollout.elastic): april decides, the methods under "elastic rollout" act.
+        e = cfg.rollout.elastic
+        self.elastic = (
+            ElasticPolicy(e.min_workers, e.max_workers, e.low_watermark, e.high_watermark, e.cooldown_steps)
+            if e.enabled
+            else None
+        )
+        if self.elastic is not None and launch is None:
+            raise ValueError("RolloutFleet: rollout.elastic needs the WorkerLaunch the job starts workers with")
+        self.launch = launch
+        self.worker_ids = [f"w{i}-{launch.run_id}" for i in range(len(workers))] if launch else []
+        self.next_index = len(workers)
+        self.weights: Any = None  # the handle last pushed to every engine: a joining worker loads it
+        self.placements: dict[str, Any] = {}  # worker id -> placement group, for the workers added here
+        self.joining: list[_Changing] = []
+        self.leaving: list[_Changing] = []
+        self.last_fill: float | None = None
+        self.peak_queued = 0  # the most samples beyond the workers' engine slots since the last decision
 
     # ---- starting groups -------------------------------------------------------------------------
     def schedule_groups(self) -> int:
         """Top the buffer up with new groups, one per prompt, as many as the scheduler says."""
         cfg = self.cfg
         c = self.buffer.counts()
+        # Elastic rollout's saturation signal: samples to generate (or score) beyond the engines' slots.
+        unfinished = c["pending"] + c["aborted"] + c["running"]
+        slots = len(self.workers) * cfg.rollout.max_running_requests
+        self.peak_queued = max(self.peak_queued, unfinished - slots)
         # The engines' version, not the learner's: the learner publishes its new version before the
         # engines have its weights (async admission).
         version = self.buffer.get_policy_version() if self.engine_version is None else self.engine_version
@@ -135,6 +216,8 @@ class RolloutFleet:
     ) -> None:
         on_wait(counts, needed)
         self.apply_controls()
+        if self.joining or self.leaving:
+            self.follow_changes()
         if time.time() - self.last_health > 2.0:
             self.check_workers()
             self.last_health = time.time()
@@ -177,6 +260,7 @@ class RolloutFleet:
     def update_weights(self, handle: Any) -> None:
         self._wait_all([w.update_weights.remote(handle) for w in self.workers], "update_weights")
         self.engine_version = handle.version
+        self.weights = handle
 
     def probe_logprobs(self, prompt_ids: list[int], probe: list[int]) -> list:
         return self._wait_all([w.probe_logprobs.remote(prompt_ids, probe) for w in self.workers], "probe_logprobs")
@@ -253,3 +337,154 @@ class RolloutFleet:
         healths = self._wait_all([w.health.remote() for w in self.workers], "health")
         self.telemetry.record_engine_health(healths)
         return healths
+
+    # ---- elastic rollout (rollout.elastic) --------------------------------------------------------
+    def rebalance(self, step: int) -> None:
+        """When the learner asks for its batch: april's ElasticPolicy reads how full the buffer is and
+        a worker is added (it joins once started, with the engines' weights) or the newest removed
+        (it leaves once its partials are requeued and its rewards stored). Each decision is an event."""
+        if self.joining or self.leaving:
+            self.follow_changes()
+        if self.elastic is None:
+            return
+        budget = max(1, self.cfg.max_staleness) * self.cfg.rollout.batch_size
+        # Async trains in start order: a group ready behind an unfinished older one cannot be trained yet.
+        ready = self.buffer.ready_in_start_order(budget)
+        queued, self.peak_queued = max(0, self.peak_queued), 0
+        decision = self.elastic.decide(len(self.workers) + len(self.joining), ready, budget, queued)
+        self.last_fill = decision.fill
+        if decision.action == "hold":
+            return
+        worker_id = self._add_worker() if decision.action == "add" else self._remove_newest()
+        self.telemetry.log_event(
+            f"elastic_{decision.action}",
+            {
+                "step": step,
+                "worker": worker_id,
+                "workers": decision.workers,
+                "fill": round(decision.fill, 3),
+                "ready_groups": ready,
+                "queued_samples": queued,
+                "reason": decision.reason,
+            },
+        )
+
+    def _add_worker(self) -> str:
+        """Start a worker, paused until it holds the engines' weights (follow_changes). A worker that
+        reserves anything (a GPU, rollout.resources_per_worker) gets a placement group of its own:
+        removing the worker returns exactly that to the cluster."""
+        index, self.next_index = self.next_index, self.next_index + 1
+        worker_id = f"w{index}-{self.launch.run_id}"
+        need = worker_resources(self.cfg)
+        placement = None
+        if need:
+            from ray.util.placement_group import placement_group  # with Ray, as above
+
+            placement = placement_group([need], name=f"{self.cfg.job_name}-rollout-{worker_id}")
+        actor = start_rollout_worker(self.cfg, self.launch, index, paused=True, placement=placement)
+        self.joining.append(_Changing(actor, worker_id, placement, actor.health.remote(), time.time()))
+        return worker_id
+
+    def _remove_newest(self) -> str:
+        """The newest worker leaves: one still starting has leased nothing and just goes; a running
+        one retires (RolloutWorker.retire) while the others go on."""
+        if self.joining:
+            member = self.joining.pop()
+            self._discard(member)
+            self.telemetry.log_event("elastic_removed", {"worker": member.worker_id, "while": "starting"})
+            return member.worker_id
+        actor, worker_id = self.workers.pop(), self.worker_ids.pop()
+        self.progress = {}  # keyed by position in the list
+        placement = self.placements.pop(worker_id, None)
+        self.leaving.append(_Changing(actor, worker_id, placement, actor.retire.remote(), time.time()))
+        return worker_id
+
+    def follow_changes(self) -> None:
+        """Workers that have started load the weights the engines hold and start generating; workers
+        that have retired are stopped, their placement groups removed. Either past
+        rollout.hang_timeout_s is dropped (its leases, if any, expire and requeue, tokens kept)."""
+        import ray  # see the module docstring
+
+        limit, now = self.cfg.rollout.hang_timeout_s, time.time()
+        for member in list(self.joining):
+            if not ray.wait([member.done], timeout=0)[0] and now - member.since < limit:
+                continue
+            self.joining.remove(member)
+            try:
+                ray.get(member.done, timeout=0)
+                if self.weights is not None:  # else it holds the model it was started with: no update yet
+                    ray.get(member.actor.update_weights.remote(self.weights), timeout=limit)
+                if not self.dashboard_paused:
+                    ray.get(member.actor.resume.remote(), timeout=limit)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                self._discard(member)
+                if isinstance(exc, ray.exceptions.GetTimeoutError):
+                    need = worker_resources(self.cfg)
+                    why = f"not started within rollout.hang_timeout_s={limit:g}s" + (
+                        f" (it needs {need} free in the cluster)" if need else ""
+                    )
+                else:
+                    why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+                self.telemetry.log_event("elastic_add_failed", {"worker": member.worker_id, "why": why})
+                continue
+            self.workers.append(member.actor)
+            self.worker_ids.append(member.worker_id)
+            if member.placement is not None:
+                self.placements[member.worker_id] = member.placement
+            self.progress = {}
+            self.telemetry.log_event(
+                "elastic_joined",
+                {
+                    "worker": member.worker_id,
+                    "workers": len(self.workers),
+                    "weights_version": None if self.weights is None else self.weights.version,
+                    "seconds": round(time.time() - member.since, 2),
+                },
+            )
+        for member in list(self.leaving):
+            if ray.wait([member.done], timeout=0)[0] or now - member.since >= limit:
+                self._finish_leaving(member)
+
+    def _finish_leaving(self, member: _Changing) -> None:
+        import ray  # see the module docstring
+
+        self.leaving.remove(member)
+        detail: dict[str, Any] = {"worker": member.worker_id, "seconds": round(time.time() - member.since, 2)}
+        try:
+            retired = ray.get(member.done, timeout=0)
+            detail.update(requeued_partials=retired["aborted"], generated_tokens=retired["generated_tokens"])
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            detail["why"] = f"retire did not complete ({type(exc).__name__}); its leases expire and requeue"
+        self._discard(member)
+        self.telemetry.forget_engine(member.worker_id)
+        self.telemetry.log_event("elastic_removed", {**detail, "workers": len(self.workers)})
+
+    def _discard(self, member: _Changing) -> None:
+        import ray  # see the module docstring
+
+        ray.kill(member.actor)
+        if member.placement is not None:
+            ray.util.remove_placement_group(member.placement)
+
+    def release_added(self, timeout_s: float = 60.0) -> None:
+        """At the job's end, after its workers were stopped: workers still leaving finish (bounded),
+        workers still starting go, and the placement groups of the workers added are removed."""
+        import ray  # see the module docstring
+
+        if self.leaving:
+            ray.wait([m.done for m in self.leaving], num_returns=len(self.leaving), timeout=timeout_s)
+        for member in list(self.leaving):
+            self._finish_leaving(member)
+        for member in self.joining:
+            self._discard(member)
+        self.joining = []
+        for placement in self.placements.values():
+            ray.util.remove_placement_group(placement)
+        self.placements = {}
+
+    def step_metrics(self) -> dict[str, float]:
+        """The fleet's part of a step's metrics: workers generating now, and the fill elastic decided on."""
+        metrics: dict[str, float] = {"rollout_workers": float(len(self.workers))}
+        if self.last_fill is not None:
+            metrics["elastic_fill"] = self.last_fill
+        return metrics

@@ -26,12 +26,11 @@ from slime.buffer.redis_server import connect_or_start
 from slime.config import ConfigError, JobConfig, dump_config
 from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
-from slime.fleet import RolloutFleet, scheduler_for
+from slime.fleet import RolloutFleet, WorkerLaunch, scheduler_for, start_rollout_worker
 from slime.learner import LearnerGroup
 from slime.learner.group import check_resources
 from slime.metrics import FailureWatch, MetricsLogger, write_atomic
 from slime.model import ensure_model_dir, load_tokenizer
-from slime.rollout import RolloutWorker
 from slime.sample import new_id
 from slime.sampling import PromptSampler
 from slime.security import JobCredentials, write_private
@@ -120,6 +119,7 @@ class RunningJob:
                 cfg.job_name,
                 password=self.credentials.redis_password,
                 reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
+                replica_acks=cfg.buffer.replica_acks,
             )
             self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
             self.telemetry = JobTelemetry(connection)
@@ -172,7 +172,9 @@ class RunningJob:
 
         if not ray.is_initialized():
             ray.init(
-                address=cfg.cluster.ray_address,
+                # None: a Ray of the job's own, even where a cluster runs on this machine (Ray would
+                # join that one); "auto" joins it on purpose (a submitted job: slime/submit.py).
+                address=cfg.cluster.ray_address or "local",
                 num_cpus=cfg.cluster.num_cpus,
                 include_dashboard=False,
                 logging_level="warning",
@@ -182,21 +184,12 @@ class RunningJob:
             self.stop.install()  # ray.init installs its own SIGTERM handler; ours ends the step first
 
     def _start_actors(self) -> None:
-        import ray  # started by _start_ray
-
         cfg = self.cfg
-        # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
         run_id = new_id()[:6]  # lease owner names never collide with a previous run's workers
         self.learner = LearnerGroup(cfg, self.model_dir, self.redis_url, self.credentials)
-        # Disaggregated GPU engines reserve a GPU each; colocated ones share the learner's devices.
-        gpus = 1 if cfg.cluster.placement == "disaggregated" and cfg.rollout.device.startswith("cuda") else 0
-        self.workers = [
-            ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.rollout.resources_per_worker or None)(
-                RolloutWorker
-            ).remote(cfg, self.model_dir, self.redis_url, f"w{i}-{run_id}", i, self.credentials)
-            for i in range(cfg.rollout.num_workers)
-        ]
-        self.fleet = RolloutFleet(cfg, self.workers, self.buffer, self.telemetry, self.sampler)
+        launch = WorkerLaunch(self.model_dir, self.redis_url, self.credentials, run_id)
+        self.workers = [start_rollout_worker(cfg, launch, i) for i in range(cfg.rollout.num_workers)]
+        self.fleet = RolloutFleet(cfg, self.workers, self.buffer, self.telemetry, self.sampler, launch)
 
     def _start_dashboard(self) -> None:
         cfg = self.cfg
@@ -244,6 +237,11 @@ class RunningJob:
                     pass
             for actor in self.workers:
                 ray.kill(actor)
+            if hasattr(self, "fleet"):  # workers it was still adding or removing (rollout.elastic)
+                try:
+                    self.fleet.release_added()
+                except Exception:
+                    pass
             if self.learner is not None:
                 self.learner.kill()
             if self.ray_started:
@@ -365,6 +363,7 @@ class RunningJob:
     # ---- metrics ---------------------------------------------------------------------------------
     def end_step(self, step: int, metrics: dict) -> None:
         metrics["weight_sync_seconds"] = self.weight_sync_seconds
+        metrics.update(self.fleet.step_metrics())  # rollout_workers (and elastic_fill)
         boundary = time.time() if self.step_boundary is None else self.step_boundary
         metrics["step_seconds"] = boundary - self.step_started
         metrics["buffer"] = counts = self.buffer.counts()

@@ -29,6 +29,16 @@ def sim_config_from_job(job: JobConfig, overrides: dict[str, Any] | None = None)
         max_staleness=max(1, job.max_staleness),
         seed=job.seed,
     )
+    e = r.elastic
+    if e.enabled:  # the same bounds and watermarks (april/elastic.py decides in both)
+        base.update(
+            elastic=True,
+            elastic_min_engines=e.min_workers,
+            elastic_max_engines=e.max_workers,
+            elastic_low_watermark=e.low_watermark,
+            elastic_high_watermark=e.high_watermark,
+            elastic_cooldown_steps=e.cooldown_steps,
+        )
     base["resume_from_kept_kv"] = r.engine == "builtin" and r.kept_kv_tokens > 0
     if job.rollout.device == "cpu":  # the CPU engine has no KV pool to exhaust: room for every slot
         per_request = base["prompt_tokens"] + r.max_new_tokens

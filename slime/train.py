@@ -6,6 +6,8 @@ sync:      wait until the step's groups are complete (APRIL: over-provisioned, r
            at a time) -> abort the long tail -> train -> push weights -> resume the partials.
 async:     keep groups in flight all the time; train on complete groups while the workers go on
            generating; no group starts that would be trained more than `max_staleness` versions late.
+           With rollout.elastic, a worker more when the learner finds the buffer dry, one less when
+           it finds it full (april/elastic.py).
 streaming: train trajectories chunk by chunk while they grow (GLM-5's variant, PPO).
 """
 
@@ -42,6 +44,7 @@ def sync_loop(job: RunningJob) -> None:
 def async_loop(job: RunningJob) -> None:
     cfg = job.cfg
     for step in range(job.start_step, cfg.steps):
+        job.fleet.rebalance(step)  # rollout.elastic: add or remove a worker by how full the buffer is
         job.fleet.wait_for_ready_groups(cfg.rollout.batch_size, job.logger.waiting)  # scheduling as it waits
         # The workers keep generating the next groups while the learner trains on these.
         metrics = job.train_step(step, max_staleness=cfg.max_staleness)

@@ -55,6 +55,7 @@ def ray_session() -> Iterator[None]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray  # late: Ray reads RAY_AUTH_MODE when it is imported
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    # "local": a Ray of the tests' own, never a cluster some other process runs on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     yield
     ray.shutdown()

@@ -78,7 +78,9 @@ def test_a_script_sent_twice_changes_the_buffer_once(buffer: TrajectoryStore) ->
 
 
 def test_a_killed_redis_restarts_and_every_acknowledged_chunk_is_kept(tmp_path: Path) -> None:
-    server = LocalRedisServer(tmp_path / "redis", aof=True, password="pw")
+    # always: Redis fsyncs before it replies. With everysec a SIGKILL under disk load can take the
+    # last acknowledged writes too (the test of ChunksLostError below covers that path).
+    server = LocalRedisServer(tmp_path / "redis", aof=True, password="pw", appendfsync="always")
     restarts: list[str] = []
     server.keep_alive(restarts.append)
     store = TrajectoryStore(JobConnection(server.url, "restart", password="pw", reconnect_timeout_s=30), 30.0)

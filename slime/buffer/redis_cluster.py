@@ -121,7 +121,9 @@ class LocalRedisCluster:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if not node.alive():
-                raise RuntimeError(f"redis-server (cluster node :{port}) exited: {_log_tail(node_dir / 'redis-server.log')}")
+                raise RuntimeError(
+                    f"redis-server (cluster node :{port}) exited: {_log_tail(node_dir / 'redis-server.log')}"
+                )
             try:
                 node.client(self.password).ping()
                 return node

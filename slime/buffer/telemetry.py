@@ -101,6 +101,10 @@ class JobTelemetry:
     def engine_health(self) -> dict[str, dict[str, Any]]:
         return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(self._key("engines")).items()}
 
+    def forget_engine(self, worker_id: str) -> None:
+        """A worker left the job (elastic rollout): the dashboard stops showing its last health."""
+        self.redis.hdel(self._key("engines"), worker_id)
+
     def add_expert_load(self, counts: np.ndarray) -> None:
         """Add routed-token counts, shape (layers, experts)."""
         pipe = self.redis.pipeline(transaction=False)

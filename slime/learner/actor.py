@@ -205,6 +205,7 @@ class Learner:
                 cfg.job_name,
                 password=credentials.redis_password if credentials else None,
                 reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
+                replica_acks=cfg.buffer.replica_acks,
             ),
             cfg.buffer.lease_seconds,
         )

@@ -87,7 +87,10 @@ class RolloutWorker:
         worker_id: str,
         index: int = 0,
         credentials: JobCredentials | None = None,
+        paused: bool = False,
     ):
+        """``paused``: lease nothing until ``resume`` (a worker joining a running job gets the
+        current weights first; slime/fleet.py)."""
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
         self.worker_id = worker_id
@@ -97,6 +100,7 @@ class RolloutWorker:
             cfg.job_name,
             password=credentials.redis_password if credentials else None,
             reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
+            replica_acks=cfg.buffer.replica_acks,
         )
         self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
         self.telemetry = JobTelemetry(connection)  # expert load; one Redis connection per process
@@ -155,6 +159,8 @@ class RolloutWorker:
         self.admit_seconds = 0.0
         self.absorb_seconds = 0.0
         self.started_at = time.time()
+        if paused:
+            self.paused.set()
         self.thread = threading.Thread(target=self._run, name=f"rollout-{worker_id}", daemon=True)
         self.thread.start()
 
@@ -531,6 +537,18 @@ class RolloutWorker:
             "absorb_seconds": self.absorb_seconds,
             "uptime_seconds": time.time() - self.started_at,
         }
+
+    def retire(self) -> dict[str, int]:
+        """Leave a running job (elastic rollout) losing nothing: every request aborted, its partial
+        stored and requeued first, tokens kept (abort_all); the rewards still running finish and their
+        samples are stored (the paused loop writes them), within the longest a reward may take; then
+        stop. Returns the requests aborted and the tokens this worker generated in all."""
+        aborted = self.abort_all()
+        deadline = time.time() + self.cfg.reward.timeout_s + self.cfg.rollout.hang_timeout_s
+        while (self.scoring or self.scored) and self.thread.is_alive() and time.time() < deadline:
+            time.sleep(0.01)
+        self.stop()
+        return {"aborted": aborted, "generated_tokens": self.generated_tokens}
 
     def stop(self) -> None:
         self.stopped.set()
