@@ -81,7 +81,7 @@ def _dashboard(ns: argparse.Namespace) -> int:
         token, password = _dashboard_secrets(ns)
         open_client(ns.redis, password=password, socket_connect_timeout=5).ping()
         server = DashboardServer(ns.redis, ns.job, ns.host, ns.port, token, redis_password=password)
-    except (redis.RedisError, ValueError, OSError) as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, ValueError, OSError) as exc:
         print(f"slime: dashboard: {redact_url(str(exc))} (redis {redact_url(ns.redis)})", file=sys.stderr)
         return 2
     how = (

@@ -482,6 +482,11 @@ class JobConfig(_Strict):
                 raise ValueError("april.streaming_chunk_tokens runs its own loop: leave mode=sync")
         if self.sampling.tasks is not None and self.data.task_key == "":
             raise ValueError("data.task_key must be set when sampling.tasks is configured")
+        if self.buffer.replica_acks and self.buffer.url is None:
+            raise ValueError(
+                f"buffer.replica_acks={self.buffer.replica_acks} needs a replicated Redis at buffer.url: the job's "
+                "own redis-server (buffer.url unset) has no replica, so no write could ever be acknowledged"
+            )
         self._check_elastic()
         return self
 

@@ -441,8 +441,11 @@ class RolloutFleet:
                     "seconds": round(time.time() - member.since, 2),
                 },
             )
+        # retire waits for the rewards still running (reward.timeout_s + hang_timeout_s), then stops
+        # (its thread join: up to 30 s); cut short, their finishes would be scored again elsewhere.
+        leave_limit = limit + self.cfg.reward.timeout_s + 30
         for member in list(self.leaving):
-            if ray.wait([member.done], timeout=0)[0] or now - member.since >= limit:
+            if ray.wait([member.done], timeout=0)[0] or now - member.since >= leave_limit:
                 self._finish_leaving(member)
 
     def _finish_leaving(self, member: _Changing) -> None:

@@ -46,6 +46,7 @@ FORWARDED_ENV = ("RAY_AUTH_MODE", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAY_JOB
 # `slime stop` sends SIGTERM, then SIGKILL after this long (Ray's default: 3 s). The job needs the time
 # to finish its step, write a checkpoint and stop its redis-server; a SIGKILL leaves that server behind.
 STOP_WAIT_S = "300"
+AGENT_WAIT_S = 60.0  # how long submit waits for a just-started cluster's job agent
 ADDRESS_HELP = "the cluster's Jobs API: http://HEAD:8265 (its dashboard) or ray://HEAD:10001 (default: $RAY_ADDRESS)"
 
 
@@ -80,6 +81,12 @@ def connect(address: str | None) -> JobSubmissionClient:
 def config_in_project(config_path: str) -> str:
     """The config's path inside the uploaded working directory. A config outside the project, or in a
     folder the upload leaves out, is refused: the job could not read it."""
+    if not (PROJECT_ROOT / "pyproject.toml").is_file():
+        # A non-editable install (pip install ., the images): the package sits in site-packages.
+        raise ConfigError(
+            f"slime submit uploads the project's source folder, and this slime is installed at {PROJECT_ROOT} "
+            "(no pyproject.toml there): run it from a checkout installed with pip install -e ."
+        )
     path = Path(config_path).expanduser().resolve()
     try:
         relative = path.relative_to(PROJECT_ROOT)
@@ -122,14 +129,21 @@ def submit(ns: argparse.Namespace) -> int:
             **{name: os.environ[name] for name in FORWARDED_ENV if name in os.environ},
         },
     }
-    try:
-        submission_id = client.submit_job(
-            entrypoint=entrypoint(relative_config, overrides),
-            runtime_env=runtime_env,
-            metadata={"slime_job_name": cfg.job_name},
-        )
-    except (RuntimeError, ValueError, OSError) as exc:  # e.g. an upload over Ray's size limit
-        raise JobsApiError(f"the cluster at {client.get_address()} refused the job: {exc}") from None
+    # A cluster just started answers "No available agent" until a node's job agent is up: wait.
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            submission_id = client.submit_job(
+                entrypoint=entrypoint(relative_config, overrides),
+                runtime_env=runtime_env,
+                metadata={"slime_job_name": cfg.job_name},
+            )
+            break
+        except (RuntimeError, ValueError, OSError) as exc:  # e.g. an upload over Ray's size limit
+            if "No available agent" in str(exc) and time.monotonic() < deadline:
+                time.sleep(1.0)
+                continue
+            raise JobsApiError(f"the cluster at {client.get_address()} refused the job: {exc}") from None
     address = client.get_address()
     print(f"submitted {submission_id} (job {cfg.job_name!r}) to {address}")
     if not Path(cfg.output_dir).expanduser().is_absolute():

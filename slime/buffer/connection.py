@@ -20,26 +20,48 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 from functools import cache
 from importlib import resources
+from typing import TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
-from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ExecAbortError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from slime.security import redact_url
 
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+T = TypeVar("T")
 # buffer.url schemes of a Redis Cluster (any one node's address; the client finds the rest)
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 # Replies that mean "send it again, maybe to another node": the slot moved (a failover promoted a
 # replica), the cluster is between states, or the server lacks the script (first use, restarted).
 _SEND_AGAIN = (NoScriptError, MovedError, AskError, TryAgainError, ClusterDownError)
+# What a failover (or a restart) looks like to a command: wait, learn the masters again, send again.
+# (RedisClusterException is not a RedisError: the cluster client raises it when no node answers.)
+FAILOVER_ERRORS = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    MovedError,
+    AskError,
+    TryAgainError,
+    ClusterDownError,
+    ExecAbortError,  # a MULTI whose commands were refused with MOVED
+    RedisClusterException,
+)
 
 
 class ReplicaAckError(redis.RedisError):
@@ -51,11 +73,34 @@ def is_cluster_url(url: str) -> bool:
     return url.startswith(CLUSTER_SCHEMES)
 
 
-def open_client(url: str, **kwargs) -> redis.Redis | RedisCluster:
+class FailoverPatientCluster(RedisCluster):
+    """A cluster client whose commands wait out a failover: redis-py's own retries come at once,
+    one after another, and are spent long before a replica is promoted (seconds). A command that
+    fails as a failover does is sent again with backoff until ``patience_s`` have passed."""
+
+    patience_s: float = 0.0
+
+    def execute_command(self, *args, **kwargs):
+        deadline = time.monotonic() + self.patience_s
+        attempt = 0
+        while True:
+            try:
+                return super().execute_command(*args, **kwargs)
+            except FAILOVER_ERRORS:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(backoff_s(attempt))
+                attempt += 1
+
+
+def open_client(url: str, *, patience_s: float = 0.0, **kwargs) -> redis.Redis | RedisCluster:
     """A client for a buffer URL: `redis://`, `rediss://`, `unix://`, or a cluster's
-    `redis+cluster://host:port` (`rediss+cluster://` with TLS). Keyword arguments go to redis-py."""
+    `redis+cluster://host:port` (`rediss+cluster://` with TLS). ``patience_s``: how long a cluster
+    client's commands wait out a failover. Other keyword arguments go to redis-py."""
     if is_cluster_url(url):
-        return RedisCluster.from_url(url.replace("+cluster", "", 1), **kwargs)
+        client = FailoverPatientCluster.from_url(url.replace("+cluster", "", 1), **kwargs)
+        client.patience_s = patience_s
+        return client
     return redis.Redis.from_url(url, **kwargs)
 
 
@@ -77,7 +122,11 @@ BACKOFF_BASE_S, BACKOFF_CAP_S = 0.02, 1.0
 _ONCE_HEAD = """local reply_ttl = tonumber(table.remove(ARGV))
 local reply_key = KEYS[1]
 local stored_reply = redis.call('GET', reply_key)
-if stored_reply then return cmsgpack.unpack(stored_reply) end
+if stored_reply then
+  -- A write that replicates: a WAIT after this resend then also covers the first run's writes.
+  redis.call('EXPIRE', reply_key, reply_ttl)
+  return cmsgpack.unpack(stored_reply)
+end
 local reply = (function()
 """
 _ONCE_TAIL = """
@@ -151,8 +200,47 @@ class JobScript:
         self.connection, self._script = connection, script
         self.script, self.sha = script.script, script.sha
 
-    def __call__(self, args: Sequence, client=None):
-        return self._script(keys=[self.connection.anchor], args=args, client=client)
+    def __call__(self, args: Sequence, client: JobPipeline | None = None):
+        if client is not None:
+            client.queue_script(self._script, [self.connection.anchor], list(args))
+            return client
+        return self._script(keys=[self.connection.anchor], args=args)
+
+
+class JobPipeline:
+    """Commands of one job queued for one round trip (``pipe.hget(...)``, as on a redis-py pipeline),
+    sent by ``execute()`` to the server that holds the job's keys: on a cluster a plain pipeline
+    on the slot's master, so the scripts in it are loaded first and TIME is that server's clock. A
+    failover or a lost connection sends them all again, on a fresh pipeline to the master then,
+    with backoff, for up to the connection's reconnect_timeout_s (a MULTI/EXEC pipeline ran all or
+    nothing; the others are reads, or telemetry that may then show twice)."""
+
+    def __init__(self, connection: JobConnection, transaction: bool) -> None:
+        self.connection, self.transaction = connection, transaction
+        self.queued: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, command: str):
+        def queue(*args, **kwargs) -> JobPipeline:
+            self.queued.append((command, args, kwargs))
+            return self
+
+        return queue
+
+    def queue_script(self, script: Script, keys: list, args: list) -> None:
+        self.queued.append(("", (script, keys, args), {}))
+
+    def execute(self) -> list:
+        return self.connection.on_job_server(self._send)
+
+    def _send(self, client: redis.Redis) -> list:
+        pipe = client.pipeline(transaction=self.transaction)
+        for command, args, kwargs in self.queued:
+            if command:
+                getattr(pipe, command)(*args, **kwargs)
+            else:
+                script, keys, script_args = args
+                script(keys=keys, args=script_args, client=pipe)
+        return pipe.execute()
 
 
 class ScriptBatch:
@@ -237,13 +325,13 @@ class ScriptBatch:
         sent, self._sent = self._sent, None
         replies: list = [None] * len(self.commands)
         unanswered = list(range(len(self.commands)))
-        attempt = 0
+        attempt, loads = 0, 0
         while True:
             try:
                 if sent is None:
                     sent = self._send([self.commands[i] for i in unanswered])
                 got = self._read(sent, len(unanswered))
-            except (redis.ConnectionError, redis.TimeoutError):  # also LOADING: Redis replaying its AOF
+            except (redis.ConnectionError, redis.TimeoutError, RedisClusterException):  # also LOADING (AOF replay)
                 sent = None
                 if time.monotonic() > self.deadline:
                     raise
@@ -260,15 +348,22 @@ class ScriptBatch:
                     replies[i] = reply
             if not again:
                 return replies
-            if any(isinstance(reply, NoScriptError) for _, reply in again):
-                self.script.load()
-            if any(not isinstance(reply, NoScriptError) for _, reply in again):
-                if time.monotonic() > self.deadline:
-                    raise next(reply for _, reply in again if not isinstance(reply, NoScriptError))
+            unanswered = [i for i, _ in again]
+            moved = [reply for _, reply in again if not isinstance(reply, NoScriptError)]
+            if moved and time.monotonic() > self.deadline:
+                raise moved[0]
+            if len(moved) < len(again):
+                loads += 1
+                if loads > 3:  # loaded, and still refused: the script goes somewhere else than its load
+                    raise next(reply for _, reply in again if isinstance(reply, NoScriptError))
+                try:
+                    self.script.load()
+                except FAILOVER_ERRORS:
+                    pass  # the calls are sent again; a failover shows there
+            if moved:
                 self.connection.refresh_slots()
                 time.sleep(backoff_s(attempt))
                 attempt += 1
-            unanswered = [i for i, _ in again]
 
 
 class JobConnection:
@@ -306,7 +401,9 @@ class JobConnection:
         # A stored reply outlives every retry of its call.
         self.reply_ttl_s = max(60, math.ceil(2 * self.reconnect_timeout_s))
         retry = reconnecting_retry(self.reconnect_timeout_s)
-        self.redis = open_client(url, socket_connect_timeout=10, retry=retry, password=password)
+        self.redis = open_client(
+            url, patience_s=self.reconnect_timeout_s, socket_connect_timeout=10, retry=retry, password=password
+        )
 
     # Ray actors and worker processes get their own connection from the same settings.
     def __reduce__(self) -> tuple:
@@ -329,7 +426,7 @@ class JobConnection:
         if self.cluster:
             try:
                 self.redis.nodes_manager.initialize()
-            except redis.RedisError:
+            except (redis.RedisError, RedisClusterException):
                 pass  # the cluster is between states: the caller backs off and tries again
 
     def wait_commands(self) -> list[tuple]:
@@ -340,8 +437,29 @@ class JobConnection:
         return self.prefix + ":".join(parts)
 
     def server_time(self) -> float:
-        seconds, micros = self.redis.time()
+        """The clock of the server that holds the job's keys, which the scripts' leases run on."""
+        seconds, micros = self.on_job_server(lambda client: client.time())
         return seconds + micros / 1e6
+
+    def on_job_server(self, call: Callable[[redis.Redis], T]) -> T:
+        """call(client of the server that holds the job's keys). On a cluster a failover is waited
+        out: the masters are learned again and the call made again, with backoff, for up to
+        reconnect_timeout_s (a standalone client has retried by itself: its Retry)."""
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        attempt = 0
+        while True:
+            try:
+                return call(self.node_client())
+            except FAILOVER_ERRORS:
+                if not self.cluster or time.monotonic() > deadline:
+                    raise
+                self.refresh_slots()
+                time.sleep(backoff_s(attempt))
+                attempt += 1
+
+    def pipeline(self, transaction: bool = False) -> JobPipeline:
+        """Commands of this job for one round trip (`JobPipeline`)."""
+        return JobPipeline(self, transaction)
 
     def script(self, *files: str) -> JobScript:
         """A script of slime/buffer/lua/ called plainly (ARGV[1] is the job prefix), prelude.lua in front."""

@@ -75,7 +75,7 @@ class BufferQueries:
         return samples[0]
 
     def summary_facts(self) -> SummaryFacts:
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.connection.pipeline(transaction=False)
         pipe.time()
         pipe.hget(self._key("stats"), "generated_tokens")
         pipe.get(self._key("policy_version"))
@@ -110,7 +110,7 @@ class BufferQueries:
 
     def group_rows(self, group_ids: Sequence[str]) -> list[tuple[dict[str, str], list[str]]]:
         """Per group: its hash fields and its sample ids, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.connection.pipeline(transaction=False)
         for gid in group_ids:
             pipe.hgetall(self._key("group", gid))
             pipe.lrange(self._key("group", gid, "samples"), 0, -1)
@@ -163,7 +163,7 @@ class BufferQueries:
     def sample_rows(self, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Light per-sample rows (no token arrays) in one round trip: the hash fields above plus
         response length and the first/last token's policy version (versions never decrease)."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.connection.pipeline(transaction=False)
         for sid in sample_ids:
             key = self._key("sample", sid)
             pipe.hmget(key, ROW_FIELDS)

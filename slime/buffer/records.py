@@ -24,7 +24,7 @@ def load_samples(connection: JobConnection, sample_ids: Sequence[str]) -> list[S
     without a sample are left out."""
     if not sample_ids:
         return []
-    pipe = connection.redis.pipeline(transaction=True)
+    pipe = connection.pipeline(transaction=True)
     for sid in sample_ids:
         key = connection.key("sample", sid)
         pipe.hgetall(key)
@@ -45,7 +45,7 @@ def load_samples(connection: JobConnection, sample_ids: Sequence[str]) -> list[S
 def read_counts(connection: JobConnection) -> dict[str, int]:
     """Samples by status, queue lengths, groups by stage and running leases (all O(1) reads)."""
     key = connection.key
-    pipe = connection.redis.pipeline(transaction=True)
+    pipe = connection.pipeline(transaction=True)
     pipe.hgetall(key("status_counts"))
     pipe.llen(key("queue", "resume"))
     pipe.llen(key("queue", "new"))

@@ -32,6 +32,7 @@ from types import TracebackType
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from slime.buffer.connection import open_client
@@ -311,14 +312,16 @@ def connect_or_start(
     if url is None:
         server = LocalRedisServer(data_dir, aof=aof, password=password, appendfsync=appendfsync)
         return server.url, server
+    client = None
     try:
+        # A cluster client asks a node for the slots as it is made: unreachable fails here already.
         client = open_client(url, socket_connect_timeout=5, socket_timeout=5, retry=Retry(NoBackoff(), 0))
-    except (ValueError, redis.RedisError) as exc:  # a cluster client asks its node for the slots at once
-        raise RuntimeError(f"buffer.url {redact_url(url)!r} is not a Redis URL: {exc}") from exc
-    try:
         client.ping()
-    except redis.RedisError as exc:
+    except ValueError as exc:
+        raise RuntimeError(f"buffer.url {redact_url(url)!r} is not a Redis URL: {exc}") from exc
+    except (redis.RedisError, RedisClusterException) as exc:
         raise RuntimeError(f"Redis at buffer.url {redact_url(url)!r} does not answer PING: {exc}") from exc
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     return url, None

@@ -267,7 +267,7 @@ class TrajectoryStore:
         }
         merging = [f for f in finishes if f.metadata_update and f.stored_metadata is None]
         if merging:
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = self.connection.pipeline(transaction=False)
             for f in merging:
                 pipe.hget(self._key("sample", f.sample_id), "metadata")
             for f, stored in zip(merging, pipe.execute()):
@@ -397,7 +397,8 @@ class TrajectoryStore:
         """Delete every key of this job (and only this job). Returns how many keys were removed."""
         removed = 0
         batch: list[bytes] = []
-        for key in self.redis.scan_iter(match=self.prefix + "*", count=1000):
+        # Every key of the job lies on one server (on a cluster: its slot's master).
+        for key in self.connection.node_client().scan_iter(match=self.prefix + "*", count=1000):
             batch.append(key)
             if len(batch) >= 1000:
                 removed += self.redis.unlink(*batch)
@@ -439,7 +440,7 @@ class TrajectoryStore:
         head = self._key("sample", "")
         batch: list[str] = []
         # The per-token arrays share the `sample:` prefix but are strings; TYPE keeps only the hashes.
-        for key in self.redis.scan_iter(match=head + "*", count=1000, _type="hash"):
+        for key in self.connection.node_client().scan_iter(match=head + "*", count=1000, _type="hash"):
             batch.append(key.decode()[len(head) :])
             if len(batch) >= batch_size:
                 yield from (s for s in load_samples(self.connection, batch) if wanted is None or s.status == wanted)

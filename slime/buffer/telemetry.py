@@ -49,7 +49,7 @@ class JobTelemetry:
 
     def log_event(self, kind: str, detail: dict[str, Any]) -> dict[str, Any]:
         event = {"ts": self.connection.server_time(), "kind": kind, "detail": detail}
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.connection.pipeline(transaction=True)
         pipe.lpush(self._key("events"), json.dumps(event))
         pipe.ltrim(self._key("events"), 0, EVENTS_KEPT - 1)
         pipe.execute()
@@ -107,7 +107,7 @@ class JobTelemetry:
 
     def add_expert_load(self, counts: np.ndarray) -> None:
         """Add routed-token counts, shape (layers, experts)."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.connection.pipeline(transaction=False)
         for (layer, expert), n in np.ndenumerate(np.asarray(counts)):
             if n:
                 pipe.hincrby(self._key("expert_load"), f"{layer}:{expert}", int(n))
@@ -127,7 +127,7 @@ class JobTelemetry:
     # ---- steps and the job ----------------------------------------------------------------------
 
     def record_step(self, step: int, metrics: dict[str, float]) -> None:
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.connection.pipeline(transaction=True)
         pipe.rpush(self._key("steps"), json.dumps({"step": step, **metrics}))
         pipe.ltrim(self._key("steps"), -STEPS_KEPT, -1)
         pipe.execute()

@@ -174,6 +174,10 @@ class RolloutWorker:
                         with self.lock:
                             self._settle()
                             self._finish_scored()
+                    if self.scoring and time.time() - last_renew > self.cfg.buffer.lease_seconds / 3:
+                        # rewards still running (a retiring worker waits for them): keep their leases
+                        self.buffer.renew_leases(self.worker_id, list(self.scoring))
+                        last_renew = time.time()
                     time.sleep(0.005)
                     continue
                 with self.lock:

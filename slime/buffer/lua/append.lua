@@ -23,6 +23,8 @@ end
 local expected = tonumber(ARGV[9])
 if expected and expected ~= len_mask then
   if n > 0 and len_mask == expected + n and redis.call('GETRANGE', skey .. ':tok', 4 * expected, -1) == tok then
+    -- A write that replicates: a WAIT after this resend then also covers the first run's append.
+    redis.call('HSET', skey, 'updated_at', fmt(now()))
     return {0, len_mask}
   end
   if len_mask < expected then redis.call('HINCRBYFLOAT', P .. 'stats', 'lost_chunk_tokens', expected - len_mask) end
