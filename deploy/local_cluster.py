@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -33,6 +34,12 @@ def parse_node(text: str) -> dict[str, float]:
     return out
 
 
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--node", action="append", default=[], help="custom resources of one node (repeat)")
@@ -44,16 +51,20 @@ def main() -> None:
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     from ray.cluster_utils import Cluster
 
+    # Every node's dashboard agent takes a free port of its own: Ray's default (52365) is one per
+    # machine, and a second node on it (or any other Ray here) would leave the Jobs API without an agent.
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": args.cpus,
             "resources": nodes[0],
             "include_dashboard": True,
+            "dashboard_port": free_port(),
+            "dashboard_agent_listen_port": free_port(),
         },
     )
     for resources in nodes[1:]:
-        cluster.add_node(num_cpus=args.cpus, resources=resources)
+        cluster.add_node(num_cpus=args.cpus, resources=resources, dashboard_agent_listen_port=free_port())
     cluster.wait_for_nodes()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
