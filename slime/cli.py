@@ -187,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     except TooManyFailures as exc:
         print(f"slime: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        # A second SIGINT/SIGTERM lands wherever the job is; inside an import (the final plot) it
+        # comes out as that import's error, with the interrupt as its cause: still an interrupt.
+        interrupt = _interrupt_behind(exc)
+        if interrupt is None:
+            raise
+        return _interrupted(interrupt)
     except KeyboardInterrupt as exc:  # a second SIGINT/SIGTERM (the first ends the step gracefully)
-        print(
-            f"slime: {exc or 'interrupted'}; partial trajectories are stored, resume=auto continues from the "
-            "last checkpoint",
-            file=sys.stderr,
-        )
-        return 130
+        return _interrupted(exc)
     if history:
         first, last = history[0], history[-1]
         print(
@@ -202,6 +204,25 @@ def main(argv: list[str] | None = None) -> int:
             f"plot {cfg.run_dir / 'training.png'}"
         )
     return 0
+
+
+def _interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    print(
+        f"slime: {exc or 'interrupted'}; partial trajectories are stored, resume=auto continues from the last checkpoint",
+        file=sys.stderr,
+    )
+    return 130
 
 
 def entry() -> None:
