@@ -219,15 +219,22 @@ def test_elastic_job_adds_a_worker_when_dry_removes_it_when_full_and_loses_nothi
     from slime.train import train
 
     released = tmp_path / "released"
+    step0_logged = tmp_path / "step0_logged"
     reward = tmp_path / "scripted_load.py"
+    # Step 1's prompts are scored only once step 0 is logged, so the learner asking for step 1 finds
+    # them not ready (fill 0) however fast the machine generates.
     reward.write_text(
         "import os, time\n"
         "from envs.repeat import score\n"
+        "def wait_for(path):\n"
+        "    deadline = time.time() + 25\n"
+        "    while not os.path.exists(path) and time.time() < deadline:\n"
+        "        time.sleep(0.05)\n"
         "def reward(prompt, response, label, metadata):\n"
         f"    if metadata['record_index'] >= {STALLED_FROM}:\n"
-        "        deadline = time.time() + 25\n"
-        f"        while not os.path.exists({str(released)!r}) and time.time() < deadline:\n"
-        "            time.sleep(0.05)\n"
+        f"        wait_for({str(released)!r})\n"
+        f"    elif metadata['record_index'] >= {STALLED_FROM // 2}:\n"
+        f"        wait_for({str(step0_logged)!r})\n"
         "    return score(response, label)\n"
     )
     job = f"elastic-e2e-{new_id()[:6]}"  # no event of an earlier run releases the reward
@@ -235,6 +242,9 @@ def test_elastic_job_adds_a_worker_when_dry_removes_it_when_full_and_loses_nothi
 
     def release_when_joined() -> None:
         deadline = time.time() + 120
+        while time.time() < deadline and not telemetry.step_history(1):
+            time.sleep(0.1)
+        step0_logged.touch()
         while time.time() < deadline and not any(e["kind"] == "elastic_joined" for e in telemetry.events(50)):
             time.sleep(0.1)
         released.touch()
