@@ -68,6 +68,9 @@ class WorkerLaunch:
     credentials: JobCredentials | None
     run_id: str  # in every worker id: lease owners never collide with a previous run's workers
 
+    def worker_id(self, index: int) -> str:
+        return f"w{index}-{self.run_id}"
+
 
 def worker_resources(cfg: JobConfig) -> dict[str, float]:
     """What one rollout worker reserves: a GPU for a disaggregated GPU engine (colocated engines share
@@ -89,7 +92,7 @@ def start_rollout_worker(
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # with Ray, as above
 
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
-    worker_id = f"w{index}-{launch.run_id}"
+    worker_id = launch.worker_id(index)
     return ray.remote(**options)(RolloutWorker).remote(
         cfg, launch.model_dir, launch.redis_url, worker_id, index, launch.credentials, paused
     )
@@ -141,7 +144,7 @@ class RolloutFleet:
         if self.elastic is not None and launch is None:
             raise ValueError("RolloutFleet: rollout.elastic needs the WorkerLaunch the job starts workers with")
         self.launch = launch
-        self.worker_ids = [f"w{i}-{launch.run_id}" for i in range(len(workers))] if launch else []
+        self.worker_ids = [launch.worker_id(i) for i in range(len(workers))] if launch else []
         self.next_index = len(workers)
         self.weights: Any = None  # the handle last pushed to every engine: a joining worker loads it
         self.placements: dict[str, Any] = {}  # worker id -> placement group, for the workers added here
@@ -374,7 +377,7 @@ class RolloutFleet:
         reserves anything (a GPU, rollout.resources_per_worker) gets a placement group of its own:
         removing the worker returns exactly that to the cluster."""
         index, self.next_index = self.next_index, self.next_index + 1
-        worker_id = f"w{index}-{self.launch.run_id}"
+        worker_id = self.launch.worker_id(index)
         need = worker_resources(self.cfg)
         placement = None
         if need:

@@ -114,13 +114,7 @@ class RunningJob:
                 self.credentials.redis_password,
                 cfg.buffer.appendfsync,
             )
-            connection = JobConnection(
-                self.redis_url,
-                cfg.job_name,
-                password=self.credentials.redis_password,
-                reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
-                replica_acks=cfg.buffer.replica_acks,
-            )
+            connection = JobConnection.of_job(cfg, self.redis_url, self.credentials.redis_password)
             self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
             self.telemetry = JobTelemetry(connection)
             if self.redis_server is not None:  # every part retries meanwhile (buffer.reconnect_timeout_s)

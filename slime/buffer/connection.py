@@ -41,6 +41,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from slime.config import JobConfig
 from slime.security import redact_url
 
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -73,24 +74,33 @@ def is_cluster_url(url: str) -> bool:
     return url.startswith(CLUSTER_SCHEMES)
 
 
+def wait_out_failover(call: Callable[[], T], patience_s: float, before_retry: Callable[[], None] | None = None) -> T:
+    """call(), made again with backoff while it fails as a failover does (FAILOVER_ERRORS), for up
+    to ``patience_s``; ``before_retry`` runs before each new try (learn the masters again)."""
+    deadline = time.monotonic() + patience_s
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except FAILOVER_ERRORS:
+            if time.monotonic() > deadline:
+                raise
+            if before_retry is not None:
+                before_retry()
+            time.sleep(backoff_s(attempt))
+            attempt += 1
+
+
 class FailoverPatientCluster(RedisCluster):
     """A cluster client whose commands wait out a failover: redis-py's own retries come at once,
-    one after another, and are spent long before a replica is promoted (seconds). A command that
-    fails as a failover does is sent again with backoff until ``patience_s`` have passed."""
+    one after another, and are spent long before a replica is promoted (seconds)."""
 
     patience_s: float = 0.0
 
     def execute_command(self, *args, **kwargs):
-        deadline = time.monotonic() + self.patience_s
-        attempt = 0
-        while True:
-            try:
-                return super().execute_command(*args, **kwargs)
-            except FAILOVER_ERRORS:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(backoff_s(attempt))
-                attempt += 1
+        return wait_out_failover(
+            lambda: super(FailoverPatientCluster, self).execute_command(*args, **kwargs), self.patience_s
+        )
 
 
 def open_client(url: str, *, patience_s: float = 0.0, **kwargs) -> redis.Redis | RedisCluster:
@@ -322,6 +332,8 @@ class ScriptBatch:
             connection.send_command("WAIT", wanted, self.connection.replica_ack_timeout_ms)
 
     def replies(self) -> list:
+        if not self.commands:  # a worker step with nothing to write: no round trip
+            return []
         sent, self._sent = self._sent, None
         replies: list = [None] * len(self.commands)
         unanswered = list(range(len(self.commands)))
@@ -405,6 +417,17 @@ class JobConnection:
             url, patience_s=self.reconnect_timeout_s, socket_connect_timeout=10, retry=retry, password=password
         )
 
+    @classmethod
+    def of_job(cls, cfg: JobConfig, url: str, password: str | None) -> JobConnection:
+        """The connection every part of a running job opens: its job name and buffer settings."""
+        return cls(
+            url,
+            cfg.job_name,
+            password=password,
+            reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
+            replica_acks=cfg.buffer.replica_acks,
+        )
+
     # Ray actors and worker processes get their own connection from the same settings.
     def __reduce__(self) -> tuple:
         return (_reconnect, (self.url, self.job, self._password, self.reconnect_timeout_s, self.replica_acks))
@@ -445,17 +468,9 @@ class JobConnection:
         """call(client of the server that holds the job's keys). On a cluster a failover is waited
         out: the masters are learned again and the call made again, with backoff, for up to
         reconnect_timeout_s (a standalone client has retried by itself: its Retry)."""
-        deadline = time.monotonic() + self.reconnect_timeout_s
-        attempt = 0
-        while True:
-            try:
-                return call(self.node_client())
-            except FAILOVER_ERRORS:
-                if not self.cluster or time.monotonic() > deadline:
-                    raise
-                self.refresh_slots()
-                time.sleep(backoff_s(attempt))
-                attempt += 1
+        if not self.cluster:
+            return call(self.redis)
+        return wait_out_failover(lambda: call(self.node_client()), self.reconnect_timeout_s, self.refresh_slots)
 
     def pipeline(self, transaction: bool = False) -> JobPipeline:
         """Commands of this job for one round trip (`JobPipeline`)."""

@@ -200,13 +200,7 @@ class Learner:
             self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=lc.critic_lr, betas=lc.betas)
         self.clip = AdaptiveClip(self.algo_cfg.adaptive_clip, self.algo_cfg.clip_low, self.algo_cfg.clip_high)
         self.buffer = TrajectoryStore(
-            JobConnection(
-                redis_url,
-                cfg.job_name,
-                password=credentials.redis_password if credentials else None,
-                reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
-                replica_acks=cfg.buffer.replica_acks,
-            ),
+            JobConnection.of_job(cfg, redis_url, credentials.redis_password if credentials else None),
             cfg.buffer.lease_seconds,
         )
         self.version = self.buffer.get_policy_version()

@@ -95,13 +95,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.worker_id = worker_id
         self.tokenizer = load_tokenizer(model_dir)
-        connection = JobConnection(
-            redis_url,
-            cfg.job_name,
-            password=credentials.redis_password if credentials else None,
-            reconnect_timeout_s=cfg.buffer.reconnect_timeout_s,
-            replica_acks=cfg.buffer.replica_acks,
-        )
+        connection = JobConnection.of_job(cfg, redis_url, credentials.redis_password if credentials else None)
         self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
         self.telemetry = JobTelemetry(connection)  # expert load; one Redis connection per process
         self.engine = make_engine(
