@@ -76,6 +76,12 @@ class LearnerConfig(_Strict):
     ppo_epochs: int = Field(1, gt=0)
     num_minibatches: int = Field(1, gt=0)
     micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward; gradients accumulate.")
+    packing: bool = Field(
+        True,
+        description="Padding-free micro-batches: the rows run as one sequence, attention kept inside each row "
+        "(slime/learner/packing.py). Checked at start against the model's own forward; a model that fails keeps "
+        "padded rows, the reason logged.",
+    )
     recompute_old_logprobs: bool = Field(
         False,
         description="Recompute pi_old with the learner before the update; otherwise the first forward's "

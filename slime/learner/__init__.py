@@ -3,10 +3,13 @@
 - actor.py     one rank: claims, updates, publishes weights, checkpoints (the whole learner at N=1)
 - group.py     the driver's handle on the N ranks: placement, rendezvous, calls fanned out to all
 - sharding.py  what the ranks share: FSDP2, the token-balanced split, sums, sharded checkpoints
+- forwards.py  the policy's response logprobs and the critic's values, padded or packed
+- packing.py   padding-free micro-batches: rows end to end, attention kept inside each row
 """
 
 from slime.algorithms.batch import collate
-from slime.learner.actor import Learner, ValueModel, response_logprobs
+from slime.learner.actor import Learner
+from slime.learner.forwards import ValueModel, response_logprobs
 from slime.learner.group import LearnerGroup, ResourceError, learner_resources, required_resources
 
 __all__ = [

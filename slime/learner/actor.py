@@ -10,81 +10,33 @@ minibatch, so N ranks take the optimizer step one rank would on the same batch."
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
+import logging
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModel
 
 from slime.algorithms import make_algorithm
 from slime.algorithms.batch import Batch, Forward, UpdateTensors, collate
-from slime.algorithms.core import entropy_from_logits, masked_mean, off_policy_mask, stale_tokens
+from slime.algorithms.core import masked_mean, off_policy_mask, stale_tokens
 from slime.algorithms.corrections import CorrectionInputs
 from slime.algorithms.mismatch import MismatchMeter
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.buffer import JobConnection, TrajectoryStore
 from slime.config import JobConfig
-from slime.engines.routing import replay_misfit, replayed_routing
+from slime.engines.routing import replay_misfit
 from slime.learner import sharding
+from slime.learner.forwards import ValueModel, response_logprobs
+from slime.learner.packing import packing_misfit, use_packed_attention
 from slime.model import load_model
 from slime.sample import Sample, Status, failure_key
 from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
 
-
-def response_logprobs(
-    model: torch.nn.Module,
-    batch: Batch,
-    temperature: float,
-    with_entropy: bool = False,
-    with_aux: bool = False,
-    replay: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """log π(a_t|s_t) of each response token under `temperature` (as the engine samples), [N, T].
-    replay: the response tokens go through the experts the engine recorded (routing replay)."""
-    kwargs = {"output_router_logits": True} if with_aux else {}
-    replaying = (
-        replayed_routing(model, batch.routing, batch.response_pos, batch.input_ids.shape[1])
-        if replay and batch.routing is not None
-        else contextlib.nullcontext()
-    )
-    with replaying:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kwargs)
-    vocab = out.logits.shape[-1]
-    logits = out.logits.gather(1, batch.response_pos[..., None].expand(-1, -1, vocab)) / temperature
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
-    logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1)
-    entropy = entropy_from_logits(logits.float()) if with_entropy else None
-    aux = getattr(out, "aux_loss", None) if with_aux else None
-    return logp, entropy, aux
-
-
-class ValueModel(torch.nn.Module):
-    """Critic: the policy's backbone with a scalar head; V(s_t) read at the same positions as π."""
-
-    def __init__(self, model_dir: str, dtype: torch.dtype):
-        super().__init__()
-        self.backbone = AutoModel.from_pretrained(model_dir, dtype=dtype)
-        hidden = self.backbone.config.hidden_size
-        self.head = torch.nn.Linear(hidden, 1)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
-
-    def forward(self, batch: Batch, with_last: bool = False):
-        """V(s_t) for every response token [N, T]; with_last also V(s_end) after the last token [N]."""
-        hidden = self.backbone(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-        ).last_hidden_state
-        h = hidden.gather(1, batch.response_pos[..., None].expand(-1, -1, hidden.shape[-1]))
-        values = self.head(h).squeeze(-1).float()
-        if not with_last:
-            return values
-        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), batch.last_pos]
-        return values, self.head(last).squeeze(-1).float()
+log = logging.getLogger(__name__)
 
 
 def _reward_stats(samples: list[Sample]) -> dict[str, dict[str, float]]:
@@ -177,6 +129,14 @@ class Learner:
             sharding.init_group(rank, world_size, master, self.device, cfg.rollout.hang_timeout_s)
         self.policy = load_model(model_dir, "float32" if lc.mixed_precision else cfg.model.dtype, lc.device)
         self.policy.train()
+        # Padding-free micro-batches when the model's packed logits match its own forward.
+        self.packed = False
+        self.packing_misfit = packing_misfit(self.policy) if lc.packing else "learner.packing=false"
+        if self.packing_misfit is None:
+            use_packed_attention(self.policy)  # before the reference copy and the critic: they pack too
+            self.packed = True
+        elif lc.packing:
+            log.warning("learner.packing: padded micro-batches, because %s", self.packing_misfit)
         if lc.activation_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.is_moe = hasattr(self.policy.config, "num_experts") or hasattr(self.policy.config, "num_local_experts")
@@ -191,6 +151,9 @@ class Learner:
         self.critic = None
         if self.algorithm.needs_critic:
             self.critic = ValueModel(model_dir, self.policy.dtype).to(self.device).train()
+            if self.packed:  # the policy's architecture: its check covers the backbone
+                use_packed_attention(self.critic.backbone)
+                self.critic.packed = True
         if self.sharded:  # before the optimizers: they hold the shards
             for module in (self.policy, self.ref, self.critic):
                 if module is not None:
@@ -302,6 +265,7 @@ class Learner:
             clip_low=clip_low,
             clip_high=clip_high,
             lr=self.optim.param_groups[0]["lr"],
+            learner_packed=float(self.packed),
         )
         if critic_grad_norms:
             out["critic_grad_norm"] = float(np.mean(critic_grad_norms))
@@ -314,7 +278,9 @@ class Learner:
         lc = self.cfg.learner
         ref_logp = old_values = old_logp = bootstrap = None
         if self.ref is not None and kl_coef > 0:
-            ref_logp = self._per_row(batch, lambda sub: response_logprobs(self.ref, sub, self.temperature)[0])
+            ref_logp = self._per_row(
+                batch, lambda sub: response_logprobs(self.ref, sub, self.temperature, packed=self.packed)[0]
+            )
         if self.critic is not None:
             old_values = self._per_row(batch, self.critic)
             if unfinished is not None:
@@ -323,7 +289,10 @@ class Learner:
                 bootstrap = torch.where(torch.tensor(unfinished, device=self.device), last_values, 0.0)
         if lc.recompute_old_logprobs or lc.ppo_epochs * lc.num_minibatches > 1 or self.algorithm.correction.batch_level:
             old_logp = self._per_row(
-                batch, lambda sub: response_logprobs(self.policy, sub, self.temperature, replay=self.replay)[0]
+                batch,
+                lambda sub: response_logprobs(
+                    self.policy, sub, self.temperature, replay=self.replay, packed=self.packed
+                )[0],
             )
         return self.algorithm.prepare(
             batch,
@@ -363,7 +332,9 @@ class Learner:
     def _empty_pass(self, sub: Batch, with_aux: bool) -> None:
         """A forward and backward that adds nothing to any gradient: a rank with fewer micro-batches
         than the others still joins every collective of theirs."""
-        logp, _, aux = response_logprobs(self.policy, sub, self.temperature, with_aux=with_aux, replay=self.replay)
+        logp, _, aux = response_logprobs(
+            self.policy, sub, self.temperature, with_aux=with_aux, replay=self.replay, packed=self.packed
+        )
         loss = logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)
         if self.critic is not None:
             loss = loss + self.critic(sub).sum() * 0.0
@@ -409,7 +380,14 @@ class Learner:
                             self._empty_pass(sub, with_aux)
                         continue
                     logp, entropy, aux = response_logprobs(
-                        self.policy, sub, self.temperature, with_entropy=True, with_aux=with_aux, replay=self.replay
+                        self.policy,
+                        sub,
+                        self.temperature,
+                        with_entropy=True,
+                        with_aux=with_aux,
+                        replay=self.replay,
+                        packed=self.packed,
+                        entropy_grad=self.algo_cfg.entropy_coef > 0,
                     )
                     values = self.critic(sub) if self.critic is not None else None
                     loss, st = self.algorithm.loss(
@@ -516,7 +494,7 @@ class Learner:
         s.append(response_ids, np.zeros(len(response_ids)), self.version)
         batch = collate([s], [0], self.pad_id).to(self.device)
         self.policy.eval()
-        logp = response_logprobs(self.policy, batch, self.temperature)[0][0]
+        logp = response_logprobs(self.policy, batch, self.temperature, packed=self.packed)[0][0]
         self.policy.train()
         return logp.cpu().numpy()
 
