@@ -31,6 +31,16 @@ Each side stops when the 5-step moving average of the batch-mean reward reaches 
 or at the wall-clock budget.
 
     python benchmarks/vs_trl.py [--threshold 0.45] [--budget-s 240] [--sides slime,trl] [--trl-threads 1]
+                                [--model qwen3_moe|qwen2_moe|llama] [--slime-mode sync|async] [--seeds 1]
+
+Models (`--model`): `qwen3_moe`, the project's default tiny MoE; `qwen2_moe`, a Qwen2-MoE with 8
+experts plus a shared expert (2.2M parameters); `llama`, a dense Llama (3.2M). Each is built from
+its transformers config with the char tokenizer and given the same 100-step warm start, then both
+sides load it from one directory. `--slime-mode async` runs our side in async mode (staleness 1);
+the default is the project's default, sync. `--seeds N` runs N seeds per side, alternating
+(slime, trl, slime, trl, ...), and reports mean and sd.
+
+    python benchmarks/vs_trl.py --model qwen2_moe --slime-mode async --seeds 3
 
 Prints a small table, then LAST one JSON line.
 """
@@ -75,15 +85,18 @@ def should_stop(times: list[float], rewards: list[float], args) -> bool:
     return moving_average_crossing(times, rewards, args.window, args.threshold, args.budget_s)[0] is not None
 
 
-def run_slime(args, out_dir: str) -> dict:
+def run_slime(args, out_dir: str, model_path: str | None, seed: int) -> dict:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     from slime.config import load_config
-    from slime.train import RunningJob, sync_loop
+    from slime.train import RunningJob, async_loop, sync_loop
 
     cfg = load_config(
         None,
         [
             f"model.warmstart.steps={WARMSTART_STEPS}",
+            *([f"model.path={model_path}"] if model_path else []),
+            f"mode={args.slime_mode}",
+            f"seed={seed}",
             f"rollout.batch_size={PROMPTS}",
             f"rollout.n_samples_per_prompt={SAMPLES}",
             f"rollout.max_new_tokens={MAX_NEW}",
@@ -116,7 +129,7 @@ def run_slime(args, out_dir: str) -> dict:
 
         job.end_step = end_step
         try:
-            sync_loop(job)
+            (sync_loop if args.slime_mode == "sync" else async_loop)(job)
         except _Stop:
             pass
         history = job.logger.history
@@ -130,7 +143,7 @@ def run_slime(args, out_dir: str) -> dict:
     }
 
 
-def run_trl(args, model_dir: str, out_dir: str) -> dict:
+def run_trl(args, model_dir: str, out_dir: str, seed: int) -> dict:
     import torch
 
     torch.set_num_threads(args.trl_threads)
@@ -174,7 +187,7 @@ def run_trl(args, model_dir: str, out_dir: str) -> dict:
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
-        seed=0,
+        seed=seed,
         max_steps=args.max_steps,
         # 128 completions per optimizer step: 32 per micro-batch x 4 accumulation steps, generated at once.
         per_device_train_batch_size=32,
@@ -219,6 +232,39 @@ def run_trl(args, model_dir: str, out_dir: str) -> dict:
     return {"startup_s": startup, "times": times, "rewards": rewards, "completions": PROMPTS * SAMPLES * len(times)}
 
 
+def build_model(name: str, root: str) -> str | None:
+    """The model directory both sides load: None for the project's default (our side builds and
+    caches it; TRL gets the cached path), else `name` from its config, warm-started the same way."""
+    if name == "qwen3_moe":
+        return None
+    from slime.config import load_config
+    from slime.engines.families import tiny_model
+    from slime.model import build_char_tokenizer, warmstart
+
+    tokenizer = build_char_tokenizer()
+    shapes = {
+        "qwen2_moe": dict(
+            num_experts=8, moe_intermediate_size=128, shared_expert_intermediate_size=256, intermediate_size=256
+        ),
+        "llama": dict(hidden_size=256, intermediate_size=768),
+    }
+    common = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    model = tiny_model(
+        name,
+        vocab_size=len(tokenizer),
+        **{**common, **shapes[name]},
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    warmstart(model, tokenizer, load_config(None, [f"model.warmstart.steps={WARMSTART_STEPS}"]).model)
+    path = os.path.join(root, name)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def summarize(name: str, res: dict, args) -> dict:
     times, rewards = res["times"], res["rewards"]
     crossed, last_ma = moving_average_crossing(times, rewards, args.window, args.threshold, args.budget_s)
@@ -235,6 +281,27 @@ def summarize(name: str, res: dict, args) -> dict:
     }
 
 
+def combine(runs: list[dict]) -> dict:
+    """One seed: its figures. Several: each figure's mean and sd over the seeds (a side that missed
+    the threshold in a seed counts the budget there, and `*_misses` says how often)."""
+    if len(runs) == 1:
+        return runs[0]
+    from benchmarks.spread import mean_sd
+
+    out: dict = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs]
+        if key.endswith("_seconds_to_threshold"):
+            out[key.replace("_seconds_to_threshold", "_misses")] = sum(v is None for v in values)
+        numbers = [v for v in values if isinstance(v, (int, float))]
+        if len(numbers) == len(values):
+            mean, sd = mean_sd([float(v) for v in numbers])
+            out[key], out[f"{key}_sd"] = round(mean, 3), round(sd, 3)
+        else:
+            out[key] = values
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threshold", type=float, default=0.45, help="5-step moving-average reward to reach.")
@@ -244,18 +311,22 @@ def main() -> None:
     ap.add_argument("--sides", default="slime,trl")
     ap.add_argument("--trl-threads", type=int, default=1, help="torch threads of the in-process TRL trainer.")
     ap.add_argument("--full-budget", action="store_true", help="Keep training after the threshold until the budget.")
+    ap.add_argument("--model", choices=["qwen3_moe", "qwen2_moe", "llama"], default="qwen3_moe")
+    ap.add_argument("--slime-mode", choices=["sync", "async"], default="sync", help="Our side's training mode.")
+    ap.add_argument("--seeds", type=int, default=1, help="Seeds per side, run alternating.")
     ap.add_argument("--verbose", action="store_true", help="Print every step.")
     args = ap.parse_args()
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if unknown := set(sides) - {"slime", "trl"}:
+        raise SystemExit(f"unknown side(s) {sorted(unknown)}")
 
     from slime.config import load_config
     from slime.model import ensure_model_dir
 
-    t0 = time.time()
-    model_dir = str(ensure_model_dir(load_config(None, [f"model.warmstart.steps={WARMSTART_STEPS}"]).model))
-    print(f"model {model_dir} (ready in {time.time() - t0:.1f}s, excluded)", flush=True)
-
     summary: dict = {
+        "model": args.model,
+        "slime_mode": args.slime_mode,
+        "seeds": args.seeds,
         "threshold_reward": args.threshold,
         "ma_window_steps": args.window,
         "budget_seconds": args.budget_s,
@@ -263,28 +334,55 @@ def main() -> None:
         "trl_torch_threads": args.trl_threads,
     }
     tmp = tempfile.mkdtemp(prefix="vs_trl-")
+    rewards: dict[str, list[list[float]]] = {side: [] for side in sides}
     try:
+        t0 = time.time()
+        built = build_model(args.model, tmp)
+        model_dir = built or str(
+            ensure_model_dir(load_config(None, [f"model.warmstart.steps={WARMSTART_STEPS}"]).model)
+        )
+        print(f"model {args.model}: {model_dir} (ready in {time.time() - t0:.1f}s, excluded)", flush=True)
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
+        for seed in range(args.seeds):
+            for side in sides:
+                print(f"running {side} (seed {seed}) ...", flush=True)
+                out_dir = os.path.join(tmp, f"{side}-{seed}")
+                if side == "slime":
+                    res = run_slime(args, out_dir, built, seed)
+                    summary["slime_torch_threads_per_actor"] = res["threads"]
+                else:
+                    res = run_trl(args, model_dir, out_dir, seed)
+                runs[side].append(summarize(side, res, args))
+                rewards[side].append([round(r, 3) for r in res["rewards"]])
         for side in sides:
-            print(f"running {side} ...", flush=True)
-            if side == "slime":
-                res = run_slime(args, os.path.join(tmp, "slime"))
-            elif side == "trl":
-                res = run_trl(args, model_dir, os.path.join(tmp, "trl"))
-            else:
-                raise SystemExit(f"unknown side {side!r}")
-            summary.update(summarize(side, res, args))
-            if side == "slime":
-                summary["slime_torch_threads_per_actor"] = res["threads"]
-            summary[f"{side}_reward_per_step"] = [round(r, 3) for r in res["rewards"]]
+            summary.update(combine(runs[side]))
+            summary[f"{side}_reward_per_step"] = rewards[side] if args.seeds > 1 else rewards[side][0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     a, b = summary.get("slime_seconds_to_threshold"), summary.get("trl_seconds_to_threshold")
-    summary["trl_over_slime_time_ratio"] = round(b / a, 2) if a and b else None
-    if a and b is None and "trl_steps" in summary:  # TRL missed the bar within the budget: a lower bound
+    if args.seeds > 1:  # the ratio of the means, over seeds where both sides crossed
+        pairs = [
+            (r_s["slime_seconds_to_threshold"], r_t["trl_seconds_to_threshold"])
+            for r_s, r_t in zip(runs.get("slime", []), runs.get("trl", []))
+            if r_s["slime_seconds_to_threshold"] and r_t["trl_seconds_to_threshold"]
+        ]
+        summary["seeds_both_crossed"] = len(pairs)
+        a = sum(p[0] for p in pairs) / len(pairs) if pairs else None
+        b = sum(p[1] for p in pairs) / len(pairs) if pairs else None
+    summary["trl_over_slime_time_ratio"] = (
+        round(b / a, 2) if isinstance(a, float | int) and isinstance(b, float | int) and a else None
+    )
+    if args.seeds == 1 and a and b is None and "trl_steps" in summary:  # TRL missed the bar: a lower bound
         summary["trl_over_slime_time_ratio_at_least"] = round(args.budget_s / a, 2)
+    sp_s, sp_t = summary.get("slime_seconds_per_step"), summary.get("trl_seconds_per_step")
+    if isinstance(sp_s, float | int) and isinstance(sp_t, float | int) and sp_s:
+        summary["trl_over_slime_step_time_ratio"] = round(sp_t / sp_s, 2)
 
-    print(f"\nthreshold: 5-step MA of batch-mean reward >= {args.threshold}, budget {args.budget_s:.0f}s per side")
+    print(
+        f"\n{args.model}, slime {args.slime_mode}, {args.seeds} seed(s): threshold 5-step MA >= {args.threshold}, "
+        f"budget {args.budget_s:.0f}s per side"
+    )
     cols = [
         "seconds_to_threshold",
         "steps",

@@ -76,6 +76,13 @@ class LearnerConfig(_Strict):
     ppo_epochs: int = Field(1, gt=0)
     num_minibatches: int = Field(1, gt=0)
     micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward; gradients accumulate.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        gt=0,
+        description="Cut micro-batches by tokens instead of sequences (slime's --max-tokens-per-gpu, verl's "
+        "dynamic batch size): rows of similar lengths together up to this many tokens (packed: real tokens; "
+        "padded: rows x the longest row); a longer row goes alone. micro_batch_size is then unused.",
+    )
     packing: bool = Field(
         True,
         description="Padding-free micro-batches: the rows run as one sequence, attention kept inside each row "

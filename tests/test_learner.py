@@ -9,7 +9,7 @@ import torch
 
 from slime.buffer import TrajectoryStore
 from slime.config import TinyModelConfig, load_config
-from slime.learner import Learner
+from slime.learner import Learner, collate
 from slime.model import build_tiny_moe
 from slime.sample import Sample, Status
 
@@ -68,8 +68,9 @@ def test_train_step_consumes_each_group_once_and_updates(tiny_model_dir, redis_u
 
 def test_gradient_accumulation_equals_one_batch(tiny_model_dir, redis_url, tmp_path):
     grads = []
-    for micro in (32, 3):
-        job = f"learner-accum-{micro}"
+    cuts = ["learner.micro_batch_size=32", "learner.micro_batch_size=3", "learner.max_tokens_per_micro_batch=40"]
+    for i, micro in enumerate(cuts):
+        job = f"learner-accum-{i}"
         buffer = TrajectoryStore.open(redis_url, job)
         buffer.delete_job()
         _fill(buffer, groups=2, n=4, seed=5)
@@ -78,7 +79,7 @@ def test_gradient_accumulation_equals_one_batch(tiny_model_dir, redis_url, tmp_p
             redis_url,
             job,
             tmp_path,
-            f"learner.micro_batch_size={micro}",
+            micro,
             "rollout.batch_size=2",
             "algorithm.router_aux_coef=0",
         )
@@ -86,9 +87,41 @@ def test_gradient_accumulation_equals_one_batch(tiny_model_dir, redis_url, tmp_p
         # The (clipped) gradient of the one optimizer step is still on the parameters.
         grads.append({n: p.grad.clone() for n, p in learner.policy.named_parameters() if p.grad is not None})
         buffer.delete_job()
-    assert grads[0].keys() == grads[1].keys() and grads[0]
-    for name in grads[0]:
-        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-7), name
+    assert grads[0] and all(g.keys() == grads[0].keys() for g in grads)
+    for other in grads[1:]:
+        for name in grads[0]:
+            assert torch.allclose(grads[0][name], other[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_micro_batches_by_tokens():
+    from slime.learner.actor import _micro_batches
+
+    lengths = [9, 3, 20, 4, 4, 12]
+    batch = _collate_lengths(lengths)
+    idx = torch.arange(len(lengths))
+
+    def cut(max_tokens, packed):
+        return [[lengths[i] for i in part.tolist()] for part in _micro_batches(batch, idx, 32, max_tokens, packed)]
+
+    # Ascending lengths 3 4 4 9 12 20. Packed: real tokens up to 16 per micro-batch; the 20-token row alone.
+    assert cut(16, packed=True) == [[3, 4, 4], [9], [12], [20]]
+    # Padded: rows x the longest row; [3, 4, 4] costs 12, adding 9 would cost 36.
+    assert cut(16, packed=False) == [[3, 4, 4], [9], [12], [20]]
+    assert cut(30, packed=True) == [[3, 4, 4, 9], [12], [20]]
+    assert cut(30, packed=False) == [[3, 4, 4], [9, 12], [20]]
+    assert cut(None, packed=True) == [[3, 4, 4, 9, 12, 20]]
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        load_config(None, ["learner.max_tokens_per_micro_batch=0"])
+
+
+def _collate_lengths(lengths: list[int]):
+    samples = []
+    for i, n in enumerate(lengths):
+        s = Sample(group_id="g", index=i, prompt_ids=[5], max_new_tokens=n)
+        s.append(list(range(6, 5 + n)), np.zeros(n - 1), 0)
+        s.status, s.reward = Status.COMPLETED, 0.0
+        samples.append(s)
+    return collate(samples, [0] * len(samples), pad_id=0)
 
 
 def test_failed_samples_are_not_trained(tiny_model_dir, redis_url, tmp_path):

@@ -90,7 +90,9 @@ def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp
     assert len(history) == 3
     for h in history:
         # Admission control starts no group that would exceed the staleness bound, so none is dropped.
-        assert h["groups"] == 3 and h["dropped_stale_groups"] == 0
+        # (The figures in the message: one CI run under load saw a step with 0 groups, cause unknown.)
+        seen = {k: h.get(k) for k in ("step", "groups", "dropped_stale_groups", "samples", "policy_version")}
+        assert h["groups"] == 3 and h["dropped_stale_groups"] == 0, seen
         assert 0.0 <= h["off_policy_token_share"] <= 1.0
         assert "vf_loss" in h
     buffer = TrajectoryStore.open(redis_url, job)

@@ -83,11 +83,26 @@ def _histogram(values: list[int]) -> dict[str, int]:
     return out
 
 
-def _micro_batches(batch: Batch, idx: torch.Tensor, size: int) -> list[torch.Tensor]:
+def _micro_batches(
+    batch: Batch, idx: torch.Tensor, size: int, max_tokens: int | None, packed: bool
+) -> list[torch.Tensor]:
     """`idx` in micro-batches of similar lengths: long-tail batches would otherwise pad every row
-    to the longest response. Accumulation weights make the order irrelevant to the gradient."""
+    to the longest response. Accumulation weights make the order irrelevant to the gradient.
+    max_tokens: cut by tokens instead of rows (the real tokens when packed, rows x the longest
+    row when padded); a row longer than the budget goes alone."""
     order = idx[torch.argsort(batch.last_pos[idx], stable=True)]
-    return list(order.split(size))
+    if max_tokens is None:
+        return list(order.split(size))
+    parts, start, tokens = [], 0, 0
+    for i, length in enumerate((batch.last_pos[order] + 1).tolist()):
+        # ascending lengths: this row is the longest so far
+        cost = tokens + length if packed else (i - start + 1) * length
+        if i > start and cost > max_tokens:
+            parts.append(order[start:i])
+            start, tokens = i, 0
+        tokens += length
+    parts.append(order[start:])
+    return parts
 
 
 def _merge_rank_stats(per_rank: list[dict]) -> tuple[dict[str, list[tuple[float, float]]], dict]:
@@ -307,14 +322,20 @@ class Learner:
         """This rank's micro-batches of the rows `idx` (their token-balanced share), and how many
         empty passes it adds so that every rank runs as many forwards and backwards: FSDP2's
         gathers and reductions are collectives."""
-        size = self.cfg.learner.micro_batch_size
+        lc = self.cfg.learner
+
+        def cut(rows: torch.Tensor) -> list[torch.Tensor]:
+            if not len(rows):
+                return []
+            return _micro_batches(batch, rows, lc.micro_batch_size, lc.max_tokens_per_micro_batch, self.packed)
+
         if self.world_size == 1:
-            return _micro_batches(batch, idx, size), 0
+            return cut(idx), 0
         shares = sharding.split_rows(batch.last_pos[idx].tolist(), self.world_size)
-        counts = [-(-len(share) // size) for share in shares]
-        mine = idx[torch.tensor(shares[self.rank], dtype=torch.long, device=idx.device)]
-        parts = _micro_batches(batch, mine, size) if len(mine) else []
-        return parts, max(counts) - len(parts)
+        # every rank cuts every share the same way, so each knows how many passes the others run
+        per_rank = [cut(idx[torch.tensor(share, dtype=torch.long, device=idx.device)]) for share in shares]
+        parts = per_rank[self.rank]
+        return parts, max(len(p) for p in per_rank) - len(parts)
 
     def _per_row(self, batch: Batch, fn) -> torch.Tensor:
         """fn(micro-batch) -> [rows, T'] for every row, assembled into [N, T] (zeros beyond T').
