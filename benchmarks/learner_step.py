@@ -43,12 +43,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from benchmarks import models as zoo  # noqa: E402
 from benchmarks.spread import mean_sd  # noqa: E402
 from slime.algorithms.batch import Batch  # noqa: E402
 from slime.algorithms.core import entropy_from_logits  # noqa: E402
 from slime.buffer.redis_server import LocalRedisServer  # noqa: E402
 from slime.config import TinyModelConfig, load_config  # noqa: E402
-from slime.engines.families import tiny_model  # noqa: E402
 from slime.learner import Learner  # noqa: E402
 from slime.learner import actor as learner_actor  # noqa: E402
 from slime.model import build_char_tokenizer, build_tiny_moe  # noqa: E402
@@ -73,28 +73,9 @@ def build_models(root: Path) -> dict[str, Path]:
     tokenizer = build_char_tokenizer()
     vocab = len(tokenizer)
     models = {
-        "qwen2_moe": tiny_model(
-            "qwen2_moe",
-            vocab_size=vocab,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_experts=8,
-            moe_intermediate_size=128,
-            shared_expert_intermediate_size=256,
-        ),
+        "qwen2_moe": zoo.build("qwen2_moe", vocab),
         "qwen3_moe": build_tiny_moe(TinyModelConfig(), vocab),
-        "llama": tiny_model(
-            "llama",
-            vocab_size=vocab,
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
+        "llama": zoo.build("llama", vocab),
         "qwen3_moe_32k": build_tiny_moe(TinyModelConfig(), 32000),
     }
     dirs = {}

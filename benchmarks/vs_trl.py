@@ -237,22 +237,14 @@ def build_model(name: str, root: str) -> str | None:
     caches it; TRL gets the cached path), else `name` from its config, warm-started the same way."""
     if name == "qwen3_moe":
         return None
+    from benchmarks import models as zoo
     from slime.config import load_config
-    from slime.engines.families import tiny_model
     from slime.model import build_char_tokenizer, warmstart
 
     tokenizer = build_char_tokenizer()
-    shapes = {
-        "qwen2_moe": dict(
-            num_experts=8, moe_intermediate_size=128, shared_expert_intermediate_size=256, intermediate_size=256
-        ),
-        "llama": dict(hidden_size=256, intermediate_size=768),
-    }
-    common = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
-    model = tiny_model(
+    model = zoo.build(
         name,
-        vocab_size=len(tokenizer),
-        **{**common, **shapes[name]},
+        len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
