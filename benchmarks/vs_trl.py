@@ -7,7 +7,7 @@ plain text, no chat template) with the same reward (`envs.repeat.reward`) and ba
     16 prompts x 8 samples = 128 completions per optimizer step, max 96 new tokens,
     temperature 1.0, top_p 1, AdamW lr 1e-3 (constant), grad clip 1.0, no KL (beta=0),
     clip 0.2 low / 0.28 high, token-mean loss over completion tokens of the whole batch,
-    group-std-normalised advantages, MoE router aux loss 0.001, no gradient checkpointing,
+    group-std-normalised advantages, MoE router aux loss 0.001 (MoE models), no gradient checkpointing,
     float32, no checkpoints, no external loggers.
 
 Our side: `RunningJob` + `sync_loop` from `slime.train` (exactly what `train(cfg)` runs for
@@ -210,7 +210,8 @@ def run_trl(args, model_dir: str, out_dir: str, seed: int) -> dict:
         num_iterations=1,
         loss_type="dapo",  # token mean over the whole accumulated batch (= our token_mean)
         scale_rewards="group",
-        router_aux_loss_coef=0.001,
+        # our algorithm.router_aux_coef; TRL refuses it for a dense model
+        **({"router_aux_loss_coef": 0.001} if args.model != "llama" else {}),
         gradient_checkpointing=False,
         use_vllm=False,
         dataloader_num_workers=0,
