@@ -20,11 +20,15 @@ number of tokens; sampling at T = 1 unless noted):
   complete everything still running is aborted, its partial kept, and resumed first (prompt +
   partial tokens, budget reduced) in the next step, before new groups. Each engine may reuse the
   partials' KV as it would in a job: the built-in engine keeps aborted requests' caches
-  (`rollout.kept_kv_tokens`, its job default), vLLM runs with its prefix cache on (no weight
-  update happens between abort and resume here, so a cached prefix is valid).
+  (`rollout.kept_kv_tokens`, its job default).
 
-Each engine runs --rounds times (alternating, best figure kept). Prints a table, then LAST one
-JSON line.
+vLLM runs twice: `vllm` with the settings a job gives it (`vllm.enable_prefix_caching`, off: a
+cached prefix is stale after a weight update), and `vllm_prefix_cache` with its prefix cache on,
+which a job cannot use but which shows what the cache buys on this mix (no weight update happens
+between abort and resume here, so a cached prefix stays valid).
+
+Each engine runs --rounds times, alternating; every figure is the mean over the rounds, with its
+sd. Prints a table, then LAST one JSON line.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ def make_engine(kind: str, model_dir: str, slots: int):
         return BuiltinEngine(
             load_model(model_dir), max_running_requests=slots, seed=0, kept_kv_tokens=RolloutConfig().kept_kv_tokens
         )
+    from slime.config_engines import VllmConfig
     from slime.engines.vllm import VllmEngine
 
     return VllmEngine(
@@ -89,7 +94,8 @@ def make_engine(kind: str, model_dir: str, slots: int):
         seed=0,
         max_model_len=512,
         cpu_kv_cache_gib=1.0,
-        enable_prefix_caching=True,
+        # "vllm": what a job gives it; "vllm_prefix_cache": the cache on, for comparison
+        enable_prefix_caching=VllmConfig().enable_prefix_caching if kind == "vllm" else True,
     )
 
 
@@ -201,7 +207,7 @@ def child(kind: str, model_dir: str, steps: int) -> None:
 
 def run_child(kind: str, model_dir: str, steps: int, threads: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    if kind == "vllm":
+    if kind.startswith("vllm"):
         # No pinning: on a shared machine a pinned engine loses whenever another job lands on its
         # cores, while the built-in engine's threads move; same thread count, same scheduler.
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -214,21 +220,26 @@ def run_child(kind: str, model_dir: str, steps: int, threads: int) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def best_of_rounds(rounds: list[dict]) -> dict:
-    best = {"start_s": min(r["start_s"] for r in rounds)}
-    for key in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s"):
-        best[key] = max(r[key] for r in rounds)
-    for mode in ("sync", "april"):
-        best[mode] = max((r[mode] for r in rounds), key=lambda m: m["tokens_per_s"])
-    return best
+FIGURES = ("start_s", "decode_b1_tokens_per_s", "decode_b32_tokens_per_s", "sync", "april")
+KINDS = ("builtin", "vllm", "vllm_prefix_cache")
+
+
+def mean_of_rounds(rounds: list[dict]) -> dict[str, tuple[float, float]]:
+    """Each figure's (mean, sd) over the rounds; sync and april by their tokens per second."""
+    from benchmarks.spread import mean_sd
+
+    def value(r: dict, key: str) -> float:
+        return r[key]["tokens_per_s"] if key in ("sync", "april") else r[key]
+
+    return {key: mean_sd([value(r, key) for r in rounds]) for key in FIGURES}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating runs per engine; best figure kept")
-    ap.add_argument("--child", choices=["builtin", "vllm"])
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs per engine; figures are their mean")
+    ap.add_argument("--child", choices=list(KINDS))
     ap.add_argument("--model-dir")
     args = ap.parse_args()
     if args.child:
@@ -242,53 +253,56 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="engine-vs-vllm-") as tmp:
         build_model_dir(Path(tmp))
-        # Alternate the engines for --rounds rounds and keep each figure's best: other jobs on a
-        # shared machine come and go, and one unlucky round must not decide the comparison.
-        runs: dict[str, list[dict]] = {"builtin": [], "vllm": []}
+        runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
         for _ in range(args.rounds):
-            for kind in runs:
+            for kind in KINDS:
                 runs[kind].append(run_child(kind, tmp, args.steps, args.threads))
-        res = {kind: best_of_rounds(rs) for kind, rs in runs.items()}
+        res = {kind: mean_of_rounds(rs) for kind, rs in runs.items()}
     load_after = os.getloadavg()[0]
-    b, v = res["builtin"], res["vllm"]
-    rows = [
-        ("engine start s", "start_s"),
-        ("decode batch 1 tok/s", "decode_b1_tokens_per_s"),
-        ("decode batch 32 tok/s", "decode_b32_tokens_per_s"),
-    ]
+    labels = {
+        "start_s": "engine start s",
+        "decode_b1_tokens_per_s": "decode batch 1 tok/s",
+        "decode_b32_tokens_per_s": "decode batch 32 tok/s",
+        "sync": "sync rollout tok/s",
+        "april": "april rollout tok/s",
+    }
     print(
         f"tiny Qwen3-MoE (untied), float32, CPU, {args.threads} threads each; long-tail mix "
-        f"{GROUPS} groups x {SAMPLES}, cap {CAP}, T=1, {args.steps} steps; "
+        f"{GROUPS} groups x {SAMPLES}, cap {CAP}, T=1, {args.steps} steps; mean ± sd of {args.rounds} rounds; "
         f"load average {load_before:.1f} before, {load_after:.1f} after (other jobs skew both)"
     )
-    print(f"{'':28s}{'builtin':>12s}{'vllm':>12s}{'builtin/vllm':>14s}")
-    for label, key in rows:
-        print(f"{label:28s}{b[key]:12.1f}{v[key]:12.1f}{b[key] / v[key]:14.2f}")
-    for mode in ("sync", "april"):
-        print(
-            f"{mode + ' rollout tok/s':28s}{b[mode]['tokens_per_s']:12.1f}{v[mode]['tokens_per_s']:12.1f}"
-            f"{b[mode]['tokens_per_s'] / v[mode]['tokens_per_s']:14.2f}"
-        )
-    figures = {
-        "builtin_decode_b1_tokens_per_s": round(b["decode_b1_tokens_per_s"], 1),
-        "vllm_decode_b1_tokens_per_s": round(v["decode_b1_tokens_per_s"], 1),
-        "builtin_decode_b32_tokens_per_s": round(b["decode_b32_tokens_per_s"], 1),
-        "vllm_decode_b32_tokens_per_s": round(v["decode_b32_tokens_per_s"], 1),
-        "builtin_sync_tokens_per_s": round(b["sync"]["tokens_per_s"], 1),
-        "vllm_sync_tokens_per_s": round(v["sync"]["tokens_per_s"], 1),
-        "builtin_april_tokens_per_s": round(b["april"]["tokens_per_s"], 1),
-        "vllm_april_tokens_per_s": round(v["april"]["tokens_per_s"], 1),
-        "builtin_over_vllm_decode_b32_ratio": round(b["decode_b32_tokens_per_s"] / v["decode_b32_tokens_per_s"], 3),
-        "builtin_over_vllm_sync_ratio": round(b["sync"]["tokens_per_s"] / v["sync"]["tokens_per_s"], 3),
-        "builtin_over_vllm_april_ratio": round(b["april"]["tokens_per_s"] / v["april"]["tokens_per_s"], 3),
-        "builtin_start_s": round(b["start_s"], 1),
-        "vllm_start_s": round(v["start_s"], 1),
-        "threads": args.threads,
-        "load_avg_before": round(load_before, 2),
-        "load_avg_after": round(load_after, 2),
-        "steps": args.steps,
-        "rounds": args.rounds,
+    print(f"{'':24s}" + "".join(f"{k:>20s}" for k in KINDS) + f"{'builtin/vllm':>14s}{'builtin/vllm_pc':>16s}")
+    for key, label in labels.items():
+        cells = "".join(f"{res[k][key][0]:13.1f} ±{res[k][key][1]:5.1f}" for k in KINDS)
+        b, v, pc = (res[k][key][0] for k in KINDS)
+        print(f"{label:24s}{cells}{b / v:14.2f}{b / pc:16.2f}")
+    names = {
+        "decode_b1_tokens_per_s": "decode_b1",
+        "decode_b32_tokens_per_s": "decode_b32",
+        "sync": "sync",
+        "april": "april",
     }
+    figures: dict = {}
+    for key, name in names.items():
+        for kind in KINDS:
+            mean, sd = res[kind][key]
+            figures[f"{kind}_{name}_tokens_per_s"] = round(mean, 1)
+            figures[f"{kind}_{name}_tokens_per_s_sd"] = round(sd, 1)
+    for key, name in names.items():
+        if key == "decode_b1_tokens_per_s":
+            continue
+        b = res["builtin"][key][0]
+        figures[f"builtin_over_vllm_{name}_ratio"] = round(b / res["vllm"][key][0], 3)
+        figures[f"builtin_over_vllm_prefix_cache_{name}_ratio"] = round(b / res["vllm_prefix_cache"][key][0], 3)
+    for kind in KINDS:
+        figures[f"{kind}_start_s"] = round(res[kind]["start_s"][0], 1)
+    figures.update(
+        threads=args.threads,
+        load_avg_before=round(load_before, 2),
+        load_avg_after=round(load_after, 2),
+        steps=args.steps,
+        rounds=args.rounds,
+    )
     print(json.dumps(figures))
 
 
