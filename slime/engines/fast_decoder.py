@@ -158,7 +158,7 @@ class StepLayout:
     masks: dict = field(default_factory=dict)  # (kind, window, dtype) -> additive mask, built once per step
 
 
-def _softmax(
+def attention_softmax(
     scores: torch.Tensor, bias: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     """softmax(scores + bias) over the last dim, with logit soft-capping and attention sinks."""
@@ -442,7 +442,9 @@ class FastDecoder:
                     # SDPA's CPU kernel (query head h reads kv head h // group, as enable_gqa).
                     qg = q[r0:r1].reshape(n, kv_heads, group, q.shape[-1])
                     scores = torch.matmul(qg, seg_keys.transpose(-1, -2)) * scaling
-                    probs = _softmax(scores, seg_bias, softcap, None if sinks is None else sinks.view(kv_heads, group))
+                    probs = attention_softmax(
+                        scores, seg_bias, softcap, None if sinks is None else sinks.view(kv_heads, group)
+                    )
                     att = torch.matmul(probs, seg_values)
                 else:
                     att = F.scaled_dot_product_attention(
@@ -467,7 +469,9 @@ class FastDecoder:
                 n = qp.shape[0]
                 qg = qp.reshape(n, kv_heads, group, w, qp.shape[-1])
                 scores = torch.matmul(qg, kp[:, :, None].transpose(-1, -2)) * scaling  # [n, kv, group, w, w]
-                probs = _softmax(scores, bias, softcap, None if sinks is None else sinks.view(kv_heads, group, 1))
+                probs = attention_softmax(
+                    scores, bias, softcap, None if sinks is None else sinks.view(kv_heads, group, 1)
+                )
                 att = torch.matmul(probs, vp[:, :, None]).reshape(n, heads, w, -1)
             out.append(att.transpose(1, 2).reshape(-1, heads * v.shape[-1])[real])
         return torch.cat(out) if len(out) > 1 else out[0]

@@ -18,6 +18,7 @@ window; otherwise the learner keeps padded micro-batches and logs why.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+from slime.engines.fast_decoder import attention_softmax
 
 PACKED = "slime_packed"
 
@@ -39,19 +42,16 @@ def _row_attention(q, k, v, scaling, dropout, window, softcap, sinks) -> torch.T
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
     allowed = pos[None, :] <= pos[:, None]
     if window is not None:  # a query at p sees keys at (p - window, p]
         allowed &= pos[None, :] > pos[:, None] - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is None:
-        probs = torch.softmax(scores.float(), dim=-1)
-    else:  # one more logit per head that takes probability mass and gives no value
-        sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(scores.shape[0], -1, n, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1]
+    bias = torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device).masked_fill(~allowed, float("-inf"))
+    # the engine's softmax with soft-capping and sinks ([heads] -> [heads, 1]: one per head and query)
+    probs = attention_softmax(
+        scores.float(), bias.float(), softcap, None if sinks is None else sinks.float().view(-1, 1)
+    )
     probs = F.dropout(probs, p=dropout, training=dropout > 0)
     return probs.to(v.dtype) @ v
 
@@ -146,7 +146,12 @@ class PackedRows:
 
 def keeps_logits(model: torch.nn.Module) -> bool:
     """Whether the model's forward computes logits only at given positions (`logits_to_keep`)."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    return _forward_keeps_logits(type(model))
+
+
+@functools.cache  # once per model class: every learner forward asks
+def _forward_keeps_logits(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:
