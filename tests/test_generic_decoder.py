@@ -1,7 +1,7 @@
 """The engine's fast path for any decoder family (slime/engines/generic_decoder.py): the model's
 own modules with the engine's attention over the slot KV cache. Every family of
 slime/engines/families.py takes a fast path whose logits and greedy tokens are the model's own,
-and an aborted request on a family outside the hand-written four resumes token-exactly."""
+and an aborted request resumes token-exactly on families with MLA, sliding windows and sinks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from slime.engines.fast_decoder import FastDecoder
 from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
 
 VOCAB = 97
-HAND_WRITTEN = {"llama", "qwen2", "qwen3", "qwen3_moe"}
+# Pre-norm attention + MLP layers: the hand-written layers (fast_decoder.hand_written_misfit).
+GENERIC = {"deepseek_v2", "deepseek_v3", "gemma2", "gemma3_text"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # robust on a shared 2-core machine
@@ -54,7 +55,7 @@ def test_every_family_takes_a_fast_path_whose_tokens_and_logprobs_are_the_models
     model = tiny_model(family, VOCAB)
     engine = BuiltinEngine(model, max_running_requests=8, max_seq_len=256)
     kind = engine.health()["forward"]
-    assert kind == ("fast" if family in HAND_WRITTEN else "generic"), kind
+    assert kind == ("generic" if family in GENERIC else "fast"), kind
     ps = prompts(6, seed=1)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=14, stop_token_ids=[])
     out = engine.generate([GenerationRequest(f"r{i}", p, greedy) for i, p in enumerate(ps)])
@@ -62,6 +63,29 @@ def test_every_family_takes_a_fast_path_whose_tokens_and_logprobs_are_the_models
         got = out[f"r{i}"]
         assert got.token_ids == greedy_with_hf_generate(model, p, 14), (family, i)
         assert got.logprobs == pytest.approx(reference_logprobs(model, p, got.token_ids), abs=2e-4)
+
+
+@pytest.mark.parametrize("family", ["phi3", "olmoe", "qwen2_moe", "gpt_oss"])
+def test_an_in_place_weight_update_reaches_the_hand_written_layers(family):
+    """Fused q/k/v and gate/up projections (Phi-3) are read as views, q/k norms over the whole
+    projection (OLMoE), shared experts (Qwen2-MoE) and an MoE run as the model's own module
+    (gpt-oss) from the live parameters: after an update in place the engine's greedy tokens are
+    `generate`'s on the new weights."""
+    model, other = tiny_model(family, VOCAB, seed=0), tiny_model(family, VOCAB, seed=7)
+    engine = BuiltinEngine(model, max_running_requests=8)
+    assert engine.health()["forward"] == "fast"
+    ps = prompts(4, seed=9)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=[])
+
+    def tokens() -> list[list[int]]:
+        out = engine.generate([GenerationRequest(f"r{i}", p, greedy) for i, p in enumerate(ps)])
+        return [out[f"r{i}"].token_ids for i in range(len(ps))]
+
+    before = tokens()
+    engine.update_weights(1, other.state_dict().items())
+    after = tokens()
+    assert after == [greedy_with_hf_generate(other, p, 16) for p in ps]
+    assert after != before
 
 
 def test_the_generic_path_equals_the_hand_written_one_on_the_default_moe():
@@ -78,16 +102,17 @@ def test_the_generic_path_equals_the_hand_written_one_on_the_default_moe():
         assert a[f"r{i}"].logprobs == pytest.approx(b[f"r{i}"].logprobs, abs=1e-4)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
-def test_an_aborted_request_resumes_token_exactly_outside_the_hand_written_families(family):
-    """MLA attention (DeepSeek-V3) and sliding windows with sinks (gpt-oss): aborted at several
-    points and resumed with its stored tokens (from the kept cache, or by a prefill), each
-    request ends exactly as an uninterrupted run, past the sliding window."""
+@pytest.mark.parametrize("family,forward", [("deepseek_v3", "generic"), ("gemma2", "generic"), ("gpt_oss", "fast")])
+def test_an_aborted_request_resumes_token_exactly_on_mla_windows_and_sinks(family, forward):
+    """MLA attention (DeepSeek-V3), sliding windows with soft-capping (Gemma 2, generic path) and
+    with sinks (gpt-oss, hand-written path): aborted at several points and resumed with its stored
+    tokens (from the kept cache, or by a prefill), each request ends exactly as an uninterrupted
+    run, past the sliding window."""
     model = tiny_model(family, VOCAB)
     ps = prompts(6, seed=3, lo=2, hi=12)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[])
     alone = BuiltinEngine(model, max_running_requests=8)
-    assert alone.health()["forward"] == "generic"
+    assert alone.health()["forward"] == forward
     want = alone.generate([GenerationRequest(f"q{i}", p, greedy) for i, p in enumerate(ps)])
     for kept in (0, 10_000):
         engine = BuiltinEngine(model, max_running_requests=8, kept_kv_tokens=kept)
@@ -124,12 +149,13 @@ def test_an_aborted_request_resumes_token_exactly_outside_the_hand_written_famil
 )
 def test_a_path_that_ignores_what_the_attention_asks_for_is_refused(family, overrides, ignored, monkeypatch):
     """The start-up check has teeth: attention without the sliding window, the soft-cap or the
-    sinks gives other logits, and the model keeps the Hugging Face path."""
+    sinks gives other logits, on the hand-written layers and on the generic path alike, and the
+    model keeps the Hugging Face path."""
     model = tiny_model(family, VOCAB, **overrides)
     with torch.no_grad():  # sharper attention than at init (scores of ~1e-4 would hide a soft-cap)
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(50)
-    assert isinstance(fast_decoder_for(model, 8, 128), GenericDecoder)
+    assert isinstance(fast_decoder_for(model, 8, 128), FastDecoder)
     attend = FastDecoder._attend
 
     def without(self, i, step, q, k, v, scaling, window=None, softcap=None, sinks=None):

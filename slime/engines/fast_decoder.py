@@ -37,7 +37,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "qwen3_moe"}
+# What a decoder layer may hold for the hand-written layers (dropouts are identity in eval).
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm"}
+_ROUTED_PARTS = {"gate", "experts", "shared_expert", "shared_expert_gate"}
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,60 +56,166 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class _Layer:
-    """The tensors one decoder layer needs, read from its modules once."""
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of each head (all of them, or a part as in GLM-4.5)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    head, rest = x[..., :rotary], x[..., rotary:]
+    return torch.cat((head * cos + _rotate_half(head) * sin, rest), dim=-1)
 
-    def __init__(self, layer: torch.nn.Module, eps: float):
+
+def _rms_parts(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of an RMSNorm-like module (a weight, an epsilon, no bias); None otherwise."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(weight, torch.Tensor) or eps is None or getattr(norm, "bias", None) is not None:
+        return None
+    return weight, float(eps)
+
+
+def _is_silu(act: object) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _swiglu(x: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with the weights and biases of `_swiglu_weights`."""
+    w_gate, w_up, w_down, b_gate, b_up, b_down = w
+    return F.linear(F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)
+
+
+def _swiglu_weights(mlp: torch.nn.Module) -> tuple[torch.Tensor, ...] | None:
+    """(gate, up, down) weights and (gate, up, down) biases of a SiLU-gated MLP, separate
+    (Llama) or with gate and up fused (Phi-3: views, so in-place weight updates show); else None."""
+    if not _is_silu(getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))):
+        return None
+    down = getattr(mlp, "down_proj", None)
+    if not isinstance(down, torch.nn.Linear):
+        return None
+    if all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj")):
+        gate, up = mlp.gate_proj, mlp.up_proj
+        return gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias
+    fused = getattr(mlp, "gate_up_proj", None)
+    if isinstance(fused, torch.nn.Linear):
+        w_gate, w_up = fused.weight.chunk(2, dim=0)
+        b_gate, b_up = fused.bias.chunk(2) if fused.bias is not None else (None, None)
+        return w_gate, w_up, down.weight, b_gate, b_up, down.bias
+    return None
+
+
+def _routed_experts_fit(mlp: torch.nn.Module) -> bool:
+    """A top-k router module ``gate`` (returning logits, weights, indices) with SiLU-gated experts in
+    fused ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I], no biases, optionally a shared
+    SwiGLU expert with a sigmoid gate (Qwen2-MoE): the MoE the hand-written layers compute."""
+    parts = {name for name, _ in mlp.named_children()}
+    experts = getattr(mlp, "experts", None)
+    if not (parts <= _ROUTED_PARTS and "gate" in parts and experts is not None):
+        return False
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
+        return False
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    return (
+        gate_up.shape[1] == 2 * down.shape[2]
+        and gate_up.shape[2] == down.shape[1]
+        and not getattr(experts, "is_transposed", False)
+        and getattr(experts, "is_concatenated", True)
+        and getattr(experts, "gate_up_proj_bias", None) is None
+        and _is_silu(getattr(experts, "act_fn", None))
+        and (apply_gate is None or apply_gate.__name__ == "_default_apply_gate")
+        and ("shared_expert" not in parts or _swiglu_weights(mlp.shared_expert) is not None)
+    )
+
+
+def _layer_window(config, index: int) -> int | None:
+    """Layer ``index``'s sliding window (keys at (p - window, p]), or None for full attention."""
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if types[index] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+class _Layer:
+    """The tensors one decoder layer needs, read from its modules once (views, never copies)."""
+
+    def __init__(self, layer: torch.nn.Module, config, index: int, heads: int, kv_heads: int, head_dim: int):
         attn = layer.self_attn
-        self.eps = eps
-        self.ln_in = layer.input_layernorm.weight
-        self.ln_post = layer.post_attention_layernorm.weight
-        self.wq, self.bq = attn.q_proj.weight, attn.q_proj.bias
-        self.wk, self.bk = attn.k_proj.weight, attn.k_proj.bias
-        self.wv, self.bv = attn.v_proj.weight, attn.v_proj.bias
-        self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = None if q_norm is None else (q_norm.weight, q_norm.variance_epsilon)
-        self.k_norm = None if k_norm is None else (k_norm.weight, k_norm.variance_epsilon)
-        mlp = layer.mlp
-        self.router = getattr(mlp, "gate", None) if hasattr(mlp, "experts") else None
-        if self.router is not None:
-            experts = mlp.experts
-            self.gate_up, self.down = experts.gate_up_proj, experts.down_proj  # [E, 2I, H], [E, H, I]
-            self.num_experts = int(experts.gate_up_proj.shape[0])
+        self.ln_in, self.eps_in = _rms_parts(layer.input_layernorm)
+        self.ln_post, self.eps_post = _rms_parts(layer.post_attention_layernorm)
+        if hasattr(attn, "qkv_proj"):  # fused (Phi-3)
+            sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+            self.wq, self.wk, self.wv = attn.qkv_proj.weight.split(sizes)
+            bias = attn.qkv_proj.bias
+            self.bq, self.bk, self.bv = bias.split(sizes) if bias is not None else (None, None, None)
         else:
-            self.w_gate, self.w_up, self.w_down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+            self.wq, self.bq = attn.q_proj.weight, attn.q_proj.bias
+            self.wk, self.bk = attn.k_proj.weight, attn.k_proj.bias
+            self.wv, self.bv = attn.v_proj.weight, attn.v_proj.bias
+        self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
+        # q/k RMSNorm per head (Qwen3) or over the whole projection (OLMoE), by the weight's size.
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm = None if q_norm is None else _rms_parts(q_norm)
+        self.k_norm = None if k_norm is None else _rms_parts(k_norm)
+        self.qk_norm_per_head = q_norm is not None and self.q_norm[0].numel() == head_dim
+        self.scaling = float(getattr(attn, "scaling", None) or head_dim**-0.5)
+        self.sinks = getattr(attn, "sinks", None)
+        self.window = _layer_window(config, index)
+        mlp = layer.mlp
+        self.mlp_module = None  # run the model's own MLP module (an MoE layout not written here)
+        self.router = None
+        self.shared = self.shared_gate = None
+        if hasattr(mlp, "experts") and _routed_experts_fit(mlp):
+            self.router = mlp.gate
+            self.gate_up, self.down = mlp.experts.gate_up_proj, mlp.experts.down_proj  # [E, 2I, H], [E, H, I]
+            self.num_experts = int(self.gate_up.shape[0])
+            if getattr(mlp, "shared_expert", None) is not None:
+                self.shared = _swiglu_weights(mlp.shared_expert)
+                gate = getattr(mlp, "shared_expert_gate", None)
+                self.shared_gate = None if gate is None else (gate.weight, gate.bias)
+        elif not hasattr(mlp, "experts") and _swiglu_weights(mlp) is not None:
+            self.dense = _swiglu_weights(mlp)
+        else:
+            self.mlp_module = mlp
 
 
 def hand_written_misfit(model: torch.nn.Module) -> str | None:
-    """Why this model cannot take the hand-written fast path, or None."""
+    """Why this model cannot take the hand-written layers, or None. They fit any decoder whose
+    layers are pre-norm RMSNorm -> attention (separate or fused q/k/v projections, optional q/k
+    norms, biases, sliding windows, sinks, partial RoPE) -> RMSNorm -> MLP; SwiGLU MLPs and the
+    usual routed MoE are written out, any other MLP runs as the model's own module. The numbers
+    are checked after this (logits against the model's own forward)."""
     config = model.config
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {getattr(config, 'model_type', None)!r} not in {sorted(SUPPORTED_MODEL_TYPES)}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} (only silu)"
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ["full_attention"])):
-        return "non-full attention layers"
     inner = getattr(model, "model", None)
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(inner, name):
             return f"model.model has no {name}"
     if getattr(model, "lm_head", None) is None:
         return "no lm_head"
+    if _rms_parts(inner.norm) is None:
+        return f"final norm {type(inner.norm).__name__} is not an RMSNorm"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping", "clip_qkv"):
+        if getattr(config, name, None) is not None:
+            return f"{name} is set"
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if not types <= {"full_attention", "sliding_attention"}:
+        return f"attention layer types {sorted(types)}"
     for layer in inner.layers:
-        mlp = layer.mlp
-        if hasattr(mlp, "experts"):
-            if getattr(mlp, "shared_expert", None) is not None:
-                return "MoE with a shared expert"
-            experts = mlp.experts
-            if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj") and hasattr(mlp, "gate")):
-                return "MoE experts without fused gate_up_proj/down_proj"
-            if getattr(experts, "gate_up_proj_bias", None) is not None:
-                return "MoE experts with biases"
-        elif not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            return f"unknown MLP {type(mlp).__name__}"
+        parts = {n for n, m in layer.named_children() if not isinstance(m, torch.nn.Dropout)}
+        if parts != _LAYER_PARTS:
+            return f"decoder layer parts {sorted(parts ^ _LAYER_PARTS)} (not pre-norm attention + MLP)"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if _rms_parts(norm) is None:
+                return f"layer norm {type(norm).__name__} is not an RMSNorm"
+        attn = layer.self_attn
+        attn_parts = {n for n, _ in attn.named_children()}
+        if not attn_parts <= _ATTENTION_PARTS:
+            return f"attention parts {sorted(attn_parts - _ATTENTION_PARTS)}"
+        if "qkv_proj" not in attn_parts and not {"q_proj", "k_proj", "v_proj"} <= attn_parts:
+            return "attention without q/k/v projections"
+        own = {n for n, _ in attn.named_parameters(recurse=False)} - {"sinks"}
+        if own:
+            return f"attention parameters {sorted(own)}"
     return None
 
 
@@ -175,21 +284,26 @@ class FastDecoder:
     """Batched prefill/decode over a slot KV cache; rows are appended by ``prefill`` and removed
     by ``select``. Call under ``torch.inference_mode()``."""
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int):
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int, rope_half_split: bool = False):
+        """``rope_half_split``: the rotary tables cover half a head and rotate the two halves of
+        every head (gpt-oss), rather than only the first half of it (a partial rotary, GLM-4.5);
+        the two read alike from the tables, so `fast_decoder_for` lets the logit check pick."""
         config = model.config
+        self.rope_half_split = rope_half_split
         inner = model.model
         self.model = model
         self.embed = inner.embed_tokens.weight
-        self.final_norm = inner.norm.weight
-        self.final_eps = inner.norm.variance_epsilon
+        self.final_norm, self.final_eps = _rms_parts(inner.norm)
         self.rotary = inner.rotary_emb
         self.lm_head = model.lm_head.weight
         self.lm_head_bias = model.lm_head.bias
-        eps = float(config.rms_norm_eps)
-        self.layers = [_Layer(layer, eps) for layer in inner.layers]
         self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(config.num_key_value_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.layers = [
+            _Layer(layer, config, i, self.num_heads, self.num_kv_heads, self.head_dim)
+            for i, layer in enumerate(inner.layers)
+        ]
         self.max_rows, self.max_len = int(max_rows), int(max_len)
         self.device, self.dtype = self.embed.device, self.embed.dtype
         # Tokens sorted by expert, one grouped matmul for all experts (CPU kernel since torch 2.9;
@@ -285,8 +399,11 @@ class FastDecoder:
 
     def _mlp(self, L: _Layer, x: torch.Tensor) -> torch.Tensor:
         """x: [S, H] -> [S, H]."""
+        if L.mlp_module is not None:
+            y = L.mlp_module(x[None])
+            return (y[0] if isinstance(y, tuple) else y).reshape(x.shape)
         if L.router is None:
-            return F.linear(F.silu(F.linear(x, L.w_gate)) * F.linear(x, L.w_up), L.w_down)
+            return _swiglu(x, L.dense)
         _, weights, experts = L.router(x)  # [S, k] each; a module call so its hooks fire
         k = experts.shape[1]
         sorted_experts, perm = torch.sort(experts.reshape(-1))
@@ -306,7 +423,19 @@ class FastDecoder:
                     start += c
             y = torch.cat(parts)
         y = y * weights.reshape(-1)[perm, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y)
+        out = torch.zeros_like(x).index_add_(0, token, y)
+        if L.shared is not None:  # a shared expert every token takes, optionally sigmoid-gated (Qwen2-MoE)
+            shared = _swiglu(x, L.shared)
+            if L.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, *L.shared_gate)) * shared
+            out = out + shared
+        return out
+
+    @torch.inference_mode()
+    def rotary_dim(self) -> int:
+        """How many dims per head the model's rotary tables cover."""
+        cos, _ = self.rotary(self.embed[None, :1], torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        return int(cos.shape[-1])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms_norm(hidden, self.final_norm, self.final_eps), self.lm_head, self.lm_head_bias)
@@ -481,21 +610,27 @@ class FastDecoder:
         x = F.embedding(step.ids, self.embed)  # [S, H]
         cos, sin = self.rotary(x[None], step.pos[None])
         cos, sin = cos[0][:, None], sin[0][:, None]  # [S, 1, D]
+        if self.rope_half_split:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         s_tokens = step.ids.shape[0]
-        scaling = self.head_dim**-0.5
         for i, L in enumerate(self.layers):
-            h = _rms_norm(x, L.ln_in, L.eps)
-            q = F.linear(h, L.wq, L.bq).view(s_tokens, self.num_heads, self.head_dim)
-            k = F.linear(h, L.wk, L.bk).view(s_tokens, self.num_kv_heads, self.head_dim)
-            v = F.linear(h, L.wv, L.bv).view(s_tokens, self.num_kv_heads, self.head_dim)
-            if L.q_norm is not None:
+            h = _rms_norm(x, L.ln_in, L.eps_in)
+            q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
+            if L.q_norm is not None and not L.qk_norm_per_head:
                 q = _rms_norm(q, *L.q_norm)
-            if L.k_norm is not None:
+            if L.k_norm is not None and not L.qk_norm_per_head:
                 k = _rms_norm(k, *L.k_norm)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            x = x + F.linear(self._attend(i, step, q, k, v, scaling), L.wo, L.bo)
-            x = x + self._mlp(L, _rms_norm(x, L.ln_post, L.eps))
+            q = q.view(s_tokens, self.num_heads, self.head_dim)
+            k = k.view(s_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(s_tokens, self.num_kv_heads, self.head_dim)
+            if L.q_norm is not None and L.qk_norm_per_head:
+                q = _rms_norm(q, *L.q_norm)
+            if L.k_norm is not None and L.qk_norm_per_head:
+                k = _rms_norm(k, *L.k_norm)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            att = self._attend(i, step, q, k, v, L.scaling, L.window, None, L.sinks)
+            x = x + F.linear(att, L.wo, L.bo)
+            x = x + self._mlp(L, _rms_norm(x, L.ln_post, L.eps_post))
         return self._logits(x[step.last])
 
     def prefill(self, contexts: list[list[int]]) -> torch.Tensor:

@@ -155,14 +155,17 @@ def fast_decoder_for(
     reasons = []
     reason = hand_written_misfit(model) if hand_written else "not asked for"
     if reason is None:
-        try:
-            fast = FastDecoder(model, max_rows, max_len)
-            reason = agrees_with_model(model, fast)
-        except Exception as exc:  # an unexpected module layout
-            reason = f"{type(exc).__name__}: {exc}"
-        if reason is None:
-            log.info("built-in engine: hand-written fast path (%s)", model.config.model_type)
-            return fast
+        for half_split in (False, True):  # a rotary table of half a head reads two ways (FastDecoder)
+            try:
+                fast = FastDecoder(model, max_rows, max_len, rope_half_split=half_split)
+                if half_split and fast.rotary_dim() * 2 != fast.head_dim:
+                    break
+                reason = agrees_with_model(model, fast)
+            except Exception as exc:  # an unexpected module layout
+                reason = f"{type(exc).__name__}: {exc}"
+            if reason is None:
+                log.info("built-in engine: hand-written fast path (%s)", model.config.model_type)
+                return fast
     reasons.append(f"hand-written path: {reason}")
     try:
         shapes = probe_kv_shapes(model)
