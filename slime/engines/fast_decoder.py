@@ -1,4 +1,4 @@
-"""A lean forward pass for Llama/Qwen-family decoders over a slot KV cache (the built-in engine's fast path).
+"""A lean forward pass for pre-norm decoders over a slot KV cache (the built-in engine's fast path).
 
 Why: at small batch the built-in engine spent most of each decode step in Hugging Face's
 per-module Python (about 60 module calls per token for the tiny MoE) and in copying the whole KV
@@ -15,19 +15,26 @@ rows that each stop at their own longest row (:func:`decode_segments`). Rows sta
 packed at the front: when rows finish, rows from the tail move into the holes (copying only
 those rows), so the caller must reorder its per-row state with the order ``select`` returns.
 
-Supported: ``model.model.{embed_tokens, layers, norm, rotary_emb}`` + ``model.lm_head``, full
-causal attention (optional q/k RMSNorm and q/k/v bias), and per layer either a SwiGLU MLP
-(``gate_proj``/``up_proj``/``down_proj``) or a top-k routed MoE (``mlp.gate`` router returning
-``(logits, weights, indices)`` + ``mlp.experts`` with fused ``gate_up_proj``/``down_proj``), as in
-Llama, Qwen2, Qwen3 and Qwen3-MoE. `slime.engines.generic_decoder.fast_decoder_for` checks the
-structure and then the numbers (logits against the model's own forward); other models take the
-generic fast path there (this cache and layout, the model's own modules), or the Hugging Face one.
-The router is called as a module, so forward hooks on it (the dashboard's expert-load
-recorder) still fire.
+Supported (:func:`hand_written_misfit`): ``model.model.{embed_tokens, layers, norm, rotary_emb}``
++ ``model.lm_head``, layers of RMSNorm -> attention -> RMSNorm -> MLP. The attention may have
+separate or fused q/k/v projections (Phi-3), biases, q/k RMSNorm per head (Qwen3) or over the
+whole projection (OLMoE), sliding windows on some or all layers (Mistral, gpt-oss), sinks
+(gpt-oss), RoPE on part of each head (GLM-4.5). The MLP is written out when it is SwiGLU
+(separate or fused gate/up) or a top-k routed MoE (``mlp.gate`` router returning
+``(logits, weights, indices)`` + ``mlp.experts`` with fused ``gate_up_proj``/``down_proj``,
+optionally a sigmoid-gated shared expert as in Qwen2-MoE); any other MLP (GLM-4.5's grouped
+routing, gpt-oss's clamped experts) runs as the model's own module. That covers Llama, Mistral,
+Qwen2/3, Qwen2/3-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss and Phi-3.
+`slime.engines.generic_decoder.fast_decoder_for` checks the structure and then the numbers
+(logits against the model's own forward); other models (MLA, sandwich norms, soft-capping) take
+the generic fast path there (this cache and layout, the model's own modules), or the Hugging
+Face one. The router is called as a module, so forward hooks on it (the dashboard's
+expert-load recorder) still fire.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -39,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # What a decoder layer may hold for the hand-written layers (dropouts are identity in eval).
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+# Norms around the MLP too (Gemma 2/3): attention and MLP outputs are normed before the residual.
+_SANDWICH_PARTS = _LAYER_PARTS | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm"}
 _ROUTED_PARTS = {"gate", "experts", "shared_expert", "shared_expert_gate"}
 
@@ -74,32 +83,60 @@ def _rms_parts(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
     return weight, float(eps)
 
 
+Norm = tuple[torch.Tensor, float] | torch.nn.Module
+
+
+@torch.inference_mode()
+def _norm(module: torch.nn.Module) -> Norm:
+    """A norm as the hand-written layers apply it: (weight, eps) when the module computes a plain
+    RMSNorm (checked on random input once), else the module itself (Gemma's ``x * (1 + w)``)."""
+    parts = _rms_parts(module)
+    if parts is None:
+        return module
+    weight = parts[0]
+    x = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    tol = 1e-5 if weight.dtype == torch.float32 else 2e-2
+    return parts if torch.allclose(module(x), _rms_norm(x, *parts), rtol=tol, atol=tol) else module
+
+
+def _apply_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
+    return _rms_norm(x, *norm) if isinstance(norm, tuple) else norm(x)
+
+
+def _norm_size(norm: Norm) -> int:
+    return int((norm[0] if isinstance(norm, tuple) else norm.weight).numel())
+
+
 def _is_silu(act: object) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def _swiglu(x: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with the weights and biases of `_swiglu_weights`."""
-    w_gate, w_up, w_down, b_gate, b_up, b_down = w
-    return F.linear(F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)
+def _swiglu(x: torch.Tensor, w: tuple) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) with the weights, biases and activation of `_swiglu_weights`."""
+    w_gate, w_up, w_down, b_gate, b_up, b_down, act = w
+    gate = F.linear(x, w_gate, b_gate)
+    return F.linear((F.silu(gate) if act is None else act(gate)) * F.linear(x, w_up, b_up), w_down, b_down)
 
 
-def _swiglu_weights(mlp: torch.nn.Module) -> tuple[torch.Tensor, ...] | None:
-    """(gate, up, down) weights and (gate, up, down) biases of a SiLU-gated MLP, separate
-    (Llama) or with gate and up fused (Phi-3: views, so in-place weight updates show); else None."""
-    if not _is_silu(getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))):
+def _swiglu_weights(mlp: torch.nn.Module) -> tuple | None:
+    """(gate, up, down) weights, (gate, up, down) biases and the activation (None: SiLU) of a
+    gated MLP, separate (Llama) or with gate and up fused (Phi-3: views, so in-place weight updates
+    show); else None."""
+    act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+    if not callable(act):
         return None
+    act = None if _is_silu(act) else act
     down = getattr(mlp, "down_proj", None)
     if not isinstance(down, torch.nn.Linear):
         return None
     if all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj")):
         gate, up = mlp.gate_proj, mlp.up_proj
-        return gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias
+        return gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias, act
     fused = getattr(mlp, "gate_up_proj", None)
     if isinstance(fused, torch.nn.Linear):
         w_gate, w_up = fused.weight.chunk(2, dim=0)
         b_gate, b_up = fused.bias.chunk(2) if fused.bias is not None else (None, None)
-        return w_gate, w_up, down.weight, b_gate, b_up, down.bias
+        return w_gate, w_up, down.weight, b_gate, b_up, down.bias, act
     return None
 
 
@@ -123,12 +160,15 @@ def _routed_experts_fit(mlp: torch.nn.Module) -> bool:
         and getattr(experts, "gate_up_proj_bias", None) is None
         and _is_silu(getattr(experts, "act_fn", None))
         and (apply_gate is None or apply_gate.__name__ == "_default_apply_gate")
-        and ("shared_expert" not in parts or _swiglu_weights(mlp.shared_expert) is not None)
+        and ("shared_expert" not in parts or _swiglu_weights(getattr(mlp, "shared_expert", None)) is not None)
     )
 
 
-def _layer_window(config, index: int) -> int | None:
-    """Layer ``index``'s sliding window (keys at (p - window, p]), or None for full attention."""
+def _layer_window(config, attn: torch.nn.Module, index: int) -> int | None:
+    """Layer ``index``'s sliding window (keys at (p - window, p]), or None for full attention: the
+    attention module's own word where it keeps one, else the config's."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window or None
     window = getattr(config, "sliding_window", None) or None
     types = getattr(config, "layer_types", None)
     if types is not None:
@@ -141,8 +181,12 @@ class _Layer:
 
     def __init__(self, layer: torch.nn.Module, config, index: int, heads: int, kv_heads: int, head_dim: int):
         attn = layer.self_attn
-        self.ln_in, self.eps_in = _rms_parts(layer.input_layernorm)
-        self.ln_post, self.eps_post = _rms_parts(layer.post_attention_layernorm)
+        self.norm_in, self.norm_post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        # Sandwich (Gemma): norm_post norms the attention output, then norm_ff_in and norm_ff_out
+        # go around the MLP; otherwise norm_post is the MLP's input norm.
+        self.norm_ff_in = _norm(layer.pre_feedforward_layernorm) if sandwich else None
+        self.norm_ff_out = _norm(layer.post_feedforward_layernorm) if sandwich else None
         if hasattr(attn, "qkv_proj"):  # fused (Phi-3)
             sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
             self.wq, self.wk, self.wv = attn.qkv_proj.weight.split(sizes)
@@ -155,12 +199,14 @@ class _Layer:
         self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
         # q/k RMSNorm per head (Qwen3) or over the whole projection (OLMoE), by the weight's size.
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = None if q_norm is None else _rms_parts(q_norm)
-        self.k_norm = None if k_norm is None else _rms_parts(k_norm)
-        self.qk_norm_per_head = q_norm is not None and self.q_norm[0].numel() == head_dim
+        self.q_norm = None if q_norm is None else _norm(q_norm)
+        self.k_norm = None if k_norm is None else _norm(k_norm)
+        self.qk_norm_per_head = q_norm is not None and _norm_size(self.q_norm) == head_dim
         self.scaling = float(getattr(attn, "scaling", None) or head_dim**-0.5)
+        self.softcap = getattr(attn, "attn_logit_softcapping", None)
         self.sinks = getattr(attn, "sinks", None)
-        self.window = _layer_window(config, index)
+        self.window = _layer_window(config, attn, index)
+        self.layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * (index + 1))[index]
         mlp = layer.mlp
         self.mlp_module = None  # run the model's own MLP module (an MoE layout not written here)
         self.router = None
@@ -192,21 +238,15 @@ def hand_written_misfit(model: torch.nn.Module) -> str | None:
             return f"model.model has no {name}"
     if getattr(model, "lm_head", None) is None:
         return "no lm_head"
-    if _rms_parts(inner.norm) is None:
-        return f"final norm {type(inner.norm).__name__} is not an RMSNorm"
-    for name in ("final_logit_softcapping", "attn_logit_softcapping", "clip_qkv"):
-        if getattr(config, name, None) is not None:
-            return f"{name} is set"
+    if getattr(config, "clip_qkv", None) is not None:
+        return "clip_qkv is set"
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not types <= {"full_attention", "sliding_attention"}:
         return f"attention layer types {sorted(types)}"
     for layer in inner.layers:
         parts = {n for n, m in layer.named_children() if not isinstance(m, torch.nn.Dropout)}
-        if parts != _LAYER_PARTS:
+        if parts not in (_LAYER_PARTS, _SANDWICH_PARTS):
             return f"decoder layer parts {sorted(parts ^ _LAYER_PARTS)} (not pre-norm attention + MLP)"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if _rms_parts(norm) is None:
-                return f"layer norm {type(norm).__name__} is not an RMSNorm"
         attn = layer.self_attn
         attn_parts = {n for n, _ in attn.named_children()}
         if not attn_parts <= _ATTENTION_PARTS:
@@ -293,8 +333,12 @@ class FastDecoder:
         inner = model.model
         self.model = model
         self.embed = inner.embed_tokens.weight
-        self.final_norm, self.final_eps = _rms_parts(inner.norm)
+        self.embed_scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden)
+        self.final_norm = _norm(inner.norm)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rotary = inner.rotary_emb
+        # Rotary tables per attention type (Gemma 3: another base for local layers), else one.
+        self.rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.lm_head = model.lm_head.weight
         self.lm_head_bias = model.lm_head.bias
         self.num_heads = int(config.num_attention_heads)
@@ -434,11 +478,31 @@ class FastDecoder:
     @torch.inference_mode()
     def rotary_dim(self) -> int:
         """How many dims per head the model's rotary tables cover."""
-        cos, _ = self.rotary(self.embed[None, :1], torch.zeros(1, 1, dtype=torch.long, device=self.device))
-        return int(cos.shape[-1])
+        half_split, self.rope_half_split = self.rope_half_split, False
+        try:
+            tables = self._rotary_tables(self.embed[:1], torch.zeros(1, dtype=torch.long, device=self.device))
+        finally:
+            self.rope_half_split = half_split
+        return min(int(cos.shape[-1]) for cos, _ in tables.values())
+
+    def _rotary_tables(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer type, cos and sin [S, 1, rotary dims] of positions ``pos`` [S]."""
+        types = {L.layer_type for L in self.layers} if self.rotary_by_type else {None}
+        tables = {}
+        for layer_type in types:
+            extra = (layer_type,) if self.rotary_by_type else ()
+            cos, sin = self.rotary(x[None], pos[None], *extra)
+            cos, sin = cos[0][:, None], sin[0][:, None]
+            if self.rope_half_split:
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            tables[layer_type] = (cos, sin)
+        return tables
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms_norm(hidden, self.final_norm, self.final_eps), self.lm_head, self.lm_head_bias)
+        logits = F.linear(_apply_norm(hidden, self.final_norm), self.lm_head, self.lm_head_bias)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def forward(
         self, last_tokens: torch.Tensor | None, positions: torch.Tensor | None, groups: list[list[list[int]]]
@@ -606,31 +670,35 @@ class FastDecoder:
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def _compute(self, step: StepLayout) -> torch.Tensor:
-        """The hand-written layers (Llama/Qwen family): next-token logits of ``step.last``."""
+        """The hand-written layers: next-token logits of ``step.last``."""
         x = F.embedding(step.ids, self.embed)  # [S, H]
-        cos, sin = self.rotary(x[None], step.pos[None])
-        cos, sin = cos[0][:, None], sin[0][:, None]  # [S, 1, D]
-        if self.rope_half_split:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
+        tables = self._rotary_tables(x, step.pos)
         s_tokens = step.ids.shape[0]
         for i, L in enumerate(self.layers):
-            h = _rms_norm(x, L.ln_in, L.eps_in)
+            cos, sin = tables[L.layer_type if self.rotary_by_type else None]
+            h = _apply_norm(x, L.norm_in)
             q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
             if L.q_norm is not None and not L.qk_norm_per_head:
-                q = _rms_norm(q, *L.q_norm)
+                q = _apply_norm(q, L.q_norm)
             if L.k_norm is not None and not L.qk_norm_per_head:
-                k = _rms_norm(k, *L.k_norm)
+                k = _apply_norm(k, L.k_norm)
             q = q.view(s_tokens, self.num_heads, self.head_dim)
             k = k.view(s_tokens, self.num_kv_heads, self.head_dim)
             v = v.view(s_tokens, self.num_kv_heads, self.head_dim)
             if L.q_norm is not None and L.qk_norm_per_head:
-                q = _rms_norm(q, *L.q_norm)
+                q = _apply_norm(q, L.q_norm)
             if L.k_norm is not None and L.qk_norm_per_head:
-                k = _rms_norm(k, *L.k_norm)
+                k = _apply_norm(k, L.k_norm)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            att = self._attend(i, step, q, k, v, L.scaling, L.window, None, L.sinks)
-            x = x + F.linear(att, L.wo, L.bo)
-            x = x + self._mlp(L, _rms_norm(x, L.ln_post, L.eps_post))
+            att = F.linear(self._attend(i, step, q, k, v, L.scaling, L.window, L.softcap, L.sinks), L.wo, L.bo)
+            if L.norm_ff_in is None:
+                x = x + att
+                x = x + self._mlp(L, _apply_norm(x, L.norm_post))
+            else:
+                x = x + _apply_norm(att, L.norm_post)
+                x = x + _apply_norm(self._mlp(L, _apply_norm(x, L.norm_ff_in)), L.norm_ff_out)
         return self._logits(x[step.last])
 
     def prefill(self, contexts: list[list[int]]) -> torch.Tensor:
