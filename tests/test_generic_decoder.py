@@ -17,8 +17,6 @@ from slime.engines.fast_decoder import FastDecoder
 from slime.engines.generic_decoder import fast_decoder_for
 
 VOCAB = 97
-# Pre-norm attention + MLP layers: the hand-written layers (fast_decoder.hand_written_misfit).
-GENERIC = {"deepseek_v2", "deepseek_v3"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # robust on a shared 2-core machine
@@ -50,12 +48,13 @@ def reference_logprobs(model, prompt: list[int], response: list[int]) -> list[fl
     return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(response)]
 
 
+@pytest.mark.parametrize("path", ["fast", "generic"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_family_takes_a_fast_path_whose_tokens_and_logprobs_are_the_models(family):
+def test_every_family_takes_both_fast_paths_with_the_models_tokens_and_logprobs(family, path):
+    """Every family fits the hand-written layers (the default) and the generic path (asked for)."""
     model = tiny_model(family, VOCAB)
-    engine = BuiltinEngine(model, max_running_requests=8, max_seq_len=256)
-    kind = engine.health()["forward"]
-    assert kind == ("generic" if family in GENERIC else "fast"), kind
+    engine = BuiltinEngine(model, max_running_requests=8, max_seq_len=256, fast_path=None if path == "fast" else path)
+    assert engine.health()["forward"] == path
     ps = prompts(6, seed=1)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=14, stop_token_ids=[])
     out = engine.generate([GenerationRequest(f"r{i}", p, greedy) for i, p in enumerate(ps)])
@@ -65,12 +64,13 @@ def test_every_family_takes_a_fast_path_whose_tokens_and_logprobs_are_the_models
         assert got.logprobs == pytest.approx(reference_logprobs(model, p, got.token_ids), abs=2e-4)
 
 
-@pytest.mark.parametrize("family", ["phi3", "olmoe", "qwen2_moe", "gpt_oss", "gemma3_text"])
+@pytest.mark.parametrize("family", ["phi3", "olmoe", "qwen2_moe", "gpt_oss", "gemma3_text", "deepseek_v2"])
 def test_an_in_place_weight_update_reaches_the_hand_written_layers(family):
     """Fused q/k/v and gate/up projections (Phi-3) are read as views; q/k norms over the whole
     projection (OLMoE), shared experts (Qwen2-MoE), an MoE run as the model's own module
-    (gpt-oss) and Gemma's norms (its own modules) from the live parameters: after an update in
-    place the engine's greedy tokens are `generate`'s on the new weights."""
+    (gpt-oss), Gemma's norms (its own modules) and latent attention (DeepSeek-V2) from the live
+    parameters: after an update in place the engine's greedy tokens are `generate`'s on the new
+    weights."""
     model, other = tiny_model(family, VOCAB, seed=0), tiny_model(family, VOCAB, seed=7)
     engine = BuiltinEngine(model, max_running_requests=8)
     assert engine.health()["forward"] == "fast"
@@ -102,20 +102,23 @@ def test_the_generic_path_equals_the_hand_written_one_on_the_default_moe():
         assert a[f"r{i}"].logprobs == pytest.approx(b[f"r{i}"].logprobs, abs=1e-4)
 
 
-@pytest.mark.parametrize("family,forward", [("deepseek_v3", "generic"), ("gemma2", "fast"), ("gpt_oss", "fast")])
+@pytest.mark.parametrize(
+    "family,forward", [("deepseek_v3", "fast"), ("deepseek_v2", "generic"), ("gemma2", "fast"), ("gpt_oss", "generic")]
+)
 def test_an_aborted_request_resumes_token_exactly_on_mla_windows_and_sinks(family, forward):
-    """MLA attention (DeepSeek-V3, generic path), sliding windows with soft-capping (Gemma 2) and
-    with sinks (gpt-oss) on the hand-written layers: aborted at several points and resumed with its stored
+    """MLA attention (DeepSeek-V2/V3), sliding windows with soft-capping (Gemma 2) and with sinks
+    (gpt-oss), on the hand-written layers and the generic path: aborted at several points and resumed with its stored
     tokens (from the kept cache, or by a prefill), each request ends exactly as an uninterrupted
     run, past the sliding window."""
     model = tiny_model(family, VOCAB)
     ps = prompts(6, seed=3, lo=2, hi=12)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[])
-    alone = BuiltinEngine(model, max_running_requests=8)
+    path = None if forward == "fast" else forward
+    alone = BuiltinEngine(model, max_running_requests=8, fast_path=path)
     assert alone.health()["forward"] == forward
     want = alone.generate([GenerationRequest(f"q{i}", p, greedy) for i, p in enumerate(ps)])
     for kept in (0, 10_000):
-        engine = BuiltinEngine(model, max_running_requests=8, kept_kv_tokens=kept)
+        engine = BuiltinEngine(model, max_running_requests=8, kept_kv_tokens=kept, fast_path=path)
         got: dict[str, list[int]] = {}
         lps: dict[str, list[float]] = {}
         for i, p in enumerate(ps):

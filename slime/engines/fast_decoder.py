@@ -49,6 +49,18 @@ _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm
 # Norms around the MLP too (Gemma 2/3): attention and MLP outputs are normed before the residual.
 _SANDWICH_PARTS = _LAYER_PARTS | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm"}
+# Multi-head latent attention (DeepSeek-V2/V3): queries direct or through a low-rank pair, keys and
+# values from one compressed latent plus a shared rotary key.
+_MLA_PARTS = {
+    "q_proj",
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+}
 _ROUTED_PARTS = {"gate", "experts", "shared_expert", "shared_expert_gate"}
 
 
@@ -176,6 +188,43 @@ def _layer_window(config, attn: torch.nn.Module, index: int) -> int | None:
     return window if getattr(config, "use_sliding_window", True) else None
 
 
+class _Mla:
+    """Multi-head latent attention's tensors (DeepSeek-V2/V3); keys and values are cached expanded,
+    per head ([heads, nope + rope] keys, [heads, v] values), as the generic path caches them."""
+
+    def __init__(self, attn: torch.nn.Module, config, heads: int):
+        self.nope, self.rope = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
+        self.v_dim, self.rank, self.heads = int(config.v_head_dim), int(config.kv_lora_rank), heads
+        q_proj = getattr(attn, "q_proj", None)
+        self.q = (q_proj.weight, q_proj.bias) if q_proj is not None else None
+        if self.q is None:
+            self.q_a = (attn.q_a_proj.weight, attn.q_a_proj.bias)
+            self.q_a_norm, self.q_b = _norm(attn.q_a_layernorm), attn.q_b_proj.weight
+        self.kv_a = (attn.kv_a_proj_with_mqa.weight, attn.kv_a_proj_with_mqa.bias)
+        self.kv_a_norm, self.kv_b = _norm(attn.kv_a_layernorm), attn.kv_b_proj.weight
+        # Rotary dims in interleaved pairs (x0, x1), (x2, x3)...: DeepSeek's own layout.
+        self.interleaved = bool(getattr(config, "rope_interleave", True))
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        s_tokens = h.shape[0]
+        if self.q is not None:
+            q = F.linear(h, *self.q)
+        else:
+            q = F.linear(_apply_norm(F.linear(h, *self.q_a), self.q_a_norm), self.q_b)
+        q_pass, q_rot = q.view(s_tokens, self.heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_rot = F.linear(h, *self.kv_a).split([self.rank, self.rope], dim=-1)
+        kv = F.linear(_apply_norm(latent, self.kv_a_norm), self.kv_b).view(s_tokens, self.heads, self.nope + self.v_dim)
+        k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rot = k_rot[:, None]
+        if self.interleaved:  # pairs -> halves; q and k alike, so their dot products are unchanged
+            q_rot = torch.cat((q_rot[..., 0::2], q_rot[..., 1::2]), dim=-1)
+            k_rot = torch.cat((k_rot[..., 0::2], k_rot[..., 1::2]), dim=-1)
+        q_rot, k_rot = _rope(q_rot, cos, sin), _rope(k_rot, cos, sin)
+        q = torch.cat((q_pass, q_rot), dim=-1)
+        k = torch.cat((k_pass, k_rot.expand(s_tokens, self.heads, self.rope)), dim=-1)
+        return q, k, v
+
+
 class _Layer:
     """The tensors one decoder layer needs, read from its modules once (views, never copies)."""
 
@@ -187,7 +236,11 @@ class _Layer:
         # go around the MLP; otherwise norm_post is the MLP's input norm.
         self.norm_ff_in = _norm(layer.pre_feedforward_layernorm) if sandwich else None
         self.norm_ff_out = _norm(layer.post_feedforward_layernorm) if sandwich else None
-        if hasattr(attn, "qkv_proj"):  # fused (Phi-3)
+        self.mla = _Mla(attn, config, heads) if hasattr(attn, "kv_a_proj_with_mqa") else None
+        self.kv_shape = (kv_heads, head_dim, head_dim)  # cached (kv heads, key dim, value dim)
+        if self.mla is not None:
+            self.kv_shape = (heads, self.mla.nope + self.mla.rope, self.mla.v_dim)
+        elif hasattr(attn, "qkv_proj"):  # fused (Phi-3)
             sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
             self.wq, self.wk, self.wv = attn.qkv_proj.weight.split(sizes)
             bias = attn.qkv_proj.bias
@@ -249,9 +302,13 @@ def hand_written_misfit(model: torch.nn.Module) -> str | None:
             return f"decoder layer parts {sorted(parts ^ _LAYER_PARTS)} (not pre-norm attention + MLP)"
         attn = layer.self_attn
         attn_parts = {n for n, _ in attn.named_children()}
-        if not attn_parts <= _ATTENTION_PARTS:
-            return f"attention parts {sorted(attn_parts - _ATTENTION_PARTS)}"
-        if "qkv_proj" not in attn_parts and not {"q_proj", "k_proj", "v_proj"} <= attn_parts:
+        known = _MLA_PARTS if "kv_a_proj_with_mqa" in attn_parts else _ATTENTION_PARTS
+        if not attn_parts <= known:
+            return f"attention parts {sorted(attn_parts - known)}"
+        if known is _MLA_PARTS:
+            if not all(hasattr(config, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")):
+                return "latent attention without qk_nope_head_dim / qk_rope_head_dim / v_head_dim in its config"
+        elif "qkv_proj" not in attn_parts and not {"q_proj", "k_proj", "v_proj"} <= attn_parts:
             return "attention without q/k/v projections"
         own = {n for n, _ in attn.named_parameters(recurse=False)} - {"sinks"}
         if own:
@@ -356,7 +413,7 @@ class FastDecoder:
             self.device.type == "cpu"
             or (self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0))
         )
-        self._init_cache([(self.num_kv_heads, self.head_dim, self.head_dim)] * len(self.layers))
+        self._init_cache([L.kv_shape for L in self.layers])
         self.routing_recorder = None  # routing replay: set by the engine (engines/routing.py)
         self.step_routing = None  # [rows, layers * top_k] uint8 after each forward, when recording
 
@@ -491,7 +548,12 @@ class FastDecoder:
         tables = {}
         for layer_type in types:
             extra = (layer_type,) if self.rotary_by_type else ()
-            cos, sin = self.rotary(x[None], pos[None], *extra)
+            table = self.rotary(x[None], pos[None], *extra)
+            if isinstance(table, torch.Tensor) and table.is_complex():  # e^(i angle) per pair (DeepSeek-V2)
+                cos, sin = torch.cat((table.real, table.real), dim=-1), torch.cat((table.imag, table.imag), dim=-1)
+                cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            else:
+                cos, sin = table
             cos, sin = cos[0][:, None], sin[0][:, None]
             if self.rope_half_split:
                 cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
@@ -669,29 +731,33 @@ class FastDecoder:
             out.append(att.transpose(1, 2).reshape(-1, heads * v.shape[-1])[real])
         return torch.cat(out) if len(out) > 1 else out[0]
 
+    def _qkv(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries [S, heads, D], keys and values [S, kv heads, D], with q/k norms and RoPE."""
+        s_tokens = h.shape[0]
+        q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
+        if L.q_norm is not None and not L.qk_norm_per_head:
+            q = _apply_norm(q, L.q_norm)
+        if L.k_norm is not None and not L.qk_norm_per_head:
+            k = _apply_norm(k, L.k_norm)
+        q = q.view(s_tokens, self.num_heads, self.head_dim)
+        k = k.view(s_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(s_tokens, self.num_kv_heads, self.head_dim)
+        if L.q_norm is not None and L.qk_norm_per_head:
+            q = _apply_norm(q, L.q_norm)
+        if L.k_norm is not None and L.qk_norm_per_head:
+            k = _apply_norm(k, L.k_norm)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
     def _compute(self, step: StepLayout) -> torch.Tensor:
         """The hand-written layers: next-token logits of ``step.last``."""
         x = F.embedding(step.ids, self.embed)  # [S, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
         tables = self._rotary_tables(x, step.pos)
-        s_tokens = step.ids.shape[0]
         for i, L in enumerate(self.layers):
             cos, sin = tables[L.layer_type if self.rotary_by_type else None]
             h = _apply_norm(x, L.norm_in)
-            q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
-            if L.q_norm is not None and not L.qk_norm_per_head:
-                q = _apply_norm(q, L.q_norm)
-            if L.k_norm is not None and not L.qk_norm_per_head:
-                k = _apply_norm(k, L.k_norm)
-            q = q.view(s_tokens, self.num_heads, self.head_dim)
-            k = k.view(s_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(s_tokens, self.num_kv_heads, self.head_dim)
-            if L.q_norm is not None and L.qk_norm_per_head:
-                q = _apply_norm(q, L.q_norm)
-            if L.k_norm is not None and L.qk_norm_per_head:
-                k = _apply_norm(k, L.k_norm)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = L.mla.qkv(h, cos, sin) if L.mla is not None else self._qkv(L, h, cos, sin)
             att = F.linear(self._attend(i, step, q, k, v, L.scaling, L.window, L.softcap, L.sinks), L.wo, L.bo)
             if L.norm_ff_in is None:
                 x = x + att
