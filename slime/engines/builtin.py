@@ -14,8 +14,8 @@ The batch's model state has two implementations with the same operations (one fo
 decode rows + prefill groups, keep some rows, report the cache length):
 - the fast path: a preallocated slot KV cache, decode and prefill tokens flattened into one
   pass, checked at start against the model's forward; it can also keep and restore an aborted
-  row's cache. For pre-norm attention + MLP decoders (Llama, Qwen, Mistral, Mixtral, OLMoE,
-  GLM-4.5, gpt-oss, Phi-3; the default tiny MoE included) plain torch ops on
+  row's cache. For decoders of norm/attention/MLP layers (Llama to DeepSeek-V3 and Gemma 3;
+  the default tiny MoE included) plain torch ops on
   the model's own tensors (`slime.engines.fast_decoder`); for any other decoder-only model the
   model's own modules with the engine's attention over that cache (`slime.engines.generic_decoder`);
 - `slime.engines.hf_batch.HfBatch`, for a model neither fits: the model's own forward with a

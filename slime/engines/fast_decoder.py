@@ -16,17 +16,18 @@ packed at the front: when rows finish, rows from the tail move into the holes (c
 those rows), so the caller must reorder its per-row state with the order ``select`` returns.
 
 Supported (:func:`hand_written_misfit`): ``model.model.{embed_tokens, layers, norm, rotary_emb}``
-+ ``model.lm_head``, layers of RMSNorm -> attention -> RMSNorm -> MLP. The attention may have
-separate or fused q/k/v projections (Phi-3), biases, q/k RMSNorm per head (Qwen3) or over the
-whole projection (OLMoE), sliding windows on some or all layers (Mistral, gpt-oss), sinks
-(gpt-oss), RoPE on part of each head (GLM-4.5). The MLP is written out when it is SwiGLU
-(separate or fused gate/up) or a top-k routed MoE (``mlp.gate`` router returning
++ ``model.lm_head``, layers of norm -> attention -> norm -> MLP, or Gemma's sandwich (norms around
+the MLP too). The attention may have separate or fused q/k/v projections (Phi-3), biases, q/k
+norms per head (Qwen3) or over the whole projection (OLMoE), sliding windows on some or all
+layers, sinks (gpt-oss), soft-capping (Gemma 2), RoPE on part of each head (GLM-4.5) or from
+per-layer-type tables (Gemma 3), or be multi-head latent attention (DeepSeek-V2/V3). A norm that
+computes a plain RMSNorm is written out, any other runs as its module. The MLP is written out when
+it is gated (separate or fused gate/up) or a top-k routed MoE (``mlp.gate`` router returning
 ``(logits, weights, indices)`` + ``mlp.experts`` with fused ``gate_up_proj``/``down_proj``,
-optionally a sigmoid-gated shared expert as in Qwen2-MoE); any other MLP (GLM-4.5's grouped
-routing, gpt-oss's clamped experts) runs as the model's own module. That covers Llama, Mistral,
-Qwen2/3, Qwen2/3-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss and Phi-3.
-`slime.engines.generic_decoder.fast_decoder_for` checks the structure and then the numbers
-(logits against the model's own forward); other models (MLA, sandwich norms, soft-capping) take
+optionally a sigmoid-gated shared expert as in Qwen2-MoE); any other MLP (grouped routing in
+GLM-4.5 and DeepSeek, gpt-oss's clamped experts) runs as the model's own module. That covers the
+15 families of `slime.engines.families`. `slime.engines.generic_decoder.fast_decoder_for` checks
+the structure and then the numbers (logits against the model's own forward); other models take
 the generic fast path there (this cache and layout, the model's own modules), or the Hugging
 Face one. The router is called as a module, so forward hooks on it (the dashboard's
 expert-load recorder) still fire.

@@ -10,8 +10,8 @@ attention sinks are applied as the model's attention module asks for them (`slid
 all go through the hook (a linear-attention or state-space layer) is refused at start, as is any
 model whose logits disagree with its own forward: it keeps the Hugging Face path, the reason logged.
 
-`fast_decoder_for` picks the path: the hand-written layers for pre-norm attention + MLP decoders
-(measurably faster, docs/benchmarks.md "Model zoo"), else this one, else None.
+`fast_decoder_for` picks the path: the hand-written layers where they fit (measurably faster,
+docs/benchmarks.md "Model zoo"), else this one, else None.
 """
 
 from __future__ import annotations
