@@ -82,13 +82,19 @@ def run_engine(model, prompts: list[list[int]], n: int, fast_path) -> tuple[floa
 def run_generate(model, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    # EOS off as in the engine: no end-of-sequence id at all. (min_new_tokens would instead mask
+    # the EOS logit, and greedy would pick another token where the engine picks EOS.)
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0)
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padded (pad id 0)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, generation_config=config)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, generation_config=config)
+    finally:
+        model.generation_config.eos_token_id = eos
     seconds = time.perf_counter() - t0
     return seconds, out[:, width:].tolist()
 
