@@ -186,3 +186,17 @@ def test_a_layer_outside_the_attention_hook_keeps_the_hf_path(monkeypatch, caplo
     assert BuiltinEngine(model).health()["forward"] == "hf"
     with pytest.raises(ValueError, match="fast_path=True"):
         BuiltinEngine(model, fast_path=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_moe_without_grouped_matmuls_gives_the_models_logits(family):
+    """Where `torch._grouped_mm` is missing (CUDA before compute capability 8.0), the routed experts
+    run one matmul per expert: plain (Qwen3-MoE) and transposed, biased, clamped and interleaved
+    (gpt-oss, through the experts' own activation)."""
+    from slime.engines.fast_decoder import agrees_with_model
+
+    model = tiny_model(family, VOCAB)
+    fast = fast_decoder_for(model, 8, 128)
+    assert type(fast) is FastDecoder and any(layer.router is not None for layer in fast.layers)
+    fast.grouped_mm = False
+    assert agrees_with_model(model, fast) is None

@@ -62,7 +62,7 @@ _MLA_PARTS = {
     "kv_b_proj",
     "o_proj",
 }
-_ROUTED_PARTS = {"gate", "experts", "shared_expert", "shared_expert_gate"}
+_ROUTED_PARTS = {"gate", "router", "experts", "shared_expert", "shared_expert_gate"}
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,6 +124,21 @@ def _is_silu(act: object) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
+def _silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _expert_parts(rows: torch.Tensor, counts: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(expert, its rows) for the rows sorted by expert, ``counts`` rows each."""
+    parts, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            parts.append((e, rows[start : start + c]))
+            start += c
+    return parts
+
+
 def _swiglu(x: torch.Tensor, w: tuple) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) with the weights, biases and activation of `_swiglu_weights`."""
     w_gate, w_up, w_down, b_gate, b_up, b_down, act = w
@@ -154,25 +169,36 @@ def _swiglu_weights(mlp: torch.nn.Module) -> tuple | None:
 
 
 def _routed_experts_fit(mlp: torch.nn.Module) -> bool:
-    """A top-k router module ``gate`` (returning logits, weights, indices) with SiLU-gated experts in
-    fused ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I], no biases, optionally a shared
-    SwiGLU expert with a sigmoid gate (Qwen2-MoE): the MoE the hand-written layers compute."""
+    """A top-k router module (``gate`` or ``router``, returning logits, weights, indices) with
+    experts in fused ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] (or both transposed,
+    gpt-oss), optional biases, their activation SiLU-gated or the experts' own ``_apply_gate``
+    (gpt-oss's clamped, interleaved one), optionally a shared SwiGLU expert with a sigmoid gate
+    (Qwen2-MoE): the MoE the hand-written layers compute."""
     parts = {name for name, _ in mlp.named_children()}
     experts = getattr(mlp, "experts", None)
-    if not (parts <= _ROUTED_PARTS and "gate" in parts and experts is not None):
+    if not (parts <= _ROUTED_PARTS and len(parts & {"gate", "router"}) == 1 and experts is not None):
         return False
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
         return False
-    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if getattr(experts, "is_transposed", False):  # [E, H, 2I] and [E, I, H]
+        gate_up, down = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+    num, hidden, inner = gate_up.shape[0], gate_up.shape[2], down.shape[2]
+    biases_fit = all(
+        bias is None or tuple(bias.shape) == shape
+        for bias, shape in (
+            (getattr(experts, "gate_up_proj_bias", None), (num, 2 * inner)),
+            (getattr(experts, "down_proj_bias", None), (num, hidden)),
+        )
+    )
+    activation_fits = callable(getattr(experts, "_apply_gate", None)) or (
+        getattr(experts, "is_concatenated", True) and _is_silu(getattr(experts, "act_fn", None))
+    )
     return (
-        gate_up.shape[1] == 2 * down.shape[2]
-        and gate_up.shape[2] == down.shape[1]
-        and not getattr(experts, "is_transposed", False)
-        and getattr(experts, "is_concatenated", True)
-        and getattr(experts, "gate_up_proj_bias", None) is None
-        and _is_silu(getattr(experts, "act_fn", None))
-        and (apply_gate is None or apply_gate.__name__ == "_default_apply_gate")
+        gate_up.shape[1] == 2 * inner
+        and tuple(down.shape[:2]) == (num, hidden)
+        and biases_fit
+        and activation_fits
         and ("shared_expert" not in parts or _swiglu_weights(getattr(mlp, "shared_expert", None)) is not None)
     )
 
@@ -266,8 +292,16 @@ class _Layer:
         self.router = None
         self.shared = self.shared_gate = None
         if hasattr(mlp, "experts") and _routed_experts_fit(mlp):
-            self.router = mlp.gate
-            self.gate_up, self.down = mlp.experts.gate_up_proj, mlp.experts.down_proj  # [E, 2I, H], [E, H, I]
+            experts = mlp.experts
+            self.router = getattr(mlp, "gate", None) or mlp.router
+            # Per expert [in, out] views for x @ W: [E, H, 2I] and [E, I, H].
+            self.gate_up, self.down = experts.gate_up_proj, experts.down_proj
+            if not getattr(experts, "is_transposed", False):
+                self.gate_up, self.down = self.gate_up.transpose(-2, -1), self.down.transpose(-2, -1)
+            self.gate_up_bias = getattr(experts, "gate_up_proj_bias", None)
+            self.down_bias = getattr(experts, "down_proj_bias", None)
+            # The experts' own activation of [gate; up] (or gate/up interleaved, clamped: gpt-oss).
+            self.apply_gate = getattr(experts, "_apply_gate", None)
             self.num_experts = int(self.gate_up.shape[0])
             if getattr(mlp, "shared_expert", None) is not None:
                 self.shared = _swiglu_weights(mlp.shared_expert)
@@ -514,16 +548,18 @@ class FastDecoder:
         counts = torch.bincount(sorted_experts, minlength=L.num_experts)
         if self.grouped_mm:
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            gate, up = torch._grouped_mm(xs, L.gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-            y = torch._grouped_mm(F.silu(gate) * up, L.down.transpose(-2, -1), offs=offs)
+            h = torch._grouped_mm(xs, L.gate_up, offs=offs)
         else:  # one matmul per routed expert
-            parts, start = [], 0
-            for e, c in enumerate(counts.tolist()):
-                if c:
-                    gate, up = F.linear(xs[start : start + c], L.gate_up[e]).chunk(2, dim=-1)
-                    parts.append(F.linear(F.silu(gate) * up, L.down[e]))
-                    start += c
-            y = torch.cat(parts)
+            h = torch.cat([part @ L.gate_up[e] for e, part in _expert_parts(xs, counts)])
+        if L.gate_up_bias is not None:
+            h = h + L.gate_up_bias[sorted_experts]
+        h = L.apply_gate(h) if L.apply_gate is not None else _silu_gate(h)
+        if self.grouped_mm:
+            y = torch._grouped_mm(h, L.down, offs=offs)
+        else:
+            y = torch.cat([part @ L.down[e] for e, part in _expert_parts(h, counts)])
+        if L.down_bias is not None:
+            y = y + L.down_bias[sorted_experts]
         y = y * weights.reshape(-1)[perm, None].to(y.dtype)
         out = torch.zeros_like(x).index_add_(0, token, y)
         if L.shared is not None:  # a shared expert every token takes, optionally sigmoid-gated (Qwen2-MoE)
