@@ -22,10 +22,11 @@ norms per head (Qwen3) or over the whole projection (OLMoE), sliding windows on 
 layers, sinks (gpt-oss), soft-capping (Gemma 2), RoPE on part of each head (GLM-4.5) or from
 per-layer-type tables (Gemma 3), or be multi-head latent attention (DeepSeek-V2/V3). A norm that
 computes a plain RMSNorm is written out, any other runs as its module. The MLP is written out when
-it is gated (separate or fused gate/up) or a top-k routed MoE (``mlp.gate`` router returning
-``(logits, weights, indices)`` + ``mlp.experts`` with fused ``gate_up_proj``/``down_proj``,
-optionally a sigmoid-gated shared expert as in Qwen2-MoE); any other MLP (grouped routing in
-GLM-4.5 and DeepSeek, gpt-oss's clamped experts) runs as the model's own module. That covers the
+it is gated (separate or fused gate/up) or a top-k routed MoE (a ``gate`` or ``router`` module
+returning ``(logits, weights, indices)`` + ``experts`` with fused ``gate_up_proj``/``down_proj``,
+transposed or not, biases optional, activated by the experts' own ``_apply_gate``; optionally a
+sigmoid-gated shared expert as in Qwen2-MoE); any other MLP (grouped routing in GLM-4.5 and
+DeepSeek) runs as the model's own module. That covers the
 15 families of `slime.engines.families`. `slime.engines.generic_decoder.fast_decoder_for` checks
 the structure and then the numbers (logits against the model's own forward); other models take
 the generic fast path there (this cache and layout, the model's own modules), or the Hugging
