@@ -168,7 +168,17 @@ class AprilConfig(_Strict):
         None, gt=0, description="Absolute number of groups in flight; overrides oversample."
     )
     off_policy: Literal[
-        "none", "mask_stale", "tis", "mis_token", "mis_seq", "decoupled", "icepop", "geo_reject", "m2po", "opsm"
+        "none",
+        "mask_stale",
+        "tis",
+        "mis_token",
+        "mis_seq",
+        "decoupled",
+        "icepop",
+        "geo_reject",
+        "m2po",
+        "opsm",
+        "behaviour_clip",
     ] = Field(
         "tis",
         description="Correction for tokens an older or different policy sampled (APRIL partials, async "

@@ -327,6 +327,41 @@ def test_masked_token_adds_nothing_but_counts_in_the_token_mean() -> None:
     assert logp.grad[0, 1].item() == 0.0  # the masked token: exactly no gradient
 
 
+def test_behaviour_clip_reports_how_many_tokens_start_outside_the_clip_range() -> None:
+    # ε = .2/.28: ρ = 2, .5 | 1, 4, 2 -> outside [.8, 1.28]: 2, .5, 4, 2, four of five; no weights.
+    check(correction("behaviour_clip")(inputs(**SHARED)), None, 1.9, 4.0, 0.0, 4 / 5)
+
+
+def test_behaviour_clip_takes_the_surrogates_ratio_against_the_sampler() -> None:
+    """GRPO with the clip around μ, π_old not recomputed (one step per batch: π_old = π_θ).
+    Row 0: μ = .5, .125, .25 and π_θ = .5, .25, .3, so r = π_θ/μ = 1, 2, 1.2 with Â = 1; row 1:
+    μ = .5, π_θ = .35, r = .7 with Â = −2, then two padding positions.
+    ℓ_t = −min(r Â, clip(r, .8, 1.28) Â) = −1, −1.28 (clipped), −1.2 | +1.6 (clipped: r < .8, Â < 0)
+    token_mean: (−1 − 1.28 − 1.2 + 1.6)/4 = −.47;  d loss/d log π_θ = −Â·r/4 where not clipped:
+    −.25, 0, −.3 | 0. Against π_old (every other correction) r would be 1 everywhere, no clip."""
+    samples = []
+    for i, mu in enumerate([[0.5, 0.125, 0.25], [0.5]]):
+        s = Sample("g", i, [1, 2], 8, status=Status.COMPLETED, reward=1.0)
+        s.append([3] * len(mu), np.log(mu), 0)
+        samples.append(s)
+    batch = collate(samples, [0, 1], pad_id=0)
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.3], [0.35, 1.0, 1.0]])).requires_grad_(True)
+    fixed = UpdateTensors(advantages=torch.tensor([[1.0, 1.0, 1.0], [-2.0, 0.0, 0.0]]), old_logp=None)
+    grpo = GRPO(AlgorithmConfig(), correction("behaviour_clip"))
+    loss, stats = grpo.loss(batch, fixed, Forward(logp, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0)
+    assert loss.item() == pytest.approx((-1.0 - 1.28 - 1.2 + 1.6) / 4, rel=1e-6)
+    assert stats["clipfrac"] == 0.5 and stats["ratio_max"] == pytest.approx(2.0, rel=1e-6)
+    assert stats["offpolicy_ratio_mean"] == pytest.approx((1 + 2 + 1.2 + 0.7) / 4, rel=1e-6)
+    assert stats["offpolicy_clipped_share"] == 0.5  # 2 and .7 start outside [.8, 1.28]
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.25, 0.0, -0.3], [0.0, 0.0, 0.0]]), rtol=1e-6, atol=1e-7)
+    # The same batch under TIS: the ratio is against π_old = π_θ, so nothing is clipped.
+    _, tis_stats = GRPO(AlgorithmConfig(), correction("tis")).loss(
+        batch, fixed, Forward(logp.detach(), None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0
+    )
+    assert tis_stats["clipfrac"] == 0.0 and tis_stats["ratio_max"] == 1.0
+
+
 # ---------------------------------------------------------------- the learner's two paths
 
 VOCAB = 48

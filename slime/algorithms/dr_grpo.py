@@ -24,7 +24,7 @@ import torch
 
 from slime.algorithms.batch import Batch, Forward, UpdateTensors
 from slime.algorithms.core import add_regularizers, policy_loss
-from slime.algorithms.corrections import correction_weights
+from slime.algorithms.corrections import surrogate_terms
 from slime.algorithms.grpo import GRPO, broadcast_to_tokens, group_advantages
 from slime.algorithms.kl import kl_penalty
 from slime.algorithms.shaping import shape_scores
@@ -68,8 +68,7 @@ class DrGRPO(GRPO):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L(θ) on one micro-batch. stats: policy_loss's, the regularisers' and dr_grpo_norm (mean C)."""
         cfg = self.cfg
-        old_logp = fixed.old_logp if fixed.old_logp is not None else out.logp.detach()
-        is_weights, correction_stats = correction_weights(self.correction, batch, fixed, old_logp)
+        old_logp, is_weights, correction_stats = surrogate_terms(self.correction, batch, fixed, out.logp)
         inv_c = 1.0 / norm_constants(batch, cfg.dr_grpo_norm_tokens)
         # 1/C is a constant per row: it rides with the (detached) correction weights, and the
         # seq_mean_token_sum aggregate then gives mean_i Σ_t ℓ_{i,t} / C.

@@ -23,7 +23,7 @@ import torch
 
 from slime.algorithms.batch import Batch, Forward, UpdateTensors
 from slime.algorithms.core import AggMode, add_regularizers, policy_loss
-from slime.algorithms.corrections import Correction, correction_weights
+from slime.algorithms.corrections import Correction, surrogate_terms
 from slime.algorithms.kl import kl_penalty
 from slime.algorithms.shaping import shape_scores
 from slime.config import AlgorithmConfig
@@ -133,8 +133,7 @@ class GRPO:
         """L(θ) on one micro-batch (`batch` and `fixed` cut to the same rows)."""
         cfg = self.cfg
         # One update per batch: π_old is π_θ before its step, i.e. this forward without grad.
-        old_logp = fixed.old_logp if fixed.old_logp is not None else out.logp.detach()
-        is_weights, correction_stats = correction_weights(self.correction, batch, fixed, old_logp)
+        old_logp, is_weights, correction_stats = surrogate_terms(self.correction, batch, fixed, out.logp)
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
             kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)

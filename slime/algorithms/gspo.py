@@ -26,7 +26,7 @@ import torch
 
 from slime.algorithms.batch import Batch, Forward, UpdateTensors
 from slime.algorithms.core import add_regularizers, masked_mean, policy_loss
-from slime.algorithms.corrections import correction_weights
+from slime.algorithms.corrections import surrogate_terms
 from slime.algorithms.grpo import GRPO
 from slime.algorithms.kl import kl_penalty
 
@@ -87,8 +87,7 @@ class GSPO(GRPO):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L(θ) on one micro-batch; clip_low/clip_high (the learner's PPO range) are not used."""
         cfg = self.cfg
-        old_logp = fixed.old_logp if fixed.old_logp is not None else out.logp.detach()
-        is_weights, correction_stats = correction_weights(self.correction, batch, fixed, old_logp)
+        old_logp, is_weights, correction_stats = surrogate_terms(self.correction, batch, fixed, out.logp)
         loss, stats = gspo_policy_loss(
             out.logp,
             old_logp,

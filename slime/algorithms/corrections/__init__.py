@@ -25,6 +25,7 @@ docstring; `april.off_policy` picks one:
   geo_reject  whole sequence kept iff geo-mean ρ in band   (geo_reject.py)
   m2po        mask the largest (log ρ)² until the batch's mean is under τ   (m2po.py)
   opsm        drop Â<0 tokens of sequences whose KL(μ‖π_old) > δ           (opsm.py)
+  behaviour_clip  w = 1; the surrogate's ratio and clip taken against μ, not π_old (behaviour_clip.py)
 
 Each reports offpolicy_ratio_mean / _max (ρ over trainable tokens), offpolicy_masked_share and
 offpolicy_clipped_share (shares of trainable tokens).
@@ -36,6 +37,7 @@ import torch
 
 from slime.algorithms.batch import Batch, UpdateTensors
 from slime.algorithms.corrections.base import Correction, CorrectionInputs, CorrectionOutput
+from slime.algorithms.corrections.behaviour_clip import BehaviourClip
 from slime.algorithms.corrections.decoupled import DecoupledPPO
 from slime.algorithms.corrections.geo_reject import GeometricRejection
 from slime.algorithms.corrections.icepop import IcePop
@@ -46,11 +48,19 @@ from slime.algorithms.corrections.passthrough import MaskStale, NoCorrection
 from slime.algorithms.corrections.tis import TruncatedIS
 from slime.config import AprilConfig
 
-__all__ = ["Correction", "CorrectionInputs", "CorrectionOutput", "correction_weights", "make_correction"]
+__all__ = [
+    "Correction",
+    "CorrectionInputs",
+    "CorrectionOutput",
+    "correction_weights",
+    "make_correction",
+    "surrogate_terms",
+]
 
 
-def make_correction(cfg: AprilConfig) -> Correction:
-    """The correction `april.off_policy` names, with its parameters from the same section."""
+def make_correction(cfg: AprilConfig, clip: tuple[float, float] = (0.2, 0.28)) -> Correction:
+    """The correction `april.off_policy` names, with its parameters from the same section;
+    ``clip`` (ε_low, ε_high) is the algorithm's, for behaviour_clip's figures."""
     builders = {
         "none": lambda: NoCorrection(),
         "mask_stale": lambda: MaskStale(),
@@ -62,6 +72,7 @@ def make_correction(cfg: AprilConfig) -> Correction:
         "geo_reject": lambda: GeometricRejection(*cfg.geo_band),
         "m2po": lambda: M2PO(cfg.m2po_threshold),
         "opsm": lambda: OPSM(cfg.opsm_delta),
+        "behaviour_clip": lambda: BehaviourClip(*clip),
     }
     return builders[cfg.off_policy]()
 
@@ -77,3 +88,17 @@ def correction_weights(
         return fixed.is_weights, {}
     out = correction(CorrectionInputs(old_logp.detach(), batch.behaviour_logp, batch.mask, fixed.advantages))
     return out.weights, out.stats
+
+
+def surrogate_terms(
+    correction: Correction, batch: Batch, fixed: UpdateTensors, logp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """For one micro-batch: the log-probabilities the surrogate's ratio is taken against, the
+    per-token weights w_t and the correction's figures. The ratio's base is π_old (the learner's
+    weights before this update: ``fixed.old_logp`` when recomputed, else this forward without
+    grad), or μ on trainable tokens for a correction that clips against the behaviour policy."""
+    old_logp = fixed.old_logp if fixed.old_logp is not None else logp.detach()
+    is_weights, stats = correction_weights(correction, batch, fixed, old_logp)
+    if getattr(correction, "against_behaviour", False):
+        old_logp = torch.where(batch.mask > 0, batch.behaviour_logp, old_logp)
+    return old_logp, is_weights, stats
