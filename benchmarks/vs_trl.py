@@ -38,7 +38,8 @@ experts plus a shared expert (2.2M parameters); `llama`, a dense Llama (3.2M). E
 its transformers config with the char tokenizer and given the same 100-step warm start, then both
 sides load it from one directory. `--slime-mode async` runs our side in async mode (staleness 1);
 the default is the project's default, sync. `--seeds N` runs N seeds per side, alternating
-(slime, trl, slime, trl, ...), and reports mean and sd.
+(slime, trl, slime, trl, ...), and reports mean and sd. `--set KEY=VALUE` (repeatable) overrides
+our side's config only, e.g. `--set april.off_policy=behaviour_clip`.
 
     python benchmarks/vs_trl.py --model qwen2_moe --slime-mode async --seeds 3
 
@@ -108,6 +109,7 @@ def run_slime(args, out_dir: str, model_path: str | None, seed: int) -> dict:
             "logging.tensorboard=false",
             "logging.plot=false",
             f"output_dir={out_dir}",
+            *args.set,
         ],
     )
     t_start = time.time()
@@ -308,6 +310,13 @@ def main() -> None:
     ap.add_argument("--slime-mode", choices=["sync", "async"], default="sync", help="Our side's training mode.")
     ap.add_argument("--seeds", type=int, default=1, help="Seeds per side, run alternating.")
     ap.add_argument("--verbose", action="store_true", help="Print every step.")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A config override for our side only (repeatable), e.g. april.off_policy=behaviour_clip.",
+    )
     args = ap.parse_args()
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if unknown := set(sides) - {"slime", "trl"}:
@@ -319,6 +328,7 @@ def main() -> None:
     summary: dict = {
         "model": args.model,
         "slime_mode": args.slime_mode,
+        "slime_overrides": args.set,
         "seeds": args.seeds,
         "threshold_reward": args.threshold,
         "ma_window_steps": args.window,
