@@ -180,9 +180,11 @@ class AprilConfig(_Strict):
         "opsm",
         "behaviour_clip",
     ] = Field(
-        "tis",
+        "behaviour_clip",
         description="Correction for tokens an older or different policy sampled (APRIL partials, async "
-        "staleness, train-inference mismatch); one file each in slime/algorithms/corrections/.",
+        "staleness, train-inference mismatch); one file each in slime/algorithms/corrections/. The default "
+        "takes the PPO ratio and clip against the sampler (docs/offpolicy.md: tis collapsed async and APRIL "
+        "at lr 1e-3 where it holds).",
     )
     tis_cap: float = Field(
         2.0, gt=0, description="c: tis truncates at c, mis_* mask outside [1/c, c], decoupled masks above c."
