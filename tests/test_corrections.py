@@ -296,6 +296,16 @@ def test_registry_names_and_batch_level() -> None:
 # ---------------------------------------------------------------- the loss applies the weights
 
 
+def two_row_batch():
+    """Two responses sampled with μ = .5, .125, .25 and μ = .5 (then two padding positions)."""
+    samples = []
+    for i, mu in enumerate([[0.5, 0.125, 0.25], [0.5]]):
+        s = Sample("g", i, [1, 2], 8, status=Status.COMPLETED, reward=1.0)
+        s.append([3] * len(mu), np.log(mu), 0)
+        samples.append(s)
+    return collate(samples, [0, 1], pad_id=0)
+
+
 def test_masked_token_adds_nothing_but_counts_in_the_token_mean() -> None:
     """IcePop [.5, 4] in GRPO's loss. Row 0: ρ = .5/.5 = 1, 1/.125 = 8 (masked), .5/.25 = 2; row 1:
     ρ = .25/.5 = .5 (lower edge, kept), then two padding positions. r = π_θ/π_old = 1.1, 1.5, 1, .95;
@@ -303,12 +313,7 @@ def test_masked_token_adds_nothing_but_counts_in_the_token_mean() -> None:
     ℓ_t = −min(r Â, clip(r) Â) = −1.1, −1.28, −1 | +1.9;  times w = 1, 0, 2 | .5:  −1.1, 0, −2 | .95
     token_mean over all 4 trainable tokens, the masked one included: (−1.1 − 2 + .95)/4 = −.5375
     d loss/d log π_θ = −Â·r·w/4 = −.275, 0, −.5 | +.2375 (exactly 0 on the masked token)."""
-    samples = []
-    for i, mu in enumerate([[0.5, 0.125, 0.25], [0.5]]):
-        s = Sample("g", i, [1, 2], 8, status=Status.COMPLETED, reward=1.0)
-        s.append([3] * len(mu), np.log(mu), 0)
-        samples.append(s)
-    batch = collate(samples, [0, 1], pad_id=0)
+    batch = two_row_batch()
     old = torch.log(torch.tensor([[0.5, 1.0, 0.5], [0.25, 1.0, 1.0]]))
     r = torch.tensor([[1.1, 1.5, 1.0], [0.95, 1.0, 1.0]])
     logp = (old + torch.log(r)).requires_grad_(True)
@@ -339,12 +344,7 @@ def test_behaviour_clip_takes_the_surrogates_ratio_against_the_sampler() -> None
     ℓ_t = −min(r Â, clip(r, .8, 1.28) Â) = −1, −1.28 (clipped), −1.2 | +1.6 (clipped: r < .8, Â < 0)
     token_mean: (−1 − 1.28 − 1.2 + 1.6)/4 = −.47;  d loss/d log π_θ = −Â·r/4 where not clipped:
     −.25, 0, −.3 | 0. Against π_old (every other correction) r would be 1 everywhere, no clip."""
-    samples = []
-    for i, mu in enumerate([[0.5, 0.125, 0.25], [0.5]]):
-        s = Sample("g", i, [1, 2], 8, status=Status.COMPLETED, reward=1.0)
-        s.append([3] * len(mu), np.log(mu), 0)
-        samples.append(s)
-    batch = collate(samples, [0, 1], pad_id=0)
+    batch = two_row_batch()
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.3], [0.35, 1.0, 1.0]])).requires_grad_(True)
     fixed = UpdateTensors(advantages=torch.tensor([[1.0, 1.0, 1.0], [-2.0, 0.0, 0.0]]), old_logp=None)
     grpo = GRPO(AlgorithmConfig(), correction("behaviour_clip"))
