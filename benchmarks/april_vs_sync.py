@@ -186,14 +186,19 @@ def run_setting(name: str, overrides: list[str], args, round_index: int) -> dict
             lengths = [int(s.response_length) for s in finished]
             prompt_tokens = float(np.mean([len(s.prompt_ids) for s in finished])) if finished else 6.0
             history = list(job.logger.history)
-            # Each step's batch, group by group: (prompt, response) lengths. Rows x widest row is what
-            # the learner's padded forward pass costs; the groups give the real within-group correlation.
+            # Each step's batch, group by group: (prompt, response) lengths. The learner's forward costs
+            # the rows' own tokens when it packs them (learner_packed), else rows x widest row (right
+            # padding); the groups give the real within-group correlation.
             steps_groups: dict[int, list[list[tuple[int, int]]]] = {}
             for gid, step in job.buffer.redis.zrange(job.buffer._key("trained"), 0, -1, withscores=True):
                 group = job.buffer.get_group(gid.decode())
                 steps_groups.setdefault(int(step), []).append([(len(s.prompt_ids), s.response_length) for s in group])
+            packed_steps = {int(m["step"]) for m in job.logger.history if m.get("learner_packed", 0.0) >= 0.5}
             padded = {
-                st: sum(len(g) for g in gs) * max(p + r for g in gs for p, r in g) for st, gs in steps_groups.items()
+                st: sum(p + r for g in gs for p, r in g)
+                if st in packed_steps
+                else sum(len(g) for g in gs) * max(p + r for g in gs for p, r in g)
+                for st, gs in steps_groups.items()
             }
             group_lengths = [[r for _, r in g] for gs in steps_groups.values() for g in gs]
             latest = job.run_dir / "checkpoints" / "latest"
@@ -392,7 +397,8 @@ def calibrate_and_simulate(
     per_token, fixed = np.polyfit(tokens, learn, 1)
     if per_token < 0 or fixed < 0:  # noise: a pure per-token cost
         per_token, fixed = float(learn.sum() / tokens.sum()), 0.0
-    # What the real learner costs: rows x widest row (right padding), fitted on the same sync steps.
+    # What the real learner costs: the tokens its forward runs (packed rows, or rows x widest row
+    # when it pads), fitted on the same sync steps.
     pad_coef = float(np.sum(learn) / max(1, sum(sums[S]["padded"])))
     # Everything in a sync step that is neither rollout nor training: weight sync and driver calls.
     overhead = sums[S]["other_s_mean"]
@@ -688,7 +694,7 @@ def main() -> None:
     row("  other s / step (sync, driver)", lambda s, c: s["other_s_mean"], 3)
     row("generated tok / step", lambda s, c: s["generated_tokens"] / s["steps"])
     row("trained tok / step", lambda s, c: s["trained_tokens_per_step"])
-    row("learner padded tok / step", lambda s, c: s["padded_per_step"])
+    row("learner forward tok / step", lambda s, c: s["padded_per_step"])
     row("engine busy (busy s / wall), %", lambda s, c: 100 * s["engine_busy"], 1)
     row("engine busy during rollout, %", lambda s, c: 100 * s["engine_busy_in_rollout"], 1)
     row("worker buffer I/O in rollout, %", lambda s, c: 100 * s["buffer_io_in_rollout"], 1)
@@ -781,7 +787,7 @@ def main() -> None:
         )
         pc = cal["pad_coef"]
         print(
-            f"  learner as rows x widest row ({1e6 * pc:.2f} us per padded token, {S} fit): predicts {A} "
+            f"  learner by the tokens its forward runs ({1e6 * pc:.2f} us per token, {S} fit): predicts {A} "
             f"{pc * msum[A]['padded_per_step']:.3f} s/step vs measured {msum[A]['learner_s_mean']:.3f}"
         )
     print(
