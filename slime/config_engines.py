@@ -1,5 +1,6 @@
-"""The rollout engines' own options (`vllm.*`, `sglang.*` in the job config): what each external
-engine needs to launch or attach. The rest of the job configuration is slime/config.py."""
+"""The rollout side's options: the workers and their sampling (`rollout.*`), elastic sizing
+(`rollout.elastic.*`), and what each external engine needs to launch or attach (`vllm.*`,
+`sglang.*`). The rest of the job configuration is slime/config.py."""
 
 from __future__ import annotations
 
@@ -98,3 +99,73 @@ class SglangConfig(StrictModel):
                 "sglang.router_policy=power_of_two needs at least 2 servers (sglang-router refuses to start)"
             )
         return self
+
+
+class ElasticRolloutConfig(StrictModel):
+    """Elastic rollout (GLM-5's dynamic load balancing; docs/elastic.md), async mode: a worker more when
+    the learner finds the buffer dry, one less when ready groups wait for the learner. The fill is
+    the ready share of the admission budget (max_staleness * batch_size groups) when the learner asks."""
+
+    enabled: bool = False
+    min_workers: int = Field(1, gt=0)
+    max_workers: int = Field(4, gt=0)
+    low_watermark: float = Field(0.5, ge=0, le=1, description="Fill at or below this: add a worker.")
+    high_watermark: float = Field(1.0, gt=0, le=1, description="Fill at or above this: remove a worker.")
+    cooldown_steps: int = Field(
+        2,
+        ge=0,
+        description="Steps observed after a change (and the first step) before the next; their mean fill decides.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ElasticRolloutConfig:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers={self.min_workers} exceeds max_workers={self.max_workers}")
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(f"low_watermark={self.low_watermark} must be below high_watermark={self.high_watermark}")
+        return self
+
+
+class RolloutConfig(StrictModel):
+    num_workers: int = Field(1, gt=0)
+    batch_size: int = Field(8, gt=0, description="Prompt groups per training step.")
+    n_samples_per_prompt: int = Field(4, gt=0)
+    max_new_tokens: int = Field(96, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings (single tokens); EOS always stops.")
+    ignore_eos: bool = Field(False, description="Generate to max_new_tokens regardless of EOS (benchmarks, tests).")
+    max_running_requests: int = Field(64, gt=0, description="Engine batch slots (continuous batching).")
+    chunk_tokens: int = Field(16, gt=0, description="Tokens per chunk a worker writes to the buffer.")
+    kept_kv_tokens: int = Field(
+        65536,
+        ge=0,
+        description="Built-in engine (fast path): tokens of aborted requests' KV cache kept, so that a partial "
+        "resumed on the same worker with exactly its stored tokens skips the re-prefill (also after a weight "
+        "update: its context keys/values are then the older weights', as for a request running through an "
+        "update; its new tokens carry their true behaviour logprobs). 0: always re-prefill from token ids.",
+    )
+    device: str = "cpu"
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to place the workers.",
+    )
+    release_memory: bool | None = Field(
+        None,
+        description="Sync loops: the engines free their KV cache (and kept caches of aborted requests) once "
+        "they stop for the learner, and take memory back as they generate again. None: when "
+        "cluster.placement=colocated and the engines are on a GPU. vLLM: sleep mode (CUDA); SGLang: memory "
+        "release (its server started with --enable-memory-saver).",
+    )
+    engine: Literal["builtin", "vllm", "sglang"] = Field(
+        "builtin",
+        description="Rollout engine: the built-in torch engine, vLLM (extra `vllm`) or SGLang (extra `sglang`).",
+    )
+    hang_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A worker that does not answer its health check, or makes no decode step with requests "
+        "queued, for this long is killed and the job restarts from its checkpoint (max_restarts).",
+    )
+    elastic: ElasticRolloutConfig = ElasticRolloutConfig()

@@ -319,7 +319,7 @@ def test_job_with_its_own_redis_runs_secured_end_to_end(ray_session, tiny_model_
             "job_name=secured",
             f"output_dir={out}",
             f"model.path={tiny_model_dir}",
-            "steps=3",
+            "steps=12",  # long enough for the watcher's dashboard checks on a fast machine
             "rollout.batch_size=2",
             "rollout.n_samples_per_prompt=2",
             "rollout.max_new_tokens=16",
@@ -334,49 +334,58 @@ def test_job_with_its_own_redis_runs_secured_end_to_end(ray_session, tiny_model_
     )
     seen: dict[str, object] = {}
 
+    def probe_redis(deadline: float) -> None:
+        """As soon as the job's redis-server is up: does it serve a client without the password?
+        (First, before the dashboard checks: a fast job can end, and stop its server, early.)"""
+        while time.time() < deadline and "redis_anonymous" not in seen:
+            try:
+                redis_port = json.loads((out / "redis" / "server.json").read_text())["port"]
+                redis.Redis(port=redis_port, socket_timeout=5).get("slime:secured:policy_version")
+                seen["redis_anonymous"] = "served"
+            except (redis.AuthenticationError, redis.ResponseError):
+                seen["redis_anonymous"] = "refused"
+            except (OSError, ValueError, KeyError, redis.RedisError) as exc:
+                seen["redis_probe_error"] = repr(exc)  # not written yet, or not listening yet
+                time.sleep(0.05)
+
     def watch() -> None:
         deadline = time.time() + 240
+        probe_redis(deadline)
         while time.time() < deadline and "summary" not in seen:
             try:
                 r = httpx.get(f"http://127.0.0.1:{port}/api/summary", timeout=5)
-                if r.status_code == 200:
-                    seen["summary"] = r.json()
+                if r.status_code == 200:  # all three answers from one live dashboard, or none
                     token = (out / "dashboard.token").read_text().strip()
-                    seen["no_token"] = httpx.post(
-                        f"http://127.0.0.1:{port}/api/control/resume", json={}, timeout=5
-                    ).status_code
-                    seen["with_token"] = httpx.post(
+                    no_token = httpx.post(f"http://127.0.0.1:{port}/api/control/resume", json={}, timeout=5)
+                    with_token = httpx.post(
                         f"http://127.0.0.1:{port}/api/control/resume",
                         json={},
                         headers={"Authorization": f"Bearer {token}"},
                         timeout=5,
-                    ).status_code
-                    redis_port = json.loads((out / "redis" / "server.json").read_text())["port"]
-                    try:
-                        redis.Redis(port=redis_port, socket_timeout=5).get("slime:secured:policy_version")
-                        seen["redis_anonymous"] = "served"
-                    except (redis.AuthenticationError, redis.ResponseError):
-                        seen["redis_anonymous"] = "refused"
-            except (httpx.HTTPError, OSError):
-                pass
-            time.sleep(0.2)
+                    )
+                    seen.update(no_token=no_token.status_code, with_token=with_token.status_code, summary=r.json())
+            except (httpx.HTTPError, OSError) as exc:
+                seen["dashboard_error"] = repr(exc)
+            time.sleep(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     history = train(cfg)
     watcher.join(timeout=30)
-    assert len(history) == 3 and history[-1]["policy_version"] == 3
+    assert len(history) == 12 and history[-1]["policy_version"] == 12
 
-    assert "summary" in seen, "the dashboard never served the job's buffer"
+    assert "summary" in seen, f"the dashboard never served the job's buffer: {seen}"
     assert seen["no_token"] == 401 and seen["with_token"] == 200
-    assert seen["redis_anonymous"] == "refused"
+    assert seen.get("redis_anonymous") == "refused", seen
     for name in ("job.secret", "dashboard.token", "config.yaml"):
         assert _mode(out / name) == 0o600, name
     assert _mode(out / "redis") == 0o700
     assert "sk-e2e-not-for-files" not in (out / "config.yaml").read_text()
     # The job's server is gone now; over its AOF a server with another password still holds the data.
     with LocalRedisServer(out / "redis", password="inspector") as server:
-        assert TrajectoryStore.open(server.url, "secured", password="inspector").counts()["groups_trained"] == 6
+        assert (
+            TrajectoryStore.open(server.url, "secured", password="inspector").counts()["groups_trained"] == 24
+        )  # 12 steps x 2 groups
 
 
 _RAY_HEAD = """

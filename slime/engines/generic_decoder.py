@@ -25,7 +25,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from slime.engines.fast_decoder import FastDecoder, StepLayout, agrees_with_model, hand_written_misfit
+from slime.engines.decoder_layers import hand_written_misfit
+from slime.engines.fast_decoder import FastDecoder, StepLayout, agrees_with_model
 
 log = logging.getLogger(__name__)
 
