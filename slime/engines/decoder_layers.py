@@ -250,14 +250,15 @@ class LayerTensors:
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
         self.sinks = getattr(attn, "sinks", None)
         self.window = layer_window(config, attn, index)
-        self.layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * (index + 1))[index]
+        types = getattr(config, "layer_types", None)
+        self.layer_type = types[index] if types else "full_attention"
         mlp = layer.mlp
         self.mlp_module = None  # run the model's own MLP module (an MoE layout not written here)
         self.router = None
         self.shared = self.shared_gate = None
         if hasattr(mlp, "experts") and routed_experts_fit(mlp):
             experts = mlp.experts
-            self.router = getattr(mlp, "gate", None) or mlp.router
+            self.router = mlp.gate if hasattr(mlp, "gate") else mlp.router
             # Per expert [in, out] views for x @ W: [E, H, 2I] and [E, I, H].
             self.gate_up, self.down = experts.gate_up_proj, experts.down_proj
             if not getattr(experts, "is_transposed", False):
@@ -271,8 +272,8 @@ class LayerTensors:
                 self.shared = swiglu_weights(mlp.shared_expert)
                 gate = getattr(mlp, "shared_expert_gate", None)
                 self.shared_gate = None if gate is None else (gate.weight, gate.bias)
-        elif not hasattr(mlp, "experts") and swiglu_weights(mlp) is not None:
-            self.dense = swiglu_weights(mlp)
+        elif not hasattr(mlp, "experts") and (dense := swiglu_weights(mlp)) is not None:
+            self.dense = dense
         else:
             self.mlp_module = mlp
 

@@ -153,6 +153,7 @@ class FastDecoder:
             self.device.type == "cpu"
             or (self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0))
         )
+        self.rotary_types = sorted({L.layer_type for L in self.layers}) if self.rotary_by_type else [None]
         self._init_cache([L.kv_shape for L in self.layers])
         self.routing_recorder = None  # routing replay: set by the engine (engines/routing.py)
         self.step_routing = None  # [rows, layers * top_k] uint8 after each forward, when recording
@@ -276,19 +277,19 @@ class FastDecoder:
 
     @torch.inference_mode()
     def rotary_dim(self) -> int:
-        """How many dims per head the model's rotary tables cover."""
-        half_split, self.rope_half_split = self.rope_half_split, False
-        try:
-            tables = self._rotary_tables(self.embed[:1], torch.zeros(1, dtype=torch.long, device=self.device))
-        finally:
-            self.rope_half_split = half_split
+        """How many dims per head the model's rotary tables cover (as the model gives them)."""
+        pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        tables = self._rotary_tables(self.embed[:1], pos, half_split=False)
         return min(int(cos.shape[-1]) for cos, _ in tables.values())
 
-    def _rotary_tables(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer type, cos and sin [S, 1, rotary dims] of positions ``pos`` [S]."""
-        types = {L.layer_type for L in self.layers} if self.rotary_by_type else {None}
+    def _rotary_tables(
+        self, x: torch.Tensor, pos: torch.Tensor, half_split: bool | None = None
+    ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer type, cos and sin [S, 1, rotary dims] of positions ``pos`` [S]; ``half_split``
+        (default: the decoder's) repeats them over both halves of a head."""
+        half_split = self.rope_half_split if half_split is None else half_split
         tables = {}
-        for layer_type in types:
+        for layer_type in self.rotary_types:
             extra = (layer_type,) if self.rotary_by_type else ()
             table = self.rotary(x[None], pos[None], *extra)
             if isinstance(table, torch.Tensor) and table.is_complex():  # e^(i angle) per pair (DeepSeek-V2)
@@ -297,7 +298,7 @@ class FastDecoder:
             else:
                 cos, sin = table
             cos, sin = cos[0][:, None], sin[0][:, None]
-            if self.rope_half_split:
+            if half_split:
                 cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
             tables[layer_type] = (cos, sin)
         return tables

@@ -147,6 +147,20 @@ class GenericDecoder(FastDecoder):
             _active.run = None
 
 
+def _checked_hand_written(
+    model: torch.nn.Module, max_rows: int, max_len: int, rope_half_split: bool
+) -> tuple[FastDecoder | None, str | None]:
+    """The hand-written layers over ``model`` and why their logits disagree with it (None: they agree)."""
+    try:
+        fast = FastDecoder(model, max_rows, max_len, rope_half_split=rope_half_split)
+    except Exception as exc:  # an unexpected module layout
+        return None, f"{type(exc).__name__}: {exc}"
+    try:
+        return fast, agrees_with_model(model, fast)
+    except Exception as exc:
+        return fast, f"{type(exc).__name__}: {exc}"
+
+
 def fast_decoder_for(
     model: torch.nn.Module, max_rows: int, max_len: int, hand_written: bool = True
 ) -> FastDecoder | None:
@@ -156,17 +170,13 @@ def fast_decoder_for(
     reasons = []
     reason = hand_written_misfit(model) if hand_written else "not asked for"
     if reason is None:
-        for half_split in (False, True):  # a rotary table of half a head reads two ways (FastDecoder)
-            try:
-                fast = FastDecoder(model, max_rows, max_len, rope_half_split=half_split)
-                if half_split and fast.rotary_dim() * 2 != fast.head_dim:
-                    break
-                reason = agrees_with_model(model, fast)
-            except Exception as exc:  # an unexpected module layout
-                reason = f"{type(exc).__name__}: {exc}"
-            if reason is None:
-                log.info("built-in engine: hand-written fast path (%s)", model.config.model_type)
-                return fast
+        fast, reason = _checked_hand_written(model, max_rows, max_len, rope_half_split=False)
+        if reason is not None and fast is not None and fast.rotary_dim() * 2 == fast.head_dim:
+            # A rotary table of half a head reads two ways (FastDecoder): try the other one.
+            fast, reason = _checked_hand_written(model, max_rows, max_len, rope_half_split=True)
+        if reason is None:
+            log.info("built-in engine: hand-written fast path (%s)", model.config.model_type)
+            return fast
     reasons.append(f"hand-written path: {reason}")
     try:
         shapes = probe_kv_shapes(model)

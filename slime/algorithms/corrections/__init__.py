@@ -47,6 +47,7 @@ from slime.algorithms.corrections.opsm import OPSM
 from slime.algorithms.corrections.passthrough import MaskStale, NoCorrection
 from slime.algorithms.corrections.tis import TruncatedIS
 from slime.config import AprilConfig
+from slime.config_training import AlgorithmConfig
 
 __all__ = [
     "Correction",
@@ -58,9 +59,12 @@ __all__ = [
 ]
 
 
-def make_correction(cfg: AprilConfig, clip: tuple[float, float] = (0.2, 0.28)) -> Correction:
+def make_correction(cfg: AprilConfig, clip: tuple[float, float] | None = None) -> Correction:
     """The correction `april.off_policy` names, with its parameters from the same section;
-    ``clip`` (ε_low, ε_high) is the algorithm's, for behaviour_clip's figures."""
+    ``clip`` (ε_low, ε_high) is the algorithm's (default: AlgorithmConfig's), for behaviour_clip's figures."""
+    if clip is None:
+        defaults = AlgorithmConfig()
+        clip = (defaults.clip_low, defaults.clip_high)
     builders = {
         "none": lambda: NoCorrection(),
         "mask_stale": lambda: MaskStale(),
@@ -99,6 +103,6 @@ def surrogate_terms(
     grad), or μ on trainable tokens for a correction that clips against the behaviour policy."""
     old_logp = fixed.old_logp if fixed.old_logp is not None else logp.detach()
     is_weights, stats = correction_weights(correction, batch, fixed, old_logp)
-    if getattr(correction, "against_behaviour", False):
+    if correction.against_behaviour:
         old_logp = torch.where(batch.mask > 0, batch.behaviour_logp, old_logp)
     return old_logp, is_weights, stats

@@ -39,6 +39,9 @@ class Correction(Protocol):
     # True when a token's weight depends on the whole batch (M2PO): the learner then computes π_old
     # for the whole batch first and the weights once, instead of per micro-batch.
     batch_level: bool
+    # True when the surrogate's ratio is taken against μ instead of π_old (behaviour_clip):
+    # `surrogate_terms` then hands the algorithm μ as the ratio's base.
+    against_behaviour: bool
 
     def __call__(self, x: CorrectionInputs) -> CorrectionOutput: ...
 
