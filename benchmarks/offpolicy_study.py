@@ -20,6 +20,10 @@ Redis server and one Ray for all runs, each job under its own name.
     python benchmarks/offpolicy_study.py                     # the defaults' comparison, < 10 min here
     python benchmarks/offpolicy_study.py --corrections all   # every correction for april2 and async2
     python benchmarks/offpolicy_study.py --corrections tis,icepop --arms april2 --lrs 1e-3 --seeds 2
+    python benchmarks/offpolicy_study.py --arm april2_restart=april.enabled=true,april.max_version_span=0
+
+An --arm NAME=KEY=VALUE,KEY=VALUE adds an arm of your own (run under the default correction unless it
+sets april.off_policy itself). Each run's per-step metrics are kept in OUT/histories.json.
 
 Prints a table, then LAST one JSON line (names carry units).
 """
@@ -95,6 +99,7 @@ def run_job(name: str, overrides: list[str], args, redis_url: str) -> dict:
         "offpolicy_masked_share": statistics.mean(h.get("offpolicy_masked_share", 0.0) for h in history),
         "stale_kl": statistics.mean(h.get("mismatch_stale_kl", 0.0) for h in history),
         "loop_s": wall[max(wall)],
+        "history": history,
     }
 
 
@@ -128,6 +133,9 @@ def main() -> None:
         default=DEFAULT_CORRECTION,
         help=f"for april2 and async2: comma list or 'all' ({', '.join(ALL_CORRECTIONS)})",
     )
+    ap.add_argument(
+        "--arm", action="append", default=[], metavar="NAME=K=V,K=V", help="an extra arm: its config overrides"
+    )
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument("--out", default="outputs/bench-offpolicy-study")
     args = ap.parse_args()
@@ -142,8 +150,17 @@ def main() -> None:
 
     corrections = ALL_CORRECTIONS if args.corrections == "all" else args.corrections.split(",")
     lrs = args.lrs.split(",")
-    arms = args.arms.split(",")
-    variants = [(arm, corr) for arm in arms for corr in (["-"] if arm == "sync" else corrections)]  # (arm, correction)
+    arms = args.arms.split(",") if args.arms else []
+    for spec in args.arm:
+        arm_name, _, overrides = spec.partition("=")
+        if not arm_name or "=" not in overrides:
+            raise SystemExit(f"--arm {spec!r}: expected NAME=KEY=VALUE[,KEY=VALUE...]")
+        ARMS[arm_name] = overrides.split(",")
+        arms.append(arm_name)
+    def own_correction(arm: str) -> bool:
+        return arm == "sync" or any(o.startswith("april.off_policy=") for o in ARMS[arm])
+
+    variants = [(arm, corr) for arm in arms for corr in (["-"] if own_correction(arm) else corrections)]
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     args.out = str(out)
@@ -227,6 +244,8 @@ def main() -> None:
     result["eval_s"] = round(eval_s, 1)
     result["benchmark_wall_s"] = round(time.time() - started, 1)
     (out / "result.json").write_text(json.dumps(result))
+    histories = {f"{arm}-{corr}-lr{lr}": [r["history"] for r in group] for (arm, corr, lr), group in runs.items()}
+    (out / "histories.json").write_text(json.dumps(histories, default=str))
     print(f"\nbenchmark wall {time.time() - started:.0f} s (eval {eval_s:.0f} s)")
     print(json.dumps(result))
 

@@ -116,8 +116,15 @@ class AprilConfig(_Strict):
         "takes the PPO ratio and clip against the sampler (docs/offpolicy.md: tis collapsed async and APRIL "
         "at lr 1e-3 where it holds).",
     )
+    clip_band_per_version: bool = Field(
+        True,
+        description="behaviour_clip: a token sampled k versions before the learner's gets the clip band "
+        "compounded k + 1 times, one PPO step per version, within [1/tis_cap, tis_cap] (False: the same band "
+        "for every token).",
+    )
     tis_cap: float = Field(
-        2.0, gt=0, description="c: tis truncates at c, mis_* mask outside [1/c, c], decoupled masks above c."
+        2.0, gt=0, description="c: tis truncates at c, mis_* mask outside [1/c, c], decoupled masks above c, "
+        "behaviour_clip's band widens to [1/c, c] at most."
     )
     icepop_band: tuple[float, float] = Field((0.5, 5.0), description="IcePop [alpha, beta] for pi_old/mu.")
     geo_band: tuple[float, float] = Field(

@@ -362,6 +362,75 @@ def test_behaviour_clip_takes_the_surrogates_ratio_against_the_sampler() -> None
     assert tis_stats["clipfrac"] == 0.0 and tis_stats["ratio_max"] == 1.0
 
 
+def test_behaviour_clip_band_widens_one_ppo_step_per_version_the_sampler_lags() -> None:
+    """ε = .2/.28, band for a token k versions old: [.8^(k+1), 1.28^(k+1)].
+    Row 0, k = 1 (band up to 1.6384), Â = +1: μ = .25 ×3, r = π_θ/μ = 1.5, 1.7, .7
+      ℓ = −min(r, clip(r)) = −1.5, −1.6384 (clipped), −.7 (the lower edge never bites for Â > 0)
+    Row 1, Â = −1: k = 2, 2, 0 (a resumed response: its last token fresh), μ = .5 ×3,
+      r = .55 (inside: .8³ = .512), .5 (clipped), .85 (inside [.8, 1.28])
+      ℓ = +max(r, clip(r)) = .55, .512, .85
+    token_mean: (−1.5 − 1.6384 − .7 + .55 + .512 + .85)/6;  d loss/d log π_θ = −Â·r/6 where not clipped.
+    Under a fixed band the 1.5 and the .55 would be clipped too."""
+    samples = []
+    for i, (mu, version) in enumerate([([0.25] * 3, [4, 4, 4]), ([0.5] * 3, [3, 3, 5])]):
+        s = Sample("g", i, [1, 2], 8, status=Status.COMPLETED, reward=1.0)
+        for m, v in zip(mu, version):
+            s.append([3], np.log([m]), v)
+        samples.append(s)
+    batch = collate(samples, [0, 1], pad_id=0)
+    lag = (5 - batch.versions).clamp_min(0)
+    r = torch.tensor([[1.5, 1.7, 0.7], [0.55, 0.5, 0.85]])
+    logp = (batch.behaviour_logp + torch.log(r)).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    fixed = UpdateTensors(advantages=adv, old_logp=None, version_lag=lag)
+    grpo = GRPO(AlgorithmConfig(), correction("behaviour_clip"))
+    loss, stats = grpo.loss(batch, fixed, Forward(logp, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0)
+    assert loss.item() == pytest.approx((-1.5 - 1.28**2 - 0.7 + 0.55 + 0.8**3 + 0.85) / 6, rel=1e-5)
+    loss.backward()
+    expected = torch.tensor([[-1.5, 0.0, -0.7], [0.55, 0.0, 0.85]]) / 6
+    torch.testing.assert_close(logp.grad, expected, rtol=1e-5, atol=1e-7)
+    assert stats["clipfrac"] == pytest.approx(2 / 6)
+
+    fixed_band = GRPO(AlgorithmConfig(), correction("behaviour_clip", "april.clip_band_per_version=false"))
+    logp2 = logp.detach().clone().requires_grad_(True)
+    fixed_band.loss(batch, fixed, Forward(logp2, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0)[
+        0
+    ].backward()
+    expected_fixed = torch.tensor([[0.0, 0.0, -0.7], [0.0, 0.0, 0.85]]) / 6
+    torch.testing.assert_close(logp2.grad, expected_fixed, rtol=1e-5, atol=1e-7)
+
+
+def test_behaviour_clip_band_stops_widening_at_the_cap() -> None:
+    """c = 2: a token 5 versions old gets [.5, 2], not [.8⁶, 1.28⁶] = [.26, 4.4]; the base moves
+    to μ·2/1.28 (Â > 0) or μ·.5/.8 (Â < 0) and w = b/μ. ρ = 1.9 sits inside [.5, 2]; ρ = .45 is
+    outside on the side its negative advantage bites."""
+    x = inputs([[0.95, 0.225, 0.5]], [[0.5, 0.5, 0.5]], adv=[[1.0, -1.0, 1.0]])
+    x.lag = torch.tensor([[5, 5, 1]])
+    out = correction("behaviour_clip")(x)
+    torch.testing.assert_close(
+        out.ratio_base - x.behaviour_logp, torch.log(torch.tensor([[2 / 1.28, 0.5 / 0.8, 1.28]])), rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(out.weights, torch.tensor([[2 / 1.28, 0.5 / 0.8, 1.28]]))
+    assert out.stats["offpolicy_clipped_share"] == pytest.approx(1 / 3)
+
+
+def test_behaviour_clip_on_fresh_tokens_is_ppos_clip_around_the_sampler() -> None:
+    """Lag 0 everywhere: the same loss, gradient and figures as with no lag given (the band is PPO's)."""
+    batch = two_row_batch()
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.3], [0.35, 1.0, 1.0]]))
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, 0.0, 0.0]])
+    grpo = GRPO(AlgorithmConfig(), correction("behaviour_clip"))
+    results = []
+    for lag in (None, torch.zeros_like(batch.versions)):
+        x = logp.clone().requires_grad_(True)
+        fixed = UpdateTensors(advantages=adv, old_logp=None, version_lag=lag)
+        loss, stats = grpo.loss(batch, fixed, Forward(x, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0)
+        loss.backward()
+        results.append((loss.item(), x.grad, stats["offpolicy_clipped_share"]))
+    assert results[0][0] == results[1][0] and results[0][2] == results[1][2]
+    torch.testing.assert_close(results[0][1], results[1][1])
+
+
 # ---------------------------------------------------------------- the learner's two paths
 
 VOCAB = 48

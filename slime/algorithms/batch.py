@@ -131,6 +131,8 @@ class UpdateTensors:
     old_values: torch.Tensor | None = None  # V_old(s_t), the centre of the value clip
     # w_t of a batch-level off-policy correction, computed once per update; None: per micro-batch
     is_weights: torch.Tensor | None = None
+    # versions each token's sampler lags the learner (π_old); None: not known, taken as 0
+    version_lag: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     def rows(self, idx: torch.Tensor, t_len: int) -> UpdateTensors:

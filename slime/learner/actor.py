@@ -254,11 +254,16 @@ class Learner:
         batch.mask = off_policy_mask(batch.mask, stale, self.cfg.april.off_policy)
         with torch.no_grad():
             fixed = self._prepare(batch, kl_coef, unfinished)
+        fixed.version_lag = (self.version - batch.versions).clamp_min(0)
         correction = self.algorithm.correction
         correction_stats: dict[str, float] = {}
         if correction.batch_level:  # its weights depend on the whole batch: computed once, here
             assert fixed.old_logp is not None  # _prepare recomputes π_old for batch-level corrections
-            applied = correction(CorrectionInputs(fixed.old_logp, batch.behaviour_logp, batch.mask, fixed.advantages))
+            applied = correction(
+                CorrectionInputs(
+                    fixed.old_logp, batch.behaviour_logp, batch.mask, fixed.advantages, fixed.version_lag
+                )
+            )
             fixed.is_weights, correction_stats = applied.weights, applied.stats
         # The metrics report the clip range this update used (adaptive clip moves it afterwards).
         clip_low, clip_high = self.clip.clip_low, self.clip.clip_high

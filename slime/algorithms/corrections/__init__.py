@@ -25,7 +25,8 @@ docstring; `april.off_policy` picks one:
   geo_reject  whole sequence kept iff geo-mean ρ in band   (geo_reject.py)
   m2po        mask the largest (log ρ)² until the batch's mean is under τ   (m2po.py)
   opsm        drop Â<0 tokens of sequences whose KL(μ‖π_old) > δ           (opsm.py)
-  behaviour_clip  w = 1; the surrogate's ratio and clip taken against μ, not π_old (behaviour_clip.py)
+  behaviour_clip  the surrogate's ratio and clip taken against μ, not π_old; the band widens per
+              version the sampler lags (behaviour_clip.py)
 
 Each reports offpolicy_ratio_mean / _max (ρ over trainable tokens), offpolicy_masked_share and
 offpolicy_clipped_share (shares of trainable tokens).
@@ -61,7 +62,7 @@ __all__ = [
 
 def make_correction(cfg: AprilConfig, clip: tuple[float, float] | None = None) -> Correction:
     """The correction `april.off_policy` names, with its parameters from the same section;
-    ``clip`` (ε_low, ε_high) is the algorithm's (default: AlgorithmConfig's), for behaviour_clip's figures."""
+    ``clip`` (ε_low, ε_high) is the algorithm's (default: AlgorithmConfig's), for behaviour_clip's band."""
     if clip is None:
         defaults = AlgorithmConfig()
         clip = (defaults.clip_low, defaults.clip_high)
@@ -76,7 +77,7 @@ def make_correction(cfg: AprilConfig, clip: tuple[float, float] | None = None) -
         "geo_reject": lambda: GeometricRejection(*cfg.geo_band),
         "m2po": lambda: M2PO(cfg.m2po_threshold),
         "opsm": lambda: OPSM(cfg.opsm_delta),
-        "behaviour_clip": lambda: BehaviourClip(*clip),
+        "behaviour_clip": lambda: BehaviourClip(*clip, per_version=cfg.clip_band_per_version, cap=cfg.tis_cap),
     }
     return builders[cfg.off_policy]()
 
@@ -88,10 +89,15 @@ def correction_weights(
     correction applied to this micro-batch (rows are whole responses, so per-token and per-sequence
     corrections give the same weights either way). Stats only in the per-micro-batch case: the
     learner reports a batch-level correction's stats once."""
-    if fixed.is_weights is not None:
-        return fixed.is_weights, {}
-    out = correction(CorrectionInputs(old_logp.detach(), batch.behaviour_logp, batch.mask, fixed.advantages))
+    out = _apply(correction, batch, fixed, old_logp)
     return out.weights, out.stats
+
+
+def _apply(correction: Correction, batch: Batch, fixed: UpdateTensors, old_logp: torch.Tensor) -> CorrectionOutput:
+    if fixed.is_weights is not None:
+        return CorrectionOutput(fixed.is_weights, {})
+    inputs = CorrectionInputs(old_logp.detach(), batch.behaviour_logp, batch.mask, fixed.advantages, fixed.version_lag)
+    return correction(inputs)
 
 
 def surrogate_terms(
@@ -100,9 +106,10 @@ def surrogate_terms(
     """For one micro-batch: the log-probabilities the surrogate's ratio is taken against, the
     per-token weights w_t and the correction's figures. The ratio's base is π_old (the learner's
     weights before this update: ``fixed.old_logp`` when recomputed, else this forward without
-    grad), or μ on trainable tokens for a correction that clips against the behaviour policy."""
+    grad), or on trainable tokens the base that a correction clipping against the behaviour
+    policy gives (behaviour_clip: μ, moved per version the sampler lags)."""
     old_logp = fixed.old_logp if fixed.old_logp is not None else logp.detach()
-    is_weights, stats = correction_weights(correction, batch, fixed, old_logp)
-    if correction.against_behaviour:
-        old_logp = torch.where(batch.mask > 0, batch.behaviour_logp, old_logp)
-    return old_logp, is_weights, stats
+    out = _apply(correction, batch, fixed, old_logp)
+    if out.ratio_base is not None:
+        old_logp = torch.where(batch.mask > 0, out.ratio_base, old_logp)
+    return old_logp, out.weights, out.stats

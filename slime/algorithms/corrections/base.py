@@ -19,6 +19,8 @@ class CorrectionInputs:
     behaviour_logp: torch.Tensor  # log μ: what the engine reported when it sampled the token
     mask: torch.Tensor  # float, 1 on trainable tokens
     advantages: torch.Tensor  # Â_t (sequence-level algorithms broadcast Â_i to every token)
+    # versions each token's sampler lags π_old (0: sampled by the learner's current version); None: unknown, 0
+    lag: torch.Tensor | None = None
 
     @property
     def log_ratio(self) -> torch.Tensor:
@@ -32,6 +34,9 @@ class CorrectionInputs:
 class CorrectionOutput:
     weights: torch.Tensor | None  # [N, T] w_t; None: every weight is 1
     stats: dict[str, float] = field(default_factory=dict)
+    # [N, T] log of the surrogate's ratio base on trainable tokens, for a correction that takes the
+    # ratio against something other than π_old (against_behaviour); None: π_old
+    ratio_base: torch.Tensor | None = None
 
 
 class Correction(Protocol):
@@ -39,8 +44,8 @@ class Correction(Protocol):
     # True when a token's weight depends on the whole batch (M2PO): the learner then computes π_old
     # for the whole batch first and the weights once, instead of per micro-batch.
     batch_level: bool
-    # True when the surrogate's ratio is taken against μ instead of π_old (behaviour_clip):
-    # `surrogate_terms` then hands the algorithm μ as the ratio's base.
+    # True when the surrogate's ratio is taken against the behaviour policy instead of π_old
+    # (behaviour_clip): its output's ratio_base is then what `surrogate_terms` hands the algorithm.
     against_behaviour: bool
 
     def __call__(self, x: CorrectionInputs) -> CorrectionOutput: ...
