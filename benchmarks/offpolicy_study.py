@@ -157,6 +157,7 @@ def main() -> None:
             raise SystemExit(f"--arm {spec!r}: expected NAME=KEY=VALUE[,KEY=VALUE...]")
         ARMS[arm_name] = overrides.split(",")
         arms.append(arm_name)
+
     def own_correction(arm: str) -> bool:
         return arm == "sync" or any(o.startswith("april.off_policy=") for o in ARMS[arm])
 

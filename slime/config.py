@@ -123,8 +123,10 @@ class AprilConfig(_Strict):
         "for every token).",
     )
     tis_cap: float = Field(
-        2.0, gt=0, description="c: tis truncates at c, mis_* mask outside [1/c, c], decoupled masks above c, "
-        "behaviour_clip's band widens to [1/c, c] at most."
+        2.0,
+        gt=0,
+        description="c: tis truncates at c, mis_* mask outside [1/c, c], decoupled masks above c, "
+        "behaviour_clip's band widens to [1/c, c] at most.",
     )
     icepop_band: tuple[float, float] = Field((0.5, 5.0), description="IcePop [alpha, beta] for pi_old/mu.")
     geo_band: tuple[float, float] = Field(

@@ -260,9 +260,7 @@ class Learner:
         if correction.batch_level:  # its weights depend on the whole batch: computed once, here
             assert fixed.old_logp is not None  # _prepare recomputes π_old for batch-level corrections
             applied = correction(
-                CorrectionInputs(
-                    fixed.old_logp, batch.behaviour_logp, batch.mask, fixed.advantages, fixed.version_lag
-                )
+                CorrectionInputs(fixed.old_logp, batch.behaviour_logp, batch.mask, fixed.advantages, fixed.version_lag)
             )
             fixed.is_weights, correction_stats = applied.weights, applied.stats
         # The metrics report the clip range this update used (adaptive clip moves it afterwards).
