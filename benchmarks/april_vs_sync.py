@@ -340,8 +340,16 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
     return {"step_s": step_s, "t0": float(max(t0, 0.0)), "k": float(max(k, 0.0)), "p": p}
 
 
-def evaluate(model_dir: str, policy_dir: Path | None, prompts: list[dict], threads: int) -> float:
-    """Mean reward of a policy, greedy, on held-out prompts of the repeat task (no selection bias)."""
+def evaluate(
+    model_dir: str,
+    policy_dir: Path | None,
+    prompts: list[dict],
+    threads: int,
+    temperature: float = 0.0,
+    samples_per_prompt: int = 1,
+) -> float:
+    """Mean reward of a policy on held-out prompts of the repeat task (no selection bias): greedy by
+    default; with a temperature, `samples_per_prompt` samples of each prompt from a fixed seed."""
     import torch
 
     from envs import repeat
@@ -352,17 +360,21 @@ def evaluate(model_dir: str, policy_dir: Path | None, prompts: list[dict], threa
     torch.set_num_threads(threads)
     tok = load_tokenizer(model_dir)
     model = load_model(policy_dir or model_dir)
-    engine = BuiltinEngine(model, max_running_requests=len(prompts))
-    params = SamplingParams(temperature=0.0, max_new_tokens=96, stop_token_ids=[tok.eos_token_id])
+    engine = BuiltinEngine(model, max_running_requests=len(prompts) * max(samples_per_prompt, 1))
+    params = SamplingParams(temperature=temperature, max_new_tokens=96, stop_token_ids=[tok.eos_token_id])
+    n = samples_per_prompt if temperature > 0 else 1
     reqs = [
-        GenerationRequest(str(i), tok(p["prompt"], add_special_tokens=False)["input_ids"], params)
+        GenerationRequest(f"{i}-{k}", tok(p["prompt"], add_special_tokens=False)["input_ids"], params)
         for i, p in enumerate(prompts)
+        for k in range(n)
     ]
+    torch.manual_seed(0)
     out = engine.generate(reqs)
     scores = []
     for i, p in enumerate(prompts):
-        ids = [t for t in out[str(i)].token_ids if t != tok.eos_token_id]
-        scores.append(repeat.score(tok.decode(ids, skip_special_tokens=True), p["label"]))
+        for k in range(n):
+            ids = [t for t in out[f"{i}-{k}"].token_ids if t != tok.eos_token_id]
+            scores.append(repeat.score(tok.decode(ids, skip_special_tokens=True), p["label"]))
     return float(np.mean(scores))
 
 

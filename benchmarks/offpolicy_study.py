@@ -121,6 +121,63 @@ def time_to(curve: list[tuple[int, float, float]], threshold: float) -> float | 
     return None
 
 
+def at_wall(curve: list[tuple[int, float, float]], wall: float) -> float:
+    """The curve's reward at a wall-clock, linear between checkpoints (its last value past its end)."""
+    for (_, w0, r0), (_, w1, r1) in zip(curve, curve[1:]):
+        if w0 <= wall <= w1:
+            return r0 + (r1 - r0) * (wall - w0) / (w1 - w0) if w1 > w0 else r1
+    return curve[-1][2]
+
+
+def report(kind: str, scores: dict[str, float], runs: dict, variants: list, lrs: list[str], args, result: dict) -> None:
+    """One table per kind of held-out score; its figures go into `result` (greedy's under the plain
+    names, sampled's with `_sampled` after `heldout`)."""
+    tag = "" if kind == "greedy" else "_sampled"
+    print(
+        f"\noff-policy study: {args.steps} steps, {args.seeds} seeds, held-out = {kind} on {args.eval_prompts} prompts"
+    )
+    print(
+        f"{'arm':<18} {'correction':<14} {'lr':>6} {'final held-out':>15} {'sync then':>9} {'train last5':>11} "
+        f"{'loop s':>7} {'time to sync final':>18} {'vs sync':>7} {'masked':>7} {'stale KL':>8}"
+    )
+    for lr in lrs:
+        sync_curve = mean_curve(runs[("sync", "-", lr)], scores) if ("sync", "-", lr) in runs else None
+        threshold = sync_curve[-1][2] if sync_curve else None
+        sync_time = time_to(sync_curve, threshold) if sync_curve else None
+        for arm, corr in variants:
+            group = runs[(arm, corr, lr)]
+            finals = [scores[str(r["checkpoints"][max(r["checkpoints"])][0])] for r in group]
+            curve = mean_curve(group, scores)
+            t = time_to(curve, threshold) if threshold is not None else None
+            ratio = t / sync_time if t is not None and sync_time else None
+            sync_then = at_wall(sync_curve, curve[-1][1]) if sync_curve else None  # sync at this arm's end
+            fin_mean, fin_std = statistics.mean(finals), statistics.pstdev(finals)
+            print(
+                f"{arm:<18} {corr:<14} {lr:>6} {fin_mean:>7.3f} ± {fin_std:<5.3f} "
+                f"{f'{sync_then:.3f}' if sync_then is not None else '-':>9} "
+                f"{statistics.mean(r['train_reward_last5'] for r in group):>11.3f} "
+                f"{statistics.mean(r['loop_s'] for r in group):>7.1f} "
+                f"{f'{t:.1f} s' if t is not None else 'not reached':>18} "
+                f"{f'{ratio:.2f}x' if ratio is not None else '-':>7} "
+                f"{100 * statistics.mean(r['offpolicy_masked_share'] for r in group):>6.1f}% "
+                f"{statistics.mean(r['stale_kl'] for r in group):>8.4f}"
+            )
+            key = arm if corr == "-" else f"{arm}_{corr}"
+            suffix = "" if lr == "1e-3" else f"_lr{lr}"
+            result[f"{key}_final_heldout{tag}_reward{suffix}"] = round(fin_mean, 3)
+            result[f"{key}_final_heldout{tag}_reward_std{suffix}"] = round(fin_std, 3)
+            if arm != "sync" and sync_then is not None:
+                result[f"sync_heldout{tag}_reward_at_{key}_final_wall{suffix}"] = round(sync_then, 3)
+            result[f"{key}_time_to_sync_final{tag}_s{suffix}"] = round(t, 1) if t is not None else None
+            if arm != "sync":
+                result[f"{key}_over_sync_time_to{tag}_reward_ratio{suffix}"] = round(ratio, 3) if ratio else None
+                if corr == DEFAULT_CORRECTION:
+                    result[f"{arm}_over_sync_time_to{tag}_reward_ratio{suffix}"] = round(ratio, 3) if ratio else None
+        for arm, corr in variants:
+            curve = mean_curve(runs[(arm, corr, lr)], scores)
+            print(f"  curve {arm:<18} lr {lr}: " + "  ".join(f"{w:.0f}s:{r:.3f}" for _, w, r in curve))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
@@ -137,6 +194,7 @@ def main() -> None:
         "--arm", action="append", default=[], metavar="NAME=K=V,K=V", help="an extra arm: its config overrides"
     )
     ap.add_argument("--eval-prompts", type=int, default=128)
+    ap.add_argument("--eval-samples", type=int, default=4, help="samples per prompt of the sampled held-out score")
     ap.add_argument("--out", default="outputs/bench-offpolicy-study")
     args = ap.parse_args()
     started = time.time()
@@ -191,57 +249,28 @@ def main() -> None:
 
     eval_started = time.time()
     held_out = repeat.make_dataset(args.eval_prompts, seed=10_000)
-    scores: dict[str, float] = {}
+    # greedy: the usual score, but where the stop token's probability is near a tie with the next
+    # character the argmax decides the whole answer; sampled: the policy as it is trained (T = 1,
+    # --eval-samples per prompt, a fixed seed), the unbiased twin of the train reward
+    kinds = {"greedy": {}, "sampled": {}}
     for group in runs.values():
         for run in group:
             for policy, _ in run["checkpoints"].values():
-                if str(policy) not in scores:
-                    scores[str(policy)] = evaluate(model_dir, policy, held_out, 1)
+                if str(policy) not in kinds["greedy"]:
+                    kinds["greedy"][str(policy)] = evaluate(model_dir, policy, held_out, 1)
+                    kinds["sampled"][str(policy)] = evaluate(model_dir, policy, held_out, 1, 1.0, args.eval_samples)
     eval_s = time.time() - eval_started
 
     result: dict[str, float | int | str | None] = {
         "steps": args.steps,
         "seeds": args.seeds,
         "eval_prompts": args.eval_prompts,
-        "initial_heldout_reward": round(scores["None"], 3),
+        "eval_samples_per_prompt": args.eval_samples,
+        "initial_heldout_reward": round(kinds["greedy"]["None"], 3),
+        "initial_heldout_sampled_reward": round(kinds["sampled"]["None"], 3),
     }
-    print(f"\noff-policy study: {args.steps} steps, {args.seeds} seeds, held-out = greedy on {args.eval_prompts}")
-    print(
-        f"{'arm':<10} {'correction':<11} {'lr':>6} {'final held-out':>17} {'train last5':>12} "
-        f"{'loop s':>8} {'time to sync final':>19} {'vs sync':>8} {'masked':>7} {'stale KL':>9}"
-    )
-    for lr in lrs:
-        sync_curve = mean_curve(runs[("sync", "-", lr)], scores) if ("sync", "-", lr) in runs else None
-        threshold = sync_curve[-1][2] if sync_curve else None
-        sync_time = time_to(sync_curve, threshold) if sync_curve else None
-        for arm, corr in variants:
-            group = runs[(arm, corr, lr)]
-            finals = [scores[str(r["checkpoints"][max(r["checkpoints"])][0])] for r in group]
-            curve = mean_curve(group, scores)
-            t = time_to(curve, threshold) if threshold is not None else None
-            ratio = t / sync_time if t is not None and sync_time else None
-            fin_mean, fin_std = statistics.mean(finals), statistics.pstdev(finals)
-            print(
-                f"{arm:<10} {corr:<11} {lr:>6} {fin_mean:>9.3f} ± {fin_std:<5.3f} "
-                f"{statistics.mean(r['train_reward_last5'] for r in group):>12.3f} "
-                f"{statistics.mean(r['loop_s'] for r in group):>8.1f} "
-                f"{f'{t:.1f} s' if t is not None else 'not reached':>19} "
-                f"{f'{ratio:.2f}x' if ratio is not None else '-':>8} "
-                f"{100 * statistics.mean(r['offpolicy_masked_share'] for r in group):>6.1f}% "
-                f"{statistics.mean(r['stale_kl'] for r in group):>9.4f}"
-            )
-            key = arm if corr == "-" else f"{arm}_{corr}"
-            suffix = "" if lr == "1e-3" else f"_lr{lr}"
-            result[f"{key}_final_heldout_reward{suffix}"] = round(fin_mean, 3)
-            result[f"{key}_final_heldout_reward_std{suffix}"] = round(fin_std, 3)
-            result[f"{key}_time_to_sync_final_s{suffix}"] = round(t, 1) if t is not None else None
-            if arm != "sync":
-                result[f"{key}_over_sync_time_to_reward_ratio{suffix}"] = round(ratio, 3) if ratio else None
-                if corr == DEFAULT_CORRECTION:
-                    result[f"{arm}_over_sync_time_to_reward_ratio{suffix}"] = round(ratio, 3) if ratio else None
-        for arm, corr in variants:
-            curve = mean_curve(runs[(arm, corr, lr)], scores)
-            print(f"  curve {arm:<7} {corr:<11} lr {lr}: " + "  ".join(f"{w:.0f}s:{r:.3f}" for _, w, r in curve))
+    for kind, scores in kinds.items():
+        report(kind, scores, runs, variants, lrs, args, result)
     result["eval_s"] = round(eval_s, 1)
     result["benchmark_wall_s"] = round(time.time() - started, 1)
     (out / "result.json").write_text(json.dumps(result))
