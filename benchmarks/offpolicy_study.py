@@ -9,10 +9,11 @@ benchmarks/april_vs_sync.py. Arms:
     async2   mode=async, max_staleness=2, under a correction
 
 Each run saves a checkpoint every --eval-every steps; after all runs (off the training clock) every
-checkpoint is scored greedily on the same held-out prompts. Per arm and learning rate, the curve is
-the mean over seeds of held-out reward against the mean wall-clock (from the first step's start) at
-each checkpoint. The threshold is sync's final held-out reward (mean over seeds); time to reward is
-the first checkpoint where an arm's mean curve reaches it.
+checkpoint is scored on the same held-out prompts twice: greedy, and sampled (T = 1, --eval-samples
+per prompt, a fixed seed). Per arm and learning rate, the curve is the mean over seeds of held-out
+reward against the mean wall-clock (from the first step's start) at each checkpoint. The threshold
+is sync's final held-out reward (mean over seeds); time to reward is the first checkpoint where an
+arm's mean curve reaches it; "sync then" is sync's curve read at the arm's own final wall-clock.
 
 Order: seed by seed, learning rate by learning rate, the arms alternating (A B C A B C ...), one
 Redis server and one Ray for all runs, each job under its own name.
@@ -25,7 +26,7 @@ Redis server and one Ray for all runs, each job under its own name.
 An --arm NAME=KEY=VALUE,KEY=VALUE adds an arm of your own (run under the default correction unless it
 sets april.off_policy itself). Each run's per-step metrics are kept in OUT/histories.json.
 
-Prints a table, then LAST one JSON line (names carry units).
+Prints a table per score (greedy, sampled), then LAST one JSON line (names carry units).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class CorrectionOutput:
     weights: torch.Tensor | None  # [N, T] w_t; None: every weight is 1
     stats: dict[str, float] = field(default_factory=dict)
     # [N, T] log of the surrogate's ratio base on trainable tokens, for a correction that takes the
-    # ratio against something other than π_old (against_behaviour); None: π_old
+    # ratio against something other than π_old (behaviour_clip: the sampler); None: π_old
     ratio_base: torch.Tensor | None = None
 
 
@@ -44,9 +44,6 @@ class Correction(Protocol):
     # True when a token's weight depends on the whole batch (M2PO): the learner then computes π_old
     # for the whole batch first and the weights once, instead of per micro-batch.
     batch_level: bool
-    # True when the surrogate's ratio is taken against the behaviour policy instead of π_old
-    # (behaviour_clip): its output's ratio_base is then what `surrogate_terms` hands the algorithm.
-    against_behaviour: bool
 
     def __call__(self, x: CorrectionInputs) -> CorrectionOutput: ...
 

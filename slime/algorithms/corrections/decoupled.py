@@ -23,7 +23,6 @@ from slime.algorithms.corrections.base import CorrectionInputs, CorrectionOutput
 class DecoupledPPO:
     name = "decoupled"
     batch_level = False
-    against_behaviour = False
 
     def __init__(self, cap: float) -> None:
         self.cap = cap

@@ -18,7 +18,6 @@ from slime.algorithms.corrections.base import CorrectionInputs, CorrectionOutput
 class IcePop:
     name = "icepop"
     batch_level = False
-    against_behaviour = False
 
     def __init__(self, low: float, high: float) -> None:
         if not 0 < low <= 1 <= high:

@@ -23,7 +23,6 @@ from slime.algorithms.corrections.base import CorrectionInputs, CorrectionOutput
 class M2PO:
     name = "m2po"
     batch_level = True
-    against_behaviour = False
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold

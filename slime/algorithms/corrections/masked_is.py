@@ -22,7 +22,6 @@ from slime.algorithms.corrections.base import CorrectionInputs, CorrectionOutput
 class MaskedISToken:
     name = "mis_token"
     batch_level = False
-    against_behaviour = False
 
     def __init__(self, cap: float) -> None:
         self.log_cap = abs(math.log(cap))
@@ -37,7 +36,6 @@ class MaskedISToken:
 class MaskedISSequence:
     name = "mis_seq"
     batch_level = False
-    against_behaviour = False
 
     def __init__(self, cap: float) -> None:
         self.log_cap = abs(math.log(cap))

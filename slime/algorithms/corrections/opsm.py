@@ -16,7 +16,6 @@ from slime.algorithms.corrections.base import CorrectionInputs, CorrectionOutput
 class OPSM:
     name = "opsm"
     batch_level = False
-    against_behaviour = False
 
     def __init__(self, delta: float) -> None:
         self.delta = delta

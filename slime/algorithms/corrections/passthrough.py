@@ -14,7 +14,6 @@ from slime.algorithms.corrections.base import CorrectionInputs, CorrectionOutput
 class NoCorrection:
     name = "none"
     batch_level = False
-    against_behaviour = False
 
     def __call__(self, x: CorrectionInputs) -> CorrectionOutput:
         return CorrectionOutput(None, ratio_stats(x, None))

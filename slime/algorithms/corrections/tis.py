@@ -17,7 +17,6 @@ from slime.algorithms.corrections.base import CorrectionInputs, CorrectionOutput
 class TruncatedIS:
     name = "tis"
     batch_level = False
-    against_behaviour = False
 
     def __init__(self, cap: float) -> None:
         self.cap = cap
