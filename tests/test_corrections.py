@@ -401,17 +401,55 @@ def test_behaviour_clip_band_widens_one_ppo_step_per_version_the_sampler_lags() 
 
 
 def test_behaviour_clip_band_stops_widening_at_the_cap() -> None:
-    """c = 2: a token 5 versions old gets [.5, 2], not [.8⁶, 1.28⁶] = [.26, 4.4]; the base moves
-    to μ·2/1.28 (Â > 0) or μ·.5/.8 (Â < 0) and w = b/μ. ρ = 1.9 sits inside [.5, 2]; ρ = .45 is
-    outside on the side its negative advantage bites."""
+    """c = 2: a token 5 versions old gets [.5, 2], not [.8⁶, 1.28⁶] = [.26, 4.4]; one 1 version
+    old gets [.64, 1.6384]. ρ = 1.9 sits inside [.5, 2]; ρ = .45 is outside on the side its
+    negative advantage bites; ρ = 1 is inside. The ratio's base is μ on every trainable token."""
     x = inputs([[0.95, 0.225, 0.5]], [[0.5, 0.5, 0.5]], adv=[[1.0, -1.0, 1.0]])
     x.lag = torch.tensor([[5, 5, 1]])
     out = correction("behaviour_clip")(x)
-    torch.testing.assert_close(
-        out.ratio_base - x.behaviour_logp, torch.log(torch.tensor([[2 / 1.28, 0.5 / 0.8, 1.28]])), rtol=1e-5, atol=1e-6
-    )
-    torch.testing.assert_close(out.weights, torch.tensor([[2 / 1.28, 0.5 / 0.8, 1.28]]))
+    torch.testing.assert_close(out.ratio_base, x.behaviour_logp)
+    assert out.weights is None
+    eps_low, eps_high = out.band.bounds(0.2, 0.28)
+    torch.testing.assert_close(1 - eps_low, torch.tensor([[0.5, 0.5, 0.64]]))
+    torch.testing.assert_close(1 + eps_high, torch.tensor([[2.0, 2.0, 1.28**2]]))
     assert out.stats["offpolicy_clipped_share"] == pytest.approx(1 / 3)
+    # the band follows the ε the update clips with (an adaptive clip), within the same cap
+    eps_low, eps_high = out.band.bounds(0.1, 0.1)
+    torch.testing.assert_close(1 + eps_high, torch.tensor([[1.1**6, 1.1**6, 1.1**2]]))
+
+
+def test_behaviour_clip_band_leaves_the_dual_clip_and_sequence_level_losses_their_own_bounds() -> None:
+    """Dual clip c = 3 for Â < 0 bounds r = π_θ/μ at 3 whatever the lag (a 1-version-old token with
+    r = 2.8 keeps its gradient −Â·r/N). GSPO (sequence ratio, its own tiny band) and CISPO (weight
+    capped at 1 + ε) give the same loss and gradient with and without lags: only token-level PPO
+    clips widen."""
+    from slime.algorithms.cispo import CISPO
+    from slime.algorithms.gspo import GSPO
+
+    batch = two_row_batch()
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.0, 0.0]])
+    lag = torch.tensor([[2, 1, 0], [1, 0, 0]])
+    logp = batch.behaviour_logp + torch.log(torch.tensor([[1.1, 1.5, 0.9], [2.8, 1.0, 1.0]]))
+    results = {}
+    for name, algo in [
+        ("grpo", GRPO(AlgorithmConfig(dual_clip=3.0), correction("behaviour_clip"))),
+        ("gspo", GSPO(AlgorithmConfig(), correction("behaviour_clip"))),
+        ("cispo", CISPO(AlgorithmConfig(), correction("behaviour_clip"))),
+    ]:
+        for with_lag in (False, True):
+            x = logp.clone().requires_grad_(True)
+            fixed = UpdateTensors(advantages=adv, old_logp=None, version_lag=lag if with_lag else None)
+            loss, _ = algo.loss(batch, fixed, Forward(x, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0)
+            loss.backward()
+            results[name, with_lag] = (loss.item(), x.grad)
+    # GRPO, lags: r = 1.1 (k 2, inside), 1.5 (k 1, inside 1.6384), .9 (k 0, inside); row 1 r = 2.8, Â = −1:
+    # above the band's top, so PPO's max picks r; the dual clip (3) does not bite: −Â·r/4 = .7
+    torch.testing.assert_close(
+        results["grpo", True][1], torch.tensor([[-1.1, -1.5, -0.9], [2.8, 0.0, 0.0]]) / 4, rtol=1e-5, atol=1e-7
+    )
+    for name in ("gspo", "cispo"):
+        assert results[name, True][0] == pytest.approx(results[name, False][0])
+        torch.testing.assert_close(results[name, True][1], results[name, False][1])
 
 
 def test_behaviour_clip_on_fresh_tokens_is_ppos_clip_around_the_sampler() -> None:

@@ -67,7 +67,8 @@ class CISPO(GRPO):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L(θ) on one micro-batch; clip_low/clip_high (the learner's PPO range) are not used."""
         cfg = self.cfg
-        old_logp, is_weights, correction_stats = surrogate_terms(self.correction, batch, fixed, out.logp)
+        terms = surrogate_terms(self.correction, batch, fixed, out.logp)
+        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
         loss, stats = cispo_policy_loss(
             out.logp, old_logp, fixed.advantages, batch.mask, cfg.cispo_clip_high, cfg.loss_agg, is_weights
         )

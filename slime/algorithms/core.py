@@ -65,13 +65,14 @@ def policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    clip_low: float | torch.Tensor,
+    clip_high: float | torch.Tensor,
     dual_clip: float | None,
     agg_mode: AggMode,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate (PPO), with decoupled clip range (DAPO "clip-higher") and dual clip.
+    clip_low/clip_high are scalars, or [N, T] per token (behaviour_clip's band per version).
 
     r_t = π_θ(a_t|s_t) / π_old(a_t|s_t) = exp(logp − old_logp)
     ℓ_t = −min(r_t Â_t, clip(r_t, 1 − ε_low, 1 + ε_high) Â_t)

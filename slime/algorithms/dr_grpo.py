@@ -68,7 +68,9 @@ class DrGRPO(GRPO):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L(θ) on one micro-batch. stats: policy_loss's, the regularisers' and dr_grpo_norm (mean C)."""
         cfg = self.cfg
-        old_logp, is_weights, correction_stats = surrogate_terms(self.correction, batch, fixed, out.logp)
+        terms = surrogate_terms(self.correction, batch, fixed, out.logp)
+        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
+        eps_low, eps_high = terms.clip_range(clip_low, clip_high)  # per token under behaviour_clip's band
         inv_c = 1.0 / norm_constants(batch, cfg.dr_grpo_norm_tokens)
         # 1/C is a constant per row: it rides with the (detached) correction weights, and the
         # seq_mean_token_sum aggregate then gives mean_i Σ_t ℓ_{i,t} / C.
@@ -78,8 +80,8 @@ class DrGRPO(GRPO):
             old_logp,
             fixed.advantages,
             batch.mask,
-            clip_low,
-            clip_high,
+            eps_low,
+            eps_high,
             cfg.dual_clip,
             "seq_mean_token_sum",
             weights,

@@ -70,8 +70,8 @@ def grpo_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    clip_low: float | torch.Tensor,
+    clip_high: float | torch.Tensor,
     dual_clip: float | None,
     agg_mode: AggMode,
     entropy: torch.Tensor | None = None,
@@ -133,7 +133,9 @@ class GRPO:
         """L(θ) on one micro-batch (`batch` and `fixed` cut to the same rows)."""
         cfg = self.cfg
         # One update per batch: π_old is π_θ before its step, i.e. this forward without grad.
-        old_logp, is_weights, correction_stats = surrogate_terms(self.correction, batch, fixed, out.logp)
+        terms = surrogate_terms(self.correction, batch, fixed, out.logp)
+        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
+        eps_low, eps_high = terms.clip_range(clip_low, clip_high)  # per token under behaviour_clip's band
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
             kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)
@@ -142,8 +144,8 @@ class GRPO:
             old_logp=old_logp,
             advantages=fixed.advantages,
             mask=batch.mask,
-            clip_low=clip_low,
-            clip_high=clip_high,
+            clip_low=eps_low,
+            clip_high=eps_high,
             dual_clip=cfg.dual_clip,
             agg_mode=cfg.loss_agg,
             entropy=out.entropy,

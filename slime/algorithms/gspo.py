@@ -87,7 +87,8 @@ class GSPO(GRPO):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L(θ) on one micro-batch; clip_low/clip_high (the learner's PPO range) are not used."""
         cfg = self.cfg
-        old_logp, is_weights, correction_stats = surrogate_terms(self.correction, batch, fixed, out.logp)
+        terms = surrogate_terms(self.correction, batch, fixed, out.logp)
+        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
         loss, stats = gspo_policy_loss(
             out.logp,
             old_logp,

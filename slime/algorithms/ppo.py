@@ -145,8 +145,8 @@ def ppo_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    clip_low: float | torch.Tensor,
+    clip_high: float | torch.Tensor,
     dual_clip: float | None,
     value_clip: float | None,
     vf_coef: float,
@@ -237,7 +237,9 @@ class PPO:
         if out.values is None or fixed.returns is None or fixed.old_values is None:
             raise ValueError("PPO's loss needs the critic's values and the returns from prepare")
         # One update per batch: π_old is π_θ before its step, i.e. this forward without grad.
-        old_logp, is_weights, correction_stats = surrogate_terms(self.correction, batch, fixed, out.logp)
+        terms = surrogate_terms(self.correction, batch, fixed, out.logp)
+        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
+        eps_low, eps_high = terms.clip_range(clip_low, clip_high)  # per token under behaviour_clip's band
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
             kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)
@@ -249,8 +251,8 @@ class PPO:
             old_values=fixed.old_values,
             returns=fixed.returns,
             mask=batch.mask,
-            clip_low=clip_low,
-            clip_high=clip_high,
+            clip_low=eps_low,
+            clip_high=eps_high,
             dual_clip=cfg.dual_clip,
             value_clip=cfg.value_clip,
             vf_coef=cfg.vf_coef,

@@ -34,10 +34,12 @@ offpolicy_clipped_share (shares of trainable tokens).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from slime.algorithms.batch import Batch, UpdateTensors
-from slime.algorithms.corrections.base import Correction, CorrectionInputs, CorrectionOutput
+from slime.algorithms.corrections.base import ClipBand, Correction, CorrectionInputs, CorrectionOutput
 from slime.algorithms.corrections.behaviour_clip import BehaviourClip
 from slime.algorithms.corrections.decoupled import DecoupledPPO
 from slime.algorithms.corrections.geo_reject import GeometricRejection
@@ -51,11 +53,12 @@ from slime.config import AprilConfig
 from slime.config_training import AlgorithmConfig
 
 __all__ = [
+    "ClipBand",
     "Correction",
     "CorrectionInputs",
     "CorrectionOutput",
-    "correction_weights",
     "make_correction",
+    "SurrogateTerms",
     "surrogate_terms",
 ]
 
@@ -82,17 +85,6 @@ def make_correction(cfg: AprilConfig, clip: tuple[float, float] | None = None) -
     return builders[cfg.off_policy]()
 
 
-def correction_weights(
-    correction: Correction, batch: Batch, fixed: UpdateTensors, old_logp: torch.Tensor
-) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """w_t for one micro-batch: the batch-level weights the learner computed for the update, or the
-    correction applied to this micro-batch (rows are whole responses, so per-token and per-sequence
-    corrections give the same weights either way). Stats only in the per-micro-batch case: the
-    learner reports a batch-level correction's stats once."""
-    out = _apply(correction, batch, fixed, old_logp)
-    return out.weights, out.stats
-
-
 def _apply(correction: Correction, batch: Batch, fixed: UpdateTensors, old_logp: torch.Tensor) -> CorrectionOutput:
     if fixed.is_weights is not None:
         return CorrectionOutput(fixed.is_weights, {})
@@ -100,16 +92,27 @@ def _apply(correction: Correction, batch: Batch, fixed: UpdateTensors, old_logp:
     return correction(inputs)
 
 
-def surrogate_terms(
-    correction: Correction, batch: Batch, fixed: UpdateTensors, logp: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+@dataclass
+class SurrogateTerms:
+    """What an algorithm's loss takes from the correction, for one micro-batch."""
+
+    base_logp: torch.Tensor  # the log-probabilities the surrogate's ratio is taken against
+    weights: torch.Tensor | None  # w_t (no grad); None: every weight is 1
+    stats: dict[str, float]  # the correction's figures
+    band: ClipBand | None  # a clip band per token; None: the update's own
+
+    def clip_range(self, clip_low: float, clip_high: float) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """The token-level clip's (ε_low, ε_high): per token under a band, else the update's."""
+        return self.band.bounds(clip_low, clip_high) if self.band is not None else (clip_low, clip_high)
+
+
+def surrogate_terms(correction: Correction, batch: Batch, fixed: UpdateTensors, logp: torch.Tensor) -> SurrogateTerms:
     """For one micro-batch: the log-probabilities the surrogate's ratio is taken against, the
-    per-token weights w_t and the correction's figures. The ratio's base is π_old (the learner's
-    weights before this update: ``fixed.old_logp`` when recomputed, else this forward without
-    grad), or on trainable tokens the base that a correction clipping against the behaviour
-    policy gives (behaviour_clip: μ, moved per version the sampler lags)."""
+    per-token weights w_t, the correction's figures and its clip band. The ratio's base is π_old
+    (the learner's weights before this update: ``fixed.old_logp`` when recomputed, else this
+    forward without grad), or on trainable tokens the base a correction gives (behaviour_clip: μ)."""
     old_logp = fixed.old_logp if fixed.old_logp is not None else logp.detach()
     out = _apply(correction, batch, fixed, old_logp)
     if out.ratio_base is not None:
         old_logp = torch.where(batch.mask > 0, out.ratio_base, old_logp)
-    return old_logp, out.weights, out.stats
+    return SurrogateTerms(old_logp, out.weights, out.stats, out.band)

@@ -31,12 +31,31 @@ class CorrectionInputs:
 
 
 @dataclass
+class ClipBand:
+    """A clip band per token for PPO's token-level ratio: PPO's band compounded `steps` + 1 times,
+    within [1/cap, cap]. The ε it compounds are the ones the update clips with (adaptive or not)."""
+
+    steps: torch.Tensor  # [N, T] float: PPO steps the band spans beyond its own one (0: PPO's band)
+    cap: float
+
+    def bounds(self, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ε_low_t, ε_high_t) [N, T]: the band [1 − ε_low_t, 1 + ε_high_t] of each token."""
+        cap = max(self.cap, 1.0 + clip_high, 1.0 / (1.0 - clip_low))
+        high = torch.pow(1.0 + clip_high, self.steps + 1.0).clamp(max=cap)
+        low = torch.pow(1.0 - clip_low, self.steps + 1.0).clamp(min=1.0 / cap)
+        return 1.0 - low, high - 1.0
+
+
+@dataclass
 class CorrectionOutput:
     weights: torch.Tensor | None  # [N, T] w_t; None: every weight is 1
     stats: dict[str, float] = field(default_factory=dict)
     # [N, T] log of the surrogate's ratio base on trainable tokens, for a correction that takes the
     # ratio against something other than π_old (behaviour_clip: the sampler); None: π_old
     ratio_base: torch.Tensor | None = None
+    # a band per token for the token-level PPO clip (GRPO, PPO, Dr. GRPO); None: the update's band.
+    # GSPO's sequence clip and CISPO's weight cap keep their own.
+    band: ClipBand | None = None
 
 
 class Correction(Protocol):

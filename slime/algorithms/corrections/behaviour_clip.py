@@ -26,23 +26,23 @@ Why the cap c (`tis_cap`, 2 by default): APRIL's partials carry tokens up to 12 
 a band of 1.28^13 is no trust region at all. Uncapped, such tokens brought back the spikes of
 KL(μ‖π_old) (0.2-0.3) that made tis collapse, and APRIL's held-out reward fell at the end (2 seeds).
 
-How, with the algorithms' fixed-band clip: only one side of the clip can bite for a given sign of
-Â_t (the upper for Â_t > 0, the lower for Â_t < 0), so the ratio's base is moved to
-b_t = μ·hi_t/(1 + ε_high) (Â_t > 0) or μ·lo_t/(1 − ε_low) (Â_t < 0), and the weight w_t = b_t/μ
-restores the gradient: w_t·∇(π_θ/b_t) = ∇(π_θ/μ) inside the band, 0 beyond it. Tokens off the loss
+How: the correction hands the algorithm μ as the ratio's base and the band per token
+(`ClipBand`), built at loss time from the ε the update clips with, so an adaptive clip widens it
+too. GRPO, PPO and Dr. GRPO clip each token with its own band; `algorithm.dual_clip` still
+bounds r_t = π_θ/μ where it did. GSPO's sequence-level clip and CISPO's capped weight take the ratio against μ
+with their own band, not widened: theirs are not one PPO step per version. Tokens off the loss
 mask keep π_old, so padding (μ's logprob undefined there) never enters the ratio.
 
 offpolicy_clipped_share counts the trainable tokens whose ρ_t = π_old/μ already lies outside
-their band, on the side their advantage's sign makes bite, when the step starts.
+their band (with the configured ε), on the side their advantage's sign makes bite, when the step
+starts.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from slime.algorithms.corrections.base import CorrectionInputs, CorrectionOutput, ratio_stats
+from slime.algorithms.corrections.base import ClipBand, CorrectionInputs, CorrectionOutput, ratio_stats
 
 
 class BehaviourClip:
@@ -52,21 +52,18 @@ class BehaviourClip:
     def __init__(self, clip_low: float, clip_high: float, per_version: bool = True, cap: float = 2.0) -> None:
         self.clip_low, self.clip_high = clip_low, clip_high
         self.per_version = per_version
-        self.log_cap = math.log(max(cap, 1.0 + clip_high, 1.0 / (1.0 - clip_low)))
+        self.cap = cap
 
     def __call__(self, x: CorrectionInputs) -> CorrectionOutput:
         trainable = x.mask > 0
-        lag = x.lag if (self.per_version and x.lag is not None) else torch.zeros_like(x.mask)
-        lag = torch.where(trainable, lag.to(x.mask.dtype).clamp_min(0), 0.0)
-        up, down = math.log1p(self.clip_high), math.log1p(-self.clip_low)
-        # log(b_t/μ): the base moves only toward the side the advantage's sign makes bite
-        shift_up = (lag * up).clamp(max=self.log_cap - up)
-        shift_down = (lag * down).clamp(min=-self.log_cap - down)
-        shift = torch.where(x.advantages > 0, shift_up, torch.where(x.advantages < 0, shift_down, 0.0))
-        ratio_base = torch.where(trainable, x.behaviour_logp + shift, x.old_logp)
-        weights = torch.where(trainable, torch.exp(shift), 0.0) if bool((lag > 0).any()) else None
-        log_ratio = x.log_ratio
-        above = log_ratio > shift_up + up
-        below = log_ratio < shift_down + down
+        ratio_base = torch.where(trainable, x.behaviour_logp, x.old_logp)
+        band = None
+        eps_low: float | torch.Tensor = self.clip_low
+        eps_high: float | torch.Tensor = self.clip_high
+        if self.per_version and x.lag is not None:
+            band = ClipBand(torch.where(trainable, x.lag.to(x.mask.dtype).clamp_min(0), 0.0), self.cap)
+            eps_low, eps_high = band.bounds(self.clip_low, self.clip_high)
+        ratio = torch.exp(x.log_ratio)
+        above, below = ratio > 1.0 + eps_high, ratio < 1.0 - eps_low
         outside = torch.where(x.advantages > 0, above, torch.where(x.advantages < 0, below, above | below))
-        return CorrectionOutput(weights, ratio_stats(x, weights, clipped=outside & trainable), ratio_base)
+        return CorrectionOutput(None, ratio_stats(x, None, clipped=outside & trainable), ratio_base, band)
