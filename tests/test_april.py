@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -301,6 +302,19 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     ]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = _run_cli([*args, "steps=40"], env)
+    # stderr read as it comes: the second SIGTERM goes the moment the first one is acknowledged
+    # (two signals sent close together may arrive as one; a fixed sleep let the partials finish)
+    stderr_lines: list[bytes] = []
+    acknowledged = threading.Event()
+
+    def read_stderr() -> None:
+        for line in iter(proc.stderr.readline, b""):
+            stderr_lines.append(line)
+            if b"finishing this step" in line:
+                acknowledged.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "two steps")
     # Kill at a moment the live buffer holds a partial with most of its tokens still to come (with
@@ -323,9 +337,11 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     else:
         proc.send_signal(sig)
         if how == "SIGTERM twice":
-            time.sleep(0.3)
+            assert acknowledged.wait(30), b"".join(stderr_lines).decode()[-3000:]
             proc.send_signal(sig)
-    _, stop_err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    reader.join(timeout=30)
+    stop_err = b"".join(stderr_lines)
     if how == "SIGTERM":  # graceful: the step ends, its checkpoint holds every logged step
         assert proc.returncode == 0, stop_err.decode()[-3000:]
         assert "finishing this step, then a checkpoint and exit" in stop_err.decode()
