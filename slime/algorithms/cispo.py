@@ -68,9 +68,8 @@ class CISPO(GRPO):
         """L(θ) on one micro-batch; clip_low/clip_high (the learner's PPO range) are not used."""
         cfg = self.cfg
         terms = surrogate_terms(self.correction, batch, fixed, out.logp)
-        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
         loss, stats = cispo_policy_loss(
-            out.logp, old_logp, fixed.advantages, batch.mask, cfg.cispo_clip_high, cfg.loss_agg, is_weights
+            out.logp, terms.base_logp, fixed.advantages, batch.mask, cfg.cispo_clip_high, cfg.loss_agg, terms.weights
         )
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
@@ -87,5 +86,5 @@ class CISPO(GRPO):
             out.router_aux,
             cfg.router_aux_coef,
         )
-        stats.update(correction_stats)
+        stats.update(terms.stats)
         return loss, stats

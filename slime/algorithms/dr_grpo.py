@@ -69,15 +69,14 @@ class DrGRPO(GRPO):
         """L(θ) on one micro-batch. stats: policy_loss's, the regularisers' and dr_grpo_norm (mean C)."""
         cfg = self.cfg
         terms = surrogate_terms(self.correction, batch, fixed, out.logp)
-        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
         eps_low, eps_high = terms.clip_range(clip_low, clip_high)  # per token under behaviour_clip's band
         inv_c = 1.0 / norm_constants(batch, cfg.dr_grpo_norm_tokens)
         # 1/C is a constant per row: it rides with the (detached) correction weights, and the
         # seq_mean_token_sum aggregate then gives mean_i Σ_t ℓ_{i,t} / C.
-        weights = inv_c if is_weights is None else is_weights * inv_c
+        weights = inv_c if terms.weights is None else terms.weights * inv_c
         loss, stats = policy_loss(
             out.logp,
-            old_logp,
+            terms.base_logp,
             fixed.advantages,
             batch.mask,
             eps_low,
@@ -103,5 +102,5 @@ class DrGRPO(GRPO):
             cfg.router_aux_coef,
         )
         stats["dr_grpo_norm"] = (1.0 / inv_c).mean().item()
-        stats.update(correction_stats)
+        stats.update(terms.stats)
         return loss, stats

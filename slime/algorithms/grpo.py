@@ -134,14 +134,13 @@ class GRPO:
         cfg = self.cfg
         # One update per batch: π_old is π_θ before its step, i.e. this forward without grad.
         terms = surrogate_terms(self.correction, batch, fixed, out.logp)
-        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
         eps_low, eps_high = terms.clip_range(clip_low, clip_high)  # per token under behaviour_clip's band
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
             kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)
         loss, stats = grpo_loss(
             logp=out.logp,
-            old_logp=old_logp,
+            old_logp=terms.base_logp,
             advantages=fixed.advantages,
             mask=batch.mask,
             clip_low=eps_low,
@@ -154,7 +153,7 @@ class GRPO:
             kl_coef=kl_coef,
             router_aux=out.router_aux,
             router_aux_coef=cfg.router_aux_coef,
-            is_weights=is_weights,
+            is_weights=terms.weights,
         )
-        stats.update(correction_stats)
+        stats.update(terms.stats)
         return loss, stats

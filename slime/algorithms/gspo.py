@@ -88,16 +88,15 @@ class GSPO(GRPO):
         """L(θ) on one micro-batch; clip_low/clip_high (the learner's PPO range) are not used."""
         cfg = self.cfg
         terms = surrogate_terms(self.correction, batch, fixed, out.logp)
-        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
         loss, stats = gspo_policy_loss(
             out.logp,
-            old_logp,
+            terms.base_logp,
             fixed.advantages,
             batch.mask,
             cfg.gspo_clip_low,
             cfg.gspo_clip_high,
             cfg.dual_clip,
-            is_weights,
+            terms.weights,
         )
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
@@ -114,5 +113,5 @@ class GSPO(GRPO):
             out.router_aux,
             cfg.router_aux_coef,
         )
-        stats.update(correction_stats)
+        stats.update(terms.stats)
         return loss, stats

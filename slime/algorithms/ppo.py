@@ -238,14 +238,13 @@ class PPO:
             raise ValueError("PPO's loss needs the critic's values and the returns from prepare")
         # One update per batch: π_old is π_θ before its step, i.e. this forward without grad.
         terms = surrogate_terms(self.correction, batch, fixed, out.logp)
-        old_logp, is_weights, correction_stats = terms.base_logp, terms.weights, terms.stats
         eps_low, eps_high = terms.clip_range(clip_low, clip_high)  # per token under behaviour_clip's band
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
             kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)
         loss, stats = ppo_loss(
             logp=out.logp,
-            old_logp=old_logp,
+            old_logp=terms.base_logp,
             advantages=fixed.advantages,
             values=out.values,
             old_values=fixed.old_values,
@@ -263,7 +262,7 @@ class PPO:
             kl_coef=kl_coef,
             router_aux=out.router_aux,
             router_aux_coef=cfg.router_aux_coef,
-            is_weights=is_weights,
+            is_weights=terms.weights,
         )
-        stats.update(correction_stats)
+        stats.update(terms.stats)
         return loss, stats

@@ -55,15 +55,14 @@ class BehaviourClip:
         self.cap = cap
 
     def __call__(self, x: CorrectionInputs) -> CorrectionOutput:
-        trainable = x.mask > 0
-        ratio_base = torch.where(trainable, x.behaviour_logp, x.old_logp)
         band = None
         eps_low: float | torch.Tensor = self.clip_low
         eps_high: float | torch.Tensor = self.clip_high
         if self.per_version and x.lag is not None:
-            band = ClipBand(torch.where(trainable, x.lag.to(x.mask.dtype).clamp_min(0), 0.0), self.cap)
+            band = ClipBand(x.lag.to(x.mask.dtype), self.cap)
             eps_low, eps_high = band.bounds(self.clip_low, self.clip_high)
         ratio = torch.exp(x.log_ratio)
         above, below = ratio > 1.0 + eps_high, ratio < 1.0 - eps_low
         outside = torch.where(x.advantages > 0, above, torch.where(x.advantages < 0, below, above | below))
-        return CorrectionOutput(None, ratio_stats(x, None, clipped=outside & trainable), ratio_base, band)
+        # surrogate_terms takes the base on trainable tokens only (padding keeps π_old)
+        return CorrectionOutput(None, ratio_stats(x, None, clipped=outside), x.behaviour_logp, band)
