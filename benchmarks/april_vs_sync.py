@@ -7,6 +7,8 @@ between arms:
     sync            the synchronous baseline (APRIL off)
     april2          APRIL, oversample 2.0, no staleness budget
     april2_budget2  APRIL, oversample 2.0, april.max_version_span=2 (beyond_budget=restart)
+    async2          async, max_staleness=2: the learner trains while the engines generate (its
+                    rollout window is only the wait for a full batch: read its wall figures)
     sync_frozen, april2_frozen   sync and APRIL x2 with the policy frozen (learner.lr=1e-12): the same
                     workload for both, what the mechanism alone buys; the simulator is compared here
   with --extra also:
@@ -92,6 +94,10 @@ SETTINGS: dict[str, list[str]] = {
     # distribution, stays the warm start's in both; the learner still does all its work. With real
     # training the two policies drift apart (APRIL's often to longer answers), and so do the
     # workloads the rows above compare. The simulator is compared with this pair.
+    # Async (staleness 2): the engines never stop; the learner trains on finished groups while they
+    # generate. Its rollout window is only the learner's wait for a full batch, so its "per rollout
+    # second" figure is not comparable: read its wall-clock and trained-token ratios.
+    "async2": ["april.enabled=false", "mode=async", "max_staleness=2"],
     "sync_frozen": ["april.enabled=false", "learner.lr=1e-12"],
     "april2_frozen": ["april.enabled=true", "april.oversample=2.0", "learner.lr=1e-12"],
 }

@@ -279,7 +279,8 @@ def audit(chaos: ChaosRun, returncode: int | None) -> dict:
             or s.status in (Status.PENDING, Status.ABORTED, Status.RUNNING)  # queued, tokens kept
         )
     ]
-    stored_tokens = sum(s.response_length for s in samples)
+    # Trained trajectories the buffer pruned (buffer.keep_trained_steps) were stored, then deleted.
+    stored_tokens = sum(s.response_length for s in samples) + int(stats.get("pruned_tokens", 0.0))
     generated = stats.get("generated_tokens", 0.0) - stats.get("restarted_tokens", 0.0)
     return {
         "exit_code": returncode,
@@ -292,7 +293,7 @@ def audit(chaos: ChaosRun, returncode: int | None) -> dict:
         "groups_lost": max(0, expected_groups - counts["groups_trained"]),
         "groups_trained_twice": max(0, counts["groups_trained"] - expected_groups),
         "groups_left_claimed": counts["groups_claimed"],
-        "trajectories": len(samples),
+        "trajectories": len(samples) + int(stats.get("pruned_samples", 0.0)),
         "trajectories_lost": len(unaccounted),
         "tokens_stored": stored_tokens,
         "tokens_lost": int(round(generated - stored_tokens)),

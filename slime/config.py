@@ -273,6 +273,13 @@ class BufferConfig(_Strict):
         "earlier fsync runs); the lost tail is detected and resumed from what was stored.",
     )
     lease_seconds: float = Field(10.0, gt=0)
+    keep_trained_steps: int | None = Field(
+        50,
+        ge=0,
+        description="Trajectories of groups trained this many steps before the last checkpoint are deleted from "
+        "Redis when a checkpoint is written (their group records and counts stay; stats count pruned_groups, "
+        "pruned_samples, pruned_tokens), so a long job's buffer stays bounded. None keeps every trajectory.",
+    )
     reconnect_timeout_s: float = Field(
         60.0,
         gt=0,

@@ -260,11 +260,12 @@ class RunningJob:
         """Train on the step's batch. The rollout clock stops when the engines have stopped generating
         for this step: at once (the batch is complete), or, with ``aborting`` (APRIL's abort, sent by
         start_abort and overlapping the learner), when every engine has finished the abort: the decode
-        step in flight done, every partial's last tokens stored. Those tokens are this step's."""
+        step in flight done, every partial's last tokens stored. Those tokens are this step's. Async:
+        the engines never stop, so the window runs until the update is done (contiguous windows)."""
         import ray  # see the module docstring
 
         released = 0
-        if not aborting:
+        if not aborting and self.cfg.mode != "async":
             self._stop_rollout_clock()
             if self.cfg.releases_engine_memory:  # colocated: the learner gets the engines' KV memory
                 released = self.fleet.release_memory()
@@ -278,6 +279,11 @@ class RunningJob:
                 released = self.fleet.release_memory()
         while self.cfg.mode == "async" and len(ray.wait(refs, num_returns=len(refs), timeout=0.05)[0]) < len(refs):
             self.fleet.schedule_groups()  # the workers keep generating while the learner trains
+        if self.cfg.mode == "async":
+            # The engines never stop: a step's window runs until its update is done and the next
+            # one starts right there, so the tokens made while the learner trains count too.
+            self._stop_rollout_clock()
+            self.engines_released = (self.rollout_ended_at, self.tokens_at_rollout_end)
         metrics = LearnerGroup.result(refs)
         generated = self.tokens_at_rollout_end - self.tokens_at_step_start
         rollout_seconds = self.rollout_ended_at - self.rollout_started_at
@@ -430,7 +436,7 @@ class RunningJob:
         write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
         # Groups become "trained" only once the weights that learned from them are on disk. A crash
         # between the line above and this one is repaired by _restore (commit_through).
-        self.buffer.commit_through(step)
+        self.buffer.commit_through(step, self.cfg.buffer.keep_trained_steps)
         self.last_checkpoint_at = time.time()
         return path
 
@@ -463,7 +469,7 @@ class RunningJob:
         self.sampler.load_state_dict(state["sampler"])
         # Claims of steps inside the checkpoint are trained (the process may have died before it
         # marked them); claims of later steps go back to the ready queue, to train on these weights.
-        self.buffer.commit_through(int(state["next_step"]) - 1)
+        self.buffer.commit_through(int(state["next_step"]) - 1, self.cfg.buffer.keep_trained_steps)
         self.buffer.requeue_uncommitted()
         return int(state["next_step"])
 

@@ -482,3 +482,42 @@ def test_async_claims_train_groups_in_the_order_they_started(buffer: TrajectoryS
     assert buffer.drop_ready_group(gids[1], "zero_variance")  # a dropped group is skipped
     assert buffer.ready_in_start_order(2) == 1  # gids[2] ready, gids[3] still open
     assert [g[0].group_id for g in buffer.claim_groups(2, 2, in_start_order=True)] == [gids[2]]
+
+
+def test_checkpoints_prune_the_trajectories_of_groups_trained_long_ago(buffer: TrajectoryStore) -> None:
+    """keep_trained_steps=2: a checkpoint at step s deletes the trajectories of groups trained at a
+    step <= s - 2, and only those; group records and group counts stay, the stats say what went."""
+    raw = buffer.redis
+    groups_by_step = {}
+    for step in range(6):
+        groups_by_step[step] = [complete_group(buffer, n=2) for _ in range(2)]
+        assert {g[0].group_id for g in buffer.claim_groups(2, step)} == set(groups_by_step[step])
+        buffer.commit_through(step, keep_trained_steps=2)
+        trajectory_keys = len(list(raw.scan_iter(match=buffer._key("sample", "") + "*")))
+        # bounded: from step 2 on each checkpoint prunes the 2 groups of the step 2 back
+        assert trajectory_keys == 2 * 2 * 5 * min(step + 1, 2)  # a sample: hash + 4 arrays
+    for step, gids in groups_by_step.items():
+        for gid in gids:
+            if step <= 5 - 2:
+                with pytest.raises(KeyError, match="keep_trained_steps"):
+                    buffer.get_group(gid)
+                assert raw.hget(buffer._key("group", gid), "pruned") == b"1"
+            else:
+                assert [s.response_length for s in buffer.get_group(gid)] == [2, 2]
+    counts, stats = buffer.counts(), buffer.stats()
+    assert counts["groups_trained"] == 12 and counts["groups_total"] == 12
+    assert counts["completed"] == 2 * 2 * 2  # steps 4 and 5 are stored
+    assert stats["pruned_groups"] == 8 and stats["pruned_samples"] == 16 and stats["pruned_tokens"] == 32
+    assert stats["pruned_through_step"] == 3
+    stored = {s.group_id for s in buffer.iter_samples()}
+    assert stored == set(groups_by_step[4] + groups_by_step[5])
+    # The dashboard's listing walks past pruned groups, newest first.
+    rows, *_ = BufferQueries(buffer.connection).scan_rows(rank=10**6, pos=0, limit=100, max_scan=1000)
+    assert {row["group_id"] for row in rows} == stored
+
+
+def test_without_keep_trained_steps_nothing_is_pruned(buffer: TrajectoryStore) -> None:
+    gid = complete_group(buffer, n=2)
+    buffer.claim_groups(1, step=0)
+    buffer.commit_through(100)
+    assert len(buffer.get_group(gid)) == 2 and "pruned_groups" not in buffer.stats()

@@ -66,6 +66,38 @@ def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, r
     buffer.delete_job()
 
 
+def test_a_long_job_prunes_old_trained_trajectories_and_resumes(ray_session, tiny_model_dir, redis_url, tmp_path):
+    """buffer.keep_trained_steps=1 with a checkpoint every step: after step s only the groups trained
+    at step s keep their trajectories; counts stay whole, and a resume goes on from the pruned buffer."""
+    job = "e2e-prune"
+    common = [
+        f"job_name={job}",
+        f"output_dir={tmp_path}",
+        f"model.path={tiny_model_dir}",
+        f"buffer.url={redis_url}",
+        *SMALL,
+        "checkpoint_every=1",
+        "buffer.keep_trained_steps=1",
+        "april.enabled=true",
+    ]
+    train(load_config(None, [*common, "steps=3"]))
+    history = train(load_config(None, [*common, "steps=4", "resume=auto"]))
+    assert [h["step"] for h in history] == [0, 1, 2, 3]
+    buffer = TrajectoryStore.open(redis_url, job)
+    counts, stats = buffer.counts(), buffer.stats()
+    assert counts["groups_trained"] == 12 and counts["groups_claimed"] == 0
+    assert stats["pruned_groups"] == 9 and stats["pruned_through_step"] == 2
+    trained_at = {
+        gid.decode(): int(step) for gid, step in buffer.redis.zrange(buffer._key("trained"), 0, -1, withscores=True)
+    }
+    kept = {gid for gid, step in trained_at.items() if step == 3}
+    assert len(kept) == 3 and all(len(buffer.get_group(gid)) == 3 for gid in kept)
+    # Every sample still stored is of a kept group or not trained yet (APRIL's partials, open groups).
+    assert all(s.group_id in kept or s.group_id not in trained_at for s in buffer.iter_samples())
+    assert stats["pruned_samples"] == 27 and stats["pruned_tokens"] > 0
+    buffer.delete_job()
+
+
 @pytest.mark.parametrize("april", [False, True])
 def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp_path, april):
     job = f"e2e-async-{april}"

@@ -19,7 +19,8 @@ Cluster the prefix is `slime:{<job>}:`: the hash tag keeps every key of the job 
     sample:<sid>:tok|lp|ver|mask  per-token arrays as little-endian int32/float32/int32/int8 bytes,
                                 grown with APPEND so a chunk costs O(chunk)
     group:<gid>                 hash: n, done, status (open|ready|claimed|trained|dropped), metadata,
-                                created_at, claimed_step, drop_reason, trained_members
+                                created_at, claimed_step, drop_reason, trained_members, pruned (1: its
+                                samples and list were deleted, buffer.keep_trained_steps after training)
     group:<gid>:samples         list of sample ids in index order
     groups                      zset gid -> created_at
     queue:resume / queue:new    lists of sample ids; lease pops resume first (partials before new prompts)
@@ -31,7 +32,8 @@ Cluster the prefix is `slime:{<job>}:`: the hash tag keeps every key of the job 
     dropped                     zset gid -> the time it was dropped
     stream:untrained            set of sample ids trained segment by segment (streaming mode)
     status_counts               hash status -> number of samples
-    stats                       hash name -> float (generated_tokens, dropped_*, restarted_*)
+    stats                       hash name -> float (generated_tokens, dropped_*, restarted_*, pruned_*,
+                                pruned_through_step)
     policy_version              string
     events, control, engines, expert_load, steps, job_info: the telemetry (telemetry.py)
 

@@ -321,7 +321,7 @@ class TrajectoryStore:
             claimed = self._claim_in_order(args=[self.prefix, int(max_groups), int(step), ""])
         else:
             claimed = self._claim(args=[self.prefix, int(max_groups), int(step)])
-        return [self.get_group(gid.decode()) for gid in claimed]
+        return self.get_groups([gid.decode() for gid in claimed])
 
     def ready_in_start_order(self, max_groups: int) -> int:
         """How many of the oldest groups waiting for training are ready, in a row (at most max_groups):
@@ -332,9 +332,12 @@ class TrajectoryStore:
         """Mark the groups claimed by `step` as trained. Returns how many."""
         return int(self._commit(args=[self.prefix, int(step)]))
 
-    def commit_through(self, step: int) -> int:
-        """Mark every group claimed by a step <= `step` as trained. Returns how many."""
-        return int(self._commit_through(args=[self.prefix, int(step)]))
+    def commit_through(self, step: int, keep_trained_steps: int | None = None) -> int:
+        """Mark every group claimed by a step <= `step` as trained. Returns how many. With
+        ``keep_trained_steps``, delete the trajectories of groups trained at a step <= step -
+        keep_trained_steps (their group records stay; stats count them as pruned_*)."""
+        keep = "" if keep_trained_steps is None else int(keep_trained_steps)
+        return int(self._commit_through(args=[self.prefix, int(step), keep]))
 
     def requeue_uncommitted(self, after_step: int | None = None) -> int:
         """Put claimed-but-uncommitted groups (claimed by a step > after_step; all if None) back to ready."""
@@ -416,10 +419,22 @@ class TrajectoryStore:
         return samples[0]
 
     def get_group(self, group_id: str) -> list[Sample]:
-        sample_ids = [sid.decode() for sid in self.redis.lrange(self._key("group", group_id, "samples"), 0, -1)]
-        if not sample_ids:
-            raise KeyError(f"group {group_id!r} not found in job {self.job!r}")
-        return sorted(load_samples(self.connection, sample_ids), key=lambda s: s.index)
+        return self.get_groups([group_id])[0]
+
+    def get_groups(self, group_ids: Sequence[str]) -> list[list[Sample]]:
+        """Several groups in two round trips (their sample lists, then every sample), each by index."""
+        pipe = self.connection.pipeline(transaction=False)
+        for gid in group_ids:
+            pipe.lrange(self._key("group", gid, "samples"), 0, -1)
+        lists = [[sid.decode() for sid in ids] for ids in pipe.execute()] if group_ids else []
+        for gid, ids in zip(group_ids, lists):
+            if not ids:
+                raise KeyError(
+                    f"group {gid!r} not found in job {self.job!r} (a trained group's trajectories are deleted "
+                    "buffer.keep_trained_steps steps after its checkpoint)"
+                )
+        loaded = {s.id: s for s in load_samples(self.connection, [sid for ids in lists for sid in ids])}
+        return [sorted((loaded[sid] for sid in ids if sid in loaded), key=lambda s: s.index) for ids in lists]
 
     def counts(self) -> dict[str, int]:
         """Samples by status, queue lengths, groups by stage and running leases (all O(1) reads)."""

@@ -20,6 +20,7 @@ local rows, found, scanned = {}, 0, 0
 while rank >= 0 and found < limit and scanned < max_scan do
   local gid = redis.call('ZRANGE', P .. 'groups', rank, rank)[1]
   local sids = redis.call('LRANGE', P .. 'group:' .. gid .. ':samples', pos, -1)
+  if #sids == 0 then scanned = scanned + 1 end  -- a pruned group: the walk past many stays bounded
   local i = 0
   while i < #sids and found < limit and scanned < max_scan do
     i = i + 1
