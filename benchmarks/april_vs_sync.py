@@ -254,13 +254,14 @@ def summarize(run: dict, warmup: int) -> dict:
     resp = [m.get("response_len_mean", 0.0) * m.get("samples", 0.0) for m in all_h]
     off = sum(m.get("off_policy_token_share", 0.0) * t for m, t in zip(all_h, resp)) / max(1.0, sum(resp))
     # The streaming variant has no rollout phase (the engine never waits for the learner): its
-    # per-rollout-second figures are undefined.
+    # per-rollout-second figures are undefined. Nor has async: its window is the whole step.
     streaming = run["cfg"].april.streaming_chunk_tokens is not None
+    overlapped = streaming or run["cfg"].mode == "async"
     all_rollout_s = sum(m["rollout_seconds"] for m in all_h)
     return {
         "steps": len(h),
         "generated_tokens": gen,
-        "rollout_tok_s": math.nan if streaming else gen / max(rollout_s, 1e-9),
+        "rollout_tok_s": math.nan if overlapped else gen / max(rollout_s, 1e-9),
         "wall_tok_s": gen / max(step_s, 1e-9),
         "trained_tok_s": sum(m.get("trained_tokens", 0.0) for m in h) / max(step_s, 1e-9),
         # Independent of any per-step clock: every token the loop generated over its wall-clock.
@@ -271,7 +272,8 @@ def summarize(run: dict, warmup: int) -> dict:
         "abort_s_mean": abort_s / len(h),
         "learner_s_mean": learner_s / len(h),
         # The abort is inside the rollout window and overlaps the learner: counted once here.
-        "other_s_mean": (step_s - (rollout_s - abort_s) - learner_s) / len(h),
+        # Async: the window overlaps the learner and the rest of the step.
+        "other_s_mean": (step_s - (0.0 if overlapped else rollout_s - abort_s) - learner_s) / len(h),
         "sync_s_mean": statistics.mean(m.get("weight_sync_seconds", 0.0) for m in h),
         "engine_busy": run["engine_busy_s"] / run["loop_wall_s"],
         "mean_decode_batch": run["decode_rows"] / max(1, run["decode_steps"]),
