@@ -277,8 +277,10 @@ class BufferConfig(_Strict):
         50,
         ge=0,
         description="Trajectories of groups trained this many steps before the last checkpoint are deleted from "
-        "Redis when a checkpoint is written (their group records and counts stay; stats count pruned_groups, "
-        "pruned_samples, pruned_tokens), so a long job's buffer stays bounded. None keeps every trajectory.",
+        "Redis when a checkpoint is written, and so are those of groups the filter dropped before the checkpoint "
+        "of that step (their group records and group counts stay; stats count pruned_groups, pruned_samples, "
+        "pruned_tokens), so a long job's buffer stays bounded. None keeps every trajectory. Streaming mode "
+        "(april.streaming_chunk_tokens) keeps them all.",
     )
     reconnect_timeout_s: float = Field(
         60.0,

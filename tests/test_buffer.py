@@ -516,6 +516,33 @@ def test_checkpoints_prune_the_trajectories_of_groups_trained_long_ago(buffer: T
     assert {row["group_id"] for row in rows} == stored
 
 
+def test_dropped_groups_are_pruned_with_the_checkpoint_they_preceded(buffer: TrajectoryStore) -> None:
+    """A group the filter dropped has a drop time, no step: it goes once a checkpoint of a step at
+    least keep_trained_steps back was committed after it was dropped."""
+    early = complete_group(buffer, n=2)
+    assert buffer.drop_ready_group(early, "zero_variance")
+    trained = complete_group(buffer, n=2)
+    buffer.claim_groups(1, step=0)
+    buffer.commit_through(0, keep_trained_steps=1)  # nothing is a step back yet
+    assert len(buffer.get_group(early)) == 2
+    late = complete_group(buffer, n=2)
+    assert buffer.drop_ready_group(late, "zero_variance")
+    buffer.claim_groups(1, step=1)
+    buffer.commit_through(1, keep_trained_steps=1)  # step 0's checkpoint preceded only `early`
+    with pytest.raises(KeyError):
+        buffer.get_group(early)
+    with pytest.raises(KeyError):
+        buffer.get_group(trained)
+    assert len(buffer.get_group(late)) == 2
+    counts, stats = buffer.counts(), buffer.stats()
+    assert counts["groups_dropped"] == 2 and stats["pruned_groups"] == 2 and stats["pruned_samples"] == 4
+    assert counts["completed"] == 2  # `late` only: the counts are what is stored
+    buffer.commit_through(2, keep_trained_steps=1)  # step 1's checkpoint came after `late` was dropped
+    with pytest.raises(KeyError):
+        buffer.get_group(late)
+    assert buffer.stats()["pruned_groups"] == 3 and buffer.counts()["completed"] == 0
+
+
 def test_without_keep_trained_steps_nothing_is_pruned(buffer: TrajectoryStore) -> None:
     gid = complete_group(buffer, n=2)
     buffer.claim_groups(1, step=0)

@@ -30,6 +30,8 @@ Cluster the prefix is `slime:{<job>}:`: the hash tag keeps every key of the job 
     leases                      zset sid -> lease expiry (Redis server time, seconds)
     claimed / trained           zsets gid -> training step (a streamed group: the time it was trained)
     dropped                     zset gid -> the time it was dropped
+    commit_times                zset (server time) -> the step whose checkpoint committed then; the
+                                pruning horizon for dropped groups (commit_through.lua)
     stream:untrained            set of sample ids trained segment by segment (streaming mode)
     status_counts               hash status -> number of samples
     stats                       hash name -> float (generated_tokens, dropped_*, restarted_*, pruned_*,
