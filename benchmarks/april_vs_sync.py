@@ -8,7 +8,7 @@ between arms:
     april2          APRIL, oversample 2.0, no staleness budget
     april2_budget2  APRIL, oversample 2.0, april.max_version_span=2 (beyond_budget=restart)
     async2          async, max_staleness=2: the learner trains while the engines generate (its
-                    rollout window is only the wait for a full batch: read its wall figures)
+                    rollout window is the whole step: read its wall figures)
     sync_frozen, april2_frozen   sync and APRIL x2 with the policy frozen (learner.lr=1e-12): the same
                     workload for both, what the mechanism alone buys; the simulator is compared here
   with --extra also:
@@ -76,6 +76,7 @@ SHAPE = [
     "rollout.temperature=1.0",
     "rollout.max_running_requests=256",
     "learner.lr=5e-4",
+    "buffer.keep_trained_steps=null",  # the figures below read every trained group back
     "logging.tensorboard=false",
     "logging.plot=false",
     "logging.progress=false",
@@ -95,8 +96,8 @@ SETTINGS: dict[str, list[str]] = {
     # training the two policies drift apart (APRIL's often to longer answers), and so do the
     # workloads the rows above compare. The simulator is compared with this pair.
     # Async (staleness 2): the engines never stop; the learner trains on finished groups while they
-    # generate. Its rollout window is only the learner's wait for a full batch, so its "per rollout
-    # second" figure is not comparable: read its wall-clock and trained-token ratios.
+    # generate. Its rollout window is the whole step, so it has no "per rollout second" figure:
+    # read its wall-clock and trained-token ratios.
     "async2": ["april.enabled=false", "mode=async", "max_staleness=2"],
     "sync_frozen": ["april.enabled=false", "learner.lr=1e-12"],
     "april2_frozen": ["april.enabled=true", "april.oversample=2.0", "learner.lr=1e-12"],
@@ -150,7 +151,7 @@ def run_setting(name: str, overrides: list[str], args, round_index: int) -> dict
 
     from slime.buffer.redis_server import LocalRedisServer
     from slime.sample import Status
-    from slime.train import RunningJob, streaming_loop, sync_loop
+    from slime.train import RunningJob, async_loop, streaming_loop, sync_loop
 
     out = Path(args.out)
     seed = args.seed + round_index
@@ -178,7 +179,10 @@ def run_setting(name: str, overrides: list[str], args, round_index: int) -> dict
             before = ray.get([w.health.remote() for w in job.workers])
             gen_before = job.buffer.stats().get("generated_tokens", 0.0)
             t0 = time.time()
-            (streaming_loop if cfg.april.streaming_chunk_tokens else sync_loop)(job)
+            if cfg.april.streaming_chunk_tokens is not None:
+                streaming_loop(job)
+            else:
+                (async_loop if cfg.mode == "async" else sync_loop)(job)
             loop_wall = time.time() - t0
             after = ray.get([w.health.remote() for w in job.workers])
             grown = lambda key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before))  # over the loop

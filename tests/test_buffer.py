@@ -491,8 +491,11 @@ def test_checkpoints_prune_the_trajectories_of_groups_trained_long_ago(buffer: T
     groups_by_step = {}
     for step in range(6):
         groups_by_step[step] = [complete_group(buffer, n=2) for _ in range(2)]
-        assert {g[0].group_id for g in buffer.claim_groups(2, step)} == set(groups_by_step[step])
-        buffer.commit_through(step, keep_trained_steps=2)
+        claimed = buffer.claim_groups(2, step)
+        assert {g[0].group_id for g in claimed} == set(groups_by_step[step])
+        if step == 0:
+            first_sample_ids = [s.id for s in claimed[0]]
+        buffer.commit_through(step, keep_trained_steps=2, prune_batch=1)
         trajectory_keys = len(list(raw.scan_iter(match=buffer._key("sample", "") + "*")))
         # bounded: from step 2 on each checkpoint prunes the 2 groups of the step 2 back
         assert trajectory_keys == 2 * 2 * 5 * min(step + 1, 2)  # a sample: hash + 4 arrays
@@ -511,6 +514,15 @@ def test_checkpoints_prune_the_trajectories_of_groups_trained_long_ago(buffer: T
     assert stats["pruned_through_step"] == 3
     stored = {s.group_id for s in buffer.iter_samples()}
     assert stored == set(groups_by_step[4] + groups_by_step[5])
+    # A worker that lost the lease on a sample which was then trained and pruned: a lost lease.
+    sid = first_sample_ids[0]
+    assert not raw.exists(buffer._key("sample", sid))
+    for error in (
+        buffer.append_chunks("w", [(sid, [1], [-0.1], [0], None, None)])[0],
+        buffer.finish_many("w", [Finish(sid, Status.COMPLETED, reward=1.0)])[0],
+        buffer.release_many([sid], "w")[0],
+    ):
+        assert isinstance(error, LeaseLostError) and isinstance(error, KeyError), error
     # The dashboard's listing walks past pruned groups, newest first.
     rows, *_ = BufferQueries(buffer.connection).scan_rows(rank=10**6, pos=0, limit=100, max_scan=1000)
     assert {row["group_id"] for row in rows} == stored
@@ -523,12 +535,12 @@ def test_dropped_groups_are_pruned_with_the_checkpoint_they_preceded(buffer: Tra
     assert buffer.drop_ready_group(early, "zero_variance")
     trained = complete_group(buffer, n=2)
     buffer.claim_groups(1, step=0)
-    buffer.commit_through(0, keep_trained_steps=1)  # nothing is a step back yet
+    buffer.commit_through(0, keep_trained_steps=1, prune_batch=1)  # nothing is a step back yet
     assert len(buffer.get_group(early)) == 2
     late = complete_group(buffer, n=2)
     assert buffer.drop_ready_group(late, "zero_variance")
     buffer.claim_groups(1, step=1)
-    buffer.commit_through(1, keep_trained_steps=1)  # step 0's checkpoint preceded only `early`
+    buffer.commit_through(1, keep_trained_steps=1, prune_batch=1)  # step 0's checkpoint preceded only `early`
     with pytest.raises(KeyError):
         buffer.get_group(early)
     with pytest.raises(KeyError):
@@ -537,7 +549,7 @@ def test_dropped_groups_are_pruned_with_the_checkpoint_they_preceded(buffer: Tra
     counts, stats = buffer.counts(), buffer.stats()
     assert counts["groups_dropped"] == 2 and stats["pruned_groups"] == 2 and stats["pruned_samples"] == 4
     assert counts["completed"] == 2  # `late` only: the counts are what is stored
-    buffer.commit_through(2, keep_trained_steps=1)  # step 1's checkpoint came after `late` was dropped
+    buffer.commit_through(2, keep_trained_steps=1, prune_batch=1)  # step 1's checkpoint came after `late` was dropped
     with pytest.raises(KeyError):
         buffer.get_group(late)
     assert buffer.stats()["pruned_groups"] == 3 and buffer.counts()["completed"] == 0
@@ -548,3 +560,20 @@ def test_without_keep_trained_steps_nothing_is_pruned(buffer: TrajectoryStore) -
     buffer.claim_groups(1, step=0)
     buffer.commit_through(100)
     assert len(buffer.get_group(gid)) == 2 and "pruned_groups" not in buffer.stats()
+
+
+def test_a_long_history_is_pruned_in_bounded_calls(buffer: TrajectoryStore) -> None:
+    """A job whose buffer grew before pruning existed: the first checkpoint with keep prunes its
+    whole history, a few groups per script call, each group once."""
+    for step in range(7):
+        complete_group(buffer, n=2)
+        buffer.claim_groups(1, step)
+    buffer.commit_through(6)  # no keep: nothing pruned, no cursor
+    assert buffer.counts()["completed"] == 14
+    calls = []
+    script = buffer._commit_through
+    buffer._commit_through = lambda args: calls.append(args) or script(args=args)
+    buffer.commit_through(6, keep_trained_steps=0, prune_batch=3)
+    assert len(calls) == 3  # 3 + 3 + 1 groups
+    stats = buffer.stats()
+    assert stats["pruned_groups"] == 7 and stats["pruned_samples"] == 14 and buffer.counts()["completed"] == 0

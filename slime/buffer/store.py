@@ -58,6 +58,12 @@ class LeaseLostError(RuntimeError):
     """The caller no longer holds the lease on this sample (it expired and was requeued, or finished)."""
 
 
+class SampleGoneError(LeaseLostError, KeyError):
+    """The sample is no longer in the buffer: its group was trained and pruned
+    (buffer.keep_trained_steps) after this writer lost its lease, or the job was deleted. To a
+    writer it is a lost lease; to a reader, a missing key."""
+
+
 class ChunksLostError(RuntimeError):
     """The stored trajectory is shorter than the writer knows it to be: Redis lost its last writes
     (a crash of the machine within the AOF's unsynced second). What is stored is a token-exact
@@ -332,12 +338,18 @@ class TrajectoryStore:
         """Mark the groups claimed by `step` as trained. Returns how many."""
         return int(self._commit(args=[self.prefix, int(step)]))
 
-    def commit_through(self, step: int, keep_trained_steps: int | None = None) -> int:
+    def commit_through(self, step: int, keep_trained_steps: int | None = None, prune_batch: int = 256) -> int:
         """Mark every group claimed by a step <= `step` as trained. Returns how many. With
         ``keep_trained_steps``, delete the trajectories of groups trained at a step <= step -
-        keep_trained_steps (their group records stay; stats count them as pruned_*)."""
+        keep_trained_steps, and of groups dropped before that step's checkpoint (their group
+        records stay; stats count them as pruned_*), `prune_batch` groups per script call so that
+        no call holds the server long."""
         keep = "" if keep_trained_steps is None else int(keep_trained_steps)
-        return int(self._commit_through(args=[self.prefix, int(step), keep]))
+        args = [self.prefix, int(step), keep, int(prune_batch)]
+        committed, offset = (int(x) for x in self._commit_through(args=[*args, 0, "1"]))
+        while offset >= 0:
+            offset = int(self._commit_through(args=[*args, offset, ""])[1])
+        return committed
 
     def requeue_uncommitted(self, after_step: int | None = None) -> int:
         """Put claimed-but-uncommitted groups (claimed by a step > after_step; all if None) back to ready."""
@@ -422,7 +434,9 @@ class TrajectoryStore:
         return self.get_groups([group_id])[0]
 
     def get_groups(self, group_ids: Sequence[str]) -> list[list[Sample]]:
-        """Several groups in two round trips (their sample lists, then every sample), each by index."""
+        """Several groups, each by index: their sample lists in one round trip, then the samples in
+        MULTI/EXECs of at most 256 (each sample a consistent snapshot; no one reply holds a whole
+        large batch)."""
         pipe = self.connection.pipeline(transaction=False)
         for gid in group_ids:
             pipe.lrange(self._key("group", gid, "samples"), 0, -1)
@@ -433,7 +447,8 @@ class TrajectoryStore:
                     f"group {gid!r} not found in job {self.job!r} (a trained group's trajectories are deleted "
                     "buffer.keep_trained_steps steps after its checkpoint)"
                 )
-        loaded = {s.id: s for s in load_samples(self.connection, [sid for ids in lists for sid in ids])}
+        every = [sid for ids in lists for sid in ids]
+        loaded = {s.id: s for i in range(0, len(every), 256) for s in load_samples(self.connection, every[i : i + 256])}
         return [sorted((loaded[sid] for sid in ids if sid in loaded), key=lambda s: s.index) for ids in lists]
 
     def counts(self) -> dict[str, int]:
@@ -482,7 +497,9 @@ class TrajectoryStore:
                 f"(lease owner now: {text or 'none'})"
             )
         if code == ScriptReply.NO_SAMPLE:
-            raise KeyError(f"sample {sample_id!r} not found in job {self.job!r}")
+            raise SampleGoneError(
+                f"sample {sample_id!r} not found in job {self.job!r} (trained and pruned, or the job was deleted)"
+            )
         if code == ScriptReply.LOST_CHUNKS:
             stored, expected = (int(x) for x in text.split(":"))
             if stored > expected:

@@ -1,9 +1,11 @@
--- ARGV: prefix, step, keep ('' = keep every trajectory). Every claim of a step <= step becomes
--- trained (their update is in a checkpoint). With keep, the trajectories of groups trained at a
--- step <= step - keep are deleted (hashes and per-token arrays), and so are those of groups the
--- filter dropped before that step's checkpoint: the buffer's memory stays bounded over a long job.
--- The group's hash and its place in the stage sets stay (a few bytes), so the group counts go on
--- counting it; the sample counts drop the pruned samples, which the stats count.
+-- ARGV: prefix, step, keep ('' = keep every trajectory), budget, offset, first ('1' on the first call). Every claim of a step <=
+-- step becomes trained (their update is in a checkpoint). With keep, the trajectories of groups
+-- trained at a step <= step - keep are deleted (hashes and per-token arrays), and so are those of
+-- groups the filter dropped before that step's checkpoint: the buffer's memory stays bounded over a
+-- long job. The group's hash and its place in the stage sets stay (a few bytes), so the group counts
+-- go on counting it; the sample counts drop the pruned samples, which the stats count.
+-- At most `budget` groups are pruned per call, so that no call holds the server long: the reply is
+-- {groups committed, the offset to call again with, or -1 when nothing is left to prune}.
 local stats = P .. 'stats'
 local gids = redis.call('ZRANGEBYSCORE', P .. 'claimed', '-inf', ARGV[2])
 for _, gid in ipairs(gids) do
@@ -12,47 +14,60 @@ for _, gid in ipairs(gids) do
   redis.call('ZADD', P .. 'trained', step, gid)
   redis.call('HSET', P .. 'group:' .. gid, 'status', 'trained')
 end
-if ARGV[3] == '' then return #gids end
--- When each step's checkpoint was committed (score: step, member: server time): the horizon for
--- dropped groups, which have a drop time but no step.
-redis.call('ZADD', P .. 'commit_times', ARGV[2], fmt(now()))
+if ARGV[3] == '' then return {#gids, -1} end
+local budget, offset = tonumber(ARGV[4]), tonumber(ARGV[5])
+if ARGV[6] == '1' then
+  -- When each step's checkpoint was committed (score: step, member: server time): the horizon for
+  -- dropped groups, which have a drop time but no step.
+  redis.call('ZADD', P .. 'commit_times', ARGV[2], fmt(now()))
+end
 
-local samples, tokens = 0, 0
+local groups, samples, tokens = 0, 0, 0
 local function prune(gid)
   local gkey = P .. 'group:' .. gid
+  if redis.call('HGET', gkey, 'pruned') then return end
   for _, sid in ipairs(redis.call('LRANGE', gkey .. ':samples', 0, -1)) do
     local skey = P .. 'sample:' .. sid
     local status = redis.call('HGET', skey, 'status')
     if status then
       redis.call('HINCRBY', P .. 'status_counts', status, -1)
       tokens = tokens + redis.call('STRLEN', skey .. ':mask')
-      samples = samples + redis.call('DEL', skey)
+      samples = samples + redis.call('UNLINK', skey)
     end
-    redis.call('DEL', skey .. ':tok', skey .. ':lp', skey .. ':ver', skey .. ':mask', skey .. ':route')
+    redis.call('UNLINK', skey .. ':tok', skey .. ':lp', skey .. ':ver', skey .. ':mask', skey .. ':route')
   end
-  redis.call('DEL', gkey .. ':samples')
+  redis.call('UNLINK', gkey .. ':samples')
   redis.call('HSET', gkey, 'pruned', 1)
+  groups = groups + 1
+end
+local function counted(next_offset)
+  redis.call('HINCRBY', stats, 'pruned_groups', groups)
+  redis.call('HINCRBY', stats, 'pruned_samples', samples)
+  redis.call('HINCRBY', stats, 'pruned_tokens', tokens)
+  return {#gids, next_offset}
 end
 
+-- Trained groups, by step; the offset runs through this range until it is done (it cannot grow:
+-- later claims train at later steps).
 local upto = tonumber(ARGV[2]) - tonumber(ARGV[3])
 local done = tonumber(redis.call('HGET', stats, 'pruned_through_step') or '-1')
-local groups = 0
 if upto > done then
-  local old = redis.call('ZRANGEBYSCORE', P .. 'trained', '(' .. done, upto)
+  local old = redis.call('ZRANGEBYSCORE', P .. 'trained', '(' .. done, upto, 'LIMIT', offset, budget)
   for _, gid in ipairs(old) do prune(gid) end
-  groups = groups + #old
+  if #old == budget then return counted(offset + budget) end
   redis.call('HSET', stats, 'pruned_through_step', upto)
+  budget, offset = budget - #old, 0
+  if budget == 0 then return counted(0) end
 end
+-- Then dropped groups, up to when the checkpoint of the latest step <= upto was committed.
 local mark = redis.call('ZREVRANGEBYSCORE', P .. 'commit_times', upto, '-inf', 'LIMIT', 0, 1)[1]
 if mark then
   local from = redis.call('HGET', stats, 'pruned_dropped_through')
-  local dropped = redis.call('ZRANGEBYSCORE', P .. 'dropped', from and ('(' .. from) or '-inf', mark)
+  local range_start = from and ('(' .. from) or '-inf'
+  local dropped = redis.call('ZRANGEBYSCORE', P .. 'dropped', range_start, mark, 'LIMIT', offset, budget)
   for _, gid in ipairs(dropped) do prune(gid) end
-  groups = groups + #dropped
+  if #dropped == budget then return counted(offset + budget) end
   redis.call('HSET', stats, 'pruned_dropped_through', mark)
   redis.call('ZREMRANGEBYSCORE', P .. 'commit_times', '-inf', '(' .. upto)  -- older marks: never needed again
 end
-redis.call('HINCRBY', stats, 'pruned_groups', groups)
-redis.call('HINCRBY', stats, 'pruned_samples', samples)
-redis.call('HINCRBY', stats, 'pruned_tokens', tokens)
-return #gids
+return counted(-1)
