@@ -577,3 +577,19 @@ def test_a_long_history_is_pruned_in_bounded_calls(buffer: TrajectoryStore) -> N
     assert len(calls) == 3  # 3 + 3 + 1 groups
     stats = buffer.stats()
     assert stats["pruned_groups"] == 7 and stats["pruned_samples"] == 14 and buffer.counts()["completed"] == 0
+
+
+def test_the_listing_walks_past_pruned_groups_within_its_scan_bound(buffer: TrajectoryStore) -> None:
+    """A pruned group has no samples left; each one still counts toward max_scan, so a filtered
+    listing over a long pruned history stops at its bound instead of walking all of it."""
+    live = buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={})  # the oldest; still running
+    assert len(buffer.lease("other", 2)) == 2
+    for step in range(6):
+        complete_group(buffer, n=2)
+        buffer.claim_groups(1, step)
+    buffer.commit_through(5, keep_trained_steps=0)
+    queries = BufferQueries(buffer.connection)
+    rows, next_rank, _, scanned, _ = queries.scan_rows(rank=10**6, pos=0, limit=10, max_scan=3)
+    assert rows == [] and scanned == 3 and next_rank >= 0  # stopped after 3 pruned groups
+    rows, next_rank, *_ = queries.scan_rows(rank=10**6, pos=0, limit=10, max_scan=100)
+    assert {r["group_id"] for r in rows} == {live} and next_rank == -1
