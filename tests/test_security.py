@@ -5,6 +5,7 @@ are replayed in tests/test_security_engine.py and tests/test_security_services.p
 from __future__ import annotations
 
 import ast
+import enum
 import json
 import os
 import pickle
@@ -13,7 +14,7 @@ import socket
 import stat
 import threading
 import time
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import httpx
 import pytest
@@ -137,6 +138,47 @@ def test_a_crafted_checkpoint_cannot_run_code(tiny_model_dir, redis_url, tmp_pat
     assert not marker.exists()
     learner.close()
     TrajectoryStore.open(redis_url, "ckpt-attack").delete_job()
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles Enum members as getattr(EnumClass, "NAME"), as some processes do (enum.pickle_by_enum_name):
+    a CI run wrote a learner's sharded checkpoint index this way and the job could not resume from it."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+class _AsksForAMethod:
+    def __reduce__(self):
+        return (getattr, (PosixPath, "write_text"))  # PosixPath itself is allowed (the index holds one)
+
+
+def test_a_sharded_checkpoint_index_with_enums_by_name_loads_and_no_other_getattr_does(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from slime.learner.sharding import _MetadataCheckedReader
+
+    saved = {"w": torch.arange(6.0).reshape(2, 3), "rng": torch.get_rng_state()}
+    dcp.save(saved, checkpoint_id=str(tmp_path))  # one process, no process group
+    index = tmp_path / ".metadata"
+    by_value = pickle.loads(index.read_bytes())
+    with open(index, "wb") as f:
+        _EnumsByName(f).dump(by_value)
+    assert b"getattr" in index.read_bytes()
+    read = _MetadataCheckedReader(str(tmp_path)).read_metadata()
+    assert read.state_dict_metadata == by_value.state_dict_metadata
+    loaded = {"w": torch.zeros(2, 3), "rng": torch.zeros_like(saved["rng"])}
+    dcp.load(loaded, checkpoint_id=str(tmp_path), storage_reader=_MetadataCheckedReader(str(tmp_path)))
+    assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["rng"], saved["rng"])
+
+    # getattr on anything but an Enum class's member is refused: it would hand out a method to call.
+    with open(index, "wb") as f:
+        pickle.dump(_AsksForAMethod(), f)
+    with pytest.raises(pickle.UnpicklingError, match="write_text.*not an Enum member"):
+        _MetadataCheckedReader(str(tmp_path)).read_metadata()
 
 
 # ---- the job's Redis -------------------------------------------------------------------------------

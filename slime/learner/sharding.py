@@ -8,6 +8,7 @@ same sharded code runs everywhere, and a test box with two processes checks what
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import pickle
@@ -204,6 +205,8 @@ class _SafeMetadataUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member_by_name
         if module.startswith("torch.distributed.checkpoint."):
             found = super().find_class(module, name)
             if isinstance(found, type):  # its dataclasses and enums; never a function to call
@@ -211,6 +214,15 @@ class _SafeMetadataUnpickler(pickle.Unpickler):
         elif module == "torch" and name in self._TORCH_VALUES or (module, name) in self._PLAIN:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint index refers to {module}.{name}, which a checkpoint never holds")
+
+
+def _enum_member_by_name(cls, name):
+    """The one use of getattr a checkpoint index has: an Enum member pickled by its name,
+    getattr(EnumClass, "MEMBER") (enum.pickle_by_enum_name). Some processes pickle the index's
+    _MEM_FORMAT_ENCODING this way, others by value. The class itself came through find_class."""
+    if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"checkpoint index asks for getattr({cls!r}, {name!r}), which is not an Enum member")
 
 
 class _MetadataCheckedReader:  # built lazily: importing torch.distributed.checkpoint is slow
