@@ -78,6 +78,7 @@ def run_job(name: str, overrides: list[str], args, redis_url: str) -> dict:
             f"checkpoint_every={args.eval_every}",
             f"buffer.url={redis_url}",
             *SHAPE,
+            *args.set,
             *overrides,
         ],
     )
@@ -194,6 +195,13 @@ def main() -> None:
     ap.add_argument(
         "--arm", action="append", default=[], metavar="NAME=K=V,K=V", help="an extra arm: its config overrides"
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every arm, e.g. --set rollout.device=cuda (repeatable)",
+    )
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument("--eval-samples", type=int, default=4, help="samples per prompt of the sampled held-out score")
     ap.add_argument("--out", default="outputs/bench-offpolicy-study")
@@ -267,6 +275,7 @@ def main() -> None:
         "seeds": args.seeds,
         "eval_prompts": args.eval_prompts,
         "eval_samples_per_prompt": args.eval_samples,
+        "overrides": " ".join(args.set),
         "initial_heldout_reward": round(kinds["greedy"]["None"], 3),
         "initial_heldout_sampled_reward": round(kinds["sampled"]["None"], 3),
     }
