@@ -222,7 +222,10 @@ def _enum_member_by_name(cls, name):
     this way, 3.11.7 by value. The class itself came through find_class."""
     if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
         return cls[name]
-    raise pickle.UnpicklingError(f"checkpoint index asks for getattr({cls!r}, {name!r}), which is not an Enum member")
+    target = cls.__name__ if isinstance(cls, type) else f"a {type(cls).__name__}"
+    raise pickle.UnpicklingError(
+        f"checkpoint index asks for getattr({target}, {str(name)[:80]!r}), which is not an Enum member"
+    )
 
 
 class _MetadataCheckedReader:  # built lazily: importing torch.distributed.checkpoint is slow
