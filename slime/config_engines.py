@@ -146,6 +146,12 @@ class RolloutConfig(StrictModel):
         "update: its context keys/values are then the older weights', as for a request running through an "
         "update; its new tokens carry their true behaviour logprobs). 0: always re-prefill from token ids.",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Built-in engine (hand-written fast path) on CUDA: decode steps run at static shapes, "
+        "padded to batch buckets, and are replayed as CUDA graphs (one per batch and length bucket, captured "
+        "on first use). health() says whether they run. No effect on CPU.",
+    )
     device: str = "cpu"
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict,

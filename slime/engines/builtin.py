@@ -65,6 +65,7 @@ from slime.engines.fast_decoder import FastDecoder
 from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
 from slime.engines.hf_batch import HfBatch
 from slime.engines.routing import RoutingRecorder
+from slime.engines.token_sampler import sample_tokens
 from slime.model import load_model
 
 __all__ = ["BuiltinEngine"]
@@ -99,6 +100,7 @@ class BuiltinEngine:
         fast_path: bool | Literal["generic"] | None = None,
         kept_kv_tokens: int = 0,
         record_routing: bool = False,
+        cuda_graphs: bool | None = None,
     ):
         """``fast_path``: None uses the fast forward when the model fits it (checked against the
         model's own logits), False always uses the Hugging Face forward, True requires the fast one,
@@ -112,7 +114,12 @@ class BuiltinEngine:
         tokens carry the new version and their true behaviour logprobs). 0 turns it off.
 
         ``record_routing`` (routing replay, engines/routing.py): each chunk carries, per token, the
-        experts every MoE layer chose at the position that sampled it. Needs the fast path."""
+        experts every MoE layer chose at the position that sampled it. Needs the fast path.
+
+        ``cuda_graphs`` (the hand-written fast path): decode-only steps run at static shapes and
+        are replayed as CUDA graphs (`slime.engines.decode_graphs`). None: on when the device is
+        CUDA; True elsewhere runs the same static steps eagerly (what the CPU tests check); False:
+        off."""
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.device = torch.device(device)
@@ -161,6 +168,10 @@ class BuiltinEngine:
                     "runs on the Hugging Face path here (see the log for why)"
                 )
             self._batch.routing_recorder = RoutingRecorder(self.model)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and type(self._batch) is FastDecoder:
+            self._batch.use_static_decode(capture=True)
         # Per-row state of the running rows, aligned with self._running (and the batch's rows).
         self._pos: torch.Tensor | None = None  # [B] position of the next input token
         self._last: torch.Tensor | None = None  # [B] last sampled token (next decode input)
@@ -198,6 +209,7 @@ class BuiltinEngine:
             version=version,
             kept_kv_tokens=cfg.rollout.kept_kv_tokens,
             record_routing=cfg.learner.routing_replay,
+            cuda_graphs=cfg.rollout.cuda_graphs and cfg.rollout.device.startswith("cuda"),
         )
 
     # ------------------------------------------------------------------ public API
@@ -237,7 +249,7 @@ class BuiltinEngine:
         if not self._waiting and not self._running:
             return []
         chunks: dict[str, GenerationChunk] = {}
-        with torch.inference_mode():
+        with torch.inference_mode(), attention_backends(self.device):
             groups: list[list[_Seq]] = []
             if self._waiting and len(self._running) < self.max_running_requests:
                 groups = self._admit(chunks)
@@ -371,6 +383,8 @@ class BuiltinEngine:
         if isinstance(batch, FastDecoder) and not self._running and batch.rows == 0:
             freed += sum(t.numel() * t.element_size() for t in (*batch.keys, *batch.values))
             batch.keys, batch.values = [], []
+            if batch.static_decode is not None:  # the graphs point into the cache just freed
+                batch.static_decode.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._memory_releases += 1
@@ -383,7 +397,8 @@ class BuiltinEngine:
         """Logprob of each response token given the prefix, under the current weights (one
         forward pass, no cache): the probe the driver compares with the learner after an update."""
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        with attention_backends(self.device):
+            logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
         logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
         start = len(prompt_ids) - 1
         pos = torch.arange(start, start + len(response_ids), device=self.device)
@@ -408,6 +423,7 @@ class BuiltinEngine:
             # Context tokens not prefilled because an identical context (a group's shared prompt)
             # was prefilled in the same forward.
             "shared_prefill_tokens": getattr(self._batch, "shared_prefill_tokens", 0),
+            **_graph_health(getattr(self._batch, "static_decode", None)),
         }
 
     def close(self) -> None:
@@ -514,7 +530,7 @@ class BuiltinEngine:
             self._append_rows(seqs, [len(q.tokens) for q in seqs], [0] * len(seqs))
         if groups:
             self._refresh_flags()
-        tok, lp = self._sample(
+        tok, lp = sample_tokens(
             logits,
             self._temp,
             self._greedy,
@@ -523,6 +539,7 @@ class BuiltinEngine:
             all_greedy=self._all_greedy,
             any_top_k=self._any_top_k,
             any_top_p=self._any_top_p,
+            generator=self._generator,
         )
         self._last = tok
         keep = self._record(self._running, tok, lp, chunks, getattr(self._batch, "step_routing", None))
@@ -586,41 +603,6 @@ class BuiltinEngine:
         self._any_top_k = any(s.top_k for s in self._running)
         self._any_top_p = any(s.top_p for s in self._running)
 
-    def _sample(self, logits, temp, greedy, top_k, top_p, *, all_greedy, any_top_k, any_top_p):
-        """Sample one token per row; return (token ids [B], behaviour logprobs [B]).
-
-        logprob = log_softmax(logits / T)[token] over the full tempered distribution (T = 1 for
-        greedy rows), i.e. before top-k/top-p truncation.
-        """
-        logits = logits.float()
-        if all_greedy:
-            tok = logits.argmax(-1)
-            lp = logits.gather(1, tok[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
-            return tok, lp
-        logp = torch.log_softmax(logits / temp[:, None], dim=-1)
-        probs = logp.exp()
-        if any_top_k or any_top_p:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            rank = torch.arange(probs.shape[-1], device=probs.device)
-            drop = torch.zeros_like(sorted_p, dtype=torch.bool)
-            if any_top_k:
-                drop |= (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])
-            if any_top_p:
-                kept = sorted_p.masked_fill(drop, 0.0)
-                kept = kept / kept.sum(-1, keepdim=True)
-                # Drop a token once the mass strictly before it already reaches top_p.
-                before = kept.cumsum(-1) - kept
-                drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # no rounding drops at 1
-            drop[:, 0] = False  # always keep the most likely token
-            probs = probs.masked_fill(drop.scatter(1, order, drop), 0.0)
-        # Exponential race: argmax(p / E), E ~ Exp(1), samples from p (no host sync, seeded).
-        # E = -log(U), U ~ U[0, 1): in (0, inf], never 0; 5x cheaper on CPU than exponential_.
-        race = torch.empty_like(probs).uniform_(generator=self._generator).log_().neg_()
-        tok = (probs / race).argmax(-1)
-        tok = torch.where(greedy, logits.argmax(-1), tok)
-        lp = logp.gather(1, tok[:, None]).squeeze(1)
-        return tok, lp
-
 
 @contextlib.contextmanager
 def _synchronized(device: torch.device):
@@ -631,6 +613,32 @@ def _synchronized(device: torch.device):
     finally:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+def attention_backends(device: torch.device):
+    """On CUDA, SDPA (prefill, the Hugging Face path) may pick flash or memory-efficient attention
+    (or the math fallback), never cuDNN's: cuDNN builds a plan per new key length, every step of a
+    growing cache (~8 ms of host time per call on an H200). Nothing to choose elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _graph_health(static) -> dict:
+    """health()'s account of static decode steps: whether CUDA graphs run, how many are captured
+    and replayed, why capture was given up."""
+    if static is None:
+        return {"cuda_graphs": False, "static_decode": False}
+    return {
+        "cuda_graphs": static.capture and static.failed is None,
+        "static_decode": True,
+        "static_decode_steps": static.steps,
+        "cuda_graphs_captured": static.graphs,
+        "cuda_graph_replays": static.replays,
+        "cuda_graphs_failed": static.failed,
+    }
 
 
 def _forward_kind(batch) -> str:

@@ -36,6 +36,7 @@ expert-load recorder) still fire.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from slime.engines.decode_graphs import StaticDecode
 from slime.engines.decoder_layers import (
     LayerTensors,
     apply_norm,
@@ -53,6 +55,7 @@ from slime.engines.decoder_layers import (
     silu_gate,
     swiglu,
 )
+from slime.engines.routing import RouterTrace, routers_of
 
 log = logging.getLogger(__name__)
 
@@ -151,18 +154,29 @@ class FastDecoder:
         # on CUDA it needs compute capability 8.0+); otherwise one matmul per expert.
         self.grouped_mm = hasattr(torch, "_grouped_mm") and (
             self.device.type == "cpu"
-            or (self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0))
+            or (
+                self.device.type == "cuda"
+                and self.dtype == torch.bfloat16  # CUDA's grouped kernel takes bf16 operands
+                and torch.cuda.get_device_capability(self.device) >= (8, 0)
+            )
         )
         self.rotary_types = sorted({L.layer_type for L in self.layers}) if self.rotary_by_type else [None]
         self._init_cache([L.kv_shape for L in self.layers])
         self.routing_recorder = None  # routing replay: set by the engine (engines/routing.py)
         self.step_routing = None  # [rows, layers * top_k] uint8 after each forward, when recording
+        self.static_decode: StaticDecode | None = None  # set by use_static_decode
+
+    def use_static_decode(self, capture: bool) -> None:
+        """Decode-only steps run at static shapes (`slime.engines.decode_graphs`), captured as CUDA
+        graphs when ``capture`` and on CUDA; prefill steps stay eager."""
+        self.static_decode = StaticDecode(self, capture)
 
     def _init_cache(self, kv_shapes: list[tuple[int, int, int]]) -> None:
         """``kv_shapes``: per layer (kv heads, key head dim, value head dim)."""
         self.kv_shapes = kv_shapes
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.cache_generation = 0  # counts cache allocations (static decode shapes point into one)
         self.lens = np.zeros(0, dtype=np.int64)  # host copy of each row's cached length
         self.rows = 0
         self.shared_prefill_tokens = 0  # context tokens not fed again: a repeat of one in the same prefill
@@ -180,6 +194,7 @@ class FastDecoder:
         new_rows = cap_rows if rows <= cap_rows else max(rows, min(max(2 * cap_rows, 8), self.max_rows))
         new_len = cap_len if length <= cap_len else max(length, min(max(2 * cap_len, 64), self.max_len))
         used = int(self.lens.max()) if self.rows else 0
+        self.cache_generation += 1
         for store, dim in ((self.keys, 1), (self.values, 2)):
             for i, shape in enumerate(self.kv_shapes):
                 fresh = torch.zeros((new_rows, shape[0], new_len, shape[dim]), dtype=self.dtype, device=self.device)
@@ -251,11 +266,13 @@ class FastDecoder:
         sorted_experts, perm = torch.sort(experts.reshape(-1))
         token = perm // k
         xs = x[token]
-        counts = torch.bincount(sorted_experts, minlength=L.num_experts)
         if self.grouped_mm:
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            # Each expert's end offset, found on the device (bincount would wait on the host).
+            ends = torch.arange(1, L.num_experts + 1, device=x.device, dtype=sorted_experts.dtype)
+            offs = torch.searchsorted(sorted_experts, ends, right=False).to(torch.int32)
             h = torch._grouped_mm(xs, L.gate_up, offs=offs)
         else:  # one matmul per routed expert
+            counts = torch.bincount(sorted_experts, minlength=L.num_experts)
             h = torch.cat([part @ L.gate_up[e] for e, part in expert_parts(xs, counts)])
         if L.gate_up_bias is not None:
             h = h + L.gate_up_bias[sorted_experts]
@@ -324,6 +341,14 @@ class FastDecoder:
         Projections, norms and the MoE run once over the real tokens of both kinds. Returns the
         next-token logits of every row fed: [decoded rows + new rows, V].
         """
+        if self.static_decode is not None and last_tokens is not None and not groups and self.static_decode.usable():
+            if self.routing_recorder is not None:
+                self.routing_recorder.start()
+            logits = self.static_decode.run(last_tokens)
+            if self.routing_recorder is not None:
+                self.step_routing = self.routing_recorder.rows(torch.arange(self.rows, device=self.device))
+            self.lens = self.lens + 1
+            return logits
         step = self._plan(last_tokens, groups)
         if self.routing_recorder is not None:
             self.routing_recorder.start()
@@ -435,19 +460,15 @@ class FastDecoder:
                 n = r1 - r0
                 seg_keys, seg_values = keys[r0:r1, :, :seg_used], values[r0:r1, :, :seg_used]
                 seg_bias = decode_bias[r0:r1, :, :, :seg_used]
-                if self.device.type == "cpu" or not plain:
-                    # One query per row: plain batched matmuls over [n, kv heads, group, .] beat
-                    # SDPA's CPU kernel (query head h reads kv head h // group, as enable_gqa).
-                    qg = q[r0:r1].reshape(n, kv_heads, group, q.shape[-1])
-                    scores = torch.matmul(qg, seg_keys.transpose(-1, -2)) * scaling
-                    probs = attention_softmax(
-                        scores, seg_bias, softcap, None if sinks is None else sinks.view(kv_heads, group)
-                    )
-                    att = torch.matmul(probs, seg_values)
-                else:
-                    att = F.scaled_dot_product_attention(
-                        q[r0:r1, :, None], seg_keys, seg_values, attn_mask=seg_bias, enable_gqa=True, scale=scaling
-                    )  # [n, heads, 1, Dv]
+                # One query per row: two batched matmuls over [n, kv heads, group, .] (query head h
+                # reads kv head h // group, as enable_gqa) beat SDPA's CPU kernel, and on CUDA they
+                # build no per-call plan for a length that grows every step (cuDNN's SDPA does).
+                qg = q[r0:r1].reshape(n, kv_heads, group, q.shape[-1])
+                scores = torch.matmul(qg, seg_keys.transpose(-1, -2)) * scaling
+                probs = attention_softmax(
+                    scores, seg_bias, softcap, None if sinks is None else sinks.view(kv_heads, group)
+                )
+                att = torch.matmul(probs, seg_values)
                 out.append(att.reshape(n, -1))
         for index, real, rows, w in step.padded:
             qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, heads, w, D]
@@ -524,8 +545,16 @@ class FastDecoder:
 
 
 @torch.inference_mode()
-def agrees_with_model(model: torch.nn.Module, fast: FastDecoder, tol: float = 1e-3) -> str | None:
-    """Prefill two unequal prompts and decode 3 tokens both ways; a mismatch is the reason."""
+def agrees_with_model(
+    model: torch.nn.Module, fast: FastDecoder, tol: float = 1e-3, force_routing: bool | None = None
+) -> str | None:
+    """Prefill two unequal prompts and decode 3 tokens both ways; a mismatch is the reason.
+
+    ``force_routing`` (default: when the weights are not float32): the model's forward takes the
+    experts and weights the fast path's routers chose. In bf16 the two forwards round differently
+    (attention above all), a router near a tie can then pick another expert in one of them, and
+    the logits differ by far more than rounding although both are right; with the same routing
+    like is compared with like, and a fast path that computes its experts wrong still disagrees."""
     vocab = int(model.get_input_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
     # Longer than a sliding window, when the model has one, so that the window is exercised.
@@ -533,14 +562,20 @@ def agrees_with_model(model: torch.nn.Module, fast: FastDecoder, tol: float = 1e
     longest = 7 if not isinstance(window, int) else min(window + 3, max(7, fast.max_len // 2))
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (longest, 3)]
     steps = [torch.randint(0, vocab, (2,), generator=gen) for _ in range(3)]
-    got = [fast.prefill(prompts)]
-    for tokens in steps:
-        got.append(fast.decode(tokens.to(fast.device)))
+    if force_routing is None:
+        force_routing = fast.dtype != torch.float32
+    trace = RouterTrace(_routers_called(model, fast) if force_routing else [])
+    with trace.recording():
+        got = [fast.prefill(prompts)]
+        for tokens in steps:
+            got.append(fast.decode(tokens.to(fast.device)))
     worst = 0.0
     for r, prompt in enumerate(prompts):
         seq = prompt + [int(t[r]) for t in steps]
         ids = torch.tensor([seq], device=fast.device)
-        ref = model(input_ids=ids, use_cache=False).logits[0].float()
+        chosen = _row_routing(trace, prompts, r, len(steps))
+        with trace.forcing(routers_of(model), chosen) if chosen else contextlib.nullcontext():
+            ref = model(input_ids=ids, use_cache=False).logits[0].float()
         for j, logits in enumerate(got):
             expected = ref[len(prompt) - 1 + j]
             diff = (logits[r].float() - expected).abs().max().item()
@@ -550,3 +585,29 @@ def agrees_with_model(model: torch.nn.Module, fast: FastDecoder, tol: float = 1e
     if not worst <= (tol if fast.dtype == torch.float32 else 5e-2):
         return f"logits differ from the model's forward by {worst:.2e} (relative)"
     return None
+
+
+def _routers_called(model: torch.nn.Module, fast: FastDecoder) -> list[torch.nn.Module]:
+    """The routers the fast path calls, in layer order (the model's own, unless a layer holds another)."""
+    own = routers_of(model)
+    layers = getattr(fast, "layers", None)
+    if layers is None:
+        return own
+    hand_written = [L.router for L in layers if L.router is not None]
+    return hand_written if len(hand_written) == len(own) else own
+
+
+def _row_routing(
+    trace: RouterTrace, prompts: list[list[int]], row: int, decode_steps: int
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Per router, the (weights, experts) of row ``row``'s tokens in order: the prefill fed every
+    prompt flat, then each decode step one token per row. None when the calls do not fit that."""
+    start = sum(len(p) for p in prompts[:row])
+    chosen = []
+    for calls in trace.calls:
+        if len(calls) != 1 + decode_steps:
+            return None
+        parts = [(w[start : start + len(prompts[row])], e[start : start + len(prompts[row])]) for w, e in calls[:1]]
+        parts += [(w[row : row + 1], e[row : row + 1]) for w, e in calls[1:]]
+        chosen.append((torch.cat([w for w, _ in parts]), torch.cat([e for _, e in parts])))
+    return chosen or None

@@ -131,6 +131,7 @@ class GenericDecoder(FastDecoder):
         self._init_cache(kv_shapes)
         self.routing_recorder = None  # routing replay (see FastDecoder)
         self.step_routing = None
+        self.static_decode = None  # static shapes and CUDA graphs: the hand-written layers only
 
     def _compute(self, step: StepLayout) -> torch.Tensor:
         _active.run = (self, step)
@@ -191,5 +192,5 @@ def fast_decoder_for(
         log.info("built-in engine: fast path over the model's own modules (%s)", model.config.model_type)
         return generic
     reasons.append(f"cached-attention path: {reason}")
-    log.info("built-in engine: Hugging Face forward path (%s)", "; ".join(reasons))
+    log.warning("built-in engine: Hugging Face forward path (%s)", "; ".join(reasons))
     return None

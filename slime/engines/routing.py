@@ -135,3 +135,49 @@ def _replaying_forward(router: torch.nn.Module, forced: torch.Tensor, normalize:
         return logits, weights.to(logits.dtype), experts
 
     return forward
+
+
+class RouterTrace:
+    """The experts and weights each router call chose (`recording`), then a forward that takes
+    given ones instead of its own (`forcing`): the engine's start check runs the model's forward
+    over the routing its fast path chose, so that a near-tie broken the other way by rounding is
+    not taken for a wrong fast path. Routers return (logits, weights, experts)."""
+
+    def __init__(self, routers: list[torch.nn.Module]):
+        self.routers = routers
+        self.calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in routers]
+
+    @contextlib.contextmanager
+    def recording(self):
+        handles = [r.register_forward_hook(self._record(i)) for i, r in enumerate(self.routers)]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _record(self, index: int):
+        def hook(module: torch.nn.Module, inputs: tuple, output) -> None:
+            if isinstance(output, tuple) and len(output) >= 3:
+                self.calls[index].append((output[-2].detach().clone(), output[-1].detach().clone()))
+
+        return hook
+
+    @contextlib.contextmanager
+    def forcing(self, routers: list[torch.nn.Module], chosen: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Inside: ``routers[i]`` returns ``chosen[i]`` (weights, experts) for a call of as many tokens."""
+
+        def hook_for(weights: torch.Tensor, experts: torch.Tensor):
+            def hook(module: torch.nn.Module, inputs: tuple, output):
+                if not isinstance(output, tuple) or tuple(output[-1].shape) != tuple(experts.shape):
+                    return None
+                return (*output[:-2], weights.to(output[-2].dtype), experts.to(output[-1].dtype))
+
+            return hook
+
+        handles = [r.register_forward_hook(hook_for(*c)) for r, c in zip(routers, chosen)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
