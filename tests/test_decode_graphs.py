@@ -11,13 +11,13 @@ import random
 import pytest
 import torch
 
+from slime.engines import generic_decoder
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.engines.decode_graphs import MIN_LENGTH_BUCKET, batch_buckets, bucket_for, length_bucket
 from slime.engines.expert_load import ExpertLoadRecorder
 from slime.engines.families import tiny_model
 from slime.engines.fast_decoder import FastDecoder, agrees_with_model
-from slime.engines import generic_decoder
 from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
