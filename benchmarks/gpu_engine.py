@@ -37,6 +37,7 @@ import logging
 import re
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -456,7 +457,7 @@ def main() -> int:
             value = run()
         except Exception as exc:  # one part's failure is reported; the others still run
             value = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
-            print(f"{name}: {value['error']}", file=sys.stderr)
+            traceback.print_exc()
         if name == "float32_graph_checks":
             result[name] = value
         else:

@@ -81,6 +81,7 @@ class _Shape:
     positions: torch.Tensor  # [rows] its position (= the row's cached length)
     logits: torch.Tensor | None = None  # [rows, V], written by each run
     graph: object | None = None  # torch.cuda.CUDAGraph
+    layout: object | None = None  # the captured step's layout: the graph reads its index tensors
     router_calls: list = field(default_factory=list)  # per router: (inputs, output) kept at capture
 
 
@@ -192,7 +193,7 @@ class StaticDecode:
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("built-in engine: CUDA graphs off, capture failed (%s)", self.failed)
             return
-        shape.graph, shape.logits, shape.router_calls = graph, logits, calls
+        shape.graph, shape.logits, shape.router_calls, shape.layout = graph, logits, calls, layout
 
     @contextlib.contextmanager
     def _router_calls_kept(self, calls: list):
