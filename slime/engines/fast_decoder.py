@@ -37,6 +37,7 @@ expert-load recorder) still fire.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -64,6 +65,24 @@ log = logging.getLogger(__name__)
 # about as much as attending 1,200 more positions (~60 us against ~0.05 us each).
 SEGMENT_COST = 1200
 SEGMENT_ROWS = 16
+
+
+@functools.cache
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here for this dtype and agrees with one matmul per group
+    (which kernels exist depends on the torch version, the device and the dtype; tried, not assumed)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 32, generator=g).to(device, dtype)
+        w = torch.randn(3, 32, 16, generator=g).to(device, dtype)
+        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)  # the middle group empty
+        got = torch._grouped_mm(x, w, offs=offs).float()
+        want = torch.cat([x[:8] @ w[0], x[8:24] @ w[2]]).float()
+        return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
+    except Exception:  # no kernel for this device or dtype
+        return False
 
 
 def decode_segments(lens: np.ndarray) -> list[tuple[int, int, int]]:
@@ -152,14 +171,7 @@ class FastDecoder:
         self.device, self.dtype = self.embed.device, self.embed.dtype
         # Tokens sorted by expert, one grouped matmul for all experts (CPU kernel since torch 2.9;
         # on CUDA it needs compute capability 8.0+); otherwise one matmul per expert.
-        self.grouped_mm = hasattr(torch, "_grouped_mm") and (
-            self.device.type == "cpu"
-            or (
-                self.device.type == "cuda"
-                and self.dtype == torch.bfloat16  # CUDA's grouped kernel takes bf16 operands
-                and torch.cuda.get_device_capability(self.device) >= (8, 0)
-            )
-        )
+        self.grouped_mm = grouped_mm_works(self.device, self.dtype)
         self.rotary_types = sorted({L.layer_type for L in self.layers}) if self.rotary_by_type else [None]
         self._init_cache([L.kv_shape for L in self.layers])
         self.routing_recorder = None  # routing replay: set by the engine (engines/routing.py)
@@ -460,15 +472,20 @@ class FastDecoder:
                 n = r1 - r0
                 seg_keys, seg_values = keys[r0:r1, :, :seg_used], values[r0:r1, :, :seg_used]
                 seg_bias = decode_bias[r0:r1, :, :, :seg_used]
-                # One query per row: two batched matmuls over [n, kv heads, group, .] (query head h
-                # reads kv head h // group, as enable_gqa) beat SDPA's CPU kernel, and on CUDA they
-                # build no per-call plan for a length that grows every step (cuDNN's SDPA does).
+                # One query per row, so a kv head's `group` query heads are its query rows:
+                # [n, kv heads, group, D] against [n, kv heads, used, D] (query head h reads kv head
+                # h // group, as enable_gqa does, with nothing expanded).
                 qg = q[r0:r1].reshape(n, kv_heads, group, q.shape[-1])
-                scores = torch.matmul(qg, seg_keys.transpose(-1, -2)) * scaling
-                probs = attention_softmax(
-                    scores, seg_bias, softcap, None if sinks is None else sinks.view(kv_heads, group)
-                )
-                att = torch.matmul(probs, seg_values)
+                if self.device.type == "cuda" and plain and q.shape[-1] == seg_values.shape[-1]:
+                    # Memory-efficient SDPA (BuiltinEngine keeps cuDNN's, which plans per length,
+                    # out): float32 softmax inside, no plan, capturable in a graph.
+                    att = F.scaled_dot_product_attention(qg, seg_keys, seg_values, attn_mask=seg_bias, scale=scaling)
+                else:  # two batched matmuls: faster than SDPA's CPU kernel; scores in float32
+                    scores = torch.matmul(qg.float(), seg_keys.transpose(-1, -2).float()) * scaling
+                    probs = attention_softmax(
+                        scores, seg_bias, softcap, None if sinks is None else sinks.view(kv_heads, group)
+                    )
+                    att = torch.matmul(probs.to(seg_values.dtype), seg_values)
                 out.append(att.reshape(n, -1))
         for index, real, rows, w in step.padded:
             qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, heads, w, D]
