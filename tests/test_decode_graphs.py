@@ -17,7 +17,7 @@ from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.engines.decode_graphs import MIN_LENGTH_BUCKET, batch_buckets, bucket_for, length_bucket
 from slime.engines.expert_load import ExpertLoadRecorder
 from slime.engines.families import tiny_model
-from slime.engines.fast_decoder import FastDecoder, agrees_with_model
+from slime.engines.fast_decoder import FastDecoder, agrees_with_model, grouped_mm_agrees
 from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -158,3 +158,9 @@ def test_bf16_moe_takes_the_fast_path_and_a_wrong_one_is_refused(family, monkeyp
     refusal = [r for r in caplog.records if "Hugging Face forward path" in r.getMessage()]
     assert refusal and refusal[0].levelname == "WARNING"
     assert "hand-written path: logits differ" in refusal[0].getMessage()
+
+
+def test_the_grouped_matmul_probe_agrees_on_cpu():
+    """The probe that decides the grouped matmul for CUDA dtypes other than bf16, run where it can be."""
+    assert grouped_mm_agrees(torch.device("cpu"), torch.float32)
+    assert grouped_mm_agrees(torch.device("cpu"), torch.bfloat16)

@@ -69,10 +69,22 @@ SEGMENT_ROWS = 16
 
 @functools.cache
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs here for this dtype and agrees with one matmul per group
-    (which kernels exist depends on the torch version, the device and the dtype; tried, not assumed)."""
+    """Whether ``torch._grouped_mm`` runs here for this dtype: on CPU (torch >= 2.9) and for bf16 on
+    CUDA compute capability 8.0+ (ran on an H200); any other CUDA dtype is tried once against one
+    matmul per group, since its kernels depend on the torch version."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        return False
+    if dtype == torch.bfloat16:
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return grouped_mm_agrees(device, dtype)
+
+
+def grouped_mm_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """``torch._grouped_mm`` on small random groups (one empty) against one matmul per group."""
     try:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(24, 32, generator=g).to(device, dtype)
@@ -472,20 +484,17 @@ class FastDecoder:
                 n = r1 - r0
                 seg_keys, seg_values = keys[r0:r1, :, :seg_used], values[r0:r1, :, :seg_used]
                 seg_bias = decode_bias[r0:r1, :, :, :seg_used]
-                # One query per row, so a kv head's `group` query heads are its query rows:
-                # [n, kv heads, group, D] against [n, kv heads, used, D] (query head h reads kv head
-                # h // group, as enable_gqa does, with nothing expanded).
+                # One query per row: two batched matmuls over [n, kv heads, group, .] (query head h
+                # reads kv head h // group, as enable_gqa, nothing expanded). They beat SDPA's CPU
+                # kernel, and on CUDA they build no plan per call for a length that grows every step
+                # (cuDNN's SDPA does) and go into a CUDA graph. Scores and softmax in float32: bf16
+                # scores (3 significant digits) moved the H200's logprobs by up to 0.1.
                 qg = q[r0:r1].reshape(n, kv_heads, group, q.shape[-1])
-                if self.device.type == "cuda" and plain and q.shape[-1] == seg_values.shape[-1]:
-                    # Memory-efficient SDPA (BuiltinEngine keeps cuDNN's, which plans per length,
-                    # out): float32 softmax inside, no plan, capturable in a graph.
-                    att = F.scaled_dot_product_attention(qg, seg_keys, seg_values, attn_mask=seg_bias, scale=scaling)
-                else:  # two batched matmuls: faster than SDPA's CPU kernel; scores in float32
-                    scores = torch.matmul(qg.float(), seg_keys.transpose(-1, -2).float()) * scaling
-                    probs = attention_softmax(
-                        scores, seg_bias, softcap, None if sinks is None else sinks.view(kv_heads, group)
-                    )
-                    att = torch.matmul(probs.to(seg_values.dtype), seg_values)
+                scores = torch.matmul(qg.float(), seg_keys.transpose(-1, -2).float()) * scaling
+                probs = attention_softmax(
+                    scores, seg_bias, softcap, None if sinks is None else sinks.view(kv_heads, group)
+                )
+                att = torch.matmul(probs.to(seg_values.dtype), seg_values)
                 out.append(att.reshape(n, -1))
         for index, real, rows, w in step.padded:
             qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, heads, w, D]
