@@ -16,6 +16,7 @@ random weights inside a `slime.engines.builtin.BuiltinEngine`. Then:
    the colocated engines freeing their KV memory while the learner trains.
 
 Prints a short table and one JSON line last; exits 1 if a probe check fails or the job does.
+With ``--engine-bench`` it then runs `benchmarks/gpu_engine.py` (its own table and JSON line last).
 """
 
 from __future__ import annotations
@@ -174,6 +175,11 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--job-steps", type=int, default=3, help="then a real job of this many steps (0: none)")
+    ap.add_argument(
+        "--engine-bench",
+        action="store_true",
+        help="last, benchmarks/gpu_engine.py (--quick with --tiny): decode against kernel time and roofline",
+    )
     a = ap.parse_args()
     cuda = a.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -291,7 +297,19 @@ def main() -> int:
             }
         )
     )
+    if a.engine_bench:
+        ok = run_engine_bench(a.device, a.tiny) and ok
     return 0 if ok else 1
+
+
+def run_engine_bench(device: str, tiny: bool) -> bool:
+    """benchmarks/gpu_engine.py in its own process (its models need the GPU's memory to themselves)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_engine.py"
+    cmd = [sys.executable, str(script), "--device", device] + (["--quick"] if tiny else [])
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    return subprocess.run(cmd).returncode == 0
 
 
 if __name__ == "__main__":

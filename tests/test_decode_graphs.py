@@ -164,3 +164,23 @@ def test_the_grouped_matmul_probe_agrees_on_cpu():
     """The probe that decides the grouped matmul for CUDA dtypes other than bf16, run where it can be."""
     assert grouped_mm_agrees(torch.device("cpu"), torch.float32)
     assert grouped_mm_agrees(torch.device("cpu"), torch.bfloat16)
+
+
+def test_gpu_engine_benchmark_runs_on_cpu_and_ends_with_its_json(tmp_path):
+    """benchmarks/gpu_engine.py --quick: the script the GPU runs, checked here so it cannot rot."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_engine.py"
+    args = ["--quick", "--device", "cpu", "--shapes", "dense,mixtral", "--batches", "1,2", "--new-tokens", "4"]
+    args += ["--repeats", "1", "--gen-repeats", "1", "--no-checks", "--out", str(tmp_path / "out.json")]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    dense = result["shapes"]["dense"]
+    assert dense["forward"] == "fast" and set(dense["decode_ms"]["graphs"]) == {"1", "2"}
+    assert dense["correctness"]["greedy_prefix_agreement"] == 1.0
+    assert result["shapes"]["mixtral"]["forward"] == "fast"
+    assert json.loads((tmp_path / "out.json").read_text())["shapes"].keys() == result["shapes"].keys()
