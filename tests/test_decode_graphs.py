@@ -17,8 +17,9 @@ from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.engines.decode_graphs import MIN_LENGTH_BUCKET, batch_buckets, bucket_for, length_bucket
 from slime.engines.expert_load import ExpertLoadRecorder
 from slime.engines.families import tiny_model
-from slime.engines.fast_decoder import FastDecoder, agrees_with_model, grouped_mm_agrees
+from slime.engines.fast_decoder import FastDecoder, grouped_mm_agrees
 from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
+from slime.engines.start_check import agrees_with_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

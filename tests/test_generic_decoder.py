@@ -193,7 +193,7 @@ def test_the_moe_without_grouped_matmuls_gives_the_models_logits(family):
     """Where `torch._grouped_mm` is missing (CUDA before compute capability 8.0), the routed experts
     run one matmul per expert: plain (Qwen3-MoE) and transposed, biased, clamped and interleaved
     (gpt-oss, through the experts' own activation)."""
-    from slime.engines.fast_decoder import agrees_with_model
+    from slime.engines.start_check import agrees_with_model
 
     model = tiny_model(family, VOCAB)
     fast = fast_decoder_for(model, 8, 128)

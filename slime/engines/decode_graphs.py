@@ -155,21 +155,7 @@ class StaticDecode:
         return _Shape(rows, length, ids, torch.zeros(rows, dtype=torch.long, device=dev))
 
     def _layout(self, shape: _Shape):
-        from slime.engines.fast_decoder import StepLayout
-
-        dev = self.decoder.device
-        every = torch.arange(shape.rows, device=dev)
-        return StepLayout(
-            b=shape.rows,
-            ids=shape.ids,
-            pos=shape.positions,
-            ctx_lens=[],
-            used=shape.length,
-            lens=shape.positions,
-            rows_idx=every,
-            segments=[(0, shape.rows, shape.length)],
-            last=every,
-        )
+        return self.decoder.static_layout(shape.ids, shape.positions, shape.length)
 
     def _capture(self, shape: _Shape) -> None:
         """Record the step's kernels (CUDA only). The warm-up run writes the same keys and values

@@ -26,7 +26,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from slime.engines.decoder_layers import hand_written_misfit
-from slime.engines.fast_decoder import FastDecoder, StepLayout, agrees_with_model
+from slime.engines.fast_decoder import FastDecoder, StepLayout
+from slime.engines.start_check import agrees_with_model
 
 log = logging.getLogger(__name__)
 
