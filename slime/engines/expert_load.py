@@ -1,7 +1,8 @@
 """Per-expert load of an MoE rollout engine: routed-token counts from forward hooks on the routers.
 
-A hook adds one `bincount` per MoE layer per forward pass (on the engine's device); the worker
-moves the totals to the buffer (`expert_load` hash) every few seconds with `take()`.
+A hook adds each MoE layer's routed tokens into a per-layer count on the engine's device (an
+`index_add_`: no wait on the host, which a `bincount` on CUDA would cost per layer and step); the
+worker moves the totals to the buffer (`expert_load` hash) every few seconds with `take()`.
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ class ExpertLoadRecorder:
             indices = output[-1] if isinstance(output, tuple) else None
             if indices is None or indices.dtype not in (torch.int64, torch.int32):
                 return
-            counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
+            flat = indices.reshape(-1)
             with self.lock:
-                prev = self._device_counts[layer]
-                self._device_counts[layer] = counts if prev is None else prev + counts
+                counts = self._device_counts[layer]
+                if counts is None:
+                    counts = self._device_counts[layer] = torch.zeros(
+                        self.num_experts, dtype=torch.int64, device=flat.device
+                    )
+                counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
         return hook
 
