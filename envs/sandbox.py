@@ -67,6 +67,7 @@ from envs.sandbox_host import (
     sweep_uid,
     unmount_area,
 )
+from slime.errors import UserError
 
 Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed", "sandbox_unavailable"]
 
@@ -78,8 +79,10 @@ UNSAFE_WARNING = (
 MAIN_FILE = "_sandbox_main.py"
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(UserError, RuntimeError):
     """bwrap is missing or cannot create the namespaces we need."""
+
+    hint = "install bubblewrap (apt-get install bubblewrap) where the sandbox runs (docs/security.md)"
 
 
 class SandboxConfig(BaseModel):

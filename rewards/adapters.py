@@ -48,6 +48,7 @@ from typing import Any
 
 from rewards.plugin import load_function
 from rewards.runner import _describe, _is_async, _keyword_plan
+from slime.errors import UserError
 
 STYLES = ("native", "slime", "verl", "trl")
 
@@ -59,8 +60,10 @@ ACCEPTED_SIGNATURES = (
 )
 
 
-class RewardSignatureError(TypeError):
+class RewardSignatureError(UserError, TypeError):
     """A reward function whose signature matches no supported style, or more than one."""
+
+    hint = "docs/rewards.md, 'Plugging in a function', lists the signatures a reward function may have"
 
 
 @dataclass

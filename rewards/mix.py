@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rewards.adapters import STYLES, adapt, load_reward, native_caller
 from rewards.plugin import load_function
 from rewards.runner import _describe, _is_async
+from slime.errors import UserError
 from slime.security import redact, redact_url
 
 
@@ -221,8 +222,10 @@ _FORMS = (
 )
 
 
-class RewardSpecError(ValueError):
+class RewardSpecError(UserError, ValueError):
     """A reward spec from config that is malformed; the message gives its path and what is wrong."""
+
+    hint = "docs/rewards.md shows each kind of reward spec and how to mix them"
 
 
 def load_reward_spec(spec: str | dict, _path: str = "reward") -> Callable[..., Any]:

@@ -22,11 +22,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from slime.errors import UserError
+
 SPEC_FORMS = "`package.module:function` or `path/to/file.py:function`"
 
 
-class PluginError(ValueError):
+class PluginError(UserError, ValueError):
     """A plugin spec that cannot be loaded; the message says which part is wrong and why."""
+
+    hint = "a plugin is FILE.py:NAME or package.module:NAME, importable where the job runs (docs/rewards.md)"
 
 
 def load_function(spec: str) -> Callable[..., Any]:

@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from slime.config import ConfigError, JobConfig, config_for_display, load_config
+from slime.config import JobConfig, config_for_display, load_config
+from slime.errors import UserError, user_error_behind
 from slime.metrics import TooManyFailures
 from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url
 
@@ -95,7 +96,30 @@ def _dashboard(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `slime` command; returns its exit code. ``--debug`` (anywhere) or SLIME_DEBUG=1: an error
+    in what the user gave keeps its traceback (else it is one or two lines and exit code 2)."""
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("SLIME_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _run(argv)
+    except Exception as exc:
+        user = None if debug else user_error_behind(exc)
+        if user is None:
+            raise
+        return _report(user)
+
+
+def _report(error: UserError) -> int:
+    """``slime: <cause>`` and, unless the message already says it, ``  hint: <what to do>``."""
+    message = str(error).strip() or type(error).__name__
+    print(f"slime: {message}", file=sys.stderr)
+    if error.hint and error.hint not in message:
+        print(f"  hint: {error.hint} (--debug: the traceback)", file=sys.stderr)
+    return 2
+
+
+def _run(argv: list[str]) -> int:
     # These own their flags (argparse would take their --help and options for its own).
     if argv and argv[0] == "train-rm":
         from rewards.reward_model import main_train_rm  # subcommand
@@ -122,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
 
         main_serve_sglang(argv[1:])
         return 0
-    parser = argparse.ArgumentParser(prog="slime", description="Asynchronous RL post-training with APRIL.")
+    parser = argparse.ArgumentParser(
+        prog="slime",
+        description="Asynchronous RL post-training with APRIL. --debug (or SLIME_DEBUG=1): show the traceback "
+        "of an error in a config, dataset, plugin, reward, checkpoint or the resources.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a training job")
     p_train.add_argument("args", nargs="*", help="[CONFIG.yaml] then key.path=value overrides")
@@ -170,11 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_simulate(ns.args)
 
     config_path, overrides = _split_args(ns.args)
-    try:
-        cfg = load_config(config_path, overrides)
-    except ConfigError as exc:
-        print(f"slime: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(config_path, overrides)
 
     if ns.command == "config":
         print(json.dumps(config_for_display(cfg), indent=2))
@@ -187,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     except TooManyFailures as exc:
         print(f"slime: {exc}", file=sys.stderr)
         return 1
+    except UserError:
+        raise  # main() reports it
     except Exception as exc:
         # A second SIGINT/SIGTERM lands wherever the job is; inside an import (the final plot) it
         # comes out as that import's error, with the interrupt as its cause: still an interrupt.

@@ -22,13 +22,16 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from slime.config_engines import RolloutConfig, SglangConfig, VllmConfig
 from slime.config_engines import StrictModel as _Strict
 from slime.config_training import AlgorithmConfig, LearnerConfig
+from slime.errors import UserError
 from slime.security import redact, write_private
 
 ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot run; the message names the field and the reason."""
+
+    hint = "`slime config [CONFIG.yaml] [key=value ...]` prints every field with the value it would take"
 
 
 class TinyModelConfig(_Strict):
@@ -496,18 +499,18 @@ class JobConfig(_Strict):
         return Path(self.output_dir).expanduser()
 
 
-def format_validation_error(
-    err: ValidationError, title: str = "invalid config", prefix: str = "", where: str = "slime/config.py"
-) -> str:
+def format_validation_error(err: ValidationError, title: str = "invalid config", prefix: str = "") -> str:
     """One line per problem, each naming the field's dotted path."""
     lines = []
     for e in err.errors():
         path = prefix + (".".join(str(p) for p in e["loc"]) or "(top level)")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = f"unknown field (check the spelling; see {where} for the fields)"
-        lines.append(f"  {path}: {msg}")
-    return f"{title}:\n" + "\n".join(lines)
+            msg = "unknown field (check the spelling)"
+        lines.append(f"{path}: {msg}")
+    if len(lines) == 1:
+        return f"{title}: {lines[0]}"
+    return f"{title}:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from slime.config import DataConfig
+from slime.errors import UserError
 
 
 @dataclass
@@ -20,8 +21,10 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)  # every other column, plus "task" when present
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A prompt dataset that cannot be loaded; the message names the file, the line or row, and why."""
+
+    hint = "data.path is a JSONL or Parquet file or a saved HF dataset directory, a prompt per row (README, 'Your own model, data and reward')"
 
 
 JSONL_SUFFIXES = (".jsonl", ".json")

@@ -26,9 +26,11 @@ from slime.buffer.redis_server import connect_or_start
 from slime.config import ConfigError, JobConfig, dump_config
 from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
+from slime.errors import ClusterError
 from slime.fleet import RolloutFleet, WorkerLaunch, scheduler_for, start_rollout_worker
 from slime.learner import LearnerGroup
 from slime.learner.group import check_resources
+from slime.learner.sharding import CheckpointError
 from slime.metrics import FailureWatch, MetricsLogger, write_atomic
 from slime.model import ensure_model_dir, load_tokenizer
 from slime.sample import new_id
@@ -165,15 +167,20 @@ class RunningJob:
         import ray  # after its auth settings are in the environment
 
         if not ray.is_initialized():
-            ray.init(
-                # None: a Ray of the job's own, even where a cluster runs on this machine (Ray would
-                # join that one); "auto" joins it on purpose (a submitted job: slime/submit.py).
-                address=cfg.cluster.ray_address or "local",
-                num_cpus=cfg.cluster.num_cpus,
-                include_dashboard=False,
-                logging_level="warning",
-                log_to_driver=True,
-            )
+            address = cfg.cluster.ray_address or "local"
+            try:
+                ray.init(
+                    # "local": a Ray of the job's own, even where a cluster runs on this machine (Ray
+                    # would join that one); "auto" joins it on purpose (a submitted job: slime/submit.py).
+                    address=address,
+                    num_cpus=cfg.cluster.num_cpus,
+                    include_dashboard=False,
+                    logging_level="warning",
+                    log_to_driver=True,
+                )
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ClusterError(f"cluster.ray_address={address}: Ray could not start or join: {first}") from exc
             self.ray_started = True
             self.stop.install()  # ray.init installs its own SIGTERM handler; ours ends the step first
 
@@ -456,7 +463,7 @@ class RunningJob:
             return complete[-1].parent
         path = Path(resume).expanduser()
         if not (path / "driver_state.json").is_file():
-            raise FileNotFoundError(f"resume={resume}: not a checkpoint directory (no driver_state.json)")
+            raise CheckpointError(f"resume={resume}: not a checkpoint directory (no driver_state.json in it)")
         return path
 
     def _restore(self, checkpoint: Path) -> int:

@@ -20,14 +20,15 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import uvicorn
 
 from slime.dashboard.app import create_app
+from slime.errors import UserError
 from slime.security import API_TOKEN_ENV
 from slime.security import check_bind as check_bind_any
 
 REDIS_PASSWORD_ENV = "SLIME_REDIS_PASSWORD"
 
 
-class DashboardConfigError(ValueError):
-    pass
+class DashboardConfigError(UserError, ValueError):
+    hint = "docs/dashboard.md says which settings the dashboard takes"
 
 
 def check_bind(host: str, token: str | None) -> None:

@@ -16,12 +16,15 @@ import socket
 from typing import Any
 
 from slime.config import JobConfig
+from slime.errors import UserError
 from slime.learner.actor import Learner
 from slime.security import JobCredentials
 
 
-class ResourceError(RuntimeError):
+class ResourceError(UserError, RuntimeError):
     """The Ray cluster lacks a resource the job's config asks for."""
+
+    hint = "ask for less (learner.num_ranks, rollout.num_workers, *.device) or add machines to the cluster (docs/cluster.md)"
 
 
 def learner_resources(cfg: JobConfig) -> dict[str, float]:

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from slime.errors import UserError
+
 CHECKPOINT_DIR = "dcp"  # inside a learner checkpoint directory: the sharded state
 
 
@@ -126,8 +128,10 @@ def _training_state(model, optim, critic, critic_optim) -> dict:
     return state
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A sharded checkpoint could not be written or read; names each rank's cause."""
+
+    hint = "resume=auto takes the newest complete checkpoint of output_dir; resume=PATH a given one (docs/learner.md)"
 
 
 def _checkpoint_call(what: str, path: Path, fn) -> None:

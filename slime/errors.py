@@ -1,0 +1,39 @@
+"""Errors in what a user gave the project (a config, a dataset, a plugin, a reward spec, a checkpoint,
+the machine's or cluster's resources): each kind names its cause in its message and carries a hint
+of what to do. The `slime` command prints such an error as one or two lines and exits with code 2,
+without a traceback (`slime --debug ...` or `SLIME_DEBUG=1` shows it); any other exception keeps its
+traceback. The kinds subclass `UserError` and the built-in error they always were (ValueError,
+RuntimeError, ...), so existing handlers still catch them."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Base of the errors the CLI shows without a traceback. ``hint``: what to do, one sentence."""
+
+    hint = ""
+
+    def __init__(self, *args: object, hint: str | None = None):
+        super().__init__(*args)
+        if hint is not None:
+            self.hint = hint
+
+
+class ClusterError(UserError, RuntimeError):
+    """The Ray cluster the config names cannot be reached or joined."""
+
+    hint = "cluster.ray_address: leave it unset for a Ray of the job's own, or give a running cluster's address (docs/cluster.md)"
+
+
+def user_error_behind(exc: BaseException) -> UserError | None:
+    """The `UserError` that ``exc`` is or was caused by (through ``raise ... from``, an exception
+    raised while handling it, or a Ray task error's ``cause``); None if there is none."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, UserError):
+            return current
+        seen.add(id(current))
+        cause = getattr(current, "cause", None)  # ray.exceptions.RayTaskError wraps the actor's error
+        current = current.__cause__ or (cause if isinstance(cause, BaseException) else None) or current.__context__
+    return None
