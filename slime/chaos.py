@@ -40,7 +40,7 @@ from pathlib import Path
 
 from slime.buffer import JobConnection, TrajectoryStore
 from slime.buffer.redis_server import LocalRedisServer
-from slime.config import JobConfig, load_config
+from slime.config import ConfigError, JobConfig, load_config
 from slime.sample import FINAL_STATUSES, Status
 from slime.security import JobCredentials
 
@@ -170,10 +170,16 @@ def run(
     if not any(o.startswith("reward.request_timeout_s=") for o in overrides):
         settings.append("reward.request_timeout_s=5")
     cfg = load_config(cfg_path, settings)
-    if any(k.startswith("reward_") for k in kinds) and cfg.reward.mode != "ray_actor":
-        raise ValueError(
-            f"reward_kill and reward_hang hurt the reward actor: set reward.mode=ray_actor (got {cfg.reward.mode})"
-        )
+    reward_faults = sorted(k for k in kinds if k.startswith("reward_"))
+    if reward_faults and cfg.reward.mode != "ray_actor":
+        if any(o.startswith("reward.mode=") for o in overrides):
+            raise ConfigError(
+                f"{', '.join(reward_faults)} hurt the reward actor: they need reward.mode=ray_actor "
+                f"(got reward.mode={cfg.reward.mode}; or leave them out of --faults)"
+            )
+        settings.append("reward.mode=ray_actor")
+        cfg = load_config(cfg_path, settings)
+        print(f"slime chaos: {', '.join(reward_faults)} hurt the reward actor: running with reward.mode=ray_actor")
     if cfg.resume is not None or cfg.buffer.url is not None:
         raise ValueError("chaos runs a fresh job with its own Redis: leave resume and buffer.url unset")
     faults = plan(seed, kinds, cfg.steps, count)

@@ -185,3 +185,19 @@ def test_gpu_engine_benchmark_runs_on_cpu_and_ends_with_its_json(tmp_path):
     assert dense["correctness"]["greedy_prefix_agreement"] == 1.0
     assert result["shapes"]["mixtral"]["forward"] == "fast"
     assert json.loads((tmp_path / "out.json").read_text())["shapes"].keys() == result["shapes"].keys()
+
+
+def test_expert_load_counts_across_inference_and_grad_free_forwards():
+    """The engine's steps run under inference_mode, the weight probe under no_grad: one recorder sees both."""
+    model = tiny_model("qwen3_moe", VOCAB)
+    recorder = ExpertLoadRecorder.attach(model)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.inference_mode():
+        model(input_ids=ids)
+    with torch.no_grad():
+        model(input_ids=ids)
+    model(input_ids=ids)
+    counts = recorder.take()
+    recorder.detach()
+    top_k = model.config.num_experts_per_tok
+    assert (counts.sum(axis=1) == 3 * 3 * top_k).all()

@@ -40,9 +40,11 @@ class ExpertLoadRecorder:
             with self.lock:
                 counts = self._device_counts[layer]
                 if counts is None:
-                    counts = self._device_counts[layer] = torch.zeros(
-                        self.num_experts, dtype=torch.int64, device=flat.device
-                    )
+                    # A normal tensor even when the engine's step runs under inference_mode: the
+                    # probe's forward (no_grad, not inference_mode) adds to it too.
+                    with torch.inference_mode(False):
+                        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+                    self._device_counts[layer] = counts
                 counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
         return hook
