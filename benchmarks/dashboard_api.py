@@ -35,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from slime.buffer.connection import ScriptBatch  # noqa: E402
 from slime.buffer.records import WIRE_LOGPROB, WIRE_MASK, WIRE_TOKEN, WIRE_VERSION  # noqa: E402
 from slime.buffer.redis_server import LocalRedisServer  # noqa: E402
 from slime.buffer.store import TrajectoryStore  # noqa: E402
@@ -56,15 +57,13 @@ def fill(buffer: TrajectoryStore, n_trajectories: int, group_size: int = 4, seed
     batch = 500
     for start in range(0, n_groups, batch):
         pipe = buffer.redis.pipeline(transaction=False)
-        groups = []
+        groups, calls = [], []
         for _ in range(min(batch, n_groups - start)):
             gid, sids = new_id(), [new_id() for _ in range(group_size)]
             groups.append(sids)
             prompt = rng.integers(6, 60, 24).astype(WIRE_TOKEN).tobytes()
-            buffer._add_group(
-                args=[buffer.prefix, gid, group_size, 128, prompt, json.dumps({"prompt_text": "bench"}), *sids],
-                client=pipe,
-            )
+            calls.append([buffer.prefix, gid, group_size, 128, prompt, json.dumps({"prompt_text": "bench"}), *sids])
+        ScriptBatch(buffer._add_group, calls).replies()  # the groups, in one round trip
         for sids in groups:
             for sid in sids:
                 status = rng.choice(STATUSES, p=STATUS_P)

@@ -44,16 +44,20 @@ def engine_process(total_mb: float, bucket_mb: float, jobs: mp.Queue, acks: mp.Q
     torch.set_num_threads(1)
     params = {n: torch.zeros_like(t) for n, t in make_tensors(total_mb, seed=1)}
     transports = {
-        "shm": SharedMemoryTransport("bench_unused"),
+        "shm": SharedMemoryTransport("slime_bench_unused"),
         "file": FileTransport(tempfile.gettempdir()),
         "broadcast": BroadcastTransport(bucket_mb),
     }
     try:
         while (job := jobs.get()) is not None:
             kind, handle = job
-            with torch.no_grad():
-                for name, t in transports[kind].receive(handle):
-                    params[name].copy_(t)
+            try:
+                with torch.no_grad():
+                    for name, t in transports[kind].receive(handle):
+                        params[name].copy_(t)
+            except Exception as exc:  # the parent raises it instead of waiting for an ack
+                acks.put(("error", f"{kind}: {type(exc).__name__}: {exc}"))
+                return
             probe = next(iter(params.values()))
             acks.put((kind, float(probe[:4].sum())))
     finally:
@@ -94,7 +98,7 @@ def main() -> None:
     proc.start()
     tmp = tempfile.mkdtemp(prefix="weight_sync_")
     senders = {
-        "shm": SharedMemoryTransport(f"bench_{os.getpid()}", a.bucket_mb),
+        "shm": SharedMemoryTransport(f"slime_bench_{os.getpid()}", a.bucket_mb),  # the receiver checks the prefix
         "broadcast": BroadcastTransport(a.bucket_mb, num_receivers=1, master_addr="127.0.0.1"),
         "file": FileTransport(tmp),
     }
@@ -110,6 +114,8 @@ def main() -> None:
                 jobs.put((kind, handle))
                 got_kind, check = acks.get(timeout=600)
                 dt = time.perf_counter() - t0
+                if got_kind == "error":
+                    raise RuntimeError(f"the engine process failed: {check}")
                 assert got_kind == kind and abs(check - float(named[0][1][:4].sum())) < 1e-4, "engine got wrong weights"
                 if rep:
                     best = min(best, dt)
