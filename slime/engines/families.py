@@ -100,15 +100,18 @@ _TINY_FIELDS = {
     **dict.fromkeys(("index_n_heads", "index_head_dim"), 16),  # sparse attention's indexer (DeepSeek-V3.2)
 }
 
+# Scales that are 1 in the default configs: set otherwise, so that a path ignoring them would show.
+_SCALES = {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 2.0, "attention_multiplier": 0.2}
+
 
 def tiny_settings(model_type: str) -> dict[str, Any]:
-    """The fields of ``model_type``'s default config to shrink (TINY_SHAPE's and `_TINY_FIELDS`'),
-    read from its field names; a layer-type pattern becomes one layer of each type."""
+    """The fields of ``model_type``'s default config to shrink (TINY_SHAPE's and `_TINY_FIELDS`')
+    or to set off 1 (`_SCALES`), read from its field names; a layer-type pattern becomes one layer of each type."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
     fields = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
-    settings = {k: v for k, v in {**TINY_SHAPE, **_TINY_FIELDS}.items() if k in fields}
+    settings = {k: v for k, v in {**TINY_SHAPE, **_TINY_FIELDS, **_SCALES}.items() if k in fields}
     if "q_lora_rank" in fields:  # queries through a low-rank pair, if the family has one by default
         settings["q_lora_rank"] = None if config.to_dict()["q_lora_rank"] is None else 24
     if "kv_lora_rank" in fields:  # latent attention expands keys and values to every query head
