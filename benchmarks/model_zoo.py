@@ -167,7 +167,7 @@ def bench_family(family: str, overrides: dict, batches: dict, n: int, repeats: i
 
 
 def line(row: dict) -> str:
-    cells = " ".join(f"b{b[6:]} {fmt(row[b])}" for b in ("ratio_b1", "ratio_b32", "ratio_b32v") if b in row)
+    cells = " ".join(f"{b[6:]} {fmt(row[b])}" for b in ("ratio_b1", "ratio_b32", "ratio_b32v") if b in row)
     agree = fmt(row.get("agree_b32"), "")
     text = f"{row['family']:<20} {row['params_m']:5.2f}M {row['forward']:<8} {cells}  agree b32 {agree}"
     if "hand_over_generic_b32" in row:
