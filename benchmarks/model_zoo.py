@@ -26,6 +26,7 @@ import logging
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.spread import mean_sd  # noqa: E402
 from slime.engines.builtin import BuiltinEngine  # noqa: E402
 from slime.engines.contract import GenerationRequest, SamplingParams  # noqa: E402
-from slime.engines.families import FAMILIES, tiny_model  # noqa: E402
+from slime.engines.families import FAMILIES, TINY_SHAPE, discover_families, tiny_model, tiny_settings  # noqa: E402
 
 VOCAB = 2048
 PROMPT_TOKENS = 16
@@ -47,16 +48,21 @@ SIZE = {
 }
 
 
-def bench_model(family: str) -> torch.nn.Module:
-    """A few-M-parameter model of ``family``: the tiny family config at the benchmark's size."""
+def bench_model(family: str, overrides: dict) -> torch.nn.Module:
+    """A few-M-parameter model of ``family``: its tiny config (``overrides`` on the family's
+    settings) at the benchmark's size."""
+    settings = {**(FAMILIES[family] if family in FAMILIES else tiny_settings(family)), **overrides}
     extra = dict(SIZE)
-    if "head_dim" in FAMILIES[family]:
+    extra["num_hidden_layers"] = max(SIZE["num_hidden_layers"], settings.get("num_hidden_layers", 0))
+    if "head_dim" in settings:
         extra["head_dim"] = 32
-    if "moe_intermediate_size" in FAMILIES[family]:
+    if "moe_intermediate_size" in settings:
         extra["moe_intermediate_size"] = 128
-    if "shared_expert_intermediate_size" in FAMILIES[family]:
+    if "shared_expert_intermediate_size" in settings:
         extra["shared_expert_intermediate_size"] = 256
-    return tiny_model(family, VOCAB, **extra)
+    if settings.get("num_key_value_heads") == TINY_SHAPE["num_attention_heads"]:  # as many as query heads
+        extra["num_key_value_heads"] = SIZE["num_attention_heads"]
+    return tiny_model(family, VOCAB, **{**overrides, **extra})
 
 
 class Why(logging.Handler):
@@ -114,108 +120,173 @@ def fmt(x: float | None, unit: str = "x") -> str:
     return "failed" if x is None else f"{x:.2f}{unit}"
 
 
+def measure(row: dict, model, arms: dict, batches: dict, n: int, repeats: int) -> None:
+    """Into ``row``: per batch, tok/s per arm, the engine/generate ratio and greedy agreement."""
+    for b, ps in batches.items():
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
+        tokens: dict[str, list[list[int]]] = {}
+        try:
+            for arm, fn in arms.items():  # warm-up
+                tokens[arm] = fn(ps)[1]
+        except Exception as exc:  # model.generate (or the engine's Hugging Face path) fails here
+            row[f"ratio_b{b}"] = row[f"agree_b{b}"] = None
+            row.setdefault("errors", []).append(f"b{b} {arm}: {type(exc).__name__}: {str(exc)[:150]}")
+            continue
+        for _ in range(repeats):
+            for arm, fn in arms.items():
+                seconds, tokens[arm] = fn(ps)
+                times[arm].append(len(ps) * n / seconds)
+        for arm in arms:
+            row[f"{arm}_b{b}_tok_s"] = mean_sd(times[arm])
+        row[f"ratio_b{b}"] = row[f"engine_b{b}_tok_s"][0] / row[f"generate_b{b}_tok_s"][0]
+        row[f"agree_b{b}"] = agreement(tokens["engine"], tokens["generate"])
+        if "generic" in arms:
+            row[f"hand_over_generic_b{b}"] = row[f"engine_b{b}_tok_s"][0] / row[f"generic_b{b}_tok_s"][0]
+
+
+def bench_family(family: str, overrides: dict, batches: dict, n: int, repeats: int, why: Why) -> dict:
+    """One family's row: its forward path (and why), then `measure` on ``batches``."""
+    model = bench_model(family, overrides)
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    row: dict = {"family": family, "params_m": round(params_m, 2), "curated": family in FAMILIES}
+    try:
+        forward = BuiltinEngine(model, max_running_requests=32).health()["forward"]
+    except Exception as exc:
+        row.update(forward="failed", why=f"{type(exc).__name__}: {str(exc)[:150]}")
+        row.update({f"ratio_b{b}": None for b in batches} | {f"agree_b{b}": None for b in batches})
+        return row
+    row.update(forward=forward, why=why.last)
+    arms = {
+        "engine": lambda ps: run_engine(model, ps, n, None),
+        "generate": lambda ps: run_generate(model, ps, n),
+    }
+    if forward == "fast" and family in FAMILIES:  # the hand-written path: against the generic one
+        arms["generic"] = lambda ps: run_engine(model, ps, n, "generic")
+    measure(row, model, arms, batches, n, repeats)
+    return row
+
+
+def line(row: dict) -> str:
+    cells = " ".join(f"{b[6:]} {fmt(row[b])}" for b in ("ratio_b1", "ratio_b32", "ratio_b32v") if b in row)
+    agree = fmt(row.get("agree_b32"), "")
+    text = f"{row['family']:<20} {row['params_m']:5.2f}M {row['forward']:<8} {cells}  agree b32 {agree}"
+    if "hand_over_generic_b32" in row:
+        text += f"  hand-written/generic b1 {row['hand_over_generic_b1']:.2f}x b32 {row['hand_over_generic_b32']:.2f}x"
+    return text
+
+
+def ratio_stats(rows: list[dict], key: str) -> dict[str, float | None]:
+    ratios = sorted(r[key] for r in rows if r.get(key) is not None)
+    if not ratios:
+        return {"min": None, "median": None}
+    return {"min": round(ratios[0], 3), "median": round(ratios[len(ratios) // 2], 3)}
+
+
+def summary(rows: list[dict], refused: dict[str, str], args, started: float) -> dict:
+    figures: dict = {}
+    for r in rows:
+        figures[f"{r['family']}_forward"] = r["forward"]
+        for b, name in (("1", "b1"), ("32", "b32"), ("32v", "b32_unequal_prompts")):
+            if f"ratio_b{b}" in r:
+                ratio = r[f"ratio_b{b}"]
+                figures[f"{r['family']}_engine_over_generate_{name}_ratio"] = None if ratio is None else round(ratio, 3)
+        agree = r.get("agree_b32")
+        figures[f"{r['family']}_greedy_agreement_b32_share"] = None if agree is None else round(agree, 3)
+        if "hand_over_generic_b32" in r:
+            figures[f"{r['family']}_hand_written_over_generic_b1_ratio"] = round(r["hand_over_generic_b1"], 3)
+            figures[f"{r['family']}_hand_written_over_generic_b32_ratio"] = round(r["hand_over_generic_b32"], 3)
+    curated = [r for r in rows if r["curated"]]
+    for b, name in (("1", "b1"), ("32", "b32"), ("32v", "b32_unequal_prompts")):
+        figures[f"min_engine_over_generate_{name}_ratio"] = ratio_stats(curated, f"ratio_b{b}")["min"]
+    for path in ("fast", "generic", "hf", "failed"):
+        on_path = [r for r in rows if r["forward"] == path]
+        figures[f"families_{path}_count"] = len(on_path)
+        if path in ("fast", "generic"):
+            stats = ratio_stats(on_path, "ratio_b32")
+            figures[f"{path}_min_engine_over_generate_b32_ratio"] = stats["min"]
+            figures[f"{path}_median_engine_over_generate_b32_ratio"] = stats["median"]
+            agreements = [r["agree_b32"] for r in on_path if r.get("agree_b32") is not None]
+            figures[f"{path}_min_greedy_agreement_b32_share"] = round(min(agreements), 3) if agreements else None
+    figures["generate_failures"] = sum(len(r.get("errors", [])) for r in rows)
+    figures["families"] = len(rows)
+    figures["families_on_a_fast_path"] = sum(r["forward"] in ("fast", "generic") for r in rows)
+    figures["refused_count"] = len(refused)
+    figures["refused"] = refused
+    figures["repeats_per_arm"] = args.repeats
+    figures["new_tokens"] = args.new_tokens
+    figures["extra_families_new_tokens"] = args.extra_new_tokens
+    figures["wall_s"] = round(time.time() - started, 1)
+    return figures
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"\n{'family':<20} {'forward':<8} {'params':>7} {'b1 tok/s engine / generate':>30} {'b32':>30} {'b32 unequal':>30}"
+    )
+    for r in rows:
+        cells = []
+        for b in ("1", "32", "32v"):
+            e, g = r.get(f"engine_b{b}_tok_s"), r.get(f"generate_b{b}_tok_s")
+            if f"ratio_b{b}" not in r:
+                cells.append("-")
+            elif r[f"ratio_b{b}"] is None:
+                cells.append("failed")
+            else:
+                cells.append(f"{e[0]:.0f}±{e[1]:.0f} / {g[0]:.0f}±{g[1]:.0f} {r[f'ratio_b{b}']:.2f}x")
+        print(
+            f"{r['family']:<20} {r['forward']:<8} {r['params_m']:>6.2f}M {cells[0]:>30} {cells[1]:>30} {cells[2]:>30}"
+        )
+    for r in rows:
+        if r["forward"] in ("hf", "failed"):
+            print(f"{r['family']}: {r['forward']}: {r['why']}")
+        for error in r.get("errors", []):
+            print(f"{r['family']}: {error}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument(
+        "--families",
+        default="all",
+        help="all (the curated 15, then every other buildable family), curated, or a comma-separated list",
+    )
+    ap.add_argument("--extra-new-tokens", type=int, default=32, help="tokens per prompt on the non-curated families")
+    ap.add_argument("--extra-repeats", type=int, default=1, help="timed runs per arm on the non-curated families")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     why = Why()
     logging.getLogger("slime.engines.generic_decoder").addHandler(why)
     logging.getLogger("slime.engines.generic_decoder").setLevel(logging.INFO)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    n = args.new_tokens
+    warnings.filterwarnings("ignore")
+    started = time.time()
+    built, refused = discover_families()
+    if args.families == "curated":
+        chosen = list(FAMILIES)
+    elif args.families == "all":
+        chosen = list(FAMILIES) + [f for f in built if f not in FAMILIES]
+    else:
+        chosen = args.families.split(",")
     rng = random.Random(0)
     prompts = {b: [[rng.randrange(3, VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(b)] for b in (1, 32)}
     prompts["32v"] = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 28))] for _ in range(32)]
-    rows, figures = [], {}
-    started = time.time()
-    for family in args.families.split(","):
-        model = bench_model(family)
-        params_m = sum(p.numel() for p in model.parameters()) / 1e6
-        engine = BuiltinEngine(model, max_running_requests=32)
-        forward = engine.health()["forward"]
-        reason = why.last
-        row = {"family": family, "params_m": round(params_m, 2), "forward": forward, "why": reason}
-        arms = {
-            "engine": lambda ps, m=model: run_engine(m, ps, n, None),
-            "generate": lambda ps, m=model: run_generate(m, ps, n),
-        }
-        if forward == "fast":  # the hand-written path: against the generic one on the same model
-            arms["generic"] = lambda ps, m=model: run_engine(m, ps, n, "generic")
-        for b, ps in prompts.items():
-            times: dict[str, list[float]] = {arm: [] for arm in arms}
-            tokens: dict[str, list[list[int]]] = {}
-            try:
-                for arm, fn in arms.items():  # warm-up
-                    tokens[arm] = fn(ps)[1]
-            except Exception as exc:  # model.generate itself fails on this family and batch
-                row[f"ratio_b{b}"] = row[f"agree_b{b}"] = None
-                row.setdefault("errors", []).append(f"b{b} {arm}: {type(exc).__name__}: {str(exc)[:150]}")
-                continue
-            for _ in range(args.repeats):
-                for arm, fn in arms.items():
-                    seconds, tokens[arm] = fn(ps)
-                    times[arm].append(len(ps) * n / seconds)
-            for arm in arms:
-                row[f"{arm}_b{b}_tok_s"] = mean_sd(times[arm])
-            row[f"ratio_b{b}"] = row[f"engine_b{b}_tok_s"][0] / row[f"generate_b{b}_tok_s"][0]
-            row[f"agree_b{b}"] = agreement(tokens["engine"], tokens["generate"])
-            if "generic" in arms:
-                row[f"hand_over_generic_b{b}"] = row[f"engine_b{b}_tok_s"][0] / row[f"generic_b{b}_tok_s"][0]
+    rows = []
+    for family in chosen:
+        if family in FAMILIES:
+            row = bench_family(family, {}, prompts, args.new_tokens, args.repeats, why)
+        else:  # one batch of 32 equal prompts, fewer tokens: the 10-minute budget of the whole run
+            extra = {32: prompts[32]}
+            row = bench_family(family, built.get(family, {}), extra, args.extra_new_tokens, args.extra_repeats, why)
         rows.append(row)
-        print(
-            f"{family:<12} {params_m:5.2f}M {forward:<8} b1 {fmt(row['ratio_b1'])}  b32 {fmt(row['ratio_b32'])}  "
-            f"b32 unequal prompts {fmt(row['ratio_b32v'])}  agree {fmt(row['agree_b1'], '')}/{fmt(row['agree_b32'], '')}"
-            + (
-                f"  hand-written/generic b1 {row['hand_over_generic_b1']:.2f}x b32 {row['hand_over_generic_b32']:.2f}x"
-                if "hand_over_generic_b1" in row
-                else ""
-            ),
-            flush=True,
-        )
-    print()
-    print(
-        f"{'family':<12} {'forward':<8} {'params':>7} {'b1 tok/s engine / generate':>30} {'b32':>30} {'b32 unequal':>30}"
-    )
-    for r in rows:
-        cells = []
-        for b in ("1", "32", "32v"):
-            e, g = r.get(f"engine_b{b}_tok_s"), r.get(f"generate_b{b}_tok_s")
-            cells.append(
-                "generate failed"
-                if r[f"ratio_b{b}"] is None
-                else f"{e[0]:.0f}±{e[1]:.0f} / {g[0]:.0f}±{g[1]:.0f} {r[f'ratio_b{b}']:.2f}x"
-            )
-        print(
-            f"{r['family']:<12} {r['forward']:<8} {r['params_m']:>6.2f}M {cells[0]:>30} {cells[1]:>30} {cells[2]:>30}"
-        )
-        figures[f"{r['family']}_forward"] = r["forward"]
-        for b, name in (("1", "b1"), ("32", "b32"), ("32v", "b32_unequal_prompts")):
-            ratio = r[f"ratio_b{b}"]
-            figures[f"{r['family']}_engine_over_generate_{name}_ratio"] = None if ratio is None else round(ratio, 3)
-        agree = r["agree_b32"]
-        figures[f"{r['family']}_greedy_agreement_b32_share"] = None if agree is None else round(agree, 3)
-        if "hand_over_generic_b32" in r:
-            figures[f"{r['family']}_hand_written_over_generic_b1_ratio"] = round(r["hand_over_generic_b1"], 3)
-            figures[f"{r['family']}_hand_written_over_generic_b32_ratio"] = round(r["hand_over_generic_b32"], 3)
-    for r in rows:
-        if r["forward"] == "hf":
-            print(f"{r['family']}: Hugging Face path: {r['why']}")
-        for error in r.get("errors", []):
-            print(f"{r['family']}: {error}")
-    for b, name in (("1", "b1"), ("32", "b32"), ("32v", "b32_unequal_prompts")):
-        ratios = [r[f"ratio_b{b}"] for r in rows if r[f"ratio_b{b}"] is not None]
-        figures[f"min_engine_over_generate_{name}_ratio"] = round(min(ratios), 3) if ratios else None
-    figures["generate_failures"] = sum(len(r.get("errors", [])) for r in rows)
-    figures["families"] = len(rows)
-    figures["families_on_a_fast_path"] = sum(r["forward"] != "hf" for r in rows)
-    figures["repeats_per_arm"] = args.repeats
-    figures["new_tokens"] = n
-    figures["wall_s"] = round(time.time() - started, 1)
-    print(json.dumps(figures))
+        print(line(row), flush=True)
+    print_table(rows)
+    if args.families != "curated":
+        for family, reason in refused.items():
+            print(f"{family}: refused: {reason}")
+    print(json.dumps(summary(rows, refused if args.families != "curated" else {}, args, started)))
 
 
 if __name__ == "__main__":

@@ -6,13 +6,13 @@ is seen at once), with the small maths the layers share (RMSNorm, RoPE, gated ML
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
-# What a decoder layer may hold for the hand-written layers (dropouts are identity in eval).
-_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-# Norms around the MLP too (Gemma 2/3): attention and MLP outputs are normed before the residual.
-_SANDWICH_PARTS = _LAYER_PARTS | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+# Children of a decoder layer that do nothing in eval.
+_IDLE = (torch.nn.Dropout, torch.nn.Identity)
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm"}
 # Multi-head latent attention (DeepSeek-V2/V3): queries direct or through a low-rank pair, keys and
 # values from one compressed latent plus a shared rotary key.
@@ -76,7 +76,9 @@ def read_norm(module: torch.nn.Module) -> Norm:
     return parts if torch.allclose(module(x), rms_norm(x, *parts), rtol=tol, atol=tol) else module
 
 
-def apply_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
+def apply_norm(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
+    if norm is None:
+        return x
     return rms_norm(x, *norm) if isinstance(norm, tuple) else norm(x)
 
 
@@ -167,6 +169,149 @@ def routed_experts_fit(mlp: torch.nn.Module) -> bool:
     )
 
 
+@dataclass
+class LayerFlow:
+    """Where a decoder layer applies its norms, found by tracing it (`trace_decoder`): the names of
+    the norms on the attention's input and output and on the MLP's input and output (None: no norm
+    there), the MLP's name, whether the MLP reads the attention's input (parallel, Cohere) rather
+    than the residual after it, and the scale on each branch before the residual add (Granite)."""
+
+    mlp: str
+    attn_in: str | None = None
+    attn_out: str | None = None
+    mlp_in: str | None = None
+    mlp_out: str | None = None
+    parallel: bool = False
+    residual_scale: float = 1.0
+
+
+@dataclass
+class DecoderTrace:
+    """A decoder's data flow: each layer's `LayerFlow`, the scale between the embedding and the
+    first layer (Granite's embedding_multiplier) and between the head and the logits."""
+
+    layers: list[LayerFlow] = field(default_factory=list)
+    embed_scale: float = 1.0
+    logit_scale: float = 1.0
+
+
+def _first(value: object) -> object:
+    return value[0] if isinstance(value, tuple) else value
+
+
+def _scale_between(x: torch.Tensor, y: torch.Tensor) -> float | None:
+    """s with y == s * x (None if y is no multiple of x)."""
+    x, y = x.double(), y.double()
+    s = float((x * y).sum() / (x * x).sum().clamp_min(1e-30))
+    return s if torch.allclose(y, s * x, rtol=1e-4, atol=1e-5) else None
+
+
+def _layer_flow(layer: torch.nn.Module, calls: dict[str, tuple], x: torch.Tensor, out: torch.Tensor) -> LayerFlow | str:
+    """The flow of one traced layer (``calls``: child name -> (input, output); ``x``, ``out``: the
+    layer's), checked by recomputing the layer's output from the traced pieces; or why it is none."""
+    if "self_attn" not in calls:
+        return "no self_attn call"
+    norms = [n for n in calls if n != "self_attn" and _is_norm(getattr(layer, n))]
+    others = [n for n in calls if n != "self_attn" and n not in norms]
+    if len(others) != 1:
+        return f"decoder layer parts {sorted(others)} besides self_attn and norms (one MLP expected)"
+    flow = LayerFlow(mlp=others[0], residual_scale=float(getattr(layer, "residual_multiplier", 1.0)))
+    (a_in, a_out), (m_in, m_out) = calls["self_attn"], calls[flow.mlp]
+    for name in norms:
+        n_in, n_out = calls[name]
+        role = (
+            "attn_in"
+            if n_out is a_in
+            else "attn_out"
+            if n_in is a_out
+            else "mlp_in"
+            if n_out is m_in
+            else "mlp_out"
+            if n_in is m_out
+            else None
+        )
+        if role is None or getattr(flow, role) is not None:
+            return f"norm {name} is not on the attention's or the MLP's input or output"
+        setattr(flow, role, name)
+    flow.parallel = m_in is a_in
+    if flow.parallel and flow.mlp_in is not None:
+        return "parallel attention and MLP with a norm of their own"
+    return flow if _replays(layer, flow, calls, x, out) else "the layer's output is no residual sum of its traced parts"
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    """A leaf module with an RMSNorm's parts or a norm's class name (LayerNorm, Gemma's RMSNorm)."""
+    leaf = not list(module.children())
+    return leaf and (rms_parts(module) is not None or "norm" in type(module).__name__.lower())
+
+
+def _replays(
+    layer: torch.nn.Module, flow: LayerFlow, calls: dict[str, tuple], x: torch.Tensor, out: torch.Tensor
+) -> bool:
+    """Whether x + s * attention branch (+ s * MLP branch) gives the layer's traced output."""
+    s = flow.residual_scale
+    att = calls[flow.attn_out][1] if flow.attn_out else calls["self_attn"][1]
+    mlp = calls[flow.mlp_out][1] if flow.mlp_out else calls[flow.mlp][1]
+    mid = x + s * att
+    if not flow.parallel:
+        m_in = calls[flow.mlp_in][0] if flow.mlp_in else calls[flow.mlp][0]
+        if not torch.allclose(m_in, mid, rtol=1e-4, atol=1e-5):
+            return False
+    return torch.allclose(out, mid + s * mlp.reshape(out.shape), rtol=1e-4, atol=1e-5)
+
+
+@torch.inference_mode()
+def trace_decoder(model: torch.nn.Module) -> DecoderTrace | str:
+    """Run three tokens through ``model`` with hooks on each layer's children, the embedding and
+    the head, and read off each layer's `LayerFlow` and the embedding and logit scales; or why the
+    decoder is not norm / attention / norm / MLP around a residual stream."""
+    inner = model.model
+    seen: dict = {"layers": [{} for _ in inner.layers]}
+
+    def child_hook(i: int, name: str):
+        def hook(module, args, kwargs, output):
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            seen["layers"][i].setdefault(name, []).append((hidden, _first(output)))
+
+        return hook
+
+    def layer_hook(i: int):
+        def hook(module, args, kwargs, output):
+            seen.setdefault("io", {})[i] = (args[0] if args else kwargs.get("hidden_states"), _first(output))
+
+        return hook
+
+    handles = [inner.embed_tokens.register_forward_hook(lambda m, a, o: seen.setdefault("embed", o))]
+    handles.append(model.lm_head.register_forward_hook(lambda m, a, o: seen.setdefault("head", o)))
+    for i, layer in enumerate(inner.layers):
+        handles.append(layer.register_forward_hook(layer_hook(i), with_kwargs=True))
+        for name, child in layer.named_children():
+            if not isinstance(child, _IDLE):
+                handles.append(child.register_forward_hook(child_hook(i, name), with_kwargs=True))
+    device = model.lm_head.weight.device
+    try:
+        logits = model(input_ids=torch.tensor([[1, 2, 3]], device=device), use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    trace = DecoderTrace()
+    for i, calls in enumerate(seen["layers"]):
+        if any(len(c) != 1 for c in calls.values()):
+            return f"layer {i} calls a part more than once"
+        x, out = seen["io"][i]
+        flow = _layer_flow(inner.layers[i], {n: c[0] for n, c in calls.items()}, x, out)
+        if isinstance(flow, str):
+            return f"layer {i}: {flow}"
+        trace.layers.append(flow)
+    embed_scale = _scale_between(seen["embed"], seen["io"][0][0])
+    head, softcap = seen["head"], getattr(model.config, "final_logit_softcapping", None)
+    logit_scale = _scale_between(head if softcap is None else torch.tanh(head / softcap) * softcap, logits)
+    if embed_scale is None or logit_scale is None:
+        return "the first layer's input or the logits are no multiple of the embedding or the head"
+    trace.embed_scale, trace.logit_scale = embed_scale, logit_scale
+    return trace
+
+
 def layer_window(config, attn: torch.nn.Module, index: int) -> int | None:
     """Layer ``index``'s sliding window (keys at (p - window, p]), or None for full attention: the
     attention module's own word where it keeps one, else the config's."""
@@ -219,14 +364,16 @@ class LatentAttention:
 class LayerTensors:
     """The tensors one decoder layer needs, read from its modules once (views, never copies)."""
 
-    def __init__(self, layer: torch.nn.Module, config, index: int, heads: int, kv_heads: int, head_dim: int):
+    def __init__(
+        self, layer: torch.nn.Module, flow: LayerFlow, config, index: int, heads: int, kv_heads: int, head_dim: int
+    ):
         attn = layer.self_attn
-        self.norm_in, self.norm_post = read_norm(layer.input_layernorm), read_norm(layer.post_attention_layernorm)
-        sandwich = hasattr(layer, "pre_feedforward_layernorm")
-        # Sandwich (Gemma): norm_post norms the attention output, then norm_ff_in and norm_ff_out
-        # go around the MLP; otherwise norm_post is the MLP's input norm.
-        self.norm_ff_in = read_norm(layer.pre_feedforward_layernorm) if sandwich else None
-        self.norm_ff_out = read_norm(layer.post_feedforward_layernorm) if sandwich else None
+        self.flow = flow
+        # The norms on the attention's and the MLP's inputs and outputs (None: not there).
+        self.attn_in, self.attn_out, self.mlp_in, self.mlp_out = (
+            None if name is None else read_norm(getattr(layer, name))
+            for name in (flow.attn_in, flow.attn_out, flow.mlp_in, flow.mlp_out)
+        )
         self.mla = LatentAttention(attn, config, heads) if hasattr(attn, "kv_a_proj_with_mqa") else None
         self.kv_shape = (kv_heads, head_dim, head_dim)  # cached (kv heads, key dim, value dim)
         if self.mla is not None:
@@ -252,7 +399,7 @@ class LayerTensors:
         self.window = layer_window(config, attn, index)
         types = getattr(config, "layer_types", None)
         self.layer_type = types[index] if types else "full_attention"
-        mlp = layer.mlp
+        mlp = getattr(layer, flow.mlp)
         self.mlp_module = None  # run the model's own MLP module (an MoE layout not written here)
         self.router = None
         self.shared = self.shared_gate = None
@@ -280,10 +427,13 @@ class LayerTensors:
 
 def hand_written_misfit(model: torch.nn.Module) -> str | None:
     """Why this model cannot take the hand-written layers, or None. They fit any decoder whose
-    layers are pre-norm RMSNorm -> attention (separate or fused q/k/v projections, optional q/k
-    norms, biases, sliding windows, sinks, partial RoPE) -> RMSNorm -> MLP; SwiGLU MLPs and the
-    usual routed MoE are written out, any other MLP runs as the model's own module. The numbers
-    are checked after this (logits against the model's own forward)."""
+    layers are attention (separate or fused q/k/v projections, optional q/k norms, biases, sliding
+    windows, sinks, partial RoPE) and one MLP around a residual stream, with norms on either's
+    input or output wherever the layer applies them (pre-norm, post-norm as OLMo 2, both as
+    Gemma), the MLP after the attention or beside it (Cohere), the branches scaled (Granite):
+    `trace_decoder` reads that flow off one traced forward. SwiGLU MLPs and the usual routed MoE
+    are written out, any other MLP runs as the model's own module. The numbers are checked after
+    this (logits against the model's own forward)."""
     config = model.config
     inner = getattr(model, "model", None)
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
@@ -297,10 +447,9 @@ def hand_written_misfit(model: torch.nn.Module) -> str | None:
     if not types <= {"full_attention", "sliding_attention"}:
         return f"attention layer types {sorted(types)}"
     for layer in inner.layers:
-        parts = {n for n, m in layer.named_children() if not isinstance(m, torch.nn.Dropout)}
-        if parts not in (_LAYER_PARTS, _SANDWICH_PARTS):
-            return f"decoder layer parts {sorted(parts ^ _LAYER_PARTS)} (not pre-norm attention + MLP)"
-        attn = layer.self_attn
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            return "a decoder layer without self_attn"
         attn_parts = {n for n, _ in attn.named_children()}
         known = _MLA_PARTS if "kv_a_proj_with_mqa" in attn_parts else _ATTENTION_PARTS
         if not attn_parts <= known:
@@ -313,4 +462,5 @@ def hand_written_misfit(model: torch.nn.Module) -> str | None:
         own = {n for n, _ in attn.named_parameters(recurse=False)} - {"sinks"}
         if own:
             return f"attention parameters {sorted(own)}"
-    return None
+    trace = trace_decoder(model)
+    return trace if isinstance(trace, str) else None

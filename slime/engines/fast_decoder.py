@@ -54,6 +54,7 @@ from slime.engines.decoder_layers import (
     rope,
     silu_gate,
     swiglu,
+    trace_decoder,
 )
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,12 @@ class FastDecoder:
         self.model = model
         self.embed = inner.embed_tokens.weight
         self.embed_scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden)
+        trace = trace_decoder(model)
+        if isinstance(trace, str):
+            raise ValueError(trace)
+        # Scales the model applies between the embedding and the first layer and on the logits
+        # (Granite's embedding_multiplier and logits_scaling), read off a traced forward.
+        self.embed_multiplier, self.logit_scale = trace.embed_scale, trace.logit_scale
         self.final_norm = read_norm(inner.norm)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rotary = inner.rotary_emb
@@ -174,8 +181,8 @@ class FastDecoder:
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.layers = [
-            LayerTensors(layer, config, i, self.num_heads, self.num_kv_heads, self.head_dim)
-            for i, layer in enumerate(inner.layers)
+            LayerTensors(layer, flow, config, i, self.num_heads, self.num_kv_heads, self.head_dim)
+            for i, (layer, flow) in enumerate(zip(inner.layers, trace.layers))
         ]
         self.max_rows, self.max_len = int(max_rows), int(max_len)
         self.device, self.dtype = self.embed.device, self.embed.dtype
@@ -344,6 +351,8 @@ class FastDecoder:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(apply_norm(hidden, self.final_norm), self.lm_head, self.lm_head_bias)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
@@ -557,19 +566,22 @@ class FastDecoder:
         x = F.embedding(step.ids, self.embed)  # [S, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
+        if self.embed_multiplier != 1.0:
+            x = x * self.embed_multiplier
         tables = self._rotary_tables(x, step.pos)
         for i, L in enumerate(self.layers):
             cos, sin = tables[L.layer_type if self.rotary_by_type else None]
-            h = apply_norm(x, L.norm_in)
+            h = apply_norm(x, L.attn_in)
             q, k, v = L.mla.qkv(h, cos, sin) if L.mla is not None else self._qkv(L, h, cos, sin)
             att = F.linear(self._attend(i, step, q, k, v, L.scaling, L.window, L.softcap, L.sinks), L.wo, L.bo)
-            if L.norm_ff_in is None:
-                x = x + att
-                x = x + self._mlp(L, apply_norm(x, L.norm_post))
-            else:
-                x = x + apply_norm(att, L.norm_post)
-                x = x + apply_norm(self._mlp(L, apply_norm(x, L.norm_ff_in)), L.norm_ff_out)
+            x = self._residual_add(x, apply_norm(att, L.attn_out), L.flow.residual_scale)
+            mlp_in = h if L.flow.parallel else apply_norm(x, L.mlp_in)
+            x = self._residual_add(x, apply_norm(self._mlp(L, mlp_in), L.mlp_out), L.flow.residual_scale)
         return self._logits(x[step.last])
+
+    @staticmethod
+    def _residual_add(x: torch.Tensor, branch: torch.Tensor, scale: float) -> torch.Tensor:
+        return x + branch if scale == 1.0 else x + branch * scale
 
     def prefill(self, contexts: list[list[int]]) -> torch.Tensor:
         """Append one row per context (existing rows are not fed); next-token logits [n, V]."""

@@ -1,0 +1,88 @@
+"""The decoder families the installed transformers can build tiny (slime/engines/families.py):
+found from the causal-LM registry, shrunk by their config's field names, refused with a reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime.engines.builtin import BuiltinEngine
+from slime.engines.contract import GenerationRequest, SamplingParams
+from slime.engines.decoder_layers import trace_decoder
+from slime.engines.families import FAMILIES, _refusal_before_building, buildable_families, tiny_model
+
+
+@pytest.mark.parametrize("family", ["olmo2", "cohere", "granitemoe", "deepseek_v32"])
+def test_a_family_outside_the_curated_list_builds_tiny_from_its_config_fields(family):
+    assert family not in FAMILIES
+    model = tiny_model(family)
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[3, 4, 5]])).logits.shape == (1, 3, 97)
+
+
+@pytest.mark.parametrize(
+    "family,reason", [("bart", "encoder-decoder"), ("bert", "encoder family"), ("llama4", "multimodal")]
+)
+def test_encoder_decoders_encoders_and_multimodal_composites_are_refused_unbuilt(family, reason):
+    assert reason in _refusal_before_building(family)
+    assert _refusal_before_building("llama") is None
+
+
+def engine_and_generate_tokens(model, forward: str | None = None) -> tuple[str, list[list[int]], list[list[int]]]:
+    """The engine's path and greedy tokens beside `model.generate`'s, on 4 unequal prompts."""
+    from tests.test_generic_decoder import greedy_with_hf_generate, prompts
+
+    engine = BuiltinEngine(model, max_running_requests=8, max_seq_len=128)
+    ps = prompts(4, seed=5, lo=2, hi=14)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[])
+    out = engine.generate([GenerationRequest(f"r{i}", p, greedy) for i, p in enumerate(ps)])
+    got = [out[f"r{i}"].token_ids for i in range(len(ps))]
+    return engine.health()["forward"], got, [greedy_with_hf_generate(model, p, 10) for p in ps]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("family", ["olmo2", "cohere", "granite", "granitemoe", "vaultgemma", "apertus"])
+def test_post_norm_parallel_and_scaled_layers_take_the_hand_written_path_with_generates_tokens(family):
+    """Post-norm (OLMo 2), parallel attention + MLP with a LayerNorm (Cohere), embedding /
+    residual / logit scales off 1 (Granite, and its MoE under another name), norms under other
+    names (VaultGemma, Apertus): the hand-written layers, token for token `generate`."""
+    forward, got, want = engine_and_generate_tokens(tiny_model(family))
+    assert forward == "fast"
+    assert got == want
+
+
+def test_the_trace_reads_where_each_layer_applies_its_norms_and_scales():
+    olmo2 = trace_decoder(tiny_model("olmo2")).layers[0]
+    assert (olmo2.attn_in, olmo2.attn_out, olmo2.mlp_in, olmo2.mlp_out) == (
+        None,
+        "post_attention_layernorm",
+        None,
+        "post_feedforward_layernorm",
+    )
+    cohere = trace_decoder(tiny_model("cohere")).layers[0]
+    assert cohere.parallel and cohere.attn_in == "input_layernorm" and cohere.mlp_in is None
+    granite = trace_decoder(tiny_model("granitemoe"))
+    assert granite.layers[0].mlp == "block_sparse_moe" and granite.layers[0].residual_scale == 0.5
+    assert granite.embed_scale == pytest.approx(2.0) and granite.logit_scale == pytest.approx(0.5)
+    llama = trace_decoder(tiny_model("llama"))
+    assert (llama.layers[0].attn_in, llama.layers[0].mlp_in) == ("input_layernorm", "post_attention_layernorm")
+    assert "one MLP expected" in trace_decoder(tiny_model("ergo"))  # gated residuals
+
+
+@pytest.mark.slow
+def test_every_buildable_family_on_a_fast_path_gives_generates_greedy_tokens():
+    """Every family the installed transformers builds tiny: where the engine takes the hand-written
+    or the generic path, its greedy tokens are `model.generate`'s."""
+    checked = 0
+    for family, overrides in buildable_families().items():
+        model = tiny_model(family, **overrides)
+        try:
+            forward, got, want = engine_and_generate_tokens(model)
+        except Exception:  # the Hugging Face path itself fails on this family: not a fast path
+            assert BuiltinEngine(model, max_running_requests=8).health()["forward"] == "hf"
+            continue
+        if forward in ("fast", "generic"):
+            assert got == want, family
+            checked += 1
+    assert checked >= 90
