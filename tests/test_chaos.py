@@ -60,3 +60,22 @@ def test_a_job_survives_every_fault_kind_once(tiny_model_dir, tmp_path, capsys):
     assert report["trajectories_lost"] == 0 and report["tokens_lost"] == 0 and report["tokens_stored"] > 0
     assert report["groups_trained"] == 14 * 3
     assert clean(report) and "clean" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_slime_chaos_on_its_defaults_runs_to_a_clean_audit(tmp_path):
+    """`slime chaos` with no arguments, as a new user types it: the default job, every fault kind
+    (the reward actor's with reward.mode=ray_actor, picked and said), audited clean, exit 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-m", "slime.cli", "chaos"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    assert "running with reward.mode=ray_actor" in done.stdout
+    assert "\nclean\n" in done.stdout
