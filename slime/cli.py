@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from slime.config import JobConfig, config_for_display, load_config
-from slime.errors import UserError, user_error_behind
+from slime.errors import UserError, exception_behind, user_error_behind
 from slime.metrics import TooManyFailures
 from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url
 
@@ -216,7 +216,7 @@ def _run(argv: list[str]) -> int:
     except Exception as exc:
         # A second SIGINT/SIGTERM lands wherever the job is; inside an import (the final plot) it
         # comes out as that import's error, with the interrupt as its cause: still an interrupt.
-        interrupt = _interrupt_behind(exc)
+        interrupt = exception_behind(exc, KeyboardInterrupt)
         if interrupt is None:
             raise
         return _interrupted(interrupt)
@@ -230,17 +230,6 @@ def _run(argv: list[str]) -> int:
             f"plot {cfg.run_dir / 'training.png'}"
         )
     return 0
-
-
-def _interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
 
 
 def _interrupted(exc: KeyboardInterrupt) -> int:

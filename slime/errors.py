@@ -7,6 +7,10 @@ RuntimeError, ...), so existing handlers still catch them."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
 
 class UserError(Exception):
     """Base of the errors the CLI shows without a traceback. ``hint``: what to do, one sentence."""
@@ -25,15 +29,19 @@ class ClusterError(UserError, RuntimeError):
     hint = "cluster.ray_address: leave it unset for a Ray of the job's own, or give a running cluster's address (docs/cluster.md)"
 
 
-def user_error_behind(exc: BaseException) -> UserError | None:
-    """The `UserError` that ``exc`` is or was caused by (through ``raise ... from``, an exception
-    raised while handling it, or a Ray task error's ``cause``); None if there is none."""
+def exception_behind(exc: BaseException, kind: type[E]) -> E | None:
+    """The exception of ``kind`` that ``exc`` is or was caused by (through ``raise ... from``, an
+    exception raised while handling it, or a Ray task error's ``cause``); None if there is none."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, UserError):
+        if isinstance(current, kind):
             return current
         seen.add(id(current))
         cause = getattr(current, "cause", None)  # ray.exceptions.RayTaskError wraps the actor's error
         current = current.__cause__ or (cause if isinstance(cause, BaseException) else None) or current.__context__
     return None
+
+
+def user_error_behind(exc: BaseException) -> UserError | None:
+    return exception_behind(exc, UserError)

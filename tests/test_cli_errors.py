@@ -83,8 +83,11 @@ def test_resource_error(tmp_path):
 
 @pytest.mark.slow
 def test_cluster_error(tmp_path):
-    done = slime("train", EXAMPLE, "cluster.ray_address=auto", f"output_dir={tmp_path}", env={"RAY_ADDRESS": ""})
-    assert_one_clean_error(done, "cluster.ray_address=auto")
+    # An address Ray cannot parse fails at once (`auto` would join any Ray running on this machine,
+    # such as the test session's, and a closed port waits a minute for a GCS).
+    address = "127.0.0.1:notaport"
+    done = slime("train", EXAMPLE, f"cluster.ray_address={address}", f"output_dir={tmp_path}", env={"RAY_ADDRESS": ""})
+    assert_one_clean_error(done, f"cluster.ray_address={address}: Ray could not start or join")
 
 
 def test_an_unexpected_exception_keeps_its_traceback(tmp_path):
