@@ -61,22 +61,23 @@ def job_server(tmp_path: Path) -> Iterator[tuple[Path, LocalRedisServer, JobCred
 
 
 def test_a_running_jobs_dashboard_attaches_live(job_server):
+    """Through the command: it finds the job's server from the run dir and takes control routes."""
     run_dir, server, credentials = job_server
-    run = open_run_buffer(run_dir)
-    assert not run.read_only and run.url == server.url and run.job == JOB
-    token = credentials.token("dashboard")
-    dash = DashboardServer(run.url, run.job, token=token, redis_password=run.redis_password).start()
-    wait_for(lambda: dash.server.started, 10, "the dashboard to listen")
+    proc, first = _start_dashboard(run_dir)
     try:
-        summary = httpx.get(dash.url + "api/summary", timeout=10).json()
+        match = re.search(r": (http://\S+) \(running job: attached live to (\S+);", first)
+        assert match and match.group(2) == server.url, first
+        url = match.group(1)
+        summary = httpx.get(url + "api/summary", timeout=10).json()
         assert summary["read_only"] is False and summary["groups"]["total"] == 1
         assert summary["samples_by_status"]["pending"] == 2
-        reply = httpx.post(dash.url + "api/control/pause", headers={"X-Slime-Token": token}, json={}, timeout=10)
+        auth = {"X-Slime-Token": credentials.token("dashboard")}
+        reply = httpx.post(url + "api/control/pause", headers=auth, json={}, timeout=10)
         assert reply.status_code == 200 and reply.json()["paused"] is True  # a live job takes control
     finally:
-        dash.stop()
-        run.close()
-    assert server.running  # closing an attached run leaves the job's server alone
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert server.running  # the command leaves the job's server alone
 
 
 def test_a_finished_run_is_served_from_a_copy_that_is_deleted(job_server):
@@ -177,16 +178,18 @@ def finished_run(ray_session, tiny_model_dir, tmp_path_factory) -> tuple[Path, l
     return run_dir, history
 
 
-def _start_dashboard(run_dir: Path) -> tuple[subprocess.Popen[str], str, Path]:
+def _start_dashboard(run_dir: Path) -> tuple[subprocess.Popen[str], str]:
+    """`slime dashboard RUN_DIR --port 0` and the line it prints once it listens."""
     cmd = [sys.executable, "-m", "slime.cli", "dashboard", str(run_dir), "--port", "0"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    first = lines.get(timeout=60)
-    match = re.search(r": (http://\S+) \(finished run: serving a read-only copy of its buffer from (\S+),", first)
-    assert match, first + "".join(lines.queue)
-    return proc, match.group(1), Path(match.group(2))
+    try:
+        return proc, lines.get(timeout=60)
+    except queue.Empty:
+        proc.kill()
+        raise AssertionError("slime dashboard printed no URL") from None
 
 
 @pytest.mark.slow
@@ -202,9 +205,12 @@ def test_a_finished_runs_dashboard_is_read_only_and_leaves_the_run_untouched(fin
     token = JobCredentials.read(run_dir).token("dashboard")
     auth = {"X-Slime-Token": token}
     started = time.monotonic()
-    proc, url, copy_dir = _start_dashboard(run_dir)
+    proc, first = _start_dashboard(run_dir)
     try:
         print(f"dashboard up in {time.monotonic() - started:.1f}s")
+        match = re.search(r": (http://\S+) \(finished run: serving a read-only copy of its buffer from (\S+),", first)
+        assert match, first
+        url, copy_dir = match.group(1), Path(match.group(2))
         assert copy_dir.is_dir()
         summary = httpx.get(url + "api/summary", timeout=10).json()
         assert summary["read_only"] is True and summary["job"] == JOB
