@@ -65,7 +65,7 @@ def _dashboard(ns: argparse.Namespace) -> int:
     import redis  # subcommand
 
     from slime.buffer import JOB_NAME_PATTERN, open_client  # subcommand
-    from slime.dashboard.server import DashboardServer  # subcommand
+    from slime.dashboard.server import DashboardConfigError, DashboardServer  # subcommand
 
     if ns.token is not None:
         print(
@@ -75,6 +75,18 @@ def _dashboard(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if ns.run_dir is not None:
+        if ns.redis or ns.job or ns.secret_file:
+            raise DashboardConfigError(
+                "slime dashboard RUN_DIR takes the buffer's URL, the job and the secret from the run directory",
+                hint="leave out --redis, --job and --secret-file (or leave out RUN_DIR)",
+            )
+        return _dashboard_run_dir(ns)
+    if ns.redis is None or ns.job is None:
+        raise DashboardConfigError(
+            "slime dashboard needs a run directory, or --redis URL and --job NAME",
+            hint="slime dashboard RUN_DIR (a run's output_dir), or slime dashboard --redis URL --job NAME",
+        )
     if not JOB_NAME_PATTERN.match(ns.job):
         print(f"slime: --job {ns.job!r} must match {JOB_NAME_PATTERN.pattern}", file=sys.stderr)
         return 2
@@ -92,6 +104,40 @@ def _dashboard(ns: argparse.Namespace) -> int:
     )
     print(f"dashboard of job {ns.job!r}: {server.url} ({how})", flush=True)
     server.run()
+    return 0
+
+
+def _dashboard_run_dir(ns: argparse.Namespace) -> int:
+    """`slime dashboard RUN_DIR`: attached to a running job's buffer, or serving a read-only copy
+    of a finished run's, stopped and deleted when this command exits."""
+    import signal  # subcommand
+
+    from slime.dashboard.rundir import READ_ONLY_REASON, open_run_buffer  # subcommand
+    from slime.dashboard.server import DashboardServer  # subcommand
+
+    # SIGTERM as Ctrl-C: uvicorn re-raises either once it has shut down, and the default SIGTERM
+    # would end the process before the copy's server is stopped and the copy deleted.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        run = open_run_buffer(ns.run_dir)
+        try:
+            token = read_token(ns.token_file) if ns.token_file else run.credentials.token("dashboard")
+            read_only = READ_ONLY_REASON if run.read_only else None
+            server = DashboardServer(
+                run.url, run.job, ns.host, ns.port, token, redis_password=run.redis_password, read_only=read_only
+            )
+            if run.read_only:
+                how = f"finished run: serving a read-only copy of its buffer from {run.copy_dir}, deleted on exit"
+            else:
+                how = f"running job: attached live to {redact_url(run.url)}; control routes need URL#token=<token>"
+            print(f"dashboard of job {run.job!r}: {server.url} ({how})", flush=True)
+            server.run()
+        finally:
+            run.close()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -169,11 +215,17 @@ def _run(argv: list[str]) -> int:
     )
     p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim.py)")
     p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
-    p_dash = sub.add_parser("dashboard", help="serve the buffer API and live page of one job (docs/dashboard.md)")
-    p_dash.add_argument(
-        "--redis", required=True, help="redis://host:port/db (or redis+cluster://host:port) of the job's buffer"
+    p_dash = sub.add_parser(
+        "dashboard", help="serve the buffer API and page of one job: dashboard RUN_DIR, or --redis URL --job NAME"
     )
-    p_dash.add_argument("--job", required=True, help="the job_name whose buffer to show")
+    p_dash.add_argument(
+        "run_dir",
+        nargs="?",
+        default=None,
+        help="a run's output_dir: attach to the running job's buffer, or serve a read-only copy of a finished run's",
+    )
+    p_dash.add_argument("--redis", help="redis://host:port/db (or redis+cluster://host:port) of the job's buffer")
+    p_dash.add_argument("--job", help="the job_name whose buffer to show (with --redis)")
     p_dash.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others need a token)")
     p_dash.add_argument("--port", type=int, default=8377, help="0 picks a free port")
     p_dash.add_argument(

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Path, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -94,11 +94,13 @@ def create_app(
     *,
     redis_password: str | None = None,
     bind_host: str = "127.0.0.1",
+    read_only: str | None = None,
 ) -> FastAPI:
-    """``bind_host``: where the server listens; it decides whether reads need the token."""
+    """``bind_host``: where the server listens; it decides whether reads need the token.
+    ``read_only``: why control routes are refused (409), e.g. a finished run's copy; None allows them."""
     connection = JobConnection(redis_url, job, password=redis_password)
     telemetry = JobTelemetry(connection)  # the dashboard's only writes: control records and events
-    reader = BufferReader(BufferQueries(connection), telemetry)
+    reader = BufferReader(BufferQueries(connection), telemetry, read_only=read_only is not None)
     streams = StreamSlots()
     app = FastAPI(
         title=f"slime buffer API: job {job}",
@@ -245,6 +247,12 @@ def create_app(
         return PlainTextResponse(reader.prometheus(), media_type="text/plain; version=0.0.4")
 
     # ---- control ----------------------------------------------------------------------------------
+    def writable() -> None:
+        if read_only is not None:
+            raise HTTPException(409, read_only)
+
+    writes = [Depends(writable)]
+
     def state(event: dict[str, Any]) -> S.ControlState:
         control = telemetry.get_control()
         return S.ControlState(
@@ -253,17 +261,17 @@ def create_app(
             event=S.Event(**event),
         )
 
-    @app.post("/api/control/pause", response_model=S.ControlState, tags=["control"])
+    @app.post("/api/control/pause", response_model=S.ControlState, tags=["control"], dependencies=writes)
     def pause() -> S.ControlState:
         telemetry.set_control(paused="1")
         return state(telemetry.log_event("pause", {"by": "dashboard"}))
 
-    @app.post("/api/control/resume", response_model=S.ControlState, tags=["control"])
+    @app.post("/api/control/resume", response_model=S.ControlState, tags=["control"], dependencies=writes)
     def resume() -> S.ControlState:
         telemetry.set_control(paused="0")
         return state(telemetry.log_event("resume", {"by": "dashboard"}))
 
-    @app.post("/api/control/oversample", response_model=S.ControlState, tags=["control"])
+    @app.post("/api/control/oversample", response_model=S.ControlState, tags=["control"], dependencies=writes)
     def oversample(body: S.OversampleRequest) -> S.ControlState:
         info = telemetry.job_info()
         if info and not info.get("april_enabled", False):
@@ -273,7 +281,7 @@ def create_app(
         telemetry.set_control(oversample=repr(body.oversample))
         return state(telemetry.log_event("oversample", {"by": "dashboard", "oversample": body.oversample}))
 
-    @app.post("/api/trajectories/{sample_id}/requeue", response_model=S.Event, tags=["control"])
+    @app.post("/api/trajectories/{sample_id}/requeue", response_model=S.Event, tags=["control"], dependencies=writes)
     def requeue(sample_id: SampleId) -> dict[str, Any]:
         try:
             telemetry.force_requeue(sample_id)
@@ -283,7 +291,7 @@ def create_app(
             raise HTTPException(409, str(exc)) from None
         return telemetry.log_event("requeue", {"by": "dashboard", "sample_id": sample_id})
 
-    @app.post("/api/trajectories/{sample_id}/drop", response_model=S.Event, tags=["control"])
+    @app.post("/api/trajectories/{sample_id}/drop", response_model=S.Event, tags=["control"], dependencies=writes)
     def drop(sample_id: SampleId, body: S.DropRequest) -> dict[str, Any]:
         try:
             was = telemetry.drop_sample(sample_id, body.reason)

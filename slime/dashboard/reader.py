@@ -102,8 +102,9 @@ def _histogram(values: list[float], bins: int, integer: bool) -> S.Histogram:
 class BufferReader:
     """Everything the API reads, for one job (fixed at construction)."""
 
-    def __init__(self, queries: BufferQueries, telemetry: JobTelemetry):
+    def __init__(self, queries: BufferQueries, telemetry: JobTelemetry, read_only: bool = False):
         self.queries = queries
+        self.read_only = read_only
         self.telemetry = telemetry
         self.job = queries.job
         self._throughput: deque[tuple[float, float]] = deque(maxlen=128)
@@ -141,6 +142,7 @@ class BufferReader:
             staleness_max=max(staleness, default=0),
             staleness_mean=float(np.mean(staleness)) if staleness else 0.0,
             server_time=now,
+            read_only=self.read_only,
         )
 
     def _rate(self, now: float, generated: float) -> float:

@@ -36,6 +36,9 @@ class Summary(_Strict):
     staleness_max: int = Field(description="Policy version minus the oldest token version among unfinished samples.")
     staleness_mean: float
     server_time: float
+    read_only: bool = Field(
+        False, description="A finished run's copy (`slime dashboard RUN_DIR`): control routes answer 409."
+    )
 
 
 class TrajectoryRow(_Strict):

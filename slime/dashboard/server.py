@@ -51,6 +51,7 @@ class DashboardServer:
         token: str | None = None,
         *,
         redis_password: str | None = None,
+        read_only: str | None = None,
     ):
         check_bind(host, token)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -64,7 +65,7 @@ class DashboardServer:
         self.port = self.socket.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/"
-        app = create_app(redis_url, job, token, redis_password=redis_password, bind_host=host)
+        app = create_app(redis_url, job, token, redis_password=redis_password, bind_host=host, read_only=read_only)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None

@@ -14,6 +14,7 @@ function readToken() {
   return sessionStorage.getItem(TOKEN_KEY);
 }
 const TOKEN = readToken();
+let READ_ONLY = false;  // a finished run's copy (summary.read_only): no control buttons
 const STATUSES = ["pending", "running", "aborted", "completed", "truncated", "failed"];
 const history = { occupancy: [], throughput: [] };
 const HISTORY_POINTS = 600;
@@ -59,6 +60,12 @@ function onSummary(s) {
   text("generated-tokens", Math.round(s.generated_tokens));
   text("staleness-max", s.staleness_max);
   $("paused").hidden = !s.paused;
+  if (s.read_only && !READ_ONLY) {
+    READ_ONLY = true;
+    $("read-only").hidden = false;
+    $("controls").hidden = true;
+    $("inspector-actions").hidden = true;
+  }
   for (const st of STATUSES) text(`count-${st}`, s.samples_by_status[st]);
   for (const g of ["open", "ready", "trained"]) text(`groups-${g}`, s.groups[g]);
   if (s.oversample !== null && document.activeElement !== $("oversample")) $("oversample").value = s.oversample;
@@ -157,7 +164,7 @@ async function inspect(id) {
     span.textContent = k.text;
     return span;
   }));
-  $("inspector-actions").hidden = !TOKEN;
+  $("inspector-actions").hidden = !TOKEN || READ_ONLY;
   $("inspector").scrollIntoView();
 }
 
