@@ -440,6 +440,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here after each part")
     a = ap.parse_args()
     cuda = a.device.startswith("cuda")
+    if not cuda and not a.quick:  # billions of parameters on CPU would run for hours
+        print(f"gpu_engine: no CUDA device ({a.device}): running --quick (tiny shapes), a check of the script")
+        a.quick = True
     a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
     a.batches = [int(b) for b in a.batches.split(",")]
     started = time.perf_counter()
