@@ -52,7 +52,7 @@ def _validate(data: dict[str, Any]) -> SimConfig:
         return SimConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(
-            format_validation_error(err, "invalid simulator config", "sim.", "SimConfig in april/sim.py")
+            format_validation_error(err, "invalid simulator config (SimConfig in april/sim_config.py)", "sim.")
         ) from None
 
 

@@ -59,6 +59,9 @@ class DashboardServer:
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.socket.bind((host, port))
+            # Listening from here on: a client that reads the printed URL and connects before
+            # uvicorn's loop runs waits in the backlog instead of being refused.
+            self.socket.listen(128)
         except OSError as exc:
             self.socket.close()
             raise DashboardConfigError(f"dashboard cannot listen on {host}:{port}: {exc}") from None
