@@ -300,10 +300,8 @@ def graph_checks(device: str) -> dict:
         engines = [BuiltinEngine(a, device=device, max_running_requests=16, cuda_graphs=g) for g in (True, False)]
         same = []
         for version in (0, 1):
-            if version:
-                for engine in engines:  # both share the model: one update serves both
-                    engine.update_weights(1, list(b.state_dict().items()))
-                    break
+            if version:  # both engines share the model: one update serves both
+                engines[0].update_weights(1, list(b.state_dict().items()))
             prompts = [p[: 3 + 2 * i] for i, p in enumerate(make_prompts(97, 12, 30, seed=version))]
             tokens = []
             for engine in engines:

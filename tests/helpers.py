@@ -24,6 +24,18 @@ APRIL_SMALL_JOB = [
 ]
 
 
+# The smallest whole job the end-to-end tests run: 2 groups of 2 samples a step, quiet output.
+TINY_JOB = [
+    "rollout.batch_size=2",
+    "rollout.n_samples_per_prompt=2",
+    "rollout.max_new_tokens=24",
+    "data.num_generated=32",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.plot=false",
+]
+
+
 def needs(available: bool, reason: str) -> pytest.MarkDecorator:
     """skipif for a system tool a developer's machine may lack (bubblewrap, Chromium). In CI
     (.ci/run sets SLIME_CI=1) a missing tool fails the run at collection instead of skipping."""

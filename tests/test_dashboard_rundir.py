@@ -26,7 +26,7 @@ from slime.cli import main
 from slime.dashboard.rundir import READ_ONLY_REASON, RunDirError, open_run_buffer
 from slime.dashboard.server import DashboardServer
 from slime.security import JobCredentials
-from tests.helpers import needs, wait_for
+from tests.helpers import TINY_JOB, needs, wait_for
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 JOB = "rundir-job"
@@ -163,13 +163,7 @@ def finished_run(ray_session, tiny_model_dir, tmp_path_factory) -> tuple[Path, l
                 f"job_name={JOB}",
                 f"output_dir={run_dir}",
                 f"model.path={tiny_model_dir}",
-                "rollout.batch_size=2",
-                "rollout.n_samples_per_prompt=2",
-                "rollout.max_new_tokens=24",
-                "data.num_generated=32",
-                "logging.progress=false",
-                "logging.tensorboard=false",
-                "logging.plot=false",
+                *TINY_JOB,
                 "steps=2",
             ],
         )
