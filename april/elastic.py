@@ -17,7 +17,7 @@ decision takes the mean fill of the last `cooldown_steps` steps since the last c
   as one: its buffer starts empty whatever the balance), or at min_workers / max_workers: hold.
 
 Pure: the caller counts the workers and the ready groups and carries the decision out (the live
-job: slime/fleet.py; the simulator: april/sim.py).
+job: slime/fleet.py; the simulator: april/sim/run.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""APRIL's decisions, shared by the live job (slime/fleet.py) and the simulator (april/sim.py).
+"""APRIL's decisions, shared by the live job (slime/fleet.py) and the simulator (april/sim/run.py).
 
 Everything here is a pure decision over plain numbers: how many groups to keep in flight, how
 many new groups to start now, when the batch is full (abort the rest), what to do with a partial

@@ -31,7 +31,7 @@ stored) although the abort overlaps the learner. Every generated token is counte
 was generated in. Step seconds are contiguous (one step starts where the last ended), so the wall
 figures cover the whole loop; the table also shows tokens over the whole loop's wall-clock.
 
-Then the simulator (`april/sim.py`, preset `cpu_tiny`) is calibrated from this machine: the engine's
+Then the simulator (`april/sim/run.py`, preset `cpu_tiny`) is calibrated from this machine: the engine's
 decode step time at several batch sizes (-> t0, k), prefill time per token (-> p), training time per
 step/token and the weight-sync/driver overhead from round 0's sync_frozen run, and that run's real
 response lengths as the empirical length distribution. It predicts sync and APRIL x2 and is
@@ -409,7 +409,7 @@ def calibrate_and_simulate(
     """`runs`: one run per arm (round 0's); `sums`: each arm's figures as means over its runs;
     `measured`: the pair's mean per-round ratios ("wall", "rollout")."""
     from april.sim import simulate
-    from slime.simulate import sim_config_from_job
+    from slime.tools.simulate import sim_config_from_job
 
     S, A = FROZEN_PAIR if all(k in runs for k in FROZEN_PAIR) else ("sync", "april2")
     sync, warm = runs[S], args.warmup_steps
@@ -761,7 +761,7 @@ def main() -> None:
         msum = {a: mean_summary(sums[a]) for a in (S, A)}
         print()
         print(
-            f"simulator (april/sim.py, preset cpu_tiny) calibrated on this machine and round 0's {S} run, "
+            f"simulator (april/sim/run.py, preset cpu_tiny) calibrated on this machine and round 0's {S} run, "
             f"compared with the mean of {A} / {S} over the rounds:"
         )
         print("  engine decode step, ms at batch " + ", ".join(f"{b}: {1e3 * v:.2f}" for b, v in e["step_s"].items()))

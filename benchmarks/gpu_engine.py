@@ -292,7 +292,7 @@ def agreement(graphs: BuiltinEngine, eager: BuiltinEngine, vocab: int) -> dict:
 def graph_checks(device: str) -> dict:
     """float32, tiny models of five families: greedy tokens with graphs equal those without, before
     and after an in-place weight update (the captured graphs must read the new weights)."""
-    from slime.engines.families import tiny_model
+    from benchmarks.families import tiny_model
 
     out = {}
     for family in ("qwen3_moe", "llama", "gemma2", "gpt_oss", "deepseek_v3"):

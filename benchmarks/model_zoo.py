@@ -1,6 +1,6 @@
 """The built-in engine on every decoder family transformers can build, against `model.generate`.
 
-For each family of slime/engines/families.py a random-init model of a few M parameters
+For each family of benchmarks/families.py a random-init model of a few M parameters
 (hidden 256, 4 layers, 8 query / 4 key-value heads; experts, MLA, windows and sinks as the family
 has them), float32, CPU. Per family: which forward the engine takes (hand-written fast path,
 generic fast path over the model's own modules, or Hugging Face's, and why), decode throughput
@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.families import FAMILIES, TINY_SHAPE, discover_families, tiny_model, tiny_settings  # noqa: E402
 from benchmarks.spread import mean_sd  # noqa: E402
 from slime.engines.builtin import BuiltinEngine  # noqa: E402
 from slime.engines.contract import GenerationRequest, SamplingParams  # noqa: E402
-from slime.engines.families import FAMILIES, TINY_SHAPE, discover_families, tiny_model, tiny_settings  # noqa: E402
 
 VOCAB = 2048
 PROMPT_TOKENS = 16
@@ -258,8 +258,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     why = Why()
-    logging.getLogger("slime.engines.generic_decoder").addHandler(why)
-    logging.getLogger("slime.engines.generic_decoder").setLevel(logging.INFO)
+    logging.getLogger("slime.engines.builtin.generic_decoder").addHandler(why)
+    logging.getLogger("slime.engines.builtin.generic_decoder").setLevel(logging.INFO)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     started = time.time()

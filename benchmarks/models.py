@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from slime.engines.families import tiny_model
+from benchmarks.families import tiny_model
 
 SHAPES: dict[str, dict[str, int]] = {
     # 8 experts plus a shared expert, 2.2M parameters with the char tokenizer (issue 21's model)

@@ -1,4 +1,4 @@
-"""Scale on paper: what the APRIL simulator (april/sim.py) predicts for 8, 64 and 512 GPUs, and the
+"""Scale on paper: what the APRIL simulator (april/sim/run.py) predicts for 8, 64 and 512 GPUs, and the
 Redis load that implies.
 
 For each GPU count, with the assumptions below (a Qwen3-30B-A3B-class MoE, one engine per H200,
@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from april.sim import SimConfig, SimResult, simulate  # noqa: E402
-from april.sim_engine import LengthSampler  # noqa: E402
+from april.sim.engine import LengthSampler  # noqa: E402
 from slime.buffer.records import WIRE_LOGPROB, WIRE_MASK, WIRE_TOKEN, WIRE_VERSION  # noqa: E402
 from slime.buffer.redis_server import LocalRedisServer  # noqa: E402
 from slime.buffer.store import TrajectoryStore  # noqa: E402

@@ -18,7 +18,7 @@ A verdict with no parseable score raises `JudgeParseError`, so the sample fails 
 text in the failure reason; a parsed verdict keeps the text in the sample's metadata
 (`reward_info.judge`).
 
-The judge runs on this project's engine (`model_dir`: a LocalGenerator, slime/openai_server.py)
+The judge runs on this project's engine (`model_dir`: a LocalGenerator, slime/tools/openai_server.py)
 or on any OpenAI-compatible server (`url`: POST {url}/v1/chat/completions or /v1/completions).
 """
 
@@ -191,7 +191,9 @@ class EngineBackend:
     _shared: dict[tuple[str, str], Any] = {}
 
     def __init__(self, model_dir: str, device: str = "cpu", chat: bool = True) -> None:
-        from slime.engines.local_generator import LocalGenerator  # late: torch and a model only for model_dir judges
+        from slime.engines.builtin.local_generator import (
+            LocalGenerator,  # late: torch and a model only for model_dir judges
+        )
 
         key = (str(model_dir), device)
         if key not in self._shared:

@@ -180,15 +180,15 @@ def _run(argv: list[str]) -> int:
 
         return main_reward_serve(argv[1:])
     if argv and argv[0] == "chaos":
-        from slime.chaos import main_chaos  # subcommand
+        from slime.tools.chaos import main_chaos  # subcommand
 
         return main_chaos(argv[1:])
     if argv and argv[0] in ("submit", "status", "logs", "stop"):
-        from slime.submit import main_jobs  # subcommand
+        from slime.tools.submit import main_jobs  # subcommand
 
         return main_jobs(argv)
     if argv and argv[0] == "serve-sglang":
-        from slime.engines.sglang_server import main as main_serve_sglang  # subcommand
+        from slime.engines.sglang.server import main as main_serve_sglang  # subcommand
 
         main_serve_sglang(argv[1:])
         return 0
@@ -213,7 +213,7 @@ def _run(argv: list[str]) -> int:
     sub.add_parser(
         "serve-sglang", help="serve the built-in engine over SGLang's HTTP API: serve-sglang --model DIR --port N"
     )
-    p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim.py)")
+    p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim/run.py)")
     p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
     p_dash = sub.add_parser(
         "dashboard", help="serve the buffer API and page of one job: dashboard RUN_DIR, or --redis URL --job NAME"
@@ -245,7 +245,7 @@ def _run(argv: list[str]) -> int:
     if ns.command == "dashboard":
         return _dashboard(ns)
     if ns.command == "simulate":
-        from slime.simulate import main_simulate  # subcommand
+        from slime.tools.simulate import main_simulate  # subcommand
 
         return main_simulate(ns.args)
 

@@ -171,7 +171,7 @@ class RunningJob:
             try:
                 ray.init(
                     # "local": a Ray of the job's own, even where a cluster runs on this machine (Ray
-                    # would join that one); "auto" joins it on purpose (a submitted job: slime/submit.py).
+                    # would join that one); "auto" joins it on purpose (a submitted job: slime/tools/submit.py).
                     address=address,
                     num_cpus=cfg.cluster.num_cpus,
                     include_dashboard=False,

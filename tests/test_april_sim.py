@@ -1,4 +1,4 @@
-"""The rollout simulator (april/sim*.py, the CLI in slime/simulate.py): exact small cases, the APRIL mechanism, accounting."""
+"""The rollout simulator (april/sim*.py, the CLI in slime/tools/simulate.py): exact small cases, the APRIL mechanism, accounting."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from april.sim import PRESETS, SimConfig, WaveRollout, compare, plot, simulate
-from april.sim_engine import Engine, Group, LengthSampler, Request
+from april.sim.engine import Engine, Group, LengthSampler, Request
 from slime.config import load_config
-from slime.simulate import main_simulate, sim_config_from_job
+from slime.tools.simulate import main_simulate, sim_config_from_job
 
 # A small cluster: 2 engines x 16 slots, B*n = 32 requests (= the slots), GPU-like step costs.
 SMALL = dict(

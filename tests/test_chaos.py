@@ -1,4 +1,4 @@
-"""The chaos harness (slime/chaos.py): a short real job whose rollout worker is killed and hangs,
+"""The chaos harness (slime/tools/chaos.py): a short real job whose rollout worker is killed and hangs,
 whose learner is killed, whose redis-server is killed and whose reward actor is killed and hangs,
 on a seeded schedule; the job recovers by itself each time and the audit finds nothing lost or
 duplicated."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from slime.chaos import FAULTS, clean, plan, print_report, run
+from slime.tools.chaos import FAULTS, clean, plan, print_report, run
 from tests.helpers import APRIL_SMALL_JOB
 
 KINDS = list(FAULTS)

@@ -1,4 +1,4 @@
-"""Static decode steps (slime/engines/decode_graphs.py): buckets, padding and static buffers on CPU,
+"""Static decode steps (slime/engines/builtin/decode_graphs.py): buckets, padding and static buffers on CPU,
 where the steps run eagerly; the same steps are what a CUDA graph captures. Greedy tokens must equal
 the segmented decode's, through weight updates, cache growth, rows leaving and routing recorders.
 Also the start check's like-with-like routing (fast_decoder.agrees_with_model)."""
@@ -11,15 +11,14 @@ import random
 import pytest
 import torch
 
-from slime.engines import generic_decoder
-from slime.engines.builtin import BuiltinEngine
+from benchmarks.families import tiny_model
+from slime.engines.builtin import BuiltinEngine, generic_decoder
+from slime.engines.builtin.decode_graphs import MIN_LENGTH_BUCKET, batch_buckets, bucket_for, length_bucket
+from slime.engines.builtin.fast_decoder import FastDecoder, grouped_mm_agrees
+from slime.engines.builtin.generic_decoder import GenericDecoder, fast_decoder_for
+from slime.engines.builtin.start_check import agrees_with_model
 from slime.engines.contract import GenerationRequest, SamplingParams
-from slime.engines.decode_graphs import MIN_LENGTH_BUCKET, batch_buckets, bucket_for, length_bucket
 from slime.engines.expert_load import ExpertLoadRecorder
-from slime.engines.families import tiny_model
-from slime.engines.fast_decoder import FastDecoder, grouped_mm_agrees
-from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
-from slime.engines.start_check import agrees_with_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,11 +12,11 @@ import pytest
 
 from april.elastic import ElasticPolicy
 from april.sim import simulate
-from april.sim_config import PRESETS, SimConfig
+from april.sim.config import PRESETS, SimConfig
 from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import ConfigError, load_config
 from slime.sample import Status, new_id
-from slime.simulate import sim_config_from_job
+from slime.tools.simulate import sim_config_from_job
 from tests.helpers import wait_for
 
 

@@ -1,4 +1,4 @@
-"""The built-in rollout engine (slime/engines/builtin.py) on a tiny random Qwen3-MoE, float32, CPU."""
+"""The built-in rollout engine (slime/engines/builtin/engine.py) on a tiny random Qwen3-MoE, float32, CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from slime.config import TinyModelConfig, load_config
 from slime.engines import make_engine
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationChunk, GenerationRequest, RolloutEngine, SamplingParams
-from slime.engines.sglang import SglangEngine
+from slime.engines.sglang.adapter import SglangEngine
 from slime.engines.vllm import VllmEngine
 from slime.model import build_tiny_moe
 

@@ -1,4 +1,4 @@
-"""The decoder families the installed transformers can build tiny (slime/engines/families.py):
+"""The decoder families the installed transformers can build tiny (benchmarks/families.py):
 found from the causal-LM registry, shrunk by their config's field names, refused with a reason."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.families import FAMILIES, _refusal_before_building, buildable_families, tiny_model
 from slime.engines.builtin import BuiltinEngine
+from slime.engines.builtin.decoder_layers import trace_decoder
 from slime.engines.contract import GenerationRequest, SamplingParams
-from slime.engines.decoder_layers import trace_decoder
-from slime.engines.families import FAMILIES, _refusal_before_building, buildable_families, tiny_model
 
 
 @pytest.mark.parametrize("family", ["olmo2", "cohere", "granitemoe", "deepseek_v32"])

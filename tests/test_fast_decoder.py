@@ -1,4 +1,4 @@
-"""The built-in engine's fast forward (slime/engines/fast_decoder.py) against Hugging Face's forward."""
+"""The built-in engine's fast forward (slime/engines/builtin/fast_decoder.py) against Hugging Face's forward."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from slime.config import TinyModelConfig
-from slime.engines import fast_decoder as fd
 from slime.engines.builtin import BuiltinEngine
+from slime.engines.builtin import fast_decoder as fd
+from slime.engines.builtin.fast_decoder import SEGMENT_ROWS, FastDecoder, decode_segments
+from slime.engines.builtin.generic_decoder import fast_decoder_for
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
-from slime.engines.fast_decoder import SEGMENT_ROWS, FastDecoder, decode_segments
-from slime.engines.generic_decoder import fast_decoder_for
 from slime.model import build_tiny_moe
 
 VOCAB = 64

@@ -1,6 +1,6 @@
-"""The engine's fast path for any decoder family (slime/engines/generic_decoder.py): the model's
+"""The engine's fast path for any decoder family (slime/engines/builtin/generic_decoder.py): the model's
 own modules with the engine's attention over the slot KV cache. Every family of
-slime/engines/families.py takes a fast path whose logits and greedy tokens are the model's own,
+benchmarks/families.py takes a fast path whose logits and greedy tokens are the model's own,
 and an aborted request resumes token-exactly on families with MLA, sliding windows and sinks."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
+from benchmarks.families import FAMILIES, tiny_model
 from slime.engines.builtin import BuiltinEngine
+from slime.engines.builtin.fast_decoder import FastDecoder
+from slime.engines.builtin.generic_decoder import fast_decoder_for
 from slime.engines.contract import GenerationRequest, SamplingParams
-from slime.engines.families import FAMILIES, tiny_model
-from slime.engines.fast_decoder import FastDecoder
-from slime.engines.generic_decoder import fast_decoder_for
 
 VOCAB = 97
 
@@ -180,7 +180,7 @@ def test_a_layer_outside_the_attention_hook_keeps_the_hf_path(monkeypatch, caplo
         return torch.zeros_like(hidden), None
 
     monkeypatch.setattr(model.model.layers[1].self_attn, "forward", no_interface)
-    with caplog.at_level("INFO", logger="slime.engines.generic_decoder"):
+    with caplog.at_level("INFO", logger="slime.engines.builtin.generic_decoder"):
         assert fast_decoder_for(model, 8, 128) is None
     assert "layers [1] do not call the attention interface" in caplog.text
     assert BuiltinEngine(model).health()["forward"] == "hf"
@@ -193,7 +193,7 @@ def test_the_moe_without_grouped_matmuls_gives_the_models_logits(family):
     """Where `torch._grouped_mm` is missing (CUDA before compute capability 8.0), the routed experts
     run one matmul per expert: plain (Qwen3-MoE) and transposed, biased, clamped and interleaved
     (gpt-oss, through the experts' own activation)."""
-    from slime.engines.start_check import agrees_with_model
+    from slime.engines.builtin.start_check import agrees_with_model
 
     model = tiny_model(family, VOCAB)
     fast = fast_decoder_for(model, 8, 128)

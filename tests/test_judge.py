@@ -136,7 +136,7 @@ def test_judge_on_the_builtin_engine_reports_parse_failures(tiny_model_dir):
 
 
 def test_openai_server_on_the_builtin_engine(tiny_model_dir):
-    from slime.openai_server import LocalGenerator, make_openai_app
+    from slime.tools.openai_server import LocalGenerator, make_openai_app
 
     gen = LocalGenerator(tiny_model_dir)
     try:

@@ -11,8 +11,8 @@ from test_learner import GOLDEN_CASES, _golden_update, golden_model_dir  # noqa:
 from test_routing_replay import PROMPTS, _generate, _sample
 from transformers import AttentionInterface
 
+from benchmarks.families import FAMILIES, tiny_model
 from slime.algorithms.batch import collate
-from slime.engines.families import FAMILIES, tiny_model
 from slime.learner import packing, response_logprobs
 from slime.learner.packing import PACKED, PackedRows, packing_misfit, use_packed_attention
 from slime.model import load_model

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.families import tiny_model
 from slime.algorithms.batch import collate
 from slime.buffer import TrajectoryStore
 from slime.config import load_config
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationRequest, SamplingParams
-from slime.engines.families import tiny_model
 from slime.engines.routing import NO_ROUTE, replay_misfit, replayed_routing, routers_of
 from slime.learner import Learner, response_logprobs
 from slime.model import load_model

@@ -1,6 +1,6 @@
 """Attacks on the engines' network surface (issue 22), replayed against real servers on loopback.
 
-Most run against one real ``python -m slime.engines.sglang_server`` process launched by
+Most run against one real ``python -m slime.engines.sglang.server`` process launched by
 `SglangEngine.from_config` (token in its environment, --weights-dir, --update-group-hosts); each
 attack must be refused and the server must then still serve an honest request. The engine-thread
 failures are injected by hooks no HTTP request can reach: a monkeypatched engine in an in-process
@@ -29,10 +29,10 @@ from safetensors.torch import save, save_file
 
 from slime.config import load_config
 from slime.engines.builtin import BuiltinEngine
-from slime.engines.sglang import SglangEngine
-from slime.engines.sglang_engine_thread import MAX_CONSECUTIVE_STEP_FAILURES, SglangProtocolServer
-from slime.engines.sglang_processes import free_port
-from slime.engines.sglang_server import create_app, guard_policy
+from slime.engines.sglang.adapter import SglangEngine
+from slime.engines.sglang.engine_thread import MAX_CONSECUTIVE_STEP_FAILURES, SglangProtocolServer
+from slime.engines.sglang.processes import free_port
+from slime.engines.sglang.server import create_app, guard_policy
 from slime.model import load_model
 from slime.security import API_TOKEN_ENV, auth_headers, new_secret
 from slime.weights import CudaIpcTransport, SharedMemoryTransport, TensorMeta, WeightHandle, join_update_group
@@ -429,7 +429,7 @@ def test_a_non_loopback_bind_without_a_token_does_not_start(tiny_model_dir):
         [
             sys.executable,
             "-m",
-            "slime.engines.sglang_server",
+            "slime.engines.sglang.server",
             "--model",
             str(tiny_model_dir),
             "--host",
@@ -445,7 +445,7 @@ def test_a_non_loopback_bind_without_a_token_does_not_start(tiny_model_dir):
     assert out.returncode != 0 and API_TOKEN_ENV in out.stderr and "loopback" in out.stderr, out.stderr
     assert time.time() - started < 30  # refused before the model loads
     argv_token = subprocess.run(
-        [sys.executable, "-m", "slime.engines.sglang_server", "--model", str(tiny_model_dir), "--token", "x"],
+        [sys.executable, "-m", "slime.engines.sglang.server", "--model", str(tiny_model_dir), "--token", "x"],
         env=env,
         capture_output=True,
         text=True,
@@ -519,7 +519,7 @@ def broken(self, *args, **kwargs):
 
 BuiltinEngine.step = broken  # the step fails, and so does the reset after it: the thread stops
 BuiltinEngine.abort = broken
-from slime.engines.sglang_server import main
+from slime.engines.sglang.server import main
 main(sys.argv[1:])
 """
 

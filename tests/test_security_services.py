@@ -666,7 +666,7 @@ class HeldGenerator:
 
 @pytest.fixture(scope="module")
 def generator(tiny_model_dir):
-    from slime.openai_server import LocalGenerator
+    from slime.tools.openai_server import LocalGenerator
 
     gen = LocalGenerator(tiny_model_dir)
     yield gen
@@ -683,7 +683,7 @@ def _complete(url: str, body: dict, **kwargs) -> httpx.Response:
 
 
 def test_openai_server_bounds_every_input(generator):
-    from slime.openai_server import make_openai_app
+    from slime.tools.openai_server import make_openai_app
 
     with ServerThread(make_openai_app(generator, "tiny", max_body_bytes=1 << 20)) as server:
         url = server.url
@@ -715,7 +715,7 @@ def test_openai_server_bounds_every_input(generator):
 
 
 def test_openai_server_bounds_requests_in_flight(generator):
-    from slime.openai_server import make_openai_app
+    from slime.tools.openai_server import make_openai_app
 
     held = HeldGenerator(generator)
     with ServerThread(make_openai_app(held, "tiny", max_in_flight=2)) as server:
@@ -730,7 +730,7 @@ def test_openai_server_bounds_requests_in_flight(generator):
 
 
 def test_openai_server_guard(generator):
-    from slime.openai_server import make_openai_app
+    from slime.tools.openai_server import make_openai_app
 
     with pytest.raises(ValueError, match="token"):
         make_openai_app(generator, bind_host="0.0.0.0")
@@ -751,7 +751,7 @@ def test_openai_server_guard(generator):
 def test_openai_server_cli_refuses_an_open_bind_before_loading(tmp_path):
     started = time.time()
     r = subprocess.run(
-        [sys.executable, "-m", "slime.openai_server", str(tmp_path / "no-model"), "--host", "0.0.0.0"],
+        [sys.executable, "-m", "slime.tools.openai_server", str(tmp_path / "no-model"), "--host", "0.0.0.0"],
         capture_output=True,
         text=True,
         env=_env(),

@@ -19,8 +19,8 @@ import torch
 
 from slime.config import ConfigError, load_config
 from slime.engines.contract import GenerationRequest, SamplingParams
-from slime.engines.sglang import SglangEngine
-from slime.engines.sglang_processes import SglangServerProcess, free_port, launch_command
+from slime.engines.sglang.adapter import SglangEngine
+from slime.engines.sglang.processes import SglangServerProcess, free_port, launch_command
 from slime.model import load_model
 from slime.security import auth_headers, new_secret
 from slime.train import train

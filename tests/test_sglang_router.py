@@ -24,7 +24,7 @@ pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip
 from slime.config import load_config  # noqa: E402
 from slime.engines.builtin import BuiltinEngine  # noqa: E402
 from slime.engines.contract import GenerationRequest, SamplingParams  # noqa: E402
-from slime.engines.sglang import SglangEngine  # noqa: E402
+from slime.engines.sglang.adapter import SglangEngine  # noqa: E402
 from slime.model import load_model  # noqa: E402
 from slime.security import auth_headers, new_secret  # noqa: E402
 from slime.train import train  # noqa: E402
@@ -92,7 +92,7 @@ def test_launch_layout(routed, tiny_model_dir):
 
 
 def test_the_token_reaches_every_process_by_environment_only(routed):
-    """sglang-router 0.3.2 with --api-key (added inside the process by slime.engines.sglang_launch):
+    """sglang-router 0.3.2 with --api-key (added inside the process by slime.engines.sglang.launch):
     it refuses clients without the key, and forwards it to the servers, whose /generate then
     works through it; no process shows the key in its command line."""
     for proc in routed.processes:

@@ -9,7 +9,7 @@ by its ``from_config(cfg, model_dir, index, version, *, api_token=None)``:
 
 - ``builtin``: `slime.engines.builtin.BuiltinEngine`, continuous batching in torch (the reference);
 - ``vllm``: `slime.engines.vllm.VllmEngine`, vLLM's ``LLMEngine`` in this process;
-- ``sglang``: `slime.engines.sglang.SglangEngine`, SGLang servers (launched or attached) over HTTP.
+- ``sglang``: `slime.engines.sglang.adapter.SglangEngine`, SGLang servers (launched or attached) over HTTP.
 
 A new engine: a class with those methods and ``from_config``, one more branch in `make_engine`,
 and a value of ``rollout.engine`` in `slime.config`.
@@ -28,7 +28,7 @@ def make_engine(
     the SGLang engine's servers and router (sent on every request, handed to launched ones in their
     environment); the in-process engines ignore it."""
     # Late imports: this package's __init__ runs in every process that starts one of its modules,
-    # `python -m slime.engines.sglang_launch router` (sglang-router) among them, which must not
+    # `python -m slime.engines.sglang.launch router` (sglang-router) among them, which must not
     # load torch and transformers (~2.5 s and ~250 MB per process); and vLLM's adapter is
     # imported only by jobs that choose it.
     kind = cfg.rollout.engine
@@ -37,7 +37,7 @@ def make_engine(
     elif kind == "vllm":
         from slime.engines.vllm import VllmEngine as engine_class
     elif kind == "sglang":
-        from slime.engines.sglang import SglangEngine as engine_class
+        from slime.engines.sglang.adapter import SglangEngine as engine_class
     else:
         raise ValueError(f"rollout.engine={kind!r} is not available")
     return engine_class.from_config(cfg, model_dir, index, version, api_token=api_token)

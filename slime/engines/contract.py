@@ -128,7 +128,7 @@ class RolloutEngine(Protocol):
     """What the rollout worker drives, from one thread (engines are not thread-safe).
 
     Implementations: `slime.engines.builtin.BuiltinEngine` (the reference), `slime.engines.vllm.VllmEngine`,
-    `slime.engines.sglang.SglangEngine`; `slime.engines.make_engine` builds the configured one."""
+    `slime.engines.sglang.adapter.SglangEngine`; `slime.engines.make_engine` builds the configured one."""
 
     @property
     def version(self) -> int:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from slime.engines.fast_decoder import attention_softmax
+from slime.engines.builtin.fast_decoder import attention_softmax
 
 PACKED = "slime_packed"
 

@@ -1,15 +1,45 @@
-"""The simulator's report: each policy against sync (`headline`), the table `slime simulate` prints,
-and its plot. april/sim.py runs the policies."""
+"""The simulator's results (`SimResult`, one per policy run) and their report: each policy against
+sync (`headline`), the table `slime simulate` prints, and its plot. april/sim/run.py runs the
+policies."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # april/sim.py imports this module
-    from april.sim import SimResult
+
+@dataclass
+class SimResult:
+    policy: str  # label, e.g. "april_x2"
+    oversample: float | None
+    max_staleness: int | None
+    steps: int
+    wall_s: float
+    step_s: float  # mean wall-clock seconds per training step
+    generated_tokens: int
+    trained_tokens: int  # response tokens trained on
+    held_tokens: int  # generated, not trained yet at the end (partials, queued groups): not waste
+    wasted_tokens: int  # generated and thrown away by the policy (aborted and dropped)
+    filtered_tokens: int  # generated in groups the dynamic-sampling filter dropped
+    rollout_s: float | None  # wave policies: mean seconds of a step's rollout phase (start to abort done)
+    trained_rollout_throughput: float | None  # trained response tokens per rollout-phase second
+    throughput: float  # generated tokens / wall-clock second
+    trained_throughput: float  # trained response tokens / wall-clock second
+    engine_busy: float  # slot occupancy: mean share of slots decoding, over engines and wall-clock
+    engine_stepping: float  # share of wall-clock an engine is executing steps (any batch size)
+    bubble_ratio: float  # 1 - engine_busy
+    learner_busy: float  # share of wall-clock the learner trains
+    off_policy_share: float  # trained tokens produced by a version older than the trainer's
+    span_histogram: dict[int, int]  # trainer version - oldest token version, per trained sample
+    max_span: int
+    partials: int  # requests aborted with tokens kept for resumption
+    preemptions: int
+    prefill_tokens: int  # prefix tokens prefilled (new prompts, resumed partials, preempted requests)
+    mean_engines: float  # engines (GPUs they hold) averaged over wall-clock; elastic varies it
+    step_times: list[float] = field(default_factory=list)
+    engines_per_step: list[int] = field(default_factory=list)  # engines (running or starting) at each step end
 
 
 def headline(results: list[SimResult]) -> dict[str, float]:

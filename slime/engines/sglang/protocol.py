@@ -1,4 +1,4 @@
-"""SGLang's native HTTP protocol as the built-in engine's server (`slime.engines.sglang_server`)
+"""SGLang's native HTTP protocol as the built-in engine's server (`slime.engines.sglang.server`)
 reads it: request bodies, the prompts and sampling parameters of a ``/generate``, and the
 payloads of weight updates (inline safetensors, `slime.weights` handles, disk directories), each
 checked, with a ValueError (or PermissionError) naming the field.

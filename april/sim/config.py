@@ -1,4 +1,4 @@
-"""The simulator's settings (`SimConfig`) and its presets; april/sim.py runs them."""
+"""The simulator's settings (`SimConfig`) and its presets; april/sim/run.py runs them."""
 
 from __future__ import annotations
 

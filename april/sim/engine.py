@@ -1,5 +1,5 @@
 """The simulator's workload (response lengths, requests, groups) and its model of one
-continuous-batching engine; april/sim.py drives them."""
+continuous-batching engine; april/sim/run.py drives them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Literal
 
 import numpy as np
 
-from april.sim_config import SimConfig
+from april.sim.config import SimConfig
 
 # --------------------------------------------------------------------------- workload
 

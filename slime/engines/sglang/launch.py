@@ -1,6 +1,6 @@
 """Run SGLang's server or sglang-router with the job's API key, the key never in argv.
 
-``python -m slime.engines.sglang_launch sglang|router ARGS...`` reads the token from the
+``python -m slime.engines.sglang.launch sglang|router ARGS...`` reads the token from the
 environment (`slime.security.API_TOKEN_ENV`), removes it from there, appends ``--api-key
 <token>`` to ``sys.argv`` inside this process and runs ``sglang.launch_server`` or
 ``sglang_router.launch_router`` as ``__main__``. The kernel's ``/proc/<pid>/cmdline`` (what ``ps``
@@ -26,18 +26,18 @@ TARGETS = {"sglang": "sglang.launch_server", "router": "sglang_router.launch_rou
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in TARGETS:
         raise SystemExit(
-            f"usage: python -m slime.engines.sglang_launch {{{'|'.join(TARGETS)}}} ARGS... "
+            f"usage: python -m slime.engines.sglang.launch {{{'|'.join(TARGETS)}}} ARGS... "
             f"(the API key comes from the environment variable {API_TOKEN_ENV})"
         )
     target, args = TARGETS[sys.argv[1]], sys.argv[2:]
     if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
         raise SystemExit(
-            "slime.engines.sglang_launch: pass the key in the environment variable "
+            "slime.engines.sglang.launch: pass the key in the environment variable "
             f"{API_TOKEN_ENV}, not as --api-key (argv is visible to every user in ps)"
         )
     token = os.environ.pop(API_TOKEN_ENV, "").strip()
     if not token:
-        raise SystemExit(f"slime.engines.sglang_launch: the environment variable {API_TOKEN_ENV} holds no token")
+        raise SystemExit(f"slime.engines.sglang.launch: the environment variable {API_TOKEN_ENV} holds no token")
     sys.argv = [target, *args, "--api-key", token]
     runpy.run_module(target, run_name="__main__", alter_sys=True)
 

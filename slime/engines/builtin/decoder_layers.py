@@ -1,4 +1,4 @@
-"""What the hand-written layers (`slime.engines.fast_decoder`) read from a model: which decoders fit,
+"""What the hand-written layers (`slime.engines.builtin.fast_decoder`) read from a model: which decoders fit,
 by their modules rather than their model type (:func:`hand_written_misfit`), and each layer's
 tensors (:class:`LayerTensors`: views of the model's own parameters, so an in-place weight update
 is seen at once), with the small maths the layers share (RMSNorm, RoPE, gated MLPs).

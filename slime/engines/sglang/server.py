@@ -50,8 +50,8 @@ that raises fails the requests in flight and resets the engine; the thread stops
 repeated failures, and then ``/health`` says why and every open stream ends.
 
 This module is the HTTP app and the command line; what a request may hold, checked, is in
-`slime.engines.sglang_protocol`, and the thread that owns the engine in
-`slime.engines.sglang_engine_thread`.
+`slime.engines.sglang.protocol`, and the thread that owns the engine in
+`slime.engines.sglang.engine_thread`.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ from safetensors.torch import load_file
 
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationRequest, SamplingParams
-from slime.engines.sglang_engine_thread import EngineStopped, QueueFull, RequestStream, SglangProtocolServer
-from slime.engines.sglang_protocol import (
+from slime.engines.sglang.engine_thread import EngineStopped, QueueFull, RequestStream, SglangProtocolServer
+from slime.engines.sglang.protocol import (
     LOOPBACK_GROUP_HOSTS,
     AbortReq,
     DestroyWeightsUpdateGroupReqInput,

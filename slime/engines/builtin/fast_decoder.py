@@ -15,7 +15,7 @@ rows that each stop at their own longest row (:func:`decode_segments`). Rows sta
 packed at the front: when rows finish, rows from the tail move into the holes (copying only
 those rows), so the caller must reorder its per-row state with the order ``select`` returns.
 
-Supported (`slime.engines.decoder_layers.hand_written_misfit`): ``model.model.{embed_tokens, layers, norm, rotary_emb}``
+Supported (`slime.engines.builtin.decoder_layers.hand_written_misfit`): ``model.model.{embed_tokens, layers, norm, rotary_emb}``
 + ``model.lm_head``, layers of norm -> attention -> norm -> MLP, or Gemma's sandwich (norms around
 the MLP too). The attention may have separate or fused q/k/v projections (Phi-3), biases, q/k
 norms per head (Qwen3) or over the whole projection (OLMoE), sliding windows on some or all
@@ -27,7 +27,7 @@ returning ``(logits, weights, indices)`` + ``experts`` with fused ``gate_up_proj
 transposed or not, biases optional, activated by the experts' own ``_apply_gate``; optionally a
 sigmoid-gated shared expert as in Qwen2-MoE); any other MLP (grouped routing in GLM-4.5 and
 DeepSeek) runs as the model's own module. That covers the
-15 families of `slime.engines.families`. `slime.engines.generic_decoder.fast_decoder_for` checks
+15 families of `benchmarks.families`. `slime.engines.builtin.generic_decoder.fast_decoder_for` checks
 the structure and then the numbers (logits against the model's own forward); other models take
 the generic fast path there (this cache and layout, the model's own modules), or the Hugging
 Face one. The router is called as a module, so forward hooks on it (the dashboard's
@@ -45,8 +45,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slime.engines.decode_graphs import StaticDecode
-from slime.engines.decoder_layers import (
+from slime.engines.builtin.decode_graphs import StaticDecode
+from slime.engines.builtin.decoder_layers import (
     LayerTensors,
     apply_norm,
     expert_parts,
@@ -196,7 +196,7 @@ class FastDecoder:
         self.static_decode: StaticDecode | None = None  # set by use_static_decode
 
     def use_static_decode(self, capture: bool) -> None:
-        """Decode-only steps run at static shapes (`slime.engines.decode_graphs`), captured as CUDA
+        """Decode-only steps run at static shapes (`slime.engines.builtin.decode_graphs`), captured as CUDA
         graphs when ``capture`` and on CUDA; prefill steps stay eager."""
         self.static_decode = StaticDecode(self, capture)
 
@@ -452,7 +452,7 @@ class FastDecoder:
 
     def static_layout(self, ids: torch.Tensor, positions: torch.Tensor, length: int) -> StepLayout:
         """A decode step of every row of ``ids`` at ``positions``, attending over ``length`` cached
-        positions in one segment (the static steps of `slime.engines.decode_graphs`)."""
+        positions in one segment (the static steps of `slime.engines.builtin.decode_graphs`)."""
         rows = torch.arange(len(ids), device=self.device)
         return StepLayout(
             b=len(ids),

@@ -21,8 +21,8 @@ Policies (same seed => the same groups with the same lengths, in the same order)
                   `elastic`, april/elastic.py adds and removes engines when the learner asks for
                   its batch, as the live job does (rollout.elastic).
 
-Entry points: `simulate`, `compare`, and the report (april/sim_report.py: `headline`, `format_table`,
-`plot`); `slime simulate` (slime/simulate.py) builds a SimConfig from a job.
+Entry points: `simulate`, `compare`, and the report (april/sim/report.py: `headline`, `format_table`,
+`plot`); `slime simulate` (slime/tools/simulate.py) builds a SimConfig from a job.
 """
 
 from __future__ import annotations
@@ -31,50 +31,14 @@ import heapq
 import itertools
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from april.elastic import ElasticPolicy
 from april.scheduler import GroupCounts, GroupScheduler
-from april.sim_config import POLICIES, PRESETS, SimConfig
-from april.sim_engine import Engine, Group, LengthSampler, Request
-from april.sim_report import format_table, headline, plot
+from april.sim.config import POLICIES, PRESETS, SimConfig
+from april.sim.engine import Engine, Group, LengthSampler, Request
+from april.sim.report import SimResult, format_table, headline, plot
 
 __all__ = ["POLICIES", "PRESETS", "SimConfig", "SimResult", "compare", "format_table", "headline", "plot", "simulate"]
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass
-class SimResult:
-    policy: str  # label, e.g. "april_x2"
-    oversample: float | None
-    max_staleness: int | None
-    steps: int
-    wall_s: float
-    step_s: float  # mean wall-clock seconds per training step
-    generated_tokens: int
-    trained_tokens: int  # response tokens trained on
-    held_tokens: int  # generated, not trained yet at the end (partials, queued groups): not waste
-    wasted_tokens: int  # generated and thrown away by the policy (aborted and dropped)
-    filtered_tokens: int  # generated in groups the dynamic-sampling filter dropped
-    rollout_s: float | None  # wave policies: mean seconds of a step's rollout phase (start to abort done)
-    trained_rollout_throughput: float | None  # trained response tokens per rollout-phase second
-    throughput: float  # generated tokens / wall-clock second
-    trained_throughput: float  # trained response tokens / wall-clock second
-    engine_busy: float  # slot occupancy: mean share of slots decoding, over engines and wall-clock
-    engine_stepping: float  # share of wall-clock an engine is executing steps (any batch size)
-    bubble_ratio: float  # 1 - engine_busy
-    learner_busy: float  # share of wall-clock the learner trains
-    off_policy_share: float  # trained tokens produced by a version older than the trainer's
-    span_histogram: dict[int, int]  # trainer version - oldest token version, per trained sample
-    max_span: int
-    partials: int  # requests aborted with tokens kept for resumption
-    preemptions: int
-    prefill_tokens: int  # prefix tokens prefilled (new prompts, resumed partials, preempted requests)
-    mean_engines: float  # engines (GPUs they hold) averaged over wall-clock; elastic varies it
-    step_times: list[float] = field(default_factory=list)
-    engines_per_step: list[int] = field(default_factory=list)  # engines (running or starting) at each step end
 
 
 # --------------------------------------------------------------------------- simulation core

@@ -16,9 +16,9 @@ decode rows + prefill groups, keep some rows, report the cache length):
   pass, checked at start against the model's forward; it can also keep and restore an aborted
   row's cache. For decoders of norm/attention/MLP layers (Llama to DeepSeek-V3 and Gemma 3;
   the default tiny MoE included) plain torch ops on
-  the model's own tensors (`slime.engines.fast_decoder`); for any other decoder-only model the
-  model's own modules with the engine's attention over that cache (`slime.engines.generic_decoder`);
-- `slime.engines.hf_batch.HfBatch`, for a model neither fits: the model's own forward with a
+  the model's own tensors (`slime.engines.builtin.fast_decoder`); for any other decoder-only model the
+  model's own modules with the engine's attention over that cache (`slime.engines.builtin.generic_decoder`);
+- `slime.engines.builtin.hf_batch.HfBatch`, for a model neither fits: the model's own forward with a
   ``DynamicCache`` (decode, then each prefill group), rows LEFT padded (the shorter cache is
   padded on the left when batches merge; leading columns that are padding in every row are
   trimmed when rows leave).
@@ -54,6 +54,10 @@ from typing import Literal
 import torch
 
 from slime.config import JobConfig
+from slime.engines.builtin.fast_decoder import FastDecoder
+from slime.engines.builtin.generic_decoder import GenericDecoder, fast_decoder_for
+from slime.engines.builtin.hf_batch import HfBatch
+from slime.engines.builtin.token_sampler import sample_tokens
 from slime.engines.contract import (
     GenerationChunk,
     GenerationRequest,
@@ -61,11 +65,7 @@ from slime.engines.contract import (
     checked_token_ids,
     validate_sampling,
 )
-from slime.engines.fast_decoder import FastDecoder
-from slime.engines.generic_decoder import GenericDecoder, fast_decoder_for
-from slime.engines.hf_batch import HfBatch
 from slime.engines.routing import RoutingRecorder
-from slime.engines.token_sampler import sample_tokens
 from slime.model import load_model
 
 __all__ = ["BuiltinEngine"]
@@ -117,7 +117,7 @@ class BuiltinEngine:
         experts every MoE layer chose at the position that sampled it. Needs the fast path.
 
         ``cuda_graphs`` (the hand-written fast path): decode-only steps run at static shapes and
-        are replayed as CUDA graphs (`slime.engines.decode_graphs`). None: on when the device is
+        are replayed as CUDA graphs (`slime.engines.builtin.decode_graphs`). None: on when the device is
         CUDA; True elsewhere runs the same static steps eagerly (what the CPU tests check); False:
         off."""
         if max_running_requests < 1:

@@ -4,7 +4,7 @@ rollout worker attaches to or launches (`launch_worker_servers`).
 
 Launched processes get the job's token in their environment (`slime.security.API_TOKEN_ENV`),
 never argv: our server reads it there; SGLang's server and sglang-router are started through
-`slime.engines.sglang_launch`, which turns it into ``--api-key`` inside the process. Each child
+`slime.engines.sglang.launch`, which turns it into ``--api-key`` inside the process. Each child
 gets SIGTERM when its parent dies, so a killed Ray actor leaves no orphan.
 """
 
@@ -165,14 +165,14 @@ class SglangRouterProcess(SglangServerProcess):
 def router_command(
     worker_urls: list[str], host: str, port: int, *, policy: str, prometheus_port: int, request_timeout_s: float
 ) -> list[str]:
-    """sglang-router 0.3.2's flags (sglang_router/router_args.py), run through `slime.engines.sglang_launch`
+    """sglang-router 0.3.2's flags (sglang_router/router_args.py), run through `slime.engines.sglang.launch`
     (it adds ``--api-key`` from the environment: the router then requires the key from clients and
     sends it to the servers). Its metrics endpoint defaults to 0.0.0.0:29000, which a second router
     on the machine could not bind: each gets a port of its own."""
     return [
         sys.executable,
         "-m",
-        "slime.engines.sglang_launch",
+        "slime.engines.sglang.launch",
         "router",
         "--worker-urls",
         *worker_urls,
@@ -242,7 +242,7 @@ def launch_command(
         cmd = [
             sys.executable,
             "-m",
-            "slime.engines.sglang_launch",
+            "slime.engines.sglang.launch",
             "sglang",
             "--model-path",
             model_dir,
@@ -265,7 +265,7 @@ def launch_command(
         cmd = [
             sys.executable,
             "-m",
-            "slime.engines.sglang_server",
+            "slime.engines.sglang.server",
             "--model",
             model_dir,
             "--host",

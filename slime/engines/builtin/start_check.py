@@ -17,7 +17,7 @@ import torch
 from slime.engines.routing import RouterTrace, routers_of
 
 if TYPE_CHECKING:
-    from slime.engines.fast_decoder import FastDecoder
+    from slime.engines.builtin.fast_decoder import FastDecoder
 
 
 @torch.inference_mode()

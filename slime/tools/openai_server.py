@@ -1,6 +1,6 @@
 """The built-in engine behind a small OpenAI-compatible API.
 
-    python -m slime.openai_server MODEL_DIR [--port 8001] [--host H --token-file PATH]
+    python -m slime.tools.openai_server MODEL_DIR [--port 8001] [--host H --token-file PATH]
 
     POST /v1/completions       {"model", "prompt": str, "max_tokens", "temperature", "top_p"}
     POST /v1/chat/completions  {"model", "messages": [{"role", "content"}], "max_tokens", "temperature", "top_p"}
@@ -8,7 +8,7 @@
 
 Enough of the API for an LLM judge (rewards/judge.py) or any OpenAI client to use a local model:
 one choice per request, no streaming, no logprobs. It serves a
-`slime.engines.local_generator.LocalGenerator` (the engine with a thread that steps it);
+`slime.engines.builtin.local_generator.LocalGenerator` (the engine with a thread that steps it);
 concurrent requests share its continuous batch.
 
 Security (docs/security.md): on loopback the two generation routes are open (a judge on the same
@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from slime.engines.local_generator import Completion, LocalGenerator
+from slime.engines.builtin.local_generator import Completion, LocalGenerator
 from slime.security import GuardPolicy, HttpGuard, check_bind, read_token
 
 # Bounds on what one request may ask (the model's context caps prompt + completion again).
@@ -163,7 +163,7 @@ def make_openai_app(
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    parser = argparse.ArgumentParser(prog="python -m slime.openai_server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m slime.tools.openai_server", description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.max_in_flight < 1 or ns.max_body_mb <= 0:
             raise ValueError("--max-in-flight must be >= 1 and --max-body-mb > 0")
     except (ValueError, OSError) as exc:
-        print(f"slime.openai_server: {exc}", file=sys.stderr)
+        print(f"slime.tools.openai_server: {exc}", file=sys.stderr)
         return 2
     gen = LocalGenerator(ns.model_dir, device=ns.device)
     app = make_openai_app(

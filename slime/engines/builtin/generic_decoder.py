@@ -3,7 +3,7 @@
 The model's own modules run everything (embeddings, norms, RoPE, MLP or MoE, the head); the
 engine supplies only the attention, through the attention-function hook transformers exposes
 (`AttentionInterface`), over the same preallocated slot KV cache and flat token layout as the
-hand-written path (`slime.engines.fast_decoder`): decode rows and prefill contexts in one forward,
+hand-written path (`slime.engines.builtin.fast_decoder`): decode rows and prefill contexts in one forward,
 rows packed at the front, identical prompts fed once. Sliding windows, logit soft-capping and
 attention sinks are applied as the model's attention module asks for them (`sliding_window`,
 `softcap`, `s_aux`); keys and values may differ in head size (MLA). A model whose layers do not
@@ -25,9 +25,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from slime.engines.decoder_layers import hand_written_misfit
-from slime.engines.fast_decoder import FastDecoder, StepLayout
-from slime.engines.start_check import agrees_with_model
+from slime.engines.builtin.decoder_layers import hand_written_misfit
+from slime.engines.builtin.fast_decoder import FastDecoder, StepLayout
+from slime.engines.builtin.start_check import agrees_with_model
 
 log = logging.getLogger(__name__)
 

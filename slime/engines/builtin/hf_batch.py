@@ -1,6 +1,6 @@
 """The built-in engine's batch state for any causal LM: its own forward over a ``DynamicCache``.
 
-The fast paths (`slime.engines.fast_decoder`, `slime.engines.generic_decoder`) serve decoder-only
+The fast paths (`slime.engines.builtin.fast_decoder`, `slime.engines.builtin.generic_decoder`) serve decoder-only
 models over a slot KV cache; this one serves every other model, with the same operations (one forward of decode rows + prefill
 groups, keep some rows, report the cache length). Rows are LEFT padded: the shorter cache is
 padded on the left when batches merge, and leading columns that are padding in every row are

@@ -1,4 +1,4 @@
-"""The engine thread of the built-in engine's SGLang-protocol server (`slime.engines.sglang_server`).
+"""The engine thread of the built-in engine's SGLang-protocol server (`slime.engines.sglang.server`).
 
 The engine is not thread-safe, so one thread owns it: between two steps it runs the commands
 the HTTP handlers queued (`SglangProtocolServer.call`: add, abort, update weights, read state),
@@ -23,7 +23,7 @@ from typing import Any
 
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationChunk, GenerationRequest
-from slime.engines.sglang_protocol import ServerSettings, SharedMemorySegments
+from slime.engines.sglang.protocol import ServerSettings, SharedMemorySegments
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ stops on anything the worker did not ask for. `set_temperature` is not available
 change a running request's sampling parameters) and returns False.
 
 Auth: every request carries ``Authorization: Bearer <api_token>``; launched servers and the
-router get the token in their environment, never argv (`slime.engines.sglang_processes`, which
+router get the token in their environment, never argv (`slime.engines.sglang.processes`, which
 launches them). Launched servers of ours load disk updates only from the worker's weights
 directory and join update groups only at the address this process announces.
 """
@@ -64,7 +64,7 @@ from safetensors.torch import save_file
 
 from slime.config import JobConfig
 from slime.engines.contract import GenerationChunk, GenerationRequest, checked_token_ids, validate_sampling
-from slime.engines.sglang_processes import SglangServerProcess, free_port, launch_worker_servers, update_group_address
+from slime.engines.sglang.processes import SglangServerProcess, free_port, launch_worker_servers, update_group_address
 from slime.security import auth_headers, new_secret, read_token
 from slime.weights import CudaIpcTransport, SharedMemoryTransport, broadcast_from_rank0, join_update_group
 

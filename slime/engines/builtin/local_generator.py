@@ -1,7 +1,7 @@
 """Text in, text out over the built-in engine on a local model directory: `LocalGenerator`.
 
 A thread steps the engine; concurrent callers share its continuous batch. Used by the LLM judge
-(`rewards.judge`, ``model_dir``) and served over HTTP by `slime.openai_server`.
+(`rewards.judge`, ``model_dir``) and served over HTTP by `slime.tools.openai_server`.
 """
 
 from __future__ import annotations

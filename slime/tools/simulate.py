@@ -1,5 +1,5 @@
 """`slime simulate [CONFIG.yaml | PRESET] [key=value ...]`: a job config or a preset -> the APRIL
-simulator (april/sim.py), which takes only its own plain settings (`SimConfig`)."""
+simulator (april/sim/run.py), which takes only its own plain settings (`SimConfig`)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _validate(data: dict[str, Any]) -> SimConfig:
         return SimConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(
-            format_validation_error(err, "invalid simulator config (SimConfig in april/sim_config.py)", "sim.")
+            format_validation_error(err, "invalid simulator config (SimConfig in april/sim/config.py)", "sim.")
         ) from None
 
 

@@ -1,0 +1,3 @@
+"""Command-line tools beside the training job: the chaos harness, job submission to a Ray
+cluster, the APRIL simulator's front end and an OpenAI-compatible server over the built-in engine.
+Each is a `slime` subcommand (slime/cli.py) or ``python -m slime.tools.NAME``."""
