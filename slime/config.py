@@ -404,7 +404,7 @@ class JobConfig(_Strict):
                 f"rollout.n_samples_per_prompt must be >= 2 for algorithm.name={self.algorithm.name} "
                 "(its advantages compare the responses to one prompt; with 1 they are all 0)"
             )
-        if self.rollout.release_memory and (self.mode != "sync" or self.april.streaming_chunk_tokens is not None):
+        if self.rollout.release_memory and self.loop_mode != "sync":
             raise ValueError(
                 "rollout.release_memory needs the sync loop (async and streaming engines generate while the "
                 "learner trains)"
@@ -476,6 +476,14 @@ class JobConfig(_Strict):
             )
 
     @property
+    def loop_mode(self) -> Literal["sync", "async", "streaming"]:
+        """The training loop this job runs: streaming when april.streaming_chunk_tokens is set (it
+        needs mode=sync), else `mode`. The one place the loop is worked out."""
+        if self.april.streaming_chunk_tokens is not None:
+            return "streaming"
+        return self.mode
+
+    @property
     def weight_check_tolerance(self) -> float:
         """weights.check_tolerance; at least 5e-2 when the learner's forward is bf16 (mixed precision):
         a probe in bf16 differs from the same weights in fp32 by about 2e-2 (2.0e-2 measured on CPU, tiny MoE)."""
@@ -490,8 +498,7 @@ class JobConfig(_Strict):
         return (
             self.cluster.placement == "colocated"
             and self.rollout.device.startswith("cuda")
-            and self.mode == "sync"
-            and self.april.streaming_chunk_tokens is None
+            and self.loop_mode == "sync"
         )
 
     @property
