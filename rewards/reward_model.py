@@ -1,7 +1,7 @@
 """Bradley-Terry reward model: a local HF causal-LM backbone plus a scalar head.
 
     rm = RewardModel.from_backbone("path/to/hf_dir")     # fresh head on any local HF causal LM
-    train_reward_model(model_dir, "pairs.jsonl", "out/rm", steps=200)
+    train_reward_model(model_dir, "pairs.jsonl", "out/rm", steps=200)   # rewards/training/reward_model.py
     rm = RewardModel.load("out/rm")
     rm.score(["ab*3="], ["ababab"])                       # -> [float]; batched, no grad
 
@@ -12,7 +12,8 @@ head applied to the backbone's last hidden state at the last non-pad token. Sequ
 
 Training data (JSONL, one object a line): {"prompt": str, "chosen": str, "rejected": str}; loss
 −log σ(r_chosen − r_rejected); a held-out `eval_fraction` of the pairs gives pairwise accuracy
-(a tie counts as half). A bad line raises `DataError("file:line: why")`.
+(a tie counts as half). A bad line raises `DataError("file:line: why")`. The trainer lives in
+rewards/training/ (`slime train-rm`).
 
 Saved directory: the backbone (`save_pretrained`, loadable with `AutoModel`), the tokenizer,
 `score_head.safetensors` and `reward_model.json`.
@@ -25,12 +26,9 @@ responses)` scores many at once.
 
 from __future__ import annotations
 
-import argparse
 import json
-import random
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,73 +42,6 @@ from slime.model import ensure_model_dir, load_tokenizer
 CONFIG_NAME = "reward_model.json"
 HEAD_NAME = "score_head.safetensors"
 FORMAT_VERSION = 1
-
-
-class DataError(ValueError):
-    """A malformed training-data line; the message starts with `file:line:`."""
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def read_jsonl(path: str | Path, check: Callable[[dict[str, Any]], str | None]) -> list[dict[str, Any]]:
-    """Objects of a JSONL file; blank lines are skipped. `check(obj)` returns why a line is bad, or None."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such data file")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            why = check(obj)
-            if why:
-                raise DataError(f"{path}:{lineno}: {why}")
-            rows.append(obj)
-    if not rows:
-        raise DataError(f"{path}: no examples")
-    return rows
-
-
-def _check_text(obj: dict[str, Any], key: str) -> str | None:
-    if key not in obj:
-        return f"missing key {key!r} (have {sorted(obj)})"
-    if not isinstance(obj[key], str):
-        return f"{key!r} must be a string, got {type(obj[key]).__name__}"
-    if key != "prompt" and not obj[key].strip():
-        return f"{key!r} is empty"
-    return None
-
-
-def check_preference(obj: dict[str, Any]) -> str | None:
-    for key in ("prompt", "chosen", "rejected"):
-        why = _check_text(obj, key)
-        if why:
-            return why
-    if not obj["prompt"].strip():
-        return "'prompt' is empty"
-    if obj["chosen"] == obj["rejected"]:
-        return "'chosen' and 'rejected' are identical"
-    return None
-
-
-def split_eval(rows: list[Any], eval_fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
-    """Shuffled (train, eval); eval has round(n*fraction) rows, at least 1 when fraction > 0 and n > 1."""
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    rows = list(rows)
-    random.Random(seed).shuffle(rows)
-    n_eval = round(len(rows) * eval_fraction)
-    if eval_fraction > 0 and len(rows) > 1:
-        n_eval = max(1, n_eval)
-    n_eval = min(n_eval, len(rows) - 1)
-    return rows[n_eval:], rows[:n_eval]
 
 
 # ----------------------------------------------------------------------------- model
@@ -249,121 +180,6 @@ class RewardModel(ScalarHeadModel):
         return out
 
 
-# ----------------------------------------------------------------------------- training
-
-
-def _set_lr(optim: torch.optim.Optimizer, lr: float, step: int, steps: int, warmup: int) -> None:
-    scale = min(1.0, (step + 1) / max(1, warmup)) * (1.0 - step / max(1, steps))
-    for g in optim.param_groups:
-        g["lr"] = lr * scale
-
-
-def fit(
-    model: torch.nn.Module,
-    encoded: list,
-    batch_loss,
-    steps: int,
-    lr: float,
-    batch_size: int,
-    seed: int,
-    warmup: int,
-    log_every: int,
-    tag: str,
-) -> tuple[list[float], list[float]]:
-    """The RM/PRM training loop: random batches of `encoded`, `batch_loss(batch) -> (loss, accuracy)`,
-    AdamW with warm-up and linear decay. Returns the per-step losses and accuracies."""
-    rng = random.Random(seed + 1)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    losses, accs = [], []
-    for step in range(steps):
-        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
-        loss, acc = batch_loss(batch)
-        _optimizer_step(model, optim, loss, lr, step, steps, warmup)
-        losses.append(loss.item())
-        accs.append(acc)
-        if log_every and (step + 1) % log_every == 0:
-            print(f"{tag} step {step + 1}/{steps} loss {loss.item():.4f} acc {acc:.3f}", flush=True)
-    model.eval()
-    return losses, accs
-
-
-def _optimizer_step(
-    model: torch.nn.Module,
-    optim: torch.optim.Optimizer,
-    loss: torch.Tensor,
-    lr: float,
-    step: int,
-    steps: int,
-    warmup: int,
-) -> None:
-    """Warm-up + linear-decay lr, backward, clip to 1.0, step: one update of the RM/PRM trainers."""
-    _set_lr(optim, lr, step, steps, warmup)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-
-
-def _pairwise_accuracy(model: RewardModel, rows: list[dict[str, Any]], batch_size: int) -> float | None:
-    if not rows:
-        return None
-    rc = model.score([r["prompt"] for r in rows], [r["chosen"] for r in rows], batch_size)
-    rr = model.score([r["prompt"] for r in rows], [r["rejected"] for r in rows], batch_size)
-    return sum(1.0 if c > r else 0.5 if c == r else 0.0 for c, r in zip(rc, rr)) / len(rows)
-
-
-def train_reward_model(
-    model_dir: str | Path,
-    data_path: str | Path,
-    out_dir: str | Path,
-    steps: int = 200,
-    lr: float = 1e-3,
-    batch_size: int = 16,
-    eval_fraction: float = 0.1,
-    seed: int = 0,
-    device: str = "cpu",
-    warmup_steps: int = 10,
-    log_every: int = 0,
-) -> dict[str, Any]:
-    """Train a Bradley-Terry RM on `data_path` from the HF model (or saved RM) in `model_dir`; save to `out_dir`."""
-    if steps < 1 or batch_size < 1 or lr <= 0:
-        raise ValueError("steps and batch_size must be >= 1 and lr > 0")
-    rows = read_jsonl(data_path, check_preference)
-    train, held = split_eval(rows, eval_fraction, seed)
-    if (Path(model_dir).expanduser() / CONFIG_NAME).is_file():
-        model = RewardModel.load(model_dir, device=device)
-    else:
-        model = RewardModel.from_backbone(model_dir, seed=seed, device=device)
-    started = time.time()
-    acc_before = _pairwise_accuracy(model, held, batch_size)
-    encoded = [(model.encode(r["prompt"], r["chosen"]), model.encode(r["prompt"], r["rejected"])) for r in train]
-
-    def pair_loss(batch: list) -> tuple[torch.Tensor, float]:
-        scores = model.forward_scores([c for c, _ in batch] + [r for _, r in batch])
-        margin = scores[: len(batch)] - scores[len(batch) :]
-        return -torch.nn.functional.logsigmoid(margin).mean(), (margin > 0).float().mean().item()
-
-    losses, accs = fit(model, encoded, pair_loss, steps, lr, batch_size, seed, warmup_steps, log_every, "rm")
-    model.eval()
-    acc_after = _pairwise_accuracy(model, held, batch_size)
-    model.meta["trained"] = {"data": str(data_path), "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed}
-    model.save(out_dir)
-    tail = max(1, min(10, len(losses)))
-    return {
-        "out_dir": str(out_dir),
-        "train_pairs": len(train),
-        "eval_pairs": len(held),
-        "steps": steps,
-        "first_loss": losses[0],
-        "final_loss": sum(losses[-tail:]) / tail,
-        "final_train_accuracy": sum(accs[-tail:]) / tail,
-        "eval_accuracy_before": acc_before,
-        "eval_accuracy": acc_after,
-        "seconds": round(time.time() - started, 2),
-    }
-
-
 # ----------------------------------------------------------------------------- reward service
 
 
@@ -400,56 +216,5 @@ def rm_reward(model_dir: str | Path, device: str = "cpu", batch_size: int = 32) 
     return RMReward(model_dir, device, batch_size)
 
 
-# ----------------------------------------------------------------------------- CLI
-
-
-def common_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--model-dir", default=None, help="local HF causal LM dir (default: the built-in tiny MoE)")
-    p.add_argument("--data", required=True, help="training JSONL")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--eval-fraction", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--log-every", type=int, default=20)
-    return p
-
-
 def resolve_model_dir(model_dir: str | None) -> Path:
     return ensure_model_dir(ModelConfig(path=model_dir))
-
-
-def run_cli(
-    train_fn: Callable[..., dict[str, Any]], parser: argparse.ArgumentParser, args: list[str], extra: Sequence[str] = ()
-) -> int:
-    ns = parser.parse_args(args)
-    try:
-        model_dir = resolve_model_dir(ns.model_dir)
-        kwargs = {k: getattr(ns, k) for k in extra}
-        result = train_fn(
-            model_dir,
-            ns.data,
-            ns.out,
-            steps=ns.steps,
-            lr=ns.lr,
-            batch_size=ns.batch_size,
-            eval_fraction=ns.eval_fraction,
-            seed=ns.seed,
-            device=ns.device,
-            log_every=ns.log_every,
-            **kwargs,
-        )
-    except (DataError, FileNotFoundError, ValueError) as e:
-        print(f"{parser.prog}: error: {e}", flush=True)
-        return 2
-    print(json.dumps(result, indent=2), flush=True)
-    return 0
-
-
-def main_train_rm(args: list[str]) -> int:
-    """`slime train-rm --data pairs.jsonl --out DIR [--model-dir HF_DIR] [--steps N] [--lr LR] ...`"""
-    parser = common_parser("slime train-rm", "Train a Bradley-Terry reward model on prompt/chosen/rejected JSONL.")
-    return run_cli(train_reward_model, parser, args)

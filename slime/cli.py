@@ -168,11 +168,11 @@ def _report(error: UserError) -> int:
 def _run(argv: list[str]) -> int:
     # These own their flags (argparse would take their --help and options for its own).
     if argv and argv[0] == "train-rm":
-        from rewards.reward_model import main_train_rm  # subcommand
+        from rewards.training.reward_model import main_train_rm  # subcommand
 
         return main_train_rm(argv[1:])
     if argv and argv[0] == "train-prm":
-        from rewards.prm import main_train_prm  # subcommand
+        from rewards.training.prm import main_train_prm  # subcommand
 
         return main_train_prm(argv[1:])
     if argv and argv[0] == "reward-serve":

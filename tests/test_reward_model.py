@@ -15,14 +15,15 @@ import torch
 from rewards.prm import (
     ProcessRewardModel,
     aggregate,
-    main_train_prm,
     prm_reward,
     step_end_tokens_of_ids,
     step_spans,
     tokenize_with_step_ends,
-    train_prm,
 )
-from rewards.reward_model import DataError, RewardModel, main_train_rm, rm_reward, train_reward_model
+from rewards.reward_model import RewardModel, rm_reward
+from rewards.training.common import DataError
+from rewards.training.prm import main_train_prm, train_prm
+from rewards.training.reward_model import main_train_rm, train_reward_model
 
 torch.set_num_threads(1)
 
