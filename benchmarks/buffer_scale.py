@@ -67,10 +67,10 @@ def writer(url: str, job: str, worker: str, acks: int, start_at: float, seconds:
     store.close()
 
 
-def one_run(url: str, acks: int, layout: str, writers: int, seconds: float, tag: str) -> float:
+def one_run(url: str, acks: int, layout: str, writers: int, seconds: float, tag: str, lead_s: float) -> float:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    start_at = time.time() + 4.0  # every writer has connected and leased by then (spawn is slow)
+    start_at = time.time() + lead_s
     procs = [
         ctx.Process(
             target=writer,
@@ -93,7 +93,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--writers", default="1,4", help="writer counts, comma-separated")
+    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
     ns = ap.parse_args()
+    lead_s = 4.0  # every writer has connected and leased by then (spawn is slow)
+    if ns.smoke:
+        ns.repeats, ns.seconds, ns.writers, lead_s = 1, 0.2, "1", 1.0
     counts = [int(n) for n in ns.writers.split(",")]
     results: dict[tuple[str, str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,7 +112,7 @@ def main() -> None:
                         for arm in ARMS:  # alternating: each arm in turn on the same machine state
                             url, acks = urls[arm]
                             run += 1
-                            rate = one_run(url, acks, layout, writers, ns.seconds, f"b{run}")
+                            rate = one_run(url, acks, layout, writers, ns.seconds, f"b{run}", lead_s)
                             results.setdefault((arm, layout, writers), []).append(rate)
                             print(
                                 f"  repeat {repeat} {layout:<15} {writers}w {arm:<13} {rate:9.0f} chunks/s", flush=True
@@ -117,6 +121,8 @@ def main() -> None:
             cluster.stop()
             server.stop()
     figures: dict[str, float | int | str] = {"repeats_per_arm": ns.repeats, "seconds_per_run": ns.seconds}
+    if ns.smoke:
+        figures = {"smoke": True, **figures}
     figures["cpus"] = os.cpu_count() or 0
     print(f"\n{'layout':<15} {'writers':>7} " + " ".join(f"{arm + ' chunks/s':>24}" for arm in ARMS))
     for layout in LAYOUTS:

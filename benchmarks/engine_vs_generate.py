@@ -47,7 +47,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
     args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.new_tokens, args.repeats = 2, 4, 1
     torch.set_num_threads(args.threads)
     B, N = args.batch, args.new_tokens
 
@@ -103,6 +106,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                **({"smoke": True} if args.smoke else {}),
                 "engine_decode_tokens_per_s": round(engine_tps, 1),
                 "hf_generate_tokens_per_s": round(hf_tps, 1),
                 "engine_over_generate_ratio": round(engine_tps / hf_tps, 3),

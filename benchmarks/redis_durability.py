@@ -88,13 +88,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=600)
     ap.add_argument("--singles", type=int, default=1000)
+    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
     ns = ap.parse_args()
+    if ns.smoke:
+        ns.repeats, ns.rounds, ns.singles = 1, 5, 10
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(ns.repeats):
             for arm in ARMS:  # alternating: every arm sees the same machine state in turn
                 runs[arm].append(one_run(arm, Path(tmp) / f"{arm}-{repeat}", ns.rounds, ns.singles))
-    figures: dict[str, float | bool | int] = {"repeats_per_arm": ns.repeats}
+    figures: dict[str, float | bool | int] = {**({"smoke": True} if ns.smoke else {}), "repeats_per_arm": ns.repeats}
     print(f"{'arm':<10} {'chunks/s':>16} {'single p50 ms':>15} {'single p99 ms':>15} {'restart s':>12}")
     for arm, rs in runs.items():
         cps, cps_sd = mean_sd([r["chunks_per_s"] for r in rs])

@@ -100,7 +100,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
     args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.samples, args.tokens = 2, 1, 4
     torch.manual_seed(0)
     torch.set_num_threads(2)
     model_dir = str(ensure_model_dir(ModelConfig(cache_dir=str(Path(tempfile.gettempdir()) / "slime_replay_models"))))
@@ -114,7 +117,7 @@ def main() -> None:
     ]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     learner = load_model(model_dir, "float32", "cpu").eval()
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {"smoke": True} if args.smoke else {}
     print(
         f"{'engine':>8} {'tokens':>7} {'experts differ':>15} {'|Δlogp| own':>12} {'replay':>9} {'KL own':>9} {'replay':>9}"
     )

@@ -52,7 +52,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--pool", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
     args = ap.parse_args()
+    if args.smoke:
+        args.n, args.pool = 2, [2]
     cfg = SandboxConfig(timeout_s=10)
     sb = Sandbox(cfg)
     sb.check()
@@ -72,6 +75,7 @@ def main() -> None:
 
     out = {
         "bench": "sandbox",
+        **({"smoke": True} if args.smoke else {}),
         "n_execs": args.n,
         "plain_subprocess_execs_per_s": round(plain, 2),
         "sandbox_sequential_execs_per_s": round(seq, 2),

@@ -70,7 +70,10 @@ def main() -> None:
     ap.add_argument("--total-mb", type=float, default=256)
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
     a = ap.parse_args()
+    if a.smoke:
+        a.total_mb, a.bucket_mb, a.repeats = 4.0, 1.0, 1
     torch.set_num_threads(1)
 
     named = make_tensors(a.total_mb)
@@ -133,6 +136,7 @@ def main() -> None:
     copy_gb_s = gb / best_copy
     result = {
         "benchmark": "weight_sync",
+        **({"smoke": True} if a.smoke else {}),
         "machine": f"{os.cpu_count()} cpu, {platform.processor() or platform.machine()}, no GPU",
         "bytes": nbytes,
         "bucket_mb": a.bucket_mb,
