@@ -93,7 +93,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--writers", default="1,4", help="writer counts, comma-separated")
-    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)"
+    )
     ns = ap.parse_args()
     lead_s = 4.0  # every writer has connected and leased by then (spawn is slow)
     if ns.smoke:

@@ -47,7 +47,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)"
+    )
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.new_tokens, args.repeats = 2, 4, 1

@@ -88,7 +88,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=600)
     ap.add_argument("--singles", type=int, default=1000)
-    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)"
+    )
     ns = ap.parse_args()
     if ns.smoke:
         ns.repeats, ns.rounds, ns.singles = 1, 5, 10

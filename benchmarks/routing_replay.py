@@ -100,7 +100,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)"
+    )
     args = parser.parse_args()
     if args.smoke:
         args.prompts, args.samples, args.tokens = 2, 1, 4

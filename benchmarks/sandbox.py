@@ -52,7 +52,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--pool", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)"
+    )
     args = ap.parse_args()
     if args.smoke:
         args.n, args.pool = 2, [2]

@@ -70,7 +70,9 @@ def main() -> None:
     ap.add_argument("--total-mb", type=float, default=256)
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="smallest settings, a check that it runs (not figures to quote)"
+    )
     a = ap.parse_args()
     if a.smoke:
         a.total_mb, a.bucket_mb, a.repeats = 4.0, 1.0, 1
