@@ -3,6 +3,10 @@
 
 Every state change is one Lua script (slime/buffer/lua/), so it is atomic. Lease times come from the
 Redis server's clock (`TIME`), so workers on machines with skewed clocks agree on who has expired.
+
+Longer than 500 lines: one method per buffer operation, each a thin call of its Lua script (the
+operations are the buffer's contract, listed in one place); connections, queries, records and
+telemetry are files of their own.
 """
 
 from __future__ import annotations

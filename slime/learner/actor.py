@@ -6,7 +6,12 @@ gradient accumulation, the optimizers, gradient clipping, checkpoints and weight
 With learner.num_ranks = N > 1 every rank holds the whole batch (rank 0 claims it; the group hands
 it to all), computes the rows the token-balanced split gives it, and FSDP2 sums the gradients
 into each rank's shard (sharding.py). Every micro-batch is weighted by its share of the global
-minibatch, so N ranks take the optimizer step one rank would on the same batch."""
+minibatch, so N ranks take the optimizer step one rank would on the same batch.
+
+Longer than 500 lines: one Ray actor's methods around one update (claim, prepare, micro-batches,
+optimizer step, metrics, publish, checkpoint); the algorithms, packing, sharding and forwards are
+files of their own.
+"""
 
 from __future__ import annotations
 

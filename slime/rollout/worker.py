@@ -6,6 +6,10 @@ worker's RewardRunner threads and never block decoding; the generation thread wr
 samples' final status to the buffer between two steps, all of them in one batch. A step's chunk
 writes are sent right after it and their replies read after the next step, so Redis executes
 them while the engine computes.
+
+Longer than 500 lines: one generation loop whose phases (admit, absorb chunks, settle rewards,
+finish episodes, abort) share the pending samples and the engine lock; rewards, multi-turn episodes
+and chunking helpers are files of their own.
 """
 
 from __future__ import annotations

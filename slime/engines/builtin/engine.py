@@ -42,6 +42,10 @@ through the per-chunk ``version``.
 
 It implements the contract of `slime.engines.contract` (`RolloutEngine`). The engine is not
 thread-safe: drive it from one thread (the rollout worker's loop).
+
+Longer than 500 lines: one state machine (admission, one forward, sampling, finished rows, aborts
+that keep a row's cache) whose parts share the running rows; its model paths, sampler, graphs and
+start-up check are files of their own.
 """
 
 from __future__ import annotations

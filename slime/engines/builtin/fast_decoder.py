@@ -32,6 +32,10 @@ the structure and then the numbers (logits against the model's own forward); oth
 the generic fast path there (this cache and layout, the model's own modules), or the Hugging
 Face one. The router is called as a module, so forward hooks on it (the dashboard's
 expert-load recorder) still fire.
+
+Longer than 500 lines: the paged cache and the hand-written forward share the cache layout row by
+row (decode, prefill, keep and restore rows, static steps); the layers, graphs and the generic path
+are files of their own.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ Auth: every request carries ``Authorization: Bearer <api_token>``; launched serv
 router get the token in their environment, never argv (`slime.engines.sglang.processes`, which
 launches them). Launched servers of ours load disk updates only from the worker's weights
 directory and join update groups only at the address this process announces.
+
+Longer than 500 lines: one class over one HTTP protocol (SGLang's), method by method of the engine
+contract; its launched processes, the protocol server and its engine thread are files of their own.
 """
 
 from __future__ import annotations

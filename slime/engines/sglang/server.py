@@ -52,6 +52,9 @@ repeated failures, and then ``/health`` says why and every open stream ends.
 This module is the HTTP app and the command line; what a request may hold, checked, is in
 `slime.engines.sglang.protocol`, and the thread that owns the engine in
 `slime.engines.sglang.engine_thread`.
+
+Longer than 500 lines: one route per endpoint of SGLang's HTTP protocol, which a client expects in
+one server; the engine thread and the request shapes are files of their own.
 """
 
 from __future__ import annotations
