@@ -85,7 +85,7 @@ def make_engine(kind: str, model_dir: str, slots: int):
         return BuiltinEngine(
             load_model(model_dir), max_running_requests=slots, seed=0, kept_kv_tokens=RolloutConfig().kept_kv_tokens
         )
-    from slime.config_engines import VllmConfig
+    from slime.config import VllmConfig
     from slime.engines.vllm import VllmEngine
 
     return VllmEngine(

@@ -24,9 +24,7 @@ from slime.algorithms.grpo import GRPO, broadcast_to_tokens, group_advantages, g
 from slime.algorithms.kl import kl_penalty
 from slime.algorithms.ppo import PPO, gae, ppo_loss, token_level_rewards, value_loss
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
-from slime.config import AlgorithmConfig, load_config
-from slime.config_training import AdaptiveClip as AdaptiveClipConfig
-from slime.config_training import StagedKL
+from slime.config import AdaptiveClipConfig, AlgorithmConfig, StagedKL, load_config
 from slime.sample import Sample, Status
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from slime.config_training import AdaptiveClip as AdaptiveClipConfig
-from slime.config_training import StagedKL
+from slime.config import AdaptiveClipConfig, StagedKL
 
 
 class AdaptiveClip:

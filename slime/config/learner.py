@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from slime.config_engines import StrictModel as _Strict
+from slime.config.base import StrictModel as _Strict
 
 
 class StagedKL(_Strict):
@@ -16,7 +16,7 @@ class StagedKL(_Strict):
     coef: float = Field(..., ge=0)
 
 
-class AdaptiveClip(_Strict):
+class AdaptiveClipConfig(_Strict):
     """GLM-5 report 4.7: shrink the clip range when measured KL overshoots the target, widen it below."""
 
     enabled: bool = False
@@ -41,7 +41,7 @@ class AlgorithmConfig(_Strict):
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     kl_mode: Literal["loss", "reward"] = "loss"
     kl_schedule: list[StagedKL] = Field(default_factory=list, description="Staged KL coefficient; overrides kl_coef.")
-    adaptive_clip: AdaptiveClip = AdaptiveClip()
+    adaptive_clip: AdaptiveClipConfig = AdaptiveClipConfig()
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
     normalize_advantages: bool = True
     grpo_std_normalize: bool = True

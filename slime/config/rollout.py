@@ -6,13 +6,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class StrictModel(BaseModel):
-    """Unknown keys fail at load with their dotted path; assignments are validated too."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from slime.config.base import StrictModel
 
 
 class VllmConfig(StrictModel):
@@ -175,3 +171,73 @@ class RolloutConfig(StrictModel):
         "queued, for this long is killed and the job restarts from its checkpoint (max_restarts).",
     )
     elastic: ElasticRolloutConfig = ElasticRolloutConfig()
+
+
+class AprilConfig(StrictModel):
+    """Active Partial Rollouts: over-provision, abort the long tail at the batch boundary, resume later."""
+
+    enabled: bool = False
+    oversample: float = Field(2.0, ge=1.0, description="Keep ceil(oversample * batch_size) groups in flight.")
+    oversample_groups: int | None = Field(
+        None, gt=0, description="Absolute number of groups in flight; overrides oversample."
+    )
+    off_policy: Literal[
+        "none",
+        "mask_stale",
+        "tis",
+        "mis_token",
+        "mis_seq",
+        "decoupled",
+        "icepop",
+        "geo_reject",
+        "m2po",
+        "opsm",
+        "behaviour_clip",
+    ] = Field(
+        "behaviour_clip",
+        description="Correction for tokens an older or different policy sampled (APRIL partials, async "
+        "staleness, train-inference mismatch); one file each in slime/algorithms/corrections/. The default "
+        "takes the PPO ratio and clip against the sampler (docs/offpolicy.md: tis collapsed async and APRIL "
+        "at lr 1e-3 where it holds).",
+    )
+    clip_band_per_version: bool = Field(
+        True,
+        description="behaviour_clip: a token sampled k versions before the learner's gets the clip band "
+        "compounded k + 1 times, one PPO step per version, within [1/tis_cap, tis_cap] (False: the same band "
+        "for every token).",
+    )
+    tis_cap: float = Field(
+        2.0,
+        gt=0,
+        description="c: tis truncates at c, mis_* mask outside [1/c, c], decoupled masks above c, "
+        "behaviour_clip's band widens to [1/c, c] at most.",
+    )
+    icepop_band: tuple[float, float] = Field((0.5, 5.0), description="IcePop [alpha, beta] for pi_old/mu.")
+    geo_band: tuple[float, float] = Field(
+        (0.8, 1.25), description="geo_reject: keep a sequence whose geometric-mean ratio is inside."
+    )
+    m2po_threshold: float = Field(0.04, gt=0, description="M2PO: the batch mean of (log ratio)^2 after masking.")
+    opsm_delta: float = Field(
+        0.1, ge=0, description="OPSM: drop negative-advantage sequences with KL(mu||pi_old) above this."
+    )
+    max_version_span: int | None = Field(
+        None, ge=0, description="Staleness budget: most versions a partial's oldest token may lag the policy."
+    )
+    beyond_budget: Literal["restart", "drop"] = Field(
+        "restart", description="A partial over the budget: regenerate it from scratch, or fail it (counted)."
+    )
+    filter_zero_variance: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal."
+    )
+    max_filtered_per_step: int | None = Field(
+        None, ge=0, description="Fallback: after this many drops in a step, keep groups (default: batch_size)."
+    )
+    streaming_chunk_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="GLM-5 streaming variant (PPO): train on each trajectory every N new tokens before it "
+        "finishes, bootstrapping unfinished returns with the critic; None = abort-and-resume.",
+    )
+    chunk_sampler: str | None = Field(
+        None, description="Active sampler hook `module:function(state) -> temperature | None`, called per chunk."
+    )

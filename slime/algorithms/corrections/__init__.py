@@ -49,8 +49,7 @@ from slime.algorithms.corrections.masked_is import MaskedISSequence, MaskedISTok
 from slime.algorithms.corrections.opsm import OPSM
 from slime.algorithms.corrections.passthrough import MaskStale, NoCorrection
 from slime.algorithms.corrections.tis import TruncatedIS
-from slime.config import AprilConfig
-from slime.config_training import AlgorithmConfig
+from slime.config import AlgorithmConfig, AprilConfig
 
 __all__ = [
     "ClipBand",

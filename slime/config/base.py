@@ -1,0 +1,19 @@
+"""What every config section shares: the strict base model and the error a bad config raises."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from slime.errors import UserError
+
+
+class StrictModel(BaseModel):
+    """Unknown keys fail at load with their dotted path; assignments are validated too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration that cannot run; the message names the field and the reason."""
+
+    hint = "`slime config [CONFIG.yaml] [key=value ...]` prints every field with the value it would take"

@@ -1,0 +1,88 @@
+"""What the job starts from: the policy (`model.*`), the prompts (`data.*`) and how they are drawn
+(`sampling.*`). Read by slime/model.py, slime/data.py and slime/sampling.py."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from slime.config.base import StrictModel as _Strict
+
+
+class TinyModelConfig(_Strict):
+    """The built-in default policy: a Qwen3-MoE built in code with a character-level tokenizer."""
+
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    num_experts: int = Field(8, gt=0)
+    experts_per_token: int = Field(2, gt=0)
+    expert_hidden_size: int = Field(128, gt=0)
+    max_position_embeddings: int = Field(512, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.tiny.hidden_size must be divisible by model.tiny.num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.tiny.num_heads must be divisible by model.tiny.num_kv_heads")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError("model.tiny.experts_per_token cannot exceed model.tiny.num_experts")
+        return self
+
+
+class WarmstartConfig(_Strict):
+    """Short supervised pass on generated demonstrations of the example task (cached on disk)."""
+
+    enabled: bool = True
+    steps: int = Field(100, ge=0)
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    num_examples: int = Field(4000, gt=0)
+
+
+class ModelConfig(_Strict):
+    path: str | None = Field(
+        None, description="Local Hugging Face causal LM directory (with tokenizer); None builds the tiny MoE."
+    )
+    tiny: TinyModelConfig = TinyModelConfig()
+    warmstart: WarmstartConfig = WarmstartConfig()
+    cache_dir: str = Field("~/.cache/slime-april", description="Where the built tiny model is cached.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+
+
+class DataConfig(_Strict):
+    path: str | None = Field(
+        None, description="JSONL, Parquet or a local HF dataset directory; None generates the example task."
+    )
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    task_key: str = "task"
+    apply_chat_template: bool = False
+    max_prompt_tokens: int = Field(256, gt=0)
+    shuffle: bool = True
+    seed: int = 0
+    num_generated: int = Field(2000, gt=0, description="Prompts generated for the example task when path is None.")
+
+
+class TaskWeighting(_Strict):
+    """GLM-5 report 4.7: weights rise (x grow) for tasks scoring below their target, then renormalise."""
+
+    weights: dict[str, float] = Field(default_factory=dict)
+    targets: dict[str, float] = Field(default_factory=dict)
+    grow: float = Field(1.1, gt=1)
+
+
+class CurriculumStage(_Strict):
+    name: str
+    filter: dict[str, Any] = Field(default_factory=dict, description="Metadata equalities a prompt must match.")
+    advance_at_reward: float | None = Field(None, description="Mean reward (recent window) that ends the stage.")
+
+
+class SamplingConfig(_Strict):
+    tasks: TaskWeighting | None = None
+    curriculum: list[CurriculumStage] = Field(default_factory=list)
+    window: int = Field(4, gt=0, description="Steps of reward history used by task weights and curriculum.")

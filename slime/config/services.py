@@ -1,0 +1,190 @@
+"""The services around the loop: rewards (`reward.*`), multi-turn environments (`env.*`), the
+trajectory buffer (`buffer.*`), weight transport (`weights.*`), placement (`cluster.*`), logging
+and the dashboard."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from slime.config.base import StrictModel as _Strict
+
+
+class RewardConfig(_Strict):
+    fn: str | dict[str, Any] = Field(
+        "envs.repeat:reward",
+        description="`package.module:function` or `path/to/file.py:function`, or a mix/route spec "
+        "({mix: [{fn, weight}, ...]} or {route: field, routes: {value: spec}, default: spec}).",
+    )
+    timeout_s: float = Field(30.0, gt=0, description="Per-sample limit; a slower call fails that sample.")
+    max_concurrency: int = Field(8, gt=0, description="Calls at once (remote modes: batches in flight).")
+    mode: Literal["in_process", "ray_actor", "http"] = Field(
+        "in_process",
+        description="Where the reward runs: in each rollout worker, in one Ray actor per job (num_cpus=0), "
+        "or behind HTTP (`slime reward-serve SPEC --port N`; set url). rewards/service.py.",
+    )
+    url: str | None = Field(None, description="mode=http: the reward server, e.g. http://127.0.0.1:8000.")
+    batch_size: int = Field(32, gt=0, description="Remote modes: most samples per call.")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="Remote modes: limit per call attempt (default 2*timeout_s + 5)."
+    )
+    max_retries: int = Field(3, ge=0, description="Remote modes: retries after a failed call.")
+    backoff_s: float = Field(0.5, ge=0, description="Remote modes: first retry delay; doubles each retry.")
+    cache_size: int = Field(
+        4096, ge=0, description="Successful results kept, keyed by prompt+response+label (0: no cache)."
+    )
+    max_failed_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="The job stops (exit 1, no checkpoint of those steps) when more than this share of the "
+        "samples of the last failed_window_steps steps failed, naming the commonest reasons (1: never).",
+    )
+    failed_window_steps: int = Field(3, gt=0, description="Steps over which max_failed_share is measured.")
+    token: str | None = Field(
+        None,
+        description="mode=http: the reward server's token (sent as `Authorization: Bearer`); write it as "
+        "an environment reference such as ${SLIME_REWARD_TOKEN} to keep it out of files.",
+    )
+
+    @model_validator(mode="after")
+    def _mode_needs_url(self) -> RewardConfig:
+        if self.mode == "http" and not self.url:
+            raise ValueError("reward.url is required when reward.mode is 'http' (start one with `slime reward-serve`)")
+        if self.url and self.mode != "http":
+            raise ValueError(f"reward.url is set but reward.mode is {self.mode!r}; set reward.mode=http to use it")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"reward.url must start with http:// or https://, got {self.url!r}")
+        return self
+
+
+class EnvConfig(_Strict):
+    """Multi-turn environment (slime/rollout/multiturn.py): model turns and env turns alternate in one trajectory."""
+
+    plugin: str | None = Field(
+        None, description="Env class `package.module:Class` or `path/to/file.py:Class`; None = single-turn."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env class.")
+    reward: Literal["env", "reward_fn"] = Field(
+        "env", description="Final reward: the sum of the env's step rewards, or reward.fn on the whole transcript."
+    )
+    max_turns: int = Field(4, gt=0, description="Model turns per episode.")
+    max_turn_tokens: int = Field(
+        64, gt=0, description="Tokens per model turn (rollout.max_new_tokens caps the episode)."
+    )
+    max_observation_tokens: int = Field(128, gt=0, description="Longer observations are cut to this many tokens.")
+    max_turn_seconds: float | None = Field(
+        None, gt=0, description="A model turn running longer ends the episode (truncated)."
+    )
+    max_episode_seconds: float | None = Field(
+        None, gt=0, description="Episode wall clock on one worker (truncated past it)."
+    )
+    step_timeout_s: float = Field(30.0, gt=0, description="An env step (or reset) running longer fails the sample.")
+    max_concurrency: int = Field(4, gt=0, description="Env steps running at once per worker (thread pool).")
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvConfig:
+        if self.plugin is not None and ":" not in self.plugin:
+            raise ValueError(f"env.plugin {self.plugin!r} must be `package.module:Class` or `path/to/file.py:Class`")
+        return self
+
+
+class BufferConfig(_Strict):
+    url: str | None = Field(
+        None,
+        description="redis://host:port/db, or a Redis Cluster's redis+cluster://host:port (any node); "
+        "None starts a local redis-server.",
+    )
+    aof: bool = True
+    appendfsync: Literal["always", "everysec"] = Field(
+        "everysec",
+        description="The local redis-server's AOF fsync. always: nothing acknowledged is lost, at one fsync "
+        "per write. everysec: a crash of the machine loses up to the last second or two, and so can a "
+        "killed redis-server under disk load (Redis then replies before it writes the AOF while an "
+        "earlier fsync runs); the lost tail is detected and resumed from what was stored.",
+    )
+    lease_seconds: float = Field(10.0, gt=0)
+    keep_trained_steps: int | None = Field(
+        50,
+        ge=0,
+        description="Trajectories of groups trained this many steps before the last checkpoint are deleted from "
+        "Redis when a checkpoint is written, and so are those of groups the filter dropped before the checkpoint "
+        "of that step (their group records and group counts stay; stats count pruned_groups, pruned_samples, "
+        "pruned_tokens), so a long job's buffer stays bounded. None keeps every trajectory. Streaming mode "
+        "(april.streaming_chunk_tokens) keeps them all.",
+    )
+    reconnect_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long every part retries (with backoff) a Redis that went away before it "
+        "gives up: long enough for a restart that replays the AOF.",
+    )
+    replica_acks: int = Field(
+        0,
+        ge=0,
+        description="Replicas that must confirm each buffer write (WAIT) before it counts as stored: with 1, "
+        "a master killed after acknowledging loses nothing once its replica is promoted (Redis Cluster or a "
+        "replicated server). 0: acknowledged when the master has it.",
+    )
+
+
+class WeightsConfig(_Strict):
+    transport: Literal["auto", "shm", "cuda_ipc", "file", "broadcast"] = Field(
+        "auto",
+        description="auto: cuda_ipc when the learner is on CUDA, else shared memory; broadcast: a "
+        "torch.distributed group (NCCL on GPU, gloo on CPU) across processes and machines.",
+    )
+    bucket_mb: float = Field(64.0, gt=0)
+    check_every: int = Field(
+        1, ge=0, description="Compare engine and learner logprobs on a probe after every Nth update (0: never)."
+    )
+    check_tolerance: float = Field(
+        1e-3,
+        gt=0,
+        description="Largest probe logprob difference allowed. With learner.mixed_precision the learner's probe "
+        "runs in bf16 against the engine's own precision: at least 5e-2 then (JobConfig.weight_check_tolerance).",
+    )
+
+
+class ClusterConfig(_Strict):
+    ray_address: str | None = Field(
+        None,
+        description="None: the job starts a Ray of its own; auto: join the cluster this machine belongs to "
+        "(what a submitted job does, slime submit); HOST:PORT: that cluster's GCS address.",
+    )
+    num_cpus: int | None = Field(None, gt=0)
+    torch_threads: int = Field(1, gt=0, description="torch threads per actor (2-core boxes: keep 1).")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated",
+        description="colocated: learner ranks and rollout engines share the devices (GPUs needed: the larger "
+        "of the two counts; in sync mode GPU engines free their KV memory while the learner trains, see "
+        "rollout.release_memory). disaggregated: separate devices, each rank and each GPU engine reserves one.",
+    )
+
+
+class LoggingConfig(_Strict):
+    jsonl: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+
+
+class DashboardConfig(_Strict):
+    """The buffer API and live page beside the job (slime/dashboard, docs/dashboard.md)."""
+
+    enabled: bool = False
+    host: str = Field("127.0.0.1", description="Bind address; anything but loopback needs a token.")
+    port: int = Field(8377, ge=0, lt=65536, description="0: a free port.")
+    token: str | None = Field(
+        None,
+        min_length=8,
+        description="Control routes always need it, every route off loopback (header "
+        "Authorization: Bearer); default: derived from the job secret and written to run_dir/dashboard.token.",
+    )
+
+    @model_validator(mode="after")
+    def _remote_needs_token(self) -> DashboardConfig:
+        if self.host not in ("127.0.0.1", "::1", "localhost") and not self.token:
+            raise ValueError(f"dashboard.host={self.host!r} is reachable by others: set dashboard.token")
+        return self
