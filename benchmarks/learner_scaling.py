@@ -89,13 +89,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--smoke", action="store_true", help="smallest settings, checks it runs (not figures to quote)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.steps, args.models = 1, 1, "tiny_moe"
     import ray
 
     work = Path(tempfile.mkdtemp(prefix="learner_scaling_"))
     server = LocalRedisServer(work / "redis", aof=False)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {"smoke": True} if args.smoke else {}
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; 1 torch thread per rank")
     try:
         for name in args.models.split(","):

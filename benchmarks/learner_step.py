@@ -69,15 +69,16 @@ def legacy_response_logprobs(model, batch: Batch, temperature: float, with_entro
     return logp, entropy, getattr(out, "aux_loss", None) if with_aux else None
 
 
-def build_models(root: Path) -> dict[str, Path]:
+def build_models(root: Path, names: set[str]) -> dict[str, Path]:
     tokenizer = build_char_tokenizer()
     vocab = len(tokenizer)
-    models = {
-        "qwen2_moe": zoo.build("qwen2_moe", vocab),
-        "qwen3_moe": build_tiny_moe(TinyModelConfig(), vocab),
-        "llama": zoo.build("llama", vocab),
-        "qwen3_moe_32k": build_tiny_moe(TinyModelConfig(), 32000),
+    builders = {
+        "qwen2_moe": lambda: zoo.build("qwen2_moe", vocab),
+        "qwen3_moe": lambda: build_tiny_moe(TinyModelConfig(), vocab),
+        "llama": lambda: zoo.build("llama", vocab),
+        "qwen3_moe_32k": lambda: build_tiny_moe(TinyModelConfig(), 32000),
     }
+    models = {name: build() for name, build in builders.items() if name in names}
     dirs = {}
     for name, model in models.items():
         dirs[name] = root / name
@@ -147,7 +148,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="smallest settings, checks it runs (not figures to quote)")
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 1, 1
     torch.set_num_threads(1)
     wall = time.time()
     workloads = [
@@ -157,10 +161,12 @@ def main() -> None:
         ("llama", "long_tail"),
         ("qwen3_moe_32k", "full"),
     ]
+    if args.smoke:  # one workload, the project's default model
+        workloads = [("qwen3_moe", "long_tail")]
     results: dict[str, dict[str, list[float]]] = {f"{m}_{lengths}": {a: [] for a in ARMS} for m, lengths in workloads}
     tokens: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp, LocalRedisServer(Path(tmp) / "redis", aof=False) as redis:
-        dirs = build_models(Path(tmp) / "models")
+        dirs = build_models(Path(tmp) / "models", {m for m, _ in workloads})
         batches = {}
         for model, lengths in workloads:
             vocab = 32000 if model.endswith("32k") else 102
@@ -184,6 +190,7 @@ def main() -> None:
                         f"round {r} {model:14s} {lengths:9s} {arm:7s} {res['step_s'] * 1000:8.1f} ms/step", flush=True
                     )
     line: dict = {
+        **({"smoke": True} if args.smoke else {}),
         "rounds": args.rounds,
         "steps_per_run": args.steps,
         "batch": f"{PROMPTS}x{SAMPLES}",

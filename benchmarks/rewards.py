@@ -62,7 +62,7 @@ def reward_throughput(n: int) -> dict[str, float]:
     spec = "envs.repeat:reward"
     out: dict[str, float] = {}
     local = make_reward_service(RewardConfig(fn=spec, cache_size=0), "bench")
-    _throughput(local, 200)  # warm up
+    _throughput(local, min(n, 200))  # warm up
     out["in_process_samples_per_s"] = _throughput(local, n)
     local.close()
 
@@ -88,7 +88,7 @@ def reward_throughput(n: int) -> dict[str, float]:
             time.sleep(0.2)
         token = token_file.read_text().strip()
         remote = make_reward_service(RewardConfig(mode="http", url=url, cache_size=0, token=token), "bench")
-        _throughput(remote, 200)
+        _throughput(remote, min(n, 200))
         out["http_samples_per_s"] = _throughput(remote, n)
         remote.close()
     finally:
@@ -98,7 +98,7 @@ def reward_throughput(n: int) -> dict[str, float]:
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
         actor = make_reward_service(RewardConfig(mode="ray_actor", fn=spec, cache_size=0), "bench")
-        _throughput(actor, 200)
+        _throughput(actor, min(n, 200))
         out["ray_actor_samples_per_s"] = _throughput(actor, n)
         actor.close()
     finally:
@@ -106,7 +106,7 @@ def reward_throughput(n: int) -> dict[str, float]:
     return out
 
 
-def rollout_with_slow_reward(window_s: float, rounds: int) -> dict[str, float]:
+def rollout_with_slow_reward(window_s: float, rounds: int, warmup_s: float = 3.0) -> dict[str, float]:
     """Generated tokens/s of one real rollout worker, instant vs 1 s reward, alternating windows."""
     from envs import repeat
     from slime.buffer import TrajectoryStore
@@ -149,7 +149,7 @@ def rollout_with_slow_reward(window_s: float, rounds: int) -> dict[str, float]:
                         buffer.add_group(ids, 1, 48, {"label": p["label"], "prompt_text": p["prompt"]})
                     worker = RolloutWorker(cfg, str(model_dir), redis.url, f"w-{kind}")
                     try:
-                        time.sleep(3)  # warm-up: first prefill, thread pools
+                        time.sleep(warmup_s)  # warm-up: first prefill, thread pools
                         tokens0, t0 = worker.generated_tokens, time.time()
                         time.sleep(window_s)
                         rates[kind].append((worker.generated_tokens - tokens0) / (time.time() - t0))
@@ -172,19 +172,23 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--window-s", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="smallest settings, checks it runs (not figures to quote)")
     ns = parser.parse_args()
+    warmup_s = 3.0
+    if ns.smoke:
+        ns.samples, ns.window_s, ns.rounds, warmup_s = 20, 1.0, 1, 1.0
     import torch
 
     torch.set_num_threads(1)
     figures: dict[str, float] = {}
     figures.update(reward_throughput(ns.samples))
     print(f"reward throughput: {figures}", flush=True)
-    rollout = rollout_with_slow_reward(ns.window_s, ns.rounds)
+    rollout = rollout_with_slow_reward(ns.window_s, ns.rounds, warmup_s)
     print(f"rollout: {rollout}", flush=True)
     figures.update(rollout)
     figures["http_vs_in_process_ratio"] = figures["http_samples_per_s"] / figures["in_process_samples_per_s"]
     figures["ray_actor_vs_in_process_ratio"] = figures["ray_actor_samples_per_s"] / figures["in_process_samples_per_s"]
-    print(json.dumps({k: round(v, 3) for k, v in figures.items()}))
+    print(json.dumps({**({"smoke": True} if ns.smoke else {}), **{k: round(v, 3) for k, v in figures.items()}}))
 
 
 if __name__ == "__main__":
