@@ -259,7 +259,10 @@ def main() -> int:
     )
     parser.add_argument("--full-grid", action="store_true", help="sweep every ratio and split at every size")
     parser.add_argument("--workers", type=int, default=2, help="processes running simulations")
+    parser.add_argument("--smoke", action="store_true", help="smallest settings, checks it runs (not figures to quote)")
     args = parser.parse_args()
+    if args.smoke:
+        args.gpus = [8]
     started = time.time()
 
     stats = length_stats(cluster_config(8, 8, 8, 1))
@@ -296,6 +299,7 @@ def main() -> int:
     )
 
     figures: dict[str, float | int | None] = {
+        **({"smoke": True} if args.smoke else {}),
         "response_mean_tokens": round(mean_len),
         "response_p99_tokens": round(stats["p99"]),
         "append_call_bytes": round(call_bytes, 1),
