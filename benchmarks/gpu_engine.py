@@ -3,6 +3,7 @@ roofline, CUDA graphs on against off, and against `model.generate`.
 
     python benchmarks/gpu_engine.py           # CUDA, bf16 (under 5 minutes on an H200)
     python benchmarks/gpu_engine.py --quick   # tiny shapes; on CPU it checks the script itself
+    python benchmarks/gpu_engine.py --smoke   # tiny shapes, fewest steps; exit 1 if a part fails (CI)
 
 Shapes, random init from configs (nothing downloaded):
 - dense: Llama-3-8B's layer shape (hidden 4096, FFN 14336, 32 heads, 8 KV heads, vocabulary
@@ -436,7 +437,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-checks", action="store_true", help="skip the float32 graph checks")
     ap.add_argument("--out", default=None, help="also write the JSON here after each part")
+    ap.add_argument(
+        "--smoke", action="store_true", help="--quick at the fewest batches and steps; exit 1 if a part fails"
+    )
     a = ap.parse_args()
+    if a.smoke:
+        a.quick, a.batches, a.repeats, a.gen_repeats, a.new_tokens = True, "1,2", 1, 1, 4
     cuda = a.device.startswith("cuda")
     if not cuda and not a.quick:  # billions of parameters on CPU would run for hours
         print(f"gpu_engine: no CUDA device ({a.device}): running --quick (tiny shapes), a check of the script")
@@ -449,6 +455,7 @@ def main() -> int:
 
     result: dict = {
         "benchmark": "gpu_engine",
+        **({"smoke": True} if a.smoke else {}),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "dtype": a.dtype,
         "torch": torch.__version__,
@@ -484,6 +491,14 @@ def main() -> int:
         print(f"table: {type(exc).__name__}: {exc}", file=sys.stderr)
     print("float32 graph checks:", json.dumps(result.get("float32_graph_checks"), default=_plain))
     print(json.dumps(result, default=_plain))
+    failed = [
+        k
+        for k, v in [*result["shapes"].items(), ("float32_graph_checks", result.get("float32_graph_checks"))]
+        if isinstance(v, dict) and "error" in v
+    ]
+    if a.smoke and failed:  # a check of the script: a part that failed fails it
+        print(f"gpu_engine --smoke: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
