@@ -1,4 +1,4 @@
-"""The environment contract (DESIGN.md, "Environment"): what a multi-turn env implements.
+"""The environment contract (docs/architecture.md, "Environment"): what a multi-turn env implements.
 
     env = EnvClass(**cfg.env.kwargs)              # one instance per episode
     observation = env.reset(sample)               # str; may be "" (the prompt already says it all)

@@ -1,4 +1,4 @@
-"""The trajectory record that flows through the whole system (DESIGN.md, "Sample / Trajectory").
+"""The trajectory record that flows through the whole system (docs/architecture.md, "Sample / Trajectory").
 
 Token-in/token-out: the prompt and response are token ids; every response token carries the
 behaviour logprob, the policy version that produced it and a loss mask (0 for env/tool tokens).

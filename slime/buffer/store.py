@@ -1,5 +1,5 @@
 """The trajectory store: every trajectory, finished or not, its group, lease and queue position
-(DESIGN.md, "Buffer (Redis)"; the key layout is in slime/buffer/__init__.py).
+(docs/architecture.md, "Buffer (Redis)"; the key layout is in slime/buffer/__init__.py).
 
 Every state change is one Lua script (slime/buffer/lua/), so it is atomic. Lease times come from the
 Redis server's clock (`TIME`), so workers on machines with skewed clocks agree on who has expired.

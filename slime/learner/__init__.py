@@ -1,4 +1,4 @@
-"""The learner group (DESIGN.md room 3): N Ray actors, one torch.distributed group, FSDP2 shards.
+"""The learner group (docs/architecture.md room 3): N Ray actors, one torch.distributed group, FSDP2 shards.
 
 - actor.py     one rank: claims, updates, publishes weights, checkpoints (the whole learner at N=1)
 - group.py     the driver's handle on the N ranks: placement, rendezvous, calls fanned out to all

@@ -1,4 +1,4 @@
-"""Weight transport from the learner to the rollout engines (DESIGN.md, "Weight transport").
+"""Weight transport from the learner to the rollout engines (docs/architecture.md, "Weight transport").
 
 The learner `publish`es a version: tensors are packed into buckets of `bucket_mb` and a small,
 picklable `WeightHandle` describes them. Each engine `receive`s the handle and gets
