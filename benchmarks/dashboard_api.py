@@ -97,7 +97,7 @@ async def _load(url: str, path_fn, clients: int, seconds: float) -> list[float]:
     little CPU on a small machine (an HTTP client library would cost more than the server)."""
     host, port = url.removeprefix("http://").split(":")
     latencies: list[float] = []
-    warm_until = time.perf_counter() + 1.0  # the first second is not recorded (connections, caches)
+    warm_until = time.perf_counter() + min(1.0, seconds)  # the first second is not recorded (connections, caches)
     deadline = warm_until + seconds
 
     async def one() -> None:
@@ -226,7 +226,7 @@ print(n)
 """
 
 
-def rollout_overhead(steps: int, poll: str = "pages") -> dict:
+def rollout_overhead(steps: int, poll: str = "pages", shape: list[str] | None = None) -> dict:
     """One real job; the poller loads the API during the rollouts of steps 1, 2, 5, 6, ... only (it watches the job's
     metrics.jsonl), so both conditions share the job, its warm-up and the machine's load swings."""
     import ray
@@ -255,6 +255,7 @@ def rollout_overhead(steps: int, poll: str = "pages") -> dict:
                 "weights.check_every=0",
                 "dashboard.enabled=true",
                 f"dashboard.port={port}",
+                *(shape or []),
             ],
         )
         poller = subprocess.Popen(
@@ -339,14 +340,20 @@ def main() -> None:
         help="what the poller asks: ten pages' worth, or only ten live summaries a second",
     )
     ap.add_argument("--steps", type=int, default=82, help="steps of the real job (ABBA: steps 1, 2, 5, 6, ... polled)")
+    ap.add_argument("--smoke", action="store_true", help="smallest settings, checks it runs (not figures to quote)")
     args = ap.parse_args()
+    shape = None
+    if args.smoke:  # steps 2 (polled) and 3 (not) after the 2 warm-up steps; a smaller job
+        args.trajectories, args.clients, args.seconds, args.steps = 200, [1], 0.2, 4
+        shape = ["rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16"]
     t0 = time.time()
     print(f"API latency, {args.trajectories} trajectories, {args.clients} clients x {args.seconds:.0f} s per endpoint")
     api = api_latency(args.trajectories, args.clients, args.seconds)
     print(f"rollout throughput without / with a polling dashboard (one job, {args.steps} steps, ABBA)")
-    job = rollout_overhead(args.steps, args.poll)
+    job = rollout_overhead(args.steps, args.poll, shape)
     e = api["endpoints"]
     figures = {
+        **({"smoke": True} if args.smoke else {}),
         "trajectories": args.trajectories,
         "target_clients": args.clients[0],
         "fill_s": round(api["fill_s"], 1),
