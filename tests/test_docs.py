@@ -10,6 +10,8 @@ README and docs/*.md name exists.
     was then, written "`old/path.py` (today `new/path.py`)" (the new path is checked).
 (c) Every bare file name in backticks (`grpo.py`, named beside its folder) is the name of some file
     of the repository.
+(d) Every module of ours named in backticks (`slime.tools.simulate`, `rewards.rule:exact_match`)
+    exists, at least its package and module.
 """
 
 from __future__ import annotations
@@ -176,3 +178,26 @@ def test_every_bare_file_name_the_docs_give_exists_somewhere() -> None:
 )
 def test_what_counts_as_a_repository_path(word: str, expected: str | None) -> None:
     assert as_repository_path(word) == expected
+
+
+MODULE = re.compile(r"`((?:slime|rewards|envs)(?:\.\w+)+)")
+
+
+def test_every_module_the_docs_name_exists() -> None:
+    """`slime.tools.simulate.sim_config_from_job`, `rewards.rule:exact_match`: the package and its
+    module exist (what follows the module is an attribute, not checked). `april.*` is also a config
+    section, so it is not checked here."""
+    missing = []
+    for doc in doc_files():
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            for dotted in MODULE.findall(line):
+                parts = dotted.split(".")
+                resolved = 1
+                while resolved < len(parts):
+                    path = ROOT.joinpath(*parts[: resolved + 1])
+                    if not (path.is_dir() or path.with_suffix(".py").is_file()):
+                        break
+                    resolved += 1
+                if resolved < 2:
+                    missing.append(f"{doc.relative_to(ROOT)}:{number}: {dotted}")
+    assert not missing, "modules named in the docs that do not exist:\n" + "\n".join(sorted(set(missing)))
