@@ -5,7 +5,7 @@ default warm start, the long-tail repeat task, batch 16 x 8, 96-token cap), the 
 benchmarks/april_vs_sync.py. Arms:
 
     sync     APRIL off, the synchronous baseline
-    april2   APRIL, oversample 2.0, no staleness budget, under a correction (april.off_policy)
+    april2   APRIL, oversample 2.0, no staleness budget, under a correction (algorithm.correction.name)
     async2   mode=async, max_staleness=2, under a correction
 
 Each run saves a checkpoint every --eval-every steps; after all runs (off the training clock) every
@@ -24,7 +24,7 @@ Redis server and one Ray for all runs, each job under its own name.
     python benchmarks/offpolicy_study.py --arm april2_restart=april.enabled=true,april.max_version_span=0
 
 An --arm NAME=KEY=VALUE,KEY=VALUE adds an arm of your own (run under the default correction unless it
-sets april.off_policy itself). Each run's per-step metrics are kept in OUT/histories.json.
+sets algorithm.correction.name itself). Each run's per-step metrics are kept in OUT/histories.json.
 
 Prints a table per score (greedy, sampled), then LAST one JSON line (names carry units).
 """
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from slime.config import AprilConfig, load_config
+from slime.config import CorrectionConfig, load_config
 
 SHAPE = [
     "rollout.num_workers=1",
@@ -62,8 +62,8 @@ ARMS: dict[str, list[str]] = {
     "april2": ["april.enabled=true", "april.oversample=2.0"],
     "async2": ["mode=async", "max_staleness=2", "april.enabled=false"],
 }
-ALL_CORRECTIONS = list(typing.get_args(AprilConfig.model_fields["off_policy"].annotation))
-DEFAULT_CORRECTION = AprilConfig().off_policy
+ALL_CORRECTIONS = list(typing.get_args(CorrectionConfig.model_fields["name"].annotation))
+DEFAULT_CORRECTION = CorrectionConfig().name
 
 
 def run_job(name: str, overrides: list[str], args, redis_url: str) -> dict:
@@ -226,7 +226,7 @@ def main() -> None:
         arms.append(arm_name)
 
     def own_correction(arm: str) -> bool:
-        return arm == "sync" or any(o.startswith("april.off_policy=") for o in ARMS[arm])
+        return arm == "sync" or any(o.startswith("algorithm.correction.name=") for o in ARMS[arm])
 
     variants = [(arm, corr) for arm in arms for corr in (["-"] if own_correction(arm) else corrections)]
     out = Path(args.out).expanduser().resolve()
@@ -244,7 +244,7 @@ def main() -> None:
                     name = f"{arm}-{corr}-lr{lr}-s{seed}"
                     overrides = [f"seed={seed}", f"data.seed={seed}", f"learner.lr={lr}", *ARMS[arm]]
                     if corr != "-":
-                        overrides.append(f"april.off_policy={corr}")
+                        overrides.append(f"algorithm.correction.name={corr}")
                     run = run_job(name, overrides, args, server.url)
                     runs.setdefault((arm, corr, lr), []).append(run)
                     print(

@@ -39,7 +39,7 @@ its transformers config with the char tokenizer and given the same 100-step warm
 sides load it from one directory. `--slime-mode async` runs our side in async mode (staleness 1);
 the default is the project's default, sync. `--seeds N` runs N seeds per side, alternating
 (slime, trl, slime, trl, ...), and reports mean and sd. `--set KEY=VALUE` (repeatable) overrides
-our side's config only, e.g. `--set april.off_policy=behaviour_clip`.
+our side's config only, e.g. `--set algorithm.correction.name=behaviour_clip`.
 
     python benchmarks/vs_trl.py --model qwen2_moe --slime-mode async --seeds 3
 
@@ -192,7 +192,7 @@ def run_trl(args, model_dir: str, out_dir: str, seed: int) -> dict:
         seed=seed,
         max_steps=args.max_steps,
         # 128 completions per optimizer step: 32 per micro-batch x 4 accumulation steps, generated at once.
-        per_device_train_batch_size=32,
+        per_device_train_batch_size=PROMPTS * SAMPLES // 4,
         gradient_accumulation_steps=4,
         num_generations=SAMPLES,
         max_completion_length=MAX_NEW,
@@ -315,9 +315,18 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="A config override for our side only (repeatable), e.g. april.off_policy=behaviour_clip.",
+        help="A config override for our side only (repeatable), e.g. algorithm.correction.name=behaviour_clip.",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2 steps per side of 2 prompts x 2 samples, 8 tokens: checks it runs (not figures to quote)",
     )
     args = ap.parse_args()
+    if args.smoke:
+        global PROMPTS, SAMPLES, MAX_NEW
+        PROMPTS, SAMPLES, MAX_NEW = 2, 2, 8
+        args.max_steps, args.window = 2, 1
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if unknown := set(sides) - {"slime", "trl"}:
         raise SystemExit(f"unknown side(s) {sorted(unknown)}")
@@ -326,6 +335,7 @@ def main() -> None:
     from slime.model import ensure_model_dir
 
     summary: dict = {
+        **({"smoke": True} if args.smoke else {}),
         "model": args.model,
         "slime_mode": args.slime_mode,
         "slime_overrides": args.set,

@@ -9,9 +9,10 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
-from slime.config import JobConfig, config_for_display, load_config
+from slime.config import ConfigKeyDeprecated, JobConfig, config_for_display, load_config
 from slime.errors import UserError, exception_behind, user_error_behind
 from slime.metrics import TooManyFailures
 from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("SLIME_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    warnings.simplefilter("default", ConfigKeyDeprecated)  # a moved config key: Python would hide it
     try:
         return _run(argv)
     except Exception as exc:

@@ -21,7 +21,7 @@ from slime.algorithms.reinforce_pp import ReinforcePP, ReinforcePPBaseline, disc
 from slime.algorithms.rloo import RLOO, leave_one_out_advantages
 from slime.algorithms.shaping import overlong_penalty, shape_scores
 from slime.buffer import TrajectoryStore
-from slime.config import AlgorithmConfig, ConfigError, load_config
+from slime.config import AlgorithmConfig, CispoConfig, ConfigError, DrGrpoConfig, load_config
 from slime.learner import Learner
 from slime.sample import Sample, Status
 from slime.train import train
@@ -38,7 +38,7 @@ def close(actual: torch.Tensor, expected, atol: float = 1e-9) -> None:
 
 
 def _none() -> Correction:
-    return make_correction(load_config(None, ["april.off_policy=none"]).april)
+    return make_correction(load_config(None, ["algorithm.correction.name=none"]).algorithm.correction)
 
 
 def _batch(rows: list[tuple[float | None, int]], groups: list[int], max_new_tokens: int = 8) -> Batch:
@@ -76,8 +76,8 @@ def test_sequence_level_losses_get_a_sequence_weighted_aggregation() -> None:
             load_config(None, [f"algorithm.name={name}", "algorithm.loss_agg=token_mean"])
     assert load_config(None, ["algorithm.name=cispo"]).algorithm.loss_agg == "token_mean"
     cfg = AlgorithmConfig()
-    assert (cfg.gspo_clip_low, cfg.gspo_clip_high, cfg.cispo_clip_high) == (3e-4, 4e-4, 0.28)
-    assert cfg.overlong_buffer is None and cfg.overlong_penalty == 1.0 and cfg.dr_grpo_norm_tokens is None
+    assert (cfg.gspo.clip_low, cfg.gspo.clip_high, cfg.cispo.clip_high) == (3e-4, 4e-4, 0.28)
+    assert cfg.overlong_buffer is None and cfg.overlong_penalty == 1.0 and cfg.dr_grpo.norm_tokens is None
 
 
 # ---------------------------------------------------------------- DAPO overlong shaping
@@ -240,7 +240,7 @@ def test_cispo_loss_and_gradient_by_hand() -> None:
 
 def test_cispo_algorithm_by_hand() -> None:
     batch = _batch([(1.0, 2), (0.0, 1)], [0, 0])
-    cispo = CISPO(AlgorithmConfig(name="cispo", grpo_std_normalize=False, cispo_clip_high=0.5), _none())
+    cispo = CISPO(AlgorithmConfig(name="cispo", grpo_std_normalize=False, cispo=CispoConfig(clip_high=0.5)), _none())
     fixed = cispo.prepare(batch, kl_coef=0.0, old_logp=None, ref_logp=None)
     close(fixed.advantages, [[0.5, 0.5], [-0.5, 0.0]])
     fixed.old_logp = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
@@ -342,7 +342,7 @@ def test_dr_grpo_loss_sums_tokens_over_a_constant(norm: int | None) -> None:
     +1; C = 8 (max_new_tokens) or 4; the mean over the 2 sequences."""
     batch = _batch([(1.0, 2), (0.0, 1)], [0, 0], max_new_tokens=8)
     c = 8 if norm is None else norm
-    algo = DrGRPO(AlgorithmConfig(name="dr_grpo", dr_grpo_norm_tokens=norm, entropy_coef=0.1), _none())
+    algo = DrGRPO(AlgorithmConfig(name="dr_grpo", dr_grpo=DrGrpoConfig(norm_tokens=norm), entropy_coef=0.1), _none())
     fixed = UpdateTensors(advantages=torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
     logp = torch.full((2, 2), -1.0, requires_grad=True)
     entropy = torch.tensor([[1.0, 1.0], [2.0, 9.0]])  # position (1, 1) is padding

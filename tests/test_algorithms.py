@@ -29,7 +29,11 @@ from slime.sample import Sample, Status
 
 
 def _correction(mode: str, cap: float) -> Correction:
-    return make_correction(load_config(None, [f"april.off_policy={mode}", f"april.tis_cap={cap}"]).april)
+    return make_correction(
+        load_config(
+            None, [f"algorithm.correction.name={mode}", f"algorithm.correction.tis_cap={cap}"]
+        ).algorithm.correction
+    )
 
 
 def t(rows) -> torch.Tensor:
@@ -171,11 +175,14 @@ def test_tis_weights_are_truncated_above() -> None:
     behaviour = torch.log(torch.tensor([[0.4, 0.5, 0.2, 0.2, 0.1]]))
     old = behaviour + torch.log(w)
     x = CorrectionInputs(old, behaviour, torch.ones(1, 5), torch.zeros(1, 5))
-    out = make_correction(load_config(None, ["april.off_policy=tis"]).april)(x)
+    out = make_correction(load_config(None, ["algorithm.correction.name=tis"]).algorithm.correction)(x)
     assert out.weights.tolist()[0] == pytest.approx([0.25, 0.8, 1.0, 1.5, 2.0])
     assert out.stats["offpolicy_clipped_share"] == pytest.approx(1 / 5)
     for mode in ("none", "mask_stale"):
-        assert make_correction(load_config(None, [f"april.off_policy={mode}"]).april)(x).weights is None
+        assert (
+            make_correction(load_config(None, [f"algorithm.correction.name={mode}"]).algorithm.correction)(x).weights
+            is None
+        )
 
 
 def test_aggregation_modes_on_ragged_mask() -> None:

@@ -23,18 +23,18 @@ from slime.algorithms.corrections.m2po import M2PO
 from slime.algorithms.grpo import GRPO
 from slime.algorithms.mismatch import MismatchMeter
 from slime.buffer import TrajectoryStore
-from slime.config import AlgorithmConfig, AprilConfig, TinyModelConfig, load_config
+from slime.config import AlgorithmConfig, CorrectionConfig, TinyModelConfig, load_config
 from slime.learner import Learner
 from slime.model import build_tiny_moe
 from slime.sample import Sample, Status
 from slime.train import train
 
-NAMES = typing.get_args(AprilConfig.model_fields["off_policy"].annotation)
+NAMES = typing.get_args(CorrectionConfig.model_fields["name"].annotation)
 TINY = 1e-6  # μ of a padding token: its ρ would be 10⁶ if padding were ever counted
 
 
 def correction(name: str, *overrides: str):
-    return make_correction(load_config(None, [f"april.off_policy={name}", *overrides]).april)
+    return make_correction(load_config(None, [f"algorithm.correction.name={name}", *overrides]).algorithm.correction)
 
 
 def inputs(old_p, mu_p, mask=None, adv=None) -> CorrectionInputs:
@@ -131,10 +131,10 @@ def test_icepop_keeps_the_calibrated_ratio_inside_the_band() -> None:
     # 2 of 6 masked; mean (.25 + .5 + 1 + 2 + 4 + 8)/6 = 2.625, max 8.
     x = inputs([[0.25, 0.25, 0.5, 0.5, 1.0, 1.0, 1.0]], [[1.0, 0.5, 0.5, 0.25, 0.25, 0.125, TINY]])
     x.mask[0, -1] = 0
-    out = correction("icepop", "april.icepop_band=[0.5, 4.0]")(x)
+    out = correction("icepop", "algorithm.correction.icepop_band=[0.5, 4.0]")(x)
     check(out, [[0.0, 0.5, 1.0, 2.0, 4.0, 0.0, 0.0]], 2.625, 8.0, 2 / 6, 0.0)
     with pytest.raises(ValueError, match="band"):
-        correction("icepop", "april.icepop_band=[1.5, 4.0]")  # a band that excludes ρ = 1
+        correction("icepop", "algorithm.correction.icepop_band=[1.5, 4.0]")  # a band that excludes ρ = 1
 
 
 def test_mis_seq_uses_the_product_over_the_row() -> None:
@@ -169,7 +169,7 @@ def test_geo_reject_keeps_rows_by_their_geometric_mean_ratio() -> None:
         [[0.25, 0.25], [0.25, 0.5], [1.0, 0.5], [0.25, TINY], [1.0, 0.5], [TINY, TINY]],
         mask=[[1, 1], [1, 1], [1, 1], [1, 0], [1, 1], [0, 0]],
     )
-    out = correction("geo_reject", "april.geo_band=[0.5, 2.0]")(x)
+    out = correction("geo_reject", "algorithm.correction.geo_band=[0.5, 2.0]")(x)
     check(out, [[1, 1], [1, 1], [1, 1], [0, 0], [0, 0], [0, 0]], 15 / 9, 4.0, 3 / 9, 0.0)
 
 
@@ -190,7 +190,7 @@ def test_opsm_drops_negative_advantage_tokens_of_divergent_rows() -> None:
         mask=[[1, 1]] * 4 + [[1, 0]] + [[1, 1]] * 2,
         adv=[[-1, -1], [1, 1], [-1, -1], [-1, 1], [-1, 0], [-1, -1], [0, 0]],
     )
-    out = correction("opsm", f"april.opsm_delta={math.log(2)!r}")(x)
+    out = correction("opsm", f"algorithm.correction.opsm_delta={math.log(2)!r}")(x)
     check(out, [[0, 0], [1, 1], [1, 1], [0, 1], [0, 0], [1, 1], [1, 1]], 11.25 / 13, 4.0, 4 / 13, 0.0)
 
 
@@ -318,7 +318,7 @@ def test_masked_token_adds_nothing_but_counts_in_the_token_mean() -> None:
     r = torch.tensor([[1.1, 1.5, 1.0], [0.95, 1.0, 1.0]])
     logp = (old + torch.log(r)).requires_grad_(True)
     fixed = UpdateTensors(advantages=torch.tensor([[1.0, 1.0, 1.0], [-2.0, 0.0, 0.0]]), old_logp=old)
-    grpo = GRPO(AlgorithmConfig(), correction("icepop", "april.icepop_band=[0.5, 4.0]"))
+    grpo = GRPO(AlgorithmConfig(), correction("icepop", "algorithm.correction.icepop_band=[0.5, 4.0]"))
     loss, stats = grpo.loss(batch, fixed, Forward(logp, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0)
     assert loss.item() == pytest.approx((-1.1 - 2.0 + 0.95) / 4, rel=1e-6)
     assert stats["pg_loss"] == pytest.approx(-0.5375, rel=1e-6)
@@ -391,7 +391,9 @@ def test_behaviour_clip_band_widens_one_ppo_step_per_version_the_sampler_lags() 
     torch.testing.assert_close(logp.grad, expected, rtol=1e-5, atol=1e-7)
     assert stats["clipfrac"] == pytest.approx(2 / 6)
 
-    fixed_band = GRPO(AlgorithmConfig(), correction("behaviour_clip", "april.clip_band_per_version=false"))
+    fixed_band = GRPO(
+        AlgorithmConfig(), correction("behaviour_clip", "algorithm.correction.clip_band_per_version=false")
+    )
     logp2 = logp.detach().clone().requires_grad_(True)
     fixed_band.loss(batch, fixed, Forward(logp2, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0)[
         0
@@ -544,7 +546,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_decoupled_first_forward_is_the_proximal_policy(small_model_dir, redis_url, tmp_path):
     """ppo_epochs = num_minibatches = 1: π_prox taken from the update's own first forward (detached)
     is the same update as π_old recomputed by a separate forward before it."""
-    common = ["april.off_policy=decoupled", "april.tis_cap=1.2", "learner.micro_batch_size=2"]
+    common = ["algorithm.correction.name=decoupled", "algorithm.correction.tis_cap=1.2", "learner.micro_batch_size=2"]
     m1, before, own, g1 = _update(small_model_dir, redis_url, tmp_path, "dec-own", *common)
     m2, _, recomputed, g2 = _update(
         small_model_dir, redis_url, tmp_path, "dec-re", *common, "learner.recompute_old_logprobs=true"
@@ -563,10 +565,10 @@ def test_m2po_mask_is_computed_on_the_whole_batch(small_model_dir, redis_url, tm
     The gradients agree to float round-off (accumulated in three parts or summed at once). Adam's
     first step is about lr·g/(|g| + ε), which blows that round-off up on the few near-zero
     gradients, so the parameters are compared at 1e-5."""
-    m2po = ["april.off_policy=m2po", "learner.micro_batch_size=2"]
+    m2po = ["algorithm.correction.name=m2po", "learner.micro_batch_size=2"]
     m_small, before, small, g_small = _update(small_model_dir, redis_url, tmp_path, "m2-2", *m2po)
     m_whole, _, whole, g_whole = _update(
-        small_model_dir, redis_url, tmp_path, "m2-6", "april.off_policy=m2po", "learner.micro_batch_size=6"
+        small_model_dir, redis_url, tmp_path, "m2-6", "algorithm.correction.name=m2po", "learner.micro_batch_size=6"
     )
     stats = ("offpolicy_ratio_mean", "offpolicy_ratio_max", "offpolicy_masked_share", "offpolicy_clipped_share")
     for k in stats:
@@ -647,7 +649,7 @@ def test_april_job_trains_with_each_correction(ray_session, tiny_model_dir, redi
     job = f"corr-e2e-{name}"
     overrides = [f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}"]
     try:
-        history = train(load_config(None, [*overrides, *E2E, f"april.off_policy={name}"]))
+        history = train(load_config(None, [*overrides, *E2E, f"algorithm.correction.name={name}"]))
     finally:
         TrajectoryStore.open(redis_url, job).delete_job()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

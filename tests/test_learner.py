@@ -186,8 +186,8 @@ GOLDEN_COMMON = [
     "algorithm.dual_clip=1.1",
     "algorithm.clip_low=0.05",
     "algorithm.clip_high=0.08",
-    "april.off_policy=tis",
-    "april.tis_cap=1.2",
+    "algorithm.correction.name=tis",
+    "algorithm.correction.tis_cap=1.2",
 ]
 # case: (overrides, token rewards on rows 0, 3, 5, streaming: which rows are unfinished)
 GOLDEN_CASES = {
@@ -206,7 +206,7 @@ GOLDEN_CASES = {
         [
             "algorithm.name=grpo",
             "algorithm.loss_agg=seq_mean_token_sum",
-            "april.off_policy=mask_stale",
+            "algorithm.correction.name=mask_stale",
             "algorithm.grpo_std_normalize=false",
             "algorithm.kl_estimator=k2",
             "algorithm.kl_schedule=[{until_step: 5, coef: 0.1}]",

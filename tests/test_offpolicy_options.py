@@ -4,7 +4,7 @@
   `max_staleness` versions older than the learner that trains it, read back from the buffer's
   claimed groups and the learner's own lag histogram (a group admission let through over the
   bound, overtaken by shorter ones, is dropped by the learner, never trained);
-- `april.off_policy=mask_stale`: the real Learner's collate + off_policy_mask zero the loss mask
+- `algorithm.correction.name=mask_stale`: the real Learner's collate + off_policy_mask zero the loss mask
   exactly on the tokens an older policy made (env/tool tokens stay 0), and those tokens then carry
   no gradient;
 - `april.chunk_sampler`: the temperature the hook returns after a chunk is the one the engine
@@ -150,7 +150,7 @@ def _update_with_spy(tiny_model_dir, redis_url, tmp_path, off_policy: str, sampl
         [
             f"job_name=offpolicy-mask-{off_policy}",
             f"output_dir={tmp_path / off_policy}",
-            f"april.off_policy={off_policy}",
+            f"algorithm.correction.name={off_policy}",
         ],
     )
     learner = Learner(cfg, str(tiny_model_dir), redis_url)
@@ -296,9 +296,9 @@ def test_token_shares_do_not_depend_on_the_micro_batching(tiny_model_dir, redis_
             [
                 f"job_name=shares-{off_policy}-{micro}",
                 f"output_dir={tmp_path / str(micro)}",
-                f"april.off_policy={off_policy}",
-                "april.tis_cap=1.5",
-                "april.icepop_band=[0.7,1.4]",
+                f"algorithm.correction.name={off_policy}",
+                "algorithm.correction.tis_cap=1.5",
+                "algorithm.correction.icepop_band=[0.7,1.4]",
                 f"learner.micro_batch_size={micro}",
             ],
         )

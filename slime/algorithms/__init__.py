@@ -74,4 +74,4 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 def make_algorithm(cfg: JobConfig) -> Algorithm:
     """The algorithm `cfg.algorithm.name` names, with the job's off-policy correction."""
     clip = (cfg.algorithm.clip_low, cfg.algorithm.clip_high)
-    return ALGORITHMS[cfg.algorithm.name](cfg.algorithm, make_correction(cfg.april, clip))
+    return ALGORITHMS[cfg.algorithm.name](cfg.algorithm, make_correction(cfg.algorithm.correction, clip))

@@ -11,7 +11,7 @@ its REINFORCE gradient:
 
 ∇ℓ_t = −min(r_t, 1 + ε_IS_high) · Â_t · ∇log π_θ(a_t|s_t): nonzero for every token with Â_t ≠ 0.
 No lower bound on the weight (the paper sets ε_IS_low large and tunes only ε_IS_high).
-ε_IS_high is algorithm.cispo_clip_high. w_t are the off-policy correction's weights.
+ε_IS_high is algorithm.cispo.clip_high (CispoConfig). w_t are the off-policy correction's weights.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class CISPO(GRPO):
         cfg = self.cfg
         terms = surrogate_terms(self.correction, batch, fixed, out.logp)
         loss, stats = cispo_policy_loss(
-            out.logp, terms.base_logp, fixed.advantages, batch.mask, cfg.cispo_clip_high, cfg.loss_agg, terms.weights
+            out.logp, terms.base_logp, fixed.advantages, batch.mask, cfg.cispo.clip_high, cfg.loss_agg, terms.weights
         )
         kl = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":

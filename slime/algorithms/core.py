@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 AggMode = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
-OffPolicyMode = str  # AprilConfig.off_policy; only "mask_stale" changes the loss mask here
+OffPolicyMode = str  # algorithm.correction.name; only "mask_stale" changes the loss mask here
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ shrinks the penalty on long wrong answers. Dr. GRPO drops both:
   ℓ_{i,t} = −min(r_t Â_i, clip(r_t, 1 − ε_low, 1 + ε_high) Â_i) · w_t     (PPO's, learner's clip range)
   L(θ) = 1/G Σ_i (1/C) Σ_t (ℓ_{i,t} − c_H·H_{i,t} + β·KL_{i,t})
 
-C is a constant, not a length: algorithm.dr_grpo_norm_tokens, or None (the default) for each
+C is a constant, not a length: algorithm.dr_grpo.norm_tokens (DrGrpoConfig), or None (the default) for each
 sample's generation budget max_new_tokens (the paper divides by the generation budget too), so
 every token weighs the same whatever the length of its response. The regularisers are summed and
 divided the same way.
@@ -36,7 +36,7 @@ def norm_constants(batch: Batch, norm_tokens: int | None) -> torch.Tensor:
     if norm_tokens is not None:
         return torch.full((n, 1), float(norm_tokens), dtype=batch.mask.dtype, device=batch.mask.device)
     if batch.max_new_tokens is None:
-        raise ValueError("dr_grpo needs algorithm.dr_grpo_norm_tokens or each row's max_new_tokens in the batch")
+        raise ValueError("dr_grpo needs algorithm.dr_grpo.norm_tokens or each row's max_new_tokens in the batch")
     return batch.max_new_tokens.to(batch.mask.device, batch.mask.dtype)[:, None]
 
 
@@ -70,7 +70,7 @@ class DrGRPO(GRPO):
         cfg = self.cfg
         terms = surrogate_terms(self.correction, batch, fixed, out.logp)
         eps_low, eps_high = terms.clip_range(clip_low, clip_high)  # per token under behaviour_clip's band
-        inv_c = 1.0 / norm_constants(batch, cfg.dr_grpo_norm_tokens)
+        inv_c = 1.0 / norm_constants(batch, cfg.dr_grpo.norm_tokens)
         # 1/C is a constant per row: it rides with the (detached) correction weights, and the
         # seq_mean_token_sum aggregate then gives mean_i Σ_t ℓ_{i,t} / C.
         weights = inv_c if terms.weights is None else terms.weights * inv_c

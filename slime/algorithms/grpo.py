@@ -13,7 +13,7 @@ The loss per token is PPO's clipped surrogate on Â_{i,t}, with the regularisers
   r_t(θ) = π_θ(a_t|s_t) / π_old(a_t|s_t)
   L(θ) = −min(r_t Â_t, clip(r_t, 1 − ε_low, 1 + ε_high) Â_t) · w_t − c_H·H(π_θ) + β·KL(π_θ ‖ π_ref)
 
-w_t are the off-policy correction's weights vs the behaviour policy (april.off_policy; see
+w_t are the off-policy correction's weights vs the behaviour policy (algorithm.correction.name; see
 slime/algorithms/corrections/). The KL to π_ref is a loss term only: GRPO has no per-token reward to shape, so kl_mode="reward" adds none.
 """
 

@@ -13,7 +13,7 @@ written per token so that autograd gives the right gradient:
          − c_H·H(π_θ) + β·KL(π_θ ‖ π_ref)
 
 so ∇L = −1/G Σ_i s_i Â_i · 1/|y_i| Σ_t ∇log π_θ(y_{i,t}) where the clip is inactive. ε_low/ε_high
-are algorithm.gspo_clip_low/_high (3e-4/4e-4, the paper's: a sequence ratio moves far less than
+are algorithm.gspo.clip_low/clip_high (GspoConfig, 3e-4/4e-4, the paper's: a sequence ratio moves far less than
 a token ratio); the learner's clip range (and adaptive clip) is not used. The surrogate is always
 the mean over sequences of the token mean (the paper's objective); the regularisers use
 algorithm.loss_agg, which the config requires to be a seq_* mode so that the learner weighs
@@ -93,8 +93,8 @@ class GSPO(GRPO):
             terms.base_logp,
             fixed.advantages,
             batch.mask,
-            cfg.gspo_clip_low,
-            cfg.gspo_clip_high,
+            cfg.gspo.clip_low,
+            cfg.gspo.clip_high,
             cfg.dual_clip,
             terms.weights,
         )

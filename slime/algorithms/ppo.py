@@ -18,7 +18,7 @@ The loss, per token (Â_t whitened over the batch when normalize_advantages):
             + c_v · ½ max((V_φ − R_t)², (V_old + clip(V_φ − V_old, −ε_v, ε_v) − R_t)²)
             − c_H·H(π_θ) + β·KL(π_θ ‖ π_ref)          (the KL term when kl_mode="loss")
 
-w_t are the off-policy correction's weights vs the behaviour policy (april.off_policy; see
+w_t are the off-policy correction's weights vs the behaviour policy (algorithm.correction.name; see
 slime/algorithms/corrections/).
 """
 

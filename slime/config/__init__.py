@@ -1,6 +1,6 @@
 """The job configuration, one module per reader: base.py (the strict model, ConfigError),
 inputs.py (model, data, sampling), rollout.py (rollout workers, engines, APRIL's scheduling),
-learner.py (algorithm, its settings and corrections, learner), services.py (reward, env, buffer,
+learner.py (algorithm, its settings and corrections, learner), renames.py (keys that moved), services.py (reward, env, buffer,
 weights, cluster, logging, dashboard), job.py (the JobConfig root, loading, overrides, env
 references, display). Everything public is importable from `slime.config`."""
 
@@ -24,7 +24,17 @@ from slime.config.job import (
     load_config,
     parse_override,
 )
-from slime.config.learner import AdaptiveClipConfig, AlgorithmConfig, LearnerConfig, StagedKL
+from slime.config.learner import (
+    AdaptiveClipConfig,
+    AlgorithmConfig,
+    CispoConfig,
+    CorrectionConfig,
+    DrGrpoConfig,
+    GspoConfig,
+    LearnerConfig,
+    StagedKL,
+)
+from slime.config.renames import RENAMED, ConfigKeyDeprecated
 from slime.config.rollout import AprilConfig, ElasticRolloutConfig, RolloutConfig, SglangConfig, VllmConfig
 from slime.config.services import (
     BufferConfig,
@@ -34,6 +44,7 @@ from slime.config.services import (
     LoggingConfig,
     RewardConfig,
     WeightsConfig,
+    resolve_weight_transport,
 )
 
 __all__ = [
@@ -41,6 +52,12 @@ __all__ = [
     "AdaptiveClipConfig",
     "AlgorithmConfig",
     "AprilConfig",
+    "CispoConfig",
+    "ConfigKeyDeprecated",
+    "CorrectionConfig",
+    "DrGrpoConfig",
+    "GspoConfig",
+    "RENAMED",
     "BufferConfig",
     "ClusterConfig",
     "ConfigError",
@@ -70,4 +87,5 @@ __all__ = [
     "format_validation_error",
     "load_config",
     "parse_override",
+    "resolve_weight_transport",
 ]

@@ -23,6 +23,7 @@ from slime.config.base import ConfigError
 from slime.config.base import StrictModel as _Strict
 from slime.config.inputs import DataConfig, ModelConfig, SamplingConfig
 from slime.config.learner import AlgorithmConfig, LearnerConfig
+from slime.config.renames import RENAMED, conflict_error, move_renamed_keys, renamed_key
 from slime.config.rollout import AprilConfig, RolloutConfig, SglangConfig, VllmConfig
 from slime.config.services import (
     BufferConfig,
@@ -32,6 +33,7 @@ from slime.config.services import (
     LoggingConfig,
     RewardConfig,
     WeightsConfig,
+    resolve_weight_transport,
 )
 from slime.security import redact, write_private
 
@@ -43,8 +45,15 @@ class JobConfig(_Strict):
     output_dir: str = "outputs/slime"
     mode: Literal["sync", "async"] = "sync"
     steps: int = Field(30, gt=0)
-    max_staleness: int = Field(1, ge=0, description="Async: most policy versions a trained token may lag.")
-    seed: int = 0
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="Async: most policy versions a trained token may lag. The one staleness budget at "
+        "training: the async loop admits no group that would be trained later, and the learner drops (and "
+        "counts) claimed groups beyond it. APRIL's partials have their own budget at rollout, "
+        "april.max_version_span.",
+    )
+    seed: int = Field(0, description="The job's seed; model.seed and data.seed follow it unless set.")
     checkpoint_every: int = Field(0, ge=0, description="Save every N steps (0: not by steps).")
     checkpoint_every_seconds: float = Field(
         300.0, ge=0, description="Save when this long has passed since the last save (0: not by time); and at the end."
@@ -71,6 +80,19 @@ class JobConfig(_Strict):
     dashboard: DashboardConfig = DashboardConfig()
     # dotted field path -> the `${NAME}` reference its value came from (written back by dump_config)
     _env_refs: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        return move_renamed_keys(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _derive_seeds(self) -> JobConfig:
+        # Set around validation so that "seed" stays out of model_fields_set: a later `seed=` re-derives.
+        for section in (self.model, self.data):
+            if "seed" not in section.model_fields_set:
+                section.__dict__["seed"] = self.seed
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> JobConfig:
@@ -161,6 +183,11 @@ class JobConfig(_Strict):
         return self.mode
 
     @property
+    def weight_transport(self) -> str:
+        """weights.transport with "auto" resolved for the learner's device (learner and workers agree)."""
+        return resolve_weight_transport(self.weights.transport, self.learner.device)
+
+    @property
     def weight_check_tolerance(self) -> float:
         """weights.check_tolerance; at least 5e-2 when the learner's forward is bf16 (mixed precision):
         a probe in bf16 differs from the same weights in fp32 by about 2e-2 (2.0e-2 measured on CPU, tiny MoE)."""
@@ -219,8 +246,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`data` with each `key.path=value` set; an old key (slime/config/renames.py) sets its new place."""
+    given: dict[tuple[str, ...], tuple[str, Any]] = {}  # path set -> (the key as written, value)
     for text in overrides:
-        path, value = parse_override(text)
+        written, value = parse_override(text)
+        path = renamed_key(written)
+        earlier = given.get(tuple(path))
+        if earlier is not None and earlier[0] != ".".join(written) and earlier[1] != value:
+            (old, old_value), (new, new_value) = sorted(
+                [earlier, (".".join(written), value)], key=lambda kv: kv[0] not in RENAMED
+            )
+            raise conflict_error(old, old_value, new, new_value)
+        given[tuple(path)] = (".".join(written), value)
         node = data
         for part in path[:-1]:
             child = node.get(part)
@@ -245,7 +282,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: not valid YAML ({exc})") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
-        data = loaded or {}
+        data = move_renamed_keys(loaded or {})
     data = apply_overrides(data, overrides or [])
     refs: dict[str, str] = {}
     data = _resolve_env_refs(data, "", refs)

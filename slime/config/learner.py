@@ -1,6 +1,7 @@
 """The training side's options (`algorithm.*`, `learner.*` in the job config): the algorithm and its
-loss terms, the optimizer, and the learner group's shape (ranks, precision, routing replay). The
-rest of the job configuration is slime/config.py, which checks the rules across sections."""
+loss terms, each algorithm's own settings (`algorithm.gspo.*`, ...), the off-policy correction
+(`algorithm.correction.*`), the optimizer, and the learner group's shape (ranks, precision, routing
+replay). slime/config/job.py checks the rules across sections."""
 
 from __future__ import annotations
 
@@ -27,6 +28,69 @@ class AdaptiveClipConfig(_Strict):
     max_clip: float = Field(0.4, gt=0)
 
 
+class CorrectionConfig(_Strict):
+    """The off-policy correction the loss applies (slime/algorithms/corrections/, docs/offpolicy.md)."""
+
+    name: Literal[
+        "none",
+        "mask_stale",
+        "tis",
+        "mis_token",
+        "mis_seq",
+        "decoupled",
+        "icepop",
+        "geo_reject",
+        "m2po",
+        "opsm",
+        "behaviour_clip",
+    ] = Field(
+        "behaviour_clip",
+        description="Correction for tokens an older or different policy sampled (APRIL partials, async "
+        "staleness, train-inference mismatch); one file each in slime/algorithms/corrections/. The default "
+        "takes the PPO ratio and clip against the sampler (docs/offpolicy.md: tis collapsed async and APRIL "
+        "at lr 1e-3 where it holds).",
+    )
+    clip_band_per_version: bool = Field(
+        True,
+        description="behaviour_clip: a token sampled k versions before the learner's gets the clip band "
+        "compounded k + 1 times, one PPO step per version, within [1/tis_cap, tis_cap] (False: the same band "
+        "for every token).",
+    )
+    tis_cap: float = Field(
+        2.0,
+        gt=0,
+        description="c: tis truncates at c, mis_* mask outside [1/c, c], decoupled masks above c, "
+        "behaviour_clip's band widens to [1/c, c] at most.",
+    )
+    icepop_band: tuple[float, float] = Field((0.5, 5.0), description="IcePop [alpha, beta] for pi_old/mu.")
+    geo_band: tuple[float, float] = Field(
+        (0.8, 1.25), description="geo_reject: keep a sequence whose geometric-mean ratio is inside."
+    )
+    m2po_threshold: float = Field(0.04, gt=0, description="M2PO: the batch mean of (log ratio)^2 after masking.")
+    opsm_delta: float = Field(
+        0.1, ge=0, description="OPSM: drop negative-advantage sequences with KL(mu||pi_old) above this."
+    )
+
+
+class GspoConfig(_Strict):
+    """GSPO's clip on the sequence ratio (slime/algorithms/gspo.py)."""
+
+    clip_low: float = Field(3e-4, gt=0, lt=1, description="epsilon_low on the sequence ratio.")
+    clip_high: float = Field(4e-4, gt=0, description="epsilon_high on the sequence ratio.")
+
+
+class CispoConfig(_Strict):
+    """CISPO's cap on the importance weight (slime/algorithms/cispo.py)."""
+
+    clip_high: float = Field(0.28, gt=0, description="The IS weight is capped at 1 + this.")
+
+
+class DrGrpoConfig(_Strict):
+    """Dr. GRPO's constant divisor (slime/algorithms/dr_grpo.py)."""
+
+    norm_tokens: int | None = Field(None, gt=0, description="The divisor C; None: each row's max_new_tokens.")
+
+
 class AlgorithmConfig(_Strict):
     name: Literal["ppo", "grpo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo"] = "grpo"
     gamma: float = Field(1.0, ge=0, le=1)
@@ -46,10 +110,10 @@ class AlgorithmConfig(_Strict):
     normalize_advantages: bool = True
     grpo_std_normalize: bool = True
     router_aux_coef: float = Field(0.001, ge=0, description="MoE router load-balancing loss weight.")
-    gspo_clip_low: float = Field(3e-4, gt=0, lt=1, description="GSPO: epsilon_low on the sequence ratio.")
-    gspo_clip_high: float = Field(4e-4, gt=0, description="GSPO: epsilon_high on the sequence ratio.")
-    cispo_clip_high: float = Field(0.28, gt=0, description="CISPO: the IS weight is capped at 1 + this.")
-    dr_grpo_norm_tokens: int | None = Field(None, gt=0, description="Dr. GRPO divisor; None: max_new_tokens.")
+    correction: CorrectionConfig = CorrectionConfig()
+    gspo: GspoConfig = GspoConfig()
+    cispo: CispoConfig = CispoConfig()
+    dr_grpo: DrGrpoConfig = DrGrpoConfig()
     overlong_buffer: int | None = Field(None, gt=0, description="DAPO overlong shaping: L_cache; None = off.")
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: the penalty at L_max.")
 

@@ -181,47 +181,12 @@ class AprilConfig(StrictModel):
     oversample_groups: int | None = Field(
         None, gt=0, description="Absolute number of groups in flight; overrides oversample."
     )
-    off_policy: Literal[
-        "none",
-        "mask_stale",
-        "tis",
-        "mis_token",
-        "mis_seq",
-        "decoupled",
-        "icepop",
-        "geo_reject",
-        "m2po",
-        "opsm",
-        "behaviour_clip",
-    ] = Field(
-        "behaviour_clip",
-        description="Correction for tokens an older or different policy sampled (APRIL partials, async "
-        "staleness, train-inference mismatch); one file each in slime/algorithms/corrections/. The default "
-        "takes the PPO ratio and clip against the sampler (docs/offpolicy.md: tis collapsed async and APRIL "
-        "at lr 1e-3 where it holds).",
-    )
-    clip_band_per_version: bool = Field(
-        True,
-        description="behaviour_clip: a token sampled k versions before the learner's gets the clip band "
-        "compounded k + 1 times, one PPO step per version, within [1/tis_cap, tis_cap] (False: the same band "
-        "for every token).",
-    )
-    tis_cap: float = Field(
-        2.0,
-        gt=0,
-        description="c: tis truncates at c, mis_* mask outside [1/c, c], decoupled masks above c, "
-        "behaviour_clip's band widens to [1/c, c] at most.",
-    )
-    icepop_band: tuple[float, float] = Field((0.5, 5.0), description="IcePop [alpha, beta] for pi_old/mu.")
-    geo_band: tuple[float, float] = Field(
-        (0.8, 1.25), description="geo_reject: keep a sequence whose geometric-mean ratio is inside."
-    )
-    m2po_threshold: float = Field(0.04, gt=0, description="M2PO: the batch mean of (log ratio)^2 after masking.")
-    opsm_delta: float = Field(
-        0.1, ge=0, description="OPSM: drop negative-advantage sequences with KL(mu||pi_old) above this."
-    )
     max_version_span: int | None = Field(
-        None, ge=0, description="Staleness budget: most versions a partial's oldest token may lag the policy."
+        None,
+        ge=0,
+        description="Staleness budget at rollout: most versions a partial's oldest token may lag the engine's "
+        "policy when it would resume (beyond_budget says what happens then). max_staleness is the budget at "
+        "training, for the async loop's admission and the learner's drop of stale groups; None: no budget here.",
     )
     beyond_budget: Literal["restart", "drop"] = Field(
         "restart", description="A partial over the budget: regenerate it from scratch, or fail it (counted)."

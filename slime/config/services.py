@@ -129,6 +129,13 @@ class BufferConfig(_Strict):
     )
 
 
+def resolve_weight_transport(kind: str, learner_device: str) -> str:
+    """weights.transport "auto": cuda_ipc when the learner is on CUDA, else shared memory."""
+    if kind != "auto":
+        return kind
+    return "cuda_ipc" if learner_device.startswith("cuda") else "shm"
+
+
 class WeightsConfig(_Strict):
     transport: Literal["auto", "shm", "cuda_ipc", "file", "broadcast"] = Field(
         "auto",

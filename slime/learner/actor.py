@@ -187,13 +187,10 @@ class Learner:
             cfg.buffer.lease_seconds,
         )
         self.version = self.buffer.get_policy_version()
-        kind = cfg.weights.transport
-        if kind == "auto":
-            kind = "cuda_ipc" if self.device.type == "cuda" else "shm"
         self.transport = None  # rank 0 publishes; the other ranks only gather their shards for it
         if rank == 0:
             self.transport = make_transport(
-                kind,
+                cfg.weight_transport,
                 prefix=f"slime_{cfg.job_name}",
                 directory=cfg.run_dir / "weights",
                 bucket_mb=cfg.weights.bucket_mb,
@@ -256,7 +253,7 @@ class Learner:
         batch = collate(samples, group_ids, self.pad_id).to(self.device)
         kl_coef = staged_kl_coef(step, self.algo_cfg.kl_schedule, self.algo_cfg.kl_coef)
         stale = stale_tokens(batch.versions, batch.mask, self.version)
-        batch.mask = off_policy_mask(batch.mask, stale, self.cfg.april.off_policy)
+        batch.mask = off_policy_mask(batch.mask, stale, self.cfg.algorithm.correction.name)
         with torch.no_grad():
             fixed = self._prepare(batch, kl_coef, unfinished)
         fixed.version_lag = (self.version - batch.versions).clamp_min(0)

@@ -130,11 +130,11 @@ class RolloutWorker:
             if cfg.env.plugin
             else None
         )
-        kind = cfg.weights.transport
-        if kind == "auto":
-            kind = "cuda_ipc" if cfg.learner.device.startswith("cuda") else "shm"
         self.transport = make_transport(
-            kind, prefix=f"slime_{cfg.job_name}", directory=cfg.run_dir / "weights", bucket_mb=cfg.weights.bucket_mb
+            cfg.weight_transport,
+            prefix=f"slime_{cfg.job_name}",
+            directory=cfg.run_dir / "weights",
+            bucket_mb=cfg.weights.bucket_mb,
         )
         self.lock = threading.Lock()
         self.pending: dict[str, _Pending] = {}

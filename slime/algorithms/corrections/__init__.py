@@ -13,7 +13,7 @@ formulas, so masking many tokens shrinks the step instead of rescaling the rest.
 
 The same correction applies to every source of mismatch: APRIL's resumed partials, async
 staleness and plain train-inference numerics. One file per correction, its formula in its
-docstring; `april.off_policy` picks one:
+docstring; `algorithm.correction.name` picks one (settings: CorrectionConfig, slime/config/learner.py):
 
   none        w = 1                                        (passthrough.py)
   mask_stale  stale tokens dropped from the loss mask       (passthrough.py)
@@ -49,7 +49,7 @@ from slime.algorithms.corrections.masked_is import MaskedISSequence, MaskedISTok
 from slime.algorithms.corrections.opsm import OPSM
 from slime.algorithms.corrections.passthrough import MaskStale, NoCorrection
 from slime.algorithms.corrections.tis import TruncatedIS
-from slime.config import AlgorithmConfig, AprilConfig
+from slime.config import AlgorithmConfig, CorrectionConfig
 
 __all__ = [
     "ClipBand",
@@ -62,8 +62,8 @@ __all__ = [
 ]
 
 
-def make_correction(cfg: AprilConfig, clip: tuple[float, float] | None = None) -> Correction:
-    """The correction `april.off_policy` names, with its parameters from the same section;
+def make_correction(cfg: CorrectionConfig, clip: tuple[float, float] | None = None) -> Correction:
+    """The correction `algorithm.correction.name` names, with its parameters from the same section;
     ``clip`` (ε_low, ε_high) is the algorithm's (default: AlgorithmConfig's), for behaviour_clip's band."""
     if clip is None:
         defaults = AlgorithmConfig()
@@ -81,7 +81,7 @@ def make_correction(cfg: AprilConfig, clip: tuple[float, float] | None = None) -
         "opsm": lambda: OPSM(cfg.opsm_delta),
         "behaviour_clip": lambda: BehaviourClip(*clip, per_version=cfg.clip_band_per_version, cap=cfg.tis_cap),
     }
-    return builders[cfg.off_policy]()
+    return builders[cfg.name]()
 
 
 def _apply(correction: Correction, batch: Batch, fixed: UpdateTensors, old_logp: torch.Tensor) -> CorrectionOutput:

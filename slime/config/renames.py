@@ -1,0 +1,90 @@
+"""Keys that moved (issue 32: config grouped by reader). An old key still loads, from a YAML file,
+a run's own config.yaml or a `key=value` override, with a `ConfigKeyDeprecated` warning naming
+its new place; this release only. Old and new set to different values is a ConfigError."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+from slime.config.base import ConfigError
+
+_CORRECTION_KEYS = ("clip_band_per_version", "tis_cap", "icepop_band", "geo_band", "m2po_threshold", "opsm_delta")
+
+# old dotted key -> new dotted key
+RENAMED: dict[str, str] = {
+    "april.off_policy": "algorithm.correction.name",
+    **{f"april.{k}": f"algorithm.correction.{k}" for k in _CORRECTION_KEYS},
+    "algorithm.gspo_clip_low": "algorithm.gspo.clip_low",
+    "algorithm.gspo_clip_high": "algorithm.gspo.clip_high",
+    "algorithm.cispo_clip_high": "algorithm.cispo.clip_high",
+    "algorithm.dr_grpo_norm_tokens": "algorithm.dr_grpo.norm_tokens",
+}
+
+
+class ConfigKeyDeprecated(DeprecationWarning):
+    """A config key that moved; the CLI shows these (Python hides DeprecationWarning by default)."""
+
+
+def _warn(old: str, new: str, stacklevel: int) -> None:
+    warnings.warn(
+        f"config key {old} is deprecated: it is now {new} (the old key is read for one release)",
+        ConfigKeyDeprecated,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def conflict_error(old: str, old_value: Any, new: str, new_value: Any) -> ConfigError:
+    return ConfigError(
+        f"{old}={old_value!r} and {new}={new_value!r} are both set: {old} is the old name of {new}; keep only {new}"
+    )
+
+
+def renamed_key(path: list[str]) -> list[str]:
+    """The new path of a moved key (with its warning); any other path unchanged."""
+    old = ".".join(path)
+    new = RENAMED.get(old)
+    if new is None:
+        return path
+    _warn(old, new, 4)  # load_config's caller: load_config -> apply_overrides -> here
+    return new.split(".")
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _section(data: dict[str, Any], parts: list[str]) -> Any:
+    node: Any = data
+    for part in parts:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def move_renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (a config as plain data) with every old key moved to its new place, each warned of."""
+    present = [
+        old for old in RENAMED if isinstance(s := _section(data, old.split(".")[:-1]), dict) and old.split(".")[-1] in s
+    ]
+    if not present:
+        return data
+    data = copy.deepcopy(data)
+    for old in present:
+        *old_parents, old_leaf = old.split(".")
+        new = RENAMED[old]
+        *new_parents, new_leaf = new.split(".")
+        value = _section(data, old_parents).pop(old_leaf)
+        _warn(old, new, 3)  # load_config's caller
+        node = data
+        for part in new_parents:
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"{old}: cannot move it to {new}, {part} is not a section")
+            node = child
+        if new_leaf in node and _plain(node[new_leaf]) != _plain(value):
+            raise conflict_error(old, value, new, node[new_leaf])
+        node[new_leaf] = value
+    return data
