@@ -28,7 +28,8 @@ which a job cannot use but which shows what the cache buys on this mix (no weigh
 between abort and resume here, so a cached prefix stays valid).
 
 Each engine runs --rounds times, alternating; every figure is the mean over the rounds, with its
-sd. Prints a table, then LAST one JSON line.
+sd. Prints a table, then LAST one JSON line. `--smoke` (a check that it runs, not figures to quote):
+one round of `builtin` and `vllm`, one step, 8 decode tokens.
 """
 
 from __future__ import annotations
@@ -193,19 +194,19 @@ def april_rollout(engine, steps: int, oversample: float = 2.0) -> dict:
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "partials_left": len(partials)}
 
 
-def child(kind: str, model_dir: str, steps: int) -> None:
+def child(kind: str, model_dir: str, steps: int, new_tokens: int = 128) -> None:
     t0 = time.perf_counter()
     engine = make_engine(kind, model_dir, slots=256)
     start = time.perf_counter() - t0
     out = {"start_s": start}
-    out["decode_b1_tokens_per_s"] = decode(engine, 1, 128)
-    out["decode_b32_tokens_per_s"] = decode(engine, 32, 128)
+    out["decode_b1_tokens_per_s"] = decode(engine, 1, new_tokens)
+    out["decode_b32_tokens_per_s"] = decode(engine, 32, new_tokens)
     out["sync"] = sync_rollout(engine, steps)
     out["april"] = april_rollout(engine, steps)
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_child(kind: str, model_dir: str, steps: int, threads: int) -> dict:
+def run_child(kind: str, model_dir: str, steps: int, threads: int, new_tokens: int = 128) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if kind.startswith("vllm"):
         # No pinning: on a shared machine a pinned engine loses whenever another job lands on its
@@ -213,6 +214,7 @@ def run_child(kind: str, model_dir: str, steps: int, threads: int) -> dict:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cmd = [sys.executable, __file__, "--child", kind, "--model-dir", model_dir, "--steps", str(steps)]
+    cmd += ["--new-tokens", str(new_tokens)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -241,22 +243,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs per engine; figures are their mean")
     ap.add_argument("--child", choices=list(KINDS))
     ap.add_argument("--model-dir")
+    ap.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt of the decode figures")
+    ap.add_argument("--smoke", action="store_true", help="smallest settings, checks it runs (not figures to quote)")
     args = ap.parse_args()
     if args.child:
         import torch
 
         if args.child == "builtin":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-        child(args.child, args.model_dir, args.steps)
+        child(args.child, args.model_dir, args.steps, args.new_tokens)
         return
+    kinds = KINDS
+    if args.smoke:  # one vLLM start (~30 s) instead of three
+        args.rounds, args.steps, args.new_tokens, kinds = 1, 1, 8, KINDS[:2]
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="engine-vs-vllm-") as tmp:
         build_model_dir(Path(tmp))
-        runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+        runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
         for _ in range(args.rounds):
-            for kind in KINDS:
-                runs[kind].append(run_child(kind, tmp, args.steps, args.threads))
+            for kind in kinds:
+                runs[kind].append(run_child(kind, tmp, args.steps, args.threads, args.new_tokens))
         res = {kind: mean_of_rounds(rs) for kind, rs in runs.items()}
     load_after = os.getloadavg()[0]
     labels = {
@@ -271,20 +278,21 @@ def main() -> None:
         f"{GROUPS} groups x {SAMPLES}, cap {CAP}, T=1, {args.steps} steps; mean ± sd of {args.rounds} rounds; "
         f"load average {load_before:.1f} before, {load_after:.1f} after (other jobs skew both)"
     )
-    print(f"{'':24s}" + "".join(f"{k:>20s}" for k in KINDS) + f"{'builtin/vllm':>14s}{'builtin/vllm_pc':>16s}")
+    others = [k for k in kinds if k != "builtin"]
+    print(f"{'':24s}" + "".join(f"{k:>20s}" for k in kinds) + "".join(f"{'builtin/' + k:>20s}" for k in others))
     for key, label in labels.items():
-        cells = "".join(f"{res[k][key][0]:13.1f} ±{res[k][key][1]:5.1f}" for k in KINDS)
-        b, v, pc = (res[k][key][0] for k in KINDS)
-        print(f"{label:24s}{cells}{b / v:14.2f}{b / pc:16.2f}")
+        cells = "".join(f"{res[k][key][0]:13.1f} ±{res[k][key][1]:5.1f}" for k in kinds)
+        b = res["builtin"][key][0]
+        print(f"{label:24s}{cells}" + "".join(f"{b / res[k][key][0]:20.2f}" for k in others))
     names = {
         "decode_b1_tokens_per_s": "decode_b1",
         "decode_b32_tokens_per_s": "decode_b32",
         "sync": "sync",
         "april": "april",
     }
-    figures: dict = {}
+    figures: dict = {"smoke": True} if args.smoke else {}
     for key, name in names.items():
-        for kind in KINDS:
+        for kind in kinds:
             mean, sd = res[kind][key]
             figures[f"{kind}_{name}_tokens_per_s"] = round(mean, 1)
             figures[f"{kind}_{name}_tokens_per_s_sd"] = round(sd, 1)
@@ -292,9 +300,9 @@ def main() -> None:
         if key == "decode_b1_tokens_per_s":
             continue
         b = res["builtin"][key][0]
-        figures[f"builtin_over_vllm_{name}_ratio"] = round(b / res["vllm"][key][0], 3)
-        figures[f"builtin_over_vllm_prefix_cache_{name}_ratio"] = round(b / res["vllm_prefix_cache"][key][0], 3)
-    for kind in KINDS:
+        for kind in others:
+            figures[f"builtin_over_{kind}_{name}_ratio"] = round(b / res[kind][key][0], 3)
+    for kind in kinds:
         figures[f"{kind}_start_s"] = round(res[kind]["start_s"][0], 1)
     figures.update(
         threads=args.threads,
