@@ -1,6 +1,6 @@
 """The rollout side's options: the workers and their sampling (`rollout.*`), elastic sizing
 (`rollout.elastic.*`), and what each external engine needs to launch or attach (`vllm.*`,
-`sglang.*`). The rest of the job configuration is slime/config.py."""
+`sglang.*`), and APRIL's scheduling (`april.*`). slime/config/job.py checks the rules across sections."""
 
 from __future__ import annotations
 
