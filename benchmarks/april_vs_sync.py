@@ -53,6 +53,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -585,7 +586,24 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads of calibration/eval (= cluster.torch_threads)"
     )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="sync and april2 once, 4 steps of 2x2 samples, 16 tokens, output in a temporary directory: "
+        "checks it runs (not figures to quote)",
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.runs, args.steps, args.warmup_steps, args.arms, args.extra, args.eval_prompts = (
+            1,
+            4,
+            1,
+            "sync,april2",
+            False,
+            4,
+        )
+        args.set = [*args.set, "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16"]
+        args.out = tempfile.mkdtemp(prefix="bench-april-vs-sync-smoke-")
     if args.steps <= args.warmup_steps + 2:
         ap.error("--steps must exceed --warmup-steps by at least 3")
     if args.runs < 1:
@@ -633,7 +651,11 @@ def main() -> None:
     S0, A0 = FROZEN_PAIR if all(a in arms for a in FROZEN_PAIR) else ("sync", "april2")
     calibrate = S0 in arms and A0 in arms
     t = time.time()
-    engine = measure_engine(model_dir, args.threads, round(runs[S0][0]["prompt_tokens"])) if calibrate else None
+    engine = (
+        measure_engine(model_dir, args.threads, round(runs[S0][0]["prompt_tokens"]), 1 if args.smoke else 3)
+        if calibrate
+        else None
+    )
     calib_s = time.time() - t
     t = time.time()
     held_out = repeat.make_dataset(args.eval_prompts, seed=10_000 + args.seed)
@@ -820,7 +842,7 @@ def main() -> None:
     )
 
     # ---- the JSON line ------------------------------------------------------------------------
-    result: dict = {}
+    result: dict = {"smoke": True} if args.smoke else {}
 
     def put(name: str, s: dict[str, float], digits: int, with_range: bool = False) -> None:
         r = lambda x: None if not math.isfinite(x) else round(x, digits)
