@@ -1,13 +1,13 @@
 """The rollout side of the driver: the workers as one fleet the loops command.
 
 It starts groups in the buffer as APRIL's scheduler decides (april/scheduler.py), waits for the
-step's batch (or, streaming, for segments), drops zero-variance groups, aborts the long tail and
-resumes it, pushes weights into the engines, follows the dashboard's controls, watches the
+step's batch (or, streaming, for segments) and keeps them coming while the learner trains, drops
+zero-variance groups, aborts the long tail (Abort) and resumes it, pushes weights into the engines, follows the dashboard's controls, watches the
 workers' health, and (rollout.elastic) adds and removes workers as april/elastic.py decides. The
 decisions are APRIL's; this file only carries them out.
 
 Ray is imported inside the methods: the job sets Ray's token authentication in the environment
-before Ray is first imported (slime/job.py), and Ray reads it then.
+before Ray is first imported (slime/launch/ray_cluster.py), and Ray reads it then.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from april.scheduler import GroupCounts, GroupScheduler, ZeroVarianceFilter
 from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import JobConfig
 from slime.data import PromptRecord
-from slime.rollout import RolloutWorker
+from slime.launch.ray_cluster import WorkerLaunch, start_rollout_worker, worker_resources
 from slime.sampling import PromptSampler
-from slime.security import JobCredentials
 
 
 class WorkerFailed(RuntimeError):
@@ -57,45 +56,6 @@ def prompt_text(record: PromptRecord) -> str:
     if isinstance(record.prompt, str):
         return record.prompt
     return "\n".join(m.get("content", "") for m in record.prompt)
-
-
-@dataclass(frozen=True)
-class WorkerLaunch:
-    """What the job starts its rollout workers with; the fleet starts more of them (rollout.elastic)."""
-
-    model_dir: str
-    redis_url: str
-    credentials: JobCredentials | None
-    run_id: str  # in every worker id: lease owners never collide with a previous run's workers
-
-    def worker_id(self, index: int) -> str:
-        return f"w{index}-{self.run_id}"
-
-
-def worker_resources(cfg: JobConfig) -> dict[str, float]:
-    """What one rollout worker reserves: a GPU for a disaggregated GPU engine (colocated engines share
-    the learner's devices), and rollout.resources_per_worker."""
-    gpu = cfg.cluster.placement == "disaggregated" and cfg.rollout.device.startswith("cuda")
-    return ({"GPU": 1.0} if gpu else {}) | cfg.rollout.resources_per_worker
-
-
-def start_rollout_worker(
-    cfg: JobConfig, launch: WorkerLaunch, index: int, *, paused: bool = False, placement: Any = None
-) -> Any:
-    """Rollout worker ``index`` as a Ray actor (in ``placement``, a one-bundle placement group, if given)."""
-    import ray  # see the module docstring
-
-    need = worker_resources(cfg)
-    # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
-    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": need.pop("GPU", 0.0), "resources": need or None}
-    if placement is not None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # with Ray, as above
-
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
-    worker_id = launch.worker_id(index)
-    return ray.remote(**options)(RolloutWorker).remote(
-        cfg, launch.model_dir, launch.redis_url, worker_id, index, launch.credentials, paused
-    )
 
 
 @dataclass
@@ -154,8 +114,9 @@ class RolloutFleet:
         self.peak_queued = 0  # the most samples beyond the workers' engine slots since the last decision
 
     # ---- starting groups -------------------------------------------------------------------------
-    def schedule_groups(self) -> int:
-        """Top the buffer up with new groups, one per prompt, as many as the scheduler says."""
+    def _schedule_groups(self) -> int:
+        """Top the buffer up with new groups, one per prompt, as many as the scheduler says. Called as
+        a sync step starts, at each poll while the driver waits, and while the learner trains."""
         cfg = self.cfg
         c = self.buffer.counts()
         # Elastic rollout's saturation signal: samples to generate (or score) beyond the engines' slots.
@@ -184,7 +145,13 @@ class RolloutFleet:
         return missing
 
     # ---- waiting for the batch -------------------------------------------------------------------
-    def wait_for_ready_groups(self, needed: int, on_wait: Callable[[dict[str, int], int], None]) -> None:
+    def wait_for_batch(self, on_wait: Callable[[dict[str, int], int], None]) -> None:
+        """Until the step's batch is ready (with the filter: ready and checked). Sync and APRIL start
+        the step's groups first; async kept its groups going while the learner trained."""
+        needed = self.cfg.rollout.batch_size
+        self.filter.new_step()  # each batch is filtered afresh
+        if self.scheduler.policy != "async":
+            self._schedule_groups()
         while True:
             checked = self.filter_ready_groups() if self.cfg.april.filter_zero_variance else None
             counts = self.buffer.counts()
@@ -196,8 +163,7 @@ class RolloutFleet:
                 ready = min(ready, self.buffer.ready_in_start_order(needed))
             if self.scheduler.batch_full(ready):
                 return
-            self.schedule_groups()  # refill as groups finish or are filtered, one group at a time
-            self._between_polls(counts, needed, on_wait)
+            self._poll(needed, on_wait)  # refill as groups finish or are filtered, one group at a time
             # Woken the moment a group turns ready: the batch-full check (and with APRIL the abort
             # and the refill) does not wait out a polling interval; APRIL's rollout phases are short.
             self.buffer.wait_for_ready_signal(0.02)
@@ -205,18 +171,18 @@ class RolloutFleet:
     def wait_for_segments(self, needed: int, on_wait: Callable[[dict[str, int], int], None]) -> None:
         chunk = self.cfg.april.streaming_chunk_tokens
         while (available := self.buffer.count_segments(chunk)) < needed:
-            self.schedule_groups()
-            counts = self.buffer.counts()
+            counts = self._poll(needed, on_wait)
             if available and counts["groups_open"] == 0:
                 # Every group in flight has finished generating and its last segments are stored: no
                 # more can come until they are trained (ready groups count toward the in-flight target).
                 return
-            self._between_polls(counts, needed, on_wait)
             time.sleep(0.02)
 
-    def _between_polls(
-        self, counts: dict[str, int], needed: int, on_wait: Callable[[dict[str, int], int], None]
-    ) -> None:
+    def _poll(self, needed: int, on_wait: Callable[[dict[str, int], int], None]) -> dict[str, int]:
+        """One turn of a wait: new groups as the scheduler says, the dashboard's controls, elastic
+        changes, and (every 2 s) the workers' health. Returns the buffer's counts after scheduling."""
+        self._schedule_groups()
+        counts = self.buffer.counts()
         on_wait(counts, needed)
         self.apply_controls()
         if self.joining or self.leaving:
@@ -224,6 +190,14 @@ class RolloutFleet:
         if time.time() - self.last_health > 2.0:
             self.check_workers()
             self.last_health = time.time()
+        return counts
+
+    def generate_while(self, refs: list) -> None:
+        """Until ``refs`` (the learner's training) are done, the workers keep generating new groups."""
+        import ray  # see the module docstring
+
+        while len(ray.wait(refs, num_returns=len(refs), timeout=0.05)[0]) < len(refs):
+            self._schedule_groups()
 
     def filter_ready_groups(self) -> int:
         """DAPO dynamic sampling (the decision is april's ZeroVarianceFilter). Returns how many
@@ -241,12 +215,9 @@ class RolloutFleet:
         return kept
 
     # ---- APRIL's abort and resume ----------------------------------------------------------------
-    def start_abort(self) -> list:
-        """Every engine stops, its partials are stored and go first next step. Not waited for here."""
-        return [w.abort_all.remote() for w in self.workers]
-
-    def finish_abort(self, refs: list) -> int:
-        return int(sum(self._wait_all(refs, "abort_all"))) if refs else 0
+    def abort_tail(self) -> Abort:
+        """The abort at this batch's boundary: APRIL's long tail waits for the next step."""
+        return Abort(self, enabled=self.scheduler.aborts_at_batch_boundary)
 
     def release_memory(self) -> int:
         """Every engine frees its KV memory (colocated placement, sync loops); total bytes freed."""
@@ -271,7 +242,7 @@ class RolloutFleet:
     # ---- dashboard controls and health -----------------------------------------------------------
     def apply_controls(self) -> None:
         """Honour the dashboard's control hash (read at most every 0.25 s): pause/resume rollout,
-        and the APRIL over-provisioning override, which the next schedule_groups uses."""
+        and the APRIL over-provisioning override, which the next _schedule_groups uses."""
 
         if time.time() - self.controls_read_at < 0.25:
             return
@@ -489,8 +460,37 @@ class RolloutFleet:
         self.placements = {}
 
     def step_metrics(self) -> dict[str, float]:
-        """The fleet's part of a step's metrics: workers generating now, and the fill elastic decided on."""
+        """The fleet's part of a step's metrics: workers generating now, the fill elastic decided on,
+        and the groups the zero-variance filter dropped (or kept only by its fallback)."""
         metrics: dict[str, float] = {"rollout_workers": float(len(self.workers))}
         if self.last_fill is not None:
             metrics["elastic_fill"] = self.last_fill
+        metrics["filtered_zero_variance"] = self.filter.dropped_this_step
+        metrics["filter_kept_by_fallback"] = self.filter.kept_by_fallback
         return metrics
+
+
+class Abort:
+    """APRIL's abort of the long tail at a batch boundary: every engine stops, each partial's last
+    tokens are stored and its lease released (it goes first next step). Started before the learner
+    trains, waited for while it trains: it touches no group of the batch. Without APRIL (no abort at
+    the batch boundary) it does nothing."""
+
+    def __init__(self, fleet: RolloutFleet, enabled: bool) -> None:
+        self.fleet = fleet
+        self.enabled = enabled
+        self.sent_at: float | None = None  # when start() sent it; None: nothing to abort
+        self._refs: list = []
+        self._aborted: int | None = None
+
+    def start(self) -> None:
+        if self.enabled:
+            self.sent_at = time.time()
+            self._refs = [w.abort_all.remote() for w in self.fleet.workers]
+
+    def wait(self) -> int:
+        """Blocks until every engine has finished its abort; the partials stored (a worker hung in it
+        is killed: WorkerHung). Waits once; later calls return the same count."""
+        if self._aborted is None:
+            self._aborted = int(sum(self.fleet._wait_all(self._refs, "abort_all"))) if self._refs else 0
+        return self._aborted

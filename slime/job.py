@@ -1,15 +1,15 @@
 """One running job's lifecycle: start and stop its parts (Redis, Ray, the learner, the rollout
-fleet, the dashboard), train and publish weights, write metrics and checkpoints. The loops that
-drive it are in slime/train.py; the rollout side is slime/fleet.py.
+fleet, the dashboard), train and publish weights, time each step, write metrics and checkpoints.
+The loops that drive it are in slime/train.py; the rollout side is slime/fleet.py; Ray's start-up
+is slime/launch/ray_cluster.py.
 
 Ray is imported inside the methods: Ray reads its authentication settings when it is first
-imported, and the job sets them (`_ray_token_auth`) just before it starts Ray.
+imported, and RaySession sets them just before it starts Ray.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import threading
@@ -26,12 +26,11 @@ from slime.buffer.redis_server import connect_or_start
 from slime.config import ConfigError, JobConfig, dump_config
 from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
-from slime.errors import ClusterError
-from slime.fleet import RolloutFleet, WorkerLaunch, scheduler_for, start_rollout_worker
+from slime.fleet import Abort, RolloutFleet, scheduler_for
+from slime.launch.ray_cluster import RaySession, WorkerLaunch, check_local_resources, start_rollout_worker
 from slime.learner import LearnerGroup
-from slime.learner.group import check_resources
 from slime.learner.sharding import CheckpointError
-from slime.metrics import FailureWatch, MetricsLogger, write_atomic
+from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
 from slime.model import ensure_model_dir, load_tokenizer
 from slime.sample import new_id
 from slime.sampling import PromptSampler
@@ -83,18 +82,10 @@ class RunningJob:
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.redis_server = None
-        self.ray_started = False
-        self._ray_auth_env: tuple[str, ...] = ()  # environment variables set for the job's own Ray
+        self.ray_session = RaySession()
         self.workers: list = []
         self.learner = None
         self.dashboard = None
-        # The step's clocks (see _reset_step_counters and train_step).
-        self.tokens_at_rollout_end = 0.0
-        self.abort_sent_at: float | None = None  # APRIL's abort of this step, overlapping the learner
-        self.abort_seconds = 0.0
-        self.step_boundary: float | None = None  # where this step ends and the next begins
-        self.engines_released: tuple[float, float] | None = None  # (time, generated tokens) at the resume
-        self.weight_sync_seconds = 0.0
         self.stop = stop or GracefulStop()
 
     # ---- start / stop ------------------------------------------------------------------------
@@ -103,7 +94,7 @@ class RunningJob:
         try:
             if cfg.reward.mode != "http":  # an http reward lives in its own server
                 load_reward_spec(cfg.reward.fn)  # a bad reward spec fails here, before anything starts
-            _check_local_resources(cfg)  # a learner that cannot fit fails before anything starts
+            check_local_resources(cfg)  # a learner that cannot fit fails before anything starts
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
             # One secret per run (run_dir/job.secret, 0600): the job's Redis password and every
@@ -119,6 +110,7 @@ class RunningJob:
             connection = JobConnection.of_job(cfg, self.redis_url, self.credentials.redis_password)
             self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
             self.telemetry = JobTelemetry(connection)
+            self.clock = StepClock(lambda: self.buffer.stats().get("generated_tokens", 0.0))
             if self.redis_server is not None:  # every part retries meanwhile (buffer.reconnect_timeout_s)
                 self.redis_server.keep_alive(self._redis_restarted)
             self.model_dir = str(ensure_model_dir(cfg.model))
@@ -134,7 +126,9 @@ class RunningJob:
                 # tokens kept, instead of after their leases expire.
                 self.buffer.requeue_all_leased()
             self._start_dashboard()
-            self._start_ray()
+            self.ray_session.start(cfg, self.credentials)
+            if self.ray_session.started:
+                self.stop.install()  # ray.init installs its own SIGTERM handler; ours ends the step first
             self._start_actors()
             self.start_step = 0
             if checkpoint is not None:
@@ -149,7 +143,7 @@ class RunningJob:
             self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.steps, self.start_step)
             self.failures = FailureWatch(cfg.reward.max_failed_share, cfg.reward.failed_window_steps)
             self.last_checkpoint_at = time.time()
-            self._reset_step_counters()
+            self.clock.next_step()  # the first step starts now
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -158,31 +152,6 @@ class RunningJob:
     def _redis_restarted(self, message: str) -> None:
         print(f"slime: {message}", file=sys.stderr, flush=True)
         self.telemetry.log_event("redis_restarted", {"message": message})
-
-    def _start_ray(self) -> None:
-        cfg = self.cfg
-        if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
-            # before `import ray`: Ray reads its auth settings when imported
-            self._ray_auth_env = _ray_token_auth(self.credentials, cfg.cluster.ray_address)
-        import ray  # after its auth settings are in the environment
-
-        if not ray.is_initialized():
-            address = cfg.cluster.ray_address or "local"
-            try:
-                ray.init(
-                    # "local": a Ray of the job's own, even where a cluster runs on this machine (Ray
-                    # would join that one); "auto" joins it on purpose (a submitted job: slime/tools/submit.py).
-                    address=address,
-                    num_cpus=cfg.cluster.num_cpus,
-                    include_dashboard=False,
-                    logging_level="warning",
-                    log_to_driver=True,
-                )
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise ClusterError(f"cluster.ray_address={address}: Ray could not start or join: {first}") from exc
-            self.ray_started = True
-            self.stop.install()  # ray.init installs its own SIGTERM handler; ours ends the step first
 
     def _start_actors(self) -> None:
         cfg = self.cfg
@@ -245,9 +214,7 @@ class RunningJob:
                     pass
             if self.learner is not None:
                 self.learner.kill()
-            if self.ray_started:
-                ray.shutdown()
-        _unset_ray_auth(self._ray_auth_env)
+        self.ray_session.close()
         if self.dashboard is not None:
             self.dashboard.stop()
         if self.redis_server is not None:
@@ -262,79 +229,79 @@ class RunningJob:
                 write_jsonl(repeat.make_dataset(cfg.data.num_generated, cfg.data.seed), path)
         return load_prompts(cfg.data, self.tokenizer, path)
 
-    # ---- learning --------------------------------------------------------------------------------
-    def train_step(self, step: int, max_staleness: int | None, aborting: list | None = None) -> dict:
-        """Train on the step's batch. The rollout clock stops when the engines have stopped generating
-        for this step: at once (the batch is complete), or, with ``aborting`` (APRIL's abort, sent by
-        start_abort and overlapping the learner), when every engine has finished the abort: the decode
-        step in flight done, every partial's last tokens stored. Those tokens are this step's. Async:
-        the engines never stop, so the window runs until the update is done (contiguous windows)."""
-        import ray  # see the module docstring
+    # ---- the step's phases, in the loops' order -------------------------------------------------
+    def steps(self) -> range:
+        """The steps still to train: from the checkpoint resumed (or 0) to cfg.steps."""
+        return range(self.start_step, self.cfg.steps)
 
+    def rebalance_workers(self, step: int) -> None:
+        """rollout.elastic: add or remove a worker by how full the buffer is (april/elastic.py)."""
+        self.fleet.rebalance(step)
+
+    def wait_for_batch(self) -> None:
+        self.fleet.wait_for_batch(self.logger.waiting)  # scheduling as it waits
+
+    def wait_for_segments(self) -> None:
+        self.fleet.wait_for_segments(self._segments_per_step(), self.logger.waiting)  # scheduling as it waits
+
+    def abort_tail(self) -> Abort:
+        """APRIL's abort of the groups still generating at the batch boundary (without APRIL: none)."""
+        return self.fleet.abort_tail()
+
+    def train_batch(self, step: int, abort: Abort) -> dict:
+        """Sync: train on the step's batch. The rollout clock stops when the engines have stopped
+        generating for this step: at once (the batch is complete), or, after APRIL's abort (started
+        by the loop, overlapping the learner), when every engine has finished it: the decode step in
+        flight done, every partial's last tokens stored. Those tokens are this step's."""
         released = 0
-        if not aborting and self.cfg.mode != "async":
-            self._stop_rollout_clock()
-            if self.cfg.releases_engine_memory:  # colocated: the learner gets the engines' KV memory
-                released = self.fleet.release_memory()
-        refs = self.learner.train_step(step, self.cfg.rollout.batch_size, max_staleness, commit=False)
-        if aborting:
-            # The learner is training meanwhile. A worker hung in its abort is found by finish_abort.
-            ray.wait(list(aborting), num_returns=len(aborting), timeout=self.cfg.rollout.hang_timeout_s)
-            self._stop_rollout_clock()
-            self.abort_seconds = self.rollout_ended_at - (self.abort_sent_at or self.rollout_ended_at)
-            if self.cfg.releases_engine_memory:  # after the abort: the partials' caches go too
-                released = self.fleet.release_memory()
-        while self.cfg.mode == "async" and len(ray.wait(refs, num_returns=len(refs), timeout=0.05)[0]) < len(refs):
-            self.fleet.schedule_groups()  # the workers keep generating while the learner trains
-        if self.cfg.mode == "async":
-            # The engines never stop: a step's window runs until its update is done and the next
-            # one starts right there, so the tokens made while the learner trains count too.
-            self._stop_rollout_clock()
-            self.engines_released = (self.rollout_ended_at, self.tokens_at_rollout_end)
-        metrics = LearnerGroup.result(refs)
-        generated = self.tokens_at_rollout_end - self.tokens_at_step_start
-        rollout_seconds = self.rollout_ended_at - self.rollout_started_at
-        metrics["rollout_seconds"] = rollout_seconds
-        metrics["rollout_tokens_per_s"] = generated / max(rollout_seconds, 1e-9)
-        metrics["generated_tokens"] = generated
-        metrics["abort_seconds"] = self.abort_seconds  # inside rollout_seconds, overlapping the learner
+        if abort.sent_at is None:
+            self.clock.stop_rollout()
+            released = self._release_engine_memory()
+        refs = self.learner.train_step(step, self.cfg.rollout.batch_size, None, commit=False)
+        if abort.sent_at is not None:
+            abort.wait()  # the learner is training meanwhile
+            self.clock.stop_rollout(abort_sent_at=abort.sent_at)
+            released = self._release_engine_memory()  # after the abort: the partials' caches go too
+        metrics = LearnerGroup.result(refs) | self.clock.rollout_metrics()
         if self.cfg.releases_engine_memory:
             metrics["engine_memory_released_bytes"] = released
         return metrics
 
-    def _stop_rollout_clock(self) -> None:
-        self.rollout_ended_at = time.time()
-        self.tokens_at_rollout_end = self.buffer.stats().get("generated_tokens", 0.0)
+    def train_while_generating(self, step: int) -> dict:
+        """Async: train on the step's batch while the workers go on generating. The engines never stop:
+        a step's rollout window runs until its update is done and the next one starts right there, so
+        the tokens made while the learner trains count too (contiguous windows)."""
+        refs = self.learner.train_step(step, self.cfg.rollout.batch_size, self.cfg.max_staleness, commit=False)
+        self.fleet.generate_while(refs)
+        self.clock.stop_rollout()
+        self.clock.rollout_goes_on()
+        return LearnerGroup.result(refs) | self.clock.rollout_metrics()
 
-    def train_segments(self, step: int, segments: int) -> dict:
-        import ray  # see the module docstring
-
-        rollout_seconds = time.time() - self.rollout_started_at
-        refs = self.learner.train_segments(step, segments, self.cfg.april.streaming_chunk_tokens)
-        while len(ray.wait(refs, num_returns=len(refs), timeout=0.05)[0]) < len(refs):
-            self.fleet.schedule_groups()  # the workers keep generating while the learner trains
+    def train_segments(self, step: int) -> dict:
+        rollout_seconds = self.clock.rollout_elapsed()
+        refs = self.learner.train_segments(step, self._segments_per_step(), self.cfg.april.streaming_chunk_tokens)
+        self.fleet.generate_while(refs)
         metrics = LearnerGroup.result(refs)
         # The engines never pause here: count what they made over the whole step, training included.
-        generated = self.buffer.stats().get("generated_tokens", 0.0) - self.tokens_at_step_start
+        generated = self.clock.tokens_since_rollout_start()
         metrics.update(
             rollout_seconds=rollout_seconds,
             generated_tokens=generated,
-            rollout_tokens_per_s=generated / max(time.time() - self.rollout_started_at, 1e-9),
+            rollout_tokens_per_s=generated / max(self.clock.rollout_elapsed(), 1e-9),
         )
         return metrics
 
-    def start_abort(self) -> list:
-        """APRIL's abort, sent now; pass the returned refs to train_step, whose rollout clock stops when
-        the abort completes (while the learner trains), and then to fleet.finish_abort."""
-        self.abort_sent_at = time.time()
-        return self.fleet.start_abort()
+    def _segments_per_step(self) -> int:
+        return self.cfg.rollout.batch_size * self.cfg.rollout.n_samples_per_prompt
+
+    def _release_engine_memory(self) -> int:
+        """Colocated: the learner gets the engines' KV memory (bytes freed; 0 when not released)."""
+        return self.fleet.release_memory() if self.cfg.releases_engine_memory else 0
 
     def resume(self) -> None:
         """The engines go on (APRIL: the partials resume). The next step starts here, and after an
         abort its rollout clock too: its engines generate while the driver ends this step."""
-        self.step_boundary = time.time()
-        if self.abort_sent_at is not None:
-            self.engines_released = (self.step_boundary, self.buffer.stats().get("generated_tokens", 0.0))
+        self.clock.resumed()
         self.fleet.resume()
 
     def push_weights(self, step: int) -> None:
@@ -343,7 +310,7 @@ class RunningJob:
         if self.cfg.releases_engine_memory:  # vLLM/SGLang: awake before loading weights
             self.fleet.resume_memory()
         self.fleet.update_weights(handle)
-        self.weight_sync_seconds = time.time() - t0
+        self.clock.weight_sync_seconds = time.time() - t0
         every = self.cfg.weights.check_every
         if every and (step + 1) % every == 0:
             self.check_weights()
@@ -369,13 +336,10 @@ class RunningJob:
 
     # ---- metrics ---------------------------------------------------------------------------------
     def end_step(self, step: int, metrics: dict) -> None:
-        metrics["weight_sync_seconds"] = self.weight_sync_seconds
-        metrics.update(self.fleet.step_metrics())  # rollout_workers (and elastic_fill)
-        boundary = time.time() if self.step_boundary is None else self.step_boundary
-        metrics["step_seconds"] = boundary - self.step_started
+        metrics["weight_sync_seconds"] = self.clock.weight_sync_seconds
+        metrics.update(self.fleet.step_metrics())  # rollout_workers, the filter's counts (and elastic_fill)
+        metrics["step_seconds"] = self.clock.end()
         metrics["buffer"] = counts = self.buffer.counts()
-        metrics["filtered_zero_variance"] = self.fleet.filter.dropped_this_step
-        metrics["filter_kept_by_fallback"] = self.fleet.filter.kept_by_fallback
         stats = self.buffer.stats()
         metrics["partial_samples"] = counts["aborted"]
         # Generated but never trained on (restarted beyond the staleness budget, dropped groups).
@@ -406,7 +370,7 @@ class RunningJob:
                 self.logger.say(f"step {step}: every sample failed, no checkpoint written")
             else:
                 self.save_checkpoint(step)
-        self._reset_step_counters(boundary)
+        self.clock.next_step()
 
     def _checkpoint_due(self, step: int) -> bool:
         """Every checkpoint_every steps or checkpoint_every_seconds, whichever comes first; and at the end."""
@@ -414,23 +378,6 @@ class RunningJob:
         by_steps = bool(every) and (step + 1) % every == 0
         by_time = bool(seconds) and time.time() - self.last_checkpoint_at >= seconds
         return by_steps or by_time or step + 1 == self.cfg.steps
-
-    def _reset_step_counters(self, boundary: float | None = None) -> None:
-        """The clocks of the next step. Steps are contiguous: one starts where the last ended, so the
-        step seconds add up to the loop's wall-clock. Its rollout clock runs while its engines may
-        generate: from the resume when the last step aborted (APRIL: the partials go on while the
-        driver ends the last step), else from now (the step's groups are scheduled next); until
-        train_step stops it. Every generated token is counted in the rollout window it was made in."""
-        now = time.time()
-        self.step_started = now if boundary is None else boundary
-        if self.engines_released is not None:
-            self.rollout_started_at, self.tokens_at_step_start = self.engines_released
-        else:
-            self.rollout_started_at = now
-            self.tokens_at_step_start = self.buffer.stats().get("generated_tokens", 0.0)
-        self.abort_sent_at, self.abort_seconds = None, 0.0
-        self.step_boundary = self.engines_released = None
-        self.fleet.filter.new_step()
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
@@ -481,18 +428,6 @@ class RunningJob:
         return int(state["next_step"])
 
 
-def _check_local_resources(cfg: JobConfig) -> None:
-    """The Ray this job starts itself has this machine's CPUs and GPUs and no custom resources:
-    check the learner against them now (a cluster is checked once connected, LearnerGroup)."""
-    ray = sys.modules.get("ray")
-    if cfg.cluster.ray_address is not None or (ray is not None and ray.is_initialized()):
-        return
-    import torch
-
-    available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
-    check_resources(cfg, available, "this machine (the job's local Ray)")
-
-
 def _check_context_fits(cfg: JobConfig, model_dir: str) -> None:
     """The engines refuse a response budget longer than the model reads (validate_sampling in the
     engine contract): say so at start, naming the field, instead of failing every request."""
@@ -502,44 +437,3 @@ def _check_context_fits(cfg: JobConfig, model_dir: str) -> None:
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} exceeds the model's context "
             f"(max_position_embeddings={context} in {model_dir})"
         )
-
-
-def _ray_token_auth(credentials: JobCredentials, ray_address: str | None) -> tuple[str, ...]:
-    """A local Ray this job starts listens on every interface: with Ray's token authentication
-    (the token derived from the job secret, inherited by every Ray process through the
-    environment) nobody else can connect to it and run code. An explicit RAY_AUTH_MODE, or an
-    existing cluster (cluster.ray_address), is the user's choice. Returns the variables set here."""
-    if ray_address is not None or "RAY_AUTH_MODE" in os.environ:
-        return ()
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN"] = credentials.token("ray")
-    if not _reload_ray_auth():
-        _unset_ray_auth(("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"))
-        print(
-            "warning: Ray was imported before the job started and cannot switch to token "
-            "authentication; the job's Ray accepts unauthenticated clients (set RAY_AUTH_MODE)",
-            flush=True,
-        )
-        return ()
-    return ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
-
-
-def _reload_ray_auth() -> bool:
-    """Ray reads its auth settings when first imported; an imported Ray must read them again.
-    (`ray._raylet`'s loader is Ray's own test hook for this; without it, say so.)"""
-    if "ray" not in sys.modules:
-        return True
-    try:
-        from ray._raylet import AuthenticationTokenLoader, Config  # Ray is loaded already
-    except ImportError:
-        return False
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-    return True
-
-
-def _unset_ray_auth(names: tuple[str, ...]) -> None:
-    for name in names:
-        os.environ.pop(name, None)
-    if names:
-        _reload_ray_auth()

@@ -1,4 +1,4 @@
-"""Progress bar, JSONL and TensorBoard metrics, and the end-of-run plot."""
+"""A step's clocks; progress bar, JSONL and TensorBoard metrics, and the end-of-run plot."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,75 @@ class FailureWatch:
             f"({failed / total:.0%} > reward.max_failed_share={self.max_share:g}); the job stops "
             "without a checkpoint of these steps. Most common reasons:\n" + "\n".join(lines)
         )
+
+
+class StepClock:
+    """The clocks of one step. Steps are contiguous: one starts where the last ended, so the step
+    seconds add up to the loop's wall-clock. Its rollout clock runs while its engines may generate:
+    from the resume when the last step aborted (APRIL: the partials go on while the driver ends the
+    last step), from where the last window ended when the engines never stop (async), else from
+    the step's start (its groups are scheduled next); until stop_rollout. Every generated token is
+    counted in the rollout window it was made in."""
+
+    def __init__(self, generated_tokens: Callable[[], float]) -> None:
+        self._generated_tokens = generated_tokens  # every token generated so far (the buffer's count)
+        self._boundary: float | None = None  # where this step ends and the next begins
+        self._engines_released: tuple[float, float] | None = None  # (time, tokens): the next window's start
+        self.started = self.rollout_started_at = self.rollout_ended_at = time.time()
+        self.tokens_at_rollout_start = self.tokens_at_rollout_end = 0.0
+        self.abort_sent_at: float | None = None  # APRIL's abort of this step, overlapping the learner
+        self.abort_seconds = 0.0
+        self.weight_sync_seconds = 0.0
+
+    def next_step(self) -> None:
+        now = time.time()
+        self.started = now if self._boundary is None else self._boundary
+        if self._engines_released is not None:
+            self.rollout_started_at, self.tokens_at_rollout_start = self._engines_released
+        else:
+            self.rollout_started_at, self.tokens_at_rollout_start = now, self._generated_tokens()
+        self.abort_sent_at, self.abort_seconds = None, 0.0
+        self._boundary = self._engines_released = None
+
+    def stop_rollout(self, abort_sent_at: float | None = None) -> None:
+        """The engines stopped generating for this step (``abort_sent_at``: by APRIL's abort, now complete)."""
+        self.rollout_ended_at = time.time()
+        self.tokens_at_rollout_end = self._generated_tokens()
+        if abort_sent_at is not None:
+            self.abort_sent_at = abort_sent_at
+            self.abort_seconds = self.rollout_ended_at - abort_sent_at
+
+    def rollout_goes_on(self) -> None:
+        """Async: the engines never stop; the next step's window starts where this one ended."""
+        self._engines_released = (self.rollout_ended_at, self.tokens_at_rollout_end)
+
+    def resumed(self) -> None:
+        """The engines go on: the next step starts here, and after an abort its rollout clock too."""
+        self._boundary = time.time()
+        if self.abort_sent_at is not None:
+            self._engines_released = (self._boundary, self._generated_tokens())
+
+    def end(self) -> float:
+        """The step ends (at the resume, if there was one); its seconds."""
+        if self._boundary is None:
+            self._boundary = time.time()
+        return self._boundary - self.started
+
+    def rollout_metrics(self) -> dict[str, float]:
+        generated = self.tokens_at_rollout_end - self.tokens_at_rollout_start
+        rollout_seconds = self.rollout_ended_at - self.rollout_started_at
+        return {
+            "rollout_seconds": rollout_seconds,
+            "rollout_tokens_per_s": generated / max(rollout_seconds, 1e-9),
+            "generated_tokens": generated,
+            "abort_seconds": self.abort_seconds,  # inside rollout_seconds, overlapping the learner
+        }
+
+    def rollout_elapsed(self) -> float:
+        return time.time() - self.rollout_started_at
+
+    def tokens_since_rollout_start(self) -> float:
+        return self._generated_tokens() - self.tokens_at_rollout_start
 
 
 class MetricsLogger:

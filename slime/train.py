@@ -24,30 +24,27 @@ __all__ = ["RunningJob", "async_loop", "streaming_loop", "sync_loop", "train"]
 
 
 def sync_loop(job: RunningJob) -> None:
-    cfg = job.cfg
-    for step in range(job.start_step, cfg.steps):
-        job.fleet.schedule_groups()
-        job.fleet.wait_for_ready_groups(cfg.rollout.batch_size, job.logger.waiting)
-        # APRIL: the long tail waits for the next step. The abort (each partial's last tokens
-        # stored, then released) runs while the learner trains: it touches no group of this batch.
-        # The step's rollout clock stops when the abort has completed (RunningJob.train_step).
-        aborting = job.start_abort() if job.fleet.scheduler.aborts_at_batch_boundary else []
-        metrics = job.train_step(step, max_staleness=None, aborting=aborting)
-        aborted = job.fleet.finish_abort(aborting)
+    for step in job.steps():
+        job.wait_for_batch()  # APRIL: over-provisioned, refilled one group at a time
+        # APRIL: the long tail waits for the next step. The abort (each partial's last tokens stored,
+        # then released) runs while the learner trains: it touches no group of this batch. Without
+        # APRIL there is nothing to abort.
+        abort = job.abort_tail()
+        abort.start()
+        metrics = job.train_batch(step, abort)  # the rollout clock stops when the abort has completed
+        metrics["aborted_samples"] = abort.wait()
         job.push_weights(step)
         job.resume()  # the next step starts here
-        job.end_step(step, metrics | {"aborted_samples": aborted})
+        job.end_step(step, metrics)
         if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
             break
 
 
 def async_loop(job: RunningJob) -> None:
-    cfg = job.cfg
-    for step in range(job.start_step, cfg.steps):
-        job.fleet.rebalance(step)  # rollout.elastic: add or remove a worker by how full the buffer is
-        job.fleet.wait_for_ready_groups(cfg.rollout.batch_size, job.logger.waiting)  # scheduling as it waits
-        # The workers keep generating the next groups while the learner trains on these.
-        metrics = job.train_step(step, max_staleness=cfg.max_staleness)
+    for step in job.steps():
+        job.rebalance_workers(step)  # rollout.elastic: add or remove a worker by how full the buffer is
+        job.wait_for_batch()  # scheduling as it waits
+        metrics = job.train_while_generating(step)  # the workers generate the next groups meanwhile
         job.push_weights(step)
         job.end_step(step, metrics)
         if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
@@ -57,15 +54,16 @@ def async_loop(job: RunningJob) -> None:
 def streaming_loop(job: RunningJob) -> None:
     """Trajectories are trained chunk by chunk while they grow; later chunks come from newer
     policies; unfinished returns are bootstrapped by the critic."""
-    cfg = job.cfg
-    segments = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-    for step in range(job.start_step, cfg.steps):
-        job.fleet.wait_for_segments(segments, job.logger.waiting)  # scheduling as it waits
-        metrics = job.train_segments(step, segments)
+    for step in job.steps():
+        job.wait_for_segments()  # scheduling as it waits
+        metrics = job.train_segments(step)  # the workers keep generating meanwhile
         job.push_weights(step)
         job.end_step(step, metrics)
         if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
             break
+
+
+LOOPS = {"sync": sync_loop, "async": async_loop, "streaming": streaming_loop}  # by JobConfig.loop_mode
 
 
 def train(cfg: JobConfig) -> list[dict]:
@@ -100,10 +98,7 @@ def train(cfg: JobConfig) -> list[dict]:
 def _run(cfg: JobConfig, stop: GracefulStop) -> list[dict]:
     with RunningJob(cfg, stop) as job:
         if not job.stop.requested:  # a signal during start-up: nothing to train
-            if cfg.april.streaming_chunk_tokens is not None:
-                streaming_loop(job)
-            else:
-                (sync_loop if cfg.mode == "sync" else async_loop)(job)
+            LOOPS[cfg.loop_mode](job)
         if job.stop.requested:
             job.logger.say(f"stopped by {job.stop.requested} with a checkpoint; resume=auto goes on from it")
         return job.logger.history

@@ -433,9 +433,9 @@ def test_job_with_its_own_redis_runs_secured_end_to_end(ray_session, tiny_model_
 _RAY_HEAD = """
 import json, sys
 from slime.security import JobCredentials
-from slime.job import _ray_token_auth
+from slime.launch.ray_cluster import ray_token_auth
 
-assert _ray_token_auth(JobCredentials.read(sys.argv[1], own_redis=False), None)  # as the job, before `import ray`
+assert ray_token_auth(JobCredentials.read(sys.argv[1], own_redis=False), None)  # as the job, before `import ray`
 import ray
 ctx = ray.init(num_cpus=1, include_dashboard=False, logging_level="error")
 print(json.dumps({"gcs": ctx.address_info["gcs_address"]}), flush=True)

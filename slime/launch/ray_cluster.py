@@ -1,0 +1,151 @@
+"""The job on Ray: its Ray started (with token authentication) or joined, checked for room, and its
+rollout workers started as Ray actors.
+
+Ray is imported inside the functions: Ray reads its authentication settings when it is first
+imported, and `RaySession.start` sets them just before.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from slime.config import JobConfig
+from slime.errors import ClusterError
+from slime.learner.group import check_resources
+from slime.rollout import RolloutWorker
+from slime.security import JobCredentials
+
+
+class RaySession:
+    """The job's Ray: one of its own (cluster.ray_address unset: "local"), or a cluster joined."""
+
+    def __init__(self) -> None:
+        self.started = False  # ray.init was called here: close() shuts it down
+        self._auth_env: tuple[str, ...] = ()  # environment variables set for the job's own Ray
+
+    def start(self, cfg: JobConfig, credentials: JobCredentials) -> None:
+        """Start or join Ray, unless it runs in this process already (a caller's own ray.init)."""
+        if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
+            # before `import ray`: Ray reads its auth settings when imported
+            self._auth_env = ray_token_auth(credentials, cfg.cluster.ray_address)
+        import ray  # after its auth settings are in the environment
+
+        if ray.is_initialized():
+            return
+        address = cfg.cluster.ray_address or "local"
+        try:
+            ray.init(
+                # "local": a Ray of the job's own, even where a cluster runs on this machine (Ray
+                # would join that one); "auto" joins it on purpose (a submitted job: slime/tools/submit.py).
+                address=address,
+                num_cpus=cfg.cluster.num_cpus,
+                include_dashboard=False,
+                logging_level="warning",
+                log_to_driver=True,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ClusterError(f"cluster.ray_address={address}: Ray could not start or join: {first}") from exc
+        self.started = True
+
+    def close(self) -> None:
+        """Shut down the Ray this session started (after the job's actors are gone); unset its auth."""
+        ray = sys.modules.get("ray")
+        if self.started and ray is not None:
+            ray.shutdown()
+        _unset_ray_auth(self._auth_env)
+
+
+def check_local_resources(cfg: JobConfig) -> None:
+    """The Ray this job starts itself has this machine's CPUs and GPUs and no custom resources:
+    check the learner against them now (a cluster is checked once connected, LearnerGroup)."""
+    ray = sys.modules.get("ray")
+    if cfg.cluster.ray_address is not None or (ray is not None and ray.is_initialized()):
+        return
+    import torch
+
+    available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+    check_resources(cfg, available, "this machine (the job's local Ray)")
+
+
+def ray_token_auth(credentials: JobCredentials, ray_address: str | None) -> tuple[str, ...]:
+    """A local Ray this job starts listens on every interface: with Ray's token authentication
+    (the token derived from the job secret, inherited by every Ray process through the
+    environment) nobody else can connect to it and run code. An explicit RAY_AUTH_MODE, or an
+    existing cluster (cluster.ray_address), is the user's choice. Returns the variables set here."""
+    if ray_address is not None or "RAY_AUTH_MODE" in os.environ:
+        return ()
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = credentials.token("ray")
+    if not _reload_ray_auth():
+        _unset_ray_auth(("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"))
+        print(
+            "warning: Ray was imported before the job started and cannot switch to token "
+            "authentication; the job's Ray accepts unauthenticated clients (set RAY_AUTH_MODE)",
+            flush=True,
+        )
+        return ()
+    return ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+def _reload_ray_auth() -> bool:
+    """Ray reads its auth settings when first imported; an imported Ray must read them again.
+    (`ray._raylet`'s loader is Ray's own test hook for this; without it, say so.)"""
+    if "ray" not in sys.modules:
+        return True
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config  # Ray is loaded already
+    except ImportError:
+        return False
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    return True
+
+
+def _unset_ray_auth(names: tuple[str, ...]) -> None:
+    for name in names:
+        os.environ.pop(name, None)
+    if names:
+        _reload_ray_auth()
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """What the job starts its rollout workers with; the fleet starts more of them (rollout.elastic)."""
+
+    model_dir: str
+    redis_url: str
+    credentials: JobCredentials | None
+    run_id: str  # in every worker id: lease owners never collide with a previous run's workers
+
+    def worker_id(self, index: int) -> str:
+        return f"w{index}-{self.run_id}"
+
+
+def worker_resources(cfg: JobConfig) -> dict[str, float]:
+    """What one rollout worker reserves: a GPU for a disaggregated GPU engine (colocated engines share
+    the learner's devices), and rollout.resources_per_worker."""
+    gpu = cfg.cluster.placement == "disaggregated" and cfg.rollout.device.startswith("cuda")
+    return ({"GPU": 1.0} if gpu else {}) | cfg.rollout.resources_per_worker
+
+
+def start_rollout_worker(
+    cfg: JobConfig, launch: WorkerLaunch, index: int, *, paused: bool = False, placement: Any = None
+) -> Any:
+    """Rollout worker ``index`` as a Ray actor (in ``placement``, a one-bundle placement group, if given)."""
+    import ray  # see the module docstring
+
+    need = worker_resources(cfg)
+    # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": need.pop("GPU", 0.0), "resources": need or None}
+    if placement is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # with Ray, as above
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
+    worker_id = launch.worker_id(index)
+    return ray.remote(**options)(RolloutWorker).remote(
+        cfg, launch.model_dir, launch.redis_url, worker_id, index, launch.credentials, paused
+    )
