@@ -205,7 +205,20 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument("--eval-samples", type=int, default=4, help="samples per prompt of the sampled held-out score")
     ap.add_argument("--out", default="outputs/bench-offpolicy-study")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="sync and april2, one seed, 2 steps of 2x2 samples, 16 tokens, output in a temporary directory: "
+        "checks it runs (not figures to quote)",
+    )
     args = ap.parse_args()
+    if args.smoke:
+        import tempfile
+
+        args.steps, args.eval_every, args.seeds, args.lrs, args.arms = 2, 1, 1, "1e-3", "sync,april2"
+        args.eval_prompts, args.eval_samples = 4, 1
+        args.set = [*args.set, "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16"]
+        args.out = tempfile.mkdtemp(prefix="bench-offpolicy-study-smoke-")
     started = time.time()
 
     import ray
@@ -271,6 +284,7 @@ def main() -> None:
     eval_s = time.time() - eval_started
 
     result: dict[str, float | int | str | None] = {
+        **({"smoke": True} if args.smoke else {}),
         "steps": args.steps,
         "seeds": args.seeds,
         "eval_prompts": args.eval_prompts,
