@@ -152,7 +152,7 @@ def run_setting(name: str, overrides: list[str], args, round_index: int) -> dict
 
     from slime.buffer.redis_server import LocalRedisServer
     from slime.sample import Status
-    from slime.train import RunningJob, async_loop, streaming_loop, sync_loop
+    from slime.train import LOOPS, RunningJob
 
     out = Path(args.out)
     seed = args.seed + round_index
@@ -180,17 +180,14 @@ def run_setting(name: str, overrides: list[str], args, round_index: int) -> dict
             before = ray.get([w.health.remote() for w in job.workers])
             gen_before = job.buffer.stats().get("generated_tokens", 0.0)
             t0 = time.time()
-            if cfg.april.streaming_chunk_tokens is not None:
-                streaming_loop(job)
-            else:
-                (async_loop if cfg.mode == "async" else sync_loop)(job)
+            LOOPS[cfg.loop_mode](job)
             loop_wall = time.time() - t0
             after = ray.get([w.health.remote() for w in job.workers])
             grown = lambda key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before))  # over the loop
             gen_after = job.buffer.stats().get("generated_tokens", 0.0)
             # Every token made up to the last step's rollout end, against what the step windows counted:
             # 1 when no token falls between two windows or in two (the engines idle outside them).
-            made = job.tokens_at_rollout_end - gen_before
+            made = job.clock.tokens_at_rollout_end - gen_before
             counted = sum(m["generated_tokens"] for m in job.logger.history)
             # The real response-length distribution: every finished response in the buffer.
             finished = [s for s in job.buffer.iter_samples() if s.status in (Status.COMPLETED, Status.TRUNCATED)]

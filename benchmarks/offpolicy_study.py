@@ -67,7 +67,7 @@ DEFAULT_CORRECTION = CorrectionConfig().name
 
 
 def run_job(name: str, overrides: list[str], args, redis_url: str) -> dict:
-    from slime.train import RunningJob, async_loop, sync_loop
+    from slime.train import LOOPS, RunningJob
 
     cfg = load_config(
         None,
@@ -84,7 +84,7 @@ def run_job(name: str, overrides: list[str], args, redis_url: str) -> dict:
     )
     with RunningJob(cfg) as job:
         loop_start = time.time() - job.logger.started  # on the logger's clock
-        (sync_loop if cfg.mode == "sync" else async_loop)(job)
+        LOOPS[cfg.loop_mode](job)
         history = list(job.logger.history)
         run_dir = job.run_dir
         buffer = job.buffer

@@ -89,7 +89,7 @@ def should_stop(times: list[float], rewards: list[float], args) -> bool:
 def run_slime(args, out_dir: str, model_path: str | None, seed: int) -> dict:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     from slime.config import load_config
-    from slime.train import RunningJob, async_loop, sync_loop
+    from slime.train import LOOPS, RunningJob
 
     cfg = load_config(
         None,
@@ -131,7 +131,7 @@ def run_slime(args, out_dir: str, model_path: str | None, seed: int) -> dict:
 
         job.end_step = end_step
         try:
-            (sync_loop if args.slime_mode == "sync" else async_loop)(job)
+            LOOPS[cfg.loop_mode](job)
         except _Stop:
             pass
         history = job.logger.history
