@@ -37,12 +37,9 @@ class WorkerHung(RuntimeError):
 
 def scheduler_for(cfg: JobConfig) -> GroupScheduler:
     """APRIL's plain settings from the job config (april/ never reads slime.config)."""
-    if cfg.april.streaming_chunk_tokens is not None:
-        policy = "streaming"
-    elif cfg.mode == "async":
-        policy = "async"
-    else:
-        policy = "april" if cfg.april.enabled else "sync"
+    policy = cfg.loop_mode
+    if policy == "sync" and cfg.april.enabled:
+        policy = "april"
     return GroupScheduler(
         policy,
         cfg.rollout.batch_size,
@@ -140,7 +137,7 @@ class RolloutFleet:
             gid = self.buffer.add_group(
                 record.prompt_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens, metadata
             )
-            if cfg.april.streaming_chunk_tokens is not None:
+            if cfg.loop_mode == "streaming":
                 self.buffer.track_streaming(gid)
         return missing
 

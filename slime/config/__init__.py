@@ -1,8 +1,9 @@
 """The job configuration, one module per reader: base.py (the strict model, ConfigError),
 inputs.py (model, data, sampling), rollout.py (rollout workers, engines, APRIL's scheduling),
-learner.py (algorithm, its settings and corrections, learner), renames.py (keys that moved), services.py (reward, env, buffer,
+learner.py (algorithm, its settings and corrections, learner), services.py (reward, env, buffer,
 weights, cluster, logging, dashboard), job.py (the JobConfig root, loading, overrides, env
-references, display). Everything public is importable from `slime.config`."""
+references, display), renames.py (keys that moved). Everything public is importable from
+`slime.config`."""
 
 from slime.config.base import ConfigError, StrictModel
 from slime.config.inputs import (
