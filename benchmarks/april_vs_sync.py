@@ -168,6 +168,7 @@ def run_setting(name: str, overrides: list[str], args, round_index: int) -> dict
                 f"output_dir={run_dir}",
                 f"steps={args.steps}",
                 f"seed={seed}",
+                "model.seed=0",  # one model for every round: the seed varies sampling and data only
                 f"data.seed={seed}",
                 f"buffer.url={server.url}",
                 *SHAPE,

@@ -255,7 +255,7 @@ def main() -> None:
             for lr in lrs:
                 for arm, corr in variants:
                     name = f"{arm}-{corr}-lr{lr}-s{seed}"
-                    overrides = [f"seed={seed}", f"data.seed={seed}", f"learner.lr={lr}", *ARMS[arm]]
+                    overrides = [f"seed={seed}", "model.seed=0", f"data.seed={seed}", f"learner.lr={lr}", *ARMS[arm]]
                     if corr != "-":
                         overrides.append(f"algorithm.correction.name={corr}")
                     run = run_job(name, overrides, args, server.url)

@@ -98,6 +98,7 @@ def run_slime(args, out_dir: str, model_path: str | None, seed: int) -> dict:
             *([f"model.path={model_path}"] if model_path else []),
             f"mode={args.slime_mode}",
             f"seed={seed}",
+            "model.seed=0",  # the model TRL trains too: seed varies sampling only
             f"rollout.batch_size={PROMPTS}",
             f"rollout.n_samples_per_prompt={SAMPLES}",
             f"rollout.max_new_tokens={MAX_NEW}",
