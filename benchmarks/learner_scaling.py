@@ -32,6 +32,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from benchmarks.spread import mean_sd  # noqa: E402
 from slime.buffer.redis_server import LocalRedisServer  # noqa: E402
 from slime.config import ModelConfig, TinyModelConfig, WarmstartConfig, load_config  # noqa: E402
+from slime.launch.ray_cluster import RayLauncher
 from slime.learner import LearnerGroup  # noqa: E402
 from slime.model import ensure_model_dir  # noqa: E402
 from slime.sample import Sample, Status  # noqa: E402
@@ -62,18 +63,18 @@ def run_arm(cfg_args: list[str], model_dir: str, redis_url: str, ranks: int, bat
     import ray
 
     cfg = load_config(None, [*cfg_args, f"learner.num_ranks={ranks}", f"job_name=scaling-{ranks}"])
-    group = LearnerGroup(cfg, model_dir, redis_url, None)
+    group = LearnerGroup(cfg, model_dir, redis_url, None, RayLauncher())
     samples, group_ids = batch
     try:
         refs = [ray.put(samples), ray.put(group_ids)]
-        LearnerGroup.result([r.update.remote(*refs, 0) for r in group.ranks])  # warm-up
+        group.result([r.update.remote(*refs, 0) for r in group.ranks])  # warm-up
         started = time.perf_counter()
         for step in range(steps):
-            metrics = LearnerGroup.result([r.update.remote(*refs, step + 1) for r in group.ranks])
+            metrics = group.result([r.update.remote(*refs, step + 1) for r in group.ranks])
         seconds = time.perf_counter() - started
         memory = [ray.get(r.memory.remote()) for r in group.ranks]
     finally:
-        LearnerGroup.result(group.close())
+        group.result(group.close())
         group.kill()
     state = [m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"] for m in memory]
     return {

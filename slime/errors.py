@@ -45,3 +45,14 @@ def exception_behind(exc: BaseException, kind: type[E]) -> E | None:
 
 def user_error_behind(exc: BaseException) -> UserError | None:
     return exception_behind(exc, UserError)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints every thread's Python stack to stderr (a hang's first question:
+    where is each thread?). Called by the driver and by each Ray actor (its own process); the
+    process goes on. A no-op where SIGUSR1 does not exist (Windows)."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)

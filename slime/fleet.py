@@ -6,8 +6,8 @@ zero-variance groups, aborts the long tail (Abort) and resumes it, pushes weight
 workers' health, and (rollout.elastic) adds and removes workers as april/elastic.py decides. The
 decisions are APRIL's; this file only carries them out.
 
-Ray is imported inside the methods: the job sets Ray's token authentication in the environment
-before Ray is first imported (slime/launch/ray_cluster.py), and Ray reads it then.
+The workers are actors of the job's launcher (slime/launch/: Ray's, or threads of this process);
+every call to them goes through it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from april.scheduler import GroupCounts, GroupScheduler, ZeroVarianceFilter
 from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import JobConfig
 from slime.data import PromptRecord
-from slime.launch.ray_cluster import WorkerLaunch, start_rollout_worker, worker_resources
+from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker, worker_resources
 from slime.sampling import PromptSampler
 
 
@@ -63,7 +63,7 @@ class _Changing:
     actor: Any
     worker_id: str
     placement: Any  # its placement group, or None
-    done: Any  # ObjectRef
+    done: Any  # the launcher's ref of that call
     since: float
 
 
@@ -75,9 +75,11 @@ class RolloutFleet:
         buffer: TrajectoryStore,
         telemetry: JobTelemetry,
         sampler: PromptSampler,
+        launcher: Launcher,
         launch: WorkerLaunch | None = None,
     ):
         self.cfg = cfg
+        self.launcher = launcher
         self.workers = workers  # the job's list: changed in place as workers join and leave
         self.buffer = buffer
         self.telemetry = telemetry
@@ -191,9 +193,7 @@ class RolloutFleet:
 
     def generate_while(self, refs: list) -> None:
         """Until ``refs`` (the learner's training) are done, the workers keep generating new groups."""
-        import ray  # see the module docstring
-
-        while len(ray.wait(refs, num_returns=len(refs), timeout=0.05)[0]) < len(refs):
+        while len(self.launcher.wait(refs, num_returns=len(refs), timeout=0.05)[0]) < len(refs):
             self._schedule_groups()
 
     def filter_ready_groups(self) -> int:
@@ -258,16 +258,14 @@ class RolloutFleet:
             self.telemetry.log_event("oversample_applied", {"by": "driver", "groups_in_flight": self.scheduler.target})
 
     def check_workers(self) -> list[dict]:
-        import ray  # see the module docstring
-
         healths = []
         limit, now = self.cfg.rollout.hang_timeout_s, time.time()
         for i, w in enumerate(self.workers):
             # A dead actor's RayActorError goes up as it is: train() restarts the job from its
             # checkpoint. A worker that reports an error (its rollout thread raised) fails the job.
             try:
-                h = ray.get(w.health.remote(), timeout=limit)
-            except ray.exceptions.GetTimeoutError:
+                h = self.launcher.get(w.health.remote(), timeout=limit)
+            except self.launcher.timeout_error:
                 self._kill_hung(i, f"it did not answer its health check for {limit:g}s")
             if h.get("error"):
                 raise WorkerFailed(f"rollout worker failed:\n{h['error']}")
@@ -287,20 +285,15 @@ class RolloutFleet:
     def _wait_all(self, refs: list, what: str) -> list:
         """The workers' replies to one call each (refs in worker order); a worker that has not
         replied within rollout.hang_timeout_s is hung (a call into a live engine returns in seconds)."""
-        import ray  # see the module docstring
-
         limit = self.cfg.rollout.hang_timeout_s
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
+        ready, _ = self.launcher.wait(refs, num_returns=len(refs), timeout=limit)
         if len(ready) < len(refs):
-            done = {r.hex() for r in ready}
-            late = next(i for i, r in enumerate(refs) if r.hex() not in done)
+            late = next(i for i, r in enumerate(refs) if r not in ready)
             self._kill_hung(late, f"{what} did not return for {limit:g}s")
-        return ray.get(refs)
+        return self.launcher.get(refs)
 
     def _kill_hung(self, index: int, why: str) -> typing.NoReturn:
-        import ray  # see the module docstring
-
-        ray.kill(self.workers[index])
+        self.launcher.kill(self.workers[index])
         self.telemetry.log_event("worker_hung", {"worker": index, "why": why})
         raise WorkerHung(f"rollout worker {index} hung ({why}, rollout.hang_timeout_s); killed")
 
@@ -349,10 +342,8 @@ class RolloutFleet:
         need = worker_resources(self.cfg)
         placement = None
         if need:
-            from ray.util.placement_group import placement_group  # with Ray, as above
-
-            placement = placement_group([need], name=f"{self.cfg.job_name}-rollout-{worker_id}")
-        actor = start_rollout_worker(self.cfg, self.launch, index, paused=True, placement=placement)
+            placement = self.launcher.placement_group([need], "PACK", f"{self.cfg.job_name}-rollout-{worker_id}")
+        actor = start_rollout_worker(self.launcher, self.cfg, self.launch, index, paused=True, placement=placement)
         self.joining.append(_Changing(actor, worker_id, placement, actor.health.remote(), time.time()))
         return worker_id
 
@@ -374,22 +365,20 @@ class RolloutFleet:
         """Workers that have started load the weights the engines hold and start generating; workers
         that have retired are stopped, their placement groups removed. Either past
         rollout.hang_timeout_s is dropped (its leases, if any, expire and requeue, tokens kept)."""
-        import ray  # see the module docstring
-
         limit, now = self.cfg.rollout.hang_timeout_s, time.time()
         for member in list(self.joining):
-            if not ray.wait([member.done], timeout=0)[0] and now - member.since < limit:
+            if not self.launcher.wait([member.done], timeout=0)[0] and now - member.since < limit:
                 continue
             self.joining.remove(member)
             try:
-                ray.get(member.done, timeout=0)
+                self.launcher.get(member.done, timeout=0)
                 if self.weights is not None:  # else it holds the model it was started with: no update yet
-                    ray.get(member.actor.update_weights.remote(self.weights), timeout=limit)
+                    self.launcher.get(member.actor.update_weights.remote(self.weights), timeout=limit)
                 if not self.dashboard_paused:
-                    ray.get(member.actor.resume.remote(), timeout=limit)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
+                    self.launcher.get(member.actor.resume.remote(), timeout=limit)
+            except self.launcher.call_errors as exc:
                 self._discard(member)
-                if isinstance(exc, ray.exceptions.GetTimeoutError):
+                if isinstance(exc, self.launcher.timeout_error):
                     need = worker_resources(self.cfg)
                     why = f"not started within rollout.hang_timeout_s={limit:g}s" + (
                         f" (it needs {need} free in the cluster)" if need else ""
@@ -416,44 +405,38 @@ class RolloutFleet:
         # (its thread join: up to 30 s); cut short, their finishes would be scored again elsewhere.
         leave_limit = limit + self.cfg.reward.timeout_s + 30
         for member in list(self.leaving):
-            if ray.wait([member.done], timeout=0)[0] or now - member.since >= leave_limit:
+            if self.launcher.wait([member.done], timeout=0)[0] or now - member.since >= leave_limit:
                 self._finish_leaving(member)
 
     def _finish_leaving(self, member: _Changing) -> None:
-        import ray  # see the module docstring
-
         self.leaving.remove(member)
         detail: dict[str, Any] = {"worker": member.worker_id, "seconds": round(time.time() - member.since, 2)}
         try:
-            retired = ray.get(member.done, timeout=0)
+            retired = self.launcher.get(member.done, timeout=0)
             detail.update(requeued_partials=retired["aborted"], generated_tokens=retired["generated_tokens"])
-        except (ray.exceptions.RayError, TimeoutError) as exc:
+        except self.launcher.call_errors as exc:
             detail["why"] = f"retire did not complete ({type(exc).__name__}); its leases expire and requeue"
         self._discard(member)
         self.telemetry.forget_engine(member.worker_id)
         self.telemetry.log_event("elastic_removed", {**detail, "workers": len(self.workers)})
 
     def _discard(self, member: _Changing) -> None:
-        import ray  # see the module docstring
-
-        ray.kill(member.actor)
+        self.launcher.kill(member.actor)
         if member.placement is not None:
-            ray.util.remove_placement_group(member.placement)
+            self.launcher.remove_placement_group(member.placement)
 
     def release_added(self, timeout_s: float = 60.0) -> None:
         """At the job's end, after its workers were stopped: workers still leaving finish (bounded),
         workers still starting go, and the placement groups of the workers added are removed."""
-        import ray  # see the module docstring
-
         if self.leaving:
-            ray.wait([m.done for m in self.leaving], num_returns=len(self.leaving), timeout=timeout_s)
+            self.launcher.wait([m.done for m in self.leaving], num_returns=len(self.leaving), timeout=timeout_s)
         for member in list(self.leaving):
             self._finish_leaving(member)
         for member in self.joining:
             self._discard(member)
         self.joining = []
         for placement in self.placements.values():
-            ray.util.remove_placement_group(placement)
+            self.launcher.remove_placement_group(placement)
         self.placements = {}
 
     def step_metrics(self) -> dict[str, float]:

@@ -1,10 +1,8 @@
 """One running job's lifecycle: start and stop its parts (Redis, Ray, the learner, the rollout
 fleet, the dashboard), train and publish weights, time each step, write metrics and checkpoints.
-The loops that drive it are in slime/train.py; the rollout side is slime/fleet.py; Ray's start-up
-is slime/launch/ray_cluster.py.
-
-Ray is imported inside the methods: Ray reads its authentication settings when it is first
-imported, and RaySession sets them just before it starts Ray.
+The loops that drive it are in slime/train.py; the rollout side is slime/fleet.py. The learner and
+the rollout workers are actors of the launcher cluster.launcher names (slime/launch/): Ray's
+(ray_cluster.py, which also starts Ray) or threads of this process (local.py).
 """
 
 from __future__ import annotations
@@ -27,7 +25,9 @@ from slime.config import ConfigError, JobConfig, dump_config
 from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.fleet import Abort, RolloutFleet, scheduler_for
-from slime.launch.ray_cluster import RaySession, WorkerLaunch, check_local_resources, start_rollout_worker
+from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker
+from slime.launch.local import LocalLauncher
+from slime.launch.ray_cluster import RayLauncher, RaySession, check_local_resources
 from slime.learner import LearnerGroup
 from slime.learner.sharding import CheckpointError
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
@@ -83,6 +83,7 @@ class RunningJob:
         self.run_dir = cfg.run_dir
         self.redis_server = None
         self.ray_session = RaySession()
+        self.launcher: Launcher | None = None
         self.workers: list = []
         self.learner = None
         self.dashboard = None
@@ -126,18 +127,20 @@ class RunningJob:
                 # tokens kept, instead of after their leases expire.
                 self.buffer.requeue_all_leased()
             self._start_dashboard()
-            self.ray_session.start(cfg, self.credentials)
-            if self.ray_session.started:
-                self.stop.install()  # ray.init installs its own SIGTERM handler; ours ends the step first
+            if cfg.cluster.launcher == "ray":
+                self.ray_session.start(cfg, self.credentials)
+                if self.ray_session.started:
+                    self.stop.install()  # ray.init installs its own SIGTERM handler; ours ends the step first
+                self.launcher = RayLauncher()
+            else:
+                self.launcher = LocalLauncher()
             self._start_actors()
             self.start_step = 0
             if checkpoint is not None:
                 self.start_step = self._restore(checkpoint)
             elif cfg.resume is not None:
                 self.buffer.requeue_uncommitted()  # no checkpoint yet: no step's update survived
-            import ray  # started above
-
-            ray.get([w.health.remote() for w in self.workers] + self.learner.publish_weights())
+            self.launcher.get([w.health.remote() for w in self.workers] + self.learner.publish_weights())
             if checkpoint is not None:
                 self.push_weights(self.start_step - 1)
             self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.steps, self.start_step)
@@ -156,10 +159,11 @@ class RunningJob:
     def _start_actors(self) -> None:
         cfg = self.cfg
         run_id = new_id()[:6]  # lease owner names never collide with a previous run's workers
-        self.learner = LearnerGroup(cfg, self.model_dir, self.redis_url, self.credentials)
+        launcher = self.launcher
+        self.learner = LearnerGroup(cfg, self.model_dir, self.redis_url, self.credentials, launcher)
         launch = WorkerLaunch(self.model_dir, self.redis_url, self.credentials, run_id)
-        self.workers = [start_rollout_worker(cfg, launch, i) for i in range(cfg.rollout.num_workers)]
-        self.fleet = RolloutFleet(cfg, self.workers, self.buffer, self.telemetry, self.sampler, launch)
+        self.workers = [start_rollout_worker(launcher, cfg, launch, i) for i in range(cfg.rollout.num_workers)]
+        self.fleet = RolloutFleet(cfg, self.workers, self.buffer, self.telemetry, self.sampler, launcher, launch)
 
     def _start_dashboard(self) -> None:
         cfg = self.cfg
@@ -186,27 +190,27 @@ class RunningJob:
             print(f"dashboard: {self.dashboard.url} (control token in {token_file})", flush=True)
 
     def __exit__(self, *exc) -> None:
-        ray = sys.modules.get("ray")  # None: the job failed before it started Ray
-        if ray is not None and self.workers:
+        launcher = self.launcher  # None: the job failed before it started its actors
+        if launcher is not None and self.workers:
             try:  # first of all, stop generating and store every partial trajectory
-                ray.get([w.abort_all.remote() for w in self.workers], timeout=60)
+                launcher.get([w.abort_all.remote() for w in self.workers], timeout=60)
             except Exception:
                 pass
         if hasattr(self, "logger"):
             self.logger.close()
-        if ray is not None:
+        if launcher is not None:
             if self.workers:
                 try:
-                    ray.get([w.stop.remote() for w in self.workers], timeout=60)
+                    launcher.get([w.stop.remote() for w in self.workers], timeout=60)
                 except Exception:
                     pass
             if self.learner is not None:
                 try:
-                    LearnerGroup.result(self.learner.close(), timeout=30)
+                    self.learner.result(self.learner.close(), timeout=30)
                 except Exception:
                     pass
             for actor in self.workers:
-                ray.kill(actor)
+                launcher.kill(actor)
             if hasattr(self, "fleet"):  # workers it was still adding or removing (rollout.elastic)
                 try:
                     self.fleet.release_added()
@@ -262,7 +266,7 @@ class RunningJob:
             abort.wait()  # the learner is training meanwhile
             self.clock.stop_rollout(abort_sent_at=abort.sent_at)
             released = self._release_engine_memory()  # after the abort: the partials' caches go too
-        metrics = LearnerGroup.result(refs) | self.clock.rollout_metrics()
+        metrics = self.learner.result(refs) | self.clock.rollout_metrics()
         if self.cfg.releases_engine_memory:
             metrics["engine_memory_released_bytes"] = released
         return metrics
@@ -275,13 +279,13 @@ class RunningJob:
         self.fleet.generate_while(refs)
         self.clock.stop_rollout()
         self.clock.rollout_goes_on()
-        return LearnerGroup.result(refs) | self.clock.rollout_metrics()
+        return self.learner.result(refs) | self.clock.rollout_metrics()
 
     def train_segments(self, step: int) -> dict:
         rollout_seconds = self.clock.rollout_elapsed()
         refs = self.learner.train_segments(step, self._segments_per_step(), self.cfg.april.streaming_chunk_tokens)
         self.fleet.generate_while(refs)
-        metrics = LearnerGroup.result(refs)
+        metrics = self.learner.result(refs)
         # The engines never pause here: count what they made over the whole step, training included.
         generated = self.clock.tokens_since_rollout_start()
         metrics.update(
@@ -306,7 +310,7 @@ class RunningJob:
 
     def push_weights(self, step: int) -> None:
         t0 = time.time()
-        handle = LearnerGroup.result(self.learner.publish_weights())
+        handle = self.learner.result(self.learner.publish_weights())
         if self.cfg.releases_engine_memory:  # vLLM/SGLang: awake before loading weights
             self.fleet.resume_memory()
         self.fleet.update_weights(handle)
@@ -321,7 +325,7 @@ class RunningJob:
         probe = [
             int(t) for t in (self.tokenizer(str(record.label or "probe"), add_special_tokens=False)["input_ids"] or [0])
         ]
-        expected = LearnerGroup.result(self.learner.probe_logprobs(record.prompt_ids, probe))
+        expected = self.learner.result(self.learner.probe_logprobs(record.prompt_ids, probe))
         worst = 0.0
         for got in self.fleet.probe_logprobs(record.prompt_ids, probe):
             diff = float(np.max(np.abs(got - expected)))
@@ -382,7 +386,7 @@ class RunningJob:
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
         path = self.run_dir / "checkpoints" / f"step_{step + 1:06d}"
-        LearnerGroup.result(self.learner.save(str(path)))
+        self.learner.result(self.learner.save(str(path)))
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
         # Written last and atomically: a checkpoint directory counts only once this file exists,
         # however the process is stopped while saving.
@@ -419,7 +423,7 @@ class RunningJob:
             f"resume={self.cfg.resume}: resuming from {checkpoint} at step {state['next_step']} of {self.cfg.steps}",
             flush=True,
         )
-        LearnerGroup.result(self.learner.load(str(checkpoint)))
+        self.learner.result(self.learner.load(str(checkpoint)))
         self.sampler.load_state_dict(state["sampler"])
         # Claims of steps inside the checkpoint are trained (the process may have died before it
         # marked them); claims of later steps go back to the ready queue, to train on these weights.

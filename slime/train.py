@@ -17,6 +17,7 @@ import signal
 import sys
 
 from slime.config import JobConfig
+from slime.errors import dump_stacks_on_sigusr1
 from slime.fleet import WorkerHung
 from slime.job import GracefulStop, RunningJob
 
@@ -72,6 +73,7 @@ def train(cfg: JobConfig) -> list[dict]:
     learner or a rollout worker: killed, pre-empted, out of memory), the job restarts itself from
     its last checkpoint and the buffer, up to `max_restarts` times: partials keep their tokens and
     the groups trained after that checkpoint are trained again, once."""
+    dump_stacks_on_sigusr1()
     stop = GracefulStop()
     previous = stop.install()
     restarts = 0
@@ -80,7 +82,7 @@ def train(cfg: JobConfig) -> list[dict]:
             try:
                 return _run(cfg, stop)
             except Exception as exc:
-                if not _actor_lost(exc) or restarts == cfg.max_restarts or stop.requested:
+                if not _actor_lost(exc, cfg) or restarts == cfg.max_restarts or stop.requested:
                     raise
                 restarts += 1
                 print(
@@ -104,7 +106,10 @@ def _run(cfg: JobConfig, stop: GracefulStop) -> list[dict]:
         return job.logger.history
 
 
-def _actor_lost(exc: BaseException) -> bool:
-    """A Ray actor died, or a hung rollout worker was killed (see RolloutFleet.check_workers)."""
+def _actor_lost(exc: BaseException, cfg: JobConfig) -> bool:
+    """A Ray actor died, or a hung rollout worker was killed (see RolloutFleet.check_workers). With
+    cluster.launcher=local nothing is lost alone: a thread cannot be killed, so a hang fails the job."""
+    if cfg.cluster.launcher == "local":
+        return False
     ray = sys.modules.get("ray")  # imported by the job once it started Ray
     return isinstance(exc, WorkerHung) or (ray is not None and isinstance(exc, ray.exceptions.RayActorError))

@@ -190,15 +190,17 @@ SMALL = APRIL_SMALL_JOB
 
 
 @pytest.mark.slow
-def test_april_sync_job_aborts_resumes_and_wastes_nothing(ray_session, tiny_model_dir, redis_url, tmp_path):
+@pytest.mark.parametrize("launcher", ["ray", "local"])
+def test_april_sync_job_aborts_resumes_and_wastes_nothing(ray_session, tiny_model_dir, redis_url, tmp_path, launcher):
     from slime.train import train
 
-    job = "april-e2e-sync"
+    job = f"april-e2e-sync-{launcher}"
     history = train(
         load_config(
             None,
             [
                 f"job_name={job}",
+                f"cluster.launcher={launcher}",
                 f"output_dir={tmp_path}",
                 f"model.path={tiny_model_dir}",
                 f"buffer.url={redis_url}",
@@ -280,8 +282,11 @@ def _run_cli(args: list[str], env: dict, stdout=subprocess.DEVNULL) -> subproces
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGTERM twice"])
-def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tmp_path, how):
+@pytest.mark.parametrize(
+    "how, launcher",
+    [("SIGKILL", "ray"), ("SIGTERM", "ray"), ("SIGTERM twice", "ray"), ("SIGKILL", "local"), ("SIGTERM", "local")],
+)
+def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tmp_path, how, launcher):
     """Kill the whole job (driver, its Redis, its Ray) mid-run, or stop it by SIGTERM (it ends the
     step, checkpoints, exits 0) or by SIGTERM twice (it stops at once); `resume=auto` continues the
     partials stored in Redis from their tokens and trains every group exactly once."""
@@ -289,6 +294,7 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
     out = tmp_path / "run"
     args = [
         f"job_name=kill-{sig.name}",
+        f"cluster.launcher={launcher}",
         f"output_dir={out}",
         f"model.path={tiny_model_dir}",
         *SMALL,

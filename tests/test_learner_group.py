@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from slime.buffer import TrajectoryStore
 from slime.config import load_config
+from slime.launch.ray_cluster import RayLauncher
 from slime.learner import Learner, LearnerGroup, ResourceError, required_resources
 from slime.learner.sharding import CheckpointError, split_rows
 from slime.train import train
@@ -90,12 +91,14 @@ def test_two_ranks_take_the_optimizer_step_one_rank_takes(tiny_model_dir, redis_
     one.close()
     # PPO's two ranks cut micro-batches by tokens: a cut of its own, and still the one-batch step.
     by_tokens = ["learner.max_tokens_per_micro_batch=30"] if algo == "ppo" else []
-    group = LearnerGroup(_cfg(f"two-{algo}", tmp_path, algo, 2, *by_tokens), str(tiny_model_dir), redis_url, None)
+    group = LearnerGroup(
+        _cfg(f"two-{algo}", tmp_path, algo, 2, *by_tokens), str(tiny_model_dir), redis_url, None, RayLauncher()
+    )
     try:
-        m2 = LearnerGroup.result(group.train_step(0, 3, None, commit=True))
-        w2 = _weights(LearnerGroup.result(group.publish_weights()))
+        m2 = group.result(group.train_step(0, 3, None, commit=True))
+        w2 = _weights(group.result(group.publish_weights()))
     finally:
-        LearnerGroup.result(group.close())
+        group.result(group.close())
         group.kill()
     assert _relative_difference(before, w1) > 1e-4  # the step moved the weights
     assert _relative_difference(w1, w2) < 1e-5
@@ -133,29 +136,29 @@ def test_checkpoints_move_between_rank_counts(tiny_model_dir, redis_url, tmp_pat
     one the 2 ranks take, and greedy decoding agrees token for token. And 1 -> 2 ranks."""
     _filled(redis_url, "ckpt-two", groups=6)
     _filled(redis_url, "ckpt-one", groups=6, skip=3)
-    group = LearnerGroup(_cfg("ckpt-two", tmp_path, "ppo", 2), str(tiny_model_dir), redis_url, None)
+    group = LearnerGroup(_cfg("ckpt-two", tmp_path, "ppo", 2), str(tiny_model_dir), redis_url, None, RayLauncher())
     one = None
     try:
-        LearnerGroup.result(group.train_step(0, 3, None, commit=True))
-        LearnerGroup.result(group.save(str(tmp_path / "by-two")))
-        at_save = _weights(LearnerGroup.result(group.publish_weights()))
+        group.result(group.train_step(0, 3, None, commit=True))
+        group.result(group.save(str(tmp_path / "by-two")))
+        at_save = _weights(group.result(group.publish_weights()))
         one = Learner(_cfg("ckpt-one", tmp_path, "ppo", 1), str(tiny_model_dir), redis_url)
         assert one.load(str(tmp_path / "by-two")) == 1
         resumed = _weights(one.publish_weights())
         assert all(torch.equal(at_save[k], resumed[k]) for k in at_save)
         assert _greedy(tiny_model_dir, resumed) == _greedy(tiny_model_dir, at_save)
 
-        LearnerGroup.result(group.train_step(1, 3, None, commit=True))
+        group.result(group.train_step(1, 3, None, commit=True))
         one.train_step(1, num_groups=3)
-        after_two = _weights(LearnerGroup.result(group.publish_weights()))
+        after_two = _weights(group.result(group.publish_weights()))
         after_one = _weights(one.publish_weights())
         # Adam's second step depends on the moments the checkpoint carried.
         assert _relative_difference(after_two, after_one) < 1e-5
         assert _greedy(tiny_model_dir, after_one) == _greedy(tiny_model_dir, after_two)
 
         one.save(str(tmp_path / "by-one"))  # the 1-rank format: a Hugging Face policy and torch state
-        assert LearnerGroup.result(group.load(str(tmp_path / "by-one"))) == 2
-        reloaded = _weights(LearnerGroup.result(group.publish_weights()))
+        assert group.result(group.load(str(tmp_path / "by-one"))) == 2
+        reloaded = _weights(group.result(group.publish_weights()))
         assert all(torch.equal(after_one[k], reloaded[k]) for k in after_one)
 
         # The sharded format's index is a pickle: a crafted one is refused before it runs anything.
@@ -168,7 +171,7 @@ def test_checkpoints_move_between_rank_counts(tiny_model_dir, redis_url, tmp_pat
     finally:
         if one is not None:
             one.close()
-        LearnerGroup.result(group.close())
+        group.result(group.close())
         group.kill()
 
 

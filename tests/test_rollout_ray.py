@@ -12,6 +12,7 @@ from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import load_config
 from slime.data import PromptRecord
 from slime.fleet import RolloutFleet, WorkerHung
+from slime.launch.ray_cluster import RayLauncher
 from slime.sample import FINAL_STATUSES, Status
 from slime.sampling import PromptSampler
 from tests.helpers import wait_for
@@ -103,6 +104,7 @@ def test_a_worker_that_makes_no_progress_with_work_queued_is_killed(ray_session,
         buffer,
         JobTelemetry(buffer.connection),
         PromptSampler([PromptRecord(0, "p", [6, 7])], cfg.sampling, "task", 0, False),
+        RayLauncher(),
     )
     fleet.check_workers()  # the counters are seen for the first time
     fleet.check_workers()  # unchanged, but not for long yet

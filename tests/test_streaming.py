@@ -88,15 +88,17 @@ def test_streaming_needs_ppo():
 
 
 @pytest.mark.slow
-def test_streaming_job_trains_unfinished_trajectories(ray_session, tiny_model_dir, redis_url, tmp_path):
+@pytest.mark.parametrize("launcher", ["ray", "local"])
+def test_streaming_job_trains_unfinished_trajectories(ray_session, tiny_model_dir, redis_url, tmp_path, launcher):
     sampler = tmp_path / "active_sampler.py"
     sampler.write_text("def temperature(state):\n    return 0.7 if state['response_length'] > 8 else None\n")
-    job = "stream-e2e"
+    job = f"stream-e2e-{launcher}"
     history = train(
         load_config(
             None,
             [
                 f"job_name={job}",
+                f"cluster.launcher={launcher}",
                 f"output_dir={tmp_path}",
                 f"model.path={tiny_model_dir}",
                 f"buffer.url={redis_url}",

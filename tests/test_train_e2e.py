@@ -1,4 +1,5 @@
-"""Whole jobs, end to end: real Redis, real Ray actors, the tiny MoE training for a few steps."""
+"""Whole jobs, end to end: real Redis, real Ray actors (or, cluster.launcher=local, the same actors on
+threads of this process), the tiny MoE training for a few steps."""
 
 from __future__ import annotations
 
@@ -28,12 +29,14 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, redis_url, tmp_path):
+@pytest.mark.parametrize("launcher", ["ray", "local"])
+def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, redis_url, tmp_path, launcher):
     """Also with MoE routing replay: every trained token's experts recorded by the engine, stored,
     and replayed by the learner (tests/test_routing_replay.py has the parts)."""
-    job = "e2e-sync"
+    job = f"e2e-sync-{launcher}"
     common = [
         f"job_name={job}",
+        f"cluster.launcher={launcher}",
         f"output_dir={tmp_path}",
         f"model.path={tiny_model_dir}",
         f"buffer.url={redis_url}",
@@ -98,14 +101,16 @@ def test_a_long_job_prunes_old_trained_trajectories_and_resumes(ray_session, tin
     buffer.delete_job()
 
 
+@pytest.mark.parametrize("launcher", ["ray", "local"])
 @pytest.mark.parametrize("april", [False, True])
-def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp_path, april):
-    job = f"e2e-async-{april}"
+def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp_path, april, launcher):
+    job = f"e2e-async-{april}-{launcher}"
     history = train(
         load_config(
             None,
             [
                 f"job_name={job}",
+                f"cluster.launcher={launcher}",
                 f"output_dir={tmp_path}",
                 f"model.path={tiny_model_dir}",
                 f"buffer.url={redis_url}",
@@ -132,7 +137,8 @@ def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp
     buffer.delete_job()
 
 
-def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redis_url, tmp_path):
+@pytest.mark.parametrize("launcher", ["ray", "local"])
+def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redis_url, tmp_path, launcher):
     # The reward file imports a helper beside it, as a script would (in the Ray rollout worker).
     (tmp_path / "flaky_rules.py").write_text("def is_odd(text):\n    return len(text) % 2 == 1\n")
     reward_file = tmp_path / "flaky_reward.py"
@@ -143,12 +149,13 @@ def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redi
         "        raise ValueError('odd length')\n"
         "    return 1.0\n"
     )
-    job = "e2e-flaky"
+    job = f"e2e-flaky-{launcher}"
     history = train(
         load_config(
             None,
             [
                 f"job_name={job}",
+                f"cluster.launcher={launcher}",
                 f"output_dir={tmp_path / 'run'}",
                 f"model.path={tiny_model_dir}",
                 f"buffer.url={redis_url}",

@@ -150,7 +150,35 @@ class JobConfig(_Strict):
                 "own redis-server (buffer.url unset) has no replica, so no write could ever be acknowledged"
             )
         self._check_elastic()
+        self._check_local_launcher()
         return self
+
+    def _check_local_launcher(self) -> None:
+        """What cluster.launcher=local cannot do: it runs in one process, on one machine."""
+        if self.cluster.launcher != "local":
+            if self.weights.transport == "inproc":
+                raise ValueError(
+                    "weights.transport=inproc needs cluster.launcher=local: on Ray the learner and the engines "
+                    "are separate processes"
+                )
+            return
+        refused = {
+            "learner.num_ranks": (
+                self.learner.num_ranks > 1,
+                "several learner ranks are processes of a torch.distributed group",
+            ),
+            "cluster.ray_address": (self.cluster.ray_address is not None, "a Ray cluster is what launcher=ray is for"),
+            "reward.mode": (self.reward.mode == "ray_actor", "a reward actor needs Ray; use in_process or http"),
+            "weights.transport": (
+                self.weights.transport in ("broadcast", "cuda_ipc"),
+                "broadcast needs one process per rank, and CUDA IPC cannot map memory of its own process; "
+                "use auto (inproc), shm or file",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                value = getattr(getattr(self, key.split(".")[0]), key.split(".")[1])
+                raise ValueError(f"{key}={value} does not work with cluster.launcher=local: {why}")
 
     def _check_elastic(self) -> None:
         """rollout.elastic's combinations with the rest of the job."""
@@ -161,6 +189,12 @@ class JobConfig(_Strict):
             raise ValueError(
                 "rollout.elastic needs mode=async: in the sync loops rollout and training take turns, so the "
                 "learner always waits for the whole rollout and the buffer never fills; there is no balance to shift"
+            )
+        if self.weight_transport == "inproc":
+            raise ValueError(
+                "rollout.elastic does not work with weights.transport=inproc (auto with cluster.launcher=local): a "
+                "worker that joins later would read the learner's live tensors under an older version; set "
+                "weights.transport=shm or file"
             )
         if self.weights.transport == "broadcast":
             raise ValueError(
@@ -185,7 +219,7 @@ class JobConfig(_Strict):
     @property
     def weight_transport(self) -> str:
         """weights.transport with "auto" resolved for the learner's device (learner and workers agree)."""
-        return resolve_weight_transport(self.weights.transport, self.learner.device)
+        return resolve_weight_transport(self.weights.transport, self.learner.device, self.cluster.launcher)
 
     @property
     def weight_check_tolerance(self) -> float:

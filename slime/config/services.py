@@ -129,18 +129,23 @@ class BufferConfig(_Strict):
     )
 
 
-def resolve_weight_transport(kind: str, learner_device: str) -> str:
-    """weights.transport "auto": cuda_ipc when the learner is on CUDA, else shared memory."""
+def resolve_weight_transport(kind: str, learner_device: str, launcher: str = "ray") -> str:
+    """weights.transport "auto": in the job's own process (cluster.launcher=local) the engines read
+    the learner's tensors directly (inproc); on Ray cuda_ipc when the learner is on CUDA, else
+    shared memory."""
     if kind != "auto":
         return kind
+    if launcher == "local":
+        return "inproc"
     return "cuda_ipc" if learner_device.startswith("cuda") else "shm"
 
 
 class WeightsConfig(_Strict):
-    transport: Literal["auto", "shm", "cuda_ipc", "file", "broadcast"] = Field(
+    transport: Literal["auto", "shm", "cuda_ipc", "file", "broadcast", "inproc"] = Field(
         "auto",
-        description="auto: cuda_ipc when the learner is on CUDA, else shared memory; broadcast: a "
-        "torch.distributed group (NCCL on GPU, gloo on CPU) across processes and machines.",
+        description="auto: inproc with cluster.launcher=local, else cuda_ipc when the learner is on CUDA, else "
+        "shared memory; broadcast: a torch.distributed group (NCCL on GPU, gloo on CPU) across processes and "
+        "machines; inproc (launcher=local only): the engines copy the learner's tensors in the same process.",
     )
     bucket_mb: float = Field(64.0, gt=0)
     check_every: int = Field(
@@ -155,6 +160,12 @@ class WeightsConfig(_Strict):
 
 
 class ClusterConfig(_Strict):
+    launcher: Literal["ray", "local"] = Field(
+        "ray",
+        description="ray: the learner and each rollout worker are Ray actors (one machine or a cluster). local: "
+        "the same learner (one rank) and workers run on threads of the driver's process, without Ray: one "
+        "machine, one GPU, a debugger that stops in a reward function or the worker loop.",
+    )
     ray_address: str | None = Field(
         None,
         description="None: the job starts a Ray of its own; auto: join the cluster this machine belongs to "

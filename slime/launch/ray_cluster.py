@@ -1,5 +1,6 @@
-"""The job on Ray: its Ray started (with token authentication) or joined, checked for room, and its
-rollout workers started as Ray actors.
+"""The job on Ray (cluster.launcher=ray): its Ray started (with token authentication) or joined,
+checked for room, and `RayLauncher`, the seam through which the fleet, the learner group and the
+job start and call their actors (slime/launch/local.py is the same seam without Ray).
 
 Ray is imported inside the functions: Ray reads its authentication settings when it is first
 imported, and `RaySession.start` sets them just before.
@@ -9,13 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 from slime.config import JobConfig
 from slime.errors import ClusterError
 from slime.learner.group import check_resources
-from slime.rollout import RolloutWorker
 from slime.security import JobCredentials
 
 
@@ -112,40 +111,41 @@ def _unset_ray_auth(names: tuple[str, ...]) -> None:
         _reload_ray_auth()
 
 
-@dataclass(frozen=True)
-class WorkerLaunch:
-    """What the job starts its rollout workers with; the fleet starts more of them (rollout.elastic)."""
+class RayLauncher:
+    """Actors as Ray actors; get, wait and kill are Ray's. Ray must be started (RaySession)."""
 
-    model_dir: str
-    redis_url: str
-    credentials: JobCredentials | None
-    run_id: str  # in every worker id: lease owners never collide with a previous run's workers
+    name = "ray"
 
-    def worker_id(self, index: int) -> str:
-        return f"w{index}-{self.run_id}"
+    def __init__(self) -> None:
+        import ray  # see the module docstring
 
+        self._ray = ray
+        self.timeout_error: type[BaseException] = ray.exceptions.GetTimeoutError
+        self.call_errors: tuple[type[BaseException], ...] = (ray.exceptions.RayError, TimeoutError)
 
-def worker_resources(cfg: JobConfig) -> dict[str, float]:
-    """What one rollout worker reserves: a GPU for a disaggregated GPU engine (colocated engines share
-    the learner's devices), and rollout.resources_per_worker."""
-    gpu = cfg.cluster.placement == "disaggregated" and cfg.rollout.device.startswith("cuda")
-    return ({"GPU": 1.0} if gpu else {}) | cfg.rollout.resources_per_worker
+    def actor(self, cls: type, *args: Any, name: str, options: dict | None = None, **kwargs: Any) -> Any:
+        return self._ray.remote(**(options or {}))(cls).remote(*args, **kwargs)
 
+    def get(self, refs: Any, timeout: float | None = None) -> Any:
+        return self._ray.get(refs, timeout=timeout)
 
-def start_rollout_worker(
-    cfg: JobConfig, launch: WorkerLaunch, index: int, *, paused: bool = False, placement: Any = None
-) -> Any:
-    """Rollout worker ``index`` as a Ray actor (in ``placement``, a one-bundle placement group, if given)."""
-    import ray  # see the module docstring
+    def wait(self, refs: list, num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
+        return self._ray.wait(refs, num_returns=num_returns, timeout=timeout)
 
-    need = worker_resources(cfg)
-    # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
-    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": need.pop("GPU", 0.0), "resources": need or None}
-    if placement is not None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # with Ray, as above
+    def kill(self, actor: Any) -> None:
+        self._ray.kill(actor)
 
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
-    worker_id = launch.worker_id(index)
-    return ray.remote(**options)(RolloutWorker).remote(
-        cfg, launch.model_dir, launch.redis_url, worker_id, index, launch.credentials, paused
-    )
+    def placement_group(self, bundles: list[dict[str, float]], strategy: str, name: str) -> Any:
+        from ray.util.placement_group import placement_group  # with Ray, as above
+
+        return placement_group(bundles, strategy=strategy, name=name)
+
+    def remove_placement_group(self, placement: Any) -> None:
+        self._ray.util.remove_placement_group(placement)
+
+    def cluster_resources(self) -> dict[str, float]:
+        return self._ray.cluster_resources()
+
+    def lost_actor(self, exc: BaseException) -> bool:
+        """A Ray actor died (killed, pre-empted, out of memory): the job may restart from its checkpoint."""
+        return isinstance(exc, self._ray.exceptions.RayActorError)

@@ -33,6 +33,7 @@ from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.buffer import JobConnection, TrajectoryStore
 from slime.config import JobConfig
 from slime.engines.routing import replay_misfit
+from slime.errors import dump_stacks_on_sigusr1
 from slime.learner import sharding
 from slime.learner.forwards import ValueModel, response_logprobs
 from slime.learner.packing import packing_misfit, use_packed_attention
@@ -135,6 +136,7 @@ class Learner:
     ):
         """One rank of world_size; master is rank 0's "host:port" (LearnerGroup finds it)."""
         torch.set_num_threads(cfg.cluster.torch_threads)
+        dump_stacks_on_sigusr1()  # on Ray this is the actor's own process
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.algo_cfg = cfg.algorithm

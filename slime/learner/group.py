@@ -1,13 +1,14 @@
-"""The driver's handle on the learner: learner.num_ranks Ray actors (actor.py's Learner, one per
-rank) placed from the config, joined in one torch.distributed group, called as one.
+"""The driver's handle on the learner: learner.num_ranks actors of the job's launcher (actor.py's
+Learner, one per rank) placed from the config, joined in one torch.distributed group, called as one.
 
-Each call goes to every rank (FSDP2's forwards are collectives) and returns their Ray refs;
-`result` waits for all of them, raises the first failure at once, and gives rank 0's answer.
-Claims stay on rank 0: it claims the step's groups once, and the others receive the claimed
-groups through Ray's object store (numpy arrays: no copy on one node).
+Each call goes to every rank (FSDP2's forwards are collectives) and returns their refs; `result`
+waits for all of them, raises the first failure at once, and gives rank 0's answer. Claims stay
+on rank 0: it claims the step's groups once, and the others receive the claimed groups through
+Ray's object store (numpy arrays: no copy on one node).
 
-Ray is imported inside the methods: the job sets Ray's token authentication in the environment
-before Ray is first imported (slime/job.py), and Ray reads it then.
+The launcher (slime/launch/launcher.py: Ray's, or one thread of the driver's process for the one
+rank cluster.launcher=local allows) starts the ranks and reads their answers; Ray is imported
+only by the placement and the rendezvous of several ranks, which need it.
 """
 
 from __future__ import annotations
@@ -78,26 +79,29 @@ def _free_address() -> str:
 
 
 class LearnerGroup:
-    def __init__(self, cfg: JobConfig, model_dir: str, redis_url: str, credentials: JobCredentials | None):
-        import ray
-
+    def __init__(
+        self, cfg: JobConfig, model_dir: str, redis_url: str, credentials: JobCredentials | None, launcher: Any
+    ):
+        """``launcher``: the job's, a slime.launch.launcher.Launcher (this room sits below it)."""
+        self.launcher = launcher
         n = cfg.learner.num_ranks
-        check_resources(cfg, ray.cluster_resources(), "the Ray cluster")
+        where = "the Ray cluster" if launcher.name == "ray" else "this machine"
+        check_resources(cfg, launcher.cluster_resources(), where)
         self.placement = None
         strategies: list[dict[str, Any]] = [{} for _ in range(n)]
         per_rank = {name: amount / n for name, amount in learner_resources(cfg).items()}
         if n == 1:  # one rank shares its GPU with the engines (CUDA IPC); like them, it reserves none
             per_rank.pop("GPU", None)
-        if per_rank:
-            from ray.util.placement_group import placement_group
+        if per_rank and launcher.name == "ray":
+            import ray
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             # PACK: the ranks on as few nodes as fit (their collectives are the learner's hot path).
-            self.placement = placement_group([per_rank] * n, strategy="PACK", name=f"{cfg.job_name}-learner")
+            self.placement = launcher.placement_group([per_rank] * n, "PACK", f"{cfg.job_name}-learner")
             try:
                 ray.get(self.placement.ready(), timeout=60)
             except ray.exceptions.GetTimeoutError:
-                ray.util.remove_placement_group(self.placement)
+                launcher.remove_placement_group(self.placement)
                 raise ResourceError(
                     f"the learner's {n} ranks ({per_rank} each) could not be placed within 60 s: "
                     "the cluster has the resources but they are in use"
@@ -117,11 +121,23 @@ class LearnerGroup:
             for s in strategies
         ]
         master = None
-        if n > 1:
+        if n > 1:  # several ranks: Ray only (cluster.launcher=local allows one)
+            import ray
+
             master = ray.get(ray.remote(_free_address).options(num_cpus=0, **strategies[0]).remote())
-        actor = ray.remote(Learner)
         self.ranks = [
-            actor.options(**options[rank]).remote(cfg, model_dir, redis_url, credentials, rank, n, master)
+            launcher.actor(
+                Learner,
+                cfg,
+                model_dir,
+                redis_url,
+                credentials,
+                rank,
+                n,
+                master,
+                name=f"learner-{rank}",
+                options=options[rank],
+            )
             for rank in range(n)
         ]
 
@@ -153,25 +169,20 @@ class LearnerGroup:
     def close(self) -> list:
         return [r.close.remote() for r in self.ranks]
 
-    @staticmethod
-    def result(refs: list, timeout: float | None = None):
+    def result(self, refs: list, timeout: float | None = None):
         """Rank 0's answer once every rank has answered. A rank that failed raises at once: the
         others would wait for it in a collective."""
-        import ray
-
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            ready, pending = self.launcher.wait(pending, num_returns=1, timeout=timeout)
             if not ready:
-                raise ray.exceptions.GetTimeoutError(f"{len(pending)} learner ranks did not answer in {timeout}s")
-            ray.get(ready[0])
-        return ray.get(refs[0])
+                raise self.launcher.timeout_error(f"{len(pending)} learner ranks did not answer in {timeout}s")
+            self.launcher.get(ready[0])
+        return self.launcher.get(refs[0])
 
     def kill(self) -> None:
-        import ray
-
         for r in self.ranks:
-            ray.kill(r)
+            self.launcher.kill(r)
         if self.placement is not None:
-            ray.util.remove_placement_group(self.placement)
+            self.launcher.remove_placement_group(self.placement)
             self.placement = None

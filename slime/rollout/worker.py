@@ -41,6 +41,7 @@ from slime.config import JobConfig
 from slime.engines import make_engine
 from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
+from slime.errors import dump_stacks_on_sigusr1
 from slime.model import load_tokenizer, stop_token_ids
 from slime.rollout.multiturn import EpisodeEnd, MultiTurnRollout
 from slime.sample import Sample, Status
@@ -96,6 +97,7 @@ class RolloutWorker:
         """``paused``: lease nothing until ``resume`` (a worker joining a running job gets the
         current weights first; slime/fleet.py)."""
         torch.set_num_threads(cfg.cluster.torch_threads)
+        dump_stacks_on_sigusr1()  # on Ray this is the actor's own process
         self.cfg = cfg
         self.worker_id = worker_id
         self.tokenizer = load_tokenizer(model_dir)

@@ -9,6 +9,8 @@ picklable `WeightHandle` describes them. Each engine `receive`s the handle and g
 - CudaIpcTransport: learner and engine on the same GPU. Buckets are CUDA tensors whose IPC
   handles travel in the WeightHandle; the receiver maps the learner's memory, no host copy.
 - FileTransport: safetensors files in a directory, the fallback any engine can read.
+- InProcessTransport: learner and engines in one process (cluster.launcher=local); the handle
+  holds the learner's tensors, which each engine copies into its own.
 - BroadcastTransport: a torch.distributed group across processes or machines (NCCL for CUDA
   tensors, gloo for CPU tensors, same code); the learner is rank 0, each receiver takes the next
   free rank, and every bucket is one broadcast.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from slime.weights.broadcast import BroadcastTransport, broadcast_from_rank0, join_update_group
 from slime.weights.handles import JSON_DTYPES, SHM_SEGMENT_NAME, TensorMeta, WeightHandle, plan_buckets
-from slime.weights.transports import CudaIpcTransport, FileTransport, SharedMemoryTransport
+from slime.weights.transports import CudaIpcTransport, FileTransport, InProcessTransport, SharedMemoryTransport
 
 __all__ = [
     "JSON_DTYPES",
@@ -33,6 +35,7 @@ __all__ = [
     "BroadcastTransport",
     "CudaIpcTransport",
     "FileTransport",
+    "InProcessTransport",
     "SharedMemoryTransport",
     "TensorMeta",
     "WeightHandle",
@@ -43,7 +46,7 @@ __all__ = [
     "plan_buckets",
 ]
 
-WeightTransport = SharedMemoryTransport | CudaIpcTransport | FileTransport | BroadcastTransport
+WeightTransport = SharedMemoryTransport | CudaIpcTransport | FileTransport | BroadcastTransport | InProcessTransport
 
 
 def make_transport(
@@ -57,4 +60,6 @@ def make_transport(
         return FileTransport(directory)
     if kind == "broadcast":
         return BroadcastTransport(bucket_mb, num_receivers=num_receivers)
-    raise ValueError(f"weights.transport={kind!r}: expected shm, cuda_ipc, file or broadcast")
+    if kind == "inproc":
+        return InProcessTransport()
+    raise ValueError(f"weights.transport={kind!r}: expected shm, cuda_ipc, file, broadcast or inproc")

@@ -157,3 +157,29 @@ class FileTransport:
 
     def close(self) -> None:
         pass
+
+
+class InProcessTransport:
+    """Learner and engines in one process (cluster.launcher=local): the handle holds the learner's
+    own tensors, and each engine copies them into its parameters (across devices or dtypes if
+    need be). Nothing is packed or copied on the way. The tensors are live: an engine must read a
+    handle before the learner's next update (the loops push right after training; rollout.elastic,
+    which hands an old handle to a worker that joins later, is refused with this transport)."""
+
+    name = "inproc"
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightHandle:
+        named = [(n, whole(t.detach())) for n, t in named_tensors]
+        metas = [
+            TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), 0, 0, t.numel() * t.element_size())
+            for n, t in named
+        ]
+        return WeightHandle(version, self.name, metas, [named])
+
+    def receive(self, handle: WeightHandle) -> Iterator[tuple[str, torch.Tensor]]:
+        if handle.transport != self.name:
+            raise ValueError(f"an inproc receiver got a {handle.transport} handle")
+        yield from handle.buckets[0]
+
+    def close(self) -> None:
+        pass
