@@ -1,6 +1,7 @@
 """APRIL vs sync on the long-tail example task: several runs of each arm, and the simulator's prediction.
 
-Every run is one real job (driver, a fresh redis-server of its own, Ray learner + 1 rollout worker,
+Every run is one real job (driver, a fresh redis-server of its own, learner + 1 rollout worker as
+Ray actors, or with `--launcher local` on threads of the driver's process,
 the tiny MoE with the default warm start, the repeat task); only `april.*` (and the learner) differ
 between arms:
 
@@ -148,8 +149,6 @@ def fresh_dir(path: Path) -> Path:
 
 
 def run_setting(name: str, overrides: list[str], args, round_index: int) -> dict:
-    import ray
-
     from slime.buffer.redis_server import LocalRedisServer
     from slime.sample import Status
     from slime.train import LOOPS, RunningJob
@@ -165,6 +164,7 @@ def run_setting(name: str, overrides: list[str], args, round_index: int) -> dict
             None,
             [
                 f"job_name=bench-april-{name}-r{round_index}",
+                f"cluster.launcher={args.launcher}",
                 f"output_dir={run_dir}",
                 f"steps={args.steps}",
                 f"seed={seed}",
@@ -178,12 +178,12 @@ def run_setting(name: str, overrides: list[str], args, round_index: int) -> dict
         )
         with RunningJob(cfg) as job:
             setup_s = time.time() - started
-            before = ray.get([w.health.remote() for w in job.workers])
+            before = job.launcher.get([w.health.remote() for w in job.workers])
             gen_before = job.buffer.stats().get("generated_tokens", 0.0)
             t0 = time.time()
             LOOPS[cfg.loop_mode](job)
             loop_wall = time.time() - t0
-            after = ray.get([w.health.remote() for w in job.workers])
+            after = job.launcher.get([w.health.remote() for w in job.workers])
             grown = lambda key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before))  # over the loop
             gen_after = job.buffer.stats().get("generated_tokens", 0.0)
             # Every token made up to the last step's rollout end, against what the step windows counted:
@@ -582,6 +582,12 @@ def main() -> None:
     )
     ap.add_argument("--out", default="outputs/bench-april-vs-sync")
     ap.add_argument(
+        "--launcher",
+        choices=("ray", "local"),
+        default="ray",
+        help="cluster.launcher of every run: Ray actors, or threads of this process (no Ray imported)",
+    )
+    ap.add_argument(
         "--threads", type=int, default=1, help="torch threads of calibration/eval (= cluster.torch_threads)"
     )
     ap.add_argument(
@@ -617,8 +623,6 @@ def main() -> None:
             ap.error(f"arm {arm} needs its baseline {baseline_of(arm)} in --arms")
     bench_started = time.time()
 
-    import ray
-
     from envs import repeat
     from slime.model import ensure_model_dir
 
@@ -631,7 +635,10 @@ def main() -> None:
     load_before = os.getloadavg()
 
     # One Ray for every run (each job has its own actors, killed when it ends); a Redis per run.
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+    if args.launcher == "ray":
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     try:
         for r in range(args.runs):
@@ -644,7 +651,8 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        ray.shutdown()
+        if args.launcher == "ray":
+            ray.shutdown()
     runs_s = time.time() - bench_started
     S0, A0 = FROZEN_PAIR if all(a in arms for a in FROZEN_PAIR) else ("sync", "april2")
     calibrate = S0 in arms and A0 in arms
@@ -858,6 +866,7 @@ def main() -> None:
             put(f"{arm}_over_{baseline_of(arm)}_{units[key]}_tokens_per_s_ratio", ratio_spread(arm, key), 3, True)
     result.update(
         runs_per_arm=args.runs,
+        launcher=args.launcher,
         steps=args.steps,
         warmup_steps_excluded=args.warmup_steps,
         arms=arms,
