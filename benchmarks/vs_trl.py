@@ -43,6 +43,10 @@ our side's config only, e.g. `--set algorithm.correction.name=behaviour_clip`.
 
     python benchmarks/vs_trl.py --model qwen2_moe --slime-mode async --seeds 3
 
+`--prompts`, `--samples`, `--max-new-tokens` change the batch shape of both sides (a small batch,
+e.g. 4 x 8 x 64, shows each side's fixed cost per step); `--launcher local` runs our side's learner
+and worker on threads of this process instead of Ray actors.
+
 Prints a small table, then LAST one JSON line.
 """
 
@@ -299,6 +303,7 @@ def combine(runs: list[dict]) -> dict:
 
 
 def main() -> None:
+    global PROMPTS, SAMPLES, MAX_NEW
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threshold", type=float, default=0.45, help="5-step moving-average reward to reach.")
     ap.add_argument("--budget-s", type=float, default=240.0, help="Training wall-clock cap per side.")
@@ -318,14 +323,26 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="A config override for our side only (repeatable), e.g. algorithm.correction.name=behaviour_clip.",
     )
+    ap.add_argument("--prompts", type=int, default=PROMPTS, help="Prompts per step (both sides).")
+    ap.add_argument("--samples", type=int, default=SAMPLES, help="Completions per prompt (both sides).")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="Completion cap (both sides).")
+    ap.add_argument(
+        "--launcher",
+        choices=("ray", "local"),
+        default="ray",
+        help="Our side's cluster.launcher: Ray actors, or threads of this process.",
+    )
     ap.add_argument(
         "--smoke",
         action="store_true",
         help="2 steps per side of 2 prompts x 2 samples, 8 tokens: checks it runs (not figures to quote)",
     )
     args = ap.parse_args()
+    PROMPTS, SAMPLES, MAX_NEW = args.prompts, args.samples, args.max_new_tokens
+    if PROMPTS * SAMPLES % 4:
+        ap.error("--prompts x --samples must be a multiple of 4 (TRL's side: 4 micro-batches per step)")
+    args.set = [f"cluster.launcher={args.launcher}", *args.set]
     if args.smoke:
-        global PROMPTS, SAMPLES, MAX_NEW
         PROMPTS, SAMPLES, MAX_NEW = 2, 2, 8
         args.max_steps, args.window = 2, 1
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -345,6 +362,9 @@ def main() -> None:
         "ma_window_steps": args.window,
         "budget_seconds": args.budget_s,
         "completions_per_step": PROMPTS * SAMPLES,
+        "prompts_per_step": PROMPTS,
+        "max_new_tokens": MAX_NEW,
+        "slime_launcher": args.launcher,
         "trl_torch_threads": args.trl_threads,
     }
     tmp = tempfile.mkdtemp(prefix="vs_trl-")
