@@ -11,12 +11,17 @@ random weights inside a `slime.engines.builtin.BuiltinEngine`. Then:
    the engine applies it with `update_weights`; best of 3 syncs, seconds and GB/s;
 2. probe check: the engine's logprobs of a fixed sequence must match the learner's;
 3. decode: tokens/s of the engine at batch 32 and batch 1;
-4. a real job (`--job-steps`, 3): the built-in defaults with the learner as an FSDP2 group of one in
-   bf16 mixed precision, its shards gathered into the push, the probe check after every push, and
-   the colocated engines freeing their KV memory while the learner trains.
+4. a real job (`--job-steps`, 3) with the local launcher (no Ray: the learner and the rollout
+   worker on threads of this process, weights pushed in-process): the built-in defaults with the
+   learner as an FSDP2 group of one in bf16 mixed precision, its shards gathered into the push, the
+   probe check after every push, and the colocated engines freeing their KV memory while the learner
+   trains.
 
 Prints a short table and one JSON line last; exits 1 if a probe check fails or the job does.
 With ``--engine-bench`` it then runs `benchmarks/gpu_engine.py` (its own table and JSON line last).
+With ``--job`` it then runs `benchmarks/april_vs_sync.py --launcher local` on this device: sync,
+APRIL x2 and async (staleness 2) on the long-tailed example task, alternating, 3 rounds (its own
+table and JSON line last; ``--device cpu`` runs the same code on CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -141,6 +147,7 @@ def run_job(device: str, steps: int) -> dict:
     from slime.train import train
 
     overrides = [
+        "cluster.launcher=local",  # no Ray on the GPU box: threads of this process
         f"output_dir={tempfile.mkdtemp(prefix='gpu_check_job_')}",
         f"steps={steps}",
         f"learner.device={device}",
@@ -152,9 +159,10 @@ def run_job(device: str, steps: int) -> dict:
         "logging.tensorboard=false",
         "logging.plot=false",
     ]
-    out: dict = {"steps": steps, "transport": "cuda_ipc" if device.startswith("cuda") else "shm"}
+    cfg = load_config(None, overrides)
+    out: dict = {"steps": steps, "transport": cfg.weight_transport, "launcher": cfg.cluster.launcher}
     try:
-        history = train(load_config(None, overrides))
+        history = train(cfg)
     except Exception as e:  # reported in the table: the check's other rows still count
         return {**out, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     return {
@@ -180,6 +188,13 @@ def main() -> int:
         action="store_true",
         help="last, benchmarks/gpu_engine.py (--quick with --tiny): decode against kernel time and roofline",
     )
+    ap.add_argument(
+        "--job",
+        action="store_true",
+        help="last, benchmarks/april_vs_sync.py --launcher local on --device: sync, APRIL x2, async2, 3 rounds",
+    )
+    ap.add_argument("--job-rounds", type=int, default=3)
+    ap.add_argument("--job-bench-steps", type=int, default=12)
     a = ap.parse_args()
     cuda = a.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -261,7 +276,11 @@ def main() -> int:
     ]
     if job is not None:
         rows += [
-            ("job", f"{job['steps']} steps, FSDP2 learner (1 rank, bf16 mixed precision), {job['transport']} push"),
+            (
+                "job",
+                f"{job['steps']} steps, {job['launcher']} launcher, FSDP2 learner (1 rank, bf16 mixed precision), "
+                f"{job['transport']} push",
+            ),
             ("  probe check after each push", "OK" if job["ok"] else "FAILED: " + job.get("error", "")),
             (
                 "  reward first -> last step",
@@ -299,7 +318,29 @@ def main() -> int:
     )
     if a.engine_bench:
         ok = run_engine_bench(a.device, a.tiny) and ok
+    if a.job:
+        ok = run_job_bench(a.device, a.job_rounds, a.job_bench_steps) and ok
     return 0 if ok else 1
+
+
+def run_job_bench(device: str, rounds: int, steps: int) -> bool:
+    """APRIL where it pays: the whole job on this device under the local launcher, sync vs APRIL x2
+    vs async (max_staleness 2), alternating; every push probe-checked (a mismatch fails the run)."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [
+        sys.executable,
+        str(root / "benchmarks" / "april_vs_sync.py"),
+        "--launcher=local",
+        "--arms=sync,april2,async2",
+        f"--runs={rounds}",
+        f"--steps={steps}",
+        "--eval-prompts=64",
+        f"--set=rollout.device={device}",
+        f"--set=learner.device={device}",
+        "--set=weights.check_every=1",
+    ]
+    print("\n$ " + " ".join(cmd[1:]), flush=True)
+    return subprocess.run(cmd, cwd=root).returncode == 0
 
 
 def run_engine_bench(device: str, tiny: bool) -> bool:

@@ -23,7 +23,7 @@ from ray.job_submission import JobDetails, JobSubmissionClient
 
 from slime.config import ConfigError, JobConfig, load_config
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # slime/tools/submit.py -> the checkout
 # Left out of the upload (Ray refuses a working directory over 512 MiB zipped; these are GiBs).
 UPLOAD_EXCLUDES = [
     ".git",

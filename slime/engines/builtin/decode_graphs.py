@@ -172,7 +172,11 @@ class StaticDecode:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
-                with self._router_calls_kept(calls), torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                # thread_local: other threads of this process may run CUDA work during the capture (a
+                # reward model on the GPU; the learner under cluster.launcher=local). The side stream is
+                # non-blocking, so their work on the default stream does not join the graph.
+                capture = torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local")
+                with self._router_calls_kept(calls), capture:
                     logits = dec._compute(layout)
             torch.cuda.current_stream(dec.device).wait_stream(stream)
         except Exception as exc:  # an operation a graph cannot hold: no graphs from here on
