@@ -17,6 +17,9 @@ between arms:
     ppo_streaming   GLM-5's streaming variant: PPO trains every trajectory each 16 new tokens while
                     the engine keeps generating; the critic bootstraps unfinished returns
     april1.5, april3   APRIL at oversample 1.5 and 3.0
+  and by name (--arms):
+    sync_local, april2_local   sync and APRIL x2 with cluster.launcher=local (learner and worker on
+                    threads of this process), each divided by the same arm under --launcher
 
 Runs go in rounds, the arms in the same order in every round (sync, april2, ..., sync, april2, ...),
 `--runs` rounds; round r runs every arm with seed `--seed + r`. Each run starts its own redis-server
@@ -117,6 +120,12 @@ EXTRA_SETTINGS: dict[str, list[str]] = {
     "april1.5": ["april.enabled=true", "april.oversample=1.5"],
     "april3": ["april.enabled=true", "april.oversample=3.0"],
 }
+# The launcher itself (--arms sync,sync_local,april2,april2_local): the same jobs with the learner and
+# the worker on threads of the driver's process instead of Ray actors, against the --launcher runs.
+LAUNCHER_SETTINGS: dict[str, list[str]] = {
+    "sync_local": ["april.enabled=false", "cluster.launcher=local"],
+    "april2_local": ["april.enabled=true", "april.oversample=2.0", "cluster.launcher=local"],
+}
 FROZEN_PAIR = ("sync_frozen", "april2_frozen")
 STREAMING_PAIR = ("ppo_sync", "ppo_streaming")
 CLOCK = (
@@ -129,7 +138,9 @@ CLOCK = (
 
 def baseline_of(arm: str) -> str:
     """The arm a ratio divides by: the frozen APRIL arm by the frozen sync arm, PPO streaming by
-    PPO sync, everything else by sync."""
+    PPO sync, an arm under the local launcher by the same arm under --launcher, everything else by sync."""
+    if arm in LAUNCHER_SETTINGS:
+        return arm.removesuffix("_local")
     if arm == FROZEN_PAIR[1]:
         return FROZEN_PAIR[0]
     if arm == STREAMING_PAIR[1]:
@@ -612,7 +623,7 @@ def main() -> None:
         ap.error("--steps must exceed --warmup-steps by at least 3")
     if args.runs < 1:
         ap.error("--runs must be at least 1")
-    known = {**SETTINGS, **EXTRA_SETTINGS}
+    known = {**SETTINGS, **EXTRA_SETTINGS, **LAUNCHER_SETTINGS}
     arms = [a for a in args.arms.split(",") if a] + (list(EXTRA_SETTINGS) if args.extra else [])
     arms = list(dict.fromkeys(arms))
     unknown = [a for a in arms if a not in known]
