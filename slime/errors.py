@@ -50,9 +50,18 @@ def user_error_behind(exc: BaseException) -> UserError | None:
 def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 PID`` prints every thread's Python stack to stderr (a hang's first question:
     where is each thread?). Called by the driver and by each Ray actor (its own process); the
-    process goes on. A no-op where SIGUSR1 does not exist (Windows)."""
+    process goes on. A no-op where SIGUSR1 does not exist (Windows). Where sys.stderr has no file
+    descriptor (a test's captured stream), the process's original stderr gets the dump."""
     import faulthandler
     import signal
+    import sys
 
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+            continue
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+        return

@@ -139,11 +139,14 @@ def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp
 
 @pytest.mark.parametrize("launcher", ["ray", "local"])
 def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redis_url, tmp_path, launcher):
-    # The reward file imports a helper beside it, as a script would (in the Ray rollout worker).
-    (tmp_path / "flaky_rules.py").write_text("def is_odd(text):\n    return len(text) % 2 == 1\n")
+    # The reward file imports a helper beside it, as a script would (in the rollout worker). One name
+    # per launcher: this process imports both (the job checks the spec before it starts), and two
+    # helpers of one name in one process are refused (rewards/plugin.py).
+    rules = f"flaky_rules_{launcher}"
+    (tmp_path / f"{rules}.py").write_text("def is_odd(text):\n    return len(text) % 2 == 1\n")
     reward_file = tmp_path / "flaky_reward.py"
     reward_file.write_text(
-        "from flaky_rules import is_odd\n"
+        f"from {rules} import is_odd\n"
         "def reward(prompt, response, label, metadata):\n"
         "    if is_odd(response):\n"
         "        raise ValueError('odd length')\n"
