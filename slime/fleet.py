@@ -87,7 +87,10 @@ class RolloutFleet:
         self.scheduler = scheduler_for(cfg)
         limit = cfg.april.max_filtered_per_step
         self.filter = ZeroVarianceFilter(cfg.rollout.batch_size if limit is None else limit)
-        self.engine_version: int | None = None  # the policy version last pushed to every engine
+        # The policy version every engine holds: the one they started with (each worker reads it from
+        # the buffer as it starts), then the last one pushed. Never the learner's: the learner
+        # publishes its next version before the engines have its weights.
+        self.engine_version: int = buffer.get_policy_version()
         self.dashboard_paused = False
         self.oversample_override: float | None = None  # the dashboard's over-provisioning ratio
         self.controls_read_at = 0.0
@@ -122,9 +125,8 @@ class RolloutFleet:
         unfinished = c["pending"] + c["aborted"] + c["running"]
         slots = len(self.workers) * cfg.rollout.max_running_requests
         self.peak_queued = max(self.peak_queued, unfinished - slots)
-        # The engines' version, not the learner's: the learner publishes its new version before the
-        # engines have its weights (async admission).
-        version = self.buffer.get_policy_version() if self.engine_version is None else self.engine_version
+        # The engines' version, not the learner's (async admission): see engine_version.
+        version = self.engine_version
         missing = self.scheduler.groups_to_start(
             GroupCounts(unfinished=c["groups_open"], ready=c["groups_ready"], started=c["groups_total"]), version
         )

@@ -127,3 +127,39 @@ def test_a_worker_that_makes_no_progress_with_work_queued_is_killed(ray_session,
     events = JobTelemetry(buffer.connection).events(10)
     assert any(e["kind"] == "worker_hung" for e in events)
     buffer.delete_job()
+
+
+def test_async_admission_counts_the_version_the_engines_hold_not_the_one_the_learner_published(buffer, tmp_path):
+    """The learner publishes its next version before the engines have its weights. Admission
+    (max_staleness) must count the engines' version from the first step on: before the first push,
+    reading the learner's let a group start under version 0 that the learner, two versions on,
+    dropped as stale (a CI run saw a whole step dropped)."""
+    from slime.launch.local import LocalLauncher
+
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={tmp_path}",
+            "mode=async",
+            "max_staleness=1",
+            "rollout.batch_size=3",
+            "rollout.n_samples_per_prompt=2",
+            "april.enabled=true",  # 12 groups wanted in flight: the staleness cap is what holds them back
+            "april.oversample=4",
+        ],
+    )
+    records = [PromptRecord(i, f"p{i}", [6, 7 + i % 5]) for i in range(30)]
+    fleet = RolloutFleet(
+        cfg,
+        [],
+        buffer,
+        JobTelemetry(buffer.connection),
+        PromptSampler(records, cfg.sampling, "task", 0, False),
+        LocalLauncher(),
+    )
+    buffer.set_policy_version(1)  # the learner's step 0 is done; the push has not happened yet
+    fleet._schedule_groups()
+    assert buffer.counts()["groups_total"] == 6  # (engine version 0 + 1 + max_staleness 1) x batch 3
+    fleet.engine_version = 1  # what update_weights records once every engine has version 1
+    fleet._schedule_groups()
+    assert buffer.counts()["groups_total"] == 9
