@@ -133,7 +133,7 @@ class RunningJob:
                     self.stop.install()  # ray.init installs its own SIGTERM handler; ours ends the step first
                 self.launcher = RayLauncher()
             else:
-                self.launcher = LocalLauncher()
+                self.launcher = LocalLauncher(cfg.cluster.num_cpus)
             self._start_actors()
             self.start_step = 0
             if checkpoint is not None:

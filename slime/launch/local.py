@@ -106,10 +106,21 @@ class LocalActor:
         self._calls.put(None)  # the thread ends after the call it is in, if that call ever returns
 
 
+def machine_resources(num_cpus: int | None = None) -> dict[str, float]:
+    """This machine's CPUs (or cluster.num_cpus) and GPUs: what a job's own Ray, or the local launcher, has."""
+    import torch
+
+    return {"CPU": float(num_cpus or os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+
+
 class LocalLauncher:
     """The launcher seam over local actors (the Ray one: slime/launch/ray_cluster.py)."""
 
     name = "local"
+
+    def __init__(self, num_cpus: int | None = None) -> None:
+        self.num_cpus = num_cpus  # cluster.num_cpus: the CPUs the job may count on
+
     timeout_error: type[BaseException] = concurrent.futures.TimeoutError
     call_errors: tuple[type[BaseException], ...] = (Exception,)  # what a failed or late call raises
 
@@ -145,9 +156,7 @@ class LocalLauncher:
         pass
 
     def cluster_resources(self) -> dict[str, float]:
-        import torch
-
-        return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+        return machine_resources(self.num_cpus)
 
     def lost_actor(self, exc: BaseException) -> bool:
         return False  # a thread is never lost alone: whatever it raised fails the job

@@ -14,6 +14,7 @@ from typing import Any
 
 from slime.config import JobConfig
 from slime.errors import ClusterError
+from slime.launch.local import machine_resources
 from slime.learner.group import check_resources
 from slime.security import JobCredentials
 
@@ -64,10 +65,7 @@ def check_local_resources(cfg: JobConfig) -> None:
     ray = sys.modules.get("ray")
     if cfg.cluster.ray_address is not None or (ray is not None and ray.is_initialized()):
         return
-    import torch
-
-    available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
-    check_resources(cfg, available, "this machine (the job's local Ray)")
+    check_resources(cfg, machine_resources(cfg.cluster.num_cpus), "this machine")
 
 
 def ray_token_auth(credentials: JobCredentials, ray_address: str | None) -> tuple[str, ...]:
