@@ -370,34 +370,35 @@ def evaluate(
     temperature: float = 0.0,
     samples_per_prompt: int = 1,
 ) -> float:
-    """Mean reward of a policy on held-out prompts of the repeat task (no selection bias): greedy by
-    default; with a temperature, `samples_per_prompt` samples of each prompt from a fixed seed."""
+    """Mean reward of a policy on held-out prompts of the repeat task (no selection bias), as
+    `slime eval` scores it (slime/evaluation.py): greedy by default; with a temperature,
+    `samples_per_prompt` samples of each prompt from a fixed seed."""
+    import tempfile
+
     import torch
 
-    from envs import repeat
-    from slime.engines.builtin import BuiltinEngine
-    from slime.engines.contract import GenerationRequest, SamplingParams
-    from slime.model import load_model, load_tokenizer
+    from slime.config import load_config
+    from slime.data import load_prompts, write_jsonl
+    from slime.evaluation import evaluate_model_dir
+    from slime.model import load_tokenizer
 
     torch.set_num_threads(threads)
-    tok = load_tokenizer(model_dir)
-    model = load_model(policy_dir or model_dir)
-    engine = BuiltinEngine(model, max_running_requests=len(prompts) * max(samples_per_prompt, 1))
-    params = SamplingParams(temperature=temperature, max_new_tokens=96, stop_token_ids=[tok.eos_token_id])
-    n = samples_per_prompt if temperature > 0 else 1
-    reqs = [
-        GenerationRequest(f"{i}-{k}", tok(p["prompt"], add_special_tokens=False)["input_ids"], params)
-        for i, p in enumerate(prompts)
-        for k in range(n)
-    ]
-    torch.manual_seed(0)
-    out = engine.generate(reqs)
-    scores = []
-    for i, p in enumerate(prompts):
-        for k in range(n):
-            ids = [t for t in out[f"{i}-{k}"].token_ids if t != tok.eos_token_id]
-            scores.append(repeat.score(tok.decode(ids, skip_special_tokens=True), p["label"]))
-    return float(np.mean(scores))
+    sampled = temperature > 0
+    job = load_config(
+        None,
+        [
+            f"model.path={policy_dir or model_dir}",
+            "rollout.max_new_tokens=96",
+            f"rollout.max_running_requests={len(prompts) * max(samples_per_prompt, 1)}",
+            f"eval.samples={samples_per_prompt if sampled else 0}",
+            f"eval.temperature={temperature if sampled else 1.0}",
+        ],
+    )
+    tokenizer = load_tokenizer(model_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        records = load_prompts(job.data, tokenizer, str(write_jsonl(prompts, Path(tmp) / "held_out.jsonl")))
+    result = evaluate_model_dir(job, Path(policy_dir or model_dir), records, tokenizer)
+    return result["sampled_reward_mean" if sampled else "greedy_reward_mean"]
 
 
 def lognormal_fit(groups: list[list[int]]) -> dict:

@@ -75,7 +75,7 @@ def run_job(name: str, overrides: list[str], args, redis_url: str) -> dict:
             f"job_name=study-{name}",
             f"output_dir={args.out}/{name}",
             f"steps={args.steps}",
-            f"checkpoint_every={args.eval_every}",
+            f"checkpoint.every_steps={args.eval_every}",
             f"buffer.url={redis_url}",
             *SHAPE,
             *args.set,

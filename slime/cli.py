@@ -189,6 +189,14 @@ def _run(argv: list[str]) -> int:
         from slime.tools.submit import main_jobs  # subcommand
 
         return main_jobs(argv)
+    if argv and argv[0] == "export":
+        from slime.export import main_export  # subcommand
+
+        return main_export(argv[1:])
+    if argv and argv[0] == "eval":
+        from slime.evaluation import main_eval  # subcommand
+
+        return main_eval(argv[1:])
     if argv and argv[0] == "serve-sglang":
         from slime.engines.sglang.server import main as main_serve_sglang  # subcommand
 
@@ -204,6 +212,10 @@ def _run(argv: list[str]) -> int:
     p_train.add_argument("args", nargs="*", help="[CONFIG.yaml] then key.path=value overrides")
     p_show = sub.add_parser("config", help="print the resolved config")
     p_show.add_argument("args", nargs="*")
+    sub.add_parser("export", help="a checkpoint as a Hugging Face directory: export RUN_DIR [--step N] --out DIR")
+    sub.add_parser(
+        "eval", help="score a checkpoint on held-out prompts: eval RUN_DIR|MODEL_DIR --data FILE [--samples k]"
+    )
     sub.add_parser("train-rm", help="train a Bradley-Terry reward model on preference JSONL (--help for flags)")
     sub.add_parser("train-prm", help="train a process reward model on step-labelled JSONL (--help for flags)")
     sub.add_parser("reward-serve", help="serve a reward over HTTP: reward-serve SPEC --port N (--help for flags)")
@@ -217,6 +229,12 @@ def _run(argv: list[str]) -> int:
     )
     p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim/run.py)")
     p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
+    p_cmp = sub.add_parser(
+        "compare", help="runs side by side: a plot per metric against steps and wall-clock, a table of final values"
+    )
+    p_cmp.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="runs' output_dirs; seeds of one setting group")
+    p_cmp.add_argument("--metric", action="append", help="a metrics.jsonl key, repeatable (default reward_mean)")
+    p_cmp.add_argument("--out", default="compare.png", help="the plot's PNG (default compare.png)")
     p_dash = sub.add_parser(
         "dashboard", help="serve the buffer API and page of one job: dashboard RUN_DIR, or --redis URL --job NAME"
     )
@@ -246,6 +264,10 @@ def _run(argv: list[str]) -> int:
 
     if ns.command == "dashboard":
         return _dashboard(ns)
+    if ns.command == "compare":
+        from slime.tools.compare import main_compare  # subcommand
+
+        return main_compare(ns.run_dirs, ns.metric or ["reward_mean"], ns.out)
     if ns.command == "simulate":
         from slime.tools.simulate import main_simulate  # subcommand
 

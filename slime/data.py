@@ -21,6 +21,13 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)  # every other column, plus "task" when present
 
 
+def prompt_text(record: PromptRecord) -> str:
+    """The prompt as the reward sees it: the text, or the chat messages' contents joined by lines."""
+    if isinstance(record.prompt, str):
+        return record.prompt
+    return "\n".join(m.get("content", "") for m in record.prompt)
+
+
 class DatasetError(UserError, ValueError):
     """A prompt dataset that cannot be loaded; the message names the file, the line or row, and why."""
 

@@ -22,7 +22,7 @@ from april.elastic import ElasticPolicy
 from april.scheduler import GroupCounts, GroupScheduler, ZeroVarianceFilter
 from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import JobConfig
-from slime.data import PromptRecord
+from slime.data import prompt_text
 from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker, worker_resources
 from slime.sampling import PromptSampler
 
@@ -47,12 +47,6 @@ def scheduler_for(cfg: JobConfig) -> GroupScheduler:
         oversample_groups=cfg.april.oversample_groups if cfg.april.enabled else None,
         max_staleness=cfg.max_staleness,
     )
-
-
-def prompt_text(record: PromptRecord) -> str:
-    if isinstance(record.prompt, str):
-        return record.prompt
-    return "\n".join(m.get("content", "") for m in record.prompt)
 
 
 @dataclass
@@ -237,6 +231,16 @@ class RolloutFleet:
 
     def probe_logprobs(self, prompt_ids: list[int], probe: list[int]) -> list:
         return self._wait_all([w.probe_logprobs.remote(prompt_ids, probe) for w in self.workers], "probe_logprobs")
+
+    def generate_for_eval(self, requests: list) -> dict[str, dict]:
+        """Held-out requests dealt over the workers, each share run alone on its engine (what the
+        engines were generating is stored and resumed later): request id -> its answer."""
+        n = len(self.workers)
+        shares = [(w, requests[i::n]) for i, w in enumerate(self.workers) if requests[i::n]]
+        answers: dict[str, dict] = {}
+        for part in self._wait_all([w.generate_for_eval.remote(share) for w, share in shares], "generate_for_eval"):
+            answers.update(part)
+        return answers
 
     # ---- dashboard controls and health -----------------------------------------------------------
     def apply_controls(self) -> None:

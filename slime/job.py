@@ -24,6 +24,8 @@ from slime.buffer.redis_server import connect_or_start
 from slime.config import ConfigError, JobConfig, dump_config
 from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
+from slime.evaluation import HeldOutEval
+from slime.export import export_checkpoint
 from slime.fleet import Abort, RolloutFleet, scheduler_for
 from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker
 from slime.launch.local import LocalLauncher
@@ -87,6 +89,7 @@ class RunningJob:
         self.workers: list = []
         self.learner = None
         self.dashboard = None
+        self.held_out: HeldOutEval | None = None  # eval.every_steps
         self.stop = stop or GracefulStop()
 
     # ---- start / stop ------------------------------------------------------------------------
@@ -143,6 +146,8 @@ class RunningJob:
             self.launcher.get([w.health.remote() for w in self.workers] + self.learner.publish_weights())
             if checkpoint is not None:
                 self.push_weights(self.start_step - 1)
+            if cfg.eval.every_steps:  # after the actors: a reward in a Ray actor needs Ray started
+                self.held_out = HeldOutEval(cfg, self.tokenizer, self.run_dir)
             self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.steps, self.start_step)
             self.failures = FailureWatch(cfg.reward.max_failed_share, cfg.reward.failed_window_steps)
             self.last_checkpoint_at = time.time()
@@ -198,6 +203,8 @@ class RunningJob:
                 pass
         if hasattr(self, "logger"):
             self.logger.close()
+        if self.held_out is not None:
+            self.held_out.close()
         if launcher is not None:
             if self.workers:
                 try:
@@ -362,6 +369,11 @@ class RunningJob:
             metrics["curriculum_stage"] = self.sampler.current_stage
         if self.sampler.task_weights:
             metrics["task_weight"] = self.sampler.task_weights
+        if self.held_out is not None and self.held_out.due(step):
+            metrics["eval"] = {
+                **self.held_out.run(self.fleet.generate_for_eval),
+                "policy_version": self.fleet.engine_version,
+            }
         self.failures.observe(metrics)
         self.logger.log(step, metrics)
         self.telemetry.record_step(step, self.logger.history[-1])
@@ -377,8 +389,8 @@ class RunningJob:
         self.clock.next_step()
 
     def _checkpoint_due(self, step: int) -> bool:
-        """Every checkpoint_every steps or checkpoint_every_seconds, whichever comes first; and at the end."""
-        every, seconds = self.cfg.checkpoint_every, self.cfg.checkpoint_every_seconds
+        """Every checkpoint.every_steps or checkpoint.every_seconds, whichever comes first; and at the end."""
+        every, seconds = self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_seconds
         by_steps = bool(every) and (step + 1) % every == 0
         by_time = bool(seconds) and time.time() - self.last_checkpoint_at >= seconds
         return by_steps or by_time or step + 1 == self.cfg.steps
@@ -391,6 +403,8 @@ class RunningJob:
         # Written last and atomically: a checkpoint directory counts only once this file exists,
         # however the process is stopped while saving.
         write_atomic(path / "driver_state.json", json.dumps(state))
+        if self.cfg.checkpoint.export_hf:
+            export_checkpoint(path, path / "hf", Path(self.model_dir))
         write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
         # Groups become "trained" only once the weights that learned from them are on disk. A crash
         # between the line above and this one is repaired by _restore (commit_through).

@@ -300,7 +300,7 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
         *SMALL,
         "rollout.ignore_eos=true",
         "rollout.max_running_requests=4",
-        "checkpoint_every=1",
+        "checkpoint.every_steps=1",
         "cluster.num_cpus=2",
         # Small chunks: a running sample has tokens in Redis within a few decode steps, so the kill
         # finds partials whenever it lands (with 16-token chunks it could land between flushes).

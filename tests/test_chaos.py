@@ -42,7 +42,7 @@ def test_a_job_survives_every_fault_kind_once(tiny_model_dir, tmp_path, capsys):
             f"model.path={tiny_model_dir}",
             *APRIL_SMALL_JOB,
             "rollout.max_new_tokens=32",  # shorter than the APRIL tests' 48: 14 steps and 3 restarts to fit
-            "checkpoint_every=2",
+            "checkpoint.every_steps=2",
             "cluster.num_cpus=2",
             "reward.mode=ray_actor",
             "steps=14",

@@ -95,11 +95,11 @@ def test_cli_exits_1_and_prints_the_reasons_when_too_many_samples_fail(monkeypat
 def test_config_takes_the_failure_and_checkpoint_settings_and_names_bad_ones():
     cfg = load_config(None, [])
     assert cfg.reward.max_failed_share == 0.5 and cfg.reward.failed_window_steps == 3
-    assert cfg.checkpoint_every_seconds == 300.0  # periodic by default: a crash loses at most ~5 minutes
+    assert cfg.checkpoint.every_seconds == 300.0  # periodic by default: a crash loses at most ~5 minutes
     with pytest.raises(ValueError, match="reward.max_failed_share"):
         load_config(None, ["reward.max_failed_share=1.5"])
-    with pytest.raises(ValueError, match="checkpoint_every_seconds"):
-        load_config(None, ["checkpoint_every_seconds=-1"])
+    with pytest.raises(ValueError, match="every_seconds"):
+        load_config(None, ["checkpoint.every_seconds=-1"])
 
 
 def test_a_resumed_run_continues_the_metrics_series_without_duplicated_steps(tmp_path):

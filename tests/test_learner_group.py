@@ -229,7 +229,7 @@ def test_a_two_rank_job_trains_pushes_checkpoints_and_resumes(ray_session, tiny_
         "rollout.n_samples_per_prompt=4",
         "rollout.max_new_tokens=16",
         "weights.check_every=1",
-        "checkpoint_every=2",
+        "checkpoint.every_steps=2",
         "logging.tensorboard=false",
         "logging.plot=false",
         "logging.progress=false",

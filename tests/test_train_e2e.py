@@ -43,7 +43,7 @@ def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, r
         *SMALL,
         "learner.routing_replay=true",
     ]
-    history = train(load_config(None, [*common, "steps=2", "checkpoint_every=1"]))
+    history = train(load_config(None, [*common, "steps=2", "checkpoint.every_steps=1"]))
     assert [h["step"] for h in history] == [0, 1]
     assert history[-1]["policy_version"] == 2
     for h in history:
@@ -79,7 +79,7 @@ def test_a_long_job_prunes_old_trained_trajectories_and_resumes(ray_session, tin
         f"model.path={tiny_model_dir}",
         f"buffer.url={redis_url}",
         *SMALL,
-        "checkpoint_every=1",
+        "checkpoint.every_steps=1",
         "buffer.keep_trained_steps=1",
         "april.enabled=true",
     ]
@@ -200,7 +200,7 @@ def test_a_reward_that_always_fails_stops_the_job_loudly_without_a_checkpoint(
             f"buffer.url={redis_url}",
             *SMALL,
             "steps=6",
-            "checkpoint_every=1",
+            "checkpoint.every_steps=1",
             "reward.failed_window_steps=2",
             f"reward.fn={reward_file}:reward",
         ],

@@ -40,6 +40,38 @@ from slime.security import redact, write_private
 ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
 
+class CheckpointConfig(_Strict):
+    """When the job saves (steps or seconds, whichever comes first; and at the end) and what."""
+
+    every_steps: int = Field(0, ge=0, description="Save every N steps (0: not by steps).")
+    every_seconds: float = Field(
+        300.0, ge=0, description="Save when this long has passed since the last save (0: not by time); and at the end."
+    )
+    export_hf: bool = Field(
+        False,
+        description="Each checkpoint also holds hf/: the policy as a Hugging Face directory (what `slime export` writes).",
+    )
+
+
+class EvalConfig(_Strict):
+    """Held-out evaluation (slime/evaluation.py): `slime eval`, and every `every_steps` inside the job."""
+
+    every_steps: int = Field(
+        0,
+        ge=0,
+        description="Evaluate on the rollout engines every N steps and at the end, logged as eval/* (0: never).",
+    )
+    data: str | None = Field(
+        None, description="Held-out prompts (read like data.path); None with the example task: new prompts of it."
+    )
+    num_prompts: int = Field(64, gt=0, description="Prompts of the example task's generated held-out set.")
+    samples: int = Field(0, ge=0, description="Sampled responses per prompt besides the greedy one (pass@1, pass@k).")
+    temperature: float = Field(1.0, gt=0, description="Temperature of the sampled responses.")
+    max_new_tokens: int | None = Field(None, gt=0, description="Response budget; None: rollout.max_new_tokens.")
+    pass_threshold: float = Field(1.0, description="A response passes when its reward is at least this.")
+    seed: int = Field(0, description="Seed of the sampled responses (slime eval).")
+
+
 class JobConfig(_Strict):
     job_name: str = Field("slime", pattern=r"^[A-Za-z0-9_.-]+$")
     output_dir: str = "outputs/slime"
@@ -54,14 +86,12 @@ class JobConfig(_Strict):
         "april.max_version_span.",
     )
     seed: int = Field(0, description="The job's seed; model.seed and data.seed follow it unless set.")
-    checkpoint_every: int = Field(0, ge=0, description="Save every N steps (0: not by steps).")
-    checkpoint_every_seconds: float = Field(
-        300.0, ge=0, description="Save when this long has passed since the last save (0: not by time); and at the end."
-    )
     resume: str | None = Field(None, description="A checkpoint directory, or 'auto' for the latest in output_dir.")
     max_restarts: int = Field(
         3, ge=0, description="Times the job restarts itself from its last checkpoint when a Ray actor dies (0: never)."
     )
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()

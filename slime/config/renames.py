@@ -1,4 +1,4 @@
-"""Keys that moved (issue 32: config grouped by reader). An old key still loads, from a YAML file,
+"""Keys that moved (issue 32: config grouped by reader; issue 37: the checkpoint section). An old key still loads, from a YAML file,
 a run's own config.yaml or a `key=value` override, with a `ConfigKeyDeprecated` warning naming
 its new place; this release only. Old and new set to different values is a ConfigError."""
 
@@ -20,6 +20,9 @@ RENAMED: dict[str, str] = {
     "algorithm.gspo_clip_high": "algorithm.gspo.clip_high",
     "algorithm.cispo_clip_high": "algorithm.cispo.clip_high",
     "algorithm.dr_grpo_norm_tokens": "algorithm.dr_grpo.norm_tokens",
+    # issue 37: the checkpoint's settings in one section, beside checkpoint.export_hf
+    "checkpoint_every": "checkpoint.every_steps",
+    "checkpoint_every_seconds": "checkpoint.every_seconds",
 }
 
 

@@ -181,11 +181,45 @@ class ClusterConfig(_Strict):
     )
 
 
+class WandbConfig(_Strict):
+    """Weights & Biases (slime/tracking.py, docs/tracking.md): every step's metrics and the redacted config."""
+
+    project: str = Field(min_length=1, description="The W&B project.")
+    entity: str | None = Field(None, description="Team or user that owns the project; default: the API key's.")
+    name: str | None = Field(None, description="The run's display name; default: the run directory's name.")
+    tags: list[str] = Field(default_factory=list, description="Tags of the W&B run.")
+    mode: Literal["online", "offline"] = Field(
+        "offline",
+        description="offline: written under DIR/wandb/ without any network, uploaded later with `wandb sync`; "
+        "online: streamed to the W&B server (needs WANDB_API_KEY or `wandb login`).",
+    )
+    dir: str | None = Field(None, description="Where the wandb/ folder goes; default: the run directory.")
+
+
+class MlflowConfig(_Strict):
+    """MLflow (slime/tracking.py, docs/tracking.md): every step's metrics, the redacted config as params."""
+
+    tracking_uri: str = Field(
+        min_length=1,
+        repr=False,  # it may hold a password
+        description="The tracking server (http://host:port; credentials via MLFLOW_TRACKING_USERNAME/PASSWORD "
+        "or in the URL, never printed), or a local store: sqlite:///path.db, a folder or file: URI.",
+    )
+    experiment: str = Field("slime", min_length=1, description="Experiment the run goes to (made if missing).")
+    run_name: str | None = Field(None, description="The MLflow run's name; default: the run directory's name.")
+
+
 class LoggingConfig(_Strict):
     jsonl: bool = True
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
+    wandb: WandbConfig | None = Field(
+        None, description="Also track the run in Weights & Biases (pip install wandb); None: off."
+    )
+    mlflow: MlflowConfig | None = Field(
+        None, description="Also track the run in MLflow (pip install mlflow-skinny); None: off."
+    )
 
 
 class DashboardConfig(_Strict):

@@ -17,8 +17,11 @@ and a value of ``rollout.engine`` in `slime.config`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from slime.config import JobConfig
-from slime.engines.contract import RolloutEngine
+from slime.engines.contract import GenerationRequest, RolloutEngine
 
 
 def make_engine(
@@ -41,3 +44,18 @@ def make_engine(
     else:
         raise ValueError(f"rollout.engine={kind!r} is not available")
     return engine_class.from_config(cfg, model_dir, index, version, api_token=api_token)
+
+
+def run_to_completion(engine: RolloutEngine, requests: Sequence[GenerationRequest]) -> dict[str, dict[str, Any]]:
+    """Every request on `engine` until each finishes: request id -> {"token_ids", "finish_reason"}
+    (held-out evaluation; the engine runs nothing else meanwhile)."""
+    out: dict[str, dict[str, Any]] = {r.request_id: {"token_ids": [], "finish_reason": None} for r in requests}
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished():
+        for chunk in engine.step():
+            answer = out[chunk.request_id]
+            answer["token_ids"].extend(chunk.token_ids)
+            if chunk.finished:
+                answer["finish_reason"] = chunk.finish_reason
+    return out

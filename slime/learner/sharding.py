@@ -13,6 +13,7 @@ import io
 import json
 import pickle
 import socket
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -169,6 +170,21 @@ def load_sharded(directory: Path, model, optim, critic=None, critic_optim=None) 
     torch.set_rng_state(state["rng"])
     if critic is not None and "critic" in state:
         set_state_dict(critic, critic_optim, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+
+
+def load_policy_shards(directory: Path, model) -> None:
+    """Only the policy of a sharded checkpoint, into one plain (unsharded) model in this process,
+    without a process group: what `slime export` and `slime eval` read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = directory / CHECKPOINT_DIR
+    state = {"policy": get_model_state_dict(model)}
+    reader = _MetadataCheckedReader(str(path))
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        _checkpoint_call("cannot load", path, lambda: dcp.load(state, checkpoint_id=str(path), storage_reader=reader))
+    set_model_state_dict(model, state["policy"])
 
 
 def load_full(model, optim, model_state: dict, optim_state: dict | None) -> None:

@@ -38,7 +38,7 @@ from slime.buffer import (
     TrajectoryStore,
 )
 from slime.config import JobConfig
-from slime.engines import make_engine
+from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
 from slime.errors import dump_stacks_on_sigusr1
@@ -519,6 +519,18 @@ class RolloutWorker:
     def probe_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> np.ndarray:
         with self.lock:
             return np.asarray(self.engine.score_logprobs(prompt_ids, response_ids, self.params.temperature), np.float32)
+
+    def generate_for_eval(self, requests: list[GenerationRequest]) -> dict[str, dict]:
+        """Held-out prompts on the weights this engine holds (eval.every_steps): what it was
+        generating is aborted first, as APRIL aborts (stored, tokens kept, resumed later); the eval
+        requests run alone to the end; then the worker goes on as it was, paused or not."""
+        was_paused = self.paused.is_set()
+        self.abort_all()
+        with self.lock:
+            answers = run_to_completion(self.engine, requests)
+        if not was_paused:
+            self.paused.clear()
+        return answers
 
     def health(self) -> dict:
         engine = self.engine.health()

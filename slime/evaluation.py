@@ -1,0 +1,290 @@
+"""Held-out evaluation: `slime eval RUN_DIR|MODEL_DIR --data FILE [--samples k]`, and `eval.every_steps`
+inside a job. One definition of the numbers for both, and for the benchmarks:
+
+- every prompt once greedy (temperature 0): `greedy_reward_mean`, `greedy_pass_rate`;
+- with `samples` k > 0, k samples of each at `eval.temperature`, from a fixed seed: `sampled_reward_mean`,
+  `pass_at_1` and `pass_at_k` (the unbiased estimator of Chen et al. 2021 over the k samples);
+- a response passes when its reward is at least `eval.pass_threshold` (1.0: only a perfect score);
+- response lengths (of the greedy responses), the share cut by max_new_tokens, the rewards that failed;
+- each figure per task type too (`by_task/<task>/...`), when the prompts name tasks (`data.task_key`).
+
+The reward is the job's (`reward.*`), called through the same service the rollout workers use.
+Standalone (`slime eval`) the model runs on a fresh engine of `rollout.engine` (the built-in one by
+default); inside a job, on the rollout engines themselves, holding the weights just pushed (the
+fleet's `generate_for_eval`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from slime.config import EvalConfig, JobConfig, load_config
+from slime.data import PromptRecord, load_prompts, prompt_text, write_jsonl
+from slime.engines import make_engine, run_to_completion
+from slime.engines.contract import GenerationRequest, SamplingParams
+from slime.errors import UserError
+from slime.export import ExportError, base_model_dir, export_checkpoint, find_checkpoint
+from slime.model import ensure_model_dir, load_tokenizer, stop_token_ids
+
+EXAMPLE_HELD_OUT_SEED = 10_000  # the example task's held-out prompts; training draws with data.seed
+
+
+class EvalError(UserError, ValueError):
+    """An evaluation that cannot run: names the path or setting."""
+
+    hint = "slime eval RUN_DIR|MODEL_DIR --data FILE.jsonl [--samples k] [key=value ...] (README, 'After the run')"
+
+
+# ---- the requests and their answers ------------------------------------------------------------
+def eval_requests(records: Sequence[PromptRecord], cfg: EvalConfig, max_new_tokens: int, stop: list[int]):
+    """Greedy once per prompt (`eval-I-g`), then `cfg.samples` sampled (`eval-I-sK`)."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
+    sampled = SamplingParams(temperature=cfg.temperature, max_new_tokens=max_new_tokens, stop_token_ids=stop)
+    requests = [GenerationRequest(f"eval-{i}-g", list(r.prompt_ids), greedy) for i, r in enumerate(records)]
+    requests += [
+        GenerationRequest(f"eval-{i}-s{k}", list(r.prompt_ids), sampled)
+        for i, r in enumerate(records)
+        for k in range(cfg.samples)
+    ]
+    return requests
+
+
+# ---- scoring -----------------------------------------------------------------------------------
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """P(at least one of k samples drawn without replacement from n passes), `correct` of n passing."""
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def score_answers(
+    records: Sequence[PromptRecord],
+    answers: dict[str, dict[str, Any]],
+    tokenizer: Any,
+    stop: list[int],
+    submit: Callable[..., Future],
+    timeout_s: float,
+) -> dict[str, tuple[float | None, str | None]]:
+    """request id -> (reward, failure), each response scored as the rollout worker scores it:
+    the stop token cut, the rest decoded without special tokens."""
+    futures: dict[str, Future] = {}
+    for rid, answer in answers.items():
+        record = records[int(rid.split("-")[1])]
+        ids = answer["token_ids"]
+        if ids and ids[-1] in stop:
+            ids = ids[:-1]
+        meta = {**record.metadata, "label": record.label, "prompt_text": prompt_text(record)}
+        futures[rid] = submit(meta["prompt_text"], tokenizer.decode(ids, skip_special_tokens=True), record.label, meta)
+    scores = {}
+    for rid, future in futures.items():
+        result = future.result(timeout=timeout_s)
+        scores[rid] = (result.reward, result.failure)
+    return scores
+
+
+def summarize(
+    records: Sequence[PromptRecord],
+    answers: dict[str, dict[str, Any]],
+    scores: dict[str, tuple[float | None, str | None]],
+    cfg: EvalConfig,
+) -> dict[str, Any]:
+    """The figures, overall and per task (a failed reward counts as 0 and is counted)."""
+
+    def figures(indices: list[int]) -> dict[str, float]:
+        greedy = [scores[f"eval-{i}-g"][0] or 0.0 for i in indices]
+        lengths = [len(answers[f"eval-{i}-g"]["token_ids"]) for i in indices]
+        out = {
+            "prompts": float(len(indices)),
+            "greedy_reward_mean": statistics.fmean(greedy),
+            "greedy_pass_rate": statistics.fmean(float(r >= cfg.pass_threshold) for r in greedy),
+            "response_len_mean": statistics.fmean(lengths),
+            "response_len_p50": float(statistics.median(lengths)),
+            "response_len_max": float(max(lengths)),
+            "truncated_share": statistics.fmean(
+                float(answers[f"eval-{i}-g"]["finish_reason"] == "length") for i in indices
+            ),
+        }
+        if cfg.samples:
+            k = cfg.samples
+            sampled = [[scores[f"eval-{i}-s{j}"][0] or 0.0 for j in range(k)] for i in indices]
+            passed = [sum(r >= cfg.pass_threshold for r in row) for row in sampled]
+            out["sampled_reward_mean"] = statistics.fmean(r for row in sampled for r in row)
+            out["pass_at_1"] = statistics.fmean(pass_at_k(k, c, 1) for c in passed)
+            out[f"pass_at_{k}"] = statistics.fmean(pass_at_k(k, c, k) for c in passed)
+        return out
+
+    result: dict[str, Any] = figures(list(range(len(records))))
+    result["failed_rewards"] = float(sum(1 for _, failure in scores.values() if failure is not None))
+    tasks: dict[str, list[int]] = {}
+    for i, record in enumerate(records):
+        task = record.metadata.get("task")
+        if task is not None:
+            tasks.setdefault(str(task), []).append(i)
+    if tasks:
+        result["by_task"] = {task: figures(indices) for task, indices in sorted(tasks.items())}
+    return result
+
+
+def first_failure(scores: dict[str, tuple[float | None, str | None]]) -> str | None:
+    return next((failure for _, failure in scores.values() if failure is not None), None)
+
+
+# ---- the held-out prompts ----------------------------------------------------------------------
+def held_out_records(job: JobConfig, tokenizer: Any, work_dir: Path) -> list[PromptRecord]:
+    """`eval.data`, or for the generated example task (data.path unset) `eval.num_prompts` new
+    prompts from a seed of their own (written to work_dir/eval_prompts.jsonl)."""
+    cfg = job.eval
+    path = cfg.data
+    if path is None:
+        if job.data.path is not None:
+            raise EvalError("eval.every_steps is set but eval.data is not: name a held-out JSONL for your data.path")
+        from envs import repeat  # the example task
+
+        path = str(
+            write_jsonl(repeat.make_dataset(cfg.num_prompts, EXAMPLE_HELD_OUT_SEED), work_dir / "eval_prompts.jsonl")
+        )
+    records = load_prompts(job.data, tokenizer, path)
+    return records[: cfg.num_prompts] if cfg.data is None else records
+
+
+# ---- inside a job: `eval.every_steps` -------------------------------------------------------------
+class HeldOutEval:
+    """The job's evaluation: its held-out prompts and reward service, built once; `run` scores the
+    weights the rollout engines hold through `generate` (the fleet's generate_for_eval)."""
+
+    def __init__(self, job: JobConfig, tokenizer: Any, run_dir: Path) -> None:
+        from rewards.service import make_reward_service
+
+        self.job, self.tokenizer = job, tokenizer
+        self.records = held_out_records(job, tokenizer, run_dir)
+        self.stop = [] if job.rollout.ignore_eos else stop_token_ids(tokenizer, job.rollout.stop)
+        self.rewards = make_reward_service(job.reward, job.job_name)
+
+    def due(self, step: int) -> bool:
+        every = self.job.eval.every_steps
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.job.steps)
+
+    def run(self, generate: Callable[[list[GenerationRequest]], dict[str, dict[str, Any]]]) -> dict[str, Any]:
+        job = self.job
+        started = time.time()
+        requests = eval_requests(
+            self.records, job.eval, job.eval.max_new_tokens or job.rollout.max_new_tokens, self.stop
+        )
+        answers = generate(requests)
+        timeout = job.reward.timeout_s * 4 + 30
+        scores = score_answers(self.records, answers, self.tokenizer, self.stop, self.rewards.submit, timeout)
+        return {**summarize(self.records, answers, scores, job.eval), "seconds": time.time() - started}
+
+    def close(self) -> None:
+        self.rewards.close()
+
+
+# ---- standalone: `slime eval` ------------------------------------------------------------------
+def evaluate_model_dir(
+    job: JobConfig, model_dir: Path, records: Sequence[PromptRecord], tokenizer: Any = None
+) -> dict[str, Any]:
+    """The figures of the model in `model_dir` on `records`, on a fresh engine of `rollout.engine`
+    (`tokenizer`: when `model_dir` has none, e.g. a 1-rank checkpoint's policy/)."""
+    from rewards.service import make_reward_service
+
+    tokenizer = tokenizer or load_tokenizer(model_dir)
+    stop = [] if job.rollout.ignore_eos else stop_token_ids(tokenizer, job.rollout.stop)
+    requests = eval_requests(records, job.eval, job.eval.max_new_tokens or job.rollout.max_new_tokens, stop)
+    started = time.time()
+    torch.manual_seed(job.eval.seed)
+    engine = make_engine(job, str(model_dir), 0, 0)
+    try:
+        answers = run_to_completion(engine, requests)
+    finally:
+        engine.close()
+    rewards = make_reward_service(job.reward, job.job_name)
+    try:
+        scores = score_answers(records, answers, tokenizer, stop, rewards.submit, job.reward.timeout_s * 4 + 30)
+    finally:
+        rewards.close()
+    result = summarize(records, answers, scores, job.eval)
+    result["seconds"] = time.time() - started
+    if first_failure(scores):
+        result["first_failure"] = first_failure(scores)
+    return result
+
+
+def _job_config(path: Path, overrides: list[str]) -> tuple[JobConfig, Path | None]:
+    """(the config to evaluate with, the run dir) of a run dir, a checkpoint or a model directory."""
+    run_dir = None
+    if (path / "driver_state.json").is_file():
+        run_dir = path.parent.parent
+    elif (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
+        run_dir = path
+    if run_dir is not None and (run_dir / "config.yaml").is_file():
+        data = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        # The run's model, data reading, rollout and reward; not its Redis, cluster or secrets.
+        keep = {k: data[k] for k in ("model", "data", "rollout", "reward", "env", "eval", "seed") if k in data}
+        tmp = Path(tempfile.mkdtemp(prefix="slime-eval-")) / "config.yaml"
+        tmp.write_text(yaml.safe_dump(keep))
+        return load_config(tmp, overrides), run_dir
+    if run_dir is not None:
+        raise EvalError(f"{run_dir}: a run dir without config.yaml")
+    if not (path / "config.json").is_file():
+        raise EvalError(f"{path}: neither a run dir (checkpoints/, config.yaml) nor a model directory (config.json)")
+    return load_config(None, [f"model.path={path}", *overrides]), None
+
+
+def main_eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="slime eval",
+        description="Score a checkpoint or a model on held-out prompts with the job's reward: mean reward, "
+        "pass@1, pass@k, per task type, response lengths. Prints a table, then one JSON line.",
+    )
+    parser.add_argument("path", type=Path, help="a run's output_dir, one checkpoint in it, or a model directory")
+    parser.add_argument("--data", required=True, help="held-out prompts (JSONL/Parquet, read with data.* settings)")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="sampled responses per prompt (pass@k); 0: greedy only"
+    )
+    parser.add_argument("--step", type=int, default=None, help="a run dir's checkpoint after N steps (default: newest)")
+    parser.add_argument("overrides", nargs="*", help="key.path=value, e.g. reward.fn=mod:fn eval.temperature=0.7")
+    ns = parser.parse_intermixed_args(argv)
+    path = ns.path.expanduser()
+    extra = [*ns.overrides, *([f"eval.samples={ns.samples}"] if ns.samples is not None else [])]
+    job, run_dir = _job_config(path, extra)
+    with tempfile.TemporaryDirectory(prefix="slime-eval-") as tmp:
+        if run_dir is not None:
+            try:
+                checkpoint = find_checkpoint(path, ns.step)
+            except ExportError as exc:
+                raise EvalError(str(exc)) from None
+            model_dir = export_checkpoint(checkpoint, Path(tmp) / "model", base_model_dir(run_dir))
+            source = str(checkpoint)
+        else:
+            model_dir, source = ensure_model_dir(job.model), str(path)
+        records = load_prompts(job.data, load_tokenizer(model_dir), ns.data)
+        result = evaluate_model_dir(job, model_dir, records)
+    print(format_table(result, job.eval))
+    print(json.dumps({"source": source, "data": ns.data, **result}))
+    return 0
+
+
+def format_table(result: dict[str, Any], cfg: EvalConfig) -> str:
+    columns = ["prompts", "greedy_reward_mean", "greedy_pass_rate", "response_len_mean", "truncated_share"]
+    if cfg.samples:
+        columns += ["sampled_reward_mean", "pass_at_1", f"pass_at_{cfg.samples}"]
+    rows = [("all", result), *((f"task {t}", f) for t, f in result.get("by_task", {}).items())]
+    head = f"{'':<16}" + "".join(f"{c:>20}" for c in columns)
+    lines = [head] + [f"{name:<16}" + "".join(f"{f[c]:>20.3f}" for c in columns) for name, f in rows]
+    if result.get("failed_rewards"):
+        lines.append(
+            f"{result['failed_rewards']:.0f} rewards failed (counted as 0), e.g. {result.get('first_failure')}"
+        )
+    return "\n".join(lines)

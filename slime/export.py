@@ -1,0 +1,130 @@
+"""`slime export RUN_DIR [--step N] --out DIR`: a Hugging Face directory from any checkpoint.
+
+A 1-rank checkpoint holds the policy as a Hugging Face directory (`policy/`); a sharded one
+(`learner.num_ranks >= 2`) holds torch.distributed.checkpoint shards (`dcp/`), which need the
+base model's architecture to be read. Either way the export is the same: the base model's config
+and tokenizer, the trained weights as safetensors, a generation config with the tokenizer's stop
+ids, and `slime_export.json` naming the checkpoint it came from. `transformers`, vLLM and SGLang
+load it without this project. The job writes it into every checkpoint with `checkpoint.export_hf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+from slime.config import ModelConfig
+from slime.errors import UserError
+from slime.learner.sharding import CHECKPOINT_DIR, load_policy_shards
+from slime.model import ensure_model_dir, load_model, load_tokenizer
+
+EXPORT_INFO = "slime_export.json"
+
+
+class ExportError(UserError, ValueError):
+    """A run directory or checkpoint that cannot be exported; names the path and what is missing."""
+
+    hint = "slime export RUN_DIR [--step N] --out DIR: RUN_DIR is a job's output_dir (with checkpoints/step_*)"
+
+
+def checkpoints_of(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first (driver_state.json is written last)."""
+    return sorted(p.parent for p in (run_dir / "checkpoints").glob("step_*/driver_state.json"))
+
+
+def find_checkpoint(path: Path, step: int | None = None) -> Path:
+    """`path` itself when it is a checkpoint; else the run dir's checkpoint after `step` steps
+    (default: the newest)."""
+    if (path / "driver_state.json").is_file():
+        if step is not None:
+            raise ExportError(f"{path} is one checkpoint; --step picks one of a run dir's checkpoints")
+        return path
+    if not path.is_dir():
+        raise ExportError(f"{path}: no such directory")
+    found = checkpoints_of(path)
+    if not found:
+        raise ExportError(f"{path}: no complete checkpoint in {path / 'checkpoints'} (is it a run's output_dir?)")
+    if step is None:
+        return found[-1]
+    by_step = {int(p.name.removeprefix("step_")): p for p in found}
+    if step not in by_step:
+        raise ExportError(f"{path}: no checkpoint after step {step}; there are {sorted(by_step)}")
+    return by_step[step]
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    return checkpoint.parent.parent
+
+
+def model_config_of(run_dir: Path) -> ModelConfig:
+    """The run's `model` section, from its config.yaml. Only this section: the rest may name secrets
+    (`${NAME}` references) that are not set where the export runs."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ExportError(f"{run_dir}: no config.yaml (the job writes it at start; is this a run's output_dir?)")
+    data = yaml.safe_load(path.read_text()) or {}
+    return ModelConfig.model_validate(data.get("model") or {})
+
+
+def base_model_dir(run_dir: Path) -> Path:
+    """The run's base model directory (model.path, or the tiny MoE from the cache, rebuilt if gone)."""
+    return ensure_model_dir(model_config_of(run_dir))
+
+
+def load_checkpoint_policy(checkpoint: Path, model_dir: Path, dtype: str = "float32") -> torch.nn.Module:
+    """The trained policy of a checkpoint, sharded or not, as one plain (CPU) model."""
+    if (checkpoint / "policy" / "config.json").is_file():
+        return load_model(checkpoint / "policy", dtype)
+    if (checkpoint / CHECKPOINT_DIR).is_dir():
+        model = load_model(model_dir, dtype)
+        load_policy_shards(checkpoint, model)
+        return model
+    raise ExportError(f"{checkpoint}: neither a policy/ directory nor {CHECKPOINT_DIR}/ shards in it")
+
+
+def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None) -> Path:
+    """Write `checkpoint`'s policy to `out` as a Hugging Face directory (replaced if it exists, at
+    once: a reader sees the old export or the new one)."""
+    run_dir = run_dir_of(checkpoint)
+    model_dir = model_dir or base_model_dir(run_dir)
+    dtype = model_config_of(run_dir).dtype if (run_dir / "config.yaml").is_file() else "float32"
+    model = load_checkpoint_policy(checkpoint, Path(model_dir), dtype)
+    tokenizer = load_tokenizer(model_dir)
+    generation = model.generation_config
+    generation.eos_token_id = tokenizer.eos_token_id
+    generation.pad_token_id = tokenizer.pad_token_id
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        state = json.loads((checkpoint / "driver_state.json").read_text())
+        info = {"checkpoint": str(checkpoint.resolve()), "steps": state.get("next_step"), "base_model": str(model_dir)}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="slime export", description="Write a checkpoint's policy as a Hugging Face directory."
+    )
+    parser.add_argument("path", type=Path, help="a run's output_dir, or one checkpoint directory in it")
+    parser.add_argument("--step", type=int, default=None, help="the checkpoint after N steps (default: the newest)")
+    parser.add_argument("--out", type=Path, required=True, help="the directory to write")
+    ns = parser.parse_args(argv)
+    checkpoint = find_checkpoint(ns.path.expanduser(), ns.step)
+    out = export_checkpoint(checkpoint, ns.out.expanduser())
+    print(f"exported {checkpoint} -> {out} (AutoModelForCausalLM.from_pretrained loads it)")
+    return 0

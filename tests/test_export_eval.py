@@ -1,0 +1,211 @@
+"""After the run: `slime export` (a Hugging Face directory from any checkpoint) and `slime eval`
+(held-out reward, pass@k, per task), standalone and inside a job (`eval.every_steps`).
+
+The exported directory is checked with plain `transformers`: it loads, its weights are the
+checkpoint's, and its greedy tokens are the engine's on 8 prompts. The 2-rank (sharded) export is
+checked in test_learner_group.py, beside the 2-rank job that writes the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from envs import repeat
+from slime.config import EvalConfig, load_config
+from slime.data import PromptRecord, write_jsonl
+from slime.engines.builtin import BuiltinEngine
+from slime.engines.contract import GenerationRequest, SamplingParams
+from slime.evaluation import main_eval, pass_at_k, summarize
+from slime.export import export_checkpoint, find_checkpoint
+from tests.helpers import TINY_JOB
+
+ROOT = Path(__file__).resolve().parents[1]
+TIE_LOGIT_GAP = 5e-4  # as in test_families: past a near-tie of the model's own logits both continuations are right
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 4) == 1.0  # one of four passes: some draw of all four holds it
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
+
+
+def test_the_figures_overall_and_per_task_count_a_failed_reward_as_zero():
+    records = [PromptRecord(i, "p", [1], "x", {"task": t}) for i, t in enumerate(["a", "a", "b"])]
+    answers = {f"eval-{i}-g": {"token_ids": [5] * (i + 1), "finish_reason": "stop"} for i in range(3)}
+    answers["eval-2-g"]["finish_reason"] = "length"
+    scores = {"eval-0-g": (1.0, None), "eval-1-g": (0.5, None), "eval-2-g": (None, "raised ValueError")}
+    for i, rewards in enumerate([(1.0, 0.0), (1.0, 1.0), (0.2, None)]):
+        for k, r in enumerate(rewards):
+            answers[f"eval-{i}-s{k}"] = {"token_ids": [5], "finish_reason": "stop"}
+            scores[f"eval-{i}-s{k}"] = (r, None if r is not None else "timed out")
+    out = summarize(records, answers, scores, EvalConfig(samples=2))
+    assert out["greedy_reward_mean"] == pytest.approx(1.5 / 3)
+    assert out["greedy_pass_rate"] == pytest.approx(1 / 3)
+    assert out["sampled_reward_mean"] == pytest.approx(3.2 / 6)
+    assert out["pass_at_1"] == pytest.approx((0.5 + 1.0 + 0.0) / 3)
+    assert out["pass_at_2"] == pytest.approx(2 / 3)
+    assert out["failed_rewards"] == 2
+    assert out["response_len_mean"] == 2 and out["truncated_share"] == pytest.approx(1 / 3)
+    assert out["by_task"]["a"]["greedy_reward_mean"] == pytest.approx(0.75)
+    assert out["by_task"]["b"]["pass_at_2"] == 0.0
+
+
+def _engine_greedy(model, prompts: list[list[int]], eos: int, max_new: int = 24) -> list[list[int]]:
+    engine = BuiltinEngine(model, max_running_requests=len(prompts))
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=[eos])
+    out = engine.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    return [out[f"r{i}"].token_ids for i in range(len(prompts))]
+
+
+def assert_greedy_tokens_match(export_dir: Path, engine_model, prompts: list[list[int]]) -> None:
+    """Plain transformers on the exported directory against the engine, token for token."""
+    hf = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
+    eos = AutoTokenizer.from_pretrained(export_dir).eos_token_id
+    got = _engine_greedy(engine_model, prompts, eos)
+    for prompt, g in zip(prompts, got):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=eos)
+        want = out[0, len(prompt) :].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(g, want)) if a != b), None)
+        if first is None:
+            assert len(g) == len(want) or g[-1:] == [eos] or want[-1:] == [eos]
+            continue
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + want[:first]])).logits[0, -1]
+        assert abs(float(logits[g[first]] - logits[want[first]])) < TIE_LOGIT_GAP, (prompt, g, want)
+
+
+def _prompts(tokenizer, n: int = 8) -> list[list[int]]:
+    return [tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in repeat.make_dataset(n, seed=77)]
+
+
+@pytest.mark.slow
+def test_a_job_evaluates_on_its_engines_exports_every_checkpoint_and_slime_eval_agrees(tiny_model_dir, tmp_path):
+    """A local job with eval.every_steps=1 and checkpoint.export_hf: eval/* at each step; the
+    checkpoint's hf/ loads in plain transformers with the trained weights and the engine's greedy
+    tokens; `slime eval` of the run gives the job's last held-out figures."""
+    from slime.train import train
+
+    run = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            "cluster.launcher=local",
+            "job_name=eval-export",
+            f"output_dir={run}",
+            f"model.path={tiny_model_dir}",
+            *TINY_JOB,
+            "steps=2",
+            "rollout.num_workers=1",
+            "eval.every_steps=1",
+            "eval.num_prompts=8",
+            "eval.samples=2",
+            "checkpoint.export_hf=true",
+        ],
+    )
+    history = train(cfg)
+    assert [h["step"] for h in history] == [0, 1]
+    for h in history:
+        assert h["eval/prompts"] == 8 and 0 <= h["eval/greedy_reward_mean"] <= 1 and "eval/pass_at_2" in h
+        assert h["eval/by_task/repeat/prompts"] == 8
+    assert history[-1]["eval/policy_version"] == 2  # the weights pushed after the last step
+
+    checkpoint = find_checkpoint(run)
+    export = checkpoint / "hf"
+    hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(checkpoint / "policy", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(hf.state_dict()[name], tensor), name
+    assert any(not torch.equal(base.state_dict()[n], t) for n, t in trained.state_dict().items())
+    tokenizer = AutoTokenizer.from_pretrained(export)  # the char tokenizer travels with the export
+    assert tokenizer("ab12")["input_ids"] == AutoTokenizer.from_pretrained(tiny_model_dir)("ab12")["input_ids"]
+    assert_greedy_tokens_match(export, trained, _prompts(tokenizer))
+
+    assert main_eval([str(run), "--step", "2", "--data", str(run / "eval_prompts.jsonl"), "eval.samples=0"]) == 0
+    # the engine at the last step held this checkpoint's weights: the same greedy responses
+    out = _eval_json([str(run), "--data", str(run / "eval_prompts.jsonl"), "--samples", "2"])
+    assert out["greedy_reward_mean"] == pytest.approx(history[-1]["eval/greedy_reward_mean"], abs=1e-9)
+    assert out["prompts"] == 8 and out["source"] == str(checkpoint)
+
+
+def _eval_json(args: list[str]) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime.cli", "eval", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_slime_eval_of_a_model_dir_is_what_plain_generate_and_the_reward_give(tiny_model_dir, tmp_path):
+    """An independent check of the greedy figure: transformers' generate, decoded, scored by the
+    example's reward."""
+    data = write_jsonl(repeat.make_dataset(8, seed=123), tmp_path / "held_out.jsonl")
+    out = _eval_json([str(tiny_model_dir), "--data", str(data), "rollout.max_new_tokens=24"])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rewards = []
+    for row in repeat.make_dataset(8, seed=123):
+        ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        response = [t for t in gen[0, len(ids) :].tolist() if t != tokenizer.eos_token_id]
+        rewards.append(repeat.score(tokenizer.decode(response, skip_special_tokens=True), row["label"]))
+    assert out["greedy_reward_mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1 / 8 + 1e-9)
+    assert out["prompts"] == 8 and math.isfinite(out["response_len_mean"]) and "pass_at_1" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["export", "{run}", "--out", "{tmp}/x"], "no complete checkpoint in"),
+        (["export", "{run}", "--step", "7", "--out", "{tmp}/x"], "no checkpoint after step 7; there are [3]"),
+        (["export", "{tmp}/nowhere", "--out", "{tmp}/x"], "no such directory"),
+        (["eval", "{tmp}/nowhere", "--data", "{tmp}/d.jsonl"], "neither a run dir"),
+    ],
+)
+def test_bad_paths_and_steps_get_one_line_naming_them(tmp_path, args, said):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    if "7" in args:
+        (run / "checkpoints" / "step_000003").mkdir()
+        (run / "checkpoints" / "step_000003" / "driver_state.json").write_text('{"next_step": 3}')
+    argv = [a.format(run=run, tmp=tmp_path) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "slime.cli", *argv], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith("slime: ") and said in first and "Traceback" not in proc.stderr
+
+
+def test_an_export_replaces_the_old_one_whole_and_names_its_checkpoint(tiny_model_dir, tmp_path):
+    """A 1-rank checkpoint as the learner writes it (policy/ without a tokenizer), exported twice
+    into the same directory: the second replaces the first; the info file names the source."""
+    from slime.config import dump_config
+
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step_000004"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.save_pretrained(checkpoint / "policy")
+    (checkpoint / "driver_state.json").write_text(json.dumps({"next_step": 4}))
+    dump_config(load_config(None, [f"model.path={tiny_model_dir}"]), run / "config.yaml")
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "stale.txt").write_text("from before")
+    export_checkpoint(find_checkpoint(run, 4), out)
+    assert not (out / "stale.txt").exists()
+    info = json.loads((out / "slime_export.json").read_text())
+    assert info["checkpoint"] == str(checkpoint.resolve()) and info["steps"] == 4
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert_greedy_tokens_match(out, model, _prompts(tokenizer))
