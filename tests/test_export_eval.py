@@ -157,7 +157,9 @@ def test_slime_eval_of_a_model_dir_is_what_plain_generate_and_the_reward_give(ti
     for row in repeat.make_dataset(8, seed=123):
         ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+            gen = hf.generate(
+                torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id
+            )
         response = [t for t in gen[0, len(ids) :].tolist() if t != tokenizer.eos_token_id]
         rewards.append(repeat.score(tokenizer.decode(response, skip_special_tokens=True), row["label"]))
     assert out["greedy_reward_mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1 / 8 + 1e-9)

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_export_eval import _prompts, assert_greedy_tokens_match
 from test_learner import _fill
 from test_security import _WritesMarker
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.buffer import TrajectoryStore
 from slime.config import load_config
+from slime.export import export_checkpoint, find_checkpoint
 from slime.launch.ray_cluster import RayLauncher
 from slime.learner import Learner, LearnerGroup, ResourceError, required_resources
 from slime.learner.sharding import CheckpointError, split_rows
@@ -243,4 +245,19 @@ def test_a_two_rank_job_trains_pushes_checkpoints_and_resumes(ray_session, tiny_
     assert resumed[-1]["step"] == 2 and resumed[-1]["policy_version"] == 3
     buffer = TrajectoryStore.open(redis_url, "two-ranks")
     assert buffer.counts()["groups_trained"] == 12  # 3 steps x 4 groups, each trained once
+    # `slime export` of the sharded checkpoint: plain transformers loads the weights one rank
+    # reads from it (Learner.load, N to 1), and generates the engine's greedy tokens.
+    checkpoint = find_checkpoint(tmp_path)
+    assert checkpoint.name == "step_000003" and (checkpoint / "dcp").is_dir() and not (checkpoint / "policy").exists()
+    export = export_checkpoint(checkpoint, tmp_path / "export")
+    one = Learner(load_config(None, [*base, "steps=3", "learner.num_ranks=1"]), str(tiny_model_dir), redis_url)
+    try:
+        assert one.load(str(checkpoint)) == 3
+        exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+        for name, tensor in one.policy.state_dict().items():
+            assert torch.equal(exported.state_dict()[name], tensor), name
+        # (the learner's own module runs packed attention only: the engine gets the same weights fresh)
+        assert_greedy_tokens_match(export, exported, _prompts(AutoTokenizer.from_pretrained(export)))
+    finally:
+        one.close()
     buffer.delete_job()
