@@ -230,7 +230,11 @@ def _run(argv: list[str]) -> int:
     p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim/run.py)")
     p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
     p_cmp = sub.add_parser(
-        "compare", help="runs side by side: a plot per metric against steps and wall-clock, a table of final values"
+        "compare",
+        help="runs side by side: a plot per metric against steps and wall-clock, a table of final values",
+        description="Plot each metric against step and wall-clock seconds for several runs into one PNG, then print "
+        "the final values (mean of the last 5 steps) as a table and one JSON line. Runs whose configs differ only "
+        "in the seed form a group: its mean with a min-max band, mean ± std over the seeds.",
     )
     p_cmp.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="runs' output_dirs; seeds of one setting group")
     p_cmp.add_argument("--metric", action="append", help="a metrics.jsonl key, repeatable (default reward_mean)")
