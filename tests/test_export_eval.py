@@ -66,11 +66,13 @@ def _engine_greedy(model, prompts: list[list[int]], eos: int, max_new: int = 24)
     return [out[f"r{i}"].token_ids for i in range(len(prompts))]
 
 
-def assert_greedy_tokens_match(export_dir: Path, engine_model, prompts: list[list[int]]) -> None:
-    """Plain transformers on the exported directory against the engine, token for token."""
+def assert_greedy_tokens_match(export_dir: Path, engine_model, prompts: list[list[int]], got=None) -> None:
+    """Plain transformers on the exported directory against the built-in engine on `engine_model`
+    (or against `got`, another engine's greedy tokens with EOS as the stop), token for token."""
     hf = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
     eos = AutoTokenizer.from_pretrained(export_dir).eos_token_id
-    got = _engine_greedy(engine_model, prompts, eos)
+    got = got if got is not None else _engine_greedy(engine_model, prompts, eos)
+    assert len(got) == len(prompts)
     for prompt, g in zip(prompts, got):
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=eos)

@@ -16,13 +16,17 @@ pytest.importorskip(
     "vllm", reason="vLLM is not installed here (CI runs this file in .venv-vllm: deploy/install_vllm_cpu.sh)"
 )
 
+from transformers import AutoTokenizer  # noqa: E402
+
 from slime.buffer import TrajectoryStore  # noqa: E402
 from slime.config import JobConfig, WeightsConfig, load_config  # noqa: E402
 from slime.engines import make_engine  # noqa: E402
 from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams  # noqa: E402
 from slime.engines.vllm import VllmEngine  # noqa: E402
+from slime.export import find_checkpoint  # noqa: E402
 from slime.model import load_model  # noqa: E402
 from slime.train import train  # noqa: E402
+from tests.test_export_eval import _prompts, assert_greedy_tokens_match  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LOGPROB_TOL = 2e-4  # float32, vLLM's CPU kernels vs transformers
@@ -284,9 +288,22 @@ def test_sync_job_on_vllm_passes_the_probe_check_every_step(ray_session, tiny_mo
                 "logging.plot=false",
                 "weights.check_every=1",
                 "steps=2",
+                "checkpoint.export_hf=true",
             ],
         )
     )
     assert [h["step"] for h in history] == [0, 1] and history[-1]["policy_version"] == 2
     assert all(h["samples"] == 9 and h["trained_tokens"] > 0 for h in history)
     TrajectoryStore.open(redis_url, job).delete_job()
+    # The checkpoint's Hugging Face export (checkpoint.export_hf, what `slime export` writes): vLLM
+    # loads it and generates plain transformers' greedy tokens on 8 prompts.
+    export = find_checkpoint(tmp_path) / "hf"
+    cfg = JobConfig(rollout={"engine": "vllm", "max_running_requests": 16}, vllm={"max_model_len": 256})
+    exported = make_engine(cfg, str(export), index=0, version=0)
+    try:
+        eight = _prompts(AutoTokenizer.from_pretrained(export))
+        eos = AutoTokenizer.from_pretrained(export).eos_token_id
+        out = run(exported, [GenerationRequest(f"r{i}", p, greedy(24, [eos])) for i, p in enumerate(eight)])
+    finally:
+        exported.close()
+    assert_greedy_tokens_match(export, None, eight, got=[out[f"r{i}"].token_ids for i in range(8)])
