@@ -21,7 +21,7 @@ from envs import repeat
 from rewards.mix import load_reward_spec
 from slime.buffer import JobConnection, JobTelemetry, TrajectoryStore
 from slime.buffer.redis_server import connect_or_start
-from slime.config import ConfigError, JobConfig, dump_config
+from slime.config import ConfigError, JobConfig, config_for_display, dump_config
 from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.evaluation import HeldOutEval
@@ -37,6 +37,7 @@ from slime.model import ensure_model_dir, load_tokenizer
 from slime.sample import new_id
 from slime.sampling import PromptSampler
 from slime.security import JobCredentials, write_private
+from slime.tracking import require_packages
 
 
 class WeightSyncError(RuntimeError):
@@ -99,6 +100,7 @@ class RunningJob:
             if cfg.reward.mode != "http":  # an http reward lives in its own server
                 load_reward_spec(cfg.reward.fn)  # a bad reward spec fails here, before anything starts
             check_local_resources(cfg)  # a learner that cannot fit fails before anything starts
+            require_packages(cfg.logging)  # logging.wandb / logging.mlflow without the package
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
             # One secret per run (run_dir/job.secret, 0600): the job's Redis password and every
@@ -148,7 +150,9 @@ class RunningJob:
                 self.push_weights(self.start_step - 1)
             if cfg.eval.every_steps:  # after the actors: a reward in a Ray actor needs Ray started
                 self.held_out = HeldOutEval(cfg, self.tokenizer, self.run_dir)
-            self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.steps, self.start_step)
+            self.logger = MetricsLogger(
+                self.run_dir, cfg.logging, cfg.steps, self.start_step, config=config_for_display(cfg)
+            )
             self.failures = FailureWatch(cfg.reward.max_failed_share, cfg.reward.failed_window_steps)
             self.last_checkpoint_at = time.time()
             self.clock.next_step()  # the first step starts now

@@ -1,4 +1,5 @@
-"""A step's clocks; progress bar, JSONL and TensorBoard metrics, and the end-of-run plot."""
+"""A step's clocks; progress bar, JSONL metrics, the end-of-run plot, and the tracking sinks (TensorBoard,
+W&B, MLflow: slime/tracking.py) every step's metrics fan out to."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 from tqdm import tqdm
 
 from slime.config import LoggingConfig
+from slime.security import redact
+from slime.tracking import build_sinks
 
 
 def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -135,9 +138,25 @@ class StepClock:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, start_step: int = 0):
+    """metrics.jsonl, the progress bar and the plot; every step also goes to the configured sinks
+    (slime/tracking.py), which get `config` (the run's, secrets redacted) once. A sink that fails
+    says so once and is off; a backend configured without its package raises ConfigError here."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: LoggingConfig,
+        total_steps: int,
+        start_step: int = 0,
+        config: dict[str, Any] | None = None,
+    ):
         self.run_dir = run_dir
         self.cfg = cfg
+        self.sinks = build_sinks(run_dir, cfg, start_step, self.say)
+        if config is not None:
+            shown = redact(config)  # the caller redacted it (config_for_display); once more costs nothing
+            for sink in self.sinks:
+                sink.log_config(shown)
         # A resumed run continues the series: the steps it will redo are dropped from metrics.jsonl
         # (and from TensorBoard by purge_step), and its wall clock goes on from the last kept step.
         self.history: list[dict[str, float]] = _kept_history(run_dir / "metrics.jsonl", start_step)
@@ -146,11 +165,6 @@ class MetricsLogger:
         if cfg.jsonl:
             write_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in self.history))
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
-        self.tb = None
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
         self.bar = (
             tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True) if cfg.progress else None
         )
@@ -176,10 +190,9 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(flat) + "\n")
             self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in flat.items():
-                if math.isfinite(value):
-                    self.tb.add_scalar(key, value, step)
+        finite = {key: value for key, value in flat.items() if math.isfinite(value)}
+        for sink in self.sinks:
+            sink.log_metrics(step, finite)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(
@@ -231,8 +244,8 @@ class MetricsLogger:
             self.bar.close()
         if self.jsonl is not None:
             self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for sink in self.sinks:
+            sink.close()
         if self.cfg.plot:
             self.plot()
 

@@ -35,6 +35,8 @@ OLD_VALUES = {
     "algorithm.gspo_clip_high": 2e-4,
     "algorithm.cispo_clip_high": 0.5,
     "algorithm.dr_grpo_norm_tokens": 64,
+    "checkpoint_every": 5,
+    "checkpoint_every_seconds": 60.0,
 }
 
 
