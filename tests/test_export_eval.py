@@ -91,10 +91,13 @@ def _prompts(tokenizer, n: int = 8) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_a_job_evaluates_on_its_engines_exports_every_checkpoint_and_slime_eval_agrees(tiny_model_dir, tmp_path):
+def test_a_job_evaluates_on_its_engines_exports_every_checkpoint_and_slime_eval_agrees(
+    tiny_model_dir, tmp_path, capsys
+):
     """A local job with eval.every_steps=1 and checkpoint.export_hf: eval/* at each step; the
     checkpoint's hf/ loads in plain transformers with the trained weights and the engine's greedy
-    tokens; `slime eval` of the run gives the job's last held-out figures."""
+    tokens; `slime eval` of the run gives the job's last held-out figures. Its MLflow server is
+    down: the job goes on and says so once, without the URI's password."""
     from slime.train import train
 
     run = tmp_path / "run"
@@ -112,9 +115,14 @@ def test_a_job_evaluates_on_its_engines_exports_every_checkpoint_and_slime_eval_
             "eval.num_prompts=8",
             "eval.samples=2",
             "checkpoint.export_hf=true",
+            "logging.mlflow.tracking_uri=http://user:pw-SECRET@127.0.0.1:9",
         ],
     )
     history = train(cfg)
+    said = capsys.readouterr()
+    mlflow_lines = [line for line in (said.out + said.err).splitlines() if "mlflow" in line.lower()]
+    assert len(mlflow_lines) == 1 and "127.0.0.1:9" in mlflow_lines[0], mlflow_lines
+    assert "pw-SECRET" not in said.out + said.err
     assert [h["step"] for h in history] == [0, 1]
     for h in history:
         assert h["eval/prompts"] == 8 and 0 <= h["eval/greedy_reward_mean"] <= 1 and "eval/pass_at_2" in h
