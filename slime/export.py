@@ -6,6 +6,8 @@ base model's architecture to be read. Either way the export is the same: the bas
 and tokenizer, the trained weights as safetensors, a generation config with the tokenizer's stop
 ids, and `slime_export.json` naming the checkpoint it came from. `transformers`, vLLM and SGLang
 load it without this project. The job writes it into every checkpoint with `checkpoint.export_hf`.
+A LoRA checkpoint (`adapter/`, learner.lora) exports its adapters as a PEFT directory, or with
+`--merged` (and in `checkpoint.export_hf`, `slime eval`) the base with the adapters merged.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import yaml
 
 from slime.config import ModelConfig
 from slime.errors import UserError
+from slime.learner import lora
 from slime.learner.sharding import CHECKPOINT_DIR, load_policy_shards
 from slime.model import ensure_model_dir, load_model, load_tokenizer
 
@@ -77,8 +80,15 @@ def base_model_dir(run_dir: Path) -> Path:
     return ensure_model_dir(model_config_of(run_dir))
 
 
+def is_lora(checkpoint: Path) -> bool:
+    return (checkpoint / lora.ADAPTER_DIR).is_dir()
+
+
 def load_checkpoint_policy(checkpoint: Path, model_dir: Path, dtype: str = "float32") -> torch.nn.Module:
-    """The trained policy of a checkpoint, sharded or not, as one plain (CPU) model."""
+    """The trained policy of a checkpoint, sharded or not, as one plain (CPU) model; a LoRA
+    checkpoint's adapters merged into its base (which must be the base they were trained on)."""
+    if is_lora(checkpoint):
+        return lora.merged_policy(checkpoint, model_dir, dtype)
     if (checkpoint / "policy" / "config.json").is_file():
         return load_model(checkpoint / "policy", dtype)
     if (checkpoint / CHECKPOINT_DIR).is_dir():
@@ -88,24 +98,35 @@ def load_checkpoint_policy(checkpoint: Path, model_dir: Path, dtype: str = "floa
     raise ExportError(f"{checkpoint}: neither a policy/ directory nor {CHECKPOINT_DIR}/ shards in it")
 
 
-def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None) -> Path:
+def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None, merged: bool = True) -> Path:
     """Write `checkpoint`'s policy to `out` as a Hugging Face directory (replaced if it exists, at
-    once: a reader sees the old export or the new one)."""
+    once: a reader sees the old export or the new one). A LoRA checkpoint with merged=False: its
+    adapters as a PEFT directory (`PeftModel.from_pretrained(base, out)`) and the tokenizer."""
     run_dir = run_dir_of(checkpoint)
     model_dir = model_dir or base_model_dir(run_dir)
     dtype = model_config_of(run_dir).dtype if (run_dir / "config.yaml").is_file() else "float32"
-    model = load_checkpoint_policy(checkpoint, Path(model_dir), dtype)
+    adapter_only = is_lora(checkpoint) and not merged
+    model = None if adapter_only else load_checkpoint_policy(checkpoint, Path(model_dir), dtype)
     tokenizer = load_tokenizer(model_dir)
-    generation = model.generation_config
-    generation.eos_token_id = tokenizer.eos_token_id
-    generation.pad_token_id = tokenizer.pad_token_id
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if model is None:
+            for path in (checkpoint / lora.ADAPTER_DIR).iterdir():
+                shutil.copy2(path, tmp / path.name)
+            shutil.copy2(checkpoint / lora.BASE_INFO, tmp / lora.BASE_INFO)
+        else:
+            model.generation_config.eos_token_id = tokenizer.eos_token_id
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         state = json.loads((checkpoint / "driver_state.json").read_text())
-        info = {"checkpoint": str(checkpoint.resolve()), "steps": state.get("next_step"), "base_model": str(model_dir)}
+        info = {
+            "checkpoint": str(checkpoint.resolve()),
+            "steps": state.get("next_step"),
+            "base_model": str(model_dir),
+            "content": "lora_adapter" if model is None else ("merged_lora" if is_lora(checkpoint) else "full"),
+        }
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
@@ -123,8 +144,16 @@ def main_export(argv: list[str]) -> int:
     parser.add_argument("path", type=Path, help="a run's output_dir, or one checkpoint directory in it")
     parser.add_argument("--step", type=int, default=None, help="the checkpoint after N steps (default: the newest)")
     parser.add_argument("--out", type=Path, required=True, help="the directory to write")
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA checkpoint: the base with the adapters merged (default: the adapters as a PEFT directory)",
+    )
     ns = parser.parse_args(argv)
     checkpoint = find_checkpoint(ns.path.expanduser(), ns.step)
-    out = export_checkpoint(checkpoint, ns.out.expanduser())
-    print(f"exported {checkpoint} -> {out} (AutoModelForCausalLM.from_pretrained loads it)")
+    out = export_checkpoint(checkpoint, ns.out.expanduser(), merged=ns.merged or not is_lora(checkpoint))
+    if is_lora(checkpoint) and not ns.merged:
+        print(f"exported {checkpoint}'s adapters -> {out} (PeftModel.from_pretrained(base, {out}) loads them)")
+    else:
+        print(f"exported {checkpoint} -> {out} (AutoModelForCausalLM.from_pretrained loads it)")
     return 0

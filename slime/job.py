@@ -31,6 +31,7 @@ from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker
 from slime.launch.local import LocalLauncher
 from slime.launch.ray_cluster import RayLauncher, RaySession, check_local_resources
 from slime.learner import LearnerGroup
+from slime.learner.lora import check_model_dir
 from slime.learner.sharding import CheckpointError
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
 from slime.model import ensure_model_dir, load_tokenizer
@@ -91,6 +92,7 @@ class RunningJob:
         self.learner = None
         self.dashboard = None
         self.held_out: HeldOutEval | None = None  # eval.every_steps
+        self.weight_push_bytes = 0  # the last push's tensors (WeightHandle.total_bytes)
         self.stop = stop or GracefulStop()
 
     # ---- start / stop ------------------------------------------------------------------------
@@ -121,6 +123,8 @@ class RunningJob:
                 self.redis_server.keep_alive(self._redis_restarted)
             self.model_dir = str(ensure_model_dir(cfg.model))
             _check_context_fits(cfg, self.model_dir)
+            if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
+                check_model_dir(self.model_dir, cfg.learner.lora)
             self.tokenizer = load_tokenizer(self.model_dir)
             self.records = self._load_records()
             self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
@@ -326,6 +330,7 @@ class RunningJob:
             self.fleet.resume_memory()
         self.fleet.update_weights(handle)
         self.clock.weight_sync_seconds = time.time() - t0
+        self.weight_push_bytes = handle.total_bytes  # learner.lora: the adapters only
         every = self.cfg.weights.check_every
         if every and (step + 1) % every == 0:
             self.check_weights()
@@ -352,6 +357,7 @@ class RunningJob:
     # ---- metrics ---------------------------------------------------------------------------------
     def end_step(self, step: int, metrics: dict) -> None:
         metrics["weight_sync_seconds"] = self.clock.weight_sync_seconds
+        metrics["weight_push_bytes"] = self.weight_push_bytes
         metrics.update(self.fleet.step_metrics())  # rollout_workers, the filter's counts (and elastic_fill)
         metrics["step_seconds"] = self.clock.end()
         metrics["buffer"] = counts = self.buffer.counts()

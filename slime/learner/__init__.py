@@ -5,6 +5,7 @@
 - sharding.py  what the ranks share: FSDP2, the token-balanced split, sums, sharded checkpoints
 - forwards.py  the policy's response logprobs and the critic's values, padded or packed
 - packing.py   padding-free micro-batches: rows end to end, attention kept inside each row
+- lora.py      learner.lora: peft's adapters in the policy, the base as reference, adapter pushes and checkpoints
 """
 
 from slime.algorithms.batch import collate

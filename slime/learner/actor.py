@@ -34,8 +34,8 @@ from slime.buffer import JobConnection, TrajectoryStore
 from slime.config import JobConfig
 from slime.engines.routing import replay_misfit
 from slime.errors import dump_stacks_on_sigusr1
-from slime.learner import sharding
-from slime.learner.forwards import ValueModel, response_logprobs
+from slime.learner import lora, sharding
+from slime.learner.forwards import ValueModel, response_logprobs, use_logit_chunks
 from slime.learner.packing import packing_misfit, use_packed_attention
 from slime.model import load_model
 from slime.sample import Sample, Status, failure_key
@@ -141,6 +141,7 @@ class Learner:
         self.cfg = cfg
         self.algo_cfg = cfg.algorithm
         lc = cfg.learner
+        self.model_dir, self.lora = model_dir, lc.lora
         self.device = torch.device(lc.device)
         self.rank, self.world_size = rank, world_size
         # FSDP2 also for one rank with mixed precision: its policy casts to bf16 around fp32 masters.
@@ -159,6 +160,12 @@ class Learner:
             self.packed = True
         elif lc.packing:
             log.warning("learner.packing: padded micro-batches, because %s", self.packing_misfit)
+        if self.lora is not None:  # a frozen base plus adapters (lora.py); the packed attention stays
+            lora.apply_lora(self.policy, self.lora)
+        # log π and entropy from the head's input, a chunk of positions at a time: no [T, V] logits (forwards.py)
+        self.logit_chunk_misfit = use_logit_chunks(self.policy, lc.logit_chunk_tokens)  # the reference's copy too
+        if self.logit_chunk_misfit and lc.logit_chunk_tokens:
+            log.warning("learner.logit_chunk_tokens: whole logits, because %s", self.logit_chunk_misfit)
         if lc.activation_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.is_moe = hasattr(self.policy.config, "num_experts") or hasattr(self.policy.config, "num_local_experts")
@@ -168,7 +175,9 @@ class Learner:
         self.pad_id = self.policy.config.pad_token_id or 0
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         needs_ref = self.algo_cfg.kl_coef > 0 or any(s.coef > 0 for s in self.algo_cfg.kl_schedule)
-        self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if needs_ref else None
+        self.ref = None
+        if needs_ref:  # LoRA: the policy itself is the reference, its adapters off (lora.as_reference)
+            self.ref = self.policy if self.lora else copy.deepcopy(self.policy).eval().requires_grad_(False)
         self.algorithm = make_algorithm(cfg)
         self.critic = None
         if self.algorithm.needs_critic:
@@ -177,10 +186,11 @@ class Learner:
                 use_packed_attention(self.critic.backbone)
                 self.critic.packed = True
         if self.sharded:  # before the optimizers: they hold the shards
-            for module in (self.policy, self.ref, self.critic):
-                if module is not None:
-                    sharding.shard(module, lc.mixed_precision)
-        self.optim = torch.optim.AdamW(self.policy.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
+            for module in self._modules():
+                sharding.shard(module, lc.mixed_precision)
+        # Only the trainable parameters (LoRA: the adapters) get gradients and optimizer state.
+        self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optim = torch.optim.AdamW(self.trainable, lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
         if self.critic is not None:
             self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=lc.critic_lr, betas=lc.betas)
         self.clip = AdaptiveClip(self.algo_cfg.adaptive_clip, self.algo_cfg.clip_low, self.algo_cfg.clip_high)
@@ -198,6 +208,10 @@ class Learner:
                 bucket_mb=cfg.weights.bucket_mb,
                 num_receivers=cfg.rollout.num_workers,  # broadcast: every engine joins each collective
             )
+
+    def _modules(self) -> list[torch.nn.Module]:
+        """The policy, the reference (unless it is the policy: LoRA) and the critic, each once."""
+        return list({id(m): m for m in (self.policy, self.ref, self.critic) if m is not None}.values())
 
     # ---- one training step -------------------------------------------------------------------
     def train_step(self, step: int, num_groups: int, max_staleness: int | None = None, commit: bool = True) -> dict:
@@ -300,9 +314,10 @@ class Learner:
         lc = self.cfg.learner
         ref_logp = old_values = old_logp = bootstrap = None
         if self.ref is not None and kl_coef > 0:
-            ref_logp = self._per_row(
-                batch, lambda sub: response_logprobs(self.ref, sub, self.temperature, packed=self.packed)[0]
-            )
+            with lora.as_reference(self.ref):  # LoRA: the base, adapters off
+                ref_logp = self._per_row(
+                    batch, lambda sub: response_logprobs(self.ref, sub, self.temperature, packed=self.packed)[0]
+                )
         if self.critic is not None:
             old_values = self._per_row(batch, self.critic)
             if unfinished is not None:
@@ -440,7 +455,7 @@ class Learner:
                         # A loss is the objective this micro-batch adds to (its accumulation weight);
                         # every other stat is a token mean or share (its trainable tokens).
                         stats.setdefault(k, []).append((v, float(weight) if k.endswith("loss") else tokens))
-                grad_norms.append(sharding.clip_grad_norm(self.policy.parameters(), lc.grad_clip))
+                grad_norms.append(sharding.clip_grad_norm(self.trainable, lc.grad_clip))
                 self.optim.step()
                 if self.critic is not None:
                     critic_grad_norms.append(sharding.clip_grad_norm(self.critic.parameters(), lc.grad_clip))
@@ -508,12 +523,14 @@ class Learner:
     def publish_weights(self) -> WeightHandle | None:
         """Rank 0 publishes (a handle); sharded, each parameter is gathered from the ranks as the
         transport packs it, one at a time, so no rank holds a second whole copy of the model. The
-        other ranks join those gathers in the same order and return None."""
+        other ranks join those gathers in the same order and return None. With learner.lora, only the
+        adapters: `{module}.lora_A.weight` and `{module}.lora_B.weight` (lora.py, the push contract)."""
+        named = lora.adapter_tensors(self.policy) if self.lora else self.policy.named_parameters()
         if self.transport is None:
-            for _, param in self.policy.named_parameters():
+            for _, param in named:
                 sharding.full_tensor(param.detach())
             return None
-        return self.transport.publish(self.version, self.policy.named_parameters())
+        return self.transport.publish(self.version, named)
 
     @torch.no_grad()
     def probe_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> np.ndarray:
@@ -529,7 +546,7 @@ class Learner:
     def memory(self) -> dict[str, float]:
         """This rank's parameters, gradients and optimizer state in bytes (its shards when sharded),
         and its process's resident set, now and at its peak (Linux)."""
-        modules = [m for m in (self.policy, self.ref, self.critic) if m is not None]
+        modules = self._modules()
         optims = [self.optim] + ([self.critic_optim] if self.critic is not None else [])
         params = [p for m in modules for p in m.parameters()]
         out = {
@@ -555,17 +572,25 @@ class Learner:
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, directory: str) -> None:
         """One rank: the Hugging Face policy directory and the optimizer state. Sharded: every rank
-        writes its shards (torch.distributed.checkpoint), which any number of ranks can load."""
+        writes its shards (torch.distributed.checkpoint), which any number of ranks can load.
+        learner.lora: adapter/ and base_model.json instead of the policy (lora.py); sharded, the
+        shards hold the adapters and their optimizer state, not the frozen base."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         if self.sharded:
             critic_optim = self.critic_optim if self.critic is not None else None
-            sharding.save_sharded(path, self.policy, self.optim, self.critic, critic_optim)
+            only_adapters = self.lora is not None
+            sharding.save_sharded(path, self.policy, self.optim, self.critic, critic_optim, only_adapters)
+            if self.lora is not None:  # every rank joins the gathers, rank 0 writes
+                lora.save_adapter(path, self.policy, self.lora, self.model_dir, write=self.rank == 0)
             if self.rank == 0:
                 info = {"version": self.version, "clip": self.clip.state_dict(), "ranks": self.world_size}
                 (path / "learner.json").write_text(json.dumps(info))
             return
-        self.policy.save_pretrained(path / "policy")
+        if self.lora is not None:
+            lora.save_adapter(path, self.policy, self.lora, self.model_dir, write=True)
+        else:
+            self.policy.save_pretrained(path / "policy")
         state = {
             "optim": self.optim.state_dict(),
             "clip": self.clip.state_dict(),
@@ -581,16 +606,20 @@ class Learner:
     def load(self, directory: str) -> int:
         """A checkpoint of any number of ranks, into this learner's (N to M)."""
         path = Path(directory)
+        lora.check_checkpoint(path, self.lora, self.policy, self.model_dir)  # LoRA or not, modules, base
         critic_optim = self.critic_optim if self.critic is not None else None
         if (path / sharding.CHECKPOINT_DIR).is_dir():
-            sharding.load_sharded(path, self.policy, self.optim, self.critic, critic_optim)
+            sharding.load_sharded(path, self.policy, self.optim, self.critic, critic_optim, self.lora is not None)
             info = json.loads((path / "learner.json").read_text())
             self.clip.load_state_dict(info["clip"])
             self.version = int(info["version"])
         else:
             # from_pretrained, not the raw files: transformers converts its on-disk layout (e.g.
             # per-expert MoE weights) back to the in-memory one.
-            saved = load_model(path / "policy", self.cfg.model.dtype, "cpu").state_dict()
+            if self.lora is not None:  # the adapters only, checked against this policy's
+                saved = lora.adapter_state_for(self.policy, lora.read_adapter(path), str(path))
+            else:
+                saved = load_model(path / "policy", self.cfg.model.dtype, "cpu").state_dict()
             # weights_only: tensors and plain containers only; a crafted checkpoint cannot run code.
             state = torch.load(path / "learner_state.pt", weights_only=True)
             if self.sharded:  # a 1-rank checkpoint, dealt out to this rank's shards
@@ -598,7 +627,7 @@ class Learner:
                 if self.critic is not None and "critic" in state:
                     sharding.load_full(self.critic, critic_optim, state["critic"], state["critic_optim"])
             else:
-                self.policy.load_state_dict(saved)
+                self.policy.load_state_dict(saved, strict=self.lora is None)
                 self.optim.load_state_dict(state["optim"])
                 if self.critic is not None and "critic" in state:
                     self.critic.load_state_dict(state["critic"])

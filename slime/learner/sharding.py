@@ -118,10 +118,11 @@ def gather_json(obj) -> list:
 
 
 # ---- sharded checkpoints -------------------------------------------------------------------------
-def _training_state(model, optim, critic, critic_optim) -> dict:
+def _training_state(model, optim, critic, critic_optim, trainable_only: bool = False) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    policy_sd, optim_sd = get_state_dict(model, optim)
+    # trainable_only (LoRA): the policy's adapters only; the frozen base is not written.
+    policy_sd, optim_sd = get_state_dict(model, optim, options=_policy_options(trainable_only))
     # The RNG orders the minibatches (rank 0's order is every rank's): a resumed run goes on with it.
     state = {"policy": policy_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
     if critic is not None:
@@ -147,26 +148,40 @@ def _checkpoint_call(what: str, path: Path, fn) -> None:
         raise CheckpointError(f"{what} {path}: {causes}") from None
 
 
-def save_sharded(directory: Path, model, optim, critic=None, critic_optim=None) -> None:
+def _policy_options(trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
+
+def save_sharded(directory: Path, model, optim, critic=None, critic_optim=None, trainable_only: bool = False) -> None:
     """Each rank writes its own shards (model, critic and their AdamW state); any number of ranks,
-    sharded or not, can load them (load_sharded)."""
+    sharded or not, can load them (load_sharded). trainable_only: the policy's trainable parameters
+    (LoRA's adapters), not its frozen ones."""
     import torch.distributed.checkpoint as dcp
 
     path = directory / CHECKPOINT_DIR
-    state = _training_state(model, optim, critic, critic_optim)
+    state = _training_state(model, optim, critic, critic_optim, trainable_only)
     _checkpoint_call("cannot write", path, lambda: dcp.save(state, checkpoint_id=str(path)))
 
 
-def load_sharded(directory: Path, model, optim, critic=None, critic_optim=None) -> None:
+def load_sharded(directory: Path, model, optim, critic=None, critic_optim=None, trainable_only: bool = False) -> None:
     """The state save_sharded wrote, resharded to this learner's ranks (or to one unsharded process)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = directory / CHECKPOINT_DIR
-    state = _training_state(model, optim, critic, critic_optim)
+    state = _training_state(model, optim, critic, critic_optim, trainable_only)
     reader = _MetadataCheckedReader(str(path))
+    # Every key asked for must be in the checkpoint (dcp.load): with trainable_only, every adapter.
     _checkpoint_call("cannot load", path, lambda: dcp.load(state, checkpoint_id=str(path), storage_reader=reader))
-    set_state_dict(model, optim, model_state_dict=state["policy"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model,
+        optim,
+        model_state_dict=state["policy"],
+        optim_state_dict=state["optim"],
+        options=_policy_options(trainable_only),
+    )
     torch.set_rng_state(state["rng"])
     if critic is not None and "critic" in state:
         set_state_dict(critic, critic_optim, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
@@ -189,7 +204,8 @@ def load_policy_shards(directory: Path, model) -> None:
 
 def load_full(model, optim, model_state: dict, optim_state: dict | None) -> None:
     """A whole (unsharded) model and torch optimizer state dict, e.g. from a 1-rank checkpoint,
-    into this rank's shards. The optimizer state's parameter indices follow named_parameters()."""
+    into this rank's shards. The optimizer state's parameter indices follow named_parameters()
+    (those that require grad: the optimizer holds only them)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -197,10 +213,10 @@ def load_full(model, optim, model_state: dict, optim_state: dict | None) -> None
     )
 
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
+    set_model_state_dict(model, model_state, options=options)  # a partial state (LoRA) leaves the rest as is
     if optim_state is None:
         return
-    names = [name for name, _ in model.named_parameters()]
+    names = [name for name, p in model.named_parameters() if p.requires_grad]  # the optimizer's parameters
     by_name = {
         "state": {names[int(i)]: s for i, s in optim_state["state"].items()},
         "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in optim_state["param_groups"]],

@@ -35,7 +35,8 @@ Behaviour logprob of each token: ``log_softmax(logits / T)[token]`` with ``T`` t
 temperature (``T = 1`` for greedy), i.e. the full tempered distribution BEFORE top-k / top-p
 truncation. The learner computes the same quantity, so the importance ratio is well defined.
 
-Weight updates (:meth:`BuiltinEngine.update_weights`) copy in place between steps. Running
+Weight updates (:meth:`BuiltinEngine.update_weights`) copy in place between steps (LoRA pushes
+are merged into the weights in place, `slime.engines.builtin.lora_merge`). Running
 requests continue with the new weights but keep their KV cache, which was computed by the old
 weights; that staleness is accepted (as in vLLM/SGLang RL engines) and visible to the learner
 through the per-chunk ``version``.
@@ -61,6 +62,7 @@ from slime.config import JobConfig
 from slime.engines.builtin.fast_decoder import FastDecoder
 from slime.engines.builtin.generic_decoder import GenericDecoder, fast_decoder_for
 from slime.engines.builtin.hf_batch import HfBatch
+from slime.engines.builtin.lora_merge import LoraMerge
 from slime.engines.builtin.token_sampler import sample_tokens
 from slime.engines.contract import (
     GenerationChunk,
@@ -105,6 +107,7 @@ class BuiltinEngine:
         kept_kv_tokens: int = 0,
         record_routing: bool = False,
         cuda_graphs: bool | None = None,
+        lora_scaling: float | None = None,
     ):
         """``fast_path``: None uses the fast forward when the model fits it (checked against the
         model's own logits), False always uses the Hugging Face forward, True requires the fast one,
@@ -123,7 +126,10 @@ class BuiltinEngine:
         ``cuda_graphs`` (the hand-written fast path): decode-only steps run at static shapes and
         are replayed as CUDA graphs (`slime.engines.builtin.decode_graphs`). None: on when the device is
         CUDA; True elsewhere runs the same static steps eagerly (what the CPU tests check); False:
-        off."""
+        off.
+
+        ``lora_scaling`` (alpha / rank of ``learner.lora``): every push is a LoRA push, merged into
+        the weights (`slime.engines.builtin.lora_merge`); None: full pushes only."""
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.device = torch.device(device)
@@ -150,6 +156,7 @@ class BuiltinEngine:
         # Every name update_weights accepts: parameters (tied aliases included) and buffers.
         self._tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._tensors.update(model.named_buffers(remove_duplicate=False))
+        self._lora = None if lora_scaling is None else LoraMerge(self.model, lora_scaling)
 
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: list[_Seq] = []
@@ -214,6 +221,7 @@ class BuiltinEngine:
             kept_kv_tokens=cfg.rollout.kept_kv_tokens,
             record_routing=cfg.learner.routing_replay,
             cuda_graphs=cfg.rollout.cuda_graphs and cfg.rollout.device.startswith("cuda"),
+            lora_scaling=None if (lora := cfg.learner.lora) is None else lora.alpha / lora.rank,
         )
 
     # ------------------------------------------------------------------ public API
@@ -355,7 +363,16 @@ class BuiltinEngine:
         shape mismatch raises ValueError naming the tensor; tensors before it in the iterable are
         already applied and the version is NOT bumped, so the caller must resend the update.
         Running requests keep their KV cache (computed with the old weights) and continue.
+
+        With ``lora_scaling`` set the push is the LoRA adapters only, merged in place
+        (`LoraMerge.push`: W = W_base + scaling * B @ A); it is checked whole before anything is
+        merged, so a refused one (ValueError naming the tensor) leaves the weights as they were.
         """
+        if self._lora is not None:
+            with torch.no_grad(), _synchronized(self.device):
+                self._lora.push(named_tensors)
+            self._version = int(version)
+            return
         applied = 0
         with torch.no_grad(), _synchronized(self.device):
             for name, tensor in named_tensors:
@@ -424,6 +441,7 @@ class BuiltinEngine:
             "kv_resumes": self._kv_resumes,
             "kv_resumed_tokens": self._kv_resumed_tokens,
             "memory_releases": self._memory_releases,
+            "lora_base_bytes": 0 if self._lora is None else self._lora.base_bytes(),
             # Context tokens not prefilled because an identical context (a group's shared prompt)
             # was prefilled in the same forward.
             "shared_prefill_tokens": getattr(self._batch, "shared_prefill_tokens", 0),
