@@ -4,7 +4,7 @@ push, and the reward against wall-clock (issue 35).
 Part 1, the learner (one in-process `Learner`, a real redis-server for its buffer, no Ray): GRPO
 updates on a fixed batch of 4 prompts x 8 samples (responses 4 + Exp(14) tokens, capped at 64).
 Per arm: parameters, gradients and AdamW state in bytes (`Learner.memory()`, after an update),
-the process's peak RSS growth while the arm ran, the update's seconds, and one weight push
+the peak RSS of the arm's own process (each arm runs in a fresh one), the update's seconds, and one weight push
 (`publish_weights`: its bytes and seconds). Models, random-init from their transformers configs:
 - qwen3_moe: the example's model, the project's default tiny MoE (1.8M parameters);
 - llama: one more family, a dense Llama (3.2M);
@@ -14,16 +14,17 @@ LoRA targets the attention projections (q, k, v, o), alpha = 2 x rank; on the Mo
 are fused 3-D parameters that LoRA cannot target (docs/learner.md, "LoRA"). Arms alternate within
 each round (full, lora8, lora64), `--rounds` rounds.
 
-Part 2, the example task (the default job: tiny MoE, GRPO, the repeat task; `cluster.launcher=local`
-so no Ray start-up is timed): full fine-tuning at the job's learning rate against LoRA rank 8 and
-64 at LoRA's own rate (`--lora-lr`), `--seeds` seeds each, alternating (full, lora8, lora64, full,
-...). Each run trains `--steps` steps; the figures: the final reward (mean of the last 5 steps),
-its spread over seeds, and the wall-clock at which each LoRA arm's seed-mean curve (5-step moving
-average) first reaches full fine-tuning's final reward minus its seed spread (sd), as a ratio of
-full fine-tuning's wall-clock. The learning rates are fixed before the run (docs/benchmarks.md
-says how they were chosen); nothing is picked from these runs.
+Part 2, the example task (the example job's shape: tiny MoE, GRPO, the repeat task, 16 prompts x 8
+samples, 96 new tokens; `cluster.launcher=local` so no Ray start-up is timed): full fine-tuning at
+the example's learning rate (5e-4) against LoRA rank 8 and 64 at LoRA's own (1e-3, alpha = 2 x
+rank), `--seeds` seeds each, alternating (full, lora8, lora64, full, ...), `--steps` steps per run.
+The figures: the final reward (mean of the last 5 steps), its spread over seeds, and the
+wall-clock at which each arm's seed-mean curve (5-step moving average) first reaches full
+fine-tuning's final reward minus its seed spread (sd), as a ratio of full fine-tuning's
+wall-clock. LoRA's rate was fixed before these runs, by a one-seed pilot on a seed the runs do not
+use (docs/benchmarks.md); nothing is picked from these runs.
 
-    python benchmarks/lora.py [--rounds 3] [--seeds 3] [--steps 20] [--lora-lr 5e-3]
+    python benchmarks/lora.py [--rounds 3] [--seeds 3] [--steps 60] [--lora-lr 1e-3]
 
 Prints tables, then LAST one JSON line.
 """
@@ -36,6 +37,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,11 +110,9 @@ def fixed_batch(vocab: int, seed: int = 0) -> tuple[list[Sample], list[int]]:
     return samples, group_ids
 
 
-def peak_rss_bytes() -> float:
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def learner_arm(arm: str, model_dir: Path, redis_url: str, batch, steps: int, out_dir: Path) -> dict:
+def learner_arm(arm: str, model_dir: Path, redis_url: str, steps: int, out_dir: Path) -> dict:
+    """One arm in this process (a fresh one per arm: its peak RSS is the arm's own)."""
+    torch.set_num_threads(1)
     cfg = load_config(
         None,
         [
@@ -123,9 +123,8 @@ def learner_arm(arm: str, model_dir: Path, redis_url: str, batch, steps: int, ou
             *lora_overrides(ARMS[arm]),
         ],
     )
-    rss_before = peak_rss_bytes()
     learner = Learner(cfg, str(model_dir), redis_url)
-    samples, group_ids = batch
+    samples, group_ids = fixed_batch(102)
     learner.update(samples, group_ids, 0)  # warm-up: AdamW's state exists from here
     times = []
     for step in range(steps):
@@ -141,7 +140,7 @@ def learner_arm(arm: str, model_dir: Path, redis_url: str, batch, steps: int, ou
         "param_bytes": memory["param_bytes"],
         "grad_bytes": memory["grad_bytes"],
         "optimizer_bytes": memory["optimizer_bytes"],
-        "peak_rss_growth_bytes": max(0.0, peak_rss_bytes() - rss_before),
+        "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
         "push_bytes": float(handle.total_bytes),
         "push_s": push_s,
     }
@@ -150,16 +149,25 @@ def learner_arm(arm: str, model_dir: Path, redis_url: str, batch, steps: int, ou
     return out
 
 
+def learner_arm_in_subprocess(arm: str, model_dir: Path, redis_url: str, steps: int, out_dir: Path) -> dict:
+    cmd = [sys.executable, __file__, "--learner-arm", arm, "--model-dir", str(model_dir), "--redis-url", redis_url]
+    proc = subprocess.run(
+        [*cmd, "--learner-steps", str(steps), "--out-dir", str(out_dir)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"learner arm {arm} on {model_dir.name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def part_learner(args, tmp: Path, redis_url: str) -> dict[str, dict[str, list[dict]]]:
     names = ["qwen3_moe"] if args.smoke else ["qwen3_moe", "llama", "llama_58m"]
     dirs = build_models(tmp / "models", names)
-    batch = fixed_batch(102)
     runs: dict[str, dict[str, list[dict]]] = {m: {a: [] for a in ARMS} for m in names}
     for r in range(args.rounds):
         for model in names:
             steps = 1 if model == "llama_58m" or args.smoke else args.learner_steps
             for arm in ARMS:
-                res = learner_arm(arm, dirs[model], redis_url, batch, steps, tmp / "learner")
+                res = learner_arm_in_subprocess(arm, dirs[model], redis_url, steps, tmp / "learner")
                 runs[model][arm].append(res)
                 print(
                     f"round {r} {model:10s} {arm:7s} step {res['step_s'] * 1000:8.1f} ms  optimizer "
@@ -174,7 +182,7 @@ def part_learner(args, tmp: Path, redis_url: str) -> dict[str, dict[str, list[di
 def job_run(arm: str, seed: int, args, tmp: Path) -> dict:
     from slime.train import train
 
-    lr = [] if ARMS[arm] is None else [f"learner.lr={args.lora_lr}"]
+    lr = [f"learner.lr={args.full_lr if ARMS[arm] is None else args.lora_lr}"]
     cfg = load_config(
         None,
         [
@@ -247,14 +255,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="part 1: rounds of the learner arms")
     ap.add_argument("--learner-steps", type=int, default=2, help="part 1: timed updates per arm")
     ap.add_argument("--seeds", type=int, default=3, help="part 2: seeds per arm")
-    ap.add_argument("--steps", type=int, default=20, help="part 2: steps per run")
-    ap.add_argument("--batch-size", type=int, default=4, help="part 2: prompts per step (8 samples each)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--lora-lr", type=float, default=5e-3, help="part 2: LoRA's learning rate (full: the job's)")
+    ap.add_argument("--steps", type=int, default=60, help="part 2: steps per run")
+    ap.add_argument("--batch-size", type=int, default=16, help="part 2: prompts per step (8 samples each)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--full-lr", type=float, default=5e-4, help="part 2: full fine-tuning's (the example's)")
+    ap.add_argument("--lora-lr", type=float, default=1e-3, help="part 2: LoRA's (a pilot's pick, docs/benchmarks.md)")
     ap.add_argument("--smoke", action="store_true", help="smallest settings, checks it runs (not figures to quote)")
+    ap.add_argument("--learner-arm", choices=list(ARMS), help=argparse.SUPPRESS)  # part 1's child process
+    ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--redis-url", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.learner_arm:
+        print(
+            json.dumps(learner_arm(args.learner_arm, args.model_dir, args.redis_url, args.learner_steps, args.out_dir))
+        )
+        return
     if args.smoke:
         args.rounds, args.learner_steps, args.seeds, args.steps = 1, 1, 1, 2
+        args.batch_size, args.max_new_tokens = 2, 16
     torch.set_num_threads(1)
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp_dir, LocalRedisServer(Path(tmp_dir) / "redis", aof=False) as redis:
@@ -281,9 +300,7 @@ def main() -> None:
             line[f"{key}_param_bytes"] = rs[0]["param_bytes"]
             line[f"{key}_grad_plus_optimizer_bytes"] = state
             line[f"{key}_grad_plus_optimizer_share_of_full"] = round(share, 4)
-            line[f"{key}_peak_rss_growth_mib"] = round(
-                statistics.fmean(r["peak_rss_growth_bytes"] for r in rs) / 2**20, 1
-            )
+            line[f"{key}_peak_rss_mib"] = round(statistics.fmean(r["peak_rss_bytes"] for r in rs) / 2**20, 1)
             line[f"{key}_push_bytes"] = rs[0]["push_bytes"]
             line[f"{key}_push_share_of_full"] = round(push_share, 4)
             line[f"{key}_push_ms"] = round(statistics.fmean(r["push_s"] for r in rs) * 1000, 2)
@@ -295,7 +312,7 @@ def main() -> None:
             f"wall {figures[f'{arm}_wall_s']:.1f} s  to full's final-sd: {figures[f'{arm}_wall_to_full_final_ratio']}"
         )
     line.update({f"example_{k}": v for k, v in figures.items()})
-    line["lora_lr"], line["steps"], line["seeds"] = args.lora_lr, args.steps, args.seeds
+    line["full_lr"], line["lora_lr"], line["steps"], line["seeds"] = args.full_lr, args.lora_lr, args.steps, args.seeds
     line["wall_s"] = round(time.time() - started, 1)
     print(json.dumps(line))
 
