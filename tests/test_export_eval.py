@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from envs import repeat
+from slime.cli import main
 from slime.config import EvalConfig, load_config
 from slime.data import PromptRecord, write_jsonl
 from slime.engines.builtin import BuiltinEngine
@@ -143,24 +142,30 @@ def test_a_job_evaluates_on_its_engines_exports_every_checkpoint_and_slime_eval_
 
     assert main_eval([str(run), "--step", "2", "--data", str(run / "eval_prompts.jsonl"), "eval.samples=0"]) == 0
     # the engine at the last step held this checkpoint's weights: the same greedy responses
-    out = _eval_json([str(run), "--data", str(run / "eval_prompts.jsonl"), "--samples", "2"])
+    out = _eval_json(capsys, [str(run), "--data", str(run / "eval_prompts.jsonl"), "--samples", "2"])
     assert out["greedy_reward_mean"] == pytest.approx(history[-1]["eval/greedy_reward_mean"], abs=1e-9)
     assert out["prompts"] == 8 and out["source"] == str(checkpoint)
 
 
-def _eval_json(args: list[str]) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "slime.cli", "eval", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`slime ARGV` in this process (the CLI's own entry: errors become exit 2 and one line)."""
+    capsys.readouterr()
+    code = main(list(argv))
+    said = capsys.readouterr()
+    return code, said.out, said.err
 
 
-def test_slime_eval_of_a_model_dir_is_what_plain_generate_and_the_reward_give(tiny_model_dir, tmp_path):
+def _eval_json(capsys, args: list[str]) -> dict:
+    code, out, err = _cli(capsys, "eval", *args)
+    assert code == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_slime_eval_of_a_model_dir_is_what_plain_generate_and_the_reward_give(tiny_model_dir, tmp_path, capsys):
     """An independent check of the greedy figure: transformers' generate, decoded, scored by the
     example's reward."""
     data = write_jsonl(repeat.make_dataset(8, seed=123), tmp_path / "held_out.jsonl")
-    out = _eval_json([str(tiny_model_dir), "--data", str(data), "rollout.max_new_tokens=24"])
+    out = _eval_json(capsys, [str(tiny_model_dir), "--data", str(data), "rollout.max_new_tokens=24"])
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rewards = []
@@ -185,17 +190,16 @@ def test_slime_eval_of_a_model_dir_is_what_plain_generate_and_the_reward_give(ti
         (["eval", "{tmp}/nowhere", "--data", "{tmp}/d.jsonl"], "neither a run dir"),
     ],
 )
-def test_bad_paths_and_steps_get_one_line_naming_them(tmp_path, args, said):
+def test_bad_paths_and_steps_get_one_line_naming_them(tmp_path, capsys, args, said):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     if "7" in args:
         (run / "checkpoints" / "step_000003").mkdir()
         (run / "checkpoints" / "step_000003" / "driver_state.json").write_text('{"next_step": 3}')
-    argv = [a.format(run=run, tmp=tmp_path) for a in args]
-    proc = subprocess.run([sys.executable, "-m", "slime.cli", *argv], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    first = proc.stderr.strip().splitlines()[0]
-    assert first.startswith("slime: ") and said in first and "Traceback" not in proc.stderr
+    code, _, err = _cli(capsys, *(a.format(run=run, tmp=tmp_path) for a in args))
+    assert code == 2, err[-2000:]
+    first = err.strip().splitlines()[0]
+    assert first.startswith("slime: ") and said in first and "Traceback" not in err
 
 
 def test_an_export_replaces_the_old_one_whole_and_names_its_checkpoint(tiny_model_dir, tmp_path):
@@ -224,7 +228,7 @@ def test_an_export_replaces_the_old_one_whole_and_names_its_checkpoint(tiny_mode
 
 
 @pytest.mark.slow
-def test_a_lora_job_exports_its_adapters_for_peft_and_merged_for_transformers(tiny_model_dir, tmp_path):
+def test_a_lora_job_exports_its_adapters_for_peft_and_merged_for_transformers(tiny_model_dir, tmp_path, capsys):
     """learner.lora: `slime export` writes the adapters as a PEFT directory (PeftModel.from_pretrained
     on the base), `--merged` and checkpoint.export_hf the base with them merged; both give the same
     model, trained away from the base, and the engine's greedy tokens; `slime eval` scores it."""
@@ -238,15 +242,8 @@ def test_a_lora_job_exports_its_adapters_for_peft_and_merged_for_transformers(ti
                              f"model.path={tiny_model_dir}", *TINY_JOB, *overrides]))  # fmt: skip
     checkpoint = find_checkpoint(run)
     assert (checkpoint / "adapter" / "adapter_config.json").is_file() and not (checkpoint / "policy").exists()
-    proc = subprocess.run(
-        [sys.executable, "-m", "slime.cli", "export", str(run), "--out", str(tmp_path / "adapter")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "PeftModel.from_pretrained" in proc.stdout
+    code, out, err = _cli(capsys, "export", str(run), "--out", str(tmp_path / "adapter"))
+    assert code == 0 and "PeftModel.from_pretrained" in out, err[-2000:]
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with_adapters = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload()
     merged = AutoModelForCausalLM.from_pretrained(checkpoint / "hf", dtype=torch.float32)
@@ -257,5 +254,5 @@ def test_a_lora_job_exports_its_adapters_for_peft_and_merged_for_transformers(ti
         torch.testing.assert_close(with_adapters.state_dict()[name], tensor, rtol=0, atol=1e-6)
     assert_greedy_tokens_match(checkpoint / "hf", merged, _prompts(AutoTokenizer.from_pretrained(checkpoint / "hf")))
     data = write_jsonl(repeat.make_dataset(8, seed=5), tmp_path / "held_out.jsonl")
-    out = _eval_json([str(run), "--data", str(data)])
+    out = _eval_json(capsys, [str(run), "--data", str(data)])
     assert out["prompts"] == 8 and 0 <= out["greedy_reward_mean"] <= 1
