@@ -167,7 +167,9 @@ def part_learner(args, tmp: Path, redis_url: str) -> dict[str, dict[str, list[di
         for model in names:
             steps = 1 if model == "llama_58m" or args.smoke else args.learner_steps
             for arm in ARMS:
-                res = learner_arm_in_subprocess(arm, dirs[model], redis_url, steps, tmp / "learner")
+                # --smoke: in this process (its peak RSS is then not the arm's own; not a figure to quote)
+                run_arm = learner_arm if args.smoke else learner_arm_in_subprocess
+                res = run_arm(arm, dirs[model], redis_url, steps, tmp / "learner")
                 runs[model][arm].append(res)
                 print(
                     f"round {r} {model:10s} {arm:7s} step {res['step_s'] * 1000:8.1f} ms  optimizer "
