@@ -51,12 +51,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from benchmarks import models as zoo  # noqa: E402
 from benchmarks.families import tiny_model  # noqa: E402
+from benchmarks.learner_step import fixed_batch  # noqa: E402
 from benchmarks.spread import mean_sd  # noqa: E402
 from slime.buffer.redis_server import LocalRedisServer  # noqa: E402
 from slime.config import TinyModelConfig, load_config  # noqa: E402
 from slime.learner import Learner  # noqa: E402
 from slime.model import build_char_tokenizer, build_tiny_moe  # noqa: E402
-from slime.sample import Sample, Status  # noqa: E402
 
 PROMPTS, SAMPLES, MAX_NEW = 4, 8, 64
 ARMS = {"full": None, "lora8": 8, "lora64": 64}
@@ -95,21 +95,6 @@ def build_models(root: Path, names: list[str]) -> dict[str, Path]:
     return dirs
 
 
-def fixed_batch(vocab: int, seed: int = 0) -> tuple[list[Sample], list[int]]:
-    rng = np.random.default_rng(seed)
-    samples, group_ids = [], []
-    for g in range(PROMPTS):
-        prompt = rng.integers(6, min(vocab, 100), size=int(rng.integers(20, 40))).tolist()
-        for i in range(SAMPLES):
-            n = int(min(MAX_NEW, 4 + rng.exponential(14)))
-            s = Sample(group_id=f"g{g}", index=i, prompt_ids=prompt, max_new_tokens=MAX_NEW)
-            s.append(rng.integers(6, min(vocab, 100), size=n), -rng.random(n).astype(np.float32) - 0.5, 0)
-            s.status, s.reward = Status.COMPLETED, float(rng.random() < 0.5)
-            samples.append(s)
-            group_ids.append(g)
-    return samples, group_ids
-
-
 def learner_arm(arm: str, model_dir: Path, redis_url: str, steps: int, out_dir: Path) -> dict:
     """One arm in this process (a fresh one per arm: its peak RSS is the arm's own)."""
     torch.set_num_threads(1)
@@ -124,7 +109,7 @@ def learner_arm(arm: str, model_dir: Path, redis_url: str, steps: int, out_dir: 
         ],
     )
     learner = Learner(cfg, str(model_dir), redis_url)
-    samples, group_ids = fixed_batch(102)
+    samples, group_ids = fixed_batch(102, "long_tail")  # learner_step.py's batch
     learner.update(samples, group_ids, 0)  # warm-up: AdamW's state exists from here
     times = []
     for step in range(steps):
