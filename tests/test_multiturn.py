@@ -5,11 +5,13 @@ the right turn; every limit ends the episode with a status naming it."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
 import pytest
 
+from slime.algorithms.batch import collate
 from slime.buffer import TrajectoryStore
 from slime.config import load_config
 from slime.engines.builtin import BuiltinEngine
@@ -40,6 +42,25 @@ class ScriptedEnv:
             raise RuntimeError("scripted failure")
         observation = self.observation if self.observation is not None else f"[obs {self.turn}]"
         return observation, 0.25, self.turn == self.done_at, {"turn": self.turn, "action": action}
+
+
+class SnapshotEnv(ScriptedEnv):
+    """ScriptedEnv that keeps a snapshot: a resumed episode is restored from it, never replayed (a
+    replayed step would record "replayed" in its info)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tag = "fresh"
+
+    def step(self, action: str):
+        observation, reward, done, info = super().step(action)
+        return observation, reward, done, {**info, "tag": self.tag}
+
+    def snapshot(self) -> dict:
+        return {"turn": self.turn, "tag": self.tag}
+
+    def restore(self, sample: Sample, snapshot: dict) -> None:
+        self.turn, self.tag = snapshot["turn"], f"restored from {snapshot['tag']}"
 
 
 def obs_ids(tokenizer, k: int) -> list[int]:
@@ -172,6 +193,76 @@ def test_aborted_partials_resume_in_the_right_turn(buffer, redis_url, tiny_model
         assert s.metadata["env_turns"] == 3 and s.reward == pytest.approx(0.75), name
 
 
+@pytest.mark.parametrize("snapshot_matches", [True, False])
+def test_resume_restores_the_env_snapshot_stored_with_the_observation(
+    buffer, redis_url, tiny_model_dir, tmp_path, reference, snapshot_matches
+):
+    """A partial whose last observation was stored with an env snapshot resumes from that snapshot
+    (no step runs again); a snapshot of another transcript length is ignored and the env replays."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    upto = 5 + len(obs_ids(tokenizer, 1)) + 2  # inside model turn 2
+    (gid,) = [buffer.add_group(PROMPT, 1, 80, {"label": "ababab"})]
+    (sample,) = buffer.lease("setup", 1)
+    ids, lps, mask = reference
+    at_length = 5 + len(obs_ids(tokenizer, 1)) + (0 if snapshot_matches else 1)
+    state = {"at_length": at_length, "turns": 1, "env_return": 0.25, "infos": [{"turn": 1}]}
+    buffer.append_chunk(sample.id, "setup", ids[:5], lps[:5], 0, loss_mask=1)
+    buffer.append_chunk(
+        sample.id,
+        "setup",
+        ids[5:upto],
+        lps[5:upto],
+        0,
+        loss_mask=mask[5:upto],
+        stored_length=5,
+        env_state=json.dumps({**state, "state": {"turn": 1, "tag": "turn-1 snapshot"}}),
+    )
+    buffer.release(sample.id, "setup")
+    assert json.loads(buffer.env_state(sample.id))["state"]["tag"] == "turn-1 snapshot"
+    cfg = job_config(buffer, tmp_path, "env.plugin=tests.test_multiturn:SnapshotEnv")
+    run_worker(cfg, tiny_model_dir, redis_url, buffer, [gid])
+    (s,) = buffer.get_group(gid)
+    assert s.status == Status.COMPLETED and s.metadata["env_turns"] == 3 and s.reward == pytest.approx(0.75)
+    assert_matches_reference(s, reference)
+    stats = buffer.stats()
+    tags = [i["tag"] for i in s.metadata["env_infos"] if "tag" in i]
+    if snapshot_matches:
+        assert tags == ["restored from turn-1 snapshot"] * 2
+        assert stats.get("env_snapshot_restores") == 1 and not stats.get("env_replays")
+    else:
+        assert tags == ["fresh"] * 3  # turn 1 replayed, then turns 2 and 3
+        assert stats.get("env_replays") == 1 and not stats.get("env_snapshot_restores")
+    assert buffer.env_state(sample.id) is None  # a finished episode keeps no snapshot
+
+
+def test_every_observation_is_stored_with_its_snapshot(buffer, redis_url, tiny_model_dir, tmp_path):
+    """Live: while an episode runs, the stored snapshot always belongs to the stored transcript."""
+    from slime.rollout import RolloutWorker
+
+    cfg = job_config(
+        buffer, tmp_path, "env.plugin=tests.test_multiturn:SnapshotEnv", "env.kwargs={done_at: 3, sleep_s: 0.3}"
+    )
+    (gid,) = [buffer.add_group(PROMPT, 1, 80, {"label": "ababab"})]
+    worker = RolloutWorker(cfg, str(tiny_model_dir), redis_url, "w-snap")
+    seen = set()
+    try:
+        deadline = time.time() + 60
+        while buffer.counts()["groups_ready"] == 0 and time.time() < deadline:
+            (s,) = buffer.get_group(gid)
+            raw = buffer.env_state(s.id)
+            if raw is not None and s.status != Status.COMPLETED:
+                state = json.loads(raw)
+                # The transcript may have grown past the snapshot (the next model turn), never fallen short.
+                assert s.response_length >= state["at_length"] and s.loss_mask[state["at_length"] - 1] == 0
+                assert state["state"]["turn"] == state["turns"]
+                seen.add(state["turns"])
+            time.sleep(0.05)
+        assert worker.error is None, worker.error
+    finally:
+        worker.stop()
+    assert seen == {1, 2}
+
+
 def test_live_abort_while_env_steps_run_resumes_exactly(buffer, redis_url, tiny_model_dir, tmp_path, reference):
     from slime.rollout import RolloutWorker
 
@@ -205,6 +296,20 @@ def test_live_abort_while_env_steps_run_resumes_exactly(buffer, redis_url, tiny_
             lambda s: s.metadata["env_turns"] == 2 and int(np.sum(np.diff(s.loss_mask) == 1)) == 1,
         ),
         (["rollout.max_new_tokens=14"], Status.TRUNCATED, "max_new_tokens", lambda s: s.response_length <= 14),
+        (
+            ["env.max_episode_tokens=22", "env.kwargs={done_at: 0}", "env.max_turns=50"],
+            Status.TRUNCATED,
+            "max_episode_tokens",
+            lambda s: len(PROMPT) + s.response_length <= 22 and "loss_masked" not in s.metadata,
+        ),
+        (
+            ["env.kwargs={done_at: 0}", "env.max_turns=2", "env.truncated_episodes=mask"],
+            Status.TRUNCATED,
+            "max_turns",
+            lambda s: (
+                s.metadata["loss_masked"] == "truncated: max_turns" and collate([s], [0], pad_id=0).mask.sum() == 0
+            ),
+        ),
         (
             ["env.kwargs={done_at: 2, observation: 'a very long observation text'}", "env.max_observation_tokens=4"],
             Status.COMPLETED,
@@ -242,6 +347,20 @@ def test_limits_end_the_episode_and_say_which(
     assert s.status == status
     assert reason in (s.failure if status == Status.FAILED else s.metadata["env_end"])
     assert check(s), (s.response_length, s.loss_mask.tolist(), s.metadata)
+
+
+def test_long_observations_keep_head_and_tail(buffer, redis_url, tiny_model_dir, tmp_path):
+    text = "HEAD:" + "m" * 300 + ":TAIL"
+    cfg = job_config(
+        buffer, tmp_path, f"env.kwargs={{done_at: 2, observation: '{text}'}}", "env.max_observation_tokens=60"
+    )
+    groups = [buffer.add_group(PROMPT, 1, 80, {"label": "ababab"})]
+    _, (s,) = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
+    observation = s.response_ids[s.loss_mask == 0].tolist()
+    assert len(observation) == 60
+    kept = load_tokenizer(tiny_model_dir).decode(observation)
+    assert kept.startswith("HEAD:mmm") and kept.endswith("mmm:TAIL")
+    assert f"[...middle of {len(text)} tokens cut...]" in kept
 
 
 def test_reward_fn_mode_scores_the_transcript(buffer, redis_url, tiny_model_dir, tmp_path):

@@ -83,7 +83,8 @@ def collate(samples: list[Sample], group_ids: list[int], pad_id: int) -> Batch:
         # Logits at position j predict token j+1; padding rows point at a valid position, masked out.
         response_pos[i] = torch.clamp(torch.arange(t_max) + p - 1, max=width - 1)
         response_ids[i, :r] = input_ids[i, p : p + r]
-        if s.status != Status.FAILED:
+        # A failed sample, or an episode the env settings keep out of the loss (env.truncated_episodes).
+        if s.status != Status.FAILED and not s.metadata.get("loss_masked"):
             mask[i, :r] = torch.from_numpy(s.loss_mask.astype(np.float32))
         # astype copies: arrays that came through Ray's object store are read-only.
         behaviour[i, :r] = torch.from_numpy(s.logprobs.astype(np.float32))

@@ -18,6 +18,9 @@ Cluster the prefix is `slime:{<job>}:`: the hash tag keeps every key of the job 
                                 created_at, updated_at, lease_owner, trained_upto (absent fields mean None)
     sample:<sid>:tok|lp|ver|mask  per-token arrays as little-endian int32/float32/int32/int8 bytes,
                                 grown with APPEND so a chunk costs O(chunk)
+    sample:<sid>:route          routing replay: the tokens' recorded experts, the same bytes per token
+    sample:<sid>:env            a multi-turn env's snapshot (JSON) as of the last observation, written in
+                                the same script as that observation; deleted when the sample finishes
     group:<gid>                 hash: n, done, status (open|ready|claimed|trained|dropped), metadata,
                                 created_at, claimed_step, drop_reason, trained_members, pruned (1: its
                                 samples and list were deleted, buffer.keep_trained_steps after training)

@@ -182,15 +182,20 @@ class TrajectoryStore:
         loss_mask: int | np.ndarray | Sequence[int] = 1,
         stored_length: int | None = None,
         routing: bytes | None = None,
+        env_state: str | None = None,
     ) -> int:
         """Append one chunk to the four per-token arrays and refresh the lease. Returns the new length.
         ``stored_length``: the length the caller knows is stored; a shorter stored trajectory raises
         ChunksLostError instead of appending after a gap, and a resend of a chunk already applied
         (its reply lost to a Redis restart) changes nothing. Without it neither is checked.
         ``routing``: the tokens' recorded experts, the same number of bytes per token (routing
-        replay); a trajectory's tokens without any (an environment's) read as none recorded."""
+        replay); a trajectory's tokens without any (an environment's) read as none recorded.
+        ``env_state``: a multi-turn env's snapshot (JSON) as it stands after this chunk, stored in the
+        same atomic step (`env_state`)."""
         tokens, lps, versions, mask = normalize_chunk(token_ids, logprobs, version, loss_mask)
         args = self._append_args(sample_id, worker_id, tokens, lps, versions, mask, stored_length, routing)
+        if env_state is not None:
+            args.append(env_state)
         code, detail = self._append(args=args)
         self._raise_for(code, detail, sample_id, worker_id)
         return int(detail)
@@ -427,6 +432,11 @@ class TrajectoryStore:
         return removed
 
     # ---- reads --------------------------------------------------------------------------------
+
+    def env_state(self, sample_id: str) -> str | None:
+        """The env snapshot last stored with an observation of this unfinished sample (None: none)."""
+        raw = self.redis.get(self._key("sample", sample_id, "env"))
+        return None if raw is None else raw.decode() if isinstance(raw, bytes) else raw
 
     def get_sample(self, sample_id: str) -> Sample:
         samples = load_samples(self.connection, [sample_id])

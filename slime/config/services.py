@@ -73,7 +73,22 @@ class EnvConfig(_Strict):
     max_turn_tokens: int = Field(
         64, gt=0, description="Tokens per model turn (rollout.max_new_tokens caps the episode)."
     )
-    max_observation_tokens: int = Field(128, gt=0, description="Longer observations are cut to this many tokens.")
+    max_observation_tokens: int = Field(
+        128,
+        gt=0,
+        description="Longer observations keep their head and tail, with a marker between, in this many tokens.",
+    )
+    max_episode_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="The context budget: prompt, model turns and observations together; an episode that "
+        "reaches it ends truncated (reason max_episode_tokens). None: rollout.max_new_tokens alone caps it.",
+    )
+    truncated_episodes: Literal["train", "mask"] = Field(
+        "train",
+        description="A truncated episode (a turn, token or time limit) still trains on its tokens (train), "
+        "or keeps its reward for its group's baseline but none of its tokens in the loss (mask).",
+    )
     max_turn_seconds: float | None = Field(
         None, gt=0, description="A model turn running longer ends the episode (truncated)."
     )

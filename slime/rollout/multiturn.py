@@ -11,18 +11,31 @@ Turn state lives in the stored sample itself, so an APRIL-aborted trajectory res
 turn on any worker: the model turns are the runs of loss mask 1, the observations the runs of
 mask 0 (so a non-final observation must be at least one token). A trailing mask-1 run is a finished
 turn whose observation is still owed when it ends with a stop token or has `max_turn_tokens`
-tokens (or the episode's token budget is spent); otherwise the model continues that turn. On
-resume the env is rebuilt by `reset` plus a replay of the stored actions (their observations are
-discarded: the stored tokens are the record), so env steps should be deterministic in the action
-history; the episode's return is the sum of the replayed and the new step rewards.
+tokens (or the episode's token budget is spent); otherwise the model continues that turn.
+
+The env's own state comes back one of two ways on resume:
+- snapshot: an env with `snapshot() -> dict` and `restore(sample, snapshot)` (envs/swe.py: a
+  workspace and its tool history) has its snapshot stored with every observation, in the same
+  buffer write (`append_chunk(env_state=...)`), tagged with the transcript length it belongs to.
+  The resumed episode is `reset` then `restore`d when that length is where the stored transcript's
+  last observation ends: no tool runs again, and a job killed outright resumes the same way (the
+  snapshot is in Redis with the tokens). Costly or non-deterministic tools need this.
+- replay: any other env is rebuilt by `reset` plus a replay of the stored actions (their
+  observations are discarded: the stored tokens are the record), so its steps should be
+  deterministic in the action history. A snapshot that does not match the transcript (none
+  written yet) also falls back to replay.
+Either way the episode's return is the sum of the restored (or replayed) and the new step rewards.
 
 Env calls (construction, reset, replay, step) run on a small thread pool, never on the
 generation thread; `MultiTurnRollout.poll` collects finished ones between two decode steps.
 Limits: `max_turns` model turns, `max_turn_tokens` per model turn, `max_observation_tokens` per
-observation (longer ones are cut), `rollout.max_new_tokens` for the whole response (observations
-included), `max_turn_seconds` per model turn and `max_episode_seconds` per episode (both end the
-episode as truncated; the episode clock restarts when a resumed episode is admitted), and
-`step_timeout_s` per env call (fails the sample, naming the limit).
+observation (longer ones keep their head and tail around a marker), `rollout.max_new_tokens` for
+the whole response (observations included), `max_episode_tokens` for prompt and response together
+(the context budget), `max_turn_seconds` per model turn and `max_episode_seconds` per episode (all
+end the episode as truncated, naming the limit; the episode clock restarts when a resumed episode
+is admitted; `truncated_episodes: mask` keeps a truncated episode out of the loss), and
+`step_timeout_s` per env call (fails the sample, naming the limit). An env that ends the episode
+itself may name why in `info["end_reason"]` (a policy that wrote outside its workspace, looped).
 """
 
 from __future__ import annotations
@@ -76,17 +89,26 @@ class EpisodeEnd:
     env_return: float  # sum of the env's step rewards
     turns: int  # model turns the env answered
     infos: list[dict[str, Any]] = field(default_factory=list)
+    loss_masked: bool = False  # a truncated episode under env.truncated_episodes=mask
 
     def metadata(self) -> dict[str, Any]:
         # Step infos are the env's own dicts: keep the last few, JSON-safe.
         infos = json.loads(json.dumps(self.infos[-8:], default=str))
-        return {"env_turns": self.turns, "env_return": self.env_return, "env_end": self.reason, "env_infos": infos}
+        out = {"env_turns": self.turns, "env_return": self.env_return, "env_end": self.reason, "env_infos": infos}
+        if self.loss_masked:
+            out["loss_masked"] = f"truncated: {self.reason}"
+        return out
 
 
 @dataclass
 class _EnvOutcome:
     observation_ids: list[int]  # appended with loss mask 0 (may be empty)
     end: EpisodeEnd | None = None
+    env_state: str | None = None  # the env's snapshot after this step, stored with the observation
+
+
+ENV_SNAPSHOT_INFOS = 8  # step infos carried in a snapshot (the episode's metadata keeps as many)
+OBSERVATION_CUT = "\n[...middle of {n} tokens cut...]\n"
 
 
 @dataclass(eq=False)
@@ -191,6 +213,7 @@ class MultiTurnRollout:
                         version,
                         loss_mask=0,
                         stored_length=ep.sample.response_length,
+                        env_state=outcome.env_state,
                     )
                 except (LeaseLostError, KeyError):
                     del self.episodes[sid]  # requeued meanwhile: another worker has it now
@@ -203,6 +226,7 @@ class MultiTurnRollout:
             end = outcome.end or self._limit_end(ep, now)
             if end is not None:
                 del self.episodes[sid]
+                end.loss_masked = end.status == Status.TRUNCATED and self.cfg.truncated_episodes == "mask"
                 out.append((ep.sample, end))
             else:
                 out.append((ep.sample, self._next_request(ep)))
@@ -259,16 +283,23 @@ class MultiTurnRollout:
         open_tokens = 0
         if layout.open_turn is not None and not layout.open_turn_finished:
             open_tokens = layout.open_turn[1] - layout.open_turn[0]
-        budget = min(self.cfg.max_turn_tokens - open_tokens, sample.remaining_tokens)
+        return min(self.cfg.max_turn_tokens - open_tokens, self._room(sample)[0])
+
+    def _room(self, sample: Sample) -> tuple[int, str]:
+        """Tokens the episode may still grow by, and the limit that sets it."""
+        rooms = [(sample.remaining_tokens, "max_new_tokens")]
+        used = len(sample.prompt_ids) + sample.response_length
+        if self.cfg.max_episode_tokens is not None:
+            rooms.append((self.cfg.max_episode_tokens - used, "max_episode_tokens"))
         if self.max_seq_len is not None:
-            budget = min(budget, self.max_seq_len - len(sample.prompt_ids) - sample.response_length)
-        return budget
+            rooms.append((self.max_seq_len - used, "max_seq_len"))
+        return min(rooms)
 
     def _limit_end(self, ep: _Episode, now: float) -> EpisodeEnd | None:
         if self.cfg.max_episode_seconds is not None and now - ep.started_at > self.cfg.max_episode_seconds:
             return ep.end(Status.TRUNCATED, "max_episode_seconds")
         if self._turn_budget(ep.sample) <= 0:
-            return ep.end(Status.TRUNCATED, "max_new_tokens")
+            return ep.end(Status.TRUNCATED, self._room(ep.sample)[1])
         return None
 
     def _next_request(self, ep: _Episode) -> GenerationRequest:
@@ -295,29 +326,65 @@ class MultiTurnRollout:
         if sample.response_length == 0:
             return _EnvOutcome(self._encode_observation(observation, sample))
         layout = read_layout(sample, self.stop_ids, self.cfg.max_turn_tokens)
-        for span in layout.answered:  # replay: rebuild the env's state; the stored observations stand
-            _, _, done, _ = self._call_step(ep, self._action_text(sample, span))
-            if done:
-                return _EnvOutcome([], ep.end(Status.COMPLETED, "done"))
+        if not self._restore_snapshot(ep, layout):
+            if layout.answered:
+                self.buffer.incr_stat("env_replays")
+            for span in layout.answered:  # replay: rebuild the env's state; the stored observations stand
+                _, _, done, info = self._call_step(ep, self._action_text(sample, span))
+                if done:
+                    return _EnvOutcome([], ep.end(Status.COMPLETED, _end_reason(info)))
         if layout.open_turn is not None and layout.open_turn_finished:
             return self._step(ep, self._action_text(sample, layout.open_turn))
         return _EnvOutcome([])
 
+    def _restore_snapshot(self, ep: _Episode, layout: TurnLayout) -> bool:
+        """Restore the env from the snapshot stored with the transcript's last observation; False when
+        the env keeps none or the stored one belongs to another transcript length (then: replay)."""
+        restore = getattr(ep.env, "restore", None)
+        if restore is None or not layout.answered:
+            return False
+        raw = self.buffer.env_state(ep.sample.id)
+        stored = json.loads(raw) if raw else None
+        # The snapshot belongs to the transcript up to the end of the observation it was stored with.
+        boundary = layout.open_turn[0] if layout.open_turn is not None else ep.sample.response_length
+        if stored is None or stored["at_length"] != boundary or stored["turns"] != len(layout.answered):
+            return False
+        restore(ep.sample, stored["state"])
+        ep.turns_done, ep.env_return, ep.infos = stored["turns"], stored["env_return"], stored["infos"]
+        self.buffer.incr_stat("env_snapshot_restores")
+        return True
+
     def _step(self, ep: _Episode, action: str) -> _EnvOutcome:
-        observation, _, done, _ = self._call_step(ep, action)
+        observation, _, done, info = self._call_step(ep, action)
         if done:
-            return _EnvOutcome([], ep.end(Status.COMPLETED, "done"))
+            return _EnvOutcome([], ep.end(Status.COMPLETED, _end_reason(info)))
         if ep.turns_done >= self.cfg.max_turns:
             return _EnvOutcome([], ep.end(Status.TRUNCATED, "max_turns"))
         ids = self._encode_observation(observation, ep.sample)
         if not ids:
-            if ep.sample.remaining_tokens <= 1:
-                return _EnvOutcome([], ep.end(Status.TRUNCATED, "max_new_tokens"))
+            if self._room(ep.sample)[0] <= 1:
+                return _EnvOutcome([], ep.end(Status.TRUNCATED, self._room(ep.sample)[1]))
             raise ValueError(
                 "step returned an empty observation with done=False; a non-final observation needs at "
                 "least one token (turn boundaries are read from the loss mask)"
             )
-        return _EnvOutcome(ids)
+        return _EnvOutcome(ids, env_state=self._snapshot(ep, ep.sample.response_length + len(ids)))
+
+    def _snapshot(self, ep: _Episode, at_length: int) -> str | None:
+        snapshot = getattr(ep.env, "snapshot", None)
+        if snapshot is None:
+            return None
+        state = {
+            "at_length": at_length,
+            "turns": ep.turns_done,
+            "env_return": ep.env_return,
+            "infos": json.loads(json.dumps(ep.infos[-ENV_SNAPSHOT_INFOS:], default=str)),
+            "state": snapshot(),
+        }
+        try:
+            return json.dumps(state)
+        except TypeError as exc:
+            raise TypeError(f"{type(ep.env).__name__}.snapshot() must return JSON-serialisable data: {exc}") from None
 
     def _call_step(self, ep: _Episode, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         result = ep.env.step(action)
@@ -335,6 +402,22 @@ class MultiTurnRollout:
 
     def _encode_observation(self, text: str, sample: Sample) -> list[int]:
         with self.tokenizer_lock:
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
         # Leave room for at least one model token after it.
-        return list(ids[: max(0, min(self.cfg.max_observation_tokens, sample.remaining_tokens - 1))])
+        limit = max(0, min(self.cfg.max_observation_tokens, self._room(sample)[0] - 1))
+        if len(ids) <= limit:
+            return ids
+        # Head and tail: a tool's output opens with what it is and closes with its verdict (and a
+        # chat template's turn markers); the middle goes, and a marker says how much.
+        with self.tokenizer_lock:
+            marker = list(self.tokenizer(OBSERVATION_CUT.format(n=len(ids)), add_special_tokens=False)["input_ids"])
+        kept = limit - len(marker)
+        if kept < 2:
+            return ids[:limit]
+        tail = kept // 2
+        return ids[: kept - tail] + marker + ids[len(ids) - tail :]
+
+
+def _end_reason(info: dict[str, Any]) -> str:
+    reason = info.get("end_reason")
+    return str(reason) if reason else "done"

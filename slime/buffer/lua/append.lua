@@ -1,5 +1,7 @@
 -- ARGV: prefix, sid, worker, lease_seconds, tok, lp, ver, mask, stored_length ('' = unchecked),
--- route (routing replay: the same number of bytes per token; '' = none recorded)
+-- route (routing replay: the same number of bytes per token; '' = none recorded),
+-- env_state (a multi-turn env's snapshot after this observation; '' = unchanged): stored with the
+-- tokens it belongs to in one step, so a snapshot never runs ahead of or behind the transcript
 local sid, worker = ARGV[2], ARGV[3]
 local skey = P .. 'sample:' .. sid
 if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
@@ -50,6 +52,7 @@ if n > 0 then
   redis.call('APPEND', skey .. ':mask', mask)
   redis.call('HINCRBYFLOAT', P .. 'stats', 'generated_tokens', n)
 end
+if ARGV[11] and ARGV[11] ~= '' then redis.call('SET', skey .. ':env', ARGV[11]) end
 local t = now()
 redis.call('HSET', skey, 'updated_at', fmt(t))
 redis.call('ZADD', P .. 'leases', fmt(t + tonumber(ARGV[4])), sid)

@@ -34,7 +34,7 @@ local function prune(gid)
       tokens = tokens + redis.call('STRLEN', skey .. ':mask')
       samples = samples + redis.call('UNLINK', skey)
     end
-    redis.call('UNLINK', skey .. ':tok', skey .. ':lp', skey .. ':ver', skey .. ':mask', skey .. ':route')
+    redis.call('UNLINK', skey .. ':tok', skey .. ':lp', skey .. ':ver', skey .. ':mask', skey .. ':route', skey .. ':env')
   end
   redis.call('UNLINK', gkey .. ':samples')
   redis.call('HSET', gkey, 'pruned', 1)

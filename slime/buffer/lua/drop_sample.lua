@@ -7,6 +7,7 @@ if not status then return {-4, ''} end
 if status ~= 'pending' and status ~= 'aborted' and status ~= 'running' then return {-5, status} end
 redis.call('ZREM', P .. 'leases', sid)
 redis.call('HDEL', skey, 'lease_owner')
+redis.call('DEL', skey .. ':env')
 redis.call('HSET', skey, 'status', 'failed', 'failure', reason, 'updated_at', fmt(now()))
 move_count(status, 'failed')
 redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_samples:dashboard', 1)

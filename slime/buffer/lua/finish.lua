@@ -25,6 +25,7 @@ if ARGV[7] == '1' then redis.call('HSET', skey, 'token_rewards', ARGV[8]) end
 if ARGV[9] ~= '' then redis.call('HSET', skey, 'metadata', ARGV[9]) end
 redis.call('HDEL', skey, 'lease_owner')
 redis.call('ZREM', P .. 'leases', sid)
+redis.call('DEL', skey .. ':env')  -- an env snapshot only serves resuming an unfinished episode
 move_count('running', status)
 if member_done(redis.call('HGET', skey, 'group_id')) then return {0, 1} end
 return {0, 0}

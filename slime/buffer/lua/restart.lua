@@ -5,7 +5,7 @@ if redis.call('EXISTS', skey) == 0 then return {-4, ''} end
 local lost = lost_lease(sid, worker)
 if lost then return {-1, lost} end
 local n = redis.call('STRLEN', skey .. ':mask')
-redis.call('DEL', skey .. ':tok', skey .. ':lp', skey .. ':ver', skey .. ':mask', skey .. ':route')
+redis.call('DEL', skey .. ':tok', skey .. ':lp', skey .. ':ver', skey .. ':mask', skey .. ':route', skey .. ':env')
 redis.call('HINCRBYFLOAT', P .. 'stats', 'restarted_tokens', n)
 redis.call('HINCRBYFLOAT', P .. 'stats', 'restarted_samples', 1)
 redis.call('HSET', skey, 'updated_at', fmt(now()))
