@@ -5,10 +5,11 @@ duplicated."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from slime.tools.chaos import FAULTS, clean, plan, print_report, run
-from tests.helpers import APRIL_SMALL_JOB
+from slime.tools.chaos import FAULTS, plan, run
 
 KINDS = list(FAULTS)
 
@@ -33,39 +34,10 @@ def test_unknown_faults_and_a_shared_buffer_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_job_survives_every_fault_kind_once(tiny_model_dir, tmp_path, capsys):
-    report = run(
-        None,
-        [
-            "job_name=chaos-e2e",
-            f"output_dir={tmp_path / 'run'}",
-            f"model.path={tiny_model_dir}",
-            *APRIL_SMALL_JOB,
-            "rollout.max_new_tokens=32",  # shorter than the APRIL tests' 48: 14 steps and 3 restarts to fit
-            "checkpoint.every_steps=2",
-            "cluster.num_cpus=2",
-            "reward.mode=ray_actor",
-            "steps=14",
-        ],
-        seed=0,
-        kinds=KINDS,
-        timeout_s=600,
-    )
-    print_report(report)
-    assert report["exit_code"] == 0, report["stderr_tail"]
-    assert report["restarts"] == 3 and report["redis_restarts"] == 1
-    assert all(f["injected"] and f["recovered"] for f in report["faults"]), report["faults"]
-    for key in ("steps_missing", "steps_logged_twice", "groups_lost", "groups_trained_twice", "groups_left_claimed"):
-        assert report[key] == 0, (key, report)
-    assert report["trajectories_lost"] == 0 and report["tokens_lost"] == 0 and report["tokens_stored"] > 0
-    assert report["groups_trained"] == 14 * 3
-    assert clean(report) and "clean" in capsys.readouterr().out
-
-
-@pytest.mark.slow
 def test_slime_chaos_on_its_defaults_runs_to_a_clean_audit(tmp_path):
     """`slime chaos` with no arguments, as a new user types it: the default job, every fault kind
-    (the reward actor's with reward.mode=ray_actor, picked and said), audited clean, exit 0."""
+    once (the reward actor's with reward.mode=ray_actor, picked and said), each recovered by the job
+    itself, audited clean (nothing lost or duplicated), exit 0."""
     import os
     import subprocess
     import sys
@@ -79,3 +51,12 @@ def test_slime_chaos_on_its_defaults_runs_to_a_clean_audit(tmp_path):
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     assert "running with reward.mode=ray_actor" in done.stdout
     assert "\nclean\n" in done.stdout
+    # The audit behind "clean", from the report's JSON line (printed last).
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {f["kind"] for f in report["faults"]} == set(KINDS)
+    assert all(f["injected"] and f["recovered"] for f in report["faults"]), report["faults"]
+    assert report["restarts"] == 3 and report["redis_restarts"] == 1
+    for key in ("steps_missing", "steps_logged_twice", "groups_lost", "groups_trained_twice", "groups_left_claimed"):
+        assert report[key] == 0, (key, report)
+    assert report["trajectories_lost"] == 0 and report["tokens_lost"] == 0 and report["tokens_stored"] > 0
+    assert report["groups_trained"] > 0
