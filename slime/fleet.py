@@ -229,6 +229,14 @@ class RolloutFleet:
         self.engine_version = handle.version
         self.weights = handle
 
+    def set_staleness_budget(self, knob: str, value: int) -> None:
+        """algorithm.correction.auto's budget from now on: async's admission (the scheduler) or APRIL's
+        max_version_span (every worker, read when a partial resumes)."""
+        if knob == "max_staleness":
+            self.scheduler.max_staleness = value
+        elif knob == "max_version_span":
+            self._wait_all([w.set_max_version_span.remote(value) for w in self.workers], "set_max_version_span")
+
     def probe_logprobs(self, prompt_ids: list[int], probe: list[int]) -> list:
         return self._wait_all([w.probe_logprobs.remote(prompt_ids, probe) for w in self.workers], "probe_logprobs")
 
@@ -317,7 +325,7 @@ class RolloutFleet:
             self.follow_changes()
         if self.elastic is None:
             return
-        budget = max(1, self.cfg.max_staleness) * self.cfg.rollout.batch_size
+        budget = max(1, self.scheduler.max_staleness) * self.cfg.rollout.batch_size
         # Async trains in start order: a group ready behind an unfinished older one cannot be trained yet.
         ready = self.buffer.ready_in_start_order(budget)
         queued, self.peak_queued = max(0, self.peak_queued), 0

@@ -19,6 +19,7 @@ from transformers import AutoConfig
 
 from envs import repeat
 from rewards.mix import load_reward_spec
+from slime.algorithms.offpolicy_controller import Measurement, OffPolicyController
 from slime.buffer import JobConnection, JobTelemetry, TrajectoryStore
 from slime.buffer.redis_server import connect_or_start
 from slime.config import ConfigError, JobConfig, config_for_display, dump_config
@@ -92,6 +93,7 @@ class RunningJob:
         self.learner = None
         self.dashboard = None
         self.held_out: HeldOutEval | None = None  # eval.every_steps
+        self.offpolicy: OffPolicyController | None = None  # algorithm.correction.auto
         self.weight_push_bytes = 0  # the last push's tensors (WeightHandle.total_bytes)
         self.stop = stop or GracefulStop()
 
@@ -144,12 +146,16 @@ class RunningJob:
             else:
                 self.launcher = LocalLauncher(cfg.cluster.num_cpus)
             self._start_actors()
+            if cfg.algorithm.correction.auto.enabled:
+                self.offpolicy = OffPolicyController.for_job(cfg)
             self.start_step = 0
             if checkpoint is not None:
                 self.start_step = self._restore(checkpoint)
             elif cfg.resume is not None:
                 self.buffer.requeue_uncommitted()  # no checkpoint yet: no step's update survived
             self.launcher.get([w.health.remote() for w in self.workers] + self.learner.publish_weights())
+            if self.offpolicy is not None:  # its start, or the checkpoint's decision
+                self._apply_offpolicy()
             if checkpoint is not None:
                 self.push_weights(self.start_step - 1)
             if cfg.eval.every_steps:  # after the actors: a reward in a Ray actor needs Ray started
@@ -290,7 +296,10 @@ class RunningJob:
         """Async: train on the step's batch while the workers go on generating. The engines never stop:
         a step's rollout window runs until its update is done and the next one starts right there, so
         the tokens made while the learner trains count too (contiguous windows)."""
-        refs = self.learner.train_step(step, self.cfg.rollout.batch_size, self.cfg.max_staleness, commit=False)
+        # algorithm.correction.auto: admission follows the controller, the learner drops beyond its hard cap
+        auto = self.cfg.algorithm.correction.auto
+        drop_beyond = auto.max_staleness if self.offpolicy is not None else self.cfg.max_staleness
+        refs = self.learner.train_step(step, self.cfg.rollout.batch_size, drop_beyond, commit=False)
         self.fleet.generate_while(refs)
         self.clock.stop_rollout()
         self.clock.rollout_goes_on()
@@ -309,6 +318,25 @@ class RunningJob:
             rollout_tokens_per_s=generated / max(self.clock.rollout_elapsed(), 1e-9),
         )
         return metrics
+
+    def tune_offpolicy(self, step: int, metrics: dict) -> None:
+        """algorithm.correction.auto: the step's measured mismatch sets the next step's staleness budget
+        and tis_cap (slime/algorithms/offpolicy_controller.py); the decision joins the step's metrics,
+        and a change is an event. Without it, nothing."""
+        if self.offpolicy is None:
+            return
+        before = (self.offpolicy.staleness, self.offpolicy.tis_cap)
+        self.offpolicy.observe(Measurement.from_metrics(metrics))
+        metrics.update(self.offpolicy.metrics())
+        if (self.offpolicy.staleness, self.offpolicy.tis_cap) != before:
+            self._apply_offpolicy()
+            self.telemetry.log_event("offpolicy_auto", {"step": step, **self.offpolicy.event()})
+
+    def _apply_offpolicy(self) -> None:
+        if (controller := self.offpolicy) is not None and controller.staleness is not None:
+            self.fleet.set_staleness_budget(controller.knob, controller.staleness)
+        if controller is not None and controller.tis_cap is not None:
+            self.learner.result(self.learner.set_correction_cap(controller.tis_cap))
 
     def _segments_per_step(self) -> int:
         return self.cfg.rollout.batch_size * self.cfg.rollout.n_samples_per_prompt
@@ -410,6 +438,8 @@ class RunningJob:
         path = self.run_dir / "checkpoints" / f"step_{step + 1:06d}"
         self.learner.result(self.learner.save(str(path)))
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
+        if self.offpolicy is not None:
+            state["offpolicy_auto"] = self.offpolicy.state_dict()
         # Written last and atomically: a checkpoint directory counts only once this file exists,
         # however the process is stopped while saving.
         write_atomic(path / "driver_state.json", json.dumps(state))
@@ -449,6 +479,8 @@ class RunningJob:
         )
         self.learner.result(self.learner.load(str(checkpoint)))
         self.sampler.load_state_dict(state["sampler"])
+        if self.offpolicy is not None and "offpolicy_auto" in state:  # absent: a run without it, start afresh
+            self.offpolicy.load_state_dict(state["offpolicy_auto"])
         # Claims of steps inside the checkpoint are trained (the process may have died before it
         # marked them); claims of later steps go back to the ready queue, to train on these weights.
         self.buffer.commit_through(int(state["next_step"]) - 1, self.cfg.buffer.keep_trained_steps)

@@ -34,6 +34,7 @@ def sync_loop(job: RunningJob) -> None:
         abort.start()
         metrics = job.train_batch(step, abort)  # the rollout clock stops when the abort has completed
         metrics["aborted_samples"] = abort.wait()
+        job.tune_offpolicy(step, metrics)  # algorithm.correction.auto: before the partials resume
         job.push_weights(step)
         job.resume()  # the next step starts here
         job.end_step(step, metrics)
@@ -46,6 +47,7 @@ def async_loop(job: RunningJob) -> None:
         job.rebalance_workers(step)  # rollout.elastic: add or remove a worker by how full the buffer is
         job.wait_for_batch()  # scheduling as it waits
         metrics = job.train_while_generating(step)  # the workers generate the next groups meanwhile
+        job.tune_offpolicy(step, metrics)  # algorithm.correction.auto: the next admissions follow it
         job.push_weights(step)
         job.end_step(step, metrics)
         if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
@@ -58,6 +60,7 @@ def streaming_loop(job: RunningJob) -> None:
     for step in job.steps():
         job.wait_for_segments()  # scheduling as it waits
         metrics = job.train_segments(step)  # the workers keep generating meanwhile
+        job.tune_offpolicy(step, metrics)  # algorithm.correction.auto: the next update's tis_cap
         job.push_weights(step)
         job.end_step(step, metrics)
         if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here

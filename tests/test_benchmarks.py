@@ -22,7 +22,7 @@ import pytest
 from tests.helpers import needs
 
 REPO = Path(__file__).resolve().parents[1]
-HELPERS = {"__init__", "families", "models", "spread"}  # imported by the benchmarks, not run
+HELPERS = {"__init__", "families", "gain", "models", "spread"}  # imported by the benchmarks, not run
 BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem not in HELPERS)
 TIMEOUT_S = 400  # the slowest smoke takes about a minute alone on 2 busy cores
 

@@ -28,8 +28,10 @@ from slime.config.job import (
     parse_override,
 )
 from slime.config.learner import (
+    TIS_CAP_CORRECTIONS,
     AdaptiveClipConfig,
     AlgorithmConfig,
+    AutoOffPolicyConfig,
     CispoConfig,
     CorrectionConfig,
     DrGrpoConfig,
@@ -39,7 +41,14 @@ from slime.config.learner import (
     StagedKL,
 )
 from slime.config.renames import RENAMED, ConfigKeyDeprecated
-from slime.config.rollout import AprilConfig, ElasticRolloutConfig, RolloutConfig, SglangConfig, VllmConfig
+from slime.config.rollout import (
+    AprilConfig,
+    BehaviourPerturbationConfig,
+    ElasticRolloutConfig,
+    RolloutConfig,
+    SglangConfig,
+    VllmConfig,
+)
 from slime.config.services import (
     BufferConfig,
     ClusterConfig,
@@ -55,15 +64,18 @@ from slime.config.services import (
 
 __all__ = [
     "ENV_REFERENCE",
+    "TIS_CAP_CORRECTIONS",
     "AdaptiveClipConfig",
     "AlgorithmConfig",
     "AprilConfig",
+    "AutoOffPolicyConfig",
     "CispoConfig",
     "ConfigKeyDeprecated",
     "CorrectionConfig",
     "DrGrpoConfig",
     "GspoConfig",
     "RENAMED",
+    "BehaviourPerturbationConfig",
     "BufferConfig",
     "CheckpointConfig",
     "ClusterConfig",

@@ -22,7 +22,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from slime.config.base import ConfigError
 from slime.config.base import StrictModel as _Strict
 from slime.config.inputs import DataConfig, ModelConfig, SamplingConfig
-from slime.config.learner import AlgorithmConfig, LearnerConfig
+from slime.config.learner import TIS_CAP_CORRECTIONS, AlgorithmConfig, LearnerConfig
 from slime.config.renames import RENAMED, conflict_error, move_renamed_keys, renamed_key
 from slime.config.rollout import AprilConfig, RolloutConfig, SglangConfig, VllmConfig
 from slime.config.services import (
@@ -182,7 +182,32 @@ class JobConfig(_Strict):
         self._check_elastic()
         self._check_local_launcher()
         self._check_lora()
+        self._check_offpolicy_tuning()
         return self
+
+    def _check_offpolicy_tuning(self) -> None:
+        """rollout.behaviour_perturbation needs the built-in engine's sampler; algorithm.correction.auto
+        needs something to tune (docs/offpolicy.md)."""
+        perturbation = self.rollout.behaviour_perturbation.kind
+        if perturbation != "none" and self.rollout.engine != "builtin":
+            raise ValueError(
+                f"rollout.behaviour_perturbation.kind={perturbation} needs rollout.engine=builtin (it changes the "
+                f"built-in engine's sampler); rollout.engine={self.rollout.engine} samples on its own"
+            )
+        auto = self.algorithm.correction.auto
+        if not auto.enabled:
+            return
+        if self.loop_mode == "async" and auto.min_staleness < 1:
+            raise ValueError(
+                "algorithm.correction.auto.min_staleness must be >= 1 when mode=async (max_staleness 0 would make "
+                "the loop synchronous)"
+            )
+        if self.staleness_knob == "none" and self.algorithm.correction.name not in TIS_CAP_CORRECTIONS:
+            raise ValueError(
+                f"algorithm.correction.auto.enabled=true has nothing to tune: algorithm.correction.name="
+                f"{self.algorithm.correction.name} has no tis_cap, and the {self.loop_mode} loop without APRIL has "
+                "no staleness budget"
+            )
 
     def _check_lora(self) -> None:
         """learner.lora's engines (docs/engines.md, "LoRA pushes"): the built-in engine merges the pushed
@@ -264,6 +289,16 @@ class JobConfig(_Strict):
         if self.april.streaming_chunk_tokens is not None:
             return "streaming"
         return self.mode
+
+    @property
+    def staleness_knob(self) -> Literal["max_staleness", "max_version_span", "none"]:
+        """The staleness budget this job's loop reads each step: async's max_staleness (admission), APRIL's
+        april.max_version_span (a partial's resume) in the sync loop, none in plain sync or streaming."""
+        if self.loop_mode == "async":
+            return "max_staleness"
+        if self.loop_mode == "sync" and self.april.enabled:
+            return "max_version_span"
+        return "none"
 
     @property
     def weight_transport(self) -> str:

@@ -28,6 +28,64 @@ class AdaptiveClipConfig(_Strict):
     max_clip: float = Field(0.4, gt=0)
 
 
+# The corrections whose band is algorithm.correction.tis_cap (the ones algorithm.correction.auto can tune).
+TIS_CAP_CORRECTIONS = frozenset({"tis", "mis_token", "mis_seq", "decoupled", "behaviour_clip"})
+
+
+class AutoOffPolicyConfig(_Strict):
+    """The automatic off-policy controller (slime/algorithms/offpolicy_controller.py, docs/offpolicy.md):
+    each step it reads the mismatch the learner measured and sets, for the next step, the staleness
+    budget and the correction's cap, moving toward target_kl within these bounds."""
+
+    enabled: bool = Field(False, description="Tune the staleness budget and tis_cap from the measured mismatch.")
+    target_kl: float = Field(
+        0.02,
+        gt=0,
+        description="The mean KL(mu || pi_old) per trained token (k3, all kinds) it steers to: tighter above it, "
+        "looser below loosen_below x it. 0.02 lies between what behaviour_clip held at lr 5e-4 and 1e-3 on the "
+        "study's tiny MoE (0.008-0.044) and well under where tis collapsed (0.1-0.37).",
+    )
+    loosen_below: float = Field(
+        0.5, gt=0, lt=1, description="Loosen only when the smoothed KL is below this share of target_kl."
+    )
+    smoothing: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="Weight of the past in the KL it acts on (an exponential mean over steps; 0: this step's only).",
+    )
+    max_clipped_share: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="No loosening while offpolicy_clipped_share is above this (a heavy tail under a small mean).",
+    )
+    min_staleness: int = Field(
+        1, ge=0, description="Floor of the staleness budget it sets (async: max_staleness; APRIL: max_version_span)."
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="Hard cap of the staleness budget it sets. Async: the learner drops groups beyond this cap "
+        "(admission follows the controller), so a group admitted before a tightening is still trained.",
+    )
+    min_tis_cap: float = Field(1.25, gt=1, description="Floor of the tis_cap it sets.")
+    max_tis_cap: float = Field(4.0, gt=1, description="Hard cap of the tis_cap it sets.")
+    tis_cap_step: float = Field(1.25, gt=1, description="tis_cap moves by at most this factor per step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoOffPolicyConfig:
+        if self.min_staleness > self.max_staleness:
+            raise ValueError(
+                f"algorithm.correction.auto.min_staleness={self.min_staleness} exceeds max_staleness={self.max_staleness}"
+            )
+        if self.min_tis_cap > self.max_tis_cap:
+            raise ValueError(
+                f"algorithm.correction.auto.min_tis_cap={self.min_tis_cap} exceeds max_tis_cap={self.max_tis_cap}"
+            )
+        return self
+
+
 class CorrectionConfig(_Strict):
     """The off-policy correction the loss applies (slime/algorithms/corrections/, docs/offpolicy.md)."""
 
@@ -69,6 +127,11 @@ class CorrectionConfig(_Strict):
     m2po_threshold: float = Field(0.04, gt=0, description="M2PO: the batch mean of (log ratio)^2 after masking.")
     opsm_delta: float = Field(
         0.1, ge=0, description="OPSM: drop negative-advantage sequences with KL(mu||pi_old) above this."
+    )
+    auto: AutoOffPolicyConfig = Field(
+        AutoOffPolicyConfig(),
+        description="The controller that sets the staleness budget and tis_cap each step from the measured "
+        "mismatch (off by default).",
     )
 
 

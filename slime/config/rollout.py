@@ -122,6 +122,22 @@ class ElasticRolloutConfig(StrictModel):
         return self
 
 
+class BehaviourPerturbationConfig(StrictModel):
+    """A train-inference gap on purpose (built-in engine only; docs/offpolicy.md): the engine samples
+    from a perturbed policy and reports the logprobs of the distribution it actually sampled from,
+    so the learner's mismatch metrics and the corrections see the true gap."""
+
+    kind: Literal["none", "bf16_logits", "temperature_noise"] = Field(
+        "none",
+        description="none: the policy as is; bf16_logits: the logits rounded to bfloat16 before the temperature "
+        "and the softmax; temperature_noise: each row's temperature times exp(scale * z), z ~ N(0, 1), drawn "
+        "afresh per token.",
+    )
+    scale: float = Field(
+        0.1, gt=0, description="temperature_noise: the standard deviation of log T's noise (bf16_logits: unused)."
+    )
+
+
 class RolloutConfig(StrictModel):
     num_workers: int = Field(1, gt=0)
     batch_size: int = Field(8, gt=0, description="Prompt groups per training step.")
@@ -163,6 +179,11 @@ class RolloutConfig(StrictModel):
     engine: Literal["builtin", "vllm", "sglang"] = Field(
         "builtin",
         description="Rollout engine: the built-in torch engine, vLLM (extra `vllm`) or SGLang (extra `sglang`).",
+    )
+    behaviour_perturbation: BehaviourPerturbationConfig = Field(
+        BehaviourPerturbationConfig(),
+        description="Built-in engine: sample from a perturbed policy (a train-inference gap on purpose, to study "
+        "the corrections); off by default.",
     )
     hang_timeout_s: float = Field(
         300.0,

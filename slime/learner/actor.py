@@ -27,7 +27,7 @@ import torch
 from slime.algorithms import make_algorithm
 from slime.algorithms.batch import Batch, Forward, UpdateTensors, collate
 from slime.algorithms.core import masked_mean, off_policy_mask, stale_tokens
-from slime.algorithms.corrections import CorrectionInputs
+from slime.algorithms.corrections import CorrectionInputs, make_correction
 from slime.algorithms.mismatch import MismatchMeter
 from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.buffer import JobConnection, TrajectoryStore
@@ -518,6 +518,12 @@ class Learner:
         metrics["policy_version"] = self.version
         metrics["learner_seconds"] = time.time() - claimed["started"]
         return metrics
+
+    def set_correction_cap(self, tis_cap: float) -> None:
+        """algorithm.correction.auto: the correction's cap c from the next update on (the driver's
+        controller decides it, slime/algorithms/offpolicy_controller.py)."""
+        settings = self.algo_cfg.correction.model_copy(update={"tis_cap": float(tis_cap)})
+        self.algorithm.correction = make_correction(settings, (self.algo_cfg.clip_low, self.algo_cfg.clip_high))
 
     # ---- weights -----------------------------------------------------------------------------
     def publish_weights(self) -> WeightHandle | None:

@@ -154,6 +154,9 @@ class LearnerGroup:
         claimed = self.ranks[0].claim_segments.remote(max_segments, chunk_tokens)
         return [r.train_claimed_segments.remote(claimed, step) for r in self.ranks]
 
+    def set_correction_cap(self, tis_cap: float) -> list:
+        return [r.set_correction_cap.remote(tis_cap) for r in self.ranks]
+
     def publish_weights(self) -> list:
         return [r.publish_weights.remote() for r in self.ranks]
 

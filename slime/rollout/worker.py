@@ -481,6 +481,10 @@ class RolloutWorker:
         )
 
     # ---- control (called by the driver) -------------------------------------------------------
+    def set_max_version_span(self, max_version_span: int | None) -> None:
+        """APRIL's staleness budget from now on (algorithm.correction.auto moves it between steps)."""
+        self.staleness_budget = StalenessBudget(max_version_span, self.cfg.april.beyond_budget)
+
     def update_weights(self, handle: WeightHandle) -> float:
         t0 = time.time()
         with self.lock:

@@ -34,6 +34,8 @@ back), then at most ``max_new_tokens - len(response_ids)`` new tokens.
 Behaviour logprob of each token: ``log_softmax(logits / T)[token]`` with ``T`` the request's
 temperature (``T = 1`` for greedy), i.e. the full tempered distribution BEFORE top-k / top-p
 truncation. The learner computes the same quantity, so the importance ratio is well defined.
+Under rollout.behaviour_perturbation the sampled rows draw from a perturbed policy, and their
+logprobs are of that distribution (token_sampler.py): a train-inference gap on purpose.
 
 Weight updates (:meth:`BuiltinEngine.update_weights`) copy in place between steps (LoRA pushes
 are merged into the weights in place, `slime.engines.builtin.lora_merge`). Running
@@ -63,7 +65,7 @@ from slime.engines.builtin.fast_decoder import FastDecoder
 from slime.engines.builtin.generic_decoder import GenericDecoder, fast_decoder_for
 from slime.engines.builtin.hf_batch import HfBatch
 from slime.engines.builtin.lora_merge import LoraMerge
-from slime.engines.builtin.token_sampler import sample_tokens
+from slime.engines.builtin.token_sampler import PERTURBATIONS, PerturbationKind, sample_tokens
 from slime.engines.contract import (
     GenerationChunk,
     GenerationRequest,
@@ -108,6 +110,8 @@ class BuiltinEngine:
         record_routing: bool = False,
         cuda_graphs: bool | None = None,
         lora_scaling: float | None = None,
+        perturbation: PerturbationKind = "none",
+        perturbation_scale: float = 0.0,
     ):
         """``fast_path``: None uses the fast forward when the model fits it (checked against the
         model's own logits), False always uses the Hugging Face forward, True requires the fast one,
@@ -129,9 +133,15 @@ class BuiltinEngine:
         off.
 
         ``lora_scaling`` (alpha / rank of ``learner.lora``): every push is a LoRA push, merged into
-        the weights (`slime.engines.builtin.lora_merge`); None: full pushes only."""
+        the weights (`slime.engines.builtin.lora_merge`); None: full pushes only.
+
+        ``perturbation`` and ``perturbation_scale`` (rollout.behaviour_perturbation): sampled rows draw
+        from a perturbed policy and carry its logprobs (`slime.engines.builtin.token_sampler`)."""
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        if perturbation not in PERTURBATIONS:
+            raise ValueError(f"perturbation must be one of {', '.join(PERTURBATIONS)}, got {perturbation!r}")
+        self.perturbation, self.perturbation_scale = perturbation, float(perturbation_scale)
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.max_running_requests = max_running_requests
@@ -222,6 +232,8 @@ class BuiltinEngine:
             record_routing=cfg.learner.routing_replay,
             cuda_graphs=cfg.rollout.cuda_graphs and cfg.rollout.device.startswith("cuda"),
             lora_scaling=None if (lora := cfg.learner.lora) is None else lora.alpha / lora.rank,
+            perturbation=cfg.rollout.behaviour_perturbation.kind,
+            perturbation_scale=cfg.rollout.behaviour_perturbation.scale,
         )
 
     # ------------------------------------------------------------------ public API
@@ -562,6 +574,8 @@ class BuiltinEngine:
             any_top_k=self._any_top_k,
             any_top_p=self._any_top_p,
             generator=self._generator,
+            perturbation=self.perturbation,
+            perturbation_scale=self.perturbation_scale,
         )
         self._last = tok
         keep = self._record(self._running, tok, lp, chunks, getattr(self._batch, "step_routing", None))

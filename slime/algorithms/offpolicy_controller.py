@@ -1,0 +1,209 @@
+"""The automatic off-policy controller (`algorithm.correction.auto`): after each learner step it
+reads the mismatch the learner measured and sets, for the next step, the staleness budget and the
+correction's cap, moving toward a target KL(μ ‖ π_old). Pure: plain numbers in and out. The driver
+applies each decision and checkpoints the state (slime/job.py, driver_state.json).
+
+What it reads, from the step's metrics (slime/learner/actor.py, slime/algorithms/mismatch.py):
+  kl             mean k3 estimate of KL(μ ‖ π_old) per trained token, over every kind of token
+                 (mismatch_<kind>_kl weighted by mismatch_<kind>_tokens)
+  spread         mean |log ρ| over the same tokens (mismatch_<kind>_logp_abs_diff); reported
+                 with the decision, not used by the rule: the KL already summarises it
+  clipped_share  offpolicy_clipped_share: trainable tokens outside the correction's band
+  max_lag        the oldest trained token's lag in versions (version_lag_hist)
+
+What it sets (JobConfig.staleness_knob says which budget the job's loop reads):
+  staleness      async: max_staleness at admission; APRIL in the sync loop: april.max_version_span
+                 when a partial resumes; plain sync and streaming: nothing
+  tis_cap        c of tis, mis_token, mis_seq, decoupled and behaviour_clip; other corrections: nothing
+
+The rule, on the KL smoothed over steps (kl_s ← smoothing · kl_s + (1 − smoothing) · kl):
+  nothing measured (no trained tokens, a non-finite KL)   hold_no_measurement
+  kl_s > target_kl                                          tighten: staleness − 1, tis_cap ÷ step
+  kl_s < loosen_below · target_kl, and
+      clipped_share > max_clipped_share                     hold_clipped (a heavy tail, a small mean)
+      otherwise                                             loosen: tis_cap × step, staleness + 1 when
+                                                            the batch used the whole budget
+                                                            (max_lag ≥ staleness; else it is not binding)
+  otherwise                                                 hold_in_band
+Each value then stays within its floor and hard cap (AutoOffPolicyConfig's min_* and max_*), so a
+step moves the staleness by one version and the cap by one factor at most.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from slime.algorithms.mismatch import KINDS
+from slime.config import TIS_CAP_CORRECTIONS, AutoOffPolicyConfig, JobConfig, StrictModel, format_validation_error
+
+Knob = Literal["max_staleness", "max_version_span", "none"]
+
+
+class Reason(IntEnum):
+    """Why the last decision: the code goes to the step metrics (`offpolicy_auto/reason`), the
+    lower-case name to the job's events."""
+
+    START = 0  # the job's configured values clamped into the bounds; nothing measured yet
+    HOLD_IN_BAND = 1
+    TIGHTEN = 2
+    LOOSEN = 3
+    HOLD_CLIPPED = 4
+    HOLD_NO_MEASUREMENT = 5
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One learner step's mismatch, as the controller reads it."""
+
+    tokens: float  # trained tokens the mismatch was measured on
+    kl: float  # mean k3 estimate of KL(μ ‖ π_old) per token (0 without tokens)
+    spread: float  # mean |log ρ| per token
+    clipped_share: float
+    max_lag: int  # the oldest trained token's lag, in versions
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, Any]) -> Measurement:
+        """From a learner step's metrics (Learner.update's names, before flattening)."""
+        tokens = kl = spread = 0.0
+        for kind in KINDS:
+            n = float(metrics.get(f"mismatch_{kind}_tokens", 0.0))
+            if n > 0:
+                tokens += n
+                kl += n * float(metrics[f"mismatch_{kind}_kl"])
+                spread += n * float(metrics[f"mismatch_{kind}_logp_abs_diff"])
+        lags = [int(lag) for lag in metrics.get("version_lag_hist", {})]
+        return cls(
+            tokens=tokens,
+            kl=kl / tokens if tokens else 0.0,
+            spread=spread / tokens if tokens else 0.0,
+            clipped_share=float(metrics.get("offpolicy_clipped_share", 0.0)),
+            max_lag=max(lags, default=0),
+        )
+
+
+class ControllerState(StrictModel):
+    """What a checkpoint keeps of the controller (driver_state.json, key "offpolicy_auto")."""
+
+    staleness: int | None = Field(..., ge=0)
+    tis_cap: float | None = Field(..., gt=0)
+    kl_smoothed: float | None
+    reason: int = Field(..., ge=0, le=max(Reason))
+    steps: int = Field(..., ge=0)
+
+
+class OffPolicyController:
+    """The state machine of the module docstring. `observe` takes a step's measurement and moves
+    `staleness` and `tis_cap` (the next step's settings); `reason` says why."""
+
+    def __init__(self, settings: AutoOffPolicyConfig, knob: Knob, staleness: int | None, tis_cap: float | None):
+        """``staleness``: the budget the job starts with (None: unbounded, starts at the hard cap);
+        ignored when ``knob`` is "none". ``tis_cap``: the correction's cap, None when it has none."""
+        self.settings = settings
+        self.knob: Knob = knob
+        self.staleness: int | None = None
+        if knob != "none":
+            self.staleness = self._clamp_staleness(settings.max_staleness if staleness is None else staleness)
+        self.tis_cap = None if tis_cap is None else self._clamp_cap(tis_cap)
+        self.kl_smoothed: float | None = None
+        self.reason = Reason.START
+        self.steps = 0
+        self.last: Measurement | None = None
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig) -> OffPolicyController:
+        """Starting from the job's own max_staleness (async) or april.max_version_span (APRIL) and tis_cap."""
+        knob = cfg.staleness_knob
+        start = {"max_staleness": cfg.max_staleness, "max_version_span": cfg.april.max_version_span, "none": None}
+        correction = cfg.algorithm.correction
+        tis_cap = correction.tis_cap if correction.name in TIS_CAP_CORRECTIONS else None
+        return cls(correction.auto, knob, start[knob], tis_cap)
+
+    def _clamp_staleness(self, value: int) -> int:
+        return min(max(int(value), self.settings.min_staleness), self.settings.max_staleness)
+
+    def _clamp_cap(self, value: float) -> float:
+        return min(max(float(value), self.settings.min_tis_cap), self.settings.max_tis_cap)
+
+    def _move(self, versions: int, cap_factor: float) -> None:
+        if self.staleness is not None:
+            self.staleness = self._clamp_staleness(self.staleness + versions)
+        if self.tis_cap is not None:
+            self.tis_cap = self._clamp_cap(self.tis_cap * cap_factor)
+
+    def observe(self, m: Measurement) -> Reason:
+        """One step's measurement in; the next step's settings (attributes) and why out."""
+        s = self.settings
+        self.steps += 1
+        self.last = m
+        if m.tokens <= 0 or not math.isfinite(m.kl):
+            self.reason = Reason.HOLD_NO_MEASUREMENT
+            return self.reason
+        past = self.kl_smoothed
+        self.kl_smoothed = m.kl if past is None else s.smoothing * past + (1.0 - s.smoothing) * m.kl
+        if self.kl_smoothed > s.target_kl:
+            self.reason = Reason.TIGHTEN
+            self._move(-1, 1.0 / s.tis_cap_step)
+        elif self.kl_smoothed < s.loosen_below * s.target_kl:
+            if m.clipped_share > s.max_clipped_share:
+                self.reason = Reason.HOLD_CLIPPED
+            else:
+                self.reason = Reason.LOOSEN
+                budget_used = self.staleness is not None and m.max_lag >= self.staleness
+                self._move(1 if budget_used else 0, s.tis_cap_step)
+        else:
+            self.reason = Reason.HOLD_IN_BAND
+        return self.reason
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """The decision and what it read, as step metrics (`offpolicy_auto/*` once flattened)."""
+        out: dict[str, float] = {"reason": float(self.reason), "kl_target": self.settings.target_kl}
+        if self.staleness is not None:
+            out[self.knob] = float(self.staleness)
+        if self.tis_cap is not None:
+            out["tis_cap"] = self.tis_cap
+        if self.kl_smoothed is not None:
+            out["kl_smoothed"] = self.kl_smoothed
+        if self.last is not None:
+            out.update(kl=self.last.kl, logp_spread=self.last.spread, max_lag=float(self.last.max_lag))
+        return {"offpolicy_auto": out}
+
+    def event(self) -> dict[str, Any]:
+        """The decision for the job's event log (the dashboard's events list)."""
+        detail: dict[str, Any] = {"reason": self.reason.name.lower(), "tis_cap": self.tis_cap}
+        if self.knob != "none":
+            detail[self.knob] = self.staleness
+        if self.kl_smoothed is not None:
+            detail["kl_smoothed"] = round(self.kl_smoothed, 5)
+        return detail
+
+    def state_dict(self) -> dict[str, Any]:
+        return ControllerState(
+            staleness=self.staleness,
+            tis_cap=self.tis_cap,
+            kl_smoothed=self.kl_smoothed,
+            reason=int(self.reason),
+            steps=self.steps,
+        ).model_dump()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """A checkpoint's state. Values are clamped into this job's bounds (a resume may change them);
+        a knob or cap this job lacks stays off, one it has that the checkpoint lacks keeps its start."""
+        try:
+            saved = ControllerState.model_validate(state)
+        except ValidationError as err:
+            raise ValueError(
+                format_validation_error(err, "driver_state.json: bad offpolicy_auto state", "offpolicy_auto.")
+            ) from None
+        if self.staleness is not None and saved.staleness is not None:
+            self.staleness = self._clamp_staleness(saved.staleness)
+        if self.tis_cap is not None and saved.tis_cap is not None:
+            self.tis_cap = self._clamp_cap(saved.tis_cap)
+        self.kl_smoothed = saved.kl_smoothed
+        self.reason = Reason(saved.reason)
+        self.steps = saved.steps

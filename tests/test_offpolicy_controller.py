@@ -1,0 +1,328 @@
+"""The automatic off-policy controller (slime/algorithms/offpolicy_controller.py,
+`algorithm.correction.auto`): hand-fed measurements give the decisions of its rule (tighter above
+the target KL, looser below, one version and one factor per step, never past a cap or under a
+floor, the same every time), its state survives a checkpoint, the learner takes the cap it sets,
+and, slow, a real job runs it in its loop, writes its metrics and resumes it from a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from slime.algorithms.offpolicy_controller import Measurement, OffPolicyController, Reason
+from slime.buffer import JobTelemetry, TrajectoryStore
+from slime.config import AutoOffPolicyConfig, ConfigError, load_config
+from slime.metrics import flatten
+from slime.train import train
+from tests.helpers import APRIL_SMALL_JOB, TINY_JOB
+
+# smoothing 0: each decision reads that step's KL alone, so the sequences below are easy to follow
+SETTINGS = AutoOffPolicyConfig(
+    enabled=True,
+    target_kl=0.02,
+    loosen_below=0.5,
+    smoothing=0.0,
+    max_clipped_share=0.2,
+    min_staleness=1,
+    max_staleness=4,
+    min_tis_cap=1.25,
+    max_tis_cap=4.0,
+    tis_cap_step=1.25,
+)
+
+
+def measured(kl: float, max_lag: int = 9, clipped: float = 0.0, tokens: float = 100.0) -> Measurement:
+    return Measurement(tokens=tokens, kl=kl, spread=math.sqrt(2 * kl), clipped_share=clipped, max_lag=max_lag)
+
+
+def controller(staleness: int | None = 2, tis_cap: float | None = 2.0, **settings) -> OffPolicyController:
+    knob = "max_staleness" if staleness is not None else "none"
+    return OffPolicyController(SETTINGS.model_copy(update=settings), knob, staleness, tis_cap)
+
+
+def run(c: OffPolicyController, kls: list[float], **kw) -> list[tuple[str, int | None, float | None]]:
+    return [(c.observe(measured(kl, **kw)).name, c.staleness, c.tis_cap) for kl in kls]
+
+
+def test_above_the_target_it_tightens_one_version_and_one_factor_per_step_down_to_the_floors() -> None:
+    c = controller(staleness=3, tis_cap=2.0)
+    steps = run(c, [0.1, 0.05, 0.03, 0.5, 0.9])
+    assert [reason for reason, _, _ in steps] == ["TIGHTEN"] * 5
+    assert [s for _, s, _ in steps] == [2, 1, 1, 1, 1]  # min_staleness=1
+    assert [cap for _, _, cap in steps] == pytest.approx([1.6, 1.28, 1.25, 1.25, 1.25])  # min_tis_cap=1.25
+
+
+def test_below_the_target_it_loosens_one_step_at_a_time_up_to_the_hard_caps() -> None:
+    c = controller(staleness=2, tis_cap=2.0)
+    steps = run(c, [0.001] * 6)
+    assert [reason for reason, _, _ in steps] == ["LOOSEN"] * 6
+    assert [s for _, s, _ in steps] == [3, 4, 4, 4, 4, 4]  # max_staleness=4
+    assert [cap for _, _, cap in steps] == pytest.approx([2.5, 3.125, 3.90625, 4.0, 4.0, 4.0])  # max_tis_cap=4
+
+
+def test_the_staleness_grows_only_when_the_batch_used_the_whole_budget() -> None:
+    c = controller(staleness=2, tis_cap=2.0)
+    assert c.observe(measured(0.001, max_lag=1)) == Reason.LOOSEN
+    assert (c.staleness, c.tis_cap) == (2, 2.5)  # lag 1 < budget 2: the budget does not bind
+    c.observe(measured(0.001, max_lag=2))
+    assert (c.staleness, c.tis_cap) == (3, 3.125)
+
+
+def test_inside_the_band_a_heavy_tail_or_no_measurement_it_holds() -> None:
+    c = controller(staleness=2, tis_cap=2.0)
+    assert c.observe(measured(0.015)) == Reason.HOLD_IN_BAND  # 0.01 <= kl <= 0.02
+    assert c.observe(measured(0.02)) == Reason.HOLD_IN_BAND  # at the target: not above it
+    assert c.observe(measured(0.001, clipped=0.3)) == Reason.HOLD_CLIPPED
+    assert c.observe(measured(0.5, tokens=0)) == Reason.HOLD_NO_MEASUREMENT
+    assert c.observe(measured(float("nan"))) == Reason.HOLD_NO_MEASUREMENT
+    assert (c.staleness, c.tis_cap) == (2, 2.0)
+    assert c.kl_smoothed == 0.001  # what it acted on last; the empty and the nan steps left it alone
+
+
+def test_smoothing_acts_on_an_exponential_mean_of_the_kl() -> None:
+    c = controller(smoothing=0.5)
+    c.observe(measured(0.001))  # the first measurement is taken as it is
+    assert c.kl_smoothed == pytest.approx(0.001) and c.reason == Reason.LOOSEN
+    c.observe(measured(0.035))  # one spike: 0.018, inside the band
+    assert c.kl_smoothed == pytest.approx(0.018) and c.reason == Reason.HOLD_IN_BAND
+    c.observe(measured(0.035))  # it persists: 0.0265, above the target
+    assert c.kl_smoothed == pytest.approx(0.0265) and c.reason == Reason.TIGHTEN
+
+
+def test_the_caps_hold_and_the_decisions_are_the_same_every_time() -> None:
+    sequence = [0.001, 0.2, 0.0, 0.03, 0.012, 0.5, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.04, 0.019]
+    first = run(controller(smoothing=0.3), sequence, max_lag=4)
+    again = run(controller(smoothing=0.3), sequence, max_lag=4)
+    assert first == again
+    for _, staleness, cap in first:
+        assert 1 <= staleness <= 4 and 1.25 <= cap <= 4.0
+    pairs = list(zip([(2, 2.0)] + [(s, c) for _, s, c in first], [(s, c) for _, s, c in first]))
+    for (s0, c0), (s1, c1) in pairs:  # one version and one factor per step at most
+        assert abs(s1 - s0) <= 1 and 1 / 1.25 - 1e-12 <= c1 / c0 <= 1.25 + 1e-12
+
+
+def test_a_job_without_a_knob_or_a_cap_keeps_it_off() -> None:
+    c = controller(staleness=None, tis_cap=None)
+    run(c, [0.5, 0.001])
+    assert c.staleness is None and c.tis_cap is None
+    assert flatten(c.metrics()).keys() == {
+        "offpolicy_auto/reason",
+        "offpolicy_auto/kl_target",
+        "offpolicy_auto/kl_smoothed",
+        "offpolicy_auto/kl",
+        "offpolicy_auto/logp_spread",
+        "offpolicy_auto/max_lag",
+    }
+
+
+def test_its_state_round_trips_through_json_and_goes_on_the_same() -> None:
+    c = controller(smoothing=0.5)
+    run(c, [0.001, 0.04, 0.03])
+    state = json.loads(json.dumps(c.state_dict()))  # as driver_state.json keeps it
+    restored = controller(smoothing=0.5)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == c.state_dict()
+    assert run(restored, [0.002, 0.1, 0.001]) == run(c, [0.002, 0.1, 0.001])
+
+
+def test_a_restored_state_is_clamped_into_this_jobs_bounds_and_a_bad_one_is_named() -> None:
+    c = controller()
+    c.load_state_dict({"staleness": 9, "tis_cap": 10.0, "kl_smoothed": None, "reason": 3, "steps": 4})
+    assert (c.staleness, c.tis_cap, c.reason, c.steps) == (4, 4.0, Reason.LOOSEN, 4)
+    with pytest.raises(ValueError, match=r"offpolicy_auto\.tis_cap"):
+        c.load_state_dict({"staleness": 1, "tis_cap": -1.0, "kl_smoothed": None, "reason": 0, "steps": 0})
+    with pytest.raises(ValueError, match=r"offpolicy_auto\.extra"):
+        c.load_state_dict({"staleness": 1, "tis_cap": 2.0, "kl_smoothed": None, "reason": 0, "steps": 0, "extra": 1})
+
+
+def test_the_measurement_is_read_from_the_learners_metrics() -> None:
+    metrics = {
+        "mismatch_fresh_tokens": 30.0,
+        "mismatch_fresh_kl": 0.0,
+        "mismatch_fresh_logp_abs_diff": 0.0,
+        "mismatch_resumed_tokens": 0.0,
+        "mismatch_stale_tokens": 10.0,
+        "mismatch_stale_kl": 0.08,
+        "mismatch_stale_logp_abs_diff": 0.4,
+        "offpolicy_clipped_share": 0.25,
+        "version_lag_hist": {"0": 5, "3": 1, "1": 2},
+    }
+    m = Measurement.from_metrics(metrics)
+    assert m == Measurement(
+        tokens=40.0, kl=pytest.approx(0.02), spread=pytest.approx(0.1), clipped_share=0.25, max_lag=3
+    )
+    assert Measurement.from_metrics({}).tokens == 0.0  # an empty step: nothing measured
+
+
+@pytest.mark.parametrize(
+    "overrides,knob,staleness,tis_cap",
+    [
+        (["mode=async", "max_staleness=2"], "max_staleness", 2, 2.0),
+        (["mode=async", "max_staleness=9"], "max_staleness", 4, 2.0),  # clamped into the bounds
+        (["april.enabled=true"], "max_version_span", 4, 2.0),  # no span (unbounded): the hard cap
+        (["april.enabled=true", "april.max_version_span=0"], "max_version_span", 1, 2.0),
+        (["algorithm.correction.name=tis", "algorithm.correction.tis_cap=1.5"], "none", None, 1.5),
+        (["mode=async", "algorithm.correction.name=icepop"], "max_staleness", 1, None),
+    ],
+)
+def test_it_starts_from_the_jobs_own_settings(overrides, knob, staleness, tis_cap) -> None:
+    cfg = load_config(None, ["algorithm.correction.auto.enabled=true", *overrides])
+    c = OffPolicyController.for_job(cfg)
+    assert (c.knob, c.staleness, c.tis_cap, c.reason) == (knob, staleness, tis_cap, Reason.START)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["algorithm.correction.auto.min_staleness=3", "algorithm.correction.auto.max_staleness=2"], "min_staleness=3"),
+        (["algorithm.correction.auto.min_tis_cap=3", "algorithm.correction.auto.max_tis_cap=2"], "min_tis_cap=3"),
+        (["algorithm.correction.auto.min_tis_cap=0.9"], "algorithm.correction.auto.min_tis_cap"),
+        (["algorithm.correction.auto.target_kl=0"], "algorithm.correction.auto.target_kl"),
+        (
+            ["algorithm.correction.auto.enabled=true", "algorithm.correction.name=icepop"],
+            "nothing to tune: algorithm.correction.name=icepop",
+        ),
+        (
+            ["algorithm.correction.auto.enabled=true", "mode=async", "algorithm.correction.auto.min_staleness=0"],
+            "algorithm.correction.auto.min_staleness must be >= 1 when mode=async",
+        ),
+    ],
+)
+def test_bad_settings_fail_at_load_naming_the_field(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_without_it_the_driver_changes_nothing() -> None:
+    """algorithm.correction.auto off (the default): no controller, and tune_offpolicy returns at once."""
+    from slime.job import RunningJob
+
+    assert load_config(None, []).algorithm.correction.auto.enabled is False
+    job = RunningJob(load_config(None, []))
+    metrics = {"reward_mean": 0.5, "mismatch_fresh_tokens": 10.0, "mismatch_fresh_kl": 1.0}
+    job.tune_offpolicy(0, metrics)  # no fleet, learner or telemetry: any use of them would raise
+    assert job.offpolicy is None and metrics == {
+        "reward_mean": 0.5,
+        "mismatch_fresh_tokens": 10.0,
+        "mismatch_fresh_kl": 1.0,
+    }
+
+
+def test_the_learner_takes_the_cap_and_at_the_configured_cap_the_update_is_bit_for_bit(
+    tiny_model_dir, redis_url, tmp_path
+) -> None:
+    """set_correction_cap(c) with the job's own tis_cap gives the very update of a learner never told;
+    another cap reaches the correction (the update moves)."""
+    from slime.learner import Learner
+    from tests.test_offpolicy_options import _batch_samples
+
+    def update(name: str, cap: float | None) -> tuple[dict, dict]:
+        cfg = load_config(
+            None, [f"job_name=auto-cap-{name}", f"output_dir={tmp_path / name}", "algorithm.correction.name=tis"]
+        )
+        learner = Learner(cfg, str(tiny_model_dir), redis_url)
+        learner.version = 3
+        if cap is not None:
+            learner.set_correction_cap(cap)
+        samples = _batch_samples(stale_logprob=-6.0)[0]  # stale tokens whose sampler was far off
+        metrics = learner.update(samples, [0] * len(samples), step=0)
+        weights = {k: v.detach().clone() for k, v in learner.policy.named_parameters()}
+        learner.buffer.close()
+        return metrics, weights
+
+    never, w_never = update("never", None)
+    same, w_same = update("same", 2.0)
+    _, w_other = update("other", 1.05)
+    assert all(torch.equal(w_never[k], w_same[k]) for k in w_never)
+
+    # every figure (json: nan equals nan there), the clock's aside
+    def figures(m: dict) -> str:
+        return json.dumps({k: v for k, v in m.items() if k != "learner_seconds"}, sort_keys=True)
+
+    assert figures(never) == figures(same)
+    assert any(not torch.equal(w_never[k], w_other[k]) for k in w_never)  # the stale tokens' weights: min(rho, c)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["ray", "local"])
+def test_a_job_runs_the_controller_in_its_loop_writes_its_metrics_and_resumes_it(
+    ray_session, tiny_model_dir, redis_url, tmp_path, launcher
+) -> None:
+    """APRIL in the sync loop (the knob is april.max_version_span, set on the workers), on Ray's
+    actors and on threads. A target no measurement reaches makes every decision a loosening: tis_cap 2 ->
+    2.5 -> 3.125 -> 3.906. The third value after a resume from step 2's checkpoint proves the state
+    came back (a fresh controller would say 2.5 again)."""
+    job = f"auto-offpolicy-e2e-{launcher}"
+    common = [
+        f"job_name={job}",
+        f"cluster.launcher={launcher}",
+        f"output_dir={tmp_path}",
+        f"model.path={tiny_model_dir}",
+        f"buffer.url={redis_url}",
+        *APRIL_SMALL_JOB,
+        *TINY_JOB,
+        "checkpoint.every_steps=1",
+        "algorithm.correction.auto.enabled=true",
+        "algorithm.correction.auto.target_kl=1000",
+        "algorithm.correction.auto.max_clipped_share=1.0",
+    ]
+    history = train(load_config(None, [*common, "steps=2"]))
+    assert [h["offpolicy_auto/tis_cap"] for h in history] == pytest.approx([2.5, 3.125])
+    for h in history:
+        assert h["offpolicy_auto/reason"] == Reason.LOOSEN
+        assert 1 <= h["offpolicy_auto/max_version_span"] <= 4
+        kinds = [k for k in ("fresh", "resumed", "stale") if h[f"mismatch_{k}_tokens"] > 0]
+        tokens = sum(h[f"mismatch_{k}_tokens"] for k in kinds)
+        kl = sum(h[f"mismatch_{k}_kl"] * h[f"mismatch_{k}_tokens"] for k in kinds) / tokens
+        assert h["offpolicy_auto/kl"] == pytest.approx(kl)  # what it read: the learner's own KL, all tokens
+    state = json.loads((tmp_path / "checkpoints" / "step_000002" / "driver_state.json").read_text())
+    assert state["offpolicy_auto"]["tis_cap"] == pytest.approx(3.125) and state["offpolicy_auto"]["steps"] == 2
+
+    history = train(load_config(None, [*common, "steps=3", "resume=auto"]))
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert history[-1]["offpolicy_auto/tis_cap"] == pytest.approx(3.90625)
+    # each change of a setting is an event of the job's (the dashboard's events list), with its reason
+    events = [e["detail"] for e in JobTelemetry.open(redis_url, job).events() if e["kind"] == "offpolicy_auto"]
+    assert [(e["step"], e["reason"], e["tis_cap"]) for e in reversed(events)] == [
+        (0, "loosen", 2.5),
+        (1, "loosen", 3.125),
+        (2, "loosen", 3.90625),
+    ]
+    TrajectoryStore.open(redis_url, job).delete_job()
+
+
+@pytest.mark.slow
+def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_url, tmp_path) -> None:
+    """mode=async: the knob is max_staleness (the fleet's admission); the learner drops only beyond the
+    hard cap, so a tightening never throws away a group admitted before it. The engine samples at a
+    noisy temperature (rollout.behaviour_perturbation), so every step's KL is above the small
+    target: each decision tightens, from 2 to the floor 1."""
+    job = "auto-offpolicy-async"
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                "cluster.launcher=local",
+                f"output_dir={tmp_path}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                *TINY_JOB,
+                "steps=3",
+                "mode=async",
+                "max_staleness=2",
+                "algorithm.correction.auto.enabled=true",
+                "rollout.behaviour_perturbation.kind=temperature_noise",
+                "rollout.behaviour_perturbation.scale=0.3",
+                "algorithm.correction.auto.target_kl=1e-6",
+            ],
+        )
+    )
+    assert [h["offpolicy_auto/max_staleness"] for h in history] == [1, 1, 1]
+    assert [h["offpolicy_auto/tis_cap"] for h in history] == pytest.approx([1.6, 1.28, 1.25])
+    assert all(h["offpolicy_auto/reason"] == Reason.TIGHTEN for h in history)
+    assert all(h["dropped_stale_groups"] == 0 for h in history)
+    TrajectoryStore.open(redis_url, job).delete_job()
