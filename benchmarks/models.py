@@ -3,6 +3,7 @@ tiny MoE: issue 21's Qwen2-MoE and a dense Llama, both sized for the char tokeni
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,3 +35,24 @@ SHAPES: dict[str, dict[str, int]] = {
 
 def build(name: str, vocab_size: int, **overrides: Any) -> torch.nn.Module:
     return tiny_model(name, vocab_size=vocab_size, **{**SHAPES[name], **overrides})
+
+
+def build_warmstarted(name: str, path: Path, warmstart_overrides: list[str] | None = None) -> Path:
+    """`name` from SHAPES with the char tokenizer, warm-started like the project's default model
+    (its `model.warmstart` config, with `warmstart_overrides` applied), saved under `path`."""
+    from slime.config import load_config
+    from slime.model import build_char_tokenizer, warmstart
+
+    tokenizer = build_char_tokenizer()
+    model = build(
+        name,
+        len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    warmstart(model, tokenizer, load_config(None, list(warmstart_overrides or [])).model)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

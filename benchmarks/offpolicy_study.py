@@ -36,6 +36,7 @@ Redis server and one Ray for all runs, each job under its own name.
     python benchmarks/offpolicy_study.py --corrections tis,icepop --arms april2 --lrs 1e-3 --seeds 2
     python benchmarks/offpolicy_study.py --arm april2_restart=april.enabled=true,april.max_version_span=0
     python benchmarks/offpolicy_study.py --perturb temperature_noise:0.1   # the controller against a gap
+    python benchmarks/offpolicy_study.py --model llama   # a dense Llama instead of the tiny MoE
     python benchmarks/offpolicy_study.py --quick    # = --smoke: every kind of arm, 1 seed, 2 steps
 
 An --arm NAME=KEY=VALUE,KEY=VALUE adds an arm of your own (run under the default correction unless it
@@ -283,6 +284,13 @@ def main() -> None:
     ap.add_argument("--gain-pct", type=float, default=90.0, help="the gain measure's share of sync's gain, in %%")
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument("--eval-samples", type=int, default=4, help="samples per prompt of the sampled held-out score")
+    ap.add_argument(
+        "--model",
+        choices=["qwen3_moe", "qwen2_moe", "llama"],
+        default="qwen3_moe",
+        help="the family every arm trains: the project's default tiny MoE, or benchmarks/models.py's Qwen2-MoE "
+        "or dense Llama (built and warm-started once, off the clock)",
+    )
     ap.add_argument("--out", default="outputs/bench-offpolicy-study")
     ap.add_argument(
         "--smoke",
@@ -333,7 +341,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     args.out = str(out)
     load_config(None, list(args.set))  # a bad --set or --perturb fails here, before any run
-    model_dir = str(ensure_model_dir(load_config(None, []).model))
+    if args.model == "qwen3_moe":
+        model_dir = str(ensure_model_dir(load_config(None, []).model))
+    else:
+        from benchmarks import models as zoo
+
+        model_dir = str(zoo.build_warmstarted(args.model, out / f"model-{args.model}"))
+        args.set = [f"model.path={model_dir}", *args.set]
 
     server = LocalRedisServer(out / "redis", aof=False)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
@@ -377,6 +391,7 @@ def main() -> None:
         "seeds": args.seeds,
         "eval_prompts": args.eval_prompts,
         "eval_samples_per_prompt": args.eval_samples,
+        "model": args.model,
         "overrides": " ".join(args.set),
         "perturbation": args.perturb or "none",
         "gain_smoothing_checkpoints": args.smooth,

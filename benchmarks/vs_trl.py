@@ -246,23 +246,8 @@ def build_model(name: str, root: str) -> str | None:
     if name == "qwen3_moe":
         return None
     from benchmarks import models as zoo
-    from slime.config import load_config
-    from slime.model import build_char_tokenizer, warmstart
 
-    tokenizer = build_char_tokenizer()
-    model = zoo.build(
-        name,
-        len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    warmstart(model, tokenizer, load_config(None, [f"model.warmstart.steps={WARMSTART_STEPS}"]).model)
-    path = os.path.join(root, name)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return str(zoo.build_warmstarted(name, Path(root) / name, [f"model.warmstart.steps={WARMSTART_STEPS}"]))
 
 
 def summarize(name: str, res: dict, args) -> dict:

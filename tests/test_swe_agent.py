@@ -117,16 +117,20 @@ def test_a_32k_token_31_turn_episode_survives_abort_and_worker_loss_then_trains(
     files_at_abort = _workspace(task.files, snapshot["state"])
     assert files_at_abort[task.buggy_path] != task.files[task.buggy_path]  # the fix is in
 
-    # A new worker (new engine, new env instances) resumes the episode.
+    # A new worker (new engine, new env instances) resumes the episode; its workspace is read the
+    # moment restore() returns, on the env's own thread (the episode goes on at once).
+    from envs.swe import SweEnv
+
+    restored: dict[str, str] = {}
+    original_restore = SweEnv.restore
+
+    def recording_restore(self, sample, snapshot):
+        original_restore(self, sample, snapshot)
+        restored.update(self.workspace.files)
+
+    monkeypatch.setattr(SweEnv, "restore", recording_restore)
     worker = RolloutWorker(cfg, str(long_model_dir), redis_url, "w-long-2")
     try:
-
-        def restored_env():
-            ep = worker.multiturn.episodes.get(at_abort.id)
-            return ep is not None and ep.env is not None and ep.env.workspace is not None and ep.job is None
-
-        wait_for(lambda: worker.error or restored_env(), 120, "the episode to be restored")
-        restored = dict(worker.multiturn.episodes[at_abort.id].env.workspace.files)
         wait_for(lambda: worker.error or buffer.counts()["groups_ready"] == 1, 600, "the episode to finish")
         assert worker.error is None, worker.error
     finally:
