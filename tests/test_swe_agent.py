@@ -34,6 +34,7 @@ from tests.scripted_policy import TurnScript, scripted_engine_class
 pytestmark = pytest.mark.slow
 
 POSITIONS = 40960
+KILL_TURNS = 7  # the killed job's episodes: the kill comes in the third turn, well before the end
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +192,8 @@ def test_a_job_killed_amid_16_episodes_resumes_each_from_its_stored_state(long_m
     tasks = generate_tasks()[:8]
     data = tmp_path / "swe.jsonl"
     data.write_text("".join(json.dumps(t.record()) + "\n" for t in tasks))
-    # Ten turns each: list, six reads, the fix, the tests, finish.
-    turns = {prompt(t): long_reference_actions(t, 10, lines_per_read=12) for t in tasks}
+    # KILL_TURNS turns each: list, reads, the fix, the tests, finish.
+    turns = {prompt(t): long_reference_actions(t, KILL_TURNS, lines_per_read=12) for t in tasks}
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"model_dir": str(long_model_dir), "turns": turns}))
     out = tmp_path / "run"
@@ -262,7 +263,7 @@ def test_a_job_killed_amid_16_episodes_resumes_each_from_its_stored_state(long_m
             assert after.status == Status.COMPLETED and after.reward == 1.0, (sid, after.status, after.metadata)
             # Continued from its stored tokens: the turns before the kill are still its first turns.
             assert np.array_equal(after.response_ids[: before.response_length], before.response_ids), sid
-            assert _model_turns(after.loss_mask) == 10
+            assert _model_turns(after.loss_mask) == KILL_TURNS
         stats = buffer.stats()
         # Every episode came back from its snapshot; no env replayed its tool calls.
         assert stats.get("env_snapshot_restores", 0) >= 16 and not stats.get("env_replays"), stats
