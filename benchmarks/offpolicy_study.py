@@ -37,7 +37,7 @@ Redis server and one Ray for all runs, each job under its own name.
     python benchmarks/offpolicy_study.py --arm april2_restart=april.enabled=true,april.max_version_span=0
     python benchmarks/offpolicy_study.py --perturb temperature_noise:0.1   # the controller against a gap
     python benchmarks/offpolicy_study.py --model llama   # a dense Llama instead of the tiny MoE
-    python benchmarks/offpolicy_study.py --quick    # = --smoke: every kind of arm, 1 seed, 2 steps
+    python benchmarks/offpolicy_study.py --quick    # = --smoke: sync and both auto arms, 1 seed, 2 steps
 
 An --arm NAME=KEY=VALUE,KEY=VALUE adds an arm of your own (run under the default correction unless it
 sets algorithm.correction.name itself). Each run's per-step metrics are kept in OUT/histories.json.
@@ -297,7 +297,7 @@ def main() -> None:
         "--quick",
         dest="smoke",
         action="store_true",
-        help="sync, april2, april2_auto and async2_auto, one seed, 2 steps of 2x2 samples, 16 tokens, output in "
+        help="sync, april2_auto and async2_auto, one seed, 2 steps of 2x2 samples, 16 tokens, output in "
         "a temporary directory: checks it runs (not figures to quote)",
     )
     args = ap.parse_args()
@@ -310,7 +310,7 @@ def main() -> None:
         import tempfile
 
         args.steps, args.eval_every, args.seeds, args.lrs = 2, 1, 1, "1e-3"
-        args.arms = "sync,april2,april2_auto,async2_auto"
+        args.arms = "sync,april2_auto,async2_auto"  # plain APRIL's run is april_vs_sync's smoke
         args.eval_prompts, args.eval_samples = 4, 1
         args.set = [*args.set, "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16"]
         args.out = tempfile.mkdtemp(prefix="bench-offpolicy-study-smoke-")
