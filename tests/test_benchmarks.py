@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 HELPERS = {"__init__", "families", "gain", "models", "spread"}  # imported by the benchmarks, not run
 BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem not in HELPERS)
 TIMEOUT_S = 400  # the slowest smoke takes about a minute alone on 2 busy cores
-SMOKES_AT_ONCE = 2
+SMOKES_AT_ONCE = 3
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MARKS = {
@@ -65,7 +65,7 @@ def _run_smoke(name: str) -> tuple[subprocess.CompletedProcess, float]:
 @pytest.fixture(scope="session")
 def smoke_runs(request) -> Iterator[dict[str, Future]]:
     """Every selected smoke, SMOKES_AT_ONCE at a time from the first one's start: a smoke spends much
-    of its time starting Python, Ray or a redis-server, so two overlap well on two cores."""
+    of its time starting Python, Ray or a redis-server, so three overlap well on two cores."""
     selected = [
         item.callspec.params["name"]
         for item in request.session.items

@@ -39,12 +39,20 @@ KILL_TURNS = 7  # the killed job's episodes: the kill comes in the third turn, w
 
 @pytest.fixture(scope="module")
 def long_model_dir(tmp_path_factory):
-    """The tiny MoE with room for 40k positions and one layer instead of four, which keeps the 32k
-    episode's rollout and learner step near 2 minutes here (with four: about 7; docs/benchmarks.md,
-    "Long agent episodes"). Random init: the script picks every token."""
+    """The tiny MoE with room for 40k positions, one layer instead of four and half its width, which
+    keeps the 32k episode's rollout and learner step near a minute and a half here (the default model:
+    about 7 minutes; docs/benchmarks.md, "Long agent episodes"). Random init: the script picks every
+    token."""
     cfg = ModelConfig(
         cache_dir=str(tmp_path_factory.mktemp("models")),
-        tiny=TinyModelConfig(max_position_embeddings=POSITIONS, num_layers=1),
+        tiny=TinyModelConfig(
+            max_position_embeddings=POSITIONS,
+            num_layers=1,
+            hidden_size=64,
+            num_heads=2,
+            num_kv_heads=1,
+            expert_hidden_size=64,
+        ),
         warmstart=WarmstartConfig(enabled=False),
     )
     return ensure_model_dir(cfg)
