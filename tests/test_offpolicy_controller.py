@@ -113,18 +113,56 @@ def test_a_job_without_a_knob_or_a_cap_keeps_it_off() -> None:
         "offpolicy_auto/kl_target",
         "offpolicy_auto/kl_smoothed",
         "offpolicy_auto/kl",
+        "offpolicy_auto/kl_gap",
         "offpolicy_auto/logp_spread",
         "offpolicy_auto/max_lag",
     }
 
 
+def gapped(kl: float, fresh_kl: float, fresh_tokens: float) -> Measurement:
+    """A step whose fresh tokens carry ``fresh_kl`` (the engine's gap) and whose mean over all tokens is ``kl``."""
+    m = measured(kl)
+    return Measurement(**{**m.__dict__, "fresh_tokens": fresh_tokens, "fresh_kl": fresh_kl})
+
+
+def test_it_steers_the_kl_that_staleness_adds_not_the_engines_gap() -> None:
+    # a perturbed engine: fresh tokens alone carry 0.025, above the target; the stale ones add 0.005.
+    # On the total (0.03) it would tighten every step; on the excess it loosens
+    c = controller(staleness=2, tis_cap=2.0)
+    assert c.observe(gapped(0.03, fresh_kl=0.025, fresh_tokens=40)) == Reason.LOOSEN
+    assert c.gap_kl == pytest.approx(0.025) and c.kl_smoothed == pytest.approx(0.005)
+    assert (c.staleness, c.tis_cap) == (3, 2.5)
+    # the policy's own drift on top of the same gap still tightens
+    assert c.observe(gapped(0.06, fresh_kl=0.025, fresh_tokens=40)) == Reason.TIGHTEN
+    assert c.kl_smoothed == pytest.approx(0.035)
+    # a gap the learner and engine do not have (fresh 0) leaves the rule as it was: the total
+    c0 = controller(staleness=2, tis_cap=2.0)
+    assert c0.observe(gapped(0.03, fresh_kl=0.0, fresh_tokens=40)) == Reason.TIGHTEN
+
+
+def test_the_gap_carries_over_steps_without_fresh_tokens_and_is_token_weighted() -> None:
+    # async: the first step is all fresh, every later batch is stale, and the gap measured first holds
+    c = controller(staleness=2, tis_cap=2.0, smoothing=0.5)
+    c.observe(gapped(0.02, fresh_kl=0.02, fresh_tokens=1000))
+    assert c.gap_kl == pytest.approx(0.02)
+    for _ in range(3):
+        c.observe(measured(0.024))  # no fresh tokens: excess 0.004 each step
+        assert c.gap_kl == pytest.approx(0.02)
+    assert c.kl_smoothed == pytest.approx(0.004 * (1 - 0.5**3)) and c.reason == Reason.LOOSEN  # from 0 at step 1
+    # a few fresh tokens move it a little: (0.5 * 1000 * 0.02 + 10 * 0.0) / (0.5 * 1000 + 10)
+    c.observe(gapped(0.024, fresh_kl=0.0, fresh_tokens=10))
+    assert c.gap_kl == pytest.approx(10.0 / 510.0)
+
+
 def test_its_state_round_trips_through_json_and_goes_on_the_same() -> None:
     c = controller(smoothing=0.5)
     run(c, [0.001, 0.04, 0.03])
+    c.observe(gapped(0.03, fresh_kl=0.01, fresh_tokens=50))
     state = json.loads(json.dumps(c.state_dict()))  # as driver_state.json keeps it
     restored = controller(smoothing=0.5)
     restored.load_state_dict(state)
     assert restored.state_dict() == c.state_dict()
+    assert restored.gap_kl == pytest.approx(0.01)
     assert run(restored, [0.002, 0.1, 0.001]) == run(c, [0.002, 0.1, 0.001])
 
 
@@ -152,7 +190,13 @@ def test_the_measurement_is_read_from_the_learners_metrics() -> None:
     }
     m = Measurement.from_metrics(metrics)
     assert m == Measurement(
-        tokens=40.0, kl=pytest.approx(0.02), spread=pytest.approx(0.1), clipped_share=0.25, max_lag=3
+        tokens=40.0,
+        kl=pytest.approx(0.02),
+        spread=pytest.approx(0.1),
+        clipped_share=0.25,
+        max_lag=3,
+        fresh_tokens=30.0,
+        fresh_kl=0.0,
     )
     assert Measurement.from_metrics({}).tokens == 0.0  # an empty step: nothing measured
 
@@ -297,9 +341,10 @@ def test_a_job_runs_the_controller_in_its_loop_writes_its_metrics_and_resumes_it
 @pytest.mark.slow
 def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_url, tmp_path) -> None:
     """mode=async: the knob is max_staleness (the fleet's admission); the learner drops only beyond the
-    hard cap, so a tightening never throws away a group admitted before it. The engine samples at a
-    noisy temperature (rollout.behaviour_perturbation), so every step's KL is above the small
-    target: each decision tightens, from 2 to the floor 1."""
+    hard cap, so a tightening never throws away a group admitted before it. The first batch is all
+    fresh: its KL is the engine's numerics, taken as the gap, and nothing is tightened (the budget of
+    2 was not used, so only the cap loosens). Every later batch is stale, and the policy's own change
+    puts its KL above the tiny target: each decision tightens, from 2 to the floor 1."""
     job = "auto-offpolicy-async"
     history = train(
         load_config(
@@ -315,14 +360,18 @@ def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_
                 "mode=async",
                 "max_staleness=2",
                 "algorithm.correction.auto.enabled=true",
-                "rollout.behaviour_perturbation.kind=temperature_noise",
-                "rollout.behaviour_perturbation.scale=0.3",
                 "algorithm.correction.auto.target_kl=1e-6",
             ],
         )
     )
-    assert [h["offpolicy_auto/max_staleness"] for h in history] == [1, 1, 1]
-    assert [h["offpolicy_auto/tis_cap"] for h in history] == pytest.approx([1.6, 1.28, 1.25])
-    assert all(h["offpolicy_auto/reason"] == Reason.TIGHTEN for h in history)
+    assert history[0]["mismatch_fresh_tokens"] > 0 and history[0]["mismatch_stale_tokens"] == 0
+    assert history[0]["offpolicy_auto/kl_gap"] == pytest.approx(history[0]["mismatch_fresh_kl"])
+    assert all(h["mismatch_stale_tokens"] > 0 for h in history[1:])
+    for before, h in zip(history, history[1:]):  # a batch without fresh tokens carries the gap over
+        if h["mismatch_fresh_tokens"] == 0:
+            assert h["offpolicy_auto/kl_gap"] == before["offpolicy_auto/kl_gap"]
+    assert [h["offpolicy_auto/reason"] for h in history] == [Reason.LOOSEN, Reason.TIGHTEN, Reason.TIGHTEN]
+    assert [h["offpolicy_auto/max_staleness"] for h in history] == [2, 1, 1]
+    assert [h["offpolicy_auto/tis_cap"] for h in history] == pytest.approx([2.5, 2.0, 1.6])
     assert all(h["dropped_stale_groups"] == 0 for h in history)
     TrajectoryStore.open(redis_url, job).delete_job()

@@ -8,6 +8,12 @@ What it reads, from the step's metrics (slime/learner/actor.py, slime/algorithms
                  (mismatch_<kind>_kl weighted by mismatch_<kind>_tokens)
   spread         mean |log ρ| over the same tokens (mismatch_<kind>_logp_abs_diff); reported
                  with the decision, not used by the rule: the KL already summarises it
+  fresh kl       the KL over the fresh tokens alone (sampled by π_old's own version): the gap
+                 between engine and learner that no staleness budget or band can remove (kernels,
+                 dtype, a perturbed sampler). Async batches hold none after the first step, so the
+                 gap is a running estimate: gap ← (smoothing · gap_kl_sum + fresh kl sum) /
+                 (smoothing · gap_tokens + fresh tokens), updated on the steps that have fresh tokens
+                 and carried over the others (0 before any)
   clipped_share  offpolicy_clipped_share: trainable tokens outside the correction's band
   max_lag        the oldest trained token's lag in versions (version_lag_hist)
 
@@ -16,7 +22,9 @@ What it sets (JobConfig.staleness_knob says which budget the job's loop reads):
                  when a partial resumes; plain sync and streaming: nothing
   tis_cap        c of tis, mis_token, mis_seq, decoupled and behaviour_clip; other corrections: nothing
 
-The rule, on the KL smoothed over steps (kl_s ← smoothing · kl_s + (1 − smoothing) · kl):
+The rule acts on the KL that staleness adds, excess = max(0, kl − gap), smoothed over steps
+(kl_s ← smoothing · kl_s + (1 − smoothing) · excess). Steered on the total, it tightened at every
+step once the engine's gap alone came near the target, though no budget can remove that part:
   nothing measured (no trained tokens, a non-finite KL)   hold_no_measurement
   kl_s > target_kl                                          tighten: staleness − 1, tis_cap ÷ step
   kl_s < loosen_below · target_kl, and
@@ -66,6 +74,8 @@ class Measurement:
     spread: float  # mean |log ρ| per token
     clipped_share: float
     max_lag: int  # the oldest trained token's lag, in versions
+    fresh_tokens: float = 0.0  # trained tokens sampled by π_old's own version
+    fresh_kl: float = 0.0  # their mean k3 estimate (0 without any)
 
     @classmethod
     def from_metrics(cls, metrics: Mapping[str, Any]) -> Measurement:
@@ -78,12 +88,15 @@ class Measurement:
                 kl += n * float(metrics[f"mismatch_{kind}_kl"])
                 spread += n * float(metrics[f"mismatch_{kind}_logp_abs_diff"])
         lags = [int(lag) for lag in metrics.get("version_lag_hist", {})]
+        fresh_tokens = float(metrics.get("mismatch_fresh_tokens", 0.0))
         return cls(
             tokens=tokens,
             kl=kl / tokens if tokens else 0.0,
             spread=spread / tokens if tokens else 0.0,
             clipped_share=float(metrics.get("offpolicy_clipped_share", 0.0)),
             max_lag=max(lags, default=0),
+            fresh_tokens=fresh_tokens,
+            fresh_kl=float(metrics["mismatch_fresh_kl"]) if fresh_tokens > 0 else 0.0,
         )
 
 
@@ -95,6 +108,9 @@ class ControllerState(StrictModel):
     kl_smoothed: float | None
     reason: int = Field(..., ge=0, le=max(Reason))
     steps: int = Field(..., ge=0)
+    # the gap estimate's decayed sums; a checkpoint written before the gap was measured has none
+    gap_kl_sum: float = Field(0.0, ge=0)
+    gap_tokens: float = Field(0.0, ge=0)
 
 
 class OffPolicyController:
@@ -111,9 +127,16 @@ class OffPolicyController:
             self.staleness = self._clamp_staleness(settings.max_staleness if staleness is None else staleness)
         self.tis_cap = None if tis_cap is None else self._clamp_cap(tis_cap)
         self.kl_smoothed: float | None = None
+        self.gap_kl_sum = 0.0
+        self.gap_tokens = 0.0
         self.reason = Reason.START
         self.steps = 0
         self.last: Measurement | None = None
+
+    @property
+    def gap_kl(self) -> float:
+        """The engine-learner gap: the running mean KL of fresh tokens (0 before any was measured)."""
+        return self.gap_kl_sum / self.gap_tokens if self.gap_tokens > 0 else 0.0
 
     @classmethod
     def for_job(cls, cfg: JobConfig) -> OffPolicyController:
@@ -144,8 +167,12 @@ class OffPolicyController:
         if m.tokens <= 0 or not math.isfinite(m.kl):
             self.reason = Reason.HOLD_NO_MEASUREMENT
             return self.reason
+        if m.fresh_tokens > 0 and math.isfinite(m.fresh_kl):
+            self.gap_kl_sum = s.smoothing * self.gap_kl_sum + m.fresh_tokens * max(m.fresh_kl, 0.0)
+            self.gap_tokens = s.smoothing * self.gap_tokens + m.fresh_tokens
+        excess = max(m.kl - self.gap_kl, 0.0)
         past = self.kl_smoothed
-        self.kl_smoothed = m.kl if past is None else s.smoothing * past + (1.0 - s.smoothing) * m.kl
+        self.kl_smoothed = excess if past is None else s.smoothing * past + (1.0 - s.smoothing) * excess
         if self.kl_smoothed > s.target_kl:
             self.reason = Reason.TIGHTEN
             self._move(-1, 1.0 / s.tis_cap_step)
@@ -170,7 +197,9 @@ class OffPolicyController:
         if self.kl_smoothed is not None:
             out["kl_smoothed"] = self.kl_smoothed
         if self.last is not None:
-            out.update(kl=self.last.kl, logp_spread=self.last.spread, max_lag=float(self.last.max_lag))
+            out.update(
+                kl=self.last.kl, kl_gap=self.gap_kl, logp_spread=self.last.spread, max_lag=float(self.last.max_lag)
+            )
         return {"offpolicy_auto": out}
 
     def event(self) -> dict[str, Any]:
@@ -180,6 +209,7 @@ class OffPolicyController:
             detail[self.knob] = self.staleness
         if self.kl_smoothed is not None:
             detail["kl_smoothed"] = round(self.kl_smoothed, 5)
+            detail["kl_gap"] = round(self.gap_kl, 5)
         return detail
 
     def state_dict(self) -> dict[str, Any]:
@@ -189,6 +219,8 @@ class OffPolicyController:
             kl_smoothed=self.kl_smoothed,
             reason=int(self.reason),
             steps=self.steps,
+            gap_kl_sum=self.gap_kl_sum,
+            gap_tokens=self.gap_tokens,
         ).model_dump()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -207,3 +239,5 @@ class OffPolicyController:
         self.kl_smoothed = saved.kl_smoothed
         self.reason = Reason(saved.reason)
         self.steps = saved.steps
+        self.gap_kl_sum = saved.gap_kl_sum
+        self.gap_tokens = saved.gap_tokens

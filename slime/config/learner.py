@@ -41,9 +41,10 @@ class AutoOffPolicyConfig(_Strict):
     target_kl: float = Field(
         0.02,
         gt=0,
-        description="The mean KL(mu || pi_old) per trained token (k3, all kinds) it steers to: tighter above it, "
-        "looser below loosen_below x it. 0.02 lies between what behaviour_clip held at lr 5e-4 and 1e-3 on the "
-        "study's tiny MoE (0.008-0.044) and well under where tis collapsed (0.1-0.37).",
+        description="The mean KL(mu || pi_old) per trained token (k3, all kinds) beyond the engine-learner gap "
+        "(the fresh tokens' KL) that it steers to: tighter above it, looser below loosen_below x it. 0.02 lies "
+        "between what behaviour_clip held at lr 5e-4 and 1e-3 on the study's tiny MoE (0.008-0.044) and well "
+        "under where tis collapsed (0.1-0.37).",
     )
     loosen_below: float = Field(
         0.5, gt=0, lt=1, description="Loosen only when the smoothed KL is below this share of target_kl."
