@@ -6,8 +6,7 @@ zero-variance groups, aborts the long tail (Abort) and resumes it, pushes weight
 workers' health, and (rollout.elastic) adds and removes workers as april/elastic.py decides. The
 decisions are APRIL's; this file only carries them out.
 
-The workers are actors of the job's launcher (slime/launch/: Ray's, or threads of this process);
-every call to them goes through it.
+The workers are actors of the job's launcher (slime/launch/: Ray's, or threads of this process), called through it.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from april.elastic import ElasticPolicy
-from april.scheduler import GroupCounts, GroupScheduler, ZeroVarianceFilter
+from april.scheduler import BudgetHold, GroupCounts, GroupScheduler, ZeroVarianceFilter
 from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import JobConfig
 from slime.data import prompt_text
@@ -108,6 +107,7 @@ class RolloutFleet:
         self.leaving: list[_Changing] = []
         self.last_fill: float | None = None
         self.peak_queued = 0  # the most samples beyond the workers' engine slots since the last decision
+        self.budget_hold = BudgetHold(totals_seen=self._discard_totals())  # algorithm.correction.auto reads it
 
     # ---- starting groups -------------------------------------------------------------------------
     def _schedule_groups(self) -> int:
@@ -121,9 +121,9 @@ class RolloutFleet:
         self.peak_queued = max(self.peak_queued, unfinished - slots)
         # The engines' version, not the learner's (async admission): see engine_version.
         version = self.engine_version
-        missing = self.scheduler.groups_to_start(
-            GroupCounts(unfinished=c["groups_open"], ready=c["groups_ready"], started=c["groups_total"]), version
-        )
+        counts = GroupCounts(unfinished=c["groups_open"], ready=c["groups_ready"], started=c["groups_total"])
+        missing = self.scheduler.groups_to_start(counts, version)
+        self.budget_hold.note(time.monotonic(), self.scheduler.held_by_staleness(counts, version) > 0)
         for _ in range(missing):
             record = self.sampler.next()
             metadata = {
@@ -138,6 +138,16 @@ class RolloutFleet:
             if cfg.loop_mode == "streaming":
                 self.buffer.track_streaming(gid)
         return missing
+
+    def staleness_held_share(self) -> float:
+        """How much the staleness budget held the rollout back since the last call (april.scheduler.BudgetHold)."""
+        if self.scheduler.policy == "async":
+            return self.budget_hold.take_time(time.monotonic())
+        return self.budget_hold.take_tokens(*self._discard_totals())
+
+    def _discard_totals(self) -> tuple[float, float]:
+        stats = self.buffer.stats()  # running totals: tokens restarted beyond APRIL's span, and generated
+        return stats.get("restarted_tokens", 0.0), stats.get("generated_tokens", 0.0)
 
     # ---- waiting for the batch -------------------------------------------------------------------
     def wait_for_batch(self, on_wait: Callable[[dict[str, int], int], None]) -> None:

@@ -326,6 +326,7 @@ class RunningJob:
         if self.offpolicy is None:
             return
         before = (self.offpolicy.staleness, self.offpolicy.tis_cap)
+        metrics["staleness_budget_held_share"] = self.fleet.staleness_held_share()
         self.offpolicy.observe(Measurement.from_metrics(metrics))
         metrics.update(self.offpolicy.metrics())
         if (self.offpolicy.staleness, self.offpolicy.tis_cap) != before:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from april.scheduler import GroupCounts, GroupScheduler, StalenessBudget, ZeroVarianceFilter, groups_in_flight
+from april.scheduler import (
+    BudgetHold,
+    GroupCounts,
+    GroupScheduler,
+    StalenessBudget,
+    ZeroVarianceFilter,
+    groups_in_flight,
+)
 
 
 def test_the_oversample_rule():
@@ -43,6 +50,40 @@ def test_async_admission_never_starts_a_group_trained_too_late():
     assert s.groups_to_start(GroupCounts(unfinished=2, ready=5, started=7), engine_version=0) == 1
     assert s.groups_to_start(GroupCounts(unfinished=2, ready=6, started=8), engine_version=0) == 0  # cap
     assert s.groups_to_start(GroupCounts(unfinished=2, ready=2, started=8), engine_version=1) == 2
+
+
+def test_async_admission_says_how_many_groups_the_staleness_budget_holds_back():
+    s = GroupScheduler("async", batch_size=4, max_staleness=1)
+    # the in-flight target binds (or nothing is wanted): the budget holds nothing back
+    assert s.held_by_staleness(GroupCounts(unfinished=0, ready=0, started=0), engine_version=0) == 0
+    assert s.held_by_staleness(GroupCounts(unfinished=4, ready=0, started=4), engine_version=0) == 0
+    # 2 wanted (target 4, 2 in flight), 1 left under the cap of 8 started: 1 held back; at the cap, both
+    assert s.held_by_staleness(GroupCounts(unfinished=2, ready=5, started=7), engine_version=0) == 1
+    assert s.held_by_staleness(GroupCounts(unfinished=2, ready=6, started=8), engine_version=0) == 2
+    # the engines' next version lifts the cap by a batch
+    assert s.held_by_staleness(GroupCounts(unfinished=2, ready=6, started=8), engine_version=1) == 0
+    # a looser budget holds back less
+    s.max_staleness = 2
+    assert s.held_by_staleness(GroupCounts(unfinished=2, ready=6, started=8), engine_version=0) == 0
+    for policy in ("sync", "april", "streaming"):  # only async's admission has a staleness budget
+        other = GroupScheduler(policy, batch_size=4, max_staleness=1)
+        assert other.held_by_staleness(GroupCounts(unfinished=0, ready=6, started=100), engine_version=0) == 0
+
+
+def test_budget_hold_times_the_polls_the_budget_held_back_and_counts_the_tokens_it_threw_away():
+    hold = BudgetHold()
+    assert hold.take_time(10.0) == 0.0  # nothing polled yet
+    hold.note(10.0, held=False)
+    hold.note(12.0, held=True)  # 10-12 free
+    hold.note(15.0, held=False)  # 12-15 held
+    assert hold.take_time(20.0) == pytest.approx(3.0 / 10.0)  # 15-20 free
+    hold.note(21.0, held=True)  # 20-21 free (the state at the last take)
+    assert hold.take_time(25.0) == pytest.approx(4.0 / 5.0)  # 21-25 held: counted by the state at its start
+    # APRIL: running totals of (restarted, generated) tokens; each take covers what came since the last
+    tokens = BudgetHold(totals_seen=(100.0, 1000.0))  # a resumed job: totals from before are not this step's
+    assert tokens.take_tokens(150.0, 1500.0) == pytest.approx(50.0 / 500.0)
+    assert tokens.take_tokens(150.0, 1500.0) == 0.0  # nothing generated since
+    assert tokens.take_tokens(150.0, 1900.0) == 0.0
 
 
 @pytest.mark.parametrize(

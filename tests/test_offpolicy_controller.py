@@ -34,8 +34,12 @@ SETTINGS = AutoOffPolicyConfig(
 )
 
 
-def measured(kl: float, max_lag: int = 9, clipped: float = 0.0, tokens: float = 100.0) -> Measurement:
-    return Measurement(tokens=tokens, kl=kl, spread=math.sqrt(2 * kl), clipped_share=clipped, max_lag=max_lag)
+def measured(
+    kl: float, max_lag: int = 9, clipped: float = 0.0, tokens: float = 100.0, held: float = 0.5
+) -> Measurement:
+    return Measurement(
+        tokens=tokens, kl=kl, spread=math.sqrt(2 * kl), clipped_share=clipped, max_lag=max_lag, held_share=held
+    )
 
 
 def controller(staleness: int | None = 2, tis_cap: float | None = 2.0, **settings) -> OffPolicyController:
@@ -63,12 +67,16 @@ def test_below_the_target_it_loosens_one_step_at_a_time_up_to_the_hard_caps() ->
     assert [cap for _, _, cap in steps] == pytest.approx([2.5, 3.125, 3.90625, 4.0, 4.0, 4.0])  # max_tis_cap=4
 
 
-def test_the_staleness_grows_only_when_the_batch_used_the_whole_budget() -> None:
-    c = controller(staleness=2, tis_cap=2.0)
-    assert c.observe(measured(0.001, max_lag=1)) == Reason.LOOSEN
-    assert (c.staleness, c.tis_cap) == (2, 2.5)  # lag 1 < budget 2: the budget does not bind
-    c.observe(measured(0.001, max_lag=2))
-    assert (c.staleness, c.tis_cap) == (3, 3.125)
+def test_the_staleness_grows_only_when_the_budget_held_the_rollout_back() -> None:
+    c = controller(staleness=2, tis_cap=2.0)  # min_held_share 0.05
+    assert c.observe(measured(0.001, held=0.0)) == Reason.LOOSEN
+    assert (c.staleness, c.tis_cap) == (2, 2.5)  # the rollout never waited on the budget: only the cap moves
+    c.observe(measured(0.001, held=0.05))
+    assert (c.staleness, c.tis_cap) == (2, 3.125)  # at the threshold: not above it
+    c.observe(measured(0.001, held=0.3))
+    assert (c.staleness, c.tis_cap) == (3, 3.90625)
+    assert c.observe(measured(0.05, held=0.0)) == Reason.TIGHTEN  # tightening does not ask
+    assert c.staleness == 2
 
 
 def test_inside_the_band_a_heavy_tail_or_no_measurement_it_holds() -> None:
@@ -116,6 +124,7 @@ def test_a_job_without_a_knob_or_a_cap_keeps_it_off() -> None:
         "offpolicy_auto/kl_gap",
         "offpolicy_auto/logp_spread",
         "offpolicy_auto/max_lag",
+        "offpolicy_auto/held_share",
     }
 
 
@@ -187,6 +196,7 @@ def test_the_measurement_is_read_from_the_learners_metrics() -> None:
         "mismatch_stale_logp_abs_diff": 0.4,
         "offpolicy_clipped_share": 0.25,
         "version_lag_hist": {"0": 5, "3": 1, "1": 2},
+        "staleness_budget_held_share": 0.4,
     }
     m = Measurement.from_metrics(metrics)
     assert m == Measurement(
@@ -197,6 +207,7 @@ def test_the_measurement_is_read_from_the_learners_metrics() -> None:
         max_lag=3,
         fresh_tokens=30.0,
         fresh_kl=0.0,
+        held_share=0.4,
     )
     assert Measurement.from_metrics({}).tokens == 0.0  # an empty step: nothing measured
 
@@ -322,6 +333,9 @@ def test_a_job_runs_the_controller_in_its_loop_writes_its_metrics_and_resumes_it
         tokens = sum(h[f"mismatch_{k}_tokens"] for k in kinds)
         kl = sum(h[f"mismatch_{k}_kl"] * h[f"mismatch_{k}_tokens"] for k in kinds) / tokens
         assert h["offpolicy_auto/kl"] == pytest.approx(kl)  # what it read: the learner's own KL, all tokens
+        # APRIL's budget holds the rollout back by the tokens it throws away (restarted partials)
+        assert 0.0 <= h["staleness_budget_held_share"] <= 1.0
+        assert h["offpolicy_auto/held_share"] == h["staleness_budget_held_share"]
     state = json.loads((tmp_path / "checkpoints" / "step_000002" / "driver_state.json").read_text())
     assert state["offpolicy_auto"]["tis_cap"] == pytest.approx(3.125) and state["offpolicy_auto"]["steps"] == 2
 
@@ -342,36 +356,50 @@ def test_a_job_runs_the_controller_in_its_loop_writes_its_metrics_and_resumes_it
 def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_url, tmp_path) -> None:
     """mode=async: the knob is max_staleness (the fleet's admission); the learner drops only beyond the
     hard cap, so a tightening never throws away a group admitted before it. The first batch is all
-    fresh: its KL is the engine's numerics, taken as the gap, and nothing is tightened (the budget of
-    2 was not used, so only the cap loosens). Every later batch is stale, and the policy's own change
-    puts its KL above the tiny target: each decision tightens, from 2 to the floor 1."""
+    fresh: its KL is the engine's numerics, taken as the gap, so nothing is tightened (the cap
+    loosens; the budget only if admission waited on it). A later batch may be fresh too (the rollout
+    outran the learner), but once a stale one puts the policy's own change above the tiny target, the
+    slow smoothing (0.9) keeps the KL above it: from then on every decision tightens. Replaying the
+    logged measurements through a fresh controller gives the logged decisions: the job acted on what
+    it measured, gap and held share included."""
     job = "auto-offpolicy-async"
-    history = train(
-        load_config(
-            None,
-            [
-                f"job_name={job}",
-                "cluster.launcher=local",
-                f"output_dir={tmp_path}",
-                f"model.path={tiny_model_dir}",
-                f"buffer.url={redis_url}",
-                *TINY_JOB,
-                "steps=3",
-                "mode=async",
-                "max_staleness=2",
-                "algorithm.correction.auto.enabled=true",
-                "algorithm.correction.auto.target_kl=1e-6",
-            ],
-        )
+    cfg = load_config(
+        None,
+        [
+            f"job_name={job}",
+            "cluster.launcher=local",
+            f"output_dir={tmp_path}",
+            f"model.path={tiny_model_dir}",
+            f"buffer.url={redis_url}",
+            *TINY_JOB,
+            "steps=4",
+            "mode=async",
+            "max_staleness=2",
+            "algorithm.correction.auto.enabled=true",
+            "algorithm.correction.auto.target_kl=1e-6",
+            "algorithm.correction.auto.smoothing=0.9",
+        ],
     )
+    history = train(cfg)
     assert history[0]["mismatch_fresh_tokens"] > 0 and history[0]["mismatch_stale_tokens"] == 0
     assert history[0]["offpolicy_auto/kl_gap"] == pytest.approx(history[0]["mismatch_fresh_kl"])
-    assert all(h["mismatch_stale_tokens"] > 0 for h in history[1:])
     for before, h in zip(history, history[1:]):  # a batch without fresh tokens carries the gap over
         if h["mismatch_fresh_tokens"] == 0:
             assert h["offpolicy_auto/kl_gap"] == before["offpolicy_auto/kl_gap"]
-    assert [h["offpolicy_auto/reason"] for h in history] == [Reason.LOOSEN, Reason.TIGHTEN, Reason.TIGHTEN]
-    assert [h["offpolicy_auto/max_staleness"] for h in history] == [2, 1, 1]
-    assert [h["offpolicy_auto/tis_cap"] for h in history] == pytest.approx([2.5, 2.0, 1.6])
+    assert all(0.0 <= h["staleness_budget_held_share"] <= 1.0 for h in history)
+    reasons = [h["offpolicy_auto/reason"] for h in history]
+    first_stale = next((i for i, h in enumerate(history) if h["mismatch_stale_tokens"] > 0), None)
+    assert first_stale is not None, "no batch of the async job held a stale token"
+    assert reasons == [Reason.LOOSEN] * first_stale + [Reason.TIGHTEN] * (len(history) - first_stale)
+    assert history[-1]["offpolicy_auto/max_staleness"] < history[first_stale - 1]["offpolicy_auto/max_staleness"]
+
+    replay = OffPolicyController.for_job(cfg)
+    for h in history:
+        replay.observe(Measurement.from_metrics(h))
+        assert (replay.reason, replay.staleness, replay.tis_cap) == (
+            h["offpolicy_auto/reason"],
+            h["offpolicy_auto/max_staleness"],
+            pytest.approx(h["offpolicy_auto/tis_cap"]),
+        )
     assert all(h["dropped_stale_groups"] == 0 for h in history)
     TrajectoryStore.open(redis_url, job).delete_job()

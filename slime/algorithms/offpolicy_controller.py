@@ -15,7 +15,11 @@ What it reads, from the step's metrics (slime/learner/actor.py, slime/algorithms
                  (smoothing · gap_tokens + fresh tokens), updated on the steps that have fresh tokens
                  and carried over the others (0 before any)
   clipped_share  offpolicy_clipped_share: trainable tokens outside the correction's band
-  max_lag        the oldest trained token's lag in versions (version_lag_hist)
+  max_lag        the oldest trained token's lag in versions (version_lag_hist); reported only
+  held_share     staleness_budget_held_share (slime/job.py): how much the staleness budget held
+                 the rollout back since the last decision. Async: the share of the time admission
+                 was capped below the in-flight target; APRIL: the share of the generated tokens
+                 thrown away because their partial was beyond max_version_span (restarted)
 
 What it sets (JobConfig.staleness_knob says which budget the job's loop reads):
   staleness      async: max_staleness at admission; APRIL in the sync loop: april.max_version_span
@@ -29,9 +33,10 @@ step once the engine's gap alone came near the target, though no budget can remo
   kl_s > target_kl                                          tighten: staleness − 1, tis_cap ÷ step
   kl_s < loosen_below · target_kl, and
       clipped_share > max_clipped_share                     hold_clipped (a heavy tail, a small mean)
-      otherwise                                             loosen: tis_cap × step, staleness + 1 when
-                                                            the batch used the whole budget
-                                                            (max_lag ≥ staleness; else it is not binding)
+      otherwise                                             loosen: tis_cap × step, staleness + 1 only
+                                                            when held_share > min_held_share: a looser
+                                                            budget buys speed only where the rollout
+                                                            waited on it, and costs staler tokens always
   otherwise                                                 hold_in_band
 Each value then stays within its floor and hard cap (AutoOffPolicyConfig's min_* and max_*), so a
 step moves the staleness by one version and the cap by one factor at most.
@@ -76,6 +81,7 @@ class Measurement:
     max_lag: int  # the oldest trained token's lag, in versions
     fresh_tokens: float = 0.0  # trained tokens sampled by π_old's own version
     fresh_kl: float = 0.0  # their mean k3 estimate (0 without any)
+    held_share: float = 0.0  # how much the staleness budget held the rollout back
 
     @classmethod
     def from_metrics(cls, metrics: Mapping[str, Any]) -> Measurement:
@@ -97,6 +103,7 @@ class Measurement:
             max_lag=max(lags, default=0),
             fresh_tokens=fresh_tokens,
             fresh_kl=float(metrics["mismatch_fresh_kl"]) if fresh_tokens > 0 else 0.0,
+            held_share=float(metrics.get("staleness_budget_held_share", 0.0)),
         )
 
 
@@ -181,8 +188,7 @@ class OffPolicyController:
                 self.reason = Reason.HOLD_CLIPPED
             else:
                 self.reason = Reason.LOOSEN
-                budget_used = self.staleness is not None and m.max_lag >= self.staleness
-                self._move(1 if budget_used else 0, s.tis_cap_step)
+                self._move(1 if m.held_share > s.min_held_share else 0, s.tis_cap_step)
         else:
             self.reason = Reason.HOLD_IN_BAND
         return self.reason
@@ -198,7 +204,11 @@ class OffPolicyController:
             out["kl_smoothed"] = self.kl_smoothed
         if self.last is not None:
             out.update(
-                kl=self.last.kl, kl_gap=self.gap_kl, logp_spread=self.last.spread, max_lag=float(self.last.max_lag)
+                kl=self.last.kl,
+                kl_gap=self.gap_kl,
+                logp_spread=self.last.spread,
+                max_lag=float(self.last.max_lag),
+                held_share=self.last.held_share,
             )
         return {"offpolicy_auto": out}
 
