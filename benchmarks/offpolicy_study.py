@@ -126,6 +126,8 @@ def run_job(name: str, overrides: list[str], args, redis_url: str) -> dict:
             k: history[-1][f"offpolicy_auto/{k}"] for k in AUTO_KEYS if f"offpolicy_auto/{k}" in history[-1]
         },
         "auto_reasons": [int(h["offpolicy_auto/reason"]) for h in history if "offpolicy_auto/reason" in h],
+        # how much the staleness budget held the rollout back (async: admission time; APRIL: tokens restarted)
+        "held_share": [h["staleness_budget_held_share"] for h in history if "staleness_budget_held_share" in h],
         "history": history,
     }
 
@@ -236,6 +238,9 @@ def report(kind: str, scores: dict[str, float], runs: dict, variants: list, lrs:
                     values = [r["auto_final"][name] for r in group if name in r["auto_final"]]
                     if values:
                         result[f"{key}_auto_final_{name}{suffix}"] = round(statistics.mean(values), 3)
+                held = [x for r in group for x in r["held_share"]]
+                if held:
+                    result[f"{key}_auto_mean_held_share{suffix}"] = round(statistics.mean(held), 3)
         if gain_at is not None:
             result[f"heldout{tag}_{args.gain_pct:g}pct_gain_threshold{'' if lr == '1e-3' else f'_lr{lr}'}"] = round(
                 gain_at, 4
@@ -248,7 +253,11 @@ def report(kind: str, scores: dict[str, float], runs: dict, variants: list, lrs:
                     if r["auto_reasons"]:
                         reasons = [Reason(c).name.lower() for c in r["auto_reasons"]]
                         counts = ", ".join(f"{n} {reasons.count(n)}" for n in dict.fromkeys(reasons))
-                        print(f"  auto  {arm:<18} lr {lr}: ends at {r['auto_final']}; decisions: {counts}")
+                        held = statistics.mean(r["held_share"]) if r["held_share"] else 0.0
+                        print(
+                            f"  auto  {arm:<18} lr {lr}: ends at {r['auto_final']}; decisions: {counts}; "
+                            f"budget held the rollout back {100 * held:.1f}% (mean over steps)"
+                        )
 
 
 def main() -> None:
