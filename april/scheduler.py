@@ -96,9 +96,10 @@ class GroupScheduler:
 class BudgetHold:
     """How much the staleness budget held the rollout back, read once a step.
 
-    Async (``note`` at every admission poll, ``take_time``): the share of the time since the last
-    take during which the budget refused groups the in-flight target wanted, each interval counted
-    by the state at its start; times are the caller's clock.
+    Async (``note`` at every poll, ``take_time``): the share of the time since the last take during
+    which the budget held the rollout back (the caller says when: the fleet, while the learner waits
+    for its batch and the budget refuses groups the in-flight target wants), each interval counted by
+    the state at its start; times are the caller's clock.
     APRIL (``take_tokens`` with the buffer's running totals): the share of the tokens generated since
     the last take that were thrown away because their partial was beyond the span (restarted)."""
 

@@ -126,7 +126,7 @@ def run_job(name: str, overrides: list[str], args, redis_url: str) -> dict:
             k: history[-1][f"offpolicy_auto/{k}"] for k in AUTO_KEYS if f"offpolicy_auto/{k}" in history[-1]
         },
         "auto_reasons": [int(h["offpolicy_auto/reason"]) for h in history if "offpolicy_auto/reason" in h],
-        # how much the staleness budget held the rollout back (async: admission time; APRIL: tokens restarted)
+        # how much the staleness budget held the rollout back (async: learner wait; APRIL: tokens restarted)
         "held_share": [h["staleness_budget_held_share"] for h in history if "staleness_budget_held_share" in h],
         "history": history,
     }

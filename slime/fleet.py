@@ -7,6 +7,9 @@ workers' health, and (rollout.elastic) adds and removes workers as april/elastic
 decisions are APRIL's; this file only carries them out.
 
 The workers are actors of the job's launcher (slime/launch/: Ray's, or threads of this process), called through it.
+
+Longer than 500 lines: one object owns the worker list, and admission, waiting, weights, health and
+elastic membership each read or change it; every decision it carries out is made in april/.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class RolloutFleet:
         self.last_fill: float | None = None
         self.peak_queued = 0  # the most samples beyond the workers' engine slots since the last decision
         self.budget_hold = BudgetHold(totals_seen=self._discard_totals())  # algorithm.correction.auto reads it
+        self.admission_held = False  # async: the staleness budget refused groups at the last scheduling
 
     # ---- starting groups -------------------------------------------------------------------------
     def _schedule_groups(self) -> int:
@@ -123,7 +127,7 @@ class RolloutFleet:
         version = self.engine_version
         counts = GroupCounts(unfinished=c["groups_open"], ready=c["groups_ready"], started=c["groups_total"])
         missing = self.scheduler.groups_to_start(counts, version)
-        self.budget_hold.note(time.monotonic(), self.scheduler.held_by_staleness(counts, version) > 0)
+        self.admission_held = self.scheduler.held_by_staleness(counts, version) > 0
         for _ in range(missing):
             record = self.sampler.next()
             metadata = {
@@ -140,7 +144,8 @@ class RolloutFleet:
         return missing
 
     def staleness_held_share(self) -> float:
-        """How much the staleness budget held the rollout back since the last call (april.scheduler.BudgetHold)."""
+        """How much the staleness budget held the rollout back since the last call (april.scheduler.BudgetHold).
+        Async: the share of the time the learner waited for its batch while admission was capped."""
         if self.scheduler.policy == "async":
             return self.budget_hold.take_time(time.monotonic())
         return self.budget_hold.take_tokens(*self._discard_totals())
@@ -167,6 +172,7 @@ class RolloutFleet:
             if self.scheduler.policy == "async":
                 ready = min(ready, self.buffer.ready_in_start_order(needed))
             if self.scheduler.batch_full(ready):
+                self.budget_hold.note(time.monotonic(), held=False)  # the learner waits no longer
                 return
             self._poll(needed, on_wait)  # refill as groups finish or are filtered, one group at a time
             # Woken the moment a group turns ready: the batch-full check (and with APRIL the abort
@@ -187,6 +193,8 @@ class RolloutFleet:
         """One turn of a wait: new groups as the scheduler says, the dashboard's controls, elastic
         changes, and (every 2 s) the workers' health. Returns the buffer's counts after scheduling."""
         self._schedule_groups()
+        # async's budget costs time only while the learner waits on the rollout, which is when this runs
+        self.budget_hold.note(time.monotonic(), held=self.admission_held)
         counts = self.buffer.counts()
         on_wait(counts, needed)
         self.apply_controls()

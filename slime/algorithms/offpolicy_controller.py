@@ -16,10 +16,11 @@ What it reads, from the step's metrics (slime/learner/actor.py, slime/algorithms
                  and carried over the others (0 before any)
   clipped_share  offpolicy_clipped_share: trainable tokens outside the correction's band
   max_lag        the oldest trained token's lag in versions (version_lag_hist); reported only
-  held_share     staleness_budget_held_share (slime/job.py): how much the staleness budget held
-                 the rollout back since the last decision. Async: the share of the time admission
-                 was capped below the in-flight target; APRIL: the share of the generated tokens
-                 thrown away because their partial was beyond max_version_span (restarted)
+  held_share     staleness_budget_held_share (slime/fleet.py): how much the staleness budget held
+                 the rollout back since the last decision. Async: the share of the time the learner
+                 waited for its batch while admission was capped below the in-flight target; APRIL:
+                 the share of the generated tokens thrown away because their partial was beyond
+                 max_version_span (restarted)
 
 What it sets (JobConfig.staleness_knob says which budget the job's loop reads):
   staleness      async: max_staleness at admission; APRIL in the sync loop: april.max_version_span

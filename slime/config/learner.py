@@ -66,9 +66,9 @@ class AutoOffPolicyConfig(_Strict):
         ge=0,
         lt=1,
         description="Raise the staleness budget only when it held the rollout back by more than this since the "
-        "last step (async: the share of the time admission was capped below the in-flight target; APRIL: the "
-        "share of generated tokens thrown away because their partial was beyond max_version_span). A looser "
-        "budget buys speed only where the rollout waited on it.",
+        "last step (async: the share of the time the learner waited for its batch while admission was capped "
+        "below the in-flight target; APRIL: the share of generated tokens thrown away because their partial was "
+        "beyond max_version_span). A looser budget buys speed only where the rollout waited on it.",
     )
     min_staleness: int = Field(
         1, ge=0, description="Floor of the staleness budget it sets (async: max_staleness; APRIL: max_version_span)."
