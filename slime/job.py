@@ -8,9 +8,7 @@ the rollout workers are actors of the launcher cluster.launcher names (slime/lau
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,12 +17,14 @@ from transformers import AutoConfig
 
 from envs import repeat
 from rewards.mix import load_reward_spec
+from slime.algorithms.mismatch import probe_kl
 from slime.algorithms.offpolicy_controller import Measurement, OffPolicyController
 from slime.buffer import JobConnection, JobTelemetry, TrajectoryStore
 from slime.buffer.redis_server import connect_or_start
 from slime.config import ConfigError, JobConfig, config_for_display, dump_config
 from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
+from slime.engines.contract import GenerationRequest
 from slime.evaluation import HeldOutEval
 from slime.export import export_checkpoint
 from slime.fleet import Abort, RolloutFleet, scheduler_for
@@ -35,49 +35,16 @@ from slime.learner import LearnerGroup
 from slime.learner.lora import check_model_dir
 from slime.learner.sharding import CheckpointError
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
-from slime.model import ensure_model_dir, load_tokenizer
+from slime.model import ensure_model_dir, load_tokenizer, rollout_sampling_params
 from slime.sample import new_id
 from slime.sampling import PromptSampler
 from slime.security import JobCredentials, write_private
+from slime.signals import GracefulStop
 from slime.tracking import require_packages
 
 
 class WeightSyncError(RuntimeError):
     """An engine's logprobs on the probe differ from the learner's after a weight update."""
-
-
-class JobInterrupted(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM: stop at once, storing every partial trajectory on the way out."""
-
-
-class GracefulStop:
-    """The job's SIGINT/SIGTERM handler. The first signal asks the loop to finish its step, write a
-    checkpoint and return (exit 0); a second one stops at once (JobInterrupted): partials are
-    stored, no checkpoint is written, the last complete one stays the resume point."""
-
-    def __init__(self) -> None:
-        self.requested: str | None = None  # the signal's name once one arrived
-
-    def __call__(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.requested is not None:
-            raise JobInterrupted(f"received {name} again: stopping now")
-        self.requested = name
-        print(
-            f"\nreceived {name}: finishing this step, then a checkpoint and exit (send it again to stop at once)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def install(self) -> dict:
-        """Handle SIGINT and SIGTERM (main thread only); returns the handlers it replaced."""
-        if not main_thread():
-            return {}
-        return {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 class RunningJob:
@@ -332,6 +299,26 @@ class RunningJob:
         if (self.offpolicy.staleness, self.offpolicy.tis_cap) != before:
             self._apply_offpolicy()
             self.telemetry.log_event("offpolicy_auto", {"step": step, **self.offpolicy.event()})
+
+    def probe_gap(self, step: int, metrics: dict) -> None:
+        """algorithm.correction.auto, after the push: when no trained token was fresh for
+        gap_probe_every steps (async after its first), the engines sample a few of the dataset's
+        prompts and the learner scores the answers, both at the version just pushed: their KL is the
+        engine-learner gap alone, which the controller folds into its estimate."""
+        controller, t0 = self.offpolicy, time.time()
+        if controller is None or not controller.wants_gap_probe() or self.cfg.rollout.temperature <= 0:
+            return
+        n, params = controller.settings.gap_probe_samples, rollout_sampling_params(self.cfg.rollout, self.tokenizer)
+        prompts = [list(self.records[(step * n + i) % len(self.records)].prompt_ids) for i in range(n)]
+        requests = [GenerationRequest(f"gap-probe-{step}-{i}", p, params) for i, p in enumerate(prompts)]
+        got = self.fleet.generate_for_eval(requests)  # what the engines were generating resumes after
+        answers = [(p, got[q.request_id]) for p, q in zip(prompts, requests) if got[q.request_id]["token_ids"]]
+        refs = [self.learner.probe_logprobs(p, a["token_ids"]) for p, a in answers]
+        controller.observe_gap_probe(
+            *probe_kl([(a["logprobs"], self.learner.result(r)) for (_, a), r in zip(answers, refs)])
+        )
+        metrics.update(controller.metrics())
+        metrics["offpolicy_auto"]["gap_probe_seconds"] = time.time() - t0
 
     def _apply_offpolicy(self) -> None:
         if (controller := self.offpolicy) is not None and controller.staleness is not None:

@@ -23,7 +23,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from envs import repeat
-from slime.config import ModelConfig, TinyModelConfig
+from slime.config import ModelConfig, RolloutConfig, TinyModelConfig
+from slime.engines.contract import SamplingParams
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -181,3 +182,14 @@ def stop_token_ids(tokenizer, stop_strings: list[str]) -> list[int]:
             raise ValueError(f"rollout.stop: {s!r} is {len(toks)} tokens; stop strings must be single tokens")
         ids.append(toks[0])
     return ids
+
+
+def rollout_sampling_params(rollout: RolloutConfig, tokenizer) -> SamplingParams:
+    """The rollout's sampling: temperature, top-p, top-k, the response budget and the stop tokens."""
+    return SamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
+        stop_token_ids=[] if rollout.ignore_eos else stop_token_ids(tokenizer, rollout.stop),
+    )

@@ -19,7 +19,8 @@ import sys
 from slime.config import JobConfig
 from slime.errors import dump_stacks_on_sigusr1
 from slime.fleet import WorkerHung
-from slime.job import GracefulStop, RunningJob
+from slime.job import RunningJob
+from slime.signals import GracefulStop
 
 __all__ = ["RunningJob", "async_loop", "streaming_loop", "sync_loop", "train"]
 
@@ -36,6 +37,7 @@ def sync_loop(job: RunningJob) -> None:
         metrics["aborted_samples"] = abort.wait()
         job.tune_offpolicy(step, metrics)  # algorithm.correction.auto: before the partials resume
         job.push_weights(step)
+        job.probe_gap(step, metrics)  # algorithm.correction.auto: the gap, when no batch had fresh tokens
         job.resume()  # the next step starts here
         job.end_step(step, metrics)
         if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
@@ -49,6 +51,7 @@ def async_loop(job: RunningJob) -> None:
         metrics = job.train_while_generating(step)  # the workers generate the next groups meanwhile
         job.tune_offpolicy(step, metrics)  # algorithm.correction.auto: the next admissions follow it
         job.push_weights(step)
+        job.probe_gap(step, metrics)  # algorithm.correction.auto: the gap, when no batch had fresh tokens
         job.end_step(step, metrics)
         if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
             break
@@ -62,6 +65,7 @@ def streaming_loop(job: RunningJob) -> None:
         metrics = job.train_segments(step)  # the workers keep generating meanwhile
         job.tune_offpolicy(step, metrics)  # algorithm.correction.auto: the next update's tis_cap
         job.push_weights(step)
+        job.probe_gap(step, metrics)  # algorithm.correction.auto: the gap, when no batch had fresh tokens
         job.end_step(step, metrics)
         if job.stop.requested:  # SIGINT/SIGTERM: this step is checkpointed; stop here
             break

@@ -163,6 +163,39 @@ def test_the_gap_carries_over_steps_without_fresh_tokens_and_is_token_weighted()
     assert c.gap_kl == pytest.approx(10.0 / 510.0)
 
 
+def test_after_steps_without_fresh_tokens_it_asks_for_a_gap_probe_and_folds_it_in() -> None:
+    # async with a gap that drifts: measured at 0.02 on the first batch, then only stale batches
+    c = controller(staleness=2, tis_cap=2.0, smoothing=0.5, gap_probe_every=3)
+    c.observe(gapped(0.02, fresh_kl=0.02, fresh_tokens=100))
+    asked = []
+    for _ in range(4):
+        c.observe(measured(0.05))
+        asked.append(c.wants_gap_probe())
+    assert asked == [False, False, True, True]  # 3 steps in a row without fresh tokens, and it still wants one
+    # the probe: 50 tokens at 0.08, folded as fresh tokens are: (0.5 * 100 * 0.02 + 50 * 0.08) / (0.5 * 100 + 50)
+    c.observe_gap_probe(50.0, 0.08)
+    assert c.gap_kl == pytest.approx(0.05) and not c.wants_gap_probe()
+    out = c.metrics()["offpolicy_auto"]
+    assert (out["gap_probe_tokens"], out["gap_probe_kl"], out["kl_gap_next"]) == (50.0, 0.08, pytest.approx(0.05))
+    # it takes effect at the next decision: 0.05 is all gap now, no excess, so the smoothed KL halves
+    # (it was 0.03 · (1 − 0.5⁴) after four steps of 0.05 − 0.02)
+    assert c.observe(measured(0.05)) == Reason.HOLD_IN_BAND
+    assert c.kl_smoothed == pytest.approx(0.5 * 0.03 * (1 - 0.5**4))
+    assert "gap_probe_kl" not in c.metrics()["offpolicy_auto"]
+    # a probe that sampled nothing changes no estimate but restarts the count; fresh tokens restart it too
+    before = c.gap_kl
+    c.observe_gap_probe(0.0, 0.0)
+    assert c.gap_kl == before and c.steps_without_fresh == 0
+    c.observe(measured(0.05))
+    c.observe(gapped(0.05, fresh_kl=0.05, fresh_tokens=10))
+    assert c.steps_without_fresh == 0
+    # off: never asks
+    off = controller(gap_probe_every=0)
+    for _ in range(20):
+        off.observe(measured(0.05))
+    assert not off.wants_gap_probe()
+
+
 def test_its_state_round_trips_through_json_and_goes_on_the_same() -> None:
     c = controller(smoothing=0.5)
     run(c, [0.001, 0.04, 0.03])
@@ -359,9 +392,11 @@ def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_
     fresh: its KL is the engine's numerics, taken as the gap, so nothing is tightened (the cap
     loosens; the budget only if admission waited on it). A later batch may be fresh too (the rollout
     outran the learner), but once a stale one puts the policy's own change above the tiny target, the
-    slow smoothing (0.9) keeps the KL above it: from then on every decision tightens. Replaying the
-    logged measurements through a fresh controller gives the logged decisions: the job acted on what
-    it measured, gap and held share included."""
+    slow smoothing (0.9) keeps the KL above it: from then on every decision tightens. After each
+    batch without fresh tokens (gap_probe_every=1) the engine samples a gap probe right after the push
+    and the learner scores it at the same version: in float32 on CPU its KL is numerics only.
+    Replaying the logged measurements through a fresh controller gives the logged decisions: the job
+    acted on what it measured, gap, probes and held share included."""
     job = "auto-offpolicy-async"
     cfg = load_config(
         None,
@@ -378,14 +413,22 @@ def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_
             "algorithm.correction.auto.enabled=true",
             "algorithm.correction.auto.target_kl=1e-6",
             "algorithm.correction.auto.smoothing=0.9",
+            "algorithm.correction.auto.gap_probe_every=1",
         ],
     )
     history = train(cfg)
     assert history[0]["mismatch_fresh_tokens"] > 0 and history[0]["mismatch_stale_tokens"] == 0
     assert history[0]["offpolicy_auto/kl_gap"] == pytest.approx(history[0]["mismatch_fresh_kl"])
-    for before, h in zip(history, history[1:]):  # a batch without fresh tokens carries the gap over
+    for before, h in zip(history, history[1:]):  # a batch without fresh tokens: the gap as the last probe left it
         if h["mismatch_fresh_tokens"] == 0:
-            assert h["offpolicy_auto/kl_gap"] == before["offpolicy_auto/kl_gap"]
+            assert h["offpolicy_auto/kl_gap"] == before.get(
+                "offpolicy_auto/kl_gap_next", before["offpolicy_auto/kl_gap"]
+            )
+    probed = ["offpolicy_auto/gap_probe_tokens" in h for h in history]
+    assert probed == [h["mismatch_fresh_tokens"] == 0 for h in history] and any(probed)
+    for h in history:
+        if "offpolicy_auto/gap_probe_tokens" in h:  # engine and learner at the version just pushed
+            assert h["offpolicy_auto/gap_probe_tokens"] > 0 and 0.0 <= h["offpolicy_auto/gap_probe_kl"] < 1e-6
     assert all(0.0 <= h["staleness_budget_held_share"] <= 1.0 for h in history)
     reasons = [h["offpolicy_auto/reason"] for h in history]
     first_stale = next((i for i, h in enumerate(history) if h["mismatch_stale_tokens"] > 0), None)
@@ -396,6 +439,9 @@ def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_
     replay = OffPolicyController.for_job(cfg)
     for h in history:
         replay.observe(Measurement.from_metrics(h))
+        if "offpolicy_auto/gap_probe_tokens" in h:
+            replay.observe_gap_probe(h["offpolicy_auto/gap_probe_tokens"], h["offpolicy_auto/gap_probe_kl"])
+        assert replay.gap_kl == pytest.approx(h.get("offpolicy_auto/kl_gap_next", h["offpolicy_auto/kl_gap"]))
         assert (replay.reason, replay.staleness, replay.tis_cap) == (
             h["offpolicy_auto/reason"],
             h["offpolicy_auto/max_staleness"],

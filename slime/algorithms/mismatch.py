@@ -22,6 +22,19 @@ import torch
 KINDS = ("fresh", "resumed", "stale")
 
 
+def log_ratio_and_k3(old_logp: torch.Tensor, behaviour_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: log ρ (clamped to ±20) and k3 = (ρ − 1) − log ρ, ρ = π_old/μ."""
+    log_ratio = (old_logp - behaviour_logp).clamp(-20.0, 20.0)
+    return log_ratio, torch.expm1(log_ratio) - log_ratio
+
+
+def probe_kl(pairs: list[tuple[list[float], list[float]]]) -> tuple[float, float]:
+    """Responses scored twice, (μ's logprobs, π_old's) per response: (tokens, their mean k3)."""
+    k3 = [log_ratio_and_k3(torch.as_tensor(old), torch.as_tensor(behaviour))[1] for behaviour, old in pairs]
+    tokens = sum(k.numel() for k in k3)
+    return float(tokens), (sum(float(k.sum()) for k in k3) / tokens if tokens else 0.0)
+
+
 class MismatchMeter:
     def __init__(self) -> None:
         self.sums = {k: [0.0, 0.0, 0.0] for k in KINDS}  # |Δ| sum, k3 sum, tokens
@@ -50,8 +63,7 @@ class MismatchMeter:
             "resumed": trainable & current & (row_first < policy_version),
             "stale": trainable & ~current,
         }
-        log_ratio = (old_logp - behaviour_logp).clamp(-20.0, 20.0)
-        k3 = torch.expm1(log_ratio) - log_ratio
+        log_ratio, k3 = log_ratio_and_k3(old_logp, behaviour_logp)
         for kind, sel in kinds.items():
             s = self.sums[kind]
             s[0] += float(log_ratio.abs()[sel].sum())

@@ -13,7 +13,10 @@ What it reads, from the step's metrics (slime/learner/actor.py, slime/algorithms
                  dtype, a perturbed sampler). Async batches hold none after the first step, so the
                  gap is a running estimate: gap ← (smoothing · gap_kl_sum + fresh kl sum) /
                  (smoothing · gap_tokens + fresh tokens), updated on the steps that have fresh tokens
-                 and carried over the others (0 before any)
+                 and carried over the others (0 before any). After gap_probe_every steps in a row
+                 without fresh tokens it asks for a probe (`wants_gap_probe`): the driver has the
+                 engines sample a few responses right after the push and the learner score them at
+                 the same version, and hands their KL to `observe_gap_probe`, folded in the same way
   clipped_share  offpolicy_clipped_share: trainable tokens outside the correction's band
   max_lag        the oldest trained token's lag in versions (version_lag_hist); reported only
   held_share     staleness_budget_held_share (slime/fleet.py): how much the staleness budget held
@@ -119,6 +122,7 @@ class ControllerState(StrictModel):
     # the gap estimate's decayed sums; a checkpoint written before the gap was measured has none
     gap_kl_sum: float = Field(0.0, ge=0)
     gap_tokens: float = Field(0.0, ge=0)
+    steps_without_fresh: int = Field(0, ge=0)  # since the gap was last measured (fresh tokens or a probe)
 
 
 class OffPolicyController:
@@ -137,9 +141,11 @@ class OffPolicyController:
         self.kl_smoothed: float | None = None
         self.gap_kl_sum = 0.0
         self.gap_tokens = 0.0
+        self.steps_without_fresh = 0
         self.reason = Reason.START
         self.steps = 0
         self.last: Measurement | None = None
+        self.last_probe: tuple[float, float] | None = None  # (tokens, kl) of the probe since the last step
 
     @property
     def gap_kl(self) -> float:
@@ -171,13 +177,14 @@ class OffPolicyController:
         """One step's measurement in; the next step's settings (attributes) and why out."""
         s = self.settings
         self.steps += 1
-        self.last = m
+        self.last, self.last_probe = m, None
+        fresh = m.tokens > 0 and m.fresh_tokens > 0 and math.isfinite(m.fresh_kl)
+        self.steps_without_fresh = 0 if fresh else self.steps_without_fresh + 1
         if m.tokens <= 0 or not math.isfinite(m.kl):
             self.reason = Reason.HOLD_NO_MEASUREMENT
             return self.reason
-        if m.fresh_tokens > 0 and math.isfinite(m.fresh_kl):
-            self.gap_kl_sum = s.smoothing * self.gap_kl_sum + m.fresh_tokens * max(m.fresh_kl, 0.0)
-            self.gap_tokens = s.smoothing * self.gap_tokens + m.fresh_tokens
+        if fresh:
+            self._fold_gap(m.fresh_tokens, m.fresh_kl)
         excess = max(m.kl - self.gap_kl, 0.0)
         past = self.kl_smoothed
         self.kl_smoothed = excess if past is None else s.smoothing * past + (1.0 - s.smoothing) * excess
@@ -193,6 +200,23 @@ class OffPolicyController:
         else:
             self.reason = Reason.HOLD_IN_BAND
         return self.reason
+
+    def _fold_gap(self, tokens: float, kl: float) -> None:
+        self.gap_kl_sum = self.settings.smoothing * self.gap_kl_sum + tokens * max(kl, 0.0)
+        self.gap_tokens = self.settings.smoothing * self.gap_tokens + tokens
+
+    def wants_gap_probe(self) -> bool:
+        """True after gap_probe_every steps in a row without a fresh trained token (0: never)."""
+        every = self.settings.gap_probe_every
+        return every > 0 and self.steps_without_fresh >= every
+
+    def observe_gap_probe(self, tokens: float, kl: float) -> None:
+        """A gap probe's result (tokens sampled and scored at one version, their mean k3), folded into
+        the gap estimate as fresh tokens are; it takes effect at the next decision."""
+        self.steps_without_fresh = 0
+        self.last_probe = (tokens, kl)
+        if tokens > 0 and math.isfinite(kl):
+            self._fold_gap(tokens, kl)
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """The decision and what it read, as step metrics (`offpolicy_auto/*` once flattened)."""
@@ -211,6 +235,8 @@ class OffPolicyController:
                 max_lag=float(self.last.max_lag),
                 held_share=self.last.held_share,
             )
+        if self.last_probe is not None:  # the gap the next decision reads: kl_gap was this one's
+            out.update(gap_probe_tokens=self.last_probe[0], gap_probe_kl=self.last_probe[1], kl_gap_next=self.gap_kl)
         return {"offpolicy_auto": out}
 
     def event(self) -> dict[str, Any]:
@@ -232,6 +258,7 @@ class OffPolicyController:
             steps=self.steps,
             gap_kl_sum=self.gap_kl_sum,
             gap_tokens=self.gap_tokens,
+            steps_without_fresh=self.steps_without_fresh,
         ).model_dump()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -252,3 +279,4 @@ class OffPolicyController:
         self.steps = saved.steps
         self.gap_kl_sum = saved.gap_kl_sum
         self.gap_tokens = saved.gap_tokens
+        self.steps_without_fresh = saved.steps_without_fresh

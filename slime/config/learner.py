@@ -82,6 +82,16 @@ class AutoOffPolicyConfig(_Strict):
     min_tis_cap: float = Field(1.25, gt=1, description="Floor of the tis_cap it sets.")
     max_tis_cap: float = Field(4.0, gt=1, description="Hard cap of the tis_cap it sets.")
     tis_cap_step: float = Field(1.25, gt=1, description="tis_cap moves by at most this factor per step.")
+    gap_probe_every: int = Field(
+        10,
+        ge=0,
+        description="After this many steps in a row without a fresh trained token (async after its first step), "
+        "the engines sample gap_probe_samples responses right after the weight push and the learner scores them "
+        "at the same version: the engine-learner gap measured again, so a gap that drifts is followed. 0: never.",
+    )
+    gap_probe_samples: int = Field(
+        16, ge=1, description="Responses per gap probe: the dataset's prompts in turn, the rollout's sampling."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AutoOffPolicyConfig:

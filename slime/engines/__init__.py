@@ -47,15 +47,19 @@ def make_engine(
 
 
 def run_to_completion(engine: RolloutEngine, requests: Sequence[GenerationRequest]) -> dict[str, dict[str, Any]]:
-    """Every request on `engine` until each finishes: request id -> {"token_ids", "finish_reason"}
-    (held-out evaluation; the engine runs nothing else meanwhile)."""
-    out: dict[str, dict[str, Any]] = {r.request_id: {"token_ids": [], "finish_reason": None} for r in requests}
+    """Every request on `engine` until each finishes: request id -> {"token_ids", "logprobs",
+    "finish_reason"} (held-out evaluation, the off-policy controller's gap probe; the engine runs
+    nothing else meanwhile)."""
+    out: dict[str, dict[str, Any]] = {
+        r.request_id: {"token_ids": [], "logprobs": [], "finish_reason": None} for r in requests
+    }
     for request in requests:
         engine.add_request(request)
     while engine.has_unfinished():
         for chunk in engine.step():
             answer = out[chunk.request_id]
             answer["token_ids"].extend(chunk.token_ids)
+            answer["logprobs"].extend(chunk.logprobs)
             if chunk.finished:
                 answer["finish_reason"] = chunk.finish_reason
     return out

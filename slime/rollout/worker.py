@@ -42,7 +42,7 @@ from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
 from slime.errors import dump_stacks_on_sigusr1
-from slime.model import load_tokenizer, stop_token_ids
+from slime.model import load_tokenizer, rollout_sampling_params
 from slime.rollout.multiturn import EpisodeEnd, MultiTurnRollout
 from slime.sample import Sample, Status
 from slime.security import JobCredentials
@@ -113,14 +113,7 @@ class RolloutWorker:
         )
         model = getattr(self.engine, "model", None)  # the built-in engine's torch model: per-expert load
         self.expert_load = ExpertLoadRecorder.attach(model if isinstance(model, torch.nn.Module) else None)
-        r = cfg.rollout
-        self.params = SamplingParams(
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            stop_token_ids=[] if r.ignore_eos else stop_token_ids(self.tokenizer, r.stop),
-        )
+        self.params = rollout_sampling_params(cfg.rollout, self.tokenizer)
         self.rewards = make_reward_service(cfg.reward, cfg.job_name)
         self.staleness_budget = StalenessBudget(cfg.april.max_version_span, cfg.april.beyond_budget)
         self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
