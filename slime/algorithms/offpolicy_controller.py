@@ -146,6 +146,7 @@ class OffPolicyController:
         self.steps = 0
         self.last: Measurement | None = None
         self.last_probe: tuple[float, float] | None = None  # (tokens, kl) of the probe since the last step
+        self.gap_read = 0.0  # the gap estimate the last decision read
 
     @property
     def gap_kl(self) -> float:
@@ -180,11 +181,12 @@ class OffPolicyController:
         self.last, self.last_probe = m, None
         fresh = m.tokens > 0 and m.fresh_tokens > 0 and math.isfinite(m.fresh_kl)
         self.steps_without_fresh = 0 if fresh else self.steps_without_fresh + 1
+        if fresh and m.tokens > 0 and math.isfinite(m.kl):
+            self._fold_gap(m.fresh_tokens, m.fresh_kl)
+        self.gap_read = self.gap_kl
         if m.tokens <= 0 or not math.isfinite(m.kl):
             self.reason = Reason.HOLD_NO_MEASUREMENT
             return self.reason
-        if fresh:
-            self._fold_gap(m.fresh_tokens, m.fresh_kl)
         excess = max(m.kl - self.gap_kl, 0.0)
         past = self.kl_smoothed
         self.kl_smoothed = excess if past is None else s.smoothing * past + (1.0 - s.smoothing) * excess
@@ -230,7 +232,7 @@ class OffPolicyController:
         if self.last is not None:
             out.update(
                 kl=self.last.kl,
-                kl_gap=self.gap_kl,
+                kl_gap=self.gap_read,
                 logp_spread=self.last.spread,
                 max_lag=float(self.last.max_lag),
                 held_share=self.last.held_share,
@@ -246,7 +248,7 @@ class OffPolicyController:
             detail[self.knob] = self.staleness
         if self.kl_smoothed is not None:
             detail["kl_smoothed"] = round(self.kl_smoothed, 5)
-            detail["kl_gap"] = round(self.gap_kl, 5)
+            detail["kl_gap"] = round(self.gap_read, 5)
         return detail
 
     def state_dict(self) -> dict[str, Any]:
@@ -280,3 +282,4 @@ class OffPolicyController:
         self.gap_kl_sum = saved.gap_kl_sum
         self.gap_tokens = saved.gap_tokens
         self.steps_without_fresh = saved.steps_without_fresh
+        self.gap_read = self.gap_kl
