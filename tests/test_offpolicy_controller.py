@@ -67,6 +67,18 @@ def test_below_the_target_it_loosens_one_step_at_a_time_up_to_the_hard_caps() ->
     assert [cap for _, _, cap in steps] == pytest.approx([2.5, 3.125, 3.90625, 4.0, 4.0, 4.0])  # max_tis_cap=4
 
 
+def test_aprils_span_is_never_tightened_only_its_band_and_it_loosens_when_restarts_held_it() -> None:
+    # APRIL's knob: a tighter span restarts partials (tokens thrown away), so tightening moves the cap alone
+    c = OffPolicyController(SETTINGS, "max_version_span", 2, 2.0)
+    assert [(c.observe(measured(0.05)).name, c.staleness, c.tis_cap) for _ in range(3)] == [
+        ("TIGHTEN", 2, pytest.approx(1.6)),
+        ("TIGHTEN", 2, pytest.approx(1.28)),
+        ("TIGHTEN", 2, 1.25),
+    ]
+    assert (c.observe(measured(0.001, held=0.3)), c.staleness) == (Reason.LOOSEN, 3)  # 30% of the tokens restarted
+    assert (c.observe(measured(0.001, held=0.0)), c.staleness) == (Reason.LOOSEN, 3)
+
+
 def test_the_staleness_grows_only_when_the_budget_held_the_rollout_back() -> None:
     c = controller(staleness=2, tis_cap=2.0)  # min_held_share 0.05
     assert c.observe(measured(0.001, held=0.0)) == Reason.LOOSEN

@@ -34,7 +34,11 @@ The rule acts on the KL that staleness adds, excess = max(0, kl − gap), smooth
 (kl_s ← smoothing · kl_s + (1 − smoothing) · excess). Steered on the total, it tightened at every
 step once the engine's gap alone came near the target, though no budget can remove that part:
   nothing measured (no trained tokens, a non-finite KL)   hold_no_measurement
-  kl_s > target_kl                                          tighten: staleness − 1, tis_cap ÷ step
+  kl_s > target_kl                                          tighten: tis_cap ÷ step; async's staleness
+                                                            − 1. APRIL's span is never tightened: a
+                                                            tighter span restarts partials, which threw
+                                                            away 30-58% of the tokens and bought no
+                                                            reward (docs/offpolicy.md, the span study)
   kl_s < loosen_below · target_kl, and
       clipped_share > max_clipped_share                     hold_clipped (a heavy tail, a small mean)
       otherwise                                             loosen: tis_cap × step, staleness + 1 only
@@ -192,7 +196,7 @@ class OffPolicyController:
         self.kl_smoothed = excess if past is None else s.smoothing * past + (1.0 - s.smoothing) * excess
         if self.kl_smoothed > s.target_kl:
             self.reason = Reason.TIGHTEN
-            self._move(-1, 1.0 / s.tis_cap_step)
+            self._move(0 if self.knob == "max_version_span" else -1, 1.0 / s.tis_cap_step)
         elif self.kl_smoothed < s.loosen_below * s.target_kl:
             if m.clipped_share > s.max_clipped_share:
                 self.reason = Reason.HOLD_CLIPPED
