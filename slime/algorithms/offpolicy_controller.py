@@ -185,7 +185,7 @@ class OffPolicyController:
         self.last, self.last_probe = m, None
         fresh = m.tokens > 0 and m.fresh_tokens > 0 and math.isfinite(m.fresh_kl)
         self.steps_without_fresh = 0 if fresh else self.steps_without_fresh + 1
-        if fresh and m.tokens > 0 and math.isfinite(m.kl):
+        if fresh and math.isfinite(m.kl):
             self._fold_gap(m.fresh_tokens, m.fresh_kl)
         self.gap_read = self.gap_kl
         if m.tokens <= 0 or not math.isfinite(m.kl):
