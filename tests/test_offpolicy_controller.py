@@ -34,6 +34,12 @@ SETTINGS = AutoOffPolicyConfig(
 )
 
 
+def tiny_local_job(job: str, tmp_path, model_dir, redis_url: str, overrides: list[str]):
+    """The tiny whole job on the local launcher, with these overrides."""
+    common = [f"job_name={job}", "cluster.launcher=local", f"output_dir={tmp_path}", f"model.path={model_dir}"]
+    return load_config(None, [*common, f"buffer.url={redis_url}", *TINY_JOB, *overrides])
+
+
 def measured(
     kl: float, max_lag: int = 9, clipped: float = 0.0, tokens: float = 100.0, held: float = 0.5
 ) -> Measurement:
@@ -411,15 +417,12 @@ def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_
     Replaying the logged measurements through a fresh controller gives the logged decisions: the job
     acted on what it measured, gap, probes and held share included."""
     job = "auto-offpolicy-async"
-    cfg = load_config(
-        None,
+    cfg = tiny_local_job(
+        job,
+        tmp_path,
+        tiny_model_dir,
+        redis_url,
         [
-            f"job_name={job}",
-            "cluster.launcher=local",
-            f"output_dir={tmp_path}",
-            f"model.path={tiny_model_dir}",
-            f"buffer.url={redis_url}",
-            *TINY_JOB,
             "steps=4",
             "mode=async",
             "max_staleness=2",
@@ -476,15 +479,12 @@ def test_a_gap_probe_samples_and_scores_at_the_pushed_version_and_feeds_the_next
     reads is the one the probe left, and a replay of the logged measurements and probes agrees."""
     monkeypatch.setattr(OffPolicyController, "wants_gap_probe", lambda self: True)
     job = "auto-offpolicy-probe"
-    cfg = load_config(
-        None,
+    cfg = tiny_local_job(
+        job,
+        tmp_path,
+        tiny_model_dir,
+        redis_url,
         [
-            f"job_name={job}",
-            "cluster.launcher=local",
-            f"output_dir={tmp_path}",
-            f"model.path={tiny_model_dir}",
-            f"buffer.url={redis_url}",
-            *TINY_JOB,
             "steps=2",
             "algorithm.correction.auto.enabled=true",
             "algorithm.correction.auto.gap_probe_samples=3",
