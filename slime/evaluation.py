@@ -36,7 +36,7 @@ from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.errors import UserError
 from slime.export import ExportError, base_model_dir, export_checkpoint, find_checkpoint
-from slime.model import ensure_model_dir, load_tokenizer, stop_token_ids
+from slime.model import ensure_model_dir, load_tokenizer, rollout_stop_token_ids
 
 EXAMPLE_HELD_OUT_SEED = 10_000  # the example task's held-out prompts; training draws with data.seed
 
@@ -169,7 +169,7 @@ class HeldOutEval:
 
         self.job, self.tokenizer = job, tokenizer
         self.records = held_out_records(job, tokenizer, run_dir)
-        self.stop = [] if job.rollout.ignore_eos else stop_token_ids(tokenizer, job.rollout.stop)
+        self.stop = rollout_stop_token_ids(job.rollout, tokenizer)
         self.rewards = make_reward_service(job.reward, job.job_name)
 
     def due(self, step: int) -> bool:
@@ -200,7 +200,7 @@ def evaluate_model_dir(
     from rewards.service import make_reward_service
 
     tokenizer = tokenizer or load_tokenizer(model_dir)
-    stop = [] if job.rollout.ignore_eos else stop_token_ids(tokenizer, job.rollout.stop)
+    stop = rollout_stop_token_ids(job.rollout, tokenizer)
     requests = eval_requests(records, job.eval, job.eval.max_new_tokens or job.rollout.max_new_tokens, stop)
     started = time.time()
     torch.manual_seed(job.eval.seed)

@@ -184,6 +184,11 @@ def stop_token_ids(tokenizer, stop_strings: list[str]) -> list[int]:
     return ids
 
 
+def rollout_stop_token_ids(rollout: RolloutConfig, tokenizer) -> list[int]:
+    """The tokens that end a response: none with rollout.ignore_eos, else EOS and rollout.stop."""
+    return [] if rollout.ignore_eos else stop_token_ids(tokenizer, rollout.stop)
+
+
 def rollout_sampling_params(rollout: RolloutConfig, tokenizer) -> SamplingParams:
     """The rollout's sampling: temperature, top-p, top-k, the response budget and the stop tokens."""
     return SamplingParams(
@@ -191,5 +196,5 @@ def rollout_sampling_params(rollout: RolloutConfig, tokenizer) -> SamplingParams
         top_p=rollout.top_p,
         top_k=rollout.top_k,
         max_new_tokens=rollout.max_new_tokens,
-        stop_token_ids=[] if rollout.ignore_eos else stop_token_ids(tokenizer, rollout.stop),
+        stop_token_ids=rollout_stop_token_ids(rollout, tokenizer),
     )
