@@ -51,12 +51,28 @@ def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 PID`` prints every thread's Python stack to stderr (a hang's first question:
     where is each thread?). Called by the driver and by each Ray actor (its own process); the
     process goes on. A no-op where SIGUSR1 does not exist (Windows). Where sys.stderr has no file
-    descriptor (a test's captured stream), the process's original stderr gets the dump."""
+    descriptor (a test's captured stream), the process's original stderr gets the dump.
+
+    From the main thread the dump runs as a Python signal handler: it holds the GIL, so no other
+    thread's frames change under it. faulthandler's own C-level handler walks them while they run
+    and can crash the process (a segfault seen under CI load); it is kept only for a caller off the
+    main thread, where Python handlers cannot be installed."""
     import faulthandler
     import signal
     import sys
+    import threading
 
     if not hasattr(signal, "SIGUSR1"):
+        return
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+            continue
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, lambda signum, frame: faulthandler.dump_traceback(stream, all_threads=True))
+        else:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
         return
     for stream in (sys.stderr, sys.__stderr__):
         try:

@@ -253,3 +253,38 @@ def test_a_breakpoint_in_the_reward_stops_in_the_driver_and_sigusr1_dumps_every_
     assert "Current thread" in text or "Thread 0x" in text
     assert "slime/rollout/worker.py" in text and "slime/train.py" in text  # the worker's thread and the loop
     assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+_SIGUSR1_UNDER_THREADS = """
+import os, signal, sys, threading, time
+from slime.errors import dump_stacks_on_sigusr1
+dump_stacks_on_sigusr1()
+stop = threading.Event()
+def deep(depth=0):
+    return deep(depth + 1) if depth < 30 else depth
+def churn():  # frames pushed and popped, threads started and ended, while the dumps walk them
+    while not stop.is_set():
+        deep()
+        threading.Thread(target=lambda: None).start()
+for _ in range(4):
+    threading.Thread(target=churn, daemon=True).start()
+for _ in range(2000):
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.001)
+stop.set()
+print("alive")
+"""
+
+
+def test_sigusr1_dumps_never_crash_a_process_whose_threads_are_running():
+    # faulthandler's C-level handler walked other threads' frames while they changed and crashed a
+    # job under CI load (exit -11); the main thread's Python handler holds the GIL while it dumps.
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGUSR1_UNDER_THREADS],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0 and done.stdout.decode().strip() == "alive", done.stderr.decode()[-2000:]
+    assert done.stderr.decode().count("Current thread") >= 1000  # the dumps were made, not dropped
