@@ -70,7 +70,9 @@ def dump_stacks_on_sigusr1() -> None:
         except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
             continue
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGUSR1, lambda signum, frame: faulthandler.dump_traceback(stream, all_threads=True))
+            signal.signal(
+                signal.SIGUSR1, lambda signum, frame, out=stream: faulthandler.dump_traceback(out, all_threads=True)
+            )
         else:
             faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
         return
