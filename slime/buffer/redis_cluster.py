@@ -26,6 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from slime.buffer.aof import cut_open_transaction
 from slime.buffer.redis_server import _log_tail, find_redis_server
 from slime.security import private_dir, write_private
 
@@ -114,6 +115,7 @@ class LocalRedisCluster:
             lines += [f"requirepass {self.password}", f"masterauth {self.password}"]
         config = node_dir / "redis.conf"
         write_private(config, "\n".join(lines) + "\n")
+        cut_open_transaction(node_dir)  # a restarted node: a block its killed server left half written
         process = subprocess.Popen(
             [self.binary, str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
         )
