@@ -224,3 +224,33 @@ def test_bad_reward_spec_fails_before_anything_starts(tmp_path):
     with pytest.raises(PluginError, match="no_such_function"):
         train(load_config(None, [f"output_dir={tmp_path}", "reward.fn=envs.repeat:no_such_function"]))
     assert not (tmp_path / "redis").exists()
+
+
+def test_a_user_error_in_a_ray_workers_constructor_ends_the_job_with_it_and_no_restart(
+    ray_session, tiny_model_dir, redis_url, tmp_path, capsys
+):
+    """A plugin that only the rollout worker loads, and cannot: Ray reported the constructor's error
+    as ActorDiedError, with its text only, and the job restarted max_restarts times over the same
+    mistake. Kept and raised by the actor's first call, it ends the job at once as itself."""
+    from rewards.plugin import PluginError
+    from slime.errors import user_error_behind
+
+    cfg = load_config(
+        None,
+        [
+            "job_name=e2e-bad-plugin",
+            "cluster.launcher=ray",
+            f"output_dir={tmp_path}",
+            f"model.path={tiny_model_dir}",
+            f"buffer.url={redis_url}",
+            *SMALL,
+            "steps=1",
+            "max_restarts=2",
+            f"april.chunk_sampler={tmp_path / 'missing_sampler.py'}:temperature",
+        ],
+    )
+    with pytest.raises(Exception) as failed:
+        train(cfg)
+    error = user_error_behind(failed.value)
+    assert isinstance(error, PluginError) and "missing_sampler.py" in str(error), repr(failed.value)
+    assert "restarting from the last checkpoint" not in capsys.readouterr().err

@@ -8,12 +8,15 @@ imported, and `RaySession.start` sets them just before.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from slime.config import JobConfig
-from slime.errors import ClusterError
+from slime.errors import ClusterError, UserError
 from slime.launch.local import machine_resources
 from slime.learner.group import check_resources
 from slime.security import JobCredentials
@@ -122,7 +125,7 @@ class RayLauncher:
         self.call_errors: tuple[type[BaseException], ...] = (ray.exceptions.RayError, TimeoutError)
 
     def actor(self, cls: type, *args: Any, name: str, options: dict | None = None, **kwargs: Any) -> Any:
-        return self._ray.remote(**(options or {}))(cls).remote(*args, **kwargs)
+        return self._ray.remote(**(options or {}))(keeping_user_errors(cls)).remote(*args, **kwargs)
 
     def get(self, refs: Any, timeout: float | None = None) -> Any:
         return self._ray.get(refs, timeout=timeout)
@@ -147,3 +150,54 @@ class RayLauncher:
     def lost_actor(self, exc: BaseException) -> bool:
         """A Ray actor died (killed, pre-empted, out of memory): the job may restart from its checkpoint."""
         return isinstance(exc, self._ray.exceptions.RayActorError)
+
+
+INIT_ERROR = "_slime_init_error"
+
+
+def keeping_user_errors(cls: type) -> type:
+    """``cls`` whose constructor keeps a UserError (a mistake in what the user gave: a plugin that
+    does not load, a model directory that is not one) instead of raising it, and whose public
+    methods then raise it. Ray reports a constructor's exception as ActorDiedError and keeps only
+    its text: the job would take it for a lost actor and restart from its checkpoint, up to
+    max_restarts times, over the same mistake. Raised by a method, it reaches the driver as a
+    RayTaskError whose cause is the UserError itself, which the CLI prints as one."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            cls.__init__(self, *args, **kwargs)
+        except UserError as exc:
+            setattr(self, INIT_ERROR, exc)
+
+    namespace: dict[str, Any] = {
+        "__init__": __init__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    for attr, method in inspect.getmembers(cls, inspect.isfunction):
+        if not attr.startswith("_"):
+            namespace[attr] = _raising_init_error(method)
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _raising_init_error(method: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(method):  # Ray makes an async actor of a class with one
+
+        @functools.wraps(method)
+        async def call_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+            error = self.__dict__.get(INIT_ERROR)
+            if error is not None:
+                raise error
+            return await method(self, *args, **kwargs)
+
+        return call_async
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        error = self.__dict__.get(INIT_ERROR)
+        if error is not None:
+            raise error
+        return method(self, *args, **kwargs)
+
+    return call
