@@ -284,7 +284,14 @@ def _run_cli(args: list[str], env: dict, stdout=subprocess.DEVNULL) -> subproces
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "how, launcher",
-    [("SIGKILL", "ray"), ("SIGTERM", "ray"), ("SIGKILL", "local"), ("SIGTERM", "local"), ("SIGTERM twice", "local")],
+    [
+        ("SIGKILL", "ray"),
+        ("SIGTERM", "ray"),
+        ("SIGKILL", "local"),
+        ("SIGTERM", "local"),
+        ("SIGTERM twice", "local"),
+        ("SIGTERM twice", "ray"),
+    ],
 )
 def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tmp_path, how, launcher):
     """Kill the whole job (driver, its Redis, its Ray) mid-run, or stop it by SIGTERM (it ends the
