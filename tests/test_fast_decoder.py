@@ -342,6 +342,87 @@ def test_kept_cache_across_a_weight_update_equals_running_through_it():
         assert lps_p[rid] == pytest.approx(lps_t[rid], abs=1e-5)
 
 
+def turns(engine: BuiltinEngine, ps, params, observations, budgets):
+    """Multi-turn requests, as envs drive them: each turn is the same request id over prompt +
+    every token so far (the turns' tokens and the observations after them). Returns per turn the
+    chunks and, per request, its context before the turn."""
+    responses = {f"e{i}": [] for i in range(len(ps))}
+    out = []
+    for turn, budget in enumerate(budgets):
+        contexts = {rid: ps[int(rid[1:])] + r for rid, r in responses.items()}
+        requests = [
+            GenerationRequest(
+                rid,
+                ps[int(rid[1:])],
+                SamplingParams(params[rid].temperature, max_new_tokens=len(r) + budget, stop_token_ids=[]),
+                list(r),
+                keep_kv_after_finish=True,
+            )
+            for rid, r in responses.items()
+        ]
+        got = engine.generate(requests)
+        out.append((got, contexts))
+        for rid in responses:
+            responses[rid] += got[rid].token_ids + observations[turn][rid]
+    return out
+
+
+@pytest.mark.parametrize("block", ["one", "many"])
+def test_a_finished_turn_kept_for_the_next_feeds_only_the_observation(block, monkeypatch):
+    """Multi-turn: a model turn that asks for it (keep_kv_after_finish) leaves its cache; the next
+    turn, the same request with the turn's tokens and an observation after them, feeds only the
+    observation onto it (in query blocks, 'many', as a long observation would be). Greedy rows give
+    the tokens and logprobs of an engine that prefills every turn; sampled rows the model's logprobs."""
+    if block == "many":
+        monkeypatch.setattr(fd, "EXTENSION_SCORES", 4 * 8)  # 4 heads: 2 queries per block at <= 4 keys
+    model = tiny_moe(6)
+    ps = prompts(5, seed=21, lo=3, hi=12)
+    rng = random.Random(2)
+    params = {f"e{i}": SamplingParams(temperature=0.0 if i < 3 else 0.8) for i in range(len(ps))}
+    observations = [
+        {rid: [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 9))] for rid in params} for _ in range(3)
+    ]
+    budgets = [5, 8, 6]
+    kept = BuiltinEngine(model, max_running_requests=8, seed=4, kept_kv_tokens=10_000)
+    prefilled = BuiltinEngine(model, max_running_requests=8, seed=4)
+    with_kept = turns(kept, ps, params, observations, budgets)
+    with_prefill = turns(prefilled, ps, params, observations, budgets)
+    resumed_tokens = 0
+    for turn, ((got, contexts), (want, _)) in enumerate(zip(with_kept, with_prefill)):
+        for rid, context in contexts.items():
+            if params[rid].temperature == 0:
+                assert got[rid].token_ids == want[rid].token_ids, (turn, rid)
+                assert got[rid].logprobs == pytest.approx(want[rid].logprobs, abs=1e-5)
+            else:
+                assert len(got[rid].token_ids) == budgets[turn]
+                assert got[rid].logprobs == pytest.approx(
+                    reference_logprobs(model, context, got[rid].token_ids, 0.8), abs=2e-4
+                )
+            if turn:  # the cache held every token before the last one of the previous turn
+                resumed_tokens += len(context) - len(observations[turn - 1][rid]) - 1
+    health = kept.health()
+    assert health["kv_resumes"] == 2 * len(ps) and health["kv_resumed_tokens"] == resumed_tokens
+    assert prefilled.health()["kv_resumes"] == 0
+
+
+def test_a_finished_request_that_did_not_ask_keeps_no_cache_and_other_tokens_mean_a_prefill():
+    model = tiny_moe(7)
+    p = prompts(1, seed=22, lo=4, hi=8)[0]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=[])
+    engine = BuiltinEngine(model, max_running_requests=4, kept_kv_tokens=10_000)
+    first = engine.generate([GenerationRequest("a", p, greedy)])["a"].token_ids
+    assert engine.health()["kv_kept_requests"] == 0  # single-turn: nothing kept
+    first = engine.generate([GenerationRequest("b", p, greedy, keep_kv_after_finish=True)])["b"].token_ids
+    assert engine.health()["kv_kept_requests"] == 1
+    # Back with its last token changed (not what the cache was computed for): prefilled from the ids.
+    other = first[:-1] + [(first[-1] + 1) % VOCAB]
+    again = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[])
+    got = engine.generate([GenerationRequest("b", p, again, other + [5, 6])])["b"].token_ids
+    assert engine.health()["kv_resumes"] == 0 and engine.health()["kv_kept_requests"] == 0
+    alone = BuiltinEngine(model, max_running_requests=4)
+    assert got == alone.generate([GenerationRequest("b", p, again, other + [5, 6])])["b"].token_ids
+
+
 # ---------------------------------------------------------------- segmented decode attention
 
 

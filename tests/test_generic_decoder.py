@@ -143,6 +143,47 @@ def test_an_aborted_request_resumes_token_exactly_on_mla_windows_and_sinks(famil
 
 
 @pytest.mark.parametrize(
+    "family,forward", [("deepseek_v3", "fast"), ("deepseek_v2", "generic"), ("gemma2", "fast"), ("gpt_oss", "generic")]
+)
+def test_a_turn_fed_onto_a_kept_cache_equals_a_prefill_on_mla_windows_and_sinks(family, forward):
+    """Multi-turn on MLA, sliding windows with soft-capping and with sinks: each turn comes back
+    with an observation after its tokens and feeds only that onto the finished turn's kept cache;
+    tokens and logprobs are those of an engine that prefills every turn, past the sliding window."""
+    model = tiny_model(family, VOCAB)
+    ps = prompts(4, seed=5, lo=2, hi=10)
+    rng = random.Random(6)
+    path = None if forward == "fast" else forward
+    outputs = []
+    for kept in (10_000, 0):
+        engine = BuiltinEngine(model, max_running_requests=8, kept_kv_tokens=kept, fast_path=path)
+        assert engine.health()["forward"] == forward
+        responses: dict[str, list[int]] = {f"t{i}": [] for i in range(len(ps))}
+        rng.seed(6)
+        chunks = []
+        for budget in (6, 9, 7):
+            requests = [
+                GenerationRequest(
+                    rid,
+                    ps[int(rid[1:])],
+                    SamplingParams(temperature=0.0, max_new_tokens=len(r) + budget, stop_token_ids=[]),
+                    list(r),
+                    keep_kv_after_finish=True,
+                )
+                for rid, r in responses.items()
+            ]
+            got = engine.generate(requests)
+            chunks.append(got)
+            for rid in responses:
+                responses[rid] += got[rid].token_ids + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))]
+        outputs.append(chunks)
+        assert engine.health()["kv_resumes"] == (2 * len(ps) if kept else 0)
+    for with_kept, with_prefill in zip(*outputs):
+        for rid, chunk in with_kept.items():
+            assert chunk.token_ids == with_prefill[rid].token_ids, rid
+            assert chunk.logprobs == pytest.approx(with_prefill[rid].logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize(
     ("family", "overrides", "ignored"),
     [
         ("mistral", {}, "window"),

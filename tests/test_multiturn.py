@@ -137,6 +137,10 @@ def test_scripted_exchange_lines_up_token_for_token(buffer, redis_url, tiny_mode
     cfg = job_config(buffer, tmp_path)
     groups = [buffer.add_group(PROMPT, 2, 80, {"label": "ababab"})]
     worker, samples = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
+    # Turns 2 and 3 of both episodes fed only their observation onto the kept cache of the turn
+    # before (rollout.kept_kv_tokens); the reference prefills every turn, and the tokens agree.
+    health = worker.health()
+    assert health["kv_resumes"] == 4 and health["kv_resumed_tokens"] >= 2 * (2 * len(PROMPT) + 15)
     tokenizer = load_tokenizer(tiny_model_dir)
     engine = BuiltinEngine(load_model(tiny_model_dir))
     for s in samples:

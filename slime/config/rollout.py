@@ -153,10 +153,12 @@ class RolloutConfig(StrictModel):
     kept_kv_tokens: int = Field(
         65536,
         ge=0,
-        description="Built-in engine (fast path): tokens of aborted requests' KV cache kept, so that a partial "
-        "resumed on the same worker with exactly its stored tokens skips the re-prefill (also after a weight "
-        "update: its context keys/values are then the older weights', as for a request running through an "
-        "update; its new tokens carry their true behaviour logprobs). 0: always re-prefill from token ids.",
+        description="Built-in engine (fast path): tokens of KV cache kept for aborted requests and for finished "
+        "model turns of multi-turn episodes, so that a partial resumed on the same worker with its stored tokens "
+        "skips the re-prefill, and the next turn of an episode prefills only its observation (also after a "
+        "weight update: the context keys/values are then the older weights', as for a request running through "
+        "an update; new tokens carry their true behaviour logprobs). Least recently kept dropped first. "
+        "0: always prefill from token ids.",
     )
     cuda_graphs: bool = Field(
         True,

@@ -56,6 +56,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     response_ids: list[int] = field(default_factory=list)  # already generated tokens (resume)
+    # The caller sends this request again, with more context, after it finishes (the next model
+    # turn of an episode): an engine may keep its KV cache to prefill only the new tokens then.
+    keep_kv_after_finish: bool = False
 
 
 @dataclass

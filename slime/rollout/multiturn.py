@@ -307,7 +307,11 @@ class MultiTurnRollout:
         # The engine counts max_new_tokens over the whole response, resumed tokens included.
         params = replace(self.params, max_new_tokens=sample.response_length + self._turn_budget(sample))
         ep.turn_started_at = time.time()
-        return GenerationRequest(sample.id, sample.prompt_ids.tolist(), params, sample.response_ids.tolist())
+        # keep_kv_after_finish: the next turn comes back as this request plus the observation; the
+        # built-in engine then feeds only the observation onto the kept cache (rollout.kept_kv_tokens).
+        return GenerationRequest(
+            sample.id, sample.prompt_ids.tolist(), params, sample.response_ids.tolist(), keep_kv_after_finish=True
+        )
 
     def _action_text(self, sample: Sample, span: tuple[int, int] | None) -> str:
         if span is None:

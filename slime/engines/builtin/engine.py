@@ -82,10 +82,13 @@ __all__ = ["BuiltinEngine"]
 class _Seq:
     """Per-request bookkeeping of a running request (its row lives in the batched tensors)."""
 
-    __slots__ = ("request_id", "tokens", "params", "remaining", "stop", "greedy", "top_k", "top_p")
+    __slots__ = ("request_id", "tokens", "params", "remaining", "stop", "greedy", "top_k", "top_p", "keep_kv")
 
-    def __init__(self, request_id: str, tokens: list[int], remaining: int, params: SamplingParams):
+    def __init__(
+        self, request_id: str, tokens: list[int], remaining: int, params: SamplingParams, keep_kv: bool = False
+    ):
         self.request_id = request_id
+        self.keep_kv = keep_kv  # keep its cache when it finishes: it comes back with more context
         self.tokens = tokens  # prompt + response so far; the cache holds all but the last one
         self.params = params
         self.remaining = remaining  # tokens this engine may still generate for it
@@ -118,8 +121,10 @@ class BuiltinEngine:
         "generic" requires the one over the model's own modules (to compare with the hand-written).
 
         ``kept_kv_tokens``: on the fast path, an aborted request's KV cache is kept (up to this many
-        tokens in all, least recently aborted dropped first); when the same request comes back
-        with exactly the tokens it had (prompt + response), it rejoins the batch from that cache
+        tokens in all, least recently kept dropped first), and so is a finished one's that asked for
+        it (``keep_kv_after_finish``: a model turn of an episode); when the same request id comes
+        back with the tokens its cache was computed for (prompt + response), possibly followed by
+        more (the observation), it rejoins the batch from that cache, only the new tokens fed,
         instead of a prefill. A weight update does not drop kept caches: like a request running
         through an update, the resumed one attends over keys/values of the older weights (its new
         tokens carry the new version and their true behaviour logprobs). 0 turns it off.
@@ -267,7 +272,7 @@ class BuiltinEngine:
             [int(t) for t in p.stop_token_ids],
         )
         self._ids.add(req.request_id)
-        self._waiting.append(GenerationRequest(req.request_id, prompt, params, response))
+        self._waiting.append(GenerationRequest(req.request_id, prompt, params, response, req.keep_kv_after_finish))
 
     def step(self) -> list[GenerationChunk]:
         if not self._waiting and not self._running:
@@ -486,12 +491,14 @@ class BuiltinEngine:
                 self._ids.discard(req.request_id)
                 chunks[req.request_id] = GenerationChunk(req.request_id, [], [], self._version, True, reason)
                 continue
-            seq = _Seq(req.request_id, req.prompt_ids + req.response_ids, remaining, p)
+            seq = _Seq(req.request_id, req.prompt_ids + req.response_ids, remaining, p, req.keep_kv_after_finish)
             kept = self._kept.pop(req.request_id, None)
             if kept is not None:
                 self._kept_len -= len(kept[0])
-                if kept[0] == seq.tokens:  # exactly the tokens its cache was computed for
-                    restored.append((seq, kept[1]))
+                n = len(kept[0])
+                # The tokens its cache was computed for, then (the next turn of an episode) more.
+                if n <= len(seq.tokens) and seq.tokens[:n] == kept[0]:
+                    restored.append((seq, kept[1], n))
                     continue
             seqs.append(seq)
         # New rows join longest first (restored ones before the prefilled, which are shorter than
@@ -516,14 +523,21 @@ class BuiltinEngine:
             tokens, _ = self._kept.popitem(last=False)[1]
             self._kept_len -= len(tokens)
 
-    def _restore(self, restored: list[tuple[_Seq, tuple]]) -> None:
-        """Rows back from kept caches: no forward; the next decode step feeds each one's last token."""
-        self._batch.put_rows([kv for _, kv in restored])
-        seqs = [seq for seq, _ in restored]
+    def _restore(self, restored: list[tuple[_Seq, tuple, int]]) -> None:
+        """Rows back from kept caches (each computed for the first ``n`` of its tokens, all but the
+        last of them): the tokens after those are fed onto the cache (`FastDecoder.extend`; none
+        for an aborted request back with exactly its tokens), never the cached ones again; the next
+        decode step feeds each row's last token."""
+        first_row = self._batch.rows
+        self._batch.put_rows([kv for _, kv, _ in restored])
+        self._batch.extend(
+            [first_row + j for j in range(len(restored))], [seq.tokens[n - 1 : -1] for seq, _, n in restored]
+        )
+        seqs = [seq for seq, _, _ in restored]
         self._append_rows(seqs, [len(q.tokens) - 1 for q in seqs], [q.tokens[-1] for q in seqs])
         self._refresh_flags()
         self._kv_resumes += len(seqs)
-        self._kv_resumed_tokens += sum(len(q.tokens) - 1 for q in seqs)
+        self._kv_resumed_tokens += sum(n - 1 for _, _, n in restored)
 
     def _append_rows(self, seqs: list[_Seq], positions: list[int], last_tokens: list[int]) -> None:
         """Per-row state of new rows (after the existing ones): next input position and token, sampling."""
@@ -580,6 +594,11 @@ class BuiltinEngine:
         self._last = tok
         keep = self._record(self._running, tok, lp, chunks, getattr(self._batch, "step_routing", None))
         if len(keep) != len(self._running):
+            if self.kept_kv_tokens:
+                still = set(keep)
+                back = [i for i, s in enumerate(self._running) if s.keep_kv and i not in still]
+                if back:
+                    self._keep_kv([self._running[i] for i in back], self._batch.take_rows(back))
             self._keep_rows(keep)
 
     def _record(self, seqs: list[_Seq], tok: torch.Tensor, lp: torch.Tensor, chunks, routing=None) -> list[int]:

@@ -100,6 +100,9 @@ def grouped_mm_agrees(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+EXTENSION_SCORES = 1 << 24  # float32 scores one block of an extension's queries may hold (64 MiB)
+
+
 def decode_segments(lens: np.ndarray) -> list[tuple[int, int, int]]:
     """Split the decode rows into contiguous segments ``(first row, end row, attended length)``,
     each attending only up to its own longest row.
@@ -138,6 +141,8 @@ class StepLayout:
     rows_idx: torch.Tensor | None = None
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     last: torch.Tensor | None = None  # [rows fed] flat index of each row's last token
+    # Rows grown after their cached tokens (`FastDecoder.extend`): (row, flat start, tokens, cached length).
+    extends: list[tuple[int, int, int, int]] = field(default_factory=list)
     masks: dict = field(default_factory=dict)  # (kind, window, dtype) -> additive mask, built once per step
 
 
@@ -523,6 +528,21 @@ class FastDecoder:
                 )
                 att = torch.matmul(probs.to(seg_values.dtype), seg_values)
                 out.append(att.reshape(n, -1))
+        for row, s0, n, cached in step.extends:
+            out.append(
+                self._attend_extension(
+                    keys[row],
+                    values[row],
+                    q[s0 : s0 + n],
+                    k[s0 : s0 + n],
+                    v[s0 : s0 + n],
+                    cached,
+                    scaling,
+                    window,
+                    softcap,
+                    sinks,
+                )
+            )
         for index, real, rows, w in step.padded:
             qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, heads, w, D]
             keys[rows, :, :w] = kp
@@ -546,6 +566,49 @@ class FastDecoder:
                 )
                 att = torch.matmul(probs, vp[:, :, None]).reshape(n, heads, w, -1)
             out.append(att.transpose(1, 2).reshape(-1, heads * v.shape[-1])[real])
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _attend_extension(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cached: int,
+        scaling: float,
+        window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One row's new tokens (q [n, heads, D], k/v [n, kv heads, D*]) at positions cached..cached+n-1,
+        attending over the row's ``cached`` keys/values and causally over each other; stores their
+        keys and values in the row's cache (keys [kv heads, len, D]) and returns [n, heads * Dv].
+        Scores in float32 as in decode, over blocks of queries so a long extension stays in memory."""
+        n, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+        group = heads // kv_heads
+        total = cached + n
+        keys[:, cached:total] = k.transpose(0, 1)
+        values[:, cached:total] = v.transpose(0, 1)
+        row_keys = keys[:, None, :total].transpose(-1, -2).float()  # [kv heads, 1, D, total]
+        row_values = values[:, None, :total]
+        block = max(1, EXTENSION_SCORES // (heads * total))
+        key_pos = torch.arange(total, device=self.device)[None, :]
+        out = []
+        for b0 in range(0, n, block):
+            b1 = min(n, b0 + block)
+            query_pos = torch.arange(cached + b0, cached + b1, device=self.device)[:, None]
+            hidden = key_pos > query_pos
+            if window is not None:
+                hidden = hidden | (key_pos <= query_pos - window)
+            bias = torch.zeros(hidden.shape, dtype=torch.float32, device=self.device).masked_fill_(
+                hidden, float("-inf")
+            )
+            qg = q[b0:b1].reshape(b1 - b0, kv_heads, group, -1).permute(1, 2, 0, 3)  # [kv, group, m, D]
+            scores = torch.matmul(qg.float(), row_keys) * scaling  # [kv, group, m, total]
+            probs = attention_softmax(scores, bias, softcap, None if sinks is None else sinks.view(kv_heads, group, 1))
+            att = torch.matmul(probs.to(row_values.dtype), row_values)  # [kv, group, m, Dv]
+            out.append(att.permute(2, 0, 1, 3).reshape(b1 - b0, -1))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def _qkv(self, L: LayerTensors, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -590,6 +653,36 @@ class FastDecoder:
     def prefill(self, contexts: list[list[int]]) -> torch.Tensor:
         """Append one row per context (existing rows are not fed); next-token logits [n, V]."""
         return self.forward(None, None, [contexts])
+
+    def extend(self, rows: list[int], suffixes: list[list[int]]) -> None:
+        """Feed each of ``rows`` its ``suffixes`` tokens after the ones it has cached (positions
+        lens[r] on), storing their keys and values: a kept cache grown by new context (the next
+        turn of an episode: the observation) without the prefix being prefilled again. Other rows
+        are not fed; nothing is sampled."""
+        todo = [(r, list(s)) for r, s in zip(rows, suffixes) if s]
+        if not todo:
+            return
+        dev = self.device
+        self._reserve(self.rows, max(int(self.lens[r]) + len(s) for r, s in todo) + 1)
+        extends, ids, pos = [], [], []
+        for r, s in todo:
+            cached = int(self.lens[r])
+            extends.append((r, len(ids), len(s), cached))
+            ids.extend(s)
+            pos.append(torch.arange(cached, cached + len(s), device=dev))
+        step = StepLayout(
+            b=0,
+            ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            pos=torch.cat(pos),
+            ctx_lens=[],
+            used=0,
+            lens=None,
+            last=torch.tensor([s0 + n - 1 for _, s0, n, _ in extends], device=dev),
+            extends=extends,
+        )
+        self._compute(step)
+        for r, _, n, _ in extends:
+            self.lens[r] += n
 
     def decode(self, last_tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row, fed at position lens[r] (the caller's ``positions`` are the same
