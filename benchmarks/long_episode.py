@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--turns", type=int, default=32, help="turns of the scripted episode's plan")
     ap.add_argument("--lines-per-read", type=int, default=40)
     ap.add_argument("--positions", type=int, default=40960)
+    ap.add_argument(
+        "--kept-kv-tokens",
+        type=int,
+        default=None,
+        help="rollout.kept_kv_tokens (the job's default when not given; 0: every turn prefilled again)",
+    )
     ap.add_argument("--smoke", action="store_true", help="a 1-layer model and a 7-turn episode")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"rollout.max_new_tokens={args.positions - 1024}",
                     "rollout.max_running_requests=2",
                     "rollout.chunk_tokens=64",
+                    *([] if args.kept_kv_tokens is None else [f"rollout.kept_kv_tokens={args.kept_kv_tokens}"]),
                     "learner.max_tokens_per_micro_batch=65536",
                     "env.plugin=envs.swe:SweEnv",
                     "env.kwargs={max_read_lines: 80, max_observation_chars: 8000}",
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         "smoke": args.smoke,
         "layers": args.layers,
         "positions": args.positions,
+        "kept_kv_tokens": cfg.rollout.kept_kv_tokens,
         "episode_tokens": total,
         "model_turns": model_turns,
         "model_tokens": int(mask.sum()),

@@ -590,10 +590,16 @@ class FastDecoder:
         total = cached + n
         keys[:, cached:total] = k.transpose(0, 1)
         values[:, cached:total] = v.transpose(0, 1)
-        row_keys = keys[:, None, :total].transpose(-1, -2).float()  # [kv heads, 1, D, total]
-        row_values = values[:, None, :total]
-        block = max(1, EXTENSION_SCORES // (heads * total))
+        plain = softcap is None and sinks is None
+        # SDPA's fused kernels where nothing but a mask is asked for (scores never materialised: an
+        # observation over a long context); else explicit float32 scores, like decode.
+        block = max(1, EXTENSION_SCORES // (total if plain else heads * total))
         key_pos = torch.arange(total, device=self.device)[None, :]
+        if plain:
+            row_keys, row_values = keys[None, :, :total], values[None, :, :total]
+        else:
+            row_keys = keys[:, None, :total].transpose(-1, -2).float()  # [kv heads, 1, D, total]
+            row_values = values[:, None, :total]
         out = []
         for b0 in range(0, n, block):
             b1 = min(n, b0 + block)
@@ -601,6 +607,17 @@ class FastDecoder:
             hidden = key_pos > query_pos
             if window is not None:
                 hidden = hidden | (key_pos <= query_pos - window)
+            if plain:
+                att = F.scaled_dot_product_attention(
+                    q[None, b0:b1].transpose(1, 2),
+                    row_keys,
+                    row_values,
+                    attn_mask=~hidden,
+                    scale=scaling,
+                    enable_gqa=True,
+                )  # [1, heads, m, Dv]
+                out.append(att[0].transpose(0, 1).reshape(b1 - b0, -1))
+                continue
             bias = torch.zeros(hidden.shape, dtype=torch.float32, device=self.device).masked_fill_(
                 hidden, float("-inf")
             )
