@@ -421,6 +421,11 @@ def test_a_finished_request_that_did_not_ask_keeps_no_cache_and_other_tokens_mea
     assert engine.health()["kv_resumes"] == 0 and engine.health()["kv_kept_requests"] == 0
     alone = BuiltinEngine(model, max_running_requests=4)
     assert got == alone.generate([GenerationRequest("b", p, again, other + [5, 6])])["b"].token_ids
+    # forget: the caller sends the request no more (its episode ended); unknown ids are ignored.
+    engine.generate([GenerationRequest("c", p, greedy, keep_kv_after_finish=True)])
+    assert engine.health()["kv_kept_requests"] == 1
+    engine.forget(["c", "never-seen"])
+    assert engine.health()["kv_kept_requests"] == 0 and engine._kept_len == 0
 
 
 # ---------------------------------------------------------------- segmented decode attention

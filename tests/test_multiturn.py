@@ -141,6 +141,8 @@ def test_scripted_exchange_lines_up_token_for_token(buffer, redis_url, tiny_mode
     # before (rollout.kept_kv_tokens); the reference prefills every turn, and the tokens agree.
     health = worker.health()
     assert health["kv_resumes"] == 4 and health["kv_resumed_tokens"] >= 2 * (2 * len(PROMPT) + 15)
+    # Each episode's last turn kept its cache until the episode ended; then the worker dropped it.
+    assert worker.engine.health()["kv_kept_requests"] == 0
     tokenizer = load_tokenizer(tiny_model_dir)
     engine = BuiltinEngine(load_model(tiny_model_dir))
     for s in samples:

@@ -218,6 +218,12 @@ class RolloutEngine(Protocol):
         tensors are the adapters only (`adapter_pairs`), each push replacing the last one's."""
         ...
 
+    def forget(self, request_ids: list[str]) -> None:
+        """The caller sends these requests no more (an episode ended, or another worker took it):
+        drop what the engine keeps for them after they finished or were aborted (the built-in
+        engine's kept caches). Unknown ids, and engines that keep nothing, ignore it."""
+        ...
+
     def release_memory(self) -> int:
         """Free the KV memory while the learner trains (colocated placement, sync loops), taking it
         back as requests come; requests running keep theirs. Bytes freed."""

@@ -401,6 +401,9 @@ class VllmEngine:
     def num_waiting(self) -> int:
         return self._request_counts()[1] + len(self._ready)
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Nothing kept per request (vLLM's prefix cache, when on, is its own)."""
+
     def release_memory(self) -> int:
         """vLLM's sleep mode, level 1: the KV cache is discarded and the weights move to host memory
         until resume_memory (needs enable_sleep_mode, which the job sets with rollout.release_memory;

@@ -306,6 +306,7 @@ class RolloutWorker:
         for (p, tokens, logprobs, versions), result in zip(flush.sent, flush.replies.wait()):
             if isinstance(result, (LeaseLostError, ChunksLostError)):
                 self.engine.abort([p.sample.id])
+                self.engine.forget([p.sample.id])  # the new owner continues it: our kept cache is dead
                 self.pending.pop(p.sample.id, None)
                 if self.multiturn is not None:
                     self.multiturn.drop(p.sample.id)
@@ -384,6 +385,7 @@ class RolloutWorker:
 
     def _finish_episode(self, sample: Sample, end: EpisodeEnd) -> None:
         """env.reward=env: the episode's return is the reward; reward_fn: reward.fn scores the transcript."""
+        self.engine.forget([sample.id])  # its last turn's kept cache: no turn comes after it
         sample.metadata.update(end.metadata())
         if end.status != Status.FAILED and self.cfg.env.reward == "reward_fn":
             self._finalize(_Pending(sample), "length" if end.status == Status.TRUNCATED else "stop")

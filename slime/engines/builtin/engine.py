@@ -407,6 +407,13 @@ class BuiltinEngine:
                 applied += 1
         self._version = int(version)
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop the kept caches of these requests (an episode that ended leaves its last turn's)."""
+        for rid in request_ids:
+            kept = self._kept.pop(rid, None)
+            if kept is not None:
+                self._kept_len -= len(kept[0])
+
     @torch.no_grad()
     def release_memory(self) -> int:
         """Free the KV memory while the learner trains (colocated placement): the kept caches of

@@ -395,6 +395,9 @@ class SglangEngine:
     def num_waiting(self) -> int:
         return 0  # the server queues what it cannot run yet; we cannot see its queue
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Nothing kept per request here (the servers' radix caches are their own)."""
+
     def release_memory(self) -> int:
         """SGLang's memory release on every server (``/release_memory_occupation``; a real SGLang
         server needs ``--enable-memory-saver``, which the launch adds with rollout.release_memory).
