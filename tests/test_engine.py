@@ -412,6 +412,7 @@ def test_every_engine_class_implements_the_contract(engine_class):
         "abort",
         "add_request",
         "close",
+        "forget",
         "has_unfinished",
         "health",
         "num_running",
