@@ -76,10 +76,3 @@ def dump_stacks_on_sigusr1() -> None:
         else:
             faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
         return
-    for stream in (sys.stderr, sys.__stderr__):
-        try:
-            stream.fileno()
-        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
-            continue
-        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
-        return
