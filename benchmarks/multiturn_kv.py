@@ -29,30 +29,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.spread import mean_sd  # noqa: E402
 from slime.config import TinyModelConfig  # noqa: E402
 from slime.engines.builtin import BuiltinEngine  # noqa: E402
-from slime.engines.contract import GenerationRequest, SamplingParams  # noqa: E402
+from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams  # noqa: E402
 from slime.model import build_tiny_moe  # noqa: E402
 
 VOCAB = 64
 
 
-def episodes(engine: BuiltinEngine, prompts: list[list[int]], observations, turn_tokens: int) -> dict[str, list[int]]:
-    """Every episode's response (model turns and observations) after all turns."""
+def run_turns(
+    engine: BuiltinEngine,
+    prompts: list[list[int]],
+    temperatures: list[float],
+    observations: list[list[list[int]]],
+    budgets: list[int],
+) -> list[tuple[dict[str, GenerationChunk], dict[str, list[int]]]]:
+    """Episodes ``e0, e1, ...`` turn by turn: turn t generates ``budgets[t]`` tokens per episode
+    (no stop token), then ``observations[t][i]`` follows episode i's. Per turn: the chunks, and each
+    episode's context before the turn (also what tests/test_fast_decoder.py and
+    tests/test_generic_decoder.py drive)."""
     responses: dict[str, list[int]] = {f"e{i}": [] for i in range(len(prompts))}
-    for turn_observations in observations:
+    out = []
+    for turn, budget in enumerate(budgets):
+        contexts = {rid: prompts[int(rid[1:])] + r for rid, r in responses.items()}
         requests = [
             GenerationRequest(
                 rid,
                 prompts[int(rid[1:])],
-                SamplingParams(temperature=0.0, max_new_tokens=len(r) + turn_tokens, stop_token_ids=[]),
+                SamplingParams(temperatures[int(rid[1:])], max_new_tokens=len(r) + budget, stop_token_ids=[]),
                 list(r),
                 keep_kv_after_finish=True,
             )
             for rid, r in responses.items()
         ]
         got = engine.generate(requests)
+        out.append((got, contexts))
         for rid in responses:
-            responses[rid] += got[rid].token_ids + turn_observations[rid]
-    return responses
+            responses[rid] += got[rid].token_ids + (
+                observations[turn][int(rid[1:])] if turn < len(observations) else []
+            )
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -72,25 +86,26 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(40, 60))] for _ in range(args.episodes)]
     observations = [
-        {f"e{i}": [rng.randrange(2, VOCAB) for _ in range(args.obs_tokens)] for i in range(args.episodes)}
+        [[rng.randrange(2, VOCAB) for _ in range(args.obs_tokens)] for _ in range(args.episodes)]
         for _ in range(args.turns - 1)
-    ] + [{f"e{i}": [] for i in range(args.episodes)}]
+    ]
     max_len = 64 + args.turns * (args.turn_tokens + args.obs_tokens)
     arms = {"kept": 1 << 30, "prefill": 0}
     seconds: dict[str, list[float]] = {arm: [] for arm in arms}
-    outputs: dict[str, dict[str, list[int]]] = {}
+    outputs: dict[str, list[dict[str, list[int]]]] = {}  # per arm, per turn: each episode's tokens
     health: dict[str, dict] = {}
     for rnd in range(args.rounds + 1):  # round 0 warms each arm up, untimed
         for arm, kept in arms.items():
             engine = BuiltinEngine(model, max_running_requests=args.episodes, max_seq_len=max_len, kept_kv_tokens=kept)
             t0 = time.perf_counter()
-            outputs[arm] = episodes(engine, prompts, observations, args.turn_tokens)
+            turns = run_turns(engine, prompts, [0.0] * args.episodes, observations, [args.turn_tokens] * args.turns)
+            outputs[arm] = [{rid: chunk.token_ids for rid, chunk in got.items()} for got, _ in turns]
             if rnd:
                 seconds[arm].append(time.perf_counter() - t0)
             health[arm] = engine.health()
     same = outputs["kept"] == outputs["prefill"]
     model_tokens = args.episodes * args.turns * args.turn_tokens
-    context_tokens = sum(len(p) + len(r) for p, r in zip(prompts, outputs["kept"].values()))
+    context_tokens = sum(map(len, prompts)) + model_tokens + sum(len(o) for turn in observations for o in turn)
     (kept_s, kept_sd), (prefill_s, prefill_sd) = mean_sd(seconds["kept"]), mean_sd(seconds["prefill"])
     print(f"{args.episodes} episodes x {args.turns} turns: {args.turn_tokens} model tokens and {args.obs_tokens} ")
     print(f"observation tokens a turn, {context_tokens} context tokens at the end; greedy, same tokens: {same}")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.multiturn_kv import run_turns
 from slime.config import TinyModelConfig
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.builtin import fast_decoder as fd
@@ -342,31 +343,6 @@ def test_kept_cache_across_a_weight_update_equals_running_through_it():
         assert lps_p[rid] == pytest.approx(lps_t[rid], abs=1e-5)
 
 
-def turns(engine: BuiltinEngine, ps, params, observations, budgets):
-    """Multi-turn requests, as envs drive them: each turn is the same request id over prompt +
-    every token so far (the turns' tokens and the observations after them). Returns per turn the
-    chunks and, per request, its context before the turn."""
-    responses = {f"e{i}": [] for i in range(len(ps))}
-    out = []
-    for turn, budget in enumerate(budgets):
-        contexts = {rid: ps[int(rid[1:])] + r for rid, r in responses.items()}
-        requests = [
-            GenerationRequest(
-                rid,
-                ps[int(rid[1:])],
-                SamplingParams(params[rid].temperature, max_new_tokens=len(r) + budget, stop_token_ids=[]),
-                list(r),
-                keep_kv_after_finish=True,
-            )
-            for rid, r in responses.items()
-        ]
-        got = engine.generate(requests)
-        out.append((got, contexts))
-        for rid in responses:
-            responses[rid] += got[rid].token_ids + observations[turn][rid]
-    return out
-
-
 @pytest.mark.parametrize("block", ["one", "many"])
 def test_a_finished_turn_kept_for_the_next_feeds_only_the_observation(block, monkeypatch):
     """Multi-turn: a model turn that asks for it (keep_kv_after_finish) leaves its cache; the next
@@ -378,19 +354,17 @@ def test_a_finished_turn_kept_for_the_next_feeds_only_the_observation(block, mon
     model = tiny_moe(6)
     ps = prompts(5, seed=21, lo=3, hi=12)
     rng = random.Random(2)
-    params = {f"e{i}": SamplingParams(temperature=0.0 if i < 3 else 0.8) for i in range(len(ps))}
-    observations = [
-        {rid: [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 9))] for rid in params} for _ in range(3)
-    ]
+    temperatures = [0.0 if i < 3 else 0.8 for i in range(len(ps))]
+    observations = [[[rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 9))] for _ in ps] for _ in range(2)]
     budgets = [5, 8, 6]
     kept = BuiltinEngine(model, max_running_requests=8, seed=4, kept_kv_tokens=10_000)
     prefilled = BuiltinEngine(model, max_running_requests=8, seed=4)
-    with_kept = turns(kept, ps, params, observations, budgets)
-    with_prefill = turns(prefilled, ps, params, observations, budgets)
+    with_kept = run_turns(kept, ps, temperatures, observations, budgets)
+    with_prefill = run_turns(prefilled, ps, temperatures, observations, budgets)
     resumed_tokens = 0
     for turn, ((got, contexts), (want, _)) in enumerate(zip(with_kept, with_prefill)):
         for rid, context in contexts.items():
-            if params[rid].temperature == 0:
+            if temperatures[int(rid[1:])] == 0:
                 assert got[rid].token_ids == want[rid].token_ids, (turn, rid)
                 assert got[rid].logprobs == pytest.approx(want[rid].logprobs, abs=1e-5)
             else:
@@ -399,7 +373,7 @@ def test_a_finished_turn_kept_for_the_next_feeds_only_the_observation(block, mon
                     reference_logprobs(model, context, got[rid].token_ids, 0.8), abs=2e-4
                 )
             if turn:  # the cache held every token before the last one of the previous turn
-                resumed_tokens += len(context) - len(observations[turn - 1][rid]) - 1
+                resumed_tokens += len(context) - len(observations[turn - 1][int(rid[1:])]) - 1
     health = kept.health()
     assert health["kv_resumes"] == 2 * len(ps) and health["kv_resumed_tokens"] == resumed_tokens
     assert prefilled.health()["kv_resumes"] == 0

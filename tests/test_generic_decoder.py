@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks.families import FAMILIES, tiny_model
+from benchmarks.multiturn_kv import run_turns
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.builtin.fast_decoder import FastDecoder
 from slime.engines.builtin.generic_decoder import fast_decoder_for
@@ -152,30 +153,13 @@ def test_a_turn_fed_onto_a_kept_cache_equals_a_prefill_on_mla_windows_and_sinks(
     model = tiny_model(family, VOCAB)
     ps = prompts(4, seed=5, lo=2, hi=10)
     rng = random.Random(6)
+    observations = [[[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))] for _ in ps] for _ in range(2)]
     path = None if forward == "fast" else forward
     outputs = []
     for kept in (10_000, 0):
         engine = BuiltinEngine(model, max_running_requests=8, kept_kv_tokens=kept, fast_path=path)
         assert engine.health()["forward"] == forward
-        responses: dict[str, list[int]] = {f"t{i}": [] for i in range(len(ps))}
-        rng.seed(6)
-        chunks = []
-        for budget in (6, 9, 7):
-            requests = [
-                GenerationRequest(
-                    rid,
-                    ps[int(rid[1:])],
-                    SamplingParams(temperature=0.0, max_new_tokens=len(r) + budget, stop_token_ids=[]),
-                    list(r),
-                    keep_kv_after_finish=True,
-                )
-                for rid, r in responses.items()
-            ]
-            got = engine.generate(requests)
-            chunks.append(got)
-            for rid in responses:
-                responses[rid] += got[rid].token_ids + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))]
-        outputs.append(chunks)
+        outputs.append([got for got, _ in run_turns(engine, ps, [0.0] * len(ps), observations, [6, 9, 7])])
         assert engine.health()["kv_resumes"] == (2 * len(ps) if kept else 0)
     for with_kept, with_prefill in zip(*outputs):
         for rid, chunk in with_kept.items():
