@@ -9,6 +9,9 @@ import torch
 from benchmarks.families import FAMILIES, _refusal_before_building, buildable_families, tiny_model
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.builtin.decoder_layers import trace_decoder
+from slime.engines.builtin.fast_decoder import FastDecoder
+from slime.engines.builtin.generic_decoder import attention_inputs
+from slime.engines.builtin.start_check import agrees_with_model
 from slime.engines.contract import GenerationRequest, SamplingParams
 
 
@@ -64,6 +67,38 @@ def test_post_norm_parallel_and_scaled_layers_take_the_hand_written_path_with_ge
     forward, got, want = engine_and_generate_tokens(tiny_model(family))
     assert forward == "fast"
     assert got == want
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize(
+    "family,modes,halves_refused",
+    [
+        ("glm", ["pairs", "pairs"], True),  # interleaved pairs, the table in halves (Llama's layout)
+        # Interleaved pairs, the table already in pairs. Its logit scale (1/16) keeps a halves
+        # reading under the check's 1e-3 at this size; at hidden 256 it was refused (2.2e-3).
+        ("cohere", ["pairs", "pairs"], False),
+        ("exaone4", ["halves", "none"], True),  # its full-attention layers have no RoPE
+        ("flint", ["none", "halves"], True),  # only its sliding-window layers are rotary
+        ("llama", ["halves", "halves"], False),
+    ],
+)
+def test_each_layers_rotary_mode_is_read_off_the_models_own_attention(family, modes, halves_refused):
+    """RoPE on halves, on interleaved pairs, or none, per layer: read from the queries and keys the
+    model's own attention computes. The hand-written layers then give `generate`'s tokens, and the
+    halves reading everywhere is refused by the start check."""
+    model = tiny_model(family)
+    forward, got, want = engine_and_generate_tokens(model)
+    assert forward == "fast"
+    assert got == want
+    fast = FastDecoder(model, 4, 64)
+    fast.fit_rotary(attention_inputs(model))
+    assert [L.rotary for L in fast.layers] == modes
+    assert agrees_with_model(model, fast) is None
+    if halves_refused:
+        for L in fast.layers:
+            L.rotary = "halves"
+        fast.any_pairs = False
+        assert "logits differ" in agrees_with_model(model, fast)
 
 
 def test_the_trace_reads_where_each_layer_applies_its_norms_and_scales():

@@ -51,6 +51,32 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((head * cos + rotate_half(head) * sin, rest), dim=-1)
 
 
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3)... of the first ``cos.shape[-1]`` dims (GLM,
+    ERNIE 4.5, Cohere); ``cos`` and ``sin`` hold each pair's value twice (`pair_tables`)."""
+    rotary = cos.shape[-1]
+    head = x[..., :rotary]
+    turned = torch.stack((-head[..., 1::2], head[..., 0::2]), dim=-1).flatten(-2)
+    out = head * cos + turned * sin
+    return out if rotary == x.shape[-1] else torch.cat((out, x[..., rotary:]), dim=-1)
+
+
+def pair_tables(cos: torch.Tensor, sin: torch.Tensor, halves: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotary table as `rope_pairs` reads it: each pair's angle twice in a row. ``halves``: the
+    model's table lists the angles once, then again (Llama's layout); else already in pairs (Cohere)."""
+    if halves:
+        cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    else:
+        cos, sin = cos[..., 0::2], sin[..., 0::2]
+    return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+
+
+# How a layer turns its queries and keys by position (`FastDecoder.fit_rotary` reads it off the model):
+# RoPE on the two halves of the rotary dims (Llama), on interleaved pairs (GLM), or not at all (the
+# NoPE layers of SmolLM3 or EXAONE 4).
+ROTARY_MODES = ("halves", "pairs", "none")
+
+
 def rms_parts(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of an RMSNorm-like module (a weight, an epsilon, no bias); None otherwise."""
     weight = getattr(norm, "weight", None)
@@ -393,6 +419,7 @@ class LayerTensors:
         self.q_norm = None if q_norm is None else read_norm(q_norm)
         self.k_norm = None if k_norm is None else read_norm(k_norm)
         self.qk_norm_per_head = q_norm is not None and norm_size(self.q_norm) == head_dim
+        self.rotary = "halves"  # one of ROTARY_MODES; FastDecoder.fit_rotary sets it from the model
         self.scaling = float(getattr(attn, "scaling", None) or head_dim**-0.5)
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
         self.sinks = getattr(attn, "sinks", None)

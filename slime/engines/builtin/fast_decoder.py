@@ -51,11 +51,14 @@ import torch.nn.functional as F
 
 from slime.engines.builtin.decode_graphs import StaticDecode
 from slime.engines.builtin.decoder_layers import (
+    ROTARY_MODES,
     LayerTensors,
     apply_norm,
     expert_parts,
+    pair_tables,
     read_norm,
     rope,
+    rope_pairs,
     silu_gate,
     swiglu,
     trace_decoder,
@@ -203,6 +206,36 @@ class FastDecoder:
         self.routing_recorder = None  # routing replay: set by the engine (engines/routing.py)
         self.step_routing = None  # [rows, layers * top_k] uint8 after each forward, when recording
         self.static_decode: StaticDecode | None = None  # set by use_static_decode
+        self.any_pairs = False  # a layer rotates interleaved pairs (fit_rotary)
+        self.rotary_table_halves = True  # the model's table lists the angles once, then again
+
+    @torch.inference_mode()
+    def fit_rotary(self, captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Each layer's rotary mode (`ROTARY_MODES`): the one whose queries and keys come closest to
+        those the model's own attention hands its attention function. ``captured``: layer -> (the
+        attention's input [S, H], queries [S, heads, D], keys [S, kv heads, D]) at positions 0..S-1.
+        Latent attention and layers not captured keep halves; the logit check judges the result."""
+        if not captured:
+            return
+        first = next(iter(captured.values()))[0]
+        tables = self._rotary_tables(first, torch.arange(first.shape[0], device=self.device))
+        cos = next(iter(tables.values()))[0][-1]  # the last position's angles
+        half = cos.shape[-1] // 2
+        self.rotary_table_halves = torch.equal(cos[..., :half], cos[..., half:])
+        in_pairs = self.rotary_table_halves or torch.equal(cos[..., 0::2], cos[..., 1::2])
+        for i, L in enumerate(self.layers):
+            if L.mla is not None or i not in captured:
+                continue
+            h, q_model, k_model = captured[i]
+            table = tables[L.layer_type if self.rotary_by_type else None]
+            errors = {}
+            for mode in ROTARY_MODES if in_pairs else ("halves", "none"):
+                L.rotary = mode
+                cos_sin = pair_tables(*table, self.rotary_table_halves) if mode == "pairs" else table
+                q, k, _ = self._qkv(L, h.to(self.dtype), *cos_sin)
+                errors[mode] = max(float((q - q_model).abs().max()), float((k - k_model).abs().max()))
+            L.rotary = min(errors, key=errors.get)  # ties: the first, halves
+        self.any_pairs = any(L.rotary == "pairs" for L in self.layers)
 
     def use_static_decode(self, capture: bool) -> None:
         """Decode-only steps run at static shapes (`slime.engines.builtin.decode_graphs`), captured as CUDA
@@ -643,7 +676,10 @@ class FastDecoder:
             q = apply_norm(q, L.q_norm)
         if L.k_norm is not None and L.qk_norm_per_head:
             k = apply_norm(k, L.k_norm)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+        if L.rotary == "none":
+            return q, k, v
+        turn = rope_pairs if L.rotary == "pairs" else rope
+        return turn(q, cos, sin), turn(k, cos, sin), v
 
     def _compute(self, step: StepLayout) -> torch.Tensor:
         """The hand-written layers: next-token logits of ``step.last``."""
@@ -653,8 +689,9 @@ class FastDecoder:
         if self.embed_multiplier != 1.0:
             x = x * self.embed_multiplier
         tables = self._rotary_tables(x, step.pos)
+        pairs = {kind: pair_tables(*t, self.rotary_table_halves) for kind, t in tables.items()} if self.any_pairs else {}
         for i, L in enumerate(self.layers):
-            cos, sin = tables[L.layer_type if self.rotary_by_type else None]
+            cos, sin = (pairs if L.rotary == "pairs" else tables)[L.layer_type if self.rotary_by_type else None]
             h = apply_norm(x, L.attn_in)
             q, k, v = L.mla.qkv(h, cos, sin) if L.mla is not None else self._qkv(L, h, cos, sin)
             att = F.linear(self._attend(i, step, q, k, v, L.scaling, L.window, L.softcap, L.sinks), L.wo, L.bo)
