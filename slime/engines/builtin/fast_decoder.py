@@ -689,7 +689,9 @@ class FastDecoder:
         if self.embed_multiplier != 1.0:
             x = x * self.embed_multiplier
         tables = self._rotary_tables(x, step.pos)
-        pairs = {kind: pair_tables(*t, self.rotary_table_halves) for kind, t in tables.items()} if self.any_pairs else {}
+        pairs = (
+            {kind: pair_tables(*t, self.rotary_table_halves) for kind, t in tables.items()} if self.any_pairs else {}
+        )
         for i, L in enumerate(self.layers):
             cos, sin = (pairs if L.rotary == "pairs" else tables)[L.layer_type if self.rotary_by_type else None]
             h = apply_norm(x, L.attn_in)
