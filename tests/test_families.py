@@ -101,6 +101,23 @@ def test_each_layers_rotary_mode_is_read_off_the_models_own_attention(family, mo
         assert "logits differ" in agrees_with_model(model, fast)
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("family", ["mimo_v2_flash", "minimax_m2"])
+def test_per_layer_kv_heads_scaled_values_and_a_router_with_more_inputs_take_the_hand_written_path(family):
+    """MiMo-V2-Flash: twice the kv heads on its sliding layers, values of another size, scaled by
+    `attention_value_scale` (read off the model as a multiple); MiniMax-M2: a router that reads its
+    block's score correction, so the block runs as the model's own module."""
+    model = tiny_model(family)
+    forward, got, want = engine_and_generate_tokens(model)
+    assert forward == "fast"
+    assert got == want
+    if family == "mimo_v2_flash":
+        fast = FastDecoder(model, 4, 64)
+        fast.fit_rotary(attention_inputs(model))
+        assert {L.kv_heads for L in fast.layers} == {2, 4}
+        assert [L.v_scale for L in fast.layers] == pytest.approx([model.config.attention_value_scale] * 2)
+
+
 def test_the_trace_reads_where_each_layer_applies_its_norms_and_scales():
     olmo2 = trace_decoder(tiny_model("olmo2")).layers[0]
     assert (olmo2.attn_in, olmo2.attn_out, olmo2.mlp_in, olmo2.mlp_out) == (

@@ -6,6 +6,7 @@ is seen at once), with the small maths the layers share (RMSNorm, RoPE, gated ML
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -170,6 +171,14 @@ def routed_experts_fit(mlp: torch.nn.Module) -> bool:
     experts = getattr(mlp, "experts", None)
     if not (parts <= _ROUTED_PARTS and len(parts & {"gate", "router"}) == 1 and experts is not None):
         return False
+    router = getattr(mlp, "gate", None) if "gate" in parts else getattr(mlp, "router", None)
+    wanted = [
+        p
+        for p in inspect.signature(router.forward).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(wanted) != 1:  # the router reads more than the hidden states (MiniMax-M2's score correction)
+        return False
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
         return False
@@ -225,11 +234,14 @@ def _first(value: object) -> object:
     return value[0] if isinstance(value, tuple) else value
 
 
-def _scale_between(x: torch.Tensor, y: torch.Tensor) -> float | None:
-    """s with y == s * x (None if y is no multiple of x)."""
+def scale_between(x: torch.Tensor, y: torch.Tensor) -> float | None:
+    """s with y == s * x (None if y is no multiple of x), within float32's rounding, or bf16's
+    where either tensor is in a lower precision."""
+    wide = (torch.float32, torch.float64)
+    tol = (1e-4, 1e-5) if x.dtype in wide and y.dtype in wide else (2e-2, 1e-3)
     x, y = x.double(), y.double()
     s = float((x * y).sum() / (x * x).sum().clamp_min(1e-30))
-    return s if torch.allclose(y, s * x, rtol=1e-4, atol=1e-5) else None
+    return s if torch.allclose(y, s * x, rtol=tol[0], atol=tol[1]) else None
 
 
 def _layer_flow(layer: torch.nn.Module, calls: dict[str, tuple], x: torch.Tensor, out: torch.Tensor) -> LayerFlow | str:
@@ -329,9 +341,9 @@ def trace_decoder(model: torch.nn.Module) -> DecoderTrace | str:
         if isinstance(flow, str):
             return f"layer {i}: {flow}"
         trace.layers.append(flow)
-    embed_scale = _scale_between(seen["embed"], seen["io"][0][0])
+    embed_scale = scale_between(seen["embed"], seen["io"][0][0])
     head, softcap = seen["head"], getattr(model.config, "final_logit_softcapping", None)
-    logit_scale = _scale_between(head if softcap is None else torch.tanh(head / softcap) * softcap, logits)
+    logit_scale = scale_between(head if softcap is None else torch.tanh(head / softcap) * softcap, logits)
     if embed_scale is None or logit_scale is None:
         return "the first layer's input or the logits are no multiple of the embedding or the head"
     trace.embed_scale, trace.logit_scale = embed_scale, logit_scale
@@ -414,12 +426,17 @@ class LayerTensors:
             self.wk, self.bk = attn.k_proj.weight, attn.k_proj.bias
             self.wv, self.bv = attn.v_proj.weight, attn.v_proj.bias
         self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
+        if self.mla is None:  # kv heads and the value's size per layer, from the weights (MiMo-V2's differ)
+            self.kv_heads = int(self.wk.shape[0]) // head_dim
+            self.v_dim = int(self.wv.shape[0]) // self.kv_heads
+            self.kv_shape = (self.kv_heads, head_dim, self.v_dim)
         # q/k RMSNorm per head (Qwen3) or over the whole projection (OLMoE), by the weight's size.
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.q_norm = None if q_norm is None else read_norm(q_norm)
         self.k_norm = None if k_norm is None else read_norm(k_norm)
         self.qk_norm_per_head = q_norm is not None and norm_size(self.q_norm) == head_dim
-        self.rotary = "halves"  # one of ROTARY_MODES; FastDecoder.fit_rotary sets it from the model
+        self.rotary = "halves"  # one of ROTARY_MODES; FastDecoder.fit_rotary sets it and v_scale from the model
+        self.v_scale = 1.0
         self.scaling = float(getattr(attn, "scaling", None) or head_dim**-0.5)
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
         self.sinks = getattr(attn, "sinks", None)

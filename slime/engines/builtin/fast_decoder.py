@@ -59,6 +59,7 @@ from slime.engines.builtin.decoder_layers import (
     read_norm,
     rope,
     rope_pairs,
+    scale_between,
     silu_gate,
     swiglu,
     trace_decoder,
@@ -210,10 +211,11 @@ class FastDecoder:
         self.rotary_table_halves = True  # the model's table lists the angles once, then again
 
     @torch.inference_mode()
-    def fit_rotary(self, captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    def fit_rotary(self, captured: dict[int, tuple[torch.Tensor, ...]]) -> None:
         """Each layer's rotary mode (`ROTARY_MODES`): the one whose queries and keys come closest to
-        those the model's own attention hands its attention function. ``captured``: layer -> (the
-        attention's input [S, H], queries [S, heads, D], keys [S, kv heads, D]) at positions 0..S-1.
+        those the model's own attention hands its attention function; and the scale on its values
+        (MiMo-V2's ``attention_value_scale``). ``captured``: layer -> (the attention's input [S, H],
+        queries [S, heads, D], keys [S, kv heads, D], values [S, kv heads, Dv]) at positions 0..S-1.
         Latent attention and layers not captured keep halves; the logit check judges the result."""
         if not captured:
             return
@@ -226,15 +228,17 @@ class FastDecoder:
         for i, L in enumerate(self.layers):
             if L.mla is not None or i not in captured:
                 continue
-            h, q_model, k_model = captured[i]
+            h, q_model, k_model, v_model = captured[i]
             table = tables[L.layer_type if self.rotary_by_type else None]
             errors = {}
             for mode in ROTARY_MODES if in_pairs else ("halves", "none"):
                 L.rotary = mode
                 cos_sin = pair_tables(*table, self.rotary_table_halves) if mode == "pairs" else table
-                q, k, _ = self._qkv(L, h.to(self.dtype), *cos_sin)
+                q, k, v = self._qkv(L, h.to(self.dtype), *cos_sin)
                 errors[mode] = max(float((q - q_model).abs().max()), float((k - k_model).abs().max()))
             L.rotary = min(errors, key=errors.get)  # ties: the first, halves
+            if v.shape == v_model.shape:
+                L.v_scale = scale_between(v, v_model) or 1.0
         self.any_pairs = any(L.rotary == "pairs" for L in self.layers)
 
     def use_static_decode(self, capture: bool) -> None:
@@ -670,8 +674,10 @@ class FastDecoder:
         if L.k_norm is not None and not L.qk_norm_per_head:
             k = apply_norm(k, L.k_norm)
         q = q.view(s_tokens, self.num_heads, self.head_dim)
-        k = k.view(s_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(s_tokens, self.num_kv_heads, self.head_dim)
+        k = k.view(s_tokens, L.kv_heads, self.head_dim)
+        v = v.view(s_tokens, L.kv_heads, L.v_dim)
+        if L.v_scale != 1.0:
+            v = v * L.v_scale
         if L.q_norm is not None and L.qk_norm_per_head:
             q = apply_norm(q, L.q_norm)
         if L.k_norm is not None and L.qk_norm_per_head:

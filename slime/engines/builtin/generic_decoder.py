@@ -58,7 +58,7 @@ def _cached_attention(module, query, key, value, attention_mask, scaling=None, d
 
 def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     _active.shapes[module.layer_idx] = (int(key.shape[1]), int(key.shape[-1]), int(value.shape[-1]))
-    _active.qk[module.layer_idx] = (query[0].transpose(0, 1), key[0].transpose(0, 1))
+    _active.qkv[module.layer_idx] = tuple(t[0].transpose(0, 1) for t in (query, key, value))
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     return out, None
 
@@ -105,14 +105,14 @@ def _layer_count(model: torch.nn.Module) -> int:
 def probe_kv_shapes(model: torch.nn.Module) -> list[tuple[int, int, int]] | str:
     """Per layer (kv heads, key dim, value dim), from one token through the model with a recording
     attention; or why the model cannot take this path."""
-    _active.shapes, _active.qk = {}, {}
+    _active.shapes, _active.qkv = {}, {}
     device = next(model.parameters()).device
     try:
         with attention_implementation(model, _PROBE):
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
         shapes = dict(_active.shapes)
     finally:
-        _active.shapes, _active.qk = {}, {}
+        _active.shapes, _active.qkv = {}, {}
     count = _layer_count(model)
     if not shapes or sorted(shapes) != list(range(count)):
         missing = sorted(set(range(count)) - set(shapes))
@@ -124,8 +124,9 @@ def probe_kv_shapes(model: torch.nn.Module) -> list[tuple[int, int, int]] | str:
 def attention_inputs(model: torch.nn.Module, length: int = 6) -> dict[int, tuple[torch.Tensor, ...]]:
     """Per layer, what its attention module is given and what it hands its attention function, for
     ``length`` tokens at positions 0..length-1: (input [S, H], queries [S, heads, D], keys [S, kv
-    heads, D]) after the model's own q/k norms and rotation. The attention's output is zeros here:
-    each layer's input is a valid input to it, not the model's true one."""
+    heads, D], values [S, kv heads, Dv]) after the model's own q/k norms, rotation and value scale.
+    The attention's output is zeros here: each layer's input is a valid input to it, not the model's
+    true one."""
     inputs: dict[int, torch.Tensor] = {}
 
     def keep_input(i: int):
@@ -140,17 +141,17 @@ def attention_inputs(model: torch.nn.Module, length: int = 6) -> dict[int, tuple
         for i, layer in enumerate(layers)
         if hasattr(layer, "self_attn")
     ]
-    _active.shapes, _active.qk = {}, {}
+    _active.shapes, _active.qkv = {}, {}
     device = next(model.parameters()).device
     try:
         with attention_implementation(model, _PROBE):
             model(input_ids=torch.arange(1, length + 1, device=device)[None], use_cache=False)
-        qk = dict(_active.qk)
+        qkv = dict(_active.qkv)
     finally:
-        _active.shapes, _active.qk = {}, {}
+        _active.shapes, _active.qkv = {}, {}
         for handle in handles:
             handle.remove()
-    return {i: (inputs[i], *qk[i]) for i in qk if i in inputs}
+    return {i: (inputs[i], *qkv[i]) for i in qkv if i in inputs}
 
 
 class GenericDecoder(FastDecoder):
