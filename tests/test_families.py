@@ -91,7 +91,7 @@ def test_each_layers_rotary_mode_is_read_off_the_models_own_attention(family, mo
     assert forward == "fast"
     assert got == want
     fast = FastDecoder(model, 4, 64)
-    fast.fit_rotary(attention_inputs(model))
+    fast.fit_attention(attention_inputs(model))
     assert [L.rotary for L in fast.layers] == modes
     assert agrees_with_model(model, fast) is None
     if halves_refused:
@@ -99,6 +99,29 @@ def test_each_layers_rotary_mode_is_read_off_the_models_own_attention(family, mo
             L.rotary = "halves"
         fast.any_pairs = False
         assert "logits differ" in agrees_with_model(model, fast)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("family", ["hunyuan_v1_dense", "hunyuan_v1_moe"])
+def test_q_and_k_norms_under_other_names_after_the_rotation_are_found_by_their_effect(family):
+    """HunYuan norms each head's queries and keys after RoPE, in modules called query_layernorm and
+    key_layernorm: which norm is whose, and that it comes after the rotation, is read off the
+    model's own queries and keys, not off the names."""
+    model = tiny_model(family)
+    forward, got, want = engine_and_generate_tokens(model)
+    assert forward == "fast"
+    assert got == want
+    fast = FastDecoder(model, 4, 64)
+    with fast.loose_norms_told_apart():
+        fast.fit_attention(attention_inputs(model))
+    attn = model.model.layers[0].self_attn
+    L = fast.layers[0]
+    assert L.qk_norm_after_rotary
+    assert L.q_norm[0] is attn.query_layernorm.weight and L.k_norm[0] is attn.key_layernorm.weight
+    assert torch.equal(attn.query_layernorm.weight, torch.ones(16)), "the doubling is undone"
+    qwen3 = FastDecoder(tiny_model("qwen3"), 4, 64)  # its q/k norms come before the rotation
+    qwen3.fit_attention(attention_inputs(qwen3.model))
+    assert not any(L.qk_norm_after_rotary for L in qwen3.layers)
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -113,7 +136,7 @@ def test_per_layer_kv_heads_scaled_values_and_a_router_with_more_inputs_take_the
     assert got == want
     if family == "mimo_v2_flash":
         fast = FastDecoder(model, 4, 64)
-        fast.fit_rotary(attention_inputs(model))
+        fast.fit_attention(attention_inputs(model))
         assert {L.kv_heads for L in fast.layers} == {2, 4}
         assert [L.v_scale for L in fast.layers] == pytest.approx([model.config.attention_value_scale] * 2)
 

@@ -28,6 +28,7 @@ _MLA_PARTS = {
     "o_proj",
 }
 _ROUTED_PARTS = {"gate", "router", "experts", "shared_expert", "shared_expert_gate"}
+_KNOWN_PARTS = _ATTENTION_PARTS | _MLA_PARTS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,7 +73,7 @@ def pair_tables(cos: torch.Tensor, sin: torch.Tensor, halves: bool) -> tuple[tor
     return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
 
 
-# How a layer turns its queries and keys by position (`FastDecoder.fit_rotary` reads it off the model):
+# How a layer turns its queries and keys by position (`FastDecoder.fit_attention` reads it off the model):
 # RoPE on the two halves of the rotary dims (Llama), on interleaved pairs (GLM), or not at all (the
 # NoPE layers of SmolLM3 or EXAONE 4).
 ROTARY_MODES = ("halves", "pairs", "none")
@@ -434,8 +435,16 @@ class LayerTensors:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.q_norm = None if q_norm is None else read_norm(q_norm)
         self.k_norm = None if k_norm is None else read_norm(k_norm)
-        self.qk_norm_per_head = q_norm is not None and norm_size(self.q_norm) == head_dim
-        self.rotary = "halves"  # one of ROTARY_MODES; FastDecoder.fit_rotary sets it and v_scale from the model
+        # Per-head norms under other names (HunYuan's query_layernorm): FastDecoder.fit_attention
+        # finds which one the queries and which one the keys go through.
+        self.loose_norms = [read_norm(child) for name, child in attn.named_children() if name not in _KNOWN_PARTS]
+        self.qk_norm_per_head = any(
+            n is not None and norm_size(n) == head_dim for n in (self.q_norm, self.k_norm, *self.loose_norms)
+        )
+        # Set by FastDecoder.fit_attention from the model: RoPE's mode (ROTARY_MODES), q/k norms
+        # before the rotation (Qwen3) or after it (HunYuan), the scale on the values.
+        self.rotary = "halves"
+        self.qk_norm_after_rotary = False
         self.v_scale = 1.0
         self.scaling = float(getattr(attn, "scaling", None) or head_dim**-0.5)
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
@@ -496,8 +505,15 @@ def hand_written_misfit(model: torch.nn.Module) -> str | None:
             return "a decoder layer without self_attn"
         attn_parts = {n for n, _ in attn.named_children()}
         known = _MLA_PARTS if "kv_a_proj_with_mqa" in attn_parts else _ATTENTION_PARTS
-        if not attn_parts <= known:
-            return f"attention parts {sorted(attn_parts - known)}"
+        loose = attn_parts - known
+        head_dim = getattr(attn, "head_dim", None)
+        per_head_norms = known is _ATTENTION_PARTS and all(
+            _is_norm(getattr(attn, n)) and rms_parts(getattr(attn, n)) is not None for n in loose
+        )
+        if loose and not (per_head_norms and len(loose) <= 2 and not attn_parts & {"q_norm", "k_norm"}):
+            return f"attention parts {sorted(loose)}"
+        if loose and any(norm_size(rms_parts(getattr(attn, n))) != head_dim for n in loose):
+            return f"attention parts {sorted(loose)} (norms not of one head's size)"
         if known is _MLA_PARTS:
             if not all(hasattr(config, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")):
                 return "latent attention without qk_nope_head_dim / qk_rope_head_dim / v_head_dim in its config"

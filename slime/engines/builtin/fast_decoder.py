@@ -40,9 +40,11 @@ are files of their own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -207,13 +209,15 @@ class FastDecoder:
         self.routing_recorder = None  # routing replay: set by the engine (engines/routing.py)
         self.step_routing = None  # [rows, layers * top_k] uint8 after each forward, when recording
         self.static_decode: StaticDecode | None = None  # set by use_static_decode
-        self.any_pairs = False  # a layer rotates interleaved pairs (fit_rotary)
+        self.any_pairs = False  # a layer rotates interleaved pairs (fit_attention)
         self.rotary_table_halves = True  # the model's table lists the angles once, then again
 
     @torch.inference_mode()
-    def fit_rotary(self, captured: dict[int, tuple[torch.Tensor, ...]]) -> None:
-        """Each layer's rotary mode (`ROTARY_MODES`): the one whose queries and keys come closest to
-        those the model's own attention hands its attention function; and the scale on its values
+    def fit_attention(self, captured: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """Each layer's attention as the model computes it: the rotary mode (`ROTARY_MODES`), the
+        q/k norms before or after the rotation and, for per-head norms under other names, which is
+        the queries' and which the keys'; the reading whose queries and keys come closest to those
+        the model's own attention hands its attention function. Then the scale on the values
         (MiMo-V2's ``attention_value_scale``). ``captured``: layer -> (the attention's input [S, H],
         queries [S, heads, D], keys [S, kv heads, D], values [S, kv heads, Dv]) at positions 0..S-1.
         Latent attention and layers not captured keep halves; the logit check judges the result."""
@@ -229,17 +233,59 @@ class FastDecoder:
             if L.mla is not None or i not in captured:
                 continue
             h, q_model, k_model, v_model = captured[i]
+            h = h.to(self.dtype)
             table = tables[L.layer_type if self.rotary_by_type else None]
-            errors = {}
+            # Norms under other names may be the queries' or the keys' (or neither: None).
+            q_norms = [None, *L.loose_norms] if L.loose_norms else [L.q_norm]
+            k_norms = [None, *L.loose_norms] if L.loose_norms else [L.k_norm]
+            has_norms = L.loose_norms or L.q_norm is not None or L.k_norm is not None
+            best: tuple = (float("inf"),)
             for mode in ROTARY_MODES if in_pairs else ("halves", "none"):
-                L.rotary = mode
                 cos_sin = pair_tables(*table, self.rotary_table_halves) if mode == "pairs" else table
-                q, k, v = self._qkv(L, h.to(self.dtype), *cos_sin)
-                errors[mode] = max(float((q - q_model).abs().max()), float((k - k_model).abs().max()))
-            L.rotary = min(errors, key=errors.get)  # ties: the first, halves
+                for after in (False, True) if has_norms else (False,):
+                    L.rotary, L.qk_norm_after_rotary = mode, after
+                    q_err, q_norm = min(
+                        (self._qkv_error(L, h, cos_sin, q_model, 0, q_norm=n), j) for j, n in enumerate(q_norms)
+                    )
+                    k_err, k_norm = min(
+                        (self._qkv_error(L, h, cos_sin, k_model, 1, k_norm=n), j) for j, n in enumerate(k_norms)
+                    )
+                    if max(q_err, k_err) < best[0]:  # ties: the first (halves, norms before RoPE)
+                        best = (max(q_err, k_err), mode, after, q_norms[q_norm], k_norms[k_norm])
+            _, L.rotary, L.qk_norm_after_rotary, L.q_norm, L.k_norm = best
+            _, _, v = self._qkv(L, h, *table)
             if v.shape == v_model.shape:
                 L.v_scale = scale_between(v, v_model) or 1.0
         self.any_pairs = any(L.rotary == "pairs" for L in self.layers)
+
+    @contextlib.contextmanager
+    def loose_norms_told_apart(self) -> Iterator[None]:
+        """While inside, the first per-head norm under another name in every layer is doubled (exact
+        in any float format, undone after). A random-init model's norms are all ones, so the
+        queries' and the keys' norm would be told apart by nothing; `fit_attention` runs in here, on
+        queries and keys captured in here. The layers hold views, so they see the change too."""
+        weights = [n[0] if isinstance(n, tuple) else n.weight for L in self.layers for n in L.loose_norms[:1]]
+        with torch.no_grad():
+            for w in weights:
+                w.mul_(2)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for w in weights:
+                    w.div_(2)
+
+    def _qkv_error(
+        self, L: LayerTensors, h: torch.Tensor, cos_sin: tuple, want: torch.Tensor, which: int, **norm
+    ) -> float:
+        """Largest difference of the queries (``which`` 0) or keys (1) from ``want`` with the q or k norm ``norm``."""
+        saved = L.q_norm, L.k_norm
+        L.q_norm, L.k_norm = norm.get("q_norm", L.q_norm), norm.get("k_norm", L.k_norm)
+        try:
+            got = self._qkv(L, h, *cos_sin)[which]
+        finally:
+            L.q_norm, L.k_norm = saved
+        return float((got - want).abs().max()) if got.shape == want.shape else float("inf")
 
     def use_static_decode(self, capture: bool) -> None:
         """Decode-only steps run at static shapes (`slime.engines.builtin.decode_graphs`), captured as CUDA
@@ -678,14 +724,14 @@ class FastDecoder:
         v = v.view(s_tokens, L.kv_heads, L.v_dim)
         if L.v_scale != 1.0:
             v = v * L.v_scale
-        if L.q_norm is not None and L.qk_norm_per_head:
-            q = apply_norm(q, L.q_norm)
-        if L.k_norm is not None and L.qk_norm_per_head:
-            k = apply_norm(k, L.k_norm)
-        if L.rotary == "none":
-            return q, k, v
-        turn = rope_pairs if L.rotary == "pairs" else rope
-        return turn(q, cos, sin), turn(k, cos, sin), v
+        if L.qk_norm_per_head and not L.qk_norm_after_rotary:
+            q, k = apply_norm(q, L.q_norm), apply_norm(k, L.k_norm)
+        if L.rotary != "none":
+            turn = rope_pairs if L.rotary == "pairs" else rope
+            q, k = turn(q, cos, sin), turn(k, cos, sin)
+        if L.qk_norm_per_head and L.qk_norm_after_rotary:
+            q, k = apply_norm(q, L.q_norm), apply_norm(k, L.k_norm)
+        return q, k, v
 
     def _compute(self, step: StepLayout) -> torch.Tensor:
         """The hand-written layers: next-token logits of ``step.last``."""
