@@ -53,19 +53,16 @@ import torch.nn.functional as F
 
 from slime.engines.builtin.decode_graphs import StaticDecode
 from slime.engines.builtin.decoder_layers import (
-    ROTARY_MODES,
     LayerTensors,
     apply_norm,
     expert_parts,
-    pair_tables,
     read_norm,
-    rope,
-    rope_pairs,
     scale_between,
     silu_gate,
     swiglu,
     trace_decoder,
 )
+from slime.engines.builtin.rotary import ROTARY_MODES, pair_tables, rope, rope_pairs
 
 log = logging.getLogger(__name__)
 
