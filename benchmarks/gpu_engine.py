@@ -291,12 +291,16 @@ def agreement(graphs: BuiltinEngine, eager: BuiltinEngine, vocab: int) -> dict:
 
 
 def graph_checks(device: str) -> dict:
-    """float32, tiny models of five families: greedy tokens with graphs equal those without, before
-    and after an in-place weight update (the captured graphs must read the new weights)."""
+    """float32, tiny models of nine families: greedy tokens with graphs equal those without, before
+    and after an in-place weight update (the captured graphs must read the new weights). The last
+    four read their attention off the model (`FastDecoder.fit_attention`): RoPE on interleaved
+    pairs (GLM), layers without RoPE (EXAONE 4), q/k norms after the rotation (HunYuan), kv heads
+    per layer and scaled values (MiMo-V2-Flash)."""
     from benchmarks.families import tiny_model
 
     out = {}
-    for family in ("qwen3_moe", "llama", "gemma2", "gpt_oss", "deepseek_v3"):
+    families = ("qwen3_moe", "llama", "gemma2", "gpt_oss", "deepseek_v3")
+    for family in (*families, "glm", "exaone4", "hunyuan_v1_dense", "mimo_v2_flash"):
         a, b = (tiny_model(family, 97, seed=s).to(device) for s in (0, 1))
         engines = [BuiltinEngine(a, device=device, max_running_requests=16, cuda_graphs=g) for g in (True, False)]
         same = []
