@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from slime.engines.builtin.rotary import rope
+from slime.engines.builtin.rotary import rope, rope_pairs
 
 # Children of a decoder layer that do nothing in eval.
 _IDLE = (torch.nn.Dropout, torch.nn.Identity)
@@ -353,10 +353,8 @@ class LatentAttention:
         kv = F.linear(apply_norm(latent, self.kv_a_norm), self.kv_b).view(s_tokens, self.heads, self.nope + self.v_dim)
         k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rot = k_rot[:, None]
-        if self.interleaved:  # pairs -> halves; q and k alike, so their dot products are unchanged
-            q_rot = torch.cat((q_rot[..., 0::2], q_rot[..., 1::2]), dim=-1)
-            k_rot = torch.cat((k_rot[..., 0::2], k_rot[..., 1::2]), dim=-1)
-        q_rot, k_rot = rope(q_rot, cos, sin), rope(k_rot, cos, sin)
+        turn = rope_pairs if self.interleaved else rope  # the layer's `rotary` mode, with the matching tables
+        q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(s_tokens, self.heads, self.rope)), dim=-1)
         return q, k, v
@@ -405,7 +403,7 @@ class LayerTensors:
         )
         # Set by FastDecoder.fit_attention from the model: RoPE's mode (ROTARY_MODES), q/k norms
         # before the rotation (Qwen3) or after it (HunYuan), the scale on the values.
-        self.rotary = "halves"
+        self.rotary = "pairs" if self.mla is not None and self.mla.interleaved else "halves"
         self.qk_norm_after_rotary = False
         self.v_scale = 1.0
         self.scaling = float(getattr(attn, "scaling", None) or head_dim**-0.5)
@@ -440,6 +438,16 @@ class LayerTensors:
             self.mlp_module = mlp
 
 
+def _loose_qk_norms(attn: torch.nn.Module, loose: set[str], known: set[str]) -> bool:
+    """Whether the attention's parts outside ``known`` can be q/k norms under other names (HunYuan):
+    at most two RMSNorms of one head's size, beside no q_norm / k_norm, in a non-latent attention.
+    Which is whose, if either, `FastDecoder.fit_attention` finds out."""
+    if known is not _ATTENTION_PARTS or len(loose) > 2 or {"q_norm", "k_norm"} & {n for n, _ in attn.named_children()}:
+        return False
+    parts = [rms_parts(getattr(attn, n)) if _is_norm(getattr(attn, n)) else None for n in loose]
+    return all(p is not None and norm_size(p) == getattr(attn, "head_dim", None) for p in parts)
+
+
 def hand_written_misfit(model: torch.nn.Module) -> str | None:
     """Why this model cannot take the hand-written layers, or None. They fit any decoder whose
     layers are attention (separate or fused q/k/v projections, optional q/k norms, biases, sliding
@@ -468,14 +476,8 @@ def hand_written_misfit(model: torch.nn.Module) -> str | None:
         attn_parts = {n for n, _ in attn.named_children()}
         known = _MLA_PARTS if "kv_a_proj_with_mqa" in attn_parts else _ATTENTION_PARTS
         loose = attn_parts - known
-        head_dim = getattr(attn, "head_dim", None)
-        per_head_norms = known is _ATTENTION_PARTS and all(
-            _is_norm(getattr(attn, n)) and rms_parts(getattr(attn, n)) is not None for n in loose
-        )
-        if loose and not (per_head_norms and len(loose) <= 2 and not attn_parts & {"q_norm", "k_norm"}):
+        if loose and not _loose_qk_norms(attn, loose, known):
             return f"attention parts {sorted(loose)}"
-        if loose and any(norm_size(rms_parts(getattr(attn, n))) != head_dim for n in loose):
-            return f"attention parts {sorted(loose)} (norms not of one head's size)"
         if known is _MLA_PARTS:
             if not all(hasattr(config, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")):
                 return "latent attention without qk_nope_head_dim / qk_rope_head_dim / v_head_dim in its config"

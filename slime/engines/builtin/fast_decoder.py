@@ -162,6 +162,10 @@ def attention_softmax(
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
+def _largest_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+
+
 class FastDecoder:
     """Batched prefill/decode over a slot KV cache; rows are appended by ``prefill`` and removed
     by ``select``. Call under ``torch.inference_mode()``."""
@@ -206,7 +210,7 @@ class FastDecoder:
         self.routing_recorder = None  # routing replay: set by the engine (engines/routing.py)
         self.step_routing = None  # [rows, layers * top_k] uint8 after each forward, when recording
         self.static_decode: StaticDecode | None = None  # set by use_static_decode
-        self.any_pairs = False  # a layer rotates interleaved pairs (fit_attention)
+        self.any_pairs = any(L.rotary == "pairs" for L in self.layers)  # DeepSeek's latent attention; fit_attention
         self.rotary_table_halves = True  # the model's table lists the angles once, then again
 
     @torch.inference_mode()
@@ -217,7 +221,8 @@ class FastDecoder:
         the model's own attention hands its attention function. Then the scale on the values
         (MiMo-V2's ``attention_value_scale``). ``captured``: layer -> (the attention's input [S, H],
         queries [S, heads, D], keys [S, kv heads, D], values [S, kv heads, Dv]) at positions 0..S-1.
-        Latent attention and layers not captured keep halves; the logit check judges the result."""
+        Latent attention keeps the reading its config gives (DeepSeek: pairs), layers not captured
+        halves; the logit check judges the result."""
         if not captured:
             return
         first = next(iter(captured.values()))[0]
@@ -241,14 +246,16 @@ class FastDecoder:
                 cos_sin = pair_tables(*table, self.rotary_table_halves) if mode == "pairs" else table
                 for after in (False, True) if has_norms else (False,):
                     L.rotary, L.qk_norm_after_rotary = mode, after
-                    q_err, q_norm = min(
-                        (self._qkv_error(L, h, cos_sin, q_model, 0, q_norm=n), j) for j, n in enumerate(q_norms)
-                    )
-                    k_err, k_norm = min(
-                        (self._qkv_error(L, h, cos_sin, k_model, 1, k_norm=n), j) for j, n in enumerate(k_norms)
-                    )
-                    if max(q_err, k_err) < best[0]:  # ties: the first (halves, norms before RoPE)
-                        best = (max(q_err, k_err), mode, after, q_norms[q_norm], k_norms[k_norm])
+                    q_errors, k_errors = [], []  # per candidate: queries depend on q_norm only, keys on k_norm
+                    for q_norm, k_norm in zip(q_norms, k_norms):
+                        L.q_norm, L.k_norm = q_norm, k_norm
+                        q, k, _ = self._qkv(L, h, *cos_sin)
+                        q_errors.append(_largest_difference(q, q_model))
+                        k_errors.append(_largest_difference(k, k_model))
+                    q_best, k_best = int(np.argmin(q_errors)), int(np.argmin(k_errors))
+                    error = max(q_errors[q_best], k_errors[k_best])
+                    if error < best[0]:  # ties: the first (halves, norms before RoPE)
+                        best = (error, mode, after, q_norms[q_best], k_norms[k_best])
             _, L.rotary, L.qk_norm_after_rotary, L.q_norm, L.k_norm = best
             _, _, v = self._qkv(L, h, *table)
             if v.shape == v_model.shape:
@@ -271,18 +278,6 @@ class FastDecoder:
             with torch.no_grad():
                 for w in weights:
                     w.div_(2)
-
-    def _qkv_error(
-        self, L: LayerTensors, h: torch.Tensor, cos_sin: tuple, want: torch.Tensor, which: int, **norm
-    ) -> float:
-        """Largest difference of the queries (``which`` 0) or keys (1) from ``want`` with the q or k norm ``norm``."""
-        saved = L.q_norm, L.k_norm
-        L.q_norm, L.k_norm = norm.get("q_norm", L.q_norm), norm.get("k_norm", L.k_norm)
-        try:
-            got = self._qkv(L, h, *cos_sin)[which]
-        finally:
-            L.q_norm, L.k_norm = saved
-        return float((got - want).abs().max()) if got.shape == want.shape else float("inf")
 
     def use_static_decode(self, capture: bool) -> None:
         """Decode-only steps run at static shapes (`slime.engines.builtin.decode_graphs`), captured as CUDA
