@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.families import FAMILIES, _refusal_before_building, buildable_families, tiny_model
 from slime.engines.builtin import BuiltinEngine
-from slime.engines.builtin.decoder_layers import trace_decoder
+from slime.engines.builtin.decoder_tree import trace_decoder
 from slime.engines.builtin.fast_decoder import FastDecoder
 from slime.engines.builtin.generic_decoder import attention_inputs
 from slime.engines.builtin.start_check import agrees_with_model
@@ -91,7 +91,7 @@ def test_each_layers_rotary_mode_is_read_off_the_models_own_attention(family, mo
     assert forward == "fast"
     assert got == want
     fast = FastDecoder(model, 4, 64)
-    fast.fit_attention(attention_inputs(model))
+    fast.fit_attention(attention_inputs(model, fast.attention_modules))
     assert [L.rotary for L in fast.layers] == modes
     assert agrees_with_model(model, fast) is None
     if halves_refused:
@@ -113,14 +113,14 @@ def test_q_and_k_norms_under_other_names_after_the_rotation_are_found_by_their_e
     assert got == want
     fast = FastDecoder(model, 4, 64)
     with fast.loose_norms_told_apart():
-        fast.fit_attention(attention_inputs(model))
+        fast.fit_attention(attention_inputs(model, fast.attention_modules))
     attn = model.model.layers[0].self_attn
     L = fast.layers[0]
     assert L.qk_norm_after_rotary
     assert L.q_norm[0] is attn.query_layernorm.weight and L.k_norm[0] is attn.key_layernorm.weight
     assert torch.equal(attn.query_layernorm.weight, torch.ones(16)), "the doubling is undone"
     qwen3 = FastDecoder(tiny_model("qwen3"), 4, 64)  # its q/k norms come before the rotation
-    qwen3.fit_attention(attention_inputs(qwen3.model))
+    qwen3.fit_attention(attention_inputs(qwen3.model, qwen3.attention_modules))
     assert not any(L.qk_norm_after_rotary for L in qwen3.layers)
 
 
@@ -136,7 +136,7 @@ def test_per_layer_kv_heads_scaled_values_and_a_router_with_more_inputs_take_the
     assert got == want
     if family == "mimo_v2_flash":
         fast = FastDecoder(model, 4, 64)
-        fast.fit_attention(attention_inputs(model))
+        fast.fit_attention(attention_inputs(model, fast.attention_modules))
         assert {L.kv_heads for L in fast.layers} == {2, 4}
         assert [L.v_scale for L in fast.layers] == pytest.approx([model.config.attention_value_scale] * 2)
     # In bf16 the scale is read within bf16's rounding, and the logit check still passes.
@@ -159,6 +159,47 @@ def test_the_trace_reads_where_each_layer_applies_its_norms_and_scales():
     llama = trace_decoder(tiny_model("llama"))
     assert (llama.layers[0].attn_in, llama.layers[0].mlp_in) == ("input_layernorm", "post_attention_layernorm")
     assert "one MLP expected" in trace_decoder(tiny_model("ergo"))  # gated residuals
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize(
+    "family,fused,rotary,positions",
+    [
+        ("gpt2", "contiguous", "none", True),  # transformer.wte / wpe / h / ln_f, Conv1D [q; k; v]
+        ("gpt_bigcode", "contiguous", "none", True),  # one key and value head in the fused projection
+        ("gpt_neox", "per_head", "halves", False),  # per head [q, k, v]; the MLP beside with a norm of its own
+        ("falcon", "contiguous", "halves", False),  # its layer adds the attention into the MLP's output in place
+        ("persimmon", "per_head", "halves", False),  # LayerNorms on each head's queries and keys
+        ("gptj", None, "pairs", False),  # a rotary module that gives (sin, cos), angles listed once
+        ("phi", None, "halves", False),  # final_layernorm, an output projection named dense, a head bias
+    ],
+)
+def test_gpt2_style_trees_take_the_hand_written_layers_found_by_their_place_in_the_data_flow(
+    family, fused, rotary, positions
+):
+    """Decoders outside Llama's ``model.model`` tree: the embedding, a learned position table, the
+    layer list, the final norm, the head, each layer's attention and its projections are found in
+    one traced forward, by what reads what, not by name. Token for token `generate`."""
+    model = tiny_model(family)
+    trace = trace_decoder(model)
+    assert trace.final_norm is not None and (trace.positions is not None) == positions
+    assert (trace.rotary is None) == (rotary == "none")
+    fast = FastDecoder(model, 4, 64)
+    fast.fit_attention(attention_inputs(model, fast.attention_modules))
+    assert {L.fused for L in fast.layers} == {fused}
+    assert rotary in {L.rotary for L in fast.layers}
+    assert agrees_with_model(model, fast) is None
+    forward, got, want = engine_and_generate_tokens(model)
+    assert forward == "fast"
+    assert got == want
+
+
+def test_the_trace_refuses_a_layer_whose_mlp_is_no_module_of_its_own():
+    """OPT's and BioGPT's layers call fc1 and fc2 themselves: no one MLP module to run, so the
+    generic path takes them (and says why the hand-written one did not)."""
+    reason = trace_decoder(tiny_model("opt"))
+    assert isinstance(reason, str) and "one MLP expected" in reason
+    assert BuiltinEngine(tiny_model("opt"), max_running_requests=4).health()["forward"] == "generic"
 
 
 @pytest.mark.slow

@@ -7,16 +7,13 @@ is seen at once), with the small maths the layers share (RMSNorm, RoPE, gated ML
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from slime.engines.builtin.decoder_tree import IDLE, LayerFlow, is_norm, read_linear, rms_parts, trace_decoder
 from slime.engines.builtin.rotary import rope, rope_pairs
 
-# Children of a decoder layer that do nothing in eval.
-_IDLE = (torch.nn.Dropout, torch.nn.Identity)
-_ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm"}
 # Multi-head latent attention (DeepSeek-V2/V3): queries direct or through a low-rank pair, keys and
 # values from one compressed latent plus a shared rotary key.
 _MLA_PARTS = {
@@ -30,7 +27,6 @@ _MLA_PARTS = {
     "o_proj",
 }
 _ROUTED_PARTS = {"gate", "router", "experts", "shared_expert", "shared_expert_gate"}
-_KNOWN_PARTS = _ATTENTION_PARTS | _MLA_PARTS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,15 +35,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
-
-
-def rms_parts(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
-    """(weight, eps) of an RMSNorm-like module (a weight, an epsilon, no bias); None otherwise."""
-    weight = getattr(norm, "weight", None)
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if not isinstance(weight, torch.Tensor) or eps is None or getattr(norm, "bias", None) is not None:
-        return None
-    return weight, float(eps)
 
 
 Norm = tuple[torch.Tensor, float] | torch.nn.Module
@@ -167,152 +154,6 @@ def routed_experts_fit(mlp: torch.nn.Module) -> bool:
     )
 
 
-@dataclass
-class LayerFlow:
-    """Where a decoder layer applies its norms, found by tracing it (`trace_decoder`): the names of
-    the norms on the attention's input and output and on the MLP's input and output (None: no norm
-    there), the MLP's name, whether the MLP reads the attention's input (parallel, Cohere) rather
-    than the residual after it, and the scale on each branch before the residual add (Granite)."""
-
-    mlp: str
-    attn_in: str | None = None
-    attn_out: str | None = None
-    mlp_in: str | None = None
-    mlp_out: str | None = None
-    parallel: bool = False
-    residual_scale: float = 1.0
-
-
-@dataclass
-class DecoderTrace:
-    """A decoder's data flow: each layer's `LayerFlow`, the scale between the embedding and the
-    first layer (Granite's embedding_multiplier) and between the head and the logits."""
-
-    layers: list[LayerFlow] = field(default_factory=list)
-    embed_scale: float = 1.0
-    logit_scale: float = 1.0
-
-
-def _first(value: object) -> object:
-    return value[0] if isinstance(value, tuple) else value
-
-
-def scale_between(x: torch.Tensor, y: torch.Tensor) -> float | None:
-    """s with y == s * x (None if y is no multiple of x), within float32's rounding, or bf16's
-    where either tensor is in a lower precision."""
-    wide = (torch.float32, torch.float64)
-    tol = (1e-4, 1e-5) if x.dtype in wide and y.dtype in wide else (2e-2, 1e-3)
-    x, y = x.double(), y.double()
-    s = float((x * y).sum() / (x * x).sum().clamp_min(1e-30))
-    return s if torch.allclose(y, s * x, rtol=tol[0], atol=tol[1]) else None
-
-
-def _layer_flow(layer: torch.nn.Module, calls: dict[str, tuple], x: torch.Tensor, out: torch.Tensor) -> LayerFlow | str:
-    """The flow of one traced layer (``calls``: child name -> (input, output); ``x``, ``out``: the
-    layer's), checked by recomputing the layer's output from the traced pieces; or why it is none."""
-    if "self_attn" not in calls:
-        return "no self_attn call"
-    norms = [n for n in calls if n != "self_attn" and _is_norm(getattr(layer, n))]
-    others = [n for n in calls if n != "self_attn" and n not in norms]
-    if len(others) != 1:
-        return f"decoder layer parts {sorted(others)} besides self_attn and norms (one MLP expected)"
-    flow = LayerFlow(mlp=others[0], residual_scale=float(getattr(layer, "residual_multiplier", 1.0)))
-    (a_in, a_out), (m_in, m_out) = calls["self_attn"], calls[flow.mlp]
-    for name in norms:
-        n_in, n_out = calls[name]
-        role = (
-            "attn_in"
-            if n_out is a_in
-            else "attn_out"
-            if n_in is a_out
-            else "mlp_in"
-            if n_out is m_in
-            else "mlp_out"
-            if n_in is m_out
-            else None
-        )
-        if role is None or getattr(flow, role) is not None:
-            return f"norm {name} is not on the attention's or the MLP's input or output"
-        setattr(flow, role, name)
-    flow.parallel = m_in is a_in
-    if flow.parallel and flow.mlp_in is not None:
-        return "parallel attention and MLP with a norm of their own"
-    return flow if _replays(layer, flow, calls, x, out) else "the layer's output is no residual sum of its traced parts"
-
-
-def _is_norm(module: torch.nn.Module) -> bool:
-    """A leaf module with an RMSNorm's parts or a norm's class name (LayerNorm, Gemma's RMSNorm)."""
-    leaf = not list(module.children())
-    return leaf and (rms_parts(module) is not None or "norm" in type(module).__name__.lower())
-
-
-def _replays(
-    layer: torch.nn.Module, flow: LayerFlow, calls: dict[str, tuple], x: torch.Tensor, out: torch.Tensor
-) -> bool:
-    """Whether x + s * attention branch (+ s * MLP branch) gives the layer's traced output."""
-    s = flow.residual_scale
-    att = calls[flow.attn_out][1] if flow.attn_out else calls["self_attn"][1]
-    mlp = calls[flow.mlp_out][1] if flow.mlp_out else calls[flow.mlp][1]
-    mid = x + s * att
-    if not flow.parallel:
-        m_in = calls[flow.mlp_in][0] if flow.mlp_in else calls[flow.mlp][0]
-        if not torch.allclose(m_in, mid, rtol=1e-4, atol=1e-5):
-            return False
-    return torch.allclose(out, mid + s * mlp.reshape(out.shape), rtol=1e-4, atol=1e-5)
-
-
-@torch.inference_mode()
-def trace_decoder(model: torch.nn.Module) -> DecoderTrace | str:
-    """Run three tokens through ``model`` with hooks on each layer's children, the embedding and
-    the head, and read off each layer's `LayerFlow` and the embedding and logit scales; or why the
-    decoder is not norm / attention / norm / MLP around a residual stream."""
-    inner = model.model
-    seen: dict = {"layers": [{} for _ in inner.layers]}
-
-    def child_hook(i: int, name: str):
-        def hook(module, args, kwargs, output):
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            seen["layers"][i].setdefault(name, []).append((hidden, _first(output)))
-
-        return hook
-
-    def layer_hook(i: int):
-        def hook(module, args, kwargs, output):
-            seen.setdefault("io", {})[i] = (args[0] if args else kwargs.get("hidden_states"), _first(output))
-
-        return hook
-
-    handles = [inner.embed_tokens.register_forward_hook(lambda m, a, o: seen.setdefault("embed", o))]
-    handles.append(model.lm_head.register_forward_hook(lambda m, a, o: seen.setdefault("head", o)))
-    for i, layer in enumerate(inner.layers):
-        handles.append(layer.register_forward_hook(layer_hook(i), with_kwargs=True))
-        for name, child in layer.named_children():
-            if not isinstance(child, _IDLE):
-                handles.append(child.register_forward_hook(child_hook(i, name), with_kwargs=True))
-    device = model.lm_head.weight.device
-    try:
-        logits = model(input_ids=torch.tensor([[1, 2, 3]], device=device), use_cache=False).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    trace = DecoderTrace()
-    for i, calls in enumerate(seen["layers"]):
-        if any(len(c) != 1 for c in calls.values()):
-            return f"layer {i} calls a part more than once"
-        x, out = seen["io"][i]
-        flow = _layer_flow(inner.layers[i], {n: c[0] for n, c in calls.items()}, x, out)
-        if isinstance(flow, str):
-            return f"layer {i}: {flow}"
-        trace.layers.append(flow)
-    embed_scale = scale_between(seen["embed"], seen["io"][0][0])
-    head, softcap = seen["head"], getattr(model.config, "final_logit_softcapping", None)
-    logit_scale = scale_between(head if softcap is None else torch.tanh(head / softcap) * softcap, logits)
-    if embed_scale is None or logit_scale is None:
-        return "the first layer's input or the logits are no multiple of the embedding or the head"
-    trace.embed_scale, trace.logit_scale = embed_scale, logit_scale
-    return trace
-
-
 def layer_window(config, attn: torch.nn.Module, index: int) -> int | None:
     """Layer ``index``'s sliding window (keys at (p - window, p]), or None for full attention: the
     attention module's own word where it keeps one, else the config's."""
@@ -366,7 +207,7 @@ class LayerTensors:
     def __init__(
         self, layer: torch.nn.Module, flow: LayerFlow, config, index: int, heads: int, kv_heads: int, head_dim: int
     ):
-        attn = layer.self_attn
+        attn = getattr(layer, flow.attn)
         self.flow = flow
         # The norms on the attention's and the MLP's inputs and outputs (None: not there).
         self.attn_in, self.attn_out, self.mlp_in, self.mlp_out = (
@@ -374,30 +215,41 @@ class LayerTensors:
             for name in (flow.attn_in, flow.attn_out, flow.mlp_in, flow.mlp_out)
         )
         self.mla = LatentAttention(attn, config, heads) if hasattr(attn, "kv_a_proj_with_mqa") else None
-        self.kv_shape = (kv_heads, head_dim, head_dim)  # cached (kv heads, key dim, value dim)
+        self.fused = None  # one q/k/v projection: "contiguous" or "per_head" (FastDecoder.fit_attention)
+        self.loose_norms: list[Norm] = []
+        self.q_norm = self.k_norm = None
         if self.mla is not None:
-            self.kv_shape = (heads, self.mla.nope + self.mla.rope, self.mla.v_dim)
-        elif hasattr(attn, "qkv_proj"):  # fused (Phi-3)
-            sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-            self.wq, self.wk, self.wv = attn.qkv_proj.weight.split(sizes)
-            bias = attn.qkv_proj.bias
-            self.bq, self.bk, self.bv = bias.split(sizes) if bias is not None else (None, None, None)
+            self.kv_shape = (
+                heads,
+                self.mla.nope + self.mla.rope,
+                self.mla.v_dim,
+            )  # cached (kv heads, key dim, value dim)
+            self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
         else:
-            self.wq, self.bq = attn.q_proj.weight, attn.q_proj.bias
-            self.wk, self.bk = attn.k_proj.weight, attn.k_proj.bias
-            self.wv, self.bv = attn.v_proj.weight, attn.v_proj.bias
-        self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
-        if self.mla is None:  # kv heads and the value's size per layer, from the weights (MiMo-V2's differ)
-            self.kv_heads = int(self.wk.shape[0]) // head_dim
-            self.v_dim = int(self.wv.shape[0]) // self.kv_heads
+            projections = [read_linear(getattr(attn, name)) for name in flow.qkv]
+            if len(projections) == 3:  # in the order the model calls them; the fit may swap q and k
+                self.separate = projections
+                (self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv) = projections
+                # kv heads and the value's size per layer, from the weights (MiMo-V2's differ)
+                self.kv_heads = int(self.wk.shape[0]) // head_dim
+                self.v_dim = int(self.wv.shape[0]) // self.kv_heads
+            else:  # fused [q; k; v] (Phi-3, GPT-2, Falcon) or per kv head [q..., k, v] (GPT-NeoX)
+                (self.w_qkv, self.b_qkv), self.fused = projections[0], "contiguous"
+                self.kv_heads = (int(self.w_qkv.shape[0]) - heads * head_dim) // (2 * head_dim)
+                self.v_dim = head_dim
             self.kv_shape = (self.kv_heads, head_dim, self.v_dim)
-        # q/k RMSNorm per head (Qwen3) or over the whole projection (OLMoE), by the weight's size.
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = None if q_norm is None else read_norm(q_norm)
-        self.k_norm = None if k_norm is None else read_norm(k_norm)
-        # Per-head norms under other names (HunYuan's query_layernorm): FastDecoder.fit_attention
-        # finds which one the queries and which one the keys go through.
-        self.loose_norms = [read_norm(child) for name, child in attn.named_children() if name not in _KNOWN_PARTS]
+            self.wo, self.bo = read_linear(getattr(attn, flow.out))
+            # q/k RMSNorm per head (Qwen3) or over the whole projection (OLMoE), by the weight's size.
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            self.q_norm = None if q_norm is None else read_norm(q_norm)
+            self.k_norm = None if k_norm is None else read_norm(k_norm)
+            # Per-head norms under other names (HunYuan's query_layernorm, Persimmon's LayerNorms):
+            # FastDecoder.fit_attention finds which one the queries and which one the keys go through.
+            self.loose_norms = [
+                read_norm(child)
+                for name, child in attn.named_children()
+                if name not in ("q_norm", "k_norm") and is_norm(child)
+            ]
         self.qk_norm_per_head = any(
             n is not None and norm_size(n) == head_dim for n in (self.q_norm, self.k_norm, *self.loose_norms)
         )
@@ -406,7 +258,7 @@ class LayerTensors:
         self.rotary = "pairs" if self.mla is not None and self.mla.interleaved else "halves"
         self.qk_norm_after_rotary = False
         self.v_scale = 1.0
-        self.scaling = float(getattr(attn, "scaling", None) or head_dim**-0.5)
+        self.scaling = flow.scaling or float(getattr(attn, "scaling", None) or head_dim**-0.5)
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
         self.sinks = getattr(attn, "sinks", None)
         self.window = layer_window(config, attn, index)
@@ -438,53 +290,56 @@ class LayerTensors:
             self.mlp_module = mlp
 
 
-def _loose_qk_norms(attn: torch.nn.Module, loose: set[str], known: set[str]) -> bool:
-    """Whether the attention's parts outside ``known`` can be q/k norms under other names (HunYuan):
-    at most two RMSNorms of one head's size, beside no q_norm / k_norm, in a non-latent attention.
-    Which is whose, if either, `FastDecoder.fit_attention` finds out."""
-    if known is not _ATTENTION_PARTS or len(loose) > 2 or {"q_norm", "k_norm"} & {n for n, _ in attn.named_children()}:
+def _loose_qk_norms(attn: torch.nn.Module, loose: set[str], head_dim: int) -> bool:
+    """Whether the attention's parts ``loose`` can be q/k norms under other names (HunYuan,
+    Persimmon): at most two norms of one head's size, beside no q_norm / k_norm. Which is whose,
+    if either, `FastDecoder.fit_attention` finds out."""
+    if len(loose) > 2 or {"q_norm", "k_norm"} & {n for n, _ in attn.named_children()}:
         return False
-    parts = [rms_parts(getattr(attn, n)) if _is_norm(getattr(attn, n)) else None for n in loose]
-    return all(p is not None and norm_size(p) == getattr(attn, "head_dim", None) for p in parts)
+    return all(is_norm(part := getattr(attn, n)) and norm_size(read_norm(part)) == head_dim for n in loose)
 
 
 def hand_written_misfit(model: torch.nn.Module) -> str | None:
     """Why this model cannot take the hand-written layers, or None. They fit any decoder whose
-    layers are attention (separate or fused q/k/v projections, optional q/k norms, biases, sliding
-    windows, sinks, partial RoPE) and one MLP around a residual stream, with norms on either's
-    input or output wherever the layer applies them (pre-norm, post-norm as OLMo 2, both as
-    Gemma), the MLP after the attention or beside it (Cohere), the branches scaled (Granite):
-    `trace_decoder` reads that flow off one traced forward. SwiGLU MLPs and the usual routed MoE
-    are written out, any other MLP runs as the model's own module. The numbers are checked after
-    this (logits against the model's own forward)."""
+    layers are attention (separate or fused q/k/v projections, nn.Linear or GPT-2's Conv1D,
+    optional q/k norms, biases, sliding windows, sinks, partial RoPE or none, learned absolute
+    positions) and one MLP around a residual stream, with norms on either's input or output
+    wherever the layer applies them (pre-norm, post-norm as OLMo 2, both as Gemma), the MLP after
+    the attention or beside it (Cohere, GPT-NeoX), the branches scaled (Granite): `trace_decoder`
+    finds the parts and reads that flow off one traced forward. SwiGLU MLPs and the usual routed
+    MoE are written out, any other MLP runs as the model's own module. The numbers are checked
+    after this (logits against the model's own forward)."""
     config = model.config
-    inner = getattr(model, "model", None)
-    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not hasattr(inner, name):
-            return f"model.model has no {name}"
-    if getattr(model, "lm_head", None) is None:
-        return "no lm_head"
     if getattr(config, "clip_qkv", None) is not None:
         return "clip_qkv is set"
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not types <= {"full_attention", "sliding_attention"}:
         return f"attention layer types {sorted(types)}"
-    for layer in inner.layers:
-        attn = getattr(layer, "self_attn", None)
-        if attn is None:
-            return "a decoder layer without self_attn"
-        attn_parts = {n for n, _ in attn.named_children()}
-        known = _MLA_PARTS if "kv_a_proj_with_mqa" in attn_parts else _ATTENTION_PARTS
-        loose = attn_parts - known
-        if loose and not _loose_qk_norms(attn, loose, known):
-            return f"attention parts {sorted(loose)}"
-        if known is _MLA_PARTS:
+    trace = trace_decoder(model)
+    if isinstance(trace, str):
+        return trace
+    try:
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    except Exception as exc:  # a config whose layers differ (per-layer attributes)
+        return f"no one head size: {type(exc).__name__}"
+    for i, (layer, flow) in enumerate(zip(trace.layer_modules, trace.layers)):
+        attn = getattr(layer, flow.attn)
+        parts = {n for n, c in attn.named_children() if not isinstance(c, IDLE)}
+        if "kv_a_proj_with_mqa" in parts:  # latent attention, read by its parts' names
+            if parts - _MLA_PARTS:
+                return f"attention parts {sorted(parts - _MLA_PARTS)}"
             if not all(hasattr(config, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")):
                 return "latent attention without qk_nope_head_dim / qk_rope_head_dim / v_head_dim in its config"
-        elif "qkv_proj" not in attn_parts and not {"q_proj", "k_proj", "v_proj"} <= attn_parts:
-            return "attention without q/k/v projections"
+        else:
+            if len(flow.qkv) not in (1, 3) or flow.out is None:
+                return (
+                    f"layer {i}: attention with {len(flow.qkv)} linear maps of its input and "
+                    f"{'no single' if flow.out is None else 'one'} output projection (one fused or three q/k/v expected)"
+                )
+            loose = parts - set(flow.qkv) - {flow.out, "q_norm", "k_norm"}
+            if loose and not _loose_qk_norms(attn, loose, head_dim):
+                return f"attention parts {sorted(loose)}"
         own = {n for n, _ in attn.named_parameters(recurse=False)} - {"sinks"}
         if own:
             return f"attention parameters {sorted(own)}"
-    trace = trace_decoder(model)
-    return trace if isinstance(trace, str) else None
+    return None

@@ -57,11 +57,10 @@ from slime.engines.builtin.decoder_layers import (
     apply_norm,
     expert_parts,
     read_norm,
-    scale_between,
     silu_gate,
     swiglu,
-    trace_decoder,
 )
+from slime.engines.builtin.decoder_tree import scale_between, trace_decoder
 from slime.engines.builtin.rotary import ROTARY_MODES, pair_tables, rope, rope_pairs
 
 log = logging.getLogger(__name__)
@@ -176,29 +175,33 @@ class FastDecoder:
         the two read alike from the tables, so `fast_decoder_for` lets the logit check pick."""
         config = model.config
         self.rope_half_split = rope_half_split
-        inner = model.model
         self.model = model
-        self.embed = inner.embed_tokens.weight
-        self.embed_scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden)
         trace = trace_decoder(model)
         if isinstance(trace, str):
             raise ValueError(trace)
+        self.embed = trace.embed.weight
+        self.embed_scale = getattr(trace.embed, "embed_scale", None)  # Gemma: sqrt(hidden)
+        # A learned absolute position table (GPT-2) and the row of position 0 in it (OPT: 2).
+        self.positions, self.position_offset = trace.positions, trace.position_offset
         # Scales the model applies between the embedding and the first layer and on the logits
         # (Granite's embedding_multiplier and logits_scaling), read off a traced forward.
         self.embed_multiplier, self.logit_scale = trace.embed_scale, trace.logit_scale
-        self.final_norm = read_norm(inner.norm)
+        self.final_norm = read_norm(trace.final_norm)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        self.rotary = inner.rotary_emb
+        self.rotary = trace.rotary  # None: no RoPE (GPT-2's learned positions)
         # Rotary tables per attention type (Gemma 3: another base for local layers), else one.
-        self.rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
-        self.lm_head = model.lm_head.weight
-        self.lm_head_bias = model.lm_head.bias
+        self.rotary_by_type = (
+            self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
+        )
+        self.rotary_sin_first = self._sin_first()  # GPT-J's module gives (sin, cos)
+        self.lm_head, self.lm_head_bias = trace.head.weight, trace.head.bias
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.attention_modules = [getattr(layer, flow.attn) for layer, flow in zip(trace.layer_modules, trace.layers)]
         self.layers = [
             LayerTensors(layer, flow, config, i, self.num_heads, self.num_kv_heads, self.head_dim)
-            for i, (layer, flow) in enumerate(zip(inner.layers, trace.layers))
+            for i, (layer, flow) in enumerate(zip(trace.layer_modules, trace.layers))
         ]
         self.max_rows, self.max_len = int(max_rows), int(max_len)
         self.device, self.dtype = self.embed.device, self.embed.dtype
@@ -211,7 +214,7 @@ class FastDecoder:
         self.step_routing = None  # [rows, layers * top_k] uint8 after each forward, when recording
         self.static_decode: StaticDecode | None = None  # set by use_static_decode
         self.any_pairs = any(L.rotary == "pairs" for L in self.layers)  # DeepSeek's latent attention; fit_attention
-        self.rotary_table_halves = True  # the model's table lists the angles once, then again
+        self.rotary_table_layout = "halves"  # how the model's table lists the angles (`pair_tables`)
 
     @torch.inference_mode()
     def fit_attention(self, captured: dict[int, tuple[torch.Tensor, ...]]) -> None:
@@ -226,11 +229,20 @@ class FastDecoder:
         if not captured:
             return
         first = next(iter(captured.values()))[0]
-        tables = self._rotary_tables(first, torch.arange(first.shape[0], device=self.device))
-        cos = next(iter(tables.values()))[0][-1]  # the last position's angles
-        half = cos.shape[-1] // 2
-        self.rotary_table_halves = torch.equal(cos[..., :half], cos[..., half:])
-        in_pairs = self.rotary_table_halves or torch.equal(cos[..., 0::2], cos[..., 1::2])
+        if self.rotary is None:
+            tables, modes = {None: (None, None)}, ("none",)
+        else:
+            tables = self._rotary_tables(first, torch.arange(first.shape[0], device=self.device))
+            cos = next(iter(tables.values()))[0][-1]  # the last position's angles
+            half = cos.shape[-1] // 2
+            self.rotary_table_layout = (
+                "halves"
+                if torch.equal(cos[..., :half], cos[..., half:])
+                else "pairs"
+                if torch.equal(cos[..., 0::2], cos[..., 1::2])
+                else "once"
+            )
+            modes = ROTARY_MODES
         for i, L in enumerate(self.layers):
             if L.mla is not None or i not in captured:
                 continue
@@ -242,25 +254,53 @@ class FastDecoder:
             k_norms = [None, *L.loose_norms] if L.loose_norms else [L.k_norm]
             has_norms = L.loose_norms or L.q_norm is not None or L.k_norm is not None
             best: tuple = (float("inf"),)
-            for mode in ROTARY_MODES if in_pairs else ("halves", "none"):
-                cos_sin = pair_tables(*table, self.rotary_table_halves) if mode == "pairs" else table
-                for after in (False, True) if has_norms else (False,):
-                    L.rotary, L.qk_norm_after_rotary = mode, after
-                    q_errors, k_errors = [], []  # per candidate: queries depend on q_norm only, keys on k_norm
-                    for q_norm, k_norm in zip(q_norms, k_norms):
-                        L.q_norm, L.k_norm = q_norm, k_norm
-                        q, k, _ = self._qkv(L, h, *cos_sin)
-                        q_errors.append(_largest_difference(q, q_model))
-                        k_errors.append(_largest_difference(k, k_model))
-                    q_best, k_best = int(np.argmin(q_errors)), int(np.argmin(k_errors))
-                    error = max(q_errors[q_best], k_errors[k_best])
-                    if error < best[0]:  # ties: the first (halves, norms before RoPE)
-                        best = (error, mode, after, q_norms[q_best], k_norms[k_best])
-            _, L.rotary, L.qk_norm_after_rotary, L.q_norm, L.k_norm = best
+            for order in self._qkv_readings(L, h, v_model):
+                if order is not None:
+                    (L.wq, L.bq), (L.wk, L.bk), (L.wv, L.bv) = order
+                for mode in modes:
+                    cos_sin = pair_tables(*table, self.rotary_table_layout) if mode == "pairs" else table
+                    for after in (False, True) if has_norms else (False,):
+                        L.rotary, L.qk_norm_after_rotary = mode, after
+                        q_errors, k_errors = [], []  # per candidate: queries depend on q_norm only, keys on k_norm
+                        for q_norm, k_norm in zip(q_norms, k_norms):
+                            L.q_norm, L.k_norm = q_norm, k_norm
+                            q, k, _ = self._qkv(L, h, *cos_sin)
+                            q_errors.append(_largest_difference(q, q_model))
+                            k_errors.append(_largest_difference(k, k_model))
+                        q_best, k_best = int(np.argmin(q_errors)), int(np.argmin(k_errors))
+                        error = max(q_errors[q_best], k_errors[k_best])
+                        if error < best[0]:  # ties: the first (halves, norms before RoPE)
+                            best = (error, order, mode, after, q_norms[q_best], k_norms[k_best])
+            _, order, L.rotary, L.qk_norm_after_rotary, L.q_norm, L.k_norm = best
+            if order is not None:
+                (L.wq, L.bq), (L.wk, L.bk), (L.wv, L.bv) = order
             _, _, v = self._qkv(L, h, *table)
             if v.shape == v_model.shape:
                 L.v_scale = scale_between(v, v_model) or 1.0
         self.any_pairs = any(L.rotary == "pairs" for L in self.layers)
+
+    def _qkv_readings(self, L: LayerTensors, h: torch.Tensor, v_model: torch.Tensor) -> list:
+        """How a layer's projections may give its queries, keys and values, values checked against
+        the model's (a multiple of them: MiMo-V2 scales its values). A fused projection: its layout
+        is set to the one whose values match, [q; k; v] or per kv head [q..., k, v] (GPT-NeoX),
+        and [None] returned. Three: the orders ((q), (k), (v)) to try, the values' projection the
+        one that matches, queries and keys both ways round where their shapes allow."""
+        if L.fused is not None:
+            for layout in ("contiguous", "per_head"):
+                L.fused = layout
+                v = self._qkv(L, h, None, None, values_only=True)
+                if v.shape == v_model.shape and scale_between(v, v_model) is not None:
+                    break
+            else:
+                L.fused = "contiguous"  # none matches: the logit check refuses
+            return [None]
+        parts = L.separate
+        for j, (w, b) in enumerate(parts):
+            v = F.linear(h, w, b)
+            if v.numel() == v_model.numel() and scale_between(v.reshape(v_model.shape), v_model) is not None:
+                q, k = (p for i, p in enumerate(parts) if i != j)
+                return [(q, k, parts[j])] + ([(k, q, parts[j])] if q[0].shape == k[0].shape else [])
+        return [tuple(parts)]
 
     @contextlib.contextmanager
     def loose_norms_told_apart(self) -> Iterator[None]:
@@ -408,15 +448,31 @@ class FastDecoder:
     @torch.inference_mode()
     def rotary_dim(self) -> int:
         """How many dims per head the model's rotary tables cover (as the model gives them)."""
+        if self.rotary is None:
+            return 0
         pos = torch.zeros(1, dtype=torch.long, device=self.device)
         tables = self._rotary_tables(self.embed[:1], pos, half_split=False)
         return min(int(cos.shape[-1]) for cos, _ in tables.values())
+
+    @torch.inference_mode()
+    def _sin_first(self) -> bool:
+        """Whether the rotary module gives (sin, cos): at position 0 the sines are 0, the cosines 1."""
+        if self.rotary is None:
+            return False
+        extra = ("full_attention",) if self.rotary_by_type else ()
+        pos = torch.zeros(1, 1, dtype=torch.long, device=self.embed.device)
+        table = self.rotary(self.embed[None, :1], pos, *extra)
+        if not isinstance(table, tuple):
+            return False
+        return bool(torch.all(table[0] == 0)) and bool(torch.all(table[1] == 1))
 
     def _rotary_tables(
         self, x: torch.Tensor, pos: torch.Tensor, half_split: bool | None = None
     ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer type, cos and sin [S, 1, rotary dims] of positions ``pos`` [S]; ``half_split``
         (default: the decoder's) repeats them over both halves of a head."""
+        if self.rotary is None:
+            return {None: (None, None)}
         half_split = self.rope_half_split if half_split is None else half_split
         tables = {}
         for layer_type in self.rotary_types:
@@ -426,7 +482,7 @@ class FastDecoder:
                 cos, sin = torch.cat((table.real, table.real), dim=-1), torch.cat((table.imag, table.imag), dim=-1)
                 cos, sin = cos.to(x.dtype), sin.to(x.dtype)
             else:
-                cos, sin = table
+                cos, sin = table[::-1] if self.rotary_sin_first else table
             cos, sin = cos[0][:, None], sin[0][:, None]
             if half_split:
                 cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
@@ -703,19 +759,30 @@ class FastDecoder:
             out.append(att.permute(2, 0, 1, 3).reshape(b1 - b0, -1))
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def _qkv(self, L: LayerTensors, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Queries [S, heads, D], keys and values [S, kv heads, D], with q/k norms and RoPE."""
-        s_tokens = h.shape[0]
-        q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
+    def _qkv(
+        self, L: LayerTensors, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, values_only=False
+    ) -> tuple[torch.Tensor, ...]:
+        """Queries [S, heads, D], keys and values [S, kv heads, D], with q/k norms and RoPE
+        (``values_only``: the values alone)."""
+        s_tokens, heads, d = h.shape[0], self.num_heads, self.head_dim
+        if L.fused is None:
+            q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
+        elif L.fused == "contiguous":  # [q; k; v]
+            q, k, v = F.linear(h, L.w_qkv, L.b_qkv).split([heads * d, L.kv_heads * d, L.kv_heads * L.v_dim], dim=-1)
+        else:  # per kv head: its queries, its key, its value (GPT-NeoX, Falcon's grouped layout)
+            y = F.linear(h, L.w_qkv, L.b_qkv).view(s_tokens, L.kv_heads, -1, d)
+            q, k, v = y[:, :, :-2].reshape(s_tokens, heads * d), y[:, :, -2], y[:, :, -1]
+        v = v.reshape(s_tokens, L.kv_heads, L.v_dim)
+        if L.v_scale != 1.0:
+            v = v * L.v_scale
+        if values_only:
+            return v
         if L.q_norm is not None and not L.qk_norm_per_head:
             q = apply_norm(q, L.q_norm)
         if L.k_norm is not None and not L.qk_norm_per_head:
-            k = apply_norm(k, L.k_norm)
-        q = q.view(s_tokens, self.num_heads, self.head_dim)
-        k = k.view(s_tokens, L.kv_heads, self.head_dim)
-        v = v.view(s_tokens, L.kv_heads, L.v_dim)
-        if L.v_scale != 1.0:
-            v = v * L.v_scale
+            k = apply_norm(k.reshape(s_tokens, -1), L.k_norm)
+        q = q.reshape(s_tokens, heads, d)
+        k = k.reshape(s_tokens, L.kv_heads, d)
         if L.qk_norm_per_head and not L.qk_norm_after_rotary:
             q, k = apply_norm(q, L.q_norm), apply_norm(k, L.k_norm)
         if L.rotary != "none":
@@ -732,17 +799,22 @@ class FastDecoder:
             x = x * self.embed_scale.to(x.dtype)
         if self.embed_multiplier != 1.0:
             x = x * self.embed_multiplier
+        if self.positions is not None:
+            x = x + F.embedding(step.pos + self.position_offset, self.positions)
         tables = self._rotary_tables(x, step.pos)
         pairs = (
-            {kind: pair_tables(*t, self.rotary_table_halves) for kind, t in tables.items()} if self.any_pairs else {}
+            {kind: pair_tables(*t, self.rotary_table_layout) for kind, t in tables.items()} if self.any_pairs else {}
         )
         for i, L in enumerate(self.layers):
             cos, sin = (pairs if L.rotary == "pairs" else tables)[L.layer_type if self.rotary_by_type else None]
-            h = apply_norm(x, L.attn_in)
+            layer_in, h = x, apply_norm(x, L.attn_in)
             q, k, v = L.mla.qkv(h, cos, sin) if L.mla is not None else self._qkv(L, h, cos, sin)
             att = F.linear(self._attend(i, step, q, k, v, L.scaling, L.window, L.softcap, L.sinks), L.wo, L.bo)
             x = self._residual_add(x, apply_norm(att, L.attn_out), L.flow.residual_scale)
-            mlp_in = h if L.flow.parallel else apply_norm(x, L.mlp_in)
+            if L.flow.parallel:  # beside the attention: its input, or the layer's through a norm of its own
+                mlp_in = h if L.mlp_in is None else apply_norm(layer_in, L.mlp_in)
+            else:
+                mlp_in = apply_norm(x, L.mlp_in)
             x = self._residual_add(x, apply_norm(self._mlp(L, mlp_in), L.mlp_out), L.flow.residual_scale)
         return self._logits(x[step.last])
 

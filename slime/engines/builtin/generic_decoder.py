@@ -16,16 +16,15 @@ docs/benchmarks.md "Model zoo"), else this one, else None.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from slime.engines.builtin.decoder_layers import hand_written_misfit
+from slime.engines.builtin.decoder_tree import attention_implementation
 from slime.engines.builtin.fast_decoder import FastDecoder, StepLayout
 from slime.engines.builtin.start_check import agrees_with_model
 
@@ -73,26 +72,6 @@ AttentionMaskInterface.register(ATTENTION, _no_mask)
 AttentionMaskInterface.register(_PROBE, _no_mask)
 
 
-@contextlib.contextmanager
-def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """Run the model's attention modules through ``name`` (the setter reaches every sub-config;
-    a config without sub-configs is set directly, once per forward being the hot path)."""
-    config = model.config
-    previous = config._attn_implementation
-    direct = not getattr(config, "sub_configs", None) and hasattr(config, "_attn_implementation_internal")
-    if direct:
-        config._attn_implementation_internal = name
-    else:
-        config._attn_implementation = name
-    try:
-        yield
-    finally:
-        if direct:
-            config._attn_implementation_internal = previous
-        else:
-            config._attn_implementation = previous
-
-
 def _layer_count(model: torch.nn.Module) -> int:
     config = model.config
     count = getattr(config, "num_hidden_layers", None)
@@ -121,10 +100,13 @@ def probe_kv_shapes(model: torch.nn.Module) -> list[tuple[int, int, int]] | str:
 
 
 @torch.inference_mode()
-def attention_inputs(model: torch.nn.Module, length: int = 6) -> dict[int, tuple[torch.Tensor, ...]]:
+def attention_inputs(
+    model: torch.nn.Module, attentions: list[torch.nn.Module], length: int = 6
+) -> dict[int, tuple[torch.Tensor, ...]]:
     """Per layer, what its attention module is given and what it hands its attention function, for
     ``length`` tokens at positions 0..length-1: (input [S, H], queries [S, heads, D], keys [S, kv
     heads, D], values [S, kv heads, Dv]) after the model's own q/k norms, rotation and value scale.
+    ``attentions``: each layer's attention module (`FastDecoder.attention_modules`).
     The attention's output is zeros here: each layer's input is a valid input to it, not the model's
     true one."""
     inputs: dict[int, torch.Tensor] = {}
@@ -135,12 +117,7 @@ def attention_inputs(model: torch.nn.Module, length: int = 6) -> dict[int, tuple
 
         return hook
 
-    layers = list(model.model.layers)
-    handles = [
-        layer.self_attn.register_forward_pre_hook(keep_input(i), with_kwargs=True)
-        for i, layer in enumerate(layers)
-        if hasattr(layer, "self_attn")
-    ]
+    handles = [attn.register_forward_pre_hook(keep_input(i), with_kwargs=True) for i, attn in enumerate(attentions)]
     _active.shapes, _active.qkv = {}, {}
     device = next(model.parameters()).device
     try:
@@ -191,7 +168,9 @@ def _checked_hand_written(
     try:
         fast = FastDecoder(model, max_rows, max_len, rope_half_split=rope_half_split)
         with fast.loose_norms_told_apart():
-            fast.fit_attention(attention_inputs(model))  # RoPE on halves or pairs, or none, per layer
+            fast.fit_attention(
+                attention_inputs(model, fast.attention_modules)
+            )  # RoPE on halves or pairs, or none, per layer
     except Exception as exc:  # an unexpected module layout
         return None, f"{type(exc).__name__}: {exc}"
     try:

@@ -31,12 +31,13 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if rotary == x.shape[-1] else torch.cat((out, x[..., rotary:]), dim=-1)
 
 
-def pair_tables(cos: torch.Tensor, sin: torch.Tensor, halves: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rotary table as `rope_pairs` reads it: each pair's angle twice in a row. ``halves``: the
-    model's table lists the angles once, then again (Llama's layout); else already in pairs (Cohere)."""
-    if halves:
+def pair_tables(cos: torch.Tensor, sin: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotary table as `rope_pairs` reads it: each pair's angle twice in a row. ``layout``: how
+    the model's table lists the angles: "halves" (all, then all again: Llama), "pairs" (each twice
+    in a row already: Cohere) or "once" (GPT-J, which repeats them itself)."""
+    if layout == "halves":
         cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
-    else:
+    elif layout == "pairs":
         cos, sin = cos[..., 0::2], sin[..., 0::2]
     return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
 
