@@ -291,16 +291,17 @@ def agreement(graphs: BuiltinEngine, eager: BuiltinEngine, vocab: int) -> dict:
 
 
 def graph_checks(device: str) -> dict:
-    """float32, tiny models of nine families: greedy tokens with graphs equal those without, before
-    and after an in-place weight update (the captured graphs must read the new weights). The last
-    four read their attention off the model (`FastDecoder.fit_attention`): RoPE on interleaved
-    pairs (GLM), layers without RoPE (EXAONE 4), q/k norms after the rotation (HunYuan), kv heads
-    per layer and scaled values (MiMo-V2-Flash)."""
+    """float32, tiny models of eleven families: greedy tokens with graphs equal those without, before
+    and after an in-place weight update (the captured graphs must read the new weights). Four read
+    their attention off the model (`FastDecoder.fit_attention`): RoPE on interleaved pairs (GLM),
+    layers without RoPE (EXAONE 4), q/k norms after the rotation (HunYuan), kv heads per layer and
+    scaled values (MiMo-V2-Flash); the last two are GPT-2-style trees (`decoder_tree`): a learned
+    position table (GPT-2), a fused per-head q/k/v and the MLP beside the attention (GPT-NeoX)."""
     from benchmarks.families import tiny_model
 
     out = {}
     families = ("qwen3_moe", "llama", "gemma2", "gpt_oss", "deepseek_v3")
-    for family in (*families, "glm", "exaone4", "hunyuan_v1_dense", "mimo_v2_flash"):
+    for family in (*families, "glm", "exaone4", "hunyuan_v1_dense", "mimo_v2_flash", "gpt2", "gpt_neox"):
         a, b = (tiny_model(family, 97, seed=s).to(device) for s in (0, 1))
         engines = [BuiltinEngine(a, device=device, max_running_requests=16, cuda_graphs=g) for g in (True, False)]
         same = []

@@ -55,7 +55,9 @@ def generate(engine: BuiltinEngine, reqs: list[GenerationRequest]) -> dict[str, 
     return {rid: (c.token_ids, c.logprobs) for rid, c in out.items()}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "llama", "gemma2", "deepseek_v3", "gpt_oss", "olmo2", "granitemoe"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "llama", "gemma2", "deepseek_v3", "gpt_oss", "olmo2", "granitemoe", "gpt2", "gpt_neox"]
+)
 def test_static_decode_greedy_equals_segmented(family):
     """Rows of unequal lengths finishing at different steps (the batch bucket shrinks), a cache that
     grows past the first length bucket (shapes dropped and rebuilt): the same tokens."""

@@ -172,6 +172,8 @@ def test_the_trace_reads_where_each_layer_applies_its_norms_and_scales():
         ("persimmon", "per_head", "halves", False),  # LayerNorms on each head's queries and keys
         ("gptj", None, "pairs", False),  # a rotary module that gives (sin, cos), angles listed once
         ("phi", None, "halves", False),  # final_layernorm, an output projection named dense, a head bias
+        ("opt", None, "none", True),  # fc1 / fc2 called by the layer itself; queries scaled before attention
+        ("biogpt", None, "none", True),  # the same, with a scaled embedding and position 0 at row 2
     ],
 )
 def test_gpt2_style_trees_take_the_hand_written_layers_found_by_their_place_in_the_data_flow(
@@ -189,17 +191,12 @@ def test_gpt2_style_trees_take_the_hand_written_layers_found_by_their_place_in_t
     assert {L.fused for L in fast.layers} == {fused}
     assert rotary in {L.rotary for L in fast.layers}
     assert agrees_with_model(model, fast) is None
+    if family == "opt":
+        assert trace.position_offset == 2 and trace.layers[0].mlp_chain == ["fc1", "activation_fn", "fc2"]
+        assert trace.layers[0].scaling == 1.0 and fast.layers[0].scaling == pytest.approx(fast.head_dim**-0.5)
     forward, got, want = engine_and_generate_tokens(model)
     assert forward == "fast"
     assert got == want
-
-
-def test_the_trace_refuses_a_layer_whose_mlp_is_no_module_of_its_own():
-    """OPT's and BioGPT's layers call fc1 and fc2 themselves: no one MLP module to run, so the
-    generic path takes them (and says why the hand-written one did not)."""
-    reason = trace_decoder(tiny_model("opt"))
-    assert isinstance(reason, str) and "one MLP expected" in reason
-    assert BuiltinEngine(tiny_model("opt"), max_running_requests=4).health()["forward"] == "generic"
 
 
 @pytest.mark.slow

@@ -156,18 +156,19 @@ def test_router_hooks_still_fire_for_the_expert_load_recorder():
     recorder.detach()
 
 
-def test_gpt2_takes_the_generic_fast_path_with_the_hf_paths_tokens():
-    """GPT-2 is none of the hand-written families (learned positions, fused qkv, GELU): its own
-    modules run over the engine's cached attention."""
+def test_gpt2_takes_the_hand_written_layers_and_every_path_gives_the_hf_paths_tokens():
+    """GPT-2 (learned positions, fused Conv1D q/k/v, GELU) is none of the curated families: its
+    parts are found by structure and it takes the hand-written layers; the generic path (its own
+    modules over the cached attention) and the Hugging Face path give the same greedy tokens."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
-    fast, hf = BuiltinEngine(gpt2, max_running_requests=8), BuiltinEngine(gpt2, fast_path=False)
-    assert fast.health()["forward"] == "generic" and hf.health()["forward"] == "hf"
+    engines = [BuiltinEngine(gpt2, max_running_requests=8, fast_path=path) for path in (None, "generic", False)]
+    assert [e.health()["forward"] for e in engines] == ["fast", "generic", "hf"]
     ps = prompts(6, seed=4, hi=20)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[])
-    a, b = run(fast, ps, lambda i: greedy), run(hf, ps, lambda i: greedy)
-    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    fast, generic, hf = ([c.token_ids for c in run(e, ps, lambda i: greedy)] for e in engines)
+    assert fast == generic == hf
 
 
 def test_a_model_whose_numbers_differ_from_the_hand_written_path_takes_the_generic_one():

@@ -258,16 +258,24 @@ class LayerTensors:
         self.rotary = "pairs" if self.mla is not None and self.mla.interleaved else "halves"
         self.qk_norm_after_rotary = False
         self.v_scale = 1.0
-        self.scaling = flow.scaling or float(getattr(attn, "scaling", None) or head_dim**-0.5)
+        # The scale the attention hands its attention function; fit_attention folds in a scale the
+        # model puts on its queries before (OPT).
+        self.attention_scaling = flow.scaling or float(getattr(attn, "scaling", None) or head_dim**-0.5)
+        self.scaling = self.attention_scaling
         self.softcap = getattr(attn, "attn_logit_softcapping", None)
         self.sinks = getattr(attn, "sinks", None)
         self.window = layer_window(config, attn, index)
         types = getattr(config, "layer_types", None)
         self.layer_type = types[index] if types else "full_attention"
-        mlp = getattr(layer, flow.mlp)
         self.mlp_module = None  # run the model's own MLP module (an MoE layout not written here)
         self.router = None
         self.shared = self.shared_gate = None
+        self.plain = None  # linear, activation, linear: the layer's own children (OPT)
+        if flow.mlp_chain:
+            first, act, last = (getattr(layer, n) for n in flow.mlp_chain)
+            self.plain = (*read_linear(first), act, *read_linear(last))
+            return
+        mlp = getattr(layer, flow.mlp)
         if hasattr(mlp, "experts") and routed_experts_fit(mlp):
             experts = mlp.experts
             self.router = mlp.gate if hasattr(mlp, "gate") else mlp.router

@@ -35,7 +35,9 @@ def _traced_attention(
     _traced.calls.append((module, scaling))
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    scores = (query.float() @ key.float().transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = (query.float() @ key.float().transpose(-1, -2)) * (
+        scaling if scaling is not None else query.shape[-1] ** -0.5
+    )
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
@@ -127,7 +129,8 @@ class LayerFlow:
     output (None: no norm there), the MLP's name, whether the MLP runs beside the attention
     (parallel: it reads the attention's input, Cohere, or the layer's input through a norm of its
     own, GPT-NeoX) rather than the residual after it, and the scale on each branch before the
-    residual add (Granite). In the attention: its q/k/v projections in the order the model calls
+    residual add (Granite); an MLP whose parts the layer calls itself (OPT) has the name "" and its
+    parts in ``mlp_chain``. In the attention: its q/k/v projections in the order the model calls
     them (one fused or three), its output projection, and the scale it hands its attention
     function (None: it hands none)."""
 
@@ -142,6 +145,7 @@ class LayerFlow:
     qkv: list[str] = field(default_factory=list)
     out: str | None = None
     scaling: float | None = None
+    mlp_chain: list[str] | None = None  # the MLP is these children of the layer (linear, activation, linear)
 
 
 @dataclass
@@ -189,7 +193,12 @@ def _first(value: object) -> object:
 
 
 def _layer_flow(
-    layer: torch.nn.Module, attn: str, calls: dict[str, tuple], x: torch.Tensor, x_value: torch.Tensor, out: torch.Tensor
+    layer: torch.nn.Module,
+    attn: str,
+    calls: dict[str, tuple],
+    x: torch.Tensor,
+    x_value: torch.Tensor,
+    out: torch.Tensor,
 ) -> LayerFlow | str:
     """The flow of one traced layer (``calls``: child name -> (input, output, their values as
     traced); ``attn``: the attention child's name; ``x``: the layer's input, ``x_value`` and
@@ -197,9 +206,14 @@ def _layer_flow(
     traced pieces; or why it is none."""
     norms = [n for n in calls if n != attn and is_norm(getattr(layer, n))]
     others = [n for n in calls if n != attn and n not in norms]
-    if len(others) != 1:
+    chain = _mlp_chain(layer, others, calls)
+    if len(others) != 1 and chain is None:
         return f"decoder layer parts {sorted(others)} besides the attention and norms (one MLP expected)"
     flow = LayerFlow(mlp=others[0], attn=attn, residual_scale=float(getattr(layer, "residual_multiplier", 1.0)))
+    if chain is not None:  # the layer calls the MLP's parts itself (OPT): one MLP made of them
+        first, last = calls[chain[0]], calls[chain[-1]]
+        calls = {**calls, "": (first[0], last[1], first[2], last[3])}
+        flow.mlp, flow.mlp_chain = "", chain
     (a_in, a_out, _, _), (m_in, m_out, _, _) = calls[attn], calls[flow.mlp]
     for name in norms:
         n_in, n_out, _, _ = calls[name]
@@ -220,6 +234,17 @@ def _layer_flow(
     own_norm_beside = flow.mlp_in is not None and calls[flow.mlp_in][0] is x  # GPT-NeoX's parallel residual
     flow.parallel = m_in is a_in or own_norm_beside
     return flow if _replays(flow, calls, x_value, out) else "the layer's output is no residual sum of its traced parts"
+
+
+def _mlp_chain(layer: torch.nn.Module, others: list[str], calls: dict[str, tuple]) -> list[str] | None:
+    """A linear map, an activation (no parameters) and a linear map called one on the other's output,
+    in that order: an MLP whose parts are the layer's own children (OPT, BioGPT)."""
+    if len(others) != 3:
+        return None
+    first, act, last = (getattr(layer, n) for n in others)
+    linked = calls[others[1]][0] is calls[others[0]][1] and calls[others[2]][0] is calls[others[1]][1]
+    plain = read_linear(first) is not None and read_linear(last) is not None and not list(act.parameters())
+    return others if linked and plain else None
 
 
 def _replays(flow: LayerFlow, calls: dict[str, tuple], x: torch.Tensor, out: torch.Tensor) -> bool:

@@ -161,6 +161,12 @@ def attention_softmax(
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
+def _query_scale(q: torch.Tensor, q_model: torch.Tensor) -> float:
+    """s with q_model == s * q (1 where there is none, or it is 1 within rounding)."""
+    s = scale_between(q, q_model) if q.shape == q_model.shape else None
+    return 1.0 if s is None or abs(s - 1.0) < 1e-4 else s
+
+
 def _largest_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max()) if got.shape == want.shape else float("inf")
 
@@ -262,16 +268,19 @@ class FastDecoder:
                     for after in (False, True) if has_norms else (False,):
                         L.rotary, L.qk_norm_after_rotary = mode, after
                         q_errors, k_errors = [], []  # per candidate: queries depend on q_norm only, keys on k_norm
+                        q_scales = []  # queries the model scales before its attention (OPT): a multiple of ours
                         for q_norm, k_norm in zip(q_norms, k_norms):
                             L.q_norm, L.k_norm = q_norm, k_norm
                             q, k, _ = self._qkv(L, h, *cos_sin)
-                            q_errors.append(_largest_difference(q, q_model))
+                            q_scales.append(_query_scale(q, q_model))
+                            q_errors.append(_largest_difference(q * q_scales[-1], q_model))
                             k_errors.append(_largest_difference(k, k_model))
                         q_best, k_best = int(np.argmin(q_errors)), int(np.argmin(k_errors))
                         error = max(q_errors[q_best], k_errors[k_best])
                         if error < best[0]:  # ties: the first (halves, norms before RoPE)
-                            best = (error, order, mode, after, q_norms[q_best], k_norms[k_best])
-            _, order, L.rotary, L.qk_norm_after_rotary, L.q_norm, L.k_norm = best
+                            best = (error, order, mode, after, q_norms[q_best], k_norms[k_best], q_scales[q_best])
+            _, order, L.rotary, L.qk_norm_after_rotary, L.q_norm, L.k_norm, q_scale = best
+            L.scaling = L.attention_scaling * q_scale  # the same scores: (s q) . k * a = q . k * (s a)
             if order is not None:
                 (L.wq, L.bq), (L.wk, L.bk), (L.wv, L.bv) = order
             _, _, v = self._qkv(L, h, *table)
@@ -409,6 +418,9 @@ class FastDecoder:
 
     def _mlp(self, L: LayerTensors, x: torch.Tensor) -> torch.Tensor:
         """x: [S, H] -> [S, H]."""
+        if L.plain is not None:
+            w1, b1, act, w2, b2 = L.plain
+            return F.linear(act(F.linear(x, w1, b1)), w2, b2)
         if L.mlp_module is not None:
             y = L.mlp_module(x[None])
             return (y[0] if isinstance(y, tuple) else y).reshape(x.shape)
@@ -795,8 +807,8 @@ class FastDecoder:
     def _compute(self, step: StepLayout) -> torch.Tensor:
         """The hand-written layers: next-token logits of ``step.last``."""
         x = F.embedding(step.ids, self.embed)  # [S, H]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale.to(x.dtype)
+        if self.embed_scale is not None:  # a tensor (Gemma) or a float (BioGPT)
+            x = x * (self.embed_scale.to(x.dtype) if isinstance(self.embed_scale, torch.Tensor) else self.embed_scale)
         if self.embed_multiplier != 1.0:
             x = x * self.embed_multiplier
         if self.positions is not None:
