@@ -175,6 +175,12 @@ def _rotary_table(output: object) -> bool:
     return isinstance(output, tuple) and len(output) == 2 and all(isinstance(t, torch.Tensor) for t in output)
 
 
+def _same_tables(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def _copy(value: object) -> object:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
@@ -263,9 +269,11 @@ def _replays(flow: LayerFlow, calls: dict[str, tuple], x: torch.Tensor, out: tor
 def _decoder_layers(
     model: torch.nn.Module, embed: torch.nn.Module
 ) -> tuple[torch.nn.Module, torch.nn.ModuleList] | str:
-    """The module that holds the token embedding and the layer list (its one ModuleList)."""
+    """The module that holds the token embedding and the layer list (its one ModuleList with
+    parameters: Granite-SWA keeps its rotary modules in another)."""
     base = next((m for m in model.modules() if any(c is embed for c in m.children())), None)
-    lists = [c for c in base.children() if isinstance(c, torch.nn.ModuleList)] if base is not None else []
+    children = list(base.children()) if base is not None else []
+    lists = [c for c in children if isinstance(c, torch.nn.ModuleList) and any(True for _ in c.parameters())]
     if len(lists) != 1:
         return "no single layer list beside the token embedding"
     return base, lists[0]
@@ -304,8 +312,9 @@ def trace_decoder(model: torch.nn.Module) -> DecoderTrace | str:
 
     handles = [embed.register_forward_hook(lambda m, a, o: seen.setdefault("embed", o))]
     handles.append(head.register_forward_hook(lambda m, a, o: seen.setdefault("head", (a[0], o)) and None))
-    for name, child in base.named_children():
-        if child is not embed and child is not layers and not isinstance(child, IDLE):
+    inside_layers = {id(m) for m in layers.modules()}
+    for name, child in base.named_modules():  # rotary modules may sit in a list of their own (Granite-SWA)
+        if name and child is not embed and id(child) not in inside_layers and not isinstance(child, IDLE):
             handles.append(child.register_forward_hook(child_hook(seen["base"], name, whole=True), with_kwargs=True))
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_hook(layer_hook(i), with_kwargs=True))
@@ -357,10 +366,12 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
     last_out = seen["io"][len(layers) - 1][2]
     head_in, head_out = seen["head"]
     pos_out = None
+    rotary_tables = []
     for name, calls in seen["base"].items():
-        child, output = getattr(base, name), calls[0][3]
+        child, output = base.get_submodule(name), calls[0][3]
         if _rotary_table(output):
-            trace.rotary = child
+            trace.rotary = trace.rotary or child
+            rotary_tables.append(output)
         elif is_norm(child) and _same(calls[0][2], last_out) and _same(output, head_in):
             trace.final_norm = child
         elif isinstance(child, torch.nn.Embedding) and output.shape == seen["embed"].shape:
@@ -370,6 +381,8 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
             trace.positions, trace.position_offset, pos_out = child.weight, offsets[0], output
     if trace.final_norm is None:
         return "no final norm between the last layer and the head"
+    if any(not _same_tables(t, rotary_tables[0]) for t in rotary_tables[1:]):
+        return f"{len(rotary_tables)} rotary modules with tables of their own"
     first_in = seen["io"][0][1]
     embed_scale = scale_between(seen["embed"], first_in if pos_out is None else first_in - pos_out)
     softcap = getattr(model.config, "final_logit_softcapping", None)

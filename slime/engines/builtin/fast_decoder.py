@@ -15,9 +15,12 @@ rows that each stop at their own longest row (:func:`decode_segments`). Rows sta
 packed at the front: when rows finish, rows from the tail move into the holes (copying only
 those rows), so the caller must reorder its per-row state with the order ``select`` returns.
 
-Supported (`slime.engines.builtin.decoder_layers.hand_written_misfit`): ``model.model.{embed_tokens, layers, norm, rotary_emb}``
-+ ``model.lm_head``, layers of norm -> attention -> norm -> MLP, or Gemma's sandwich (norms around
-the MLP too). The attention may have separate or fused q/k/v projections (Phi-3), biases, q/k
+Supported (`slime.engines.builtin.decoder_layers.hand_written_misfit`): a token embedding (plus a
+learned position table or not), a list of layers, a final norm and a head, found by their place in
+one traced forward (`slime.engines.builtin.decoder_tree`: Llama's ``model.model`` tree and GPT-2's
+``transformer.h`` read alike), layers of norm -> attention -> norm -> MLP, or Gemma's sandwich
+(norms around the MLP too), or the MLP beside the attention (Cohere, GPT-NeoX). The attention may have separate or fused q/k/v projections (Phi-3, GPT-NeoX; ``nn.Linear`` or
+GPT-2's ``Conv1D``), biases, q/k
 norms per head (Qwen3) or over the whole projection (OLMoE), sliding windows on some or all
 layers, sinks (gpt-oss), soft-capping (Gemma 2), RoPE on part of each head (GLM-4.5) or from
 per-layer-type tables (Gemma 3), or be multi-head latent attention (DeepSeek-V2/V3). A norm that
@@ -26,8 +29,8 @@ it is gated (separate or fused gate/up) or a top-k routed MoE (a ``gate`` or ``r
 returning ``(logits, weights, indices)`` + ``experts`` with fused ``gate_up_proj``/``down_proj``,
 transposed or not, biases optional, activated by the experts' own ``_apply_gate``; optionally a
 sigmoid-gated shared expert as in Qwen2-MoE); any other MLP (grouped routing in GLM-4.5 and
-DeepSeek) runs as the model's own module. That covers the
-15 families of `benchmarks.families`. `slime.engines.builtin.generic_decoder.fast_decoder_for` checks
+DeepSeek) runs as the model's own module. That covers the 15 families of `benchmarks.families`
+and most others transformers ships (docs/engines.md). `slime.engines.builtin.generic_decoder.fast_decoder_for` checks
 the structure and then the numbers (logits against the model's own forward); other models take
 the generic fast path there (this cache and layout, the model's own modules), or the Hugging
 Face one. The router is called as a module, so forward hooks on it (the dashboard's
