@@ -199,6 +199,27 @@ def test_gpt2_style_trees_take_the_hand_written_layers_found_by_their_place_in_t
     assert got == want
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize(
+    "family,out_norm,gate",
+    [("bitnet", "attn_sub_norm", None), ("afmoe", None, "sigmoid"), ("laguna", None, "softplus")],
+)
+def test_a_norm_or_a_gate_between_the_attention_and_its_output_projection_is_found_and_computed(family, out_norm, gate):
+    """What the output projection reads, from the traced attention function's output: a norm of
+    the attention's own (BitNet), or the output scaled by a gate, one more projection of the
+    attention's input through a sigmoid (AFMoE) or a softplus (Laguna), which then is no q/k/v."""
+    model = tiny_model(family)
+    flow = trace_decoder(model).layers[0]
+    assert flow.out_norm == out_norm and len(flow.qkv) == 3
+    assert (flow.out_gate is None) == (gate is None)
+    assert gate is None or flow.gate_activation == gate
+    forward, got, want = engine_and_generate_tokens(model)
+    assert forward == "fast"
+    assert got == want
+    # MiniCPM5-MoE's gate comes out of its query projection: none of these; the generic path takes it.
+    assert "neither the attention's output nor a norm or gate" in trace_decoder(tiny_model("minicpm5_moe"))
+
+
 @pytest.mark.slow
 def test_every_buildable_family_on_a_fast_path_gives_generates_greedy_tokens():
     """Every family the installed transformers builds tiny: where the engine takes the hand-written

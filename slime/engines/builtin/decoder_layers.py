@@ -11,7 +11,15 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from slime.engines.builtin.decoder_tree import IDLE, LayerFlow, is_norm, read_linear, rms_parts, trace_decoder
+from slime.engines.builtin.decoder_tree import (
+    GATE_ACTIVATIONS,
+    IDLE,
+    LayerFlow,
+    is_norm,
+    read_linear,
+    rms_parts,
+    trace_decoder,
+)
 from slime.engines.builtin.rotary import rope, rope_pairs
 
 # Multi-head latent attention (DeepSeek-V2/V3): queries direct or through a low-rank pair, keys and
@@ -96,6 +104,9 @@ def swiglu_weights(mlp: torch.nn.Module) -> tuple | None:
     act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
     if not callable(act):
         return None
+    parts = {n for n, c in mlp.named_children() if not isinstance(c, IDLE)}
+    if parts - {"gate_proj", "up_proj", "gate_up_proj", "down_proj", "act_fn", "activation_fn"}:
+        return None  # something more in between (BitNet's ffn_sub_norm): the module runs itself
     act = None if is_silu(act) else act
     down = getattr(mlp, "down_proj", None)
     if not isinstance(down, torch.nn.Linear):
@@ -248,8 +259,13 @@ class LayerTensors:
             self.loose_norms = [
                 read_norm(child)
                 for name, child in attn.named_children()
-                if name not in ("q_norm", "k_norm") and is_norm(child)
+                if name not in ("q_norm", "k_norm", flow.out_norm) and is_norm(child)
             ]
+        # Between the attention and its output projection: a norm (BitNet), a gate (AFMoE, Laguna).
+        self.out_norm = None if flow.out_norm is None else read_norm(getattr(attn, flow.out_norm))
+        self.out_gate = None
+        if flow.out_gate is not None:
+            self.out_gate = (*read_linear(getattr(attn, flow.out_gate)), GATE_ACTIVATIONS[flow.gate_activation])
         self.qk_norm_per_head = any(
             n is not None and norm_size(n) == head_dim for n in (self.q_norm, self.k_norm, *self.loose_norms)
         )
@@ -344,7 +360,7 @@ def hand_written_misfit(model: torch.nn.Module) -> str | None:
                     f"layer {i}: attention with {len(flow.qkv)} linear maps of its input and "
                     f"{'no single' if flow.out is None else 'one'} output projection (one fused or three q/k/v expected)"
                 )
-            loose = parts - set(flow.qkv) - {flow.out, "q_norm", "k_norm"}
+            loose = parts - set(flow.qkv) - {flow.out, flow.out_norm, flow.out_gate, "q_norm", "k_norm"}
             if loose and not _loose_qk_norms(attn, loose, head_dim):
                 return f"attention parts {sorted(loose)}"
         own = {n for n, _ in attn.named_parameters(recurse=False)} - {"sinks"}

@@ -32,7 +32,8 @@ def _traced_attention(
 ):
     """Plain attention (eager's additive mask, logit soft-capping, sinks), recording which module
     called it and with which scale. query [B, heads, S, D], key/value [B, kv heads, L, D*]."""
-    _traced.calls.append((module, scaling))
+    call = [module, scaling, None]
+    _traced.calls.append(call)
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scores = (query.float() @ key.float().transpose(-1, -2)) * (
@@ -47,7 +48,9 @@ def _traced_attention(
         probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    return (probs.to(value.dtype) @ value).transpose(1, 2).contiguous(), None
+    out = (probs.to(value.dtype) @ value).transpose(1, 2).contiguous()
+    call[2] = out.clone()  # [B, S, heads, Dv]: what the output projection should read, or its input's source
+    return out, None
 
 
 AttentionInterface.register(_TRACE, _traced_attention)
@@ -146,6 +149,9 @@ class LayerFlow:
     out: str | None = None
     scaling: float | None = None
     mlp_chain: list[str] | None = None  # the MLP is these children of the layer (linear, activation, linear)
+    out_norm: str | None = None  # a norm between the attention function and the output projection
+    out_gate: str | None = None  # a gate on the attention's output: this linear map of its input
+    gate_activation: str = "sigmoid"  # ... through this (`GATE_ACTIVATIONS`)
 
 
 @dataclass
@@ -240,6 +246,44 @@ def _layer_flow(
     own_norm_beside = flow.mlp_in is not None and calls[flow.mlp_in][0] is x  # GPT-NeoX's parallel residual
     flow.parallel = m_in is a_in or own_norm_beside
     return flow if _replays(flow, calls, x_value, out) else "the layer's output is no residual sum of its traced parts"
+
+
+# What an output gate may apply to its projection before it scales the attention's output.
+GATE_ACTIVATIONS = {"sigmoid": torch.sigmoid, "softplus": F.softplus}
+
+
+def _output_path(flow: LayerFlow, attn: torch.nn.Module, parts: dict[str, tuple], attended: torch.Tensor) -> str | None:
+    """Between the attention function's output (``attended`` [S, heads * Dv]) and the output
+    projection: nothing, a norm of the attention's own (BitNet's ``attn_sub_norm``), or a gate, one
+    more linear map of the attention's input through a sigmoid or a softplus, over the whole output
+    or one per head (AFMoE, Laguna); the gate leaves ``flow.qkv``. None, or why the output
+    projection reads something else."""
+    o_in = parts[flow.out][2].reshape(attended.shape)
+    if torch.allclose(o_in, attended, rtol=1e-4, atol=1e-5):
+        return None
+    for name, (_, _, n_in, n_out) in parts.items():
+        module = getattr(attn, name)
+        if is_norm(module) and _close(n_in, attended) and _close(n_out, o_in):
+            flow.out_norm = name
+            return None
+    heads = attended.shape[-1] // getattr(attn, "head_dim", attended.shape[-1])
+    for name in flow.qkv:
+        gate_out = parts[name][3].reshape(attended.shape[0], -1).float()
+        if gate_out.shape[-1] not in (attended.shape[-1], heads):
+            continue
+        for act_name, act in GATE_ACTIVATIONS.items():
+            gate = act(gate_out)
+            if gate.shape[-1] != attended.shape[-1]:  # one gate per head, over its values
+                gate = gate.repeat_interleave(attended.shape[-1] // gate.shape[-1], dim=-1)
+            if _close(attended.float() * gate, o_in.float()):
+                flow.out_gate, flow.gate_activation = name, act_name
+                flow.qkv = [n for n in flow.qkv if n != name]
+                return None
+    return "the output projection reads neither the attention's output nor a norm or gate of it"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() == b.numel() and torch.allclose(a.reshape(b.shape).float(), b.float(), rtol=1e-4, atol=1e-5)
 
 
 def _mlp_chain(layer: torch.nn.Module, others: list[str], calls: dict[str, tuple]) -> list[str] | None:
@@ -346,7 +390,7 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
     for i, calls in enumerate(seen["layers"]):
         if any(len(c) != 1 for c in calls.values()):
             return f"layer {i} calls a part more than once"
-        module, scaling = attention_calls[i]
+        module, scaling, attended = attention_calls[i]
         attn = next((n for n, c in layers[i].named_children() if c is module or module in c.modules()), None)
         if attn not in calls:
             return f"layer {i}'s attention function is called from no child of the layer"
@@ -355,11 +399,15 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
             return f"layer {i}: {flow}"
         flow.scaling = None if scaling is None else float(scaling)
         a_in, attn_module = calls[attn][0][0], getattr(layers[i], attn)
-        parts = {n.split(".", 1)[1]: c[0][0] for n, c in seen["attn"][i].items() if n.startswith(f"{attn}.")}
+        parts = {n.split(".", 1)[1]: c[0] for n, c in seen["attn"][i].items() if n.startswith(f"{attn}.")}
         linear = {n for n in parts if read_linear(getattr(attn_module, n)) is not None}
-        flow.qkv = [n for n, p_in in parts.items() if n in linear and p_in is a_in]
-        outs = [n for n, p_in in parts.items() if n in linear and p_in is not a_in]
+        flow.qkv = [n for n, p in parts.items() if n in linear and p[0] is a_in]
+        outs = [n for n, p in parts.items() if n in linear and p[0] is not a_in]
         flow.out = outs[0] if len(outs) == 1 else None
+        if flow.out is not None and "kv_a_proj_with_mqa" not in parts:
+            reason = _output_path(flow, attn_module, parts, attended[0].flatten(-2))
+            if reason is not None:
+                return f"layer {i}: {reason}"
         trace.layers.append(flow)
     # Base parts besides the embedding and the layers: the final norm reads the last layer's output
     # and feeds the head; a position table adds to the embedding; a rotary module gives (cos, sin).

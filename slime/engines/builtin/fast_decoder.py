@@ -824,7 +824,12 @@ class FastDecoder:
             cos, sin = (pairs if L.rotary == "pairs" else tables)[L.layer_type if self.rotary_by_type else None]
             layer_in, h = x, apply_norm(x, L.attn_in)
             q, k, v = L.mla.qkv(h, cos, sin) if L.mla is not None else self._qkv(L, h, cos, sin)
-            att = F.linear(self._attend(i, step, q, k, v, L.scaling, L.window, L.softcap, L.sinks), L.wo, L.bo)
+            att = self._attend(i, step, q, k, v, L.scaling, L.window, L.softcap, L.sinks)
+            if L.out_norm is not None:
+                att = apply_norm(att, L.out_norm)
+            if L.out_gate is not None:
+                att = self._gated(att, h, *L.out_gate)
+            att = F.linear(att, L.wo, L.bo)
             x = self._residual_add(x, apply_norm(att, L.attn_out), L.flow.residual_scale)
             if L.flow.parallel:  # beside the attention: its input, or the layer's through a norm of its own
                 mlp_in = h if L.mlp_in is None else apply_norm(layer_in, L.mlp_in)
@@ -832,6 +837,15 @@ class FastDecoder:
                 mlp_in = apply_norm(x, L.mlp_in)
             x = self._residual_add(x, apply_norm(self._mlp(L, mlp_in), L.mlp_out), L.flow.residual_scale)
         return self._logits(x[step.last])
+
+    @staticmethod
+    def _gated(att: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act) -> torch.Tensor:
+        """The attention's output [S, heads * Dv] scaled by act(gate projection of its input), one
+        gate per value or per head."""
+        gate = act(F.linear(h, w, b).float()).to(att.dtype)
+        if gate.shape[-1] == att.shape[-1]:
+            return att * gate
+        return (att.view(att.shape[0], gate.shape[-1], -1) * gate[..., None]).view(att.shape)
 
     @staticmethod
     def _residual_add(x: torch.Tensor, branch: torch.Tensor, scale: float) -> torch.Tensor:
