@@ -34,7 +34,8 @@ _MLA_PARTS = {
     "kv_b_proj",
     "o_proj",
 }
-_ROUTED_PARTS = {"gate", "router", "experts", "shared_expert", "shared_expert_gate"}
+_SHARED = ("shared_expert", "shared_experts")  # Qwen2-MoE's name, GLM-4.5's and DeepSeek's
+_ROUTED_PARTS = {"gate", "router", "experts", "shared_expert", "shared_experts", "shared_expert_gate"}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -161,7 +162,8 @@ def routed_experts_fit(mlp: torch.nn.Module) -> bool:
         and tuple(down.shape[:2]) == (num, hidden)
         and biases_fit
         and activation_fits
-        and ("shared_expert" not in parts or swiglu_weights(getattr(mlp, "shared_expert", None)) is not None)
+        and all(name not in parts or swiglu_weights(getattr(mlp, name)) is not None for name in _SHARED)
+        and len(parts & set(_SHARED)) <= 1
     )
 
 
@@ -304,8 +306,9 @@ class LayerTensors:
             # The experts' own activation of [gate; up] (or gate/up interleaved, clamped: gpt-oss).
             self.apply_gate = getattr(experts, "_apply_gate", None)
             self.num_experts = int(self.gate_up.shape[0])
-            if getattr(mlp, "shared_expert", None) is not None:
-                self.shared = swiglu_weights(mlp.shared_expert)
+            shared = next((getattr(mlp, n) for n in _SHARED if getattr(mlp, n, None) is not None), None)
+            if shared is not None:  # one SwiGLU every token takes (Qwen2-MoE's gated, GLM-4.5's and DeepSeek's not)
+                self.shared = swiglu_weights(shared)
                 gate = getattr(mlp, "shared_expert_gate", None)
                 self.shared_gate = None if gate is None else (gate.weight, gate.bias)
         elif not hasattr(mlp, "experts") and (dense := swiglu_weights(mlp)) is not None:
