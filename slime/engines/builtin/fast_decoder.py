@@ -28,8 +28,8 @@ computes a plain RMSNorm is written out, any other runs as its module. The MLP i
 it is gated (separate or fused gate/up) or a top-k routed MoE (a ``gate`` or ``router`` module
 returning ``(logits, weights, indices)`` + ``experts`` with fused ``gate_up_proj``/``down_proj``,
 transposed or not, biases optional, activated by the experts' own ``_apply_gate``; optionally a
-sigmoid-gated shared expert as in Qwen2-MoE); any other MLP (grouped routing in GLM-4.5 and
-DeepSeek) runs as the model's own module. That covers the 15 families of `benchmarks.families`
+shared expert, sigmoid-gated as in Qwen2-MoE or not as in GLM-4.5 and DeepSeek); any other MLP
+runs as the model's own module. That covers the 15 families of `benchmarks.families`
 and most others transformers ships (docs/engines.md). `slime.engines.builtin.generic_decoder.fast_decoder_for` checks
 the structure and then the numbers (logits against the model's own forward); other models take
 the generic fast path there (this cache and layout, the model's own modules), or the Hugging
