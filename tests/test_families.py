@@ -63,10 +63,13 @@ def engine_and_generate_tokens(model, forward: str | None = None) -> tuple[str, 
 def test_post_norm_parallel_and_scaled_layers_take_the_hand_written_path_with_generates_tokens(family):
     """Post-norm (OLMo 2), parallel attention + MLP with a LayerNorm (Cohere), embedding /
     residual / logit scales off 1 (Granite, and its MoE under another name), norms under other
-    names (VaultGemma, Apertus): the hand-written layers, token for token `generate`."""
-    forward, got, want = engine_and_generate_tokens(tiny_model(family))
+    names (VaultGemma, Apertus): the hand-written layers, token for token `generate`; in bf16 too
+    (OLMo 2's rotary tables are float32: its queries and keys are cast back after the rotation)."""
+    model = tiny_model(family)
+    forward, got, want = engine_and_generate_tokens(model)
     assert forward == "fast"
     assert got == want
+    assert BuiltinEngine(model.to(torch.bfloat16), max_running_requests=4).health()["forward"] == "fast"
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -803,6 +803,8 @@ class FastDecoder:
         if L.rotary != "none":
             turn = rope_pairs if L.rotary == "pairs" else rope
             q, k = turn(q, cos, sin), turn(k, cos, sin)
+            if q.dtype != h.dtype:  # float32 tables (OLMo 2 rotates in float32, then casts back)
+                q, k = q.to(h.dtype), k.to(h.dtype)
         if L.qk_norm_per_head and L.qk_norm_after_rotary:
             q, k = apply_norm(q, L.q_norm), apply_norm(k, L.k_norm)
         return q, k, v
