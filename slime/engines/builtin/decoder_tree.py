@@ -24,7 +24,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 # Children that do nothing in eval.
 IDLE = (torch.nn.Dropout, torch.nn.Identity)
 _TRACE = "slime_trace"
-_traced = threading.local()  # .calls: (attention module, scaling) per attention-function call
+_traced = threading.local()  # .calls: [attention module, scaling, output] per attention-function call
 
 
 def _traced_attention(
