@@ -58,6 +58,14 @@ def engine_and_generate_tokens(model, forward: str | None = None) -> tuple[str, 
     return engine.health()["forward"], got, want
 
 
+def assert_hand_written_with_generates_tokens_and_in_bf16(model) -> None:
+    """The hand-written layers, token for token `generate` (float32), and still chosen in bf16."""
+    forward, got, want = engine_and_generate_tokens(model)
+    assert forward == "fast"
+    assert got == want
+    assert BuiltinEngine(model.to(torch.bfloat16), max_running_requests=4).health()["forward"] == "fast"
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("family", ["olmo2", "cohere", "granite", "granitemoe", "vaultgemma", "apertus"])
 def test_post_norm_parallel_and_scaled_layers_take_the_hand_written_path_with_generates_tokens(family):
@@ -65,11 +73,7 @@ def test_post_norm_parallel_and_scaled_layers_take_the_hand_written_path_with_ge
     residual / logit scales off 1 (Granite, and its MoE under another name), norms under other
     names (VaultGemma, Apertus): the hand-written layers, token for token `generate`; in bf16 too
     (OLMo 2's rotary tables are float32: its queries and keys are cast back after the rotation)."""
-    model = tiny_model(family)
-    forward, got, want = engine_and_generate_tokens(model)
-    assert forward == "fast"
-    assert got == want
-    assert BuiltinEngine(model.to(torch.bfloat16), max_running_requests=4).health()["forward"] == "fast"
+    assert_hand_written_with_generates_tokens_and_in_bf16(tiny_model(family))
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -197,11 +201,8 @@ def test_gpt2_style_trees_take_the_hand_written_layers_found_by_their_place_in_t
     if family == "opt":
         assert trace.position_offset == 2 and trace.layers[0].mlp_chain == ["fc1", "activation_fn", "fc2"]
         assert trace.layers[0].scaling == 1.0 and fast.layers[0].scaling == pytest.approx(fast.head_dim**-0.5)
-    forward, got, want = engine_and_generate_tokens(model)
-    assert forward == "fast"
-    assert got == want
     # In bf16 the trace compares within bf16's rounding (GPT-NeoX sums its branches in another order).
-    assert BuiltinEngine(model.to(torch.bfloat16), max_running_requests=4).health()["forward"] == "fast"
+    assert_hand_written_with_generates_tokens_and_in_bf16(model)
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -218,11 +219,9 @@ def test_a_norm_or_a_gate_between_the_attention_and_its_output_projection_is_fou
     assert flow.out_norm == out_norm and len(flow.qkv) == 3
     assert (flow.out_gate is None) == (gate is None)
     assert gate is None or flow.gate_activation == gate
-    forward, got, want = engine_and_generate_tokens(model)
-    assert forward == "fast"
-    assert got == want
+    assert_hand_written_with_generates_tokens_and_in_bf16(model)
     # In bf16 the closest gate wins, not the first within bf16's tolerance (AFMoE once took q_proj).
-    bf16 = FastDecoder(model.to(torch.bfloat16), 4, 64)
+    bf16 = FastDecoder(model, 4, 64)
     assert [L.flow.out_gate for L in bf16.layers] == [flow.out_gate] * len(bf16.layers)
     # MiniCPM5-MoE's gate comes out of its query projection: none of these; the generic path takes it.
     assert "neither the attention's output nor a norm or gate" in trace_decoder(tiny_model("minicpm5_moe"))
