@@ -227,6 +227,20 @@ def test_a_norm_or_a_gate_between_the_attention_and_its_output_projection_is_fou
     assert "neither the attention's output nor a norm or gate" in trace_decoder(tiny_model("minicpm5_moe"))
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_norm_before_the_first_layer_weightless_qk_norms_and_rope_turned_the_other_way_are_read_off_nanochat():
+    """nanochat: one norm module before the first layer and after the last, q/k norms without a
+    weight (per head or over the projection: the fit tries both), and a rotate_half that turns by
+    minus the angle."""
+    model = tiny_model("nanochat")
+    trace = trace_decoder(model)
+    assert trace.embed_norm is trace.final_norm is not None
+    fast = FastDecoder(model, 4, 64)
+    fast.fit_attention(attention_inputs(model, fast.attention_modules))
+    assert {(L.rotary_sign, L.qk_norm_per_head, L.qk_norm_after_rotary) for L in fast.layers} == {(-1, True, True)}
+    assert_hand_written_with_generates_tokens_and_in_bf16(model)
+
+
 @pytest.mark.slow
 def test_every_buildable_family_on_a_fast_path_gives_generates_greedy_tokens():
     """Every family the installed transformers builds tiny: where the engine takes the hand-written

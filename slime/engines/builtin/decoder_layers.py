@@ -68,8 +68,10 @@ def apply_norm(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
     return rms_norm(x, *norm) if isinstance(norm, tuple) else norm(x)
 
 
-def norm_size(norm: Norm) -> int:
-    return int((norm[0] if isinstance(norm, tuple) else norm.weight).numel())
+def norm_size(norm: Norm) -> int | None:
+    """How many features the norm's weight scales (None: it has none, as nanochat's)."""
+    weight = norm[0] if isinstance(norm, tuple) else getattr(norm, "weight", None)
+    return None if weight is None else int(weight.numel())
 
 
 def is_silu(act: object) -> bool:
@@ -268,13 +270,15 @@ class LayerTensors:
         self.out_gate = None
         if flow.out_gate is not None:
             self.out_gate = (*read_linear(getattr(attn, flow.out_gate)), GATE_ACTIVATIONS[flow.gate_activation])
-        self.qk_norm_per_head = any(
-            n is not None and norm_size(n) == head_dim for n in (self.q_norm, self.k_norm, *self.loose_norms)
-        )
+        qk_norms = [n for n in (self.q_norm, self.k_norm, *self.loose_norms) if n is not None]
+        self.qk_norm_per_head = any(norm_size(n) == head_dim for n in qk_norms)
+        # Norms without a weight (nanochat) say nothing of their scope: fit_attention tries both.
+        self.qk_norm_scope_unknown = bool(qk_norms) and all(norm_size(n) is None for n in qk_norms)
         # Set by FastDecoder.fit_attention from the model: RoPE's mode (ROTARY_MODES), q/k norms
         # before the rotation (Qwen3) or after it (HunYuan), the scale on the values.
         self.rotary = "pairs" if self.mla is not None and self.mla.interleaved else "halves"
         self.qk_norm_after_rotary = False
+        self.rotary_sign = 1  # -1: RoPE turns by minus the angle (nanochat)
         self.v_scale = 1.0
         # The scale the attention hands its attention function; fit_attention folds in a scale the
         # model puts on its queries before (OPT).

@@ -158,8 +158,8 @@ class LayerFlow:
 class DecoderTrace:
     """A decoder's parts and data flow: each layer's `LayerFlow`, the token embedding, a learned
     position table (and the index of position 0 in it) if the model adds one, the layer list, the
-    rotary module (None: no RoPE), the final norm and the head; the scale between the embedding
-    (plus positions) and the first layer (Granite's embedding_multiplier) and between the head and
+    rotary module (None: no RoPE), the final norm and the head, a norm before the first layer if
+    any; the scale between the embedding (plus positions) and the first layer (or its norm) (Granite's embedding_multiplier) and between the head and
     the logits."""
 
     layers: list[LayerFlow] = field(default_factory=list)
@@ -172,6 +172,7 @@ class DecoderTrace:
     rotary: torch.nn.Module | None = None
     final_norm: torch.nn.Module | None = None
     head: torch.nn.Module | None = None
+    embed_norm: torch.nn.Module | None = None  # a norm between the embedding and the first layer (nanochat)
 
 
 def _rotary_table(output: object) -> bool:
@@ -431,14 +432,19 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
     last_out = seen["io"][len(layers) - 1][2]
     head_in, head_out = seen["head"]
     pos_out = None
-    rotary_tables = []
+    rotary_tables, embed_norm_in = [], None
     for name, calls in seen["base"].items():
         child, output = base.get_submodule(name), calls[0][3]
         if _rotary_table(output):
             trace.rotary = trace.rotary or child
             rotary_tables.append(output)
-        elif is_norm(child) and _same(calls[0][2], last_out) and _same(output, head_in):
-            trace.final_norm = child
+        elif is_norm(child):  # the final norm; and a norm before the first layer (nanochat: the same module)
+            first_in = seen["io"][0][1]
+            for _, _, n_in, n_out in calls:
+                if _same(n_in, last_out) and _same(n_out, head_in):
+                    trace.final_norm = child
+                elif _same(n_out, first_in):
+                    trace.embed_norm, embed_norm_in = child, n_in
         elif isinstance(child, torch.nn.Embedding) and output.shape == seen["embed"].shape:
             offsets = [k for k in range(4) if torch.equal(child.weight[k : k + output.shape[1]], output[0])]
             if not offsets:
@@ -448,7 +454,7 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
         return "no final norm between the last layer and the head"
     if any(not _same_tables(t, rotary_tables[0]) for t in rotary_tables[1:]):
         return f"{len(rotary_tables)} rotary modules with tables of their own"
-    first_in = seen["io"][0][1]
+    first_in = seen["io"][0][1] if trace.embed_norm is None else embed_norm_in
     embed_scale = scale_between(seen["embed"], first_in if pos_out is None else first_in - pos_out)
     softcap = getattr(model.config, "final_logit_softcapping", None)
     logit_scale = scale_between(head_out if softcap is None else torch.tanh(head_out / softcap) * softcap, logits)

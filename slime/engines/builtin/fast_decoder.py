@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -196,6 +197,7 @@ class FastDecoder:
         # (Granite's embedding_multiplier and logits_scaling), read off a traced forward.
         self.embed_multiplier, self.logit_scale = trace.embed_scale, trace.logit_scale
         self.final_norm = read_norm(trace.final_norm)
+        self.embed_norm = None if trace.embed_norm is None else read_norm(trace.embed_norm)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rotary = trace.rotary  # None: no RoPE (GPT-2's learned positions)
         # Rotary tables per attention type (Gemma 3: another base for local layers), else one.
@@ -238,6 +240,7 @@ class FastDecoder:
         if not captured:
             return
         first = next(iter(captured.values()))[0]
+        mode_signs = self.rotary is not None
         if self.rotary is None:
             tables, modes = {None: (None, None)}, ("none",)
         else:
@@ -266,8 +269,12 @@ class FastDecoder:
             for order in self._qkv_readings(L, h, v_model):
                 if order is not None:
                     (L.wq, L.bq), (L.wk, L.bk), (L.wv, L.bv) = order
-                for mode in modes:
+                scopes = (False, True) if L.qk_norm_scope_unknown else [None]
+                for mode, per_head, sign in itertools.product(modes, scopes, (1, -1) if mode_signs else (1,)):
                     cos_sin = pair_tables(*table, self.rotary_table_layout) if mode == "pairs" else table
+                    L.rotary_sign = sign  # -1: the model turns the other way (nanochat's rotate_half)
+                    if per_head is not None:
+                        L.qk_norm_per_head = per_head
                     for after in (False, True) if has_norms else (False,):
                         L.rotary, L.qk_norm_after_rotary = mode, after
                         q_errors, k_errors = [], []  # per candidate: queries depend on q_norm only, keys on k_norm
@@ -281,8 +288,19 @@ class FastDecoder:
                         q_best, k_best = int(np.argmin(q_errors)), int(np.argmin(k_errors))
                         error = max(q_errors[q_best], k_errors[k_best])
                         if error < best[0]:  # ties: the first (halves, norms before RoPE)
-                            best = (error, order, mode, after, q_norms[q_best], k_norms[k_best], q_scales[q_best])
-            _, order, L.rotary, L.qk_norm_after_rotary, L.q_norm, L.k_norm, q_scale = best
+                            chosen = (q_norms[q_best], k_norms[k_best], q_scales[q_best], L.qk_norm_per_head, sign)
+                            best = (error, order, mode, after, *chosen)
+            (
+                _,
+                order,
+                L.rotary,
+                L.qk_norm_after_rotary,
+                L.q_norm,
+                L.k_norm,
+                q_scale,
+                L.qk_norm_per_head,
+                L.rotary_sign,
+            ) = best
             L.scaling = L.attention_scaling * q_scale  # the same scores: (s q) . k * a = q . k * (s a)
             if order is not None:
                 (L.wq, L.bq), (L.wk, L.bk), (L.wv, L.bv) = order
@@ -802,6 +820,8 @@ class FastDecoder:
             q, k = apply_norm(q, L.q_norm), apply_norm(k, L.k_norm)
         if L.rotary != "none":
             turn = rope_pairs if L.rotary == "pairs" else rope
+            if L.rotary_sign < 0:
+                sin = -sin
             q, k = turn(q, cos, sin), turn(k, cos, sin)
             if q.dtype != h.dtype:  # float32 tables (OLMo 2 rotates in float32, then casts back)
                 q, k = q.to(h.dtype), k.to(h.dtype)
@@ -818,6 +838,8 @@ class FastDecoder:
             x = x * self.embed_multiplier
         if self.positions is not None:
             x = x + F.embedding(step.pos + self.position_offset, self.positions)
+        if self.embed_norm is not None:
+            x = apply_norm(x, self.embed_norm)
         tables = self._rotary_tables(x, step.pos)
         pairs = (
             {kind: pair_tables(*t, self.rotary_table_layout) for kind, t in tables.items()} if self.any_pairs else {}
