@@ -234,11 +234,8 @@ class LayerTensors:
         self.loose_norms: list[Norm] = []
         self.q_norm = self.k_norm = None
         if self.mla is not None:
-            self.kv_shape = (
-                heads,
-                self.mla.nope + self.mla.rope,
-                self.mla.v_dim,
-            )  # cached (kv heads, key dim, value dim)
+            # cached per position: (kv heads, key dim, value dim)
+            self.kv_shape = (heads, self.mla.nope + self.mla.rope, self.mla.v_dim)
             self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
         else:
             projections = [read_linear(getattr(attn, name)) for name in flow.qkv]

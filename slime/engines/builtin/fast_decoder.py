@@ -19,9 +19,9 @@ Supported (`slime.engines.builtin.decoder_layers.hand_written_misfit`): a token 
 learned position table or not), a list of layers, a final norm and a head, found by their place in
 one traced forward (`slime.engines.builtin.decoder_tree`: Llama's ``model.model`` tree and GPT-2's
 ``transformer.h`` read alike), layers of norm -> attention -> norm -> MLP, or Gemma's sandwich
-(norms around the MLP too), or the MLP beside the attention (Cohere, GPT-NeoX). The attention may have separate or fused q/k/v projections (Phi-3, GPT-NeoX; ``nn.Linear`` or
-GPT-2's ``Conv1D``), biases, q/k
-norms per head (Qwen3) or over the whole projection (OLMoE), sliding windows on some or all
+(norms around the MLP too), or the MLP beside the attention (Cohere, GPT-NeoX). The attention may
+have separate or fused q/k/v projections (Phi-3, GPT-NeoX; ``nn.Linear`` or GPT-2's ``Conv1D``),
+biases, q/k norms per head (Qwen3) or over the whole projection (OLMoE), sliding windows on some or all
 layers, sinks (gpt-oss), soft-capping (Gemma 2), RoPE on part of each head (GLM-4.5) or from
 per-layer-type tables (Gemma 3), or be multi-head latent attention (DeepSeek-V2/V3). A norm that
 computes a plain RMSNorm is written out, any other runs as its module. The MLP is written out when
@@ -318,7 +318,10 @@ class FastDecoder:
         if L.fused is not None:
             for layout in ("contiguous", "per_head"):
                 L.fused = layout
-                v = self._qkv(L, h, None, None, values_only=True)
+                try:
+                    v = self._qkv(L, h, None, None, values_only=True)
+                except RuntimeError:  # the projection's size does not split this way
+                    continue
                 if v.shape == v_model.shape and scale_between(v, v_model) is not None:
                     break
             else:
@@ -492,7 +495,9 @@ class FastDecoder:
         """Whether the rotary module gives (sin, cos): at position 0 the sines are 0, the cosines 1."""
         if self.rotary is None:
             return False
-        extra = ("full_attention",) if self.rotary_by_type else ()
+        extra = (
+            ((getattr(self.model.config, "layer_types", None) or ["full_attention"])[0],) if self.rotary_by_type else ()
+        )
         pos = torch.zeros(1, 1, dtype=torch.long, device=self.embed.device)
         table = self.rotary(self.embed[None, :1], pos, *extra)
         if not isinstance(table, tuple):
