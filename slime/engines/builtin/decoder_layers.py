@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from slime.engines.builtin.decoder_tree import (
     GATE_ACTIVATIONS,
     IDLE,
+    DecoderTrace,
     LayerFlow,
     is_norm,
     read_linear,
@@ -327,7 +328,7 @@ def _loose_qk_norms(attn: torch.nn.Module, loose: set[str], head_dim: int) -> bo
     return all(is_norm(part := getattr(attn, n)) and norm_size(read_norm(part)) == head_dim for n in loose)
 
 
-def hand_written_misfit(model: torch.nn.Module) -> str | None:
+def hand_written_misfit(model: torch.nn.Module, trace: DecoderTrace | None = None) -> str | None:
     """Why this model cannot take the hand-written layers, or None. They fit any decoder whose
     layers are attention (separate or fused q/k/v projections, nn.Linear or GPT-2's Conv1D,
     optional q/k norms, biases, sliding windows, sinks, partial RoPE or none, learned absolute
@@ -343,7 +344,7 @@ def hand_written_misfit(model: torch.nn.Module) -> str | None:
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not types <= {"full_attention", "sliding_attention"}:
         return f"attention layer types {sorted(types)}"
-    trace = trace_decoder(model)
+    trace = trace_decoder(model) if trace is None else trace  # ``trace``: the model's, already taken
     if isinstance(trace, str):
         return trace
     try:

@@ -64,7 +64,7 @@ from slime.engines.builtin.decoder_layers import (
     silu_gate,
     swiglu,
 )
-from slime.engines.builtin.decoder_tree import scale_between, trace_decoder
+from slime.engines.builtin.decoder_tree import DecoderTrace, scale_between, trace_decoder
 from slime.engines.builtin.rotary import ROTARY_MODES, pair_tables, rope, rope_pairs
 
 log = logging.getLogger(__name__)
@@ -179,14 +179,22 @@ class FastDecoder:
     """Batched prefill/decode over a slot KV cache; rows are appended by ``prefill`` and removed
     by ``select``. Call under ``torch.inference_mode()``."""
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int, rope_half_split: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_rows: int,
+        max_len: int,
+        rope_half_split: bool = False,
+        trace: DecoderTrace | None = None,
+    ):
         """``rope_half_split``: the rotary tables cover half a head and rotate the two halves of
         every head (gpt-oss), rather than only the first half of it (a partial rotary, GLM-4.5);
-        the two read alike from the tables, so `fast_decoder_for` lets the logit check pick."""
+        the two read alike from the tables, so `fast_decoder_for` lets the logit check pick.
+        ``trace``: the model's `trace_decoder`, where the caller has taken it already."""
         config = model.config
         self.rope_half_split = rope_half_split
         self.model = model
-        trace = trace_decoder(model)
+        trace = trace_decoder(model) if trace is None else trace  # ``trace``: the model's, already taken
         if isinstance(trace, str):
             raise ValueError(trace)
         self.embed = trace.embed.weight

@@ -24,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from slime.engines.builtin.decoder_layers import hand_written_misfit
-from slime.engines.builtin.decoder_tree import attention_implementation
+from slime.engines.builtin.decoder_tree import DecoderTrace, attention_implementation, trace_decoder
 from slime.engines.builtin.fast_decoder import FastDecoder, StepLayout
 from slime.engines.builtin.start_check import agrees_with_model
 
@@ -162,11 +162,11 @@ class GenericDecoder(FastDecoder):
 
 
 def _checked_hand_written(
-    model: torch.nn.Module, max_rows: int, max_len: int, rope_half_split: bool
+    model: torch.nn.Module, max_rows: int, max_len: int, rope_half_split: bool, trace: DecoderTrace | None = None
 ) -> tuple[FastDecoder | None, str | None]:
     """The hand-written layers over ``model`` and why their logits disagree with it (None: they agree)."""
     try:
-        fast = FastDecoder(model, max_rows, max_len, rope_half_split=rope_half_split)
+        fast = FastDecoder(model, max_rows, max_len, rope_half_split=rope_half_split, trace=trace)
         with fast.loose_norms_told_apart():
             fast.fit_attention(
                 attention_inputs(model, fast.attention_modules)
@@ -186,12 +186,13 @@ def fast_decoder_for(
     ``hand_written``), else the model's own modules over the cached attention; None (the reasons
     logged) when neither agrees with the model's forward."""
     reasons = []
-    reason = hand_written_misfit(model) if hand_written else "not asked for"
+    trace = trace_decoder(model) if hand_written else "not asked for"  # one trace serves every check below
+    reason = trace if isinstance(trace, str) else hand_written_misfit(model, trace)
     if reason is None:
-        fast, reason = _checked_hand_written(model, max_rows, max_len, rope_half_split=False)
+        fast, reason = _checked_hand_written(model, max_rows, max_len, rope_half_split=False, trace=trace)
         if reason is not None and fast is not None and fast.rotary_dim() * 2 == fast.head_dim:
             # A rotary table of half a head reads two ways (FastDecoder): try the other one.
-            fast, reason = _checked_hand_written(model, max_rows, max_len, rope_half_split=True)
+            fast, reason = _checked_hand_written(model, max_rows, max_len, rope_half_split=True, trace=trace)
         if reason is None:
             log.info("built-in engine: hand-written fast path (%s)", model.config.model_type)
             return fast
