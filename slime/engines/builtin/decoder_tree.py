@@ -27,11 +27,26 @@ _TRACE = "slime_trace"
 _traced = threading.local()  # .calls: [attention module, scaling, output] per attention-function call
 
 
+def attention_softmax(
+    scores: torch.Tensor, bias: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(scores + bias) over the last dim, with logit soft-capping and attention sinks: the
+    hand-written layers' attention, the packed learner's, and the trace's below."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype)[..., None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def _traced_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None, **kwargs
 ):
     """Plain attention (eager's additive mask, logit soft-capping, sinks), recording which module
-    called it and with which scale. query [B, heads, S, D], key/value [B, kv heads, L, D*]."""
+    called it, with which scale, and what it returned. query [B, heads, S, D], key/value [B, kv
+    heads, L, D*]."""
     call = [module, scaling, None]
     _traced.calls.append(call)
     group = query.shape[1] // key.shape[1]
@@ -39,15 +54,8 @@ def _traced_attention(
     scores = (query.float() @ key.float().transpose(-1, -2)) * (
         scaling if scaling is not None else query.shape[-1] ** -0.5
     )
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        scores = scores + attention_mask[..., : key.shape[-2]].float()
-    if s_aux is not None:
-        sinks = s_aux.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
+    mask = 0.0 if attention_mask is None else attention_mask[..., : key.shape[-2]].float()
+    probs = attention_softmax(scores, mask, softcap, None if s_aux is None else s_aux.float().view(-1, 1))
     out = (probs.to(value.dtype) @ value).transpose(1, 2).contiguous()
     call[2] = out.clone()  # [B, S, heads, Dv]: what the output projection should read, or its input's source
     return out, None
@@ -293,11 +301,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     another order: GPT-NeoX adds its two branches to the residual at once)."""
     if a.numel() != b.numel():
         return False
-    a, b, wide = (
-        a.reshape(b.shape),
-        b,
-        a.dtype in (torch.float32, torch.float64) and b.dtype in (torch.float32, torch.float64),
-    )
+    a, wide = a.reshape(b.shape), {a.dtype, b.dtype} <= {torch.float32, torch.float64}
     if wide:
         return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     scale = float(b.float().abs().max())  # bf16's error is relative to the tensor's size

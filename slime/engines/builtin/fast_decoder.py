@@ -64,7 +64,7 @@ from slime.engines.builtin.decoder_layers import (
     silu_gate,
     swiglu,
 )
-from slime.engines.builtin.decoder_tree import DecoderTrace, scale_between, trace_decoder
+from slime.engines.builtin.decoder_tree import DecoderTrace, attention_softmax, scale_between, trace_decoder
 from slime.engines.builtin.rotary import ROTARY_MODES, pair_tables, rope, rope_pairs
 
 log = logging.getLogger(__name__)
@@ -150,19 +150,6 @@ class StepLayout:
     # Rows grown after their cached tokens (`FastDecoder.extend`): (row, flat start, tokens, cached length).
     extends: list[tuple[int, int, int, int]] = field(default_factory=list)
     masks: dict = field(default_factory=dict)  # (kind, window, dtype) -> additive mask, built once per step
-
-
-def attention_softmax(
-    scores: torch.Tensor, bias: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None
-) -> torch.Tensor:
-    """softmax(scores + bias) over the last dim, with logit soft-capping and attention sinks."""
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores + bias
-    if sinks is None:
-        return torch.softmax(scores, dim=-1)
-    sink = sinks.to(scores.dtype)[..., None].expand(*scores.shape[:-1], 1)
-    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def _query_scale(q: torch.Tensor, q_model: torch.Tensor) -> float:

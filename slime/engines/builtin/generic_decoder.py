@@ -167,10 +167,8 @@ def _checked_hand_written(
     """The hand-written layers over ``model`` and why their logits disagree with it (None: they agree)."""
     try:
         fast = FastDecoder(model, max_rows, max_len, rope_half_split=rope_half_split, trace=trace)
-        with fast.loose_norms_told_apart():
-            fast.fit_attention(
-                attention_inputs(model, fast.attention_modules)
-            )  # RoPE on halves or pairs, or none, per layer
+        with fast.loose_norms_told_apart():  # then each layer's rotation, norms and scales off the model
+            fast.fit_attention(attention_inputs(model, fast.attention_modules))
     except Exception as exc:  # an unexpected module layout
         return None, f"{type(exc).__name__}: {exc}"
     try:
