@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -12,6 +13,9 @@ from slime.buffer.store import TrajectoryStore
 from slime.config import ModelConfig, WarmstartConfig
 from slime.model import ensure_model_dir
 from slime.sample import new_id
+from tests.helpers import run_benchmark_smoke, run_slime_chaos
+
+SUBPROCESS_CHECKS_AT_ONCE = 4
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +63,28 @@ def ray_session() -> Iterator[None]:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     yield
     ray.shutdown()
+
+
+def _selected_subprocess_checks(items: list[pytest.Item]) -> dict[str, Callable[[], tuple]]:
+    """The long subprocess runs of the selected, unskipped tests: `slime chaos` (the longest, first)
+    and each benchmark's `--smoke` (tests/test_benchmarks.py)."""
+    checks: dict[str, Callable[[], tuple]] = {}
+    for item in items:
+        if any(m.name == "skipif" and m.args and m.args[0] for m in item.iter_markers()):
+            continue
+        if item.name == "test_slime_chaos_on_its_defaults_runs_to_a_clean_audit":
+            checks = {"chaos": run_slime_chaos, **checks}
+        elif getattr(item, "originalname", None) == "test_benchmark_smoke":
+            name = item.callspec.params["name"]
+            checks[f"smoke:{name}"] = lambda name=name: run_benchmark_smoke(name)
+    return checks
+
+
+@pytest.fixture(scope="session")
+def subprocess_checks(request: pytest.FixtureRequest) -> Iterator[dict[str, Future]]:
+    """The selected tests' long subprocess runs, started together at the first one's request,
+    SUBPROCESS_CHECKS_AT_ONCE at a time. They spend much of their time starting Python, Ray or a
+    redis-server, or waiting out a fault's timeout, so they overlap well on two cores (the suite's
+    time: README). A test reads its run's future: (CompletedProcess, wall seconds)."""
+    with ThreadPoolExecutor(SUBPROCESS_CHECKS_AT_ONCE) as pool:
+        yield {key: pool.submit(run) for key, run in _selected_subprocess_checks(request.session.items).items()}

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,3 +82,37 @@ def drive_engine(engine, reqs, until=None, timeout=60.0) -> dict[str, dict]:
         if until is not None and until(out):
             break
     return out
+
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE_TIMEOUT_S = 400  # the slowest smoke takes about half a minute alone on 2 cores, longer beside others
+
+
+def run_benchmark_smoke(name: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`python benchmarks/NAME.py --smoke`: the finished process and its wall seconds."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, f"benchmarks/{name}.py", "--smoke"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT_S,
+    )
+    return proc, time.monotonic() - started
+
+
+def run_slime_chaos() -> tuple[subprocess.CompletedProcess, float]:
+    """`slime chaos` with no arguments, as a new user types it, in a fresh working directory."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime.cli", "chaos"],
+        cwd=tempfile.mkdtemp(prefix="slime-chaos-test-"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    return proc, time.monotonic() - started

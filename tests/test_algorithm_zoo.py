@@ -411,6 +411,9 @@ SMALL = [
     "data.num_generated=64",
     "logging.progress=false",
     "weights.check_every=1",
+    # The algorithms run in the learner, the same code under either launcher; local spares each job
+    # its actor processes. The Ray path: tests/test_train_e2e.py.
+    "cluster.launcher=local",
 ]
 EXPECTED_METRICS = {
     "gspo": {"seq_ratio_mean", "seq_ratio_max", "seq_clipfrac"},
@@ -424,7 +427,7 @@ EXPECTED_METRICS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
-def test_two_step_job(ray_session, tiny_model_dir, redis_url, tmp_path, name: str) -> None:
+def test_two_step_job(tiny_model_dir, redis_url, tmp_path, name: str) -> None:
     job = f"zoo-e2e-{name}"
     kl = ["algorithm.kl_coef=0.01"] if name.startswith("reinforce_pp") else []
     history = train(

@@ -11,23 +11,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import needs
+from tests.helpers import needs, run_benchmark_smoke
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = {"__init__", "families", "gain", "models", "spread"}  # imported by the benchmarks, not run
 BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem not in HELPERS)
-TIMEOUT_S = 400  # the slowest smoke takes about a minute alone on 2 busy cores
-SMOKES_AT_ONCE = 3
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MARKS = {
@@ -48,38 +41,11 @@ def test_helpers_exist() -> None:
     assert len(BENCHMARKS) >= 10, BENCHMARKS
 
 
-def _run_smoke(name: str) -> tuple[subprocess.CompletedProcess, float]:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, f"benchmarks/{name}.py", "--smoke"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    return proc, time.monotonic() - started
-
-
-@pytest.fixture(scope="session")
-def smoke_runs(request) -> Iterator[dict[str, Future]]:
-    """Every selected smoke, SMOKES_AT_ONCE at a time from the first one's start: a smoke spends much
-    of its time starting Python, Ray or a redis-server, so three overlap well on two cores."""
-    selected = [
-        item.callspec.params["name"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_benchmark_smoke"
-        and not any(m.name == "skipif" and m.args and m.args[0] for m in item.iter_markers())
-    ]
-    with ThreadPoolExecutor(SMOKES_AT_ONCE) as pool:
-        yield {name: pool.submit(_run_smoke, name) for name in selected}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(b, marks=MARKS.get(b, [])) for b in BENCHMARKS])
-def test_benchmark_smoke(name: str, smoke_runs: dict[str, Future]) -> None:
-    proc, wall = smoke_runs[name].result() if name in smoke_runs else _run_smoke(name)
+def test_benchmark_smoke(name: str, subprocess_checks: dict[str, Future]) -> None:
+    key = f"smoke:{name}"  # run beside the other long subprocess checks (tests/conftest.py)
+    proc, wall = subprocess_checks[key].result() if key in subprocess_checks else run_benchmark_smoke(name)
     tail = f"\n--- stdout (end) ---\n{proc.stdout[-3000:]}\n--- stderr (end) ---\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"{name} --smoke exited {proc.returncode} after {wall:.0f} s{tail}"
     lines = proc.stdout.strip().splitlines()

@@ -6,10 +6,12 @@ duplicated."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 
 import pytest
 
 from slime.tools.chaos import FAULTS, plan, run
+from tests.helpers import run_slime_chaos
 
 KINDS = list(FAULTS)
 
@@ -34,20 +36,13 @@ def test_unknown_faults_and_a_shared_buffer_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_slime_chaos_on_its_defaults_runs_to_a_clean_audit(tmp_path):
+def test_slime_chaos_on_its_defaults_runs_to_a_clean_audit(subprocess_checks: dict[str, Future]) -> None:
     """`slime chaos` with no arguments, as a new user types it: the default job, every fault kind
     once (the reward actor's with reward.mode=ray_actor, picked and said), each recovered by the job
     itself, audited clean (nothing lost or duplicated), exit 0."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run(
-        [sys.executable, "-m", "slime.cli", "chaos"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
-    )
+    done, _ = (
+        subprocess_checks["chaos"].result() if "chaos" in subprocess_checks else run_slime_chaos()
+    )  # run beside the other long subprocess checks (tests/conftest.py)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     assert "running with reward.mode=ray_actor" in done.stdout
     assert "\nclean\n" in done.stdout

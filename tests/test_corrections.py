@@ -638,6 +638,9 @@ E2E = [
     "steps=2",
     "april.enabled=true",
     "april.oversample=2",
+    # The corrections run in the learner, the same code under either launcher; local spares each
+    # of the eleven jobs its actor processes (~4 s apiece). The Ray path: tests/test_train_e2e.py.
+    "cluster.launcher=local",
 ]
 OFFPOLICY = ("offpolicy_ratio_mean", "offpolicy_ratio_max", "offpolicy_masked_share", "offpolicy_clipped_share")
 KIND_COUNTS = ("mismatch_fresh_tokens", "mismatch_resumed_tokens", "mismatch_stale_tokens")
@@ -645,7 +648,7 @@ KIND_COUNTS = ("mismatch_fresh_tokens", "mismatch_resumed_tokens", "mismatch_sta
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_april_job_trains_with_each_correction(ray_session, tiny_model_dir, redis_url, tmp_path, name):
+def test_april_job_trains_with_each_correction(tiny_model_dir, redis_url, tmp_path, name):
     job = f"corr-e2e-{name}"
     overrides = [f"job_name={job}", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", f"buffer.url={redis_url}"]
     try:

@@ -74,7 +74,7 @@ def test_replica_acknowledgement_that_cannot_be_met_names_the_cause(cluster: Loc
 
 
 @pytest.mark.slow
-def test_a_job_trains_on_the_cluster(ray_session, cluster: LocalRedisCluster, tiny_model_dir, tmp_path: Path) -> None:
+def test_a_job_trains_on_the_cluster(cluster: LocalRedisCluster, tiny_model_dir, tmp_path: Path) -> None:
     from slime.train import train
 
     job = "on-cluster"
@@ -91,6 +91,7 @@ def test_a_job_trains_on_the_cluster(ray_session, cluster: LocalRedisCluster, ti
                 *APRIL_SMALL_JOB,  # over-provisioned: aborted partials resumed through the cluster
                 "steps=2",
                 "rollout.max_new_tokens=16",
+                "cluster.launcher=local",  # the same buffer clients as under Ray, without actor processes
             ],
         )
     )

@@ -478,7 +478,9 @@ def test_the_jobs_own_ray_refuses_clients_without_its_token(tmp_path):
                 timeout=120,
             )
 
-        refused = client({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 43})  # a guess (no token: the same)
+        # A guess (no token: the same). Ray retries a refused connection once a second, 20 times by
+        # default; two tries show the refusal as well.
+        refused = client({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 43, "RAY_NUM_REDIS_GET_RETRIES": "2"})
         assert refused.returncode != 0 and "RAN" not in refused.stdout
         honest = client({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": creds.token("ray")})
         assert "RAN 42" in honest.stdout, honest.stderr[-2000:]

@@ -130,7 +130,7 @@ def test_streaming_job_trains_unfinished_trajectories(ray_session, tiny_model_di
 
 @pytest.mark.timeout(300)
 def test_streaming_job_with_uneven_lengths_never_waits_for_segments_that_cannot_come(
-    ray_session, tiny_model_dir, redis_url, tmp_path
+    tiny_model_dir, redis_url, tmp_path
 ):
     """Responses end at EOS (uneven lengths): once every group in flight has finished generating,
     fewer segments than a full step may be left; the step trains them instead of waiting forever
@@ -153,6 +153,7 @@ def test_streaming_job_with_uneven_lengths_never_waits_for_segments_that_cannot_
                 "algorithm.name=ppo",
                 "april.streaming_chunk_tokens=8",
                 "steps=6",
+                "cluster.launcher=local",  # the streaming loop is the driver's (both launchers: above)
             ],
         )
     )

@@ -69,7 +69,7 @@ def test_sync_grpo_trains_checkpoints_and_resumes(ray_session, tiny_model_dir, r
     buffer.delete_job()
 
 
-def test_a_long_job_prunes_old_trained_trajectories_and_resumes(ray_session, tiny_model_dir, redis_url, tmp_path):
+def test_a_long_job_prunes_old_trained_trajectories_and_resumes(tiny_model_dir, redis_url, tmp_path):
     """buffer.keep_trained_steps=1 with a checkpoint every step: after step s only the groups trained
     at step s keep their trajectories; counts stay whole, and a resume goes on from the pruned buffer."""
     job = "e2e-prune"
@@ -82,6 +82,7 @@ def test_a_long_job_prunes_old_trained_trajectories_and_resumes(ray_session, tin
         "checkpoint.every_steps=1",
         "buffer.keep_trained_steps=1",
         "april.enabled=true",
+        "cluster.launcher=local",  # pruning is the buffer's and the driver's: no actor processes needed
     ]
     train(load_config(None, [*common, "steps=3"]))
     history = train(load_config(None, [*common, "steps=4", "resume=auto"]))
