@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from benchmarks.families import FAMILIES, _refusal_before_building, buildable_families, tiny_model
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.builtin.decoder_tree import trace_decoder
-from slime.engines.builtin.fast_decoder import FastDecoder
+from slime.engines.builtin.fast_decoder import FastDecoder, _column_order
 from slime.engines.builtin.generic_decoder import attention_inputs
 from slime.engines.builtin.start_check import agrees_with_model
 from slime.engines.contract import GenerationRequest, SamplingParams
@@ -178,6 +179,7 @@ def test_the_trace_reads_where_each_layer_applies_its_norms_and_scales():
         ("falcon", "contiguous", "halves", False),  # its layer adds the attention into the MLP's output in place
         ("persimmon", "per_head", "halves", False),  # LayerNorms on each head's queries and keys
         ("gptj", None, "pairs", False),  # a rotary module that gives (sin, cos), angles listed once
+        ("codegen", "columns", "pairs", False),  # its fused projection: [q, v, k] in each quarter
         ("phi", None, "halves", False),  # final_layernorm, an output projection named dense, a head bias
         ("opt", None, "none", True),  # fc1 / fc2 called by the layer itself; queries scaled before attention
         ("biogpt", None, "none", True),  # the same, with a scaled embedding and position 0 at row 2
@@ -203,6 +205,31 @@ def test_gpt2_style_trees_take_the_hand_written_layers_found_by_their_place_in_t
         assert trace.layers[0].scaling == 1.0 and fast.layers[0].scaling == pytest.approx(fast.head_dim**-0.5)
     # In bf16 the trace compares within bf16's rounding (GPT-NeoX sums its branches in another order).
     assert_hand_written_with_generates_tokens_and_in_bf16(model)
+
+
+def test_a_fused_projection_in_any_column_order_is_read_off_its_outputs():
+    """Where the fused projection is neither [q; k; v] nor per head, the order of its columns is
+    read off its outputs at position 0 (where RoPE turns nothing): on GPT-NeoX that finds the per-head
+    layout, on CodeGen its quarters; queries the projection does not give have no order."""
+    for family in ("gpt_neox", "codegen"):
+        model = tiny_model(family)
+        fast = FastDecoder(model, 4, 64)
+        L = fast.layers[0]
+        h, q, k, v = attention_inputs(model, fast.attention_modules)[0]
+        with torch.no_grad():
+            fused = F.linear(h, L.w_qkv, L.b_qkv)
+        columns = _column_order(fused, q, k, v)
+        assert columns is not None and sorted(columns.tolist()) == list(range(fused.shape[-1]))
+        if family == "gpt_neox":
+            per_head = torch.arange(fused.shape[-1]).view(L.kv_heads, -1, fast.head_dim)
+            expected = torch.cat(
+                [per_head[:, :-2].reshape(-1), per_head[:, -2].reshape(-1), per_head[:, -1].reshape(-1)]
+            )
+            assert torch.equal(columns, expected)
+        assert _column_order(fused, q + 0.5, k, v) is None
+        later_values_off = v.clone()
+        later_values_off[1:] += 0.5
+        assert _column_order(fused, q, k, later_values_off) is None  # values agree at every position
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -231,7 +231,9 @@ class LayerTensors:
             for name in (flow.attn_in, flow.attn_out, flow.mlp_in, flow.mlp_out)
         )
         self.mla = LatentAttention(attn, config, heads) if hasattr(attn, "kv_a_proj_with_mqa") else None
-        self.fused = None  # one q/k/v projection: "contiguous" or "per_head" (FastDecoder.fit_attention)
+        # One q/k/v projection: "contiguous", "per_head" or "columns" (FastDecoder.fit_attention)
+        self.fused = None
+        self.qkv_columns: torch.Tensor | None = None  # "columns": the [q; k; v] order of its outputs
         self.loose_norms: list[Norm] = []
         self.q_norm = self.k_norm = None
         if self.mla is not None:

@@ -268,11 +268,11 @@ def _output_path(flow: LayerFlow, attn: torch.nn.Module, parts: dict[str, tuple]
     or one per head (AFMoE, Laguna); the gate leaves ``flow.qkv``. None, or why the output
     projection reads something else."""
     o_in = parts[flow.out][2].reshape(attended.shape)
-    if _close(o_in, attended):
+    if nearly_equal(o_in, attended):
         return None
     for name, (_, _, n_in, n_out) in parts.items():
         module = getattr(attn, name)
-        if is_norm(module) and _close(n_in, attended) and _close(n_out, o_in):
+        if is_norm(module) and nearly_equal(n_in, attended) and nearly_equal(n_out, o_in):
             flow.out_norm = name
             return None
     heads = attended.shape[-1] // getattr(attn, "head_dim", attended.shape[-1])
@@ -287,7 +287,7 @@ def _output_path(flow: LayerFlow, attn: torch.nn.Module, parts: dict[str, tuple]
                 gate = gate.repeat_interleave(attended.shape[-1] // gate.shape[-1], dim=-1)
             gated = (attended.float() * gate).to(o_in.dtype)
             error = float((gated.float() - o_in.float()).abs().max())
-            if error < best[0] and _close(gated, o_in):
+            if error < best[0] and nearly_equal(gated, o_in):
                 best = (error, name, act_name)
     if best[1] is None:
         return "the output projection reads neither the attention's output nor a norm or gate of it"
@@ -296,7 +296,7 @@ def _output_path(flow: LayerFlow, attn: torch.nn.Module, parts: dict[str, tuple]
     return None
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def nearly_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal within float32's rounding, or bf16's where either is in a lower precision (a sum in
     another order: GPT-NeoX adds its two branches to the residual at once)."""
     if a.numel() != b.numel():
@@ -327,9 +327,9 @@ def _replays(flow: LayerFlow, calls: dict[str, tuple], x: torch.Tensor, out: tor
     mid = x + s * att
     if not flow.parallel:
         m_in = calls[flow.mlp_in][2] if flow.mlp_in else calls[flow.mlp][2]
-        if not _close(m_in, mid):
+        if not nearly_equal(m_in, mid):
             return False
-    return _close(mid + s * mlp.reshape(out.shape), out)
+    return nearly_equal(mid + s * mlp.reshape(out.shape), out)
 
 
 def _decoder_layers(

@@ -48,6 +48,7 @@ import functools
 import inspect
 import itertools
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -64,7 +65,13 @@ from slime.engines.builtin.decoder_layers import (
     silu_gate,
     swiglu,
 )
-from slime.engines.builtin.decoder_tree import DecoderTrace, attention_softmax, scale_between, trace_decoder
+from slime.engines.builtin.decoder_tree import (
+    DecoderTrace,
+    attention_softmax,
+    nearly_equal,
+    scale_between,
+    trace_decoder,
+)
 from slime.engines.builtin.rotary import ROTARY_MODES, pair_tables, rope, rope_pairs
 
 log = logging.getLogger(__name__)
@@ -156,6 +163,34 @@ def _query_scale(q: torch.Tensor, q_model: torch.Tensor) -> float:
     """s with q_model == s * q (1 where there is none, or it is 1 within rounding)."""
     s = scale_between(q, q_model) if q.shape == q_model.shape else None
     return 1.0 if s is None or abs(s - 1.0) < 1e-4 else s
+
+
+def _column_order(
+    fused: torch.Tensor, q_model: torch.Tensor, k_model: torch.Tensor, v_model: torch.Tensor
+) -> torch.Tensor | None:
+    """The fused projection's columns in [q; k; v] order, or None. Each head's query, key or value is
+    a run of the projection's outputs (in any order of the heads: CodeGen's [q, v, k] per quarter):
+    the run whose outputs equal the model's at position 0 (where RoPE turns nothing), or at every
+    position for the values. Whole heads are matched, never single outputs, which a bf16 projection
+    repeats. ``fused``: the projection's output [S, columns]; the model's q/k/v [S, heads, D] as
+    `fit_attention` captures them."""
+    d, dv, columns = q_model.shape[-1], v_model.shape[-1], fused.shape[-1]
+    if k_model.shape[-1] != d or q_model[0].numel() + k_model[0].numel() + v_model[0].numel() != columns:
+        return None
+    step = math.gcd(d, dv)
+    starts = []
+    for t, at_every_position in ((q_model, False), (k_model, False), (v_model, True)):
+        width = t.shape[-1]
+        runs = fused.unfold(-1, width, step).to(t.dtype)  # [S, starts, width]
+        for head in range(t.shape[1]):
+            want = t[:, head] if at_every_position else t[:1, head]  # [S or 1, width]
+            gaps = (runs[: want.shape[0]] - want.unsqueeze(1)).abs().amax(dim=(0, 2))
+            start = int(gaps.argmin()) * step
+            if not nearly_equal(fused[: want.shape[0], start : start + width].to(t.dtype), want):
+                return None
+            starts.append((start, width))
+    order = torch.cat([torch.arange(start, start + width) for start, width in starts]).to(fused.device)
+    return order if len(set(order.tolist())) == columns else None  # every output used once
 
 
 def _largest_difference(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -261,7 +296,7 @@ class FastDecoder:
             k_norms = [None, *L.loose_norms] if L.loose_norms else [L.k_norm]
             has_norms = L.loose_norms or L.q_norm is not None or L.k_norm is not None
             best: tuple = (float("inf"),)
-            for order in self._qkv_readings(L, h, v_model):
+            for order in self._qkv_readings(L, h, q_model, k_model, v_model):
                 if order is not None:
                     (L.wq, L.bq), (L.wk, L.bk), (L.wv, L.bv) = order
                 scopes = (False, True) if L.qk_norm_scope_unknown else [None]
@@ -304,12 +339,15 @@ class FastDecoder:
                 L.v_scale = scale_between(v, v_model) or 1.0
         self.any_pairs = any(L.rotary == "pairs" for L in self.layers)
 
-    def _qkv_readings(self, L: LayerTensors, h: torch.Tensor, v_model: torch.Tensor) -> list:
+    def _qkv_readings(
+        self, L: LayerTensors, h: torch.Tensor, q_model: torch.Tensor, k_model: torch.Tensor, v_model: torch.Tensor
+    ) -> list:
         """How a layer's projections may give its queries, keys and values, values checked against
         the model's (a multiple of them: MiMo-V2 scales its values). A fused projection: its layout
-        is set to the one whose values match, [q; k; v] or per kv head [q..., k, v] (GPT-NeoX),
-        and [None] returned. Three: the orders ((q), (k), (v)) to try, the values' projection the
-        one that matches, queries and keys both ways round where their shapes allow."""
+        is set to the one whose values match, [q; k; v] or per kv head [q..., k, v] (GPT-NeoX), or
+        else any order of its columns that gives the model's q, k and v (CodeGen: [q, v, k] per
+        quarter), and [None] returned. Three: the orders ((q), (k), (v)) to try, the values'
+        projection the one that matches, queries and keys both ways round where their shapes allow."""
         if L.fused is not None:
             for layout in ("contiguous", "per_head"):
                 L.fused = layout
@@ -320,7 +358,8 @@ class FastDecoder:
                 if v.shape == v_model.shape and scale_between(v, v_model) is not None:
                     break
             else:
-                L.fused = "contiguous"  # none matches: the logit check refuses
+                L.qkv_columns = _column_order(F.linear(h, L.w_qkv, L.b_qkv), q_model, k_model, v_model)
+                L.fused = "contiguous" if L.qkv_columns is None else "columns"  # none: the logit check refuses
             return [None]
         parts = L.separate
         for j, (w, b) in enumerate(parts):
@@ -802,6 +841,9 @@ class FastDecoder:
             q, k, v = F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
         elif L.fused == "contiguous":  # [q; k; v]
             q, k, v = F.linear(h, L.w_qkv, L.b_qkv).split([heads * d, L.kv_heads * d, L.kv_heads * L.v_dim], dim=-1)
+        elif L.fused == "columns":  # [q; k; v] gathered from the projection's columns (`_column_order`)
+            y = F.linear(h, L.w_qkv, L.b_qkv).index_select(-1, L.qkv_columns)  # index_select: ~5x faster than y[:, i]
+            q, k, v = y.split([heads * d, L.kv_heads * d, L.kv_heads * L.v_dim], dim=-1)
         else:  # per kv head: its queries, its key, its value (GPT-NeoX, Falcon's grouped layout)
             y = F.linear(h, L.w_qkv, L.b_qkv).view(s_tokens, L.kv_heads, -1, d)
             q, k, v = y[:, :, :-2].reshape(s_tokens, heads * d), y[:, :, -2], y[:, :, -1]
