@@ -296,12 +296,13 @@ def graph_checks(device: str) -> dict:
     their attention off the model (`FastDecoder.fit_attention`): RoPE on interleaved pairs (GLM),
     layers without RoPE (EXAONE 4), q/k norms after the rotation (HunYuan), kv heads per layer and
     scaled values (MiMo-V2-Flash); the last two are GPT-2-style trees (`decoder_tree`): a learned
-    position table (GPT-2), a fused per-head q/k/v and the MLP beside the attention (GPT-NeoX)."""
+    position table (GPT-2), a fused per-head q/k/v and the MLP beside the attention (GPT-NeoX), a
+    fused q/k/v gathered in the order its heads' outputs were found in (CodeGen)."""
     from benchmarks.families import tiny_model
 
     out = {}
     families = ("qwen3_moe", "llama", "gemma2", "gpt_oss", "deepseek_v3")
-    for family in (*families, "glm", "exaone4", "hunyuan_v1_dense", "mimo_v2_flash", "gpt2", "gpt_neox"):
+    for family in (*families, "glm", "exaone4", "hunyuan_v1_dense", "mimo_v2_flash", "gpt2", "gpt_neox", "codegen"):
         a, b = (tiny_model(family, 97, seed=s).to(device) for s in (0, 1))
         engines = [BuiltinEngine(a, device=device, max_running_requests=16, cuda_graphs=g) for g in (True, False)]
         same = []

@@ -56,7 +56,8 @@ def generate(engine: BuiltinEngine, reqs: list[GenerationRequest]) -> dict[str, 
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", "llama", "gemma2", "deepseek_v3", "gpt_oss", "olmo2", "granitemoe", "gpt2", "gpt_neox"]
+    "family",
+    ["qwen3_moe", "llama", "gemma2", "deepseek_v3", "gpt_oss", "olmo2", "granitemoe", "gpt2", "gpt_neox", "codegen"],
 )
 def test_static_decode_greedy_equals_segmented(family):
     """Rows of unequal lengths finishing at different steps (the batch bucket shrinks), a cache that
