@@ -78,6 +78,26 @@ def test_post_norm_parallel_and_scaled_layers_take_the_hand_written_path_with_ge
 
 
 @pytest.mark.usefixtures("one_torch_thread")
+def test_a_residual_scale_and_latent_attentions_rope_are_read_off_what_the_model_computes():
+    """MiniCPM3 adds x + (scale_depth / sqrt(layers)) * branch under an attribute name of its own,
+    and its latent attention turns RoPE on halves where DeepSeek's turns interleaved pairs (its
+    config says neither): both read off the traced values; the hand-written layers then give
+    `generate`'s tokens, in bf16 too. Granite's residual_multiplier and DeepSeek's pairs still hold."""
+    for family, rotary in (("minicpm3", "halves"), ("deepseek_v3", "pairs"), ("granite", "halves")):
+        model = tiny_model(family)
+        trace = trace_decoder(model)
+        layer = trace.layer_modules[0]
+        expected = getattr(layer, "residual_scale", getattr(layer, "residual_multiplier", 1.0))
+        assert {flow.residual_scale for flow in trace.layers} == {expected}  # exact, not a fitted float
+        fast = FastDecoder(model, 4, 64)
+        fast.fit_attention(attention_inputs(model, fast.attention_modules))
+        assert {L.rotary for L in fast.layers} == {rotary}
+        assert agrees_with_model(model, fast) is None
+    assert expected != 1.0  # Granite's multiplier is off 1 at this size
+    assert_hand_written_with_generates_tokens_and_in_bf16(tiny_model("minicpm3"))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize(
     "family,modes,halves_refused",
     [

@@ -230,7 +230,7 @@ def _layer_flow(
     chain = _mlp_chain(layer, others, calls)
     if len(others) != 1 and chain is None:
         return f"decoder layer parts {sorted(others)} besides the attention and norms (one MLP expected)"
-    flow = LayerFlow(mlp=others[0], attn=attn, residual_scale=float(getattr(layer, "residual_multiplier", 1.0)))
+    flow = LayerFlow(mlp=others[0], attn=attn)
     if chain is not None:  # the layer calls the MLP's parts itself (OPT): one MLP made of them
         first, last = calls[chain[0]], calls[chain[-1]]
         calls = {**calls, "": (first[0], last[1], first[2], last[3])}
@@ -254,7 +254,11 @@ def _layer_flow(
         setattr(flow, role, name)
     own_norm_beside = flow.mlp_in is not None and calls[flow.mlp_in][0] is x  # GPT-NeoX's parallel residual
     flow.parallel = m_in is a_in or own_norm_beside
-    return flow if _replays(flow, calls, x_value, out) else "the layer's output is no residual sum of its traced parts"
+    if not _replays(flow, calls, x_value, out):
+        flow.residual_scale = _residual_scale(layer, flow, calls, x_value, out)
+        if flow.residual_scale is None or not _replays(flow, calls, x_value, out):
+            return "the layer's output is no residual sum of its traced parts"
+    return flow
 
 
 # What an output gate may apply to its projection before it scales the attention's output.
@@ -319,17 +323,42 @@ def _mlp_chain(layer: torch.nn.Module, others: list[str], calls: dict[str, tuple
     return others if linked and plain else None
 
 
+def _branches(flow: LayerFlow, calls: dict[str, tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention's and the MLP's branch as traced (after their output norms, if any)."""
+    att = calls[flow.attn_out][3] if flow.attn_out else calls[flow.attn][3]
+    mlp = calls[flow.mlp_out][3] if flow.mlp_out else calls[flow.mlp][3]
+    return att, mlp.reshape(att.shape)
+
+
+def _residual_scale(
+    layer: torch.nn.Module, flow: LayerFlow, calls: dict[str, tuple], x: torch.Tensor, out: torch.Tensor
+) -> float | None:
+    """s in x + s * branch, read off the traced values (Granite's residual_multiplier, MiniCPM's
+    scale_depth / sqrt(layers)): what the attention's branch adds to the MLP's input, or both
+    branches to the output where they run side by side. A float attribute of the layer equal to it
+    within bf16's rounding is taken as the exact value."""
+    att, mlp = _branches(flow, calls)
+    if flow.parallel:
+        fitted = scale_between(att + mlp, out - x)
+    else:
+        m_in = calls[flow.mlp_in][2] if flow.mlp_in else calls[flow.mlp][2]
+        fitted = scale_between(att, m_in.reshape(att.shape) - x)
+    if fitted is None or fitted == 0.0:
+        return None
+    exact = [v for v in vars(layer).values() if isinstance(v, float) and abs(v - fitted) <= 1e-2 * abs(fitted)]
+    return exact[0] if len(exact) == 1 else fitted
+
+
 def _replays(flow: LayerFlow, calls: dict[str, tuple], x: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether x + s * attention branch (+ s * MLP branch) gives the layer's traced output."""
     s = flow.residual_scale
-    att = calls[flow.attn_out][3] if flow.attn_out else calls[flow.attn][3]
-    mlp = calls[flow.mlp_out][3] if flow.mlp_out else calls[flow.mlp][3]
+    att, mlp = _branches(flow, calls)
     mid = x + s * att
     if not flow.parallel:
         m_in = calls[flow.mlp_in][2] if flow.mlp_in else calls[flow.mlp][2]
         if not nearly_equal(m_in, mid):
             return False
-    return nearly_equal(mid + s * mlp.reshape(out.shape), out)
+    return nearly_equal(mid + s * mlp, out)
 
 
 def _decoder_layers(
@@ -437,6 +466,8 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
     head_in, head_out = seen["head"]
     pos_out = None
     rotary_tables, embed_norm_in = [], None
+    head_input_scale = 1.0  # the head reads the final norm's output times this (MiniCPM: 1 / width multiplier)
+    head_has_bias = getattr(model.get_output_embeddings(), "bias", None) is not None
     for name, calls in seen["base"].items():
         child, output = base.get_submodule(name), calls[0][3]
         if _rotary_table(output):
@@ -447,6 +478,9 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
             for _, _, n_in, n_out in calls:
                 if _same(n_in, last_out) and _same(n_out, head_in):
                     trace.final_norm = child
+                elif _same(n_in, last_out) and not head_has_bias and scale_between(n_out, head_in) is not None:
+                    # head(s * x) = s * head(x) for a head without a bias: the scale joins the logits'
+                    trace.final_norm, head_input_scale = child, scale_between(n_out, head_in)
                 elif _same(n_out, first_in):
                     trace.embed_norm, embed_norm_in = child, n_in
         elif isinstance(child, torch.nn.Embedding) and output.shape == seen["embed"].shape:
@@ -464,5 +498,5 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
     logit_scale = scale_between(head_out if softcap is None else torch.tanh(head_out / softcap) * softcap, logits)
     if embed_scale is None or logit_scale is None:
         return "the first layer's input or the logits are no multiple of the embedding or the head"
-    trace.embed_scale, trace.logit_scale = embed_scale, logit_scale
+    trace.embed_scale, trace.logit_scale = embed_scale, logit_scale * head_input_scale
     return trace

@@ -286,11 +286,14 @@ class FastDecoder:
             )
             modes = ROTARY_MODES
         for i, L in enumerate(self.layers):
-            if L.mla is not None or i not in captured:
+            if i not in captured:
                 continue
             h, q_model, k_model, v_model = captured[i]
             h = h.to(self.dtype)
             table = tables[L.layer_type if self.rotary_by_type else None]
+            if L.mla is not None:
+                self._fit_latent_rotary(L, h, table, q_model, k_model)
+                continue
             # Norms under other names may be the queries' or the keys' (or neither: None).
             q_norms = [None, *L.loose_norms] if L.loose_norms else [L.q_norm]
             k_norms = [None, *L.loose_norms] if L.loose_norms else [L.k_norm]
@@ -338,6 +341,20 @@ class FastDecoder:
             if v.shape == v_model.shape:
                 L.v_scale = scale_between(v, v_model) or 1.0
         self.any_pairs = any(L.rotary == "pairs" for L in self.layers)
+
+    def _fit_latent_rotary(self, L: LayerTensors, h: torch.Tensor, table: tuple, q_model, k_model) -> None:
+        """Latent attention's RoPE on interleaved pairs (DeepSeek) or halves (MiniCPM3): the reading
+        whose queries and keys come closest to the model's (ties: the config's)."""
+        if table[0] is None:
+            return
+        errors = {}
+        for interleaved in (L.mla.interleaved, not L.mla.interleaved):
+            L.mla.interleaved = interleaved
+            cos_sin = pair_tables(*table, self.rotary_table_layout) if interleaved else table
+            q, k, _ = L.mla.qkv(h, *cos_sin)
+            errors[interleaved] = max(_largest_difference(q, q_model), _largest_difference(k, k_model))
+        L.mla.interleaved = min(errors, key=errors.get)  # dicts keep order: the config's reading wins ties
+        L.rotary = "pairs" if L.mla.interleaved else "halves"
 
     def _qkv_readings(
         self, L: LayerTensors, h: torch.Tensor, q_model: torch.Tensor, k_model: torch.Tensor, v_model: torch.Tensor
