@@ -265,8 +265,9 @@ class FastDecoder:
         the model's own attention hands its attention function. Then the scale on the values
         (MiMo-V2's ``attention_value_scale``). ``captured``: layer -> (the attention's input [S, H],
         queries [S, heads, D], keys [S, kv heads, D], values [S, kv heads, Dv]) at positions 0..S-1.
-        Latent attention keeps the reading its config gives (DeepSeek: pairs), layers not captured
-        halves; the logit check judges the result."""
+        Latent attention: RoPE on interleaved pairs (DeepSeek) or halves (MiniCPM3), whichever
+        matches (`_fit_latent_rotary`); layers not captured keep halves; the logit check judges
+        the result."""
         if not captured:
             return
         first = next(iter(captured.values()))[0]
