@@ -83,7 +83,9 @@ def test_a_residual_scale_and_latent_attentions_rope_are_read_off_what_the_model
     and its latent attention turns RoPE on halves where DeepSeek's turns interleaved pairs (its
     config says neither): both read off the traced values; the hand-written layers then give
     `generate`'s tokens, in bf16 too. Granite's residual_multiplier and DeepSeek's pairs still hold."""
-    for family, rotary in (("minicpm3", "halves"), ("deepseek_v3", "pairs"), ("granite", "halves")):
+    # GLM-4-MoE-lite: neither reading reproduces its captured queries exactly; its config's stays.
+    cases = (("minicpm3", "halves"), ("deepseek_v3", "pairs"), ("glm4_moe_lite", "pairs"), ("granite", "halves"))
+    for family, rotary in cases:
         model = tiny_model(family)
         trace = trace_decoder(model)
         layer = trace.layer_modules[0]

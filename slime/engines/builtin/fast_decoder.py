@@ -344,17 +344,20 @@ class FastDecoder:
         self.any_pairs = any(L.rotary == "pairs" for L in self.layers)
 
     def _fit_latent_rotary(self, L: LayerTensors, h: torch.Tensor, table: tuple, q_model, k_model) -> None:
-        """Latent attention's RoPE on interleaved pairs (DeepSeek) or halves (MiniCPM3): the reading
-        whose queries and keys come closest to the model's (ties: the config's)."""
+        """Latent attention's RoPE on interleaved pairs (DeepSeek) or halves (MiniCPM3): the config's
+        reading, unless only the other one gives the model's queries and keys. (Where neither
+        does, say a query scale the comparison does not model, the config's stays and the logit
+        check judges.)"""
         if table[0] is None:
             return
-        errors = {}
-        for interleaved in (L.mla.interleaved, not L.mla.interleaved):
+
+        def matches(interleaved: bool) -> bool:
             L.mla.interleaved = interleaved
-            cos_sin = pair_tables(*table, self.rotary_table_layout) if interleaved else table
-            q, k, _ = L.mla.qkv(h, *cos_sin)
-            errors[interleaved] = max(_largest_difference(q, q_model), _largest_difference(k, k_model))
-        L.mla.interleaved = min(errors, key=errors.get)  # dicts keep order: the config's reading wins ties
+            q, k, _ = L.mla.qkv(h, *(pair_tables(*table, self.rotary_table_layout) if interleaved else table))
+            return nearly_equal(q, q_model) and nearly_equal(k, k_model)
+
+        configured = L.mla.interleaved
+        L.mla.interleaved = not configured if not matches(configured) and matches(not configured) else configured
         L.rotary = "pairs" if L.mla.interleaved else "halves"
 
     def _qkv_readings(
