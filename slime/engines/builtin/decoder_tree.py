@@ -338,11 +338,8 @@ def _residual_scale(
     branches to the output where they run side by side. A float attribute of the layer equal to it
     within bf16's rounding is taken as the exact value."""
     att, mlp = _branches(flow, calls)
-    if flow.parallel:
-        fitted = scale_between(att + mlp, out - x)
-    else:
-        m_in = calls[flow.mlp_in][2] if flow.mlp_in else calls[flow.mlp][2]
-        fitted = scale_between(att, m_in.reshape(att.shape) - x)
+    m_in = calls[flow.mlp_in][2] if flow.mlp_in else calls[flow.mlp][2]
+    fitted = scale_between(att + mlp, out - x) if flow.parallel else scale_between(att, m_in.reshape(att.shape) - x)
     if fitted is None or fitted == 0.0:
         return None
     exact = [v for v in vars(layer).values() if isinstance(v, float) and abs(v - fitted) <= 1e-2 * abs(fitted)]
