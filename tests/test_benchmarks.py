@@ -12,13 +12,11 @@ from __future__ import annotations
 import importlib.util
 import json
 from concurrent.futures import Future
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import needs, run_benchmark_smoke
+from tests.helpers import REPO, needs, run_benchmark_smoke
 
-REPO = Path(__file__).resolve().parents[1]
 HELPERS = {"__init__", "families", "gain", "models", "spread"}  # imported by the benchmarks, not run
 BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem not in HELPERS)
 

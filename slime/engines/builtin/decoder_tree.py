@@ -323,11 +323,12 @@ def _mlp_chain(layer: torch.nn.Module, others: list[str], calls: dict[str, tuple
     return others if linked and plain else None
 
 
-def _branches(flow: LayerFlow, calls: dict[str, tuple]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention's and the MLP's branch as traced (after their output norms, if any)."""
+def _branches(flow: LayerFlow, calls: dict[str, tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention's and the MLP's branch as traced (after their output norms, if any), and the MLP's input."""
     att = calls[flow.attn_out][3] if flow.attn_out else calls[flow.attn][3]
     mlp = calls[flow.mlp_out][3] if flow.mlp_out else calls[flow.mlp][3]
-    return att, mlp.reshape(att.shape)
+    m_in = calls[flow.mlp_in][2] if flow.mlp_in else calls[flow.mlp][2]
+    return att, mlp.reshape(att.shape), m_in.reshape(att.shape)
 
 
 def _residual_scale(
@@ -337,9 +338,8 @@ def _residual_scale(
     scale_depth / sqrt(layers)): what the attention's branch adds to the MLP's input, or both
     branches to the output where they run side by side. A float attribute of the layer equal to it
     within bf16's rounding is taken as the exact value."""
-    att, mlp = _branches(flow, calls)
-    m_in = calls[flow.mlp_in][2] if flow.mlp_in else calls[flow.mlp][2]
-    fitted = scale_between(att + mlp, out - x) if flow.parallel else scale_between(att, m_in.reshape(att.shape) - x)
+    att, mlp, m_in = _branches(flow, calls)
+    fitted = scale_between(att + mlp, out - x) if flow.parallel else scale_between(att, m_in - x)
     if fitted is None or fitted == 0.0:
         return None
     exact = [v for v in vars(layer).values() if isinstance(v, float) and abs(v - fitted) <= 1e-2 * abs(fitted)]
@@ -349,12 +349,10 @@ def _residual_scale(
 def _replays(flow: LayerFlow, calls: dict[str, tuple], x: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether x + s * attention branch (+ s * MLP branch) gives the layer's traced output."""
     s = flow.residual_scale
-    att, mlp = _branches(flow, calls)
+    att, mlp, m_in = _branches(flow, calls)
     mid = x + s * att
-    if not flow.parallel:
-        m_in = calls[flow.mlp_in][2] if flow.mlp_in else calls[flow.mlp][2]
-        if not nearly_equal(m_in, mid):
-            return False
+    if not flow.parallel and not nearly_equal(m_in, mid):
+        return False
     return nearly_equal(mid + s * mlp, out)
 
 
@@ -475,9 +473,8 @@ def _read_trace(model, seen: dict, base, layers, embed, head, logits, attention_
             for _, _, n_in, n_out in calls:
                 if _same(n_in, last_out) and _same(n_out, head_in):
                     trace.final_norm = child
-                elif _same(n_in, last_out) and not head_has_bias and scale_between(n_out, head_in) is not None:
-                    # head(s * x) = s * head(x) for a head without a bias: the scale joins the logits'
-                    trace.final_norm, head_input_scale = child, scale_between(n_out, head_in)
+                elif _same(n_in, last_out) and not head_has_bias and (s := scale_between(n_out, head_in)) is not None:
+                    trace.final_norm, head_input_scale = child, s  # head(s * x) = s * head(x) without a bias
                 elif _same(n_out, first_in):
                     trace.embed_norm, embed_norm_in = child, n_in
         elif isinstance(child, torch.nn.Embedding) and output.shape == seen["embed"].shape:

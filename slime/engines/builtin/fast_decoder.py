@@ -357,7 +357,8 @@ class FastDecoder:
             return nearly_equal(q, q_model) and nearly_equal(k, k_model)
 
         configured = L.mla.interleaved
-        L.mla.interleaved = not configured if not matches(configured) and matches(not configured) else configured
+        switch = not matches(configured) and matches(not configured)
+        L.mla.interleaved = not configured if switch else configured
         L.rotary = "pairs" if L.mla.interleaved else "halves"
 
     def _qkv_readings(
