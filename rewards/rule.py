@@ -8,6 +8,10 @@ Use them directly as `reward.fn` specs (`rewards.rule:exact_match`), combine the
                  lower-casing; metadata["case_sensitive"]=True keeps case. A list label means
                  "any of these".
 * `f1`           SQuAD token F1 (lower-case, drop punctuation and a/an/the); list label -> max.
+* `char_f1`      character F1 that respects order: the longest common subsequence of the
+                 characters (lower-cased, whitespace collapsed) over the response's length
+                 (precision) and the label's (recall); list label -> max. Partial credit where
+                 a word-level F1 has none (a small model's near misses on short answers).
 * `regex_format` 1.0 if the stripped response fully matches metadata["format_regex"] (DOTALL);
                  `make_regex_format(pattern)` fixes the pattern.
 * `json_schema`  1.0 if the response (optionally inside a ``` fence) is JSON valid against
@@ -88,6 +92,36 @@ def _f1(pred: str, gold: str) -> float:
 
 def f1(prompt: str, response: str, label: Any, metadata: dict | None = None) -> float:
     return max(_f1(response, gold) for gold in _labels(label))
+
+
+def _lcs_length(a: str, b: str) -> int:
+    """Length of the longest common subsequence, bit-parallel over ``a`` (Hyyro 2004): one pass
+    over ``b`` with Python integers as bit vectors, so long responses stay cheap."""
+    if not a or not b:
+        return 0
+    where: dict[str, int] = {}
+    for i, ch in enumerate(a):
+        where[ch] = where.get(ch, 0) | (1 << i)
+    full = (1 << len(a)) - 1
+    v = full
+    for ch in b:
+        u = v & where.get(ch, 0)
+        v = ((v + u) | (v - u)) & full
+    return len(a) - v.bit_count()
+
+
+def _char_f1(pred: str, gold: str) -> float:
+    p, g = _squash(pred, False), _squash(gold, False)
+    if not p or not g:
+        return float(p == g)
+    common = _lcs_length(p, g)
+    if common == 0:
+        return 0.0
+    return 2 * common / (len(p) + len(g))
+
+
+def char_f1(prompt: str, response: str, label: Any, metadata: dict | None = None) -> float:
+    return max(_char_f1(response, gold) for gold in _labels(label))
 
 
 # --- format --------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 
 from rewards import rule
 from rewards.rule import (
+    char_f1,
     exact_match,
     extract_answer,
     f1,
@@ -41,6 +42,35 @@ def test_f1_by_hand():
     assert f1("q", "", "") == 1.0 and f1("q", "the", "cat") == 0.0  # "the" normalises to nothing
     assert f1("q", "red", "blue") == 0.0
     assert f1("q", "cat sat", ["dog", "cat sat on mat"]) == pytest.approx(2 / 3)  # max over labels
+
+
+def test_char_f1_by_hand():
+    # "olleh" against "hello": the longest common subsequence is "ll" (2 of 5 each way): 2*2/10
+    assert char_f1("q", "olleh", "hello") == pytest.approx(0.4)
+    # "helo" in "hello": LCS 4, P=4/4, R=4/5 -> 2*4/9
+    assert char_f1("q", "helo", "Hello") == pytest.approx(8 / 9)
+    # whitespace is collapsed, not dropped: "a  b" -> "a b" (3 chars) equals the label
+    assert char_f1("q", " a  b\n", "A b") == 1.0
+    assert char_f1("q", "", "") == 1.0 and char_f1("q", "", "x") == 0.0 and char_f1("q", "xyz", "abc") == 0.0
+    assert char_f1("q", "cat", ["dog", "cart"]) == pytest.approx(2 * 3 / 7)  # max over labels
+
+
+def _lcs_by_table(a: str, b: str) -> int:
+    table = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+    for i, x in enumerate(a):
+        for j, y in enumerate(b):
+            table[i + 1][j + 1] = table[i][j] + 1 if x == y else max(table[i][j + 1], table[i + 1][j])
+    return table[-1][-1]
+
+
+def test_char_f1_bit_parallel_lcs_equals_the_table():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = "".join(rng.choice("abcd") for _ in range(rng.randint(0, 70)))  # past 64 bits on purpose
+        b = "".join(rng.choice("abcd") for _ in range(rng.randint(0, 70)))
+        assert rule._lcs_length(a, b) == _lcs_by_table(a, b), (a, b)
 
 
 def test_regex_format():
