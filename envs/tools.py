@@ -84,6 +84,8 @@ def _arith(node: ast.AST) -> int | float:
             value = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
             raise ToolCallError("calculator: division by zero") from None
+        except OverflowError:  # float ** float past the float range (1e300**2)
+            raise ToolCallError("calculator: result out of range") from None
         if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
             raise ToolCallError("calculator: result out of range")
         return value

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 from slime.config import ModelConfig
-from slime.model import ensure_model_dir, load_tokenizer
+from slime.model import ensure_model_dir, from_pretrained, load_tokenizer
 
 CONFIG_NAME = "reward_model.json"
 HEAD_NAME = "score_head.safetensors"
@@ -69,7 +69,7 @@ class ScalarHeadModel(torch.nn.Module):
         model_dir = Path(model_dir).expanduser()
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir}: no config.json (expected a local HF model directory)")
-        backbone = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32)
+        backbone = from_pretrained(AutoModel, model_dir, dtype=torch.float32)
         tokenizer = load_tokenizer(model_dir)
         hidden = int(backbone.config.hidden_size)
         head = torch.nn.Linear(hidden, 1)
@@ -101,7 +101,7 @@ class ScalarHeadModel(torch.nn.Module):
         meta = json.loads(cfg_file.read_text())
         if meta.get("kind") != cls.kind:
             raise ValueError(f"{path}: holds a {meta.get('kind')!r}, expected a {cls.kind!r}")
-        backbone = AutoModel.from_pretrained(str(path), dtype=torch.float32)
+        backbone = from_pretrained(AutoModel, path, dtype=torch.float32)
         tokenizer = load_tokenizer(path)
         head = torch.nn.Linear(int(meta["hidden_size"]), 1)
         head.load_state_dict(load_file(str(path / HEAD_NAME)))

@@ -57,6 +57,15 @@ def _labels(label: Any) -> list[str]:
     return ["" if label is None else str(label)]
 
 
+def _gold(label: Any, who: str) -> list[str]:
+    """The labels to compare against; a missing one fails the sample instead of matching an empty response."""
+    if label is None or (isinstance(label, (list, tuple, set, frozenset)) and not label):
+        raise ValueError(
+            f"{who} needs a label, and this sample has none (is data.label_key the dataset's answer column?)"
+        )
+    return _labels(label)
+
+
 # --- exact match / F1 ----------------------------------------------------------------------------
 
 
@@ -68,7 +77,7 @@ def _squash(text: str, case_sensitive: bool) -> str:
 def exact_match(prompt: str, response: str, label: Any, metadata: dict | None = None) -> float:
     case_sensitive = bool((metadata or {}).get("case_sensitive", False))
     got = _squash(response, case_sensitive)
-    return float(any(got == _squash(gold, case_sensitive) for gold in _labels(label)))
+    return float(any(got == _squash(gold, case_sensitive) for gold in _gold(label, "exact_match")))
 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -91,7 +100,7 @@ def _f1(pred: str, gold: str) -> float:
 
 
 def f1(prompt: str, response: str, label: Any, metadata: dict | None = None) -> float:
-    return max(_f1(response, gold) for gold in _labels(label))
+    return max(_f1(response, gold) for gold in _gold(label, "f1"))
 
 
 def _lcs_length(a: str, b: str) -> int:
@@ -121,7 +130,7 @@ def _char_f1(pred: str, gold: str) -> float:
 
 
 def char_f1(prompt: str, response: str, label: Any, metadata: dict | None = None) -> float:
-    return max(_char_f1(response, gold) for gold in _labels(label))
+    return max(_char_f1(response, gold) for gold in _gold(label, "char_f1"))
 
 
 # --- format --------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import asyncio
 import heapq
 import inspect
 import itertools
+import json
 import logging
 import math
 import queue
@@ -42,9 +43,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slime.errors import UserError
+
 log = logging.getLogger(__name__)
 
 _SIGNATURE = "fn(prompt, response, label, metadata)"
+
+
+class RewardCallError(UserError, TypeError):
+    """A native reward function that cannot take the native call (a required parameter never passed)."""
+
+    hint = "docs/rewards.md, 'Plugging in a function', lists the signatures a reward function may have"
 
 
 @dataclass(frozen=True)
@@ -391,6 +400,14 @@ class RewardRunner:
         )
 
 
+def _json_scalar(value: Any) -> Any:
+    """What `json.dumps` cannot encode: a numpy or torch scalar as its number, else its text."""
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "ndim", None) == 0:
+        return item()
+    return str(value)
+
+
 def check_reward_value(value: Any, who: str, response: str) -> tuple[float | None, str | None, dict[str, Any]]:
     """Validate what a reward returned: a number, or a dict with "score" and optionally per-step
     rewards ("step_scores" + "step_ends", character indices into `response`) and "info" (a dict).
@@ -410,7 +427,9 @@ def check_reward_value(value: Any, who: str, response: str) -> tuple[float | Non
             if info is not None:
                 if not isinstance(info, Mapping):
                     return None, f"{who} returned 'info' of type {type(info).__name__}, not a dict", {}
-                extras["info"] = dict(info)
+                # Stored in the sample's metadata (JSON in Redis): numpy and torch scalars become
+                # numbers, anything else JSON cannot hold a string (it stopped the worker before).
+                extras["info"] = json.loads(json.dumps(dict(info), default=_json_scalar))
             value = value["score"]
         if value is None:
             return None, f"{who} returned None (a missing return statement?)", {}
@@ -494,7 +513,7 @@ def _keyword_plan(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:
             if missing
             else f"requires {unsupplied}, which are never passed"
         )
-        raise TypeError(
+        raise RewardCallError(
             f"reward function {name}{sig} {why}; the native reward signature is {_SIGNATURE} "
             f"(see rewards/runner.py); other signatures need an adapter"
         )

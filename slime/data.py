@@ -174,7 +174,23 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
     metadata = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
     if cfg.task_key and cfg.task_key in row:
         metadata["task"] = row[cfg.task_key]
+    try:  # label and metadata travel to the buffer as JSON
+        json.dumps([label, metadata])
+    except (TypeError, ValueError):
+        _name_non_json_column(where, [(cfg.label_key, label), *metadata.items()])
     return PromptRecord(index=index, prompt=prompt, prompt_ids=prompt_ids, label=label, metadata=metadata)
+
+
+def _name_non_json_column(where: str, columns: list[tuple[Any, Any]]) -> None:
+    for key, value in columns:
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise DatasetError(
+                f"{where}: column {key!r} holds {type(value).__name__}, which JSON cannot hold ({exc}); "
+                f"the label and every other column reach the buffer and the reward as JSON",
+                hint="convert the column to strings or numbers (e.g. timestamps to ISO text), or drop it",
+            ) from None
 
 
 def _check_messages(where: str, key: str, messages: list[Any]) -> list[dict[str, str]]:

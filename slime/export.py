@@ -102,6 +102,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     """Write `checkpoint`'s policy to `out` as a Hugging Face directory (replaced if it exists, at
     once: a reader sees the old export or the new one). A LoRA checkpoint with merged=False: its
     adapters as a PEFT directory (`PeftModel.from_pretrained(base, out)`) and the tokenizer."""
+    check_export_target(out, checkpoint)
     run_dir = run_dir_of(checkpoint)
     model_dir = model_dir or base_model_dir(run_dir)
     dtype = model_config_of(run_dir).dtype if (run_dir / "config.yaml").is_file() else "float32"
@@ -135,6 +136,27 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_export_target(out: Path, checkpoint: Path) -> None:
+    """`out` is replaced as a whole, so it must be new, empty, or an earlier export (it holds
+    EXPORT_INFO); never the checkpoint, its run directory or a folder above them."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a directory", hint="name a new or empty directory")
+    target, source = out.resolve(), checkpoint.resolve()
+    if target == source or target in source.parents:
+        raise ExportError(
+            f"--out {out} holds the checkpoint {checkpoint} (exporting there would delete it)",
+            hint="name a new directory outside the run, e.g. --out exported/",
+        )
+    if any(out.iterdir()) and not (out / EXPORT_INFO).is_file():
+        raise ExportError(
+            f"--out {out} is a non-empty directory that is not an earlier export (no {EXPORT_INFO}); "
+            f"export replaces the whole directory",
+            hint="name a new or empty directory, or an earlier export to replace",
+        )
 
 
 def main_export(argv: list[str]) -> int:

@@ -35,7 +35,7 @@ from slime.learner import LearnerGroup
 from slime.learner.lora import check_model_dir
 from slime.learner.sharding import CheckpointError
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
-from slime.model import ensure_model_dir, load_tokenizer, rollout_sampling_params
+from slime.model import ensure_model_dir, load_tokenizer, rollout_sampling_params, rollout_stop_token_ids
 from slime.sample import new_id
 from slime.sampling import PromptSampler
 from slime.security import JobCredentials, write_private
@@ -95,6 +95,7 @@ class RunningJob:
             if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
                 check_model_dir(self.model_dir, cfg.learner.lora)
             self.tokenizer = load_tokenizer(self.model_dir)
+            rollout_stop_token_ids(cfg.rollout, self.tokenizer)  # a stop string of several tokens fails here
             self.records = self._load_records()
             self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
             checkpoint = self._find_checkpoint()

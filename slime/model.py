@@ -15,6 +15,7 @@ import random
 import shutil
 import string
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from envs import repeat
 from slime.config import ModelConfig, RolloutConfig, TinyModelConfig
+from slime.config.base import ConfigError
 from slime.engines.contract import SamplingParams
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -161,6 +163,19 @@ def ensure_model_dir(cfg: ModelConfig) -> Path:
     return target
 
 
+# transformers' from_pretrained patches class-wide state while it loads (PreTrainedModel.tie_weights,
+# torch's init functions, the default dtype) and restores it after: two loads that overlap in one
+# process (the local launcher's learner and rollout workers are threads) leave tie_weights a no-op for
+# good, and a tied output head on the meta device. One load at a time per process.
+HF_LOAD_LOCK = threading.RLock()
+
+
+def from_pretrained(cls, path: str | Path, **kwargs):
+    """cls.from_pretrained(path, **kwargs), one at a time in this process (HF_LOAD_LOCK)."""
+    with HF_LOAD_LOCK:
+        return cls.from_pretrained(str(path), **kwargs)
+
+
 def load_tokenizer(path: str | Path):
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None:
@@ -169,8 +184,25 @@ def load_tokenizer(path: str | Path):
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    model = from_pretrained(AutoModelForCausalLM, path, dtype=DTYPES[dtype])
     return model.to(device)
+
+
+def disable_dropout(model: torch.nn.Module) -> list[str]:
+    """Set the model's own dropout to 0 (its nn.Dropout modules and the float rates attention modules
+    read, `attention_dropout`, ...), as TRL's disable_dropout: RL's pi_old, pi and the engine's
+    behaviour logprobs must be one function of the weights. The names of what was above 0."""
+    changed = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p = 0.0
+            changed.append(name)
+        for attr in ("attention_dropout", "dropout", "attn_dropout", "hidden_dropout"):
+            value = getattr(module, attr, None)
+            if isinstance(value, float) and value > 0:
+                setattr(module, attr, 0.0)
+                changed.append(f"{name}.{attr}")
+    return changed
 
 
 def stop_token_ids(tokenizer, stop_strings: list[str]) -> list[int]:
@@ -179,7 +211,7 @@ def stop_token_ids(tokenizer, stop_strings: list[str]) -> list[int]:
     for s in stop_strings:
         toks = tokenizer(s, add_special_tokens=False)["input_ids"]
         if len(toks) != 1:
-            raise ValueError(f"rollout.stop: {s!r} is {len(toks)} tokens; stop strings must be single tokens")
+            raise ConfigError(f"rollout.stop: {s!r} is {len(toks)} tokens; stop strings must be single tokens")
         ids.append(toks[0])
     return ids
 

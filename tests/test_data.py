@@ -120,6 +120,20 @@ def test_bad_parquet_row_names_the_row(tmp_path: Path, tok) -> None:
         load_prompts(DataConfig(), tok, str(tmp_path / "d.parquet"))
 
 
+def test_a_column_json_cannot_hold_names_the_row_and_column(tmp_path: Path, tok) -> None:
+    """Label and metadata travel to the buffer as JSON: a datetime column (common in real datasets)
+    failed in the middle of the job, from inside the buffer."""
+    import datetime
+
+    rows = [
+        {"prompt": "ok", "label": "a", "when": None},
+        {"prompt": "ok", "label": "b", "when": datetime.datetime(2026, 1, 2)},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    with pytest.raises(DatasetError, match=r"d\.parquet:row 1: column 'when' holds datetime, which JSON cannot hold"):
+        load_prompts(DataConfig(), tok, str(tmp_path / "d.parquet"))
+
+
 def test_chat_messages_need_a_chat_template(tmp_path: Path) -> None:
     path = write_jsonl([{"prompt": [{"role": "user", "content": "hi"}]}], tmp_path / "d.jsonl")
     with pytest.raises(DatasetError, match=r"d\.jsonl:1: .*has no chat_template"):

@@ -22,7 +22,7 @@ from slime.data import PromptRecord, write_jsonl
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.evaluation import main_eval, pass_at_k, summarize
-from slime.export import export_checkpoint, find_checkpoint
+from slime.export import ExportError, export_checkpoint, find_checkpoint
 from tests.helpers import TINY_JOB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,8 +216,16 @@ def test_an_export_replaces_the_old_one_whole_and_names_its_checkpoint(tiny_mode
     out = tmp_path / "export"
     out.mkdir()
     (out / "stale.txt").write_text("from before")
+    (out / "slime_export.json").write_text("{}")  # an earlier export: replaced whole
     export_checkpoint(find_checkpoint(run, 4), out)
     assert not (out / "stale.txt").exists()
+    for target in (tmp_path, run, checkpoint, notes := tmp_path / "notes"):  # never deleted
+        if target is notes:
+            notes.mkdir()
+            (notes / "keep.txt").write_text("mine")
+        with pytest.raises(ExportError):
+            export_checkpoint(find_checkpoint(run, 4), target)
+    assert (notes / "keep.txt").exists() and (checkpoint / "driver_state.json").exists()
     info = json.loads((out / "slime_export.json").read_text())
     assert info["checkpoint"] == str(checkpoint.resolve()) and info["steps"] == 4
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {

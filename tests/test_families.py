@@ -299,8 +299,11 @@ def test_every_buildable_family_on_a_fast_path_gives_generates_greedy_tokens():
         model = tiny_model(family, **overrides)
         try:
             forward, got, want = engine_and_generate_tokens(model)
-        except Exception:  # the Hugging Face path itself fails on this family: not a fast path
-            assert BuiltinEngine(model, max_running_requests=8).health()["forward"] == "hf"
+        except Exception:  # generate or the Hugging Face path fails on this family: not a fast path
+            try:
+                assert BuiltinEngine(model, max_running_requests=8).health()["forward"] == "hf", family
+            except ValueError as exc:  # refused at start (a state-space or hybrid cache, ...)
+                assert "on the Hugging Face path" in str(exc), family
             continue
         if forward in ("fast", "generic"):
             assert got == want, family

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from benchmarks.families import FAMILIES, tiny_model
+from benchmarks.families import FAMILIES, buildable_families, tiny_model
 from benchmarks.multiturn_kv import run_turns
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.builtin.fast_decoder import FastDecoder
@@ -211,6 +211,33 @@ def test_a_layer_outside_the_attention_hook_keeps_the_hf_path(monkeypatch, caplo
     assert BuiltinEngine(model).health()["forward"] == "hf"
     with pytest.raises(ValueError, match="fast_path=True"):
         BuiltinEngine(model, fast_path=True)
+
+
+@pytest.mark.parametrize("family", ["mamba", "qwen3_next"])
+def test_a_model_the_hugging_face_path_gets_wrong_is_refused_at_start(family):
+    """The Hugging Face path's cache is keys and values: Mamba's state never reached it (every
+    decoded token computed without its context, no error) and Qwen3-Next's hybrid layers failed
+    inside the first step. Both are refused when the engine starts, naming the cause."""
+    model = tiny_model(family, VOCAB, **buildable_families()[family])
+    with pytest.raises(ValueError, match=r"cannot serve .* on the Hugging Face path .*; use rollout.engine=vllm"):
+        BuiltinEngine(model)
+
+
+def test_the_hugging_face_path_serves_what_it_computes_right():
+    """BLOOM (ALiBi, no fast path) passes the start check; its sampled tokens' logprobs are the
+    model's own forward's, rows of unequal prompts included."""
+    model = tiny_model("bloom", VOCAB, **buildable_families()["bloom"])
+    engine = BuiltinEngine(model, max_running_requests=4)
+    assert engine.health()["forward"] == "hf"
+    ps = prompts(3, seed=2, lo=2, hi=9)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=[])
+    out = engine.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        got = out[f"r{i}"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + got.token_ids])).logits[0, len(p) - 1 : -1].float()
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(got.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got.logprobs), want, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

@@ -341,6 +341,7 @@ GOLDEN_SAMPLE_METRICS = {
     "mismatch_resumed_tokens",
     "mismatch_stale_tokens",
     "learner_packed",
+    "skipped_updates",
     "failed_samples",
     "failures_by_reason",
     "lr",
@@ -482,3 +483,29 @@ def test_update_reproduces_recorded_numbers(golden_model_dir, redis_url, tmp_pat
         by_hand = -(0.5 * 2 - 0.5 * 4 + 0 * 3 - 0.35 * 4 + 0.35 * 7) / 8
         assert m["pg_loss"] == pytest.approx(by_hand, abs=1e-6)
         assert m["reward_mean"] == pytest.approx((1.0 + 0.0 + 0.5 + 0.2 + 0.9 + 3.0) / 8)
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step(tiny_model_dir, redis_url, tmp_path):
+    """A NaN that reaches the loss (here a behaviour logprob, with TIS reading it) must not reach
+    the weights: the step is skipped and counted, the next finite batch trains as usual."""
+    job = "learner-nan"
+    buffer = TrajectoryStore.open(redis_url, job)
+    buffer.delete_job()
+    for rewards, logprob in (([0.0, 1.0], float("nan")), ([0.0, 1.0], -1.0)):
+        gid = buffer.add_group([6, 7, 77, 61, 86], 2, 16, {"task": "repeat"})
+        for s, reward in zip(buffer.lease("w", 2), rewards):
+            buffer.append_chunk(s.id, "w", [10, 11, 12], [logprob] * 3, 0)
+            buffer.finish(s.id, "w", Status.COMPLETED, reward=reward)
+        assert buffer.get_group(gid)
+    learner = _learner(
+        tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=1", "algorithm.correction.name=tis"
+    )
+    before = [p.detach().clone() for p in learner.policy.parameters()]
+    m = learner.train_step(0, num_groups=1)
+    assert m["skipped_updates"] == 1 and not np.isfinite(m["grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.policy.parameters()))
+    assert all(torch.isfinite(p).all() for p in learner.policy.parameters())
+    m = learner.train_step(1, num_groups=1)
+    assert m["skipped_updates"] == 0 and np.isfinite(m["grad_norm"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.policy.parameters()))
+    buffer.delete_job()

@@ -288,3 +288,24 @@ def test_sigusr1_dumps_never_crash_a_process_whose_threads_are_running():
     )
     assert done.returncode == 0 and done.stdout.decode().strip() == "alive", done.stderr.decode()[-2000:]
     assert done.stderr.decode().count("Current thread") >= 1000  # the dumps were made, not dropped
+
+
+def test_models_loaded_on_two_threads_at_once_keep_their_tied_head(tmp_path):
+    """transformers swaps class-wide state while it loads (PreTrainedModel.tie_weights made a no-op,
+    torch's init functions); the local launcher's learner and rollout worker load on two threads at
+    once, and overlapping swaps left tie_weights a no-op for good and a tied head on the meta device
+    (GPT-2, Gemma 3, Falcon crashed at start). slime.model loads one at a time per process."""
+    from transformers import PreTrainedModel
+
+    from benchmarks.families import tiny_model
+    from slime.model import load_model
+
+    tiny_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    tie_weights = PreTrainedModel.tie_weights
+    for _ in range(4):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            models = list(pool.map(lambda _: load_model(tmp_path / "tied"), range(2)))
+        for model in models:
+            head = model.get_output_embeddings().weight
+            assert head.device.type == "cpu" and head is model.get_input_embeddings().weight
+    assert PreTrainedModel.tie_weights is tie_weights

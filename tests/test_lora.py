@@ -468,3 +468,62 @@ def test_two_ranks_resume_bitwise(tiny_model_dir, redis_url, tmp_path, ray_sessi
     assert all(torch.equal(wa[k], a[k]) and torch.equal(wb[k], a[k]) for k in a)
     _assert_same_optim_state(oa, ob)
     assert ca.keys() == cb.keys() and all(torch.equal(ca[k], cb[k]) for k in ca)  # the full critic too
+
+
+@pytest.fixture(scope="module")
+def dense_model_dir(tmp_path_factory):
+    """A tiny dense Llama (not converted by transformers, so PEFT adds no key prefix of its own) with
+    the config's attention dropout at 0.1, as GPT-2, OPT and Phi-2 ship theirs."""
+    from benchmarks.families import tiny_model
+    from slime.model import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tokenizer), attention_dropout=0.1, pad_token_id=tokenizer.pad_token_id)
+    path = tmp_path_factory.mktemp("dense") / "llama"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_dense_models_adapters_load_in_peft_as_trained(dense_model_dir, redis_url, tmp_path):
+    """PEFT's files key the adapters `base_model.model.{module}...`; written without that prefix, PEFT
+    loaded a dense model's adapter directory as the bare base (only a warning). Read back, the
+    checkpoint's adapters are the trained ones again."""
+    learner = _learner(dense_model_dir, redis_url, "lora-dense", tmp_path, "learner.lr=0.05")
+    learner.train_step(0, num_groups=1)
+    learner.save(str(tmp_path / "ckpt"))
+    keys = load_file(str(tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors")).keys()
+    assert keys and all(k.startswith("base_model.model.") for k in keys)
+    assert lora.read_adapter(tmp_path / "ckpt").keys() == lora.adapter_state(learner.policy).keys()
+    want = learner.probe_logprobs(PROMPT, PROBE)
+    base = load_model(dense_model_dir).eval()
+    with torch.no_grad():
+        bare = response_logprobs(base, _probe_batch(), 1.0)[0][0].numpy()
+        peft_model = PeftModel.from_pretrained(base, str(tmp_path / "ckpt" / "adapter")).eval()
+        got = response_logprobs(peft_model, _probe_batch(), 1.0)[0][0].numpy()
+    assert np.abs(want - bare).max() > 1e-4  # the adapters moved the policy
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    learner.close()
+
+
+def test_the_learner_computes_without_the_models_dropout(dense_model_dir, redis_url, tmp_path):
+    """π_old, π and the engine's behaviour logprobs are one function of the weights: the model's own
+    dropout (0.1 in this config) is off in the learner, LoRA's own dropout stays as configured."""
+    from slime.model import disable_dropout
+
+    learner = _learner(
+        dense_model_dir, redis_url, "lora-dropout", tmp_path, "learner.lora.dropout=0.5", "learner.lr=0.05"
+    )
+    learner.train_step(0, num_groups=1)  # B moves off zero, so LoRA's dropout shows
+    assert learner.policy.training
+    batch = _probe_batch()
+    first, second = (response_logprobs(learner.policy, batch, 1.0, packed=learner.packed)[0] for _ in range(2))
+    assert not torch.equal(first, second)  # LoRA's dropout (0.5) is live in train mode...
+    learner.close()
+    plain = _learner(dense_model_dir, redis_url, "plain-dropout", tmp_path, lora_on=False)
+    first, second = (response_logprobs(plain.policy, batch, 1.0, packed=plain.packed)[0] for _ in range(2))
+    torch.testing.assert_close(first, second, rtol=0, atol=0)  # ...the model's own is not
+    plain.close()
+    model = load_model(dense_model_dir)
+    assert disable_dropout(model) == [f"model.layers.{i}.self_attn.attention_dropout" for i in range(2)]
+    assert disable_dropout(model) == []

@@ -17,6 +17,7 @@ from slime.config import load_config
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.model import load_model, load_tokenizer
+from slime.rollout.multiturn import MultiTurnRollout, _Episode
 from slime.sample import Sample, Status
 from tests.helpers import wait_for
 
@@ -422,3 +423,40 @@ def test_bad_env_plugin_fails_at_config_and_at_load(buffer, tmp_path):
     cfg = job_config(buffer, tmp_path, "env.plugin=tests.test_multiturn:NoSuchEnv")
     with pytest.raises(PluginError, match="NoSuchEnv"):
         MultiTurnRollout(cfg.env, None, SamplingParams(), buffer, "w")
+
+
+class _OneStep:
+    def __init__(self, result):
+        self.result = result
+
+    def step(self, action):
+        return self.result
+
+
+@pytest.mark.parametrize(
+    "result, error",
+    [
+        (("obs", float("nan"), False, {}), "a reward of nan, not a finite number"),
+        (("obs", float("inf"), True, {}), "a reward of inf, not a finite number"),
+        (("obs", "1.0", False, {}), "a reward of type str, expected a number"),
+        (("obs", np.bool_(True), False, {}), "a reward of type bool"),
+        (("obs", 1.0, False, ["not", "a", "dict"]), "an info of type list, expected a dict"),
+        ((None, 1.0, False, {}), "an observation of type NoneType, expected str"),
+        (("obs", 1.0), "step returned tuple, expected"),
+    ],
+)
+def test_an_env_step_that_breaks_the_contract_fails_its_episode_naming_why(result, error):
+    """What an env's step returns is checked before it reaches the buffer: a NaN or inf reward
+    (one would make every weight NaN at the next update), a reward that is no number, an info that
+    is no dict."""
+    ep = _Episode(Sample(group_id="g", index=0, prompt_ids=[1], max_new_tokens=4), 0.0, env=_OneStep(result))
+    with pytest.raises((TypeError, ValueError), match=error):
+        MultiTurnRollout._call_step(None, ep, "act")
+    assert ep.turns_done == 0 and ep.env_return == 0.0
+
+
+def test_an_env_step_reward_may_be_a_numpy_number():
+    ep = _Episode(Sample(group_id="g", index=0, prompt_ids=[1], max_new_tokens=4), 0.0)
+    ep.env = _OneStep(("obs", np.float32(0.5), np.bool_(True), {"score": np.float64(2.0)}))
+    assert MultiTurnRollout._call_step(None, ep, "act") == ("obs", 0.5, True, {"score": 2.0})
+    assert ep.turns_done == 1 and ep.env_return == 0.5

@@ -147,6 +147,22 @@ def test_load_reward_spec_recursive(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert load_reward_spec("rewards.rule:f1")("q", "a b", "a b", {}) == 1.0
 
 
+def test_the_spec_examples_in_docs_load_and_score():
+    """docs/rewards.md's spec dicts, as a user copies them (the mix's length_penalty is a factory:
+    its first example named it bare and failed to load)."""
+    import re
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "rewards.md").read_text()
+    block = re.search(r"```yaml\nreward:\n(.*?)```", text, re.DOTALL).group(1)
+    specs = [yaml.safe_load(line.lstrip("# "))["fn"] for line in re.split(r"\n(?=  #? ?fn:)", block) if "fn:" in line]
+    assert len(specs) == 3
+    mixed, routed = load_reward_spec(specs[0]), load_reward_spec(specs[1])
+    assert mixed("q", r"\boxed{4}", "4", {}) == pytest.approx(0.8)  # exact_match of the boxed text is 0
+    assert routed("q", "a b", "a b", {"task": "poetry"}) == 1.0  # the default: f1
+
+
 def test_load_reward_spec_errors_give_the_path():
     with pytest.raises(RewardSpecError, match=r"reward\.mix\.0\.wieght: Extra inputs are not permitted"):
         load_reward_spec({"mix": [{"fn": "rewards.rule:f1", "wieght": 1.0}]})

@@ -13,6 +13,7 @@ import pytest
 
 from rewards.plugin import PluginError, load_function
 from rewards.runner import RewardResult, RewardRunner
+from slime.errors import UserError
 
 # --- plugin loading --------------------------------------------------------------------------
 
@@ -265,8 +266,23 @@ def test_signature_that_cannot_take_the_native_call_fails_at_construction() -> N
     def needs_more(prompt, response, tokenizer):
         return 0.0
 
-    with pytest.raises(TypeError, match=r"requires \['tokenizer'\], which are never passed"):
+    with pytest.raises(TypeError, match=r"requires \['tokenizer'\], which are never passed") as raised:
         RewardRunner(needs_more, timeout_s=1, max_concurrency=1)
+    assert isinstance(raised.value, UserError)  # the CLI's one line, not a traceback
+
+
+def test_a_rewards_info_reaches_the_sample_as_json() -> None:
+    """`info` is stored in the sample's metadata (JSON in Redis): a numpy number in it stopped the
+    rollout worker; now numpy scalars are numbers and anything else JSON cannot hold is text."""
+    import numpy as np
+
+    def score(prompt, response):
+        return {"score": 0.5, "info": {"acc": np.float32(0.25), "ok": np.bool_(True), "when": object}}
+
+    with RewardRunner(score, timeout_s=5, max_concurrency=1) as runner:
+        result = runner.score("q", "r", None, {})
+    assert result.reward == 0.5 and result.failure is None
+    assert result.info == {"acc": 0.25, "ok": True, "when": str(object)}
 
 
 def test_concurrency_limit() -> None:

@@ -55,6 +55,16 @@ def test_char_f1_by_hand():
     assert char_f1("q", "cat", ["dog", "cart"]) == pytest.approx(2 * 3 / 7)  # max over labels
 
 
+@pytest.mark.parametrize("fn", [exact_match, f1, char_f1])
+def test_a_sample_without_a_label_fails_instead_of_matching_an_empty_response(fn):
+    """A dataset loaded with the wrong data.label_key has label None on every row: an empty
+    response scored 1.0 against it, so the model learned to answer nothing."""
+    for label in (None, []):
+        with pytest.raises(ValueError, match=r"needs a label, and this sample has none \(is data.label_key"):
+            fn("q", "", label)
+    assert fn("q", "", "") == 1.0  # an empty label is a label
+
+
 def _lcs_by_table(a: str, b: str) -> int:
     table = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
     for i, x in enumerate(a):

@@ -60,6 +60,7 @@ def test_calculator_evaluates_arithmetic(expr, value):
         ("lambda: 1", "Lambda"),
         ("1 if 1 else 2", "IfExp"),
         ("9**9**9", "exponent"),
+        ("1e300**2", "out of range"),  # a float power past the float range: OverflowError before
         ("1/0", "division by zero"),
         ("1 +", "not an arithmetic expression"),
         ("", "empty"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from slime.errors import dump_stacks_on_sigusr1
 from slime.learner import lora, sharding
 from slime.learner.forwards import ValueModel, response_logprobs, use_logit_chunks
 from slime.learner.packing import packing_misfit, use_packed_attention
-from slime.model import load_model
+from slime.model import disable_dropout, load_model
 from slime.sample import Sample, Status, failure_key
 from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
@@ -87,6 +88,15 @@ def _histogram(values: list[int]) -> dict[str, int]:
     for v in sorted(values):
         out[str(v)] = out.get(str(v), 0) + 1
     return out
+
+
+def _step_if_finite(optim: torch.optim.Optimizer, grad_norm: float, which: str) -> None:
+    """The optimizer step, unless the gradient holds a NaN or inf: one such step would make every
+    weight NaN, and every later rollout garbage. The norm is the global one, so all ranks agree."""
+    if math.isfinite(grad_norm):
+        optim.step()
+    else:
+        log.warning("learner: %s gradient norm is %s; this optimizer step is skipped", which, grad_norm)
 
 
 def _micro_batches(
@@ -151,6 +161,8 @@ class Learner:
             master = master or sharding.free_local_address()
             sharding.init_group(rank, world_size, master, self.device, cfg.rollout.hang_timeout_s)
         self.policy = load_model(model_dir, "float32" if lc.mixed_precision else cfg.model.dtype, lc.device)
+        if dropped := disable_dropout(self.policy):  # before the adapters: learner.lora.dropout stays
+            log.info("learner: the model's dropout set to 0 (%d modules, e.g. %s)", len(dropped), dropped[0])
         self.policy.train()
         # Padding-free micro-batches when the model's packed logits match its own forward.
         self.packed = False
@@ -182,6 +194,7 @@ class Learner:
         self.critic = None
         if self.algorithm.needs_critic:
             self.critic = ValueModel(model_dir, self.policy.dtype).to(self.device).train()
+            disable_dropout(self.critic)
             if self.packed:  # the policy's architecture: its check covers the backbone
                 use_packed_attention(self.critic.backbone)
                 self.critic.packed = True
@@ -297,6 +310,7 @@ class Learner:
         out.update(self._batch_metrics(samples, batch, stale))
         out.update(
             grad_norm=float(np.mean(grad_norms)),
+            skipped_updates=sum(not math.isfinite(n) for n in grad_norms + critic_grad_norms),
             kl_coef=kl_coef,
             clip_low=clip_low,
             clip_high=clip_high,
@@ -456,10 +470,10 @@ class Learner:
                         # every other stat is a token mean or share (its trainable tokens).
                         stats.setdefault(k, []).append((v, float(weight) if k.endswith("loss") else tokens))
                 grad_norms.append(sharding.clip_grad_norm(self.trainable, lc.grad_clip))
-                self.optim.step()
+                _step_if_finite(self.optim, grad_norms[-1], "policy")
                 if self.critic is not None:
                     critic_grad_norms.append(sharding.clip_grad_norm(self.critic.parameters(), lc.grad_clip))
-                    self.critic_optim.step()
+                    _step_if_finite(self.critic_optim, critic_grad_norms[-1], "critic")
         if self.world_size > 1:  # every rank reports what all of them computed
             stats, mismatch.sums = _merge_rank_stats(sharding.gather_json({"stats": stats, "mismatch": mismatch.sums}))
         return stats, grad_norms, critic_grad_norms, mismatch

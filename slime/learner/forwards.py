@@ -20,6 +20,7 @@ from slime.algorithms.batch import Batch, collate
 from slime.algorithms.core import entropy_from_logits
 from slime.engines.routing import replayed_routing
 from slime.learner.packing import PACKED, PackedRows, keeps_logits
+from slime.model import from_pretrained
 from slime.sample import Sample
 
 LOGIT_CHUNK = "slime_logit_chunk_tokens"  # set on a model by use_logit_chunks; the reference's deep copy keeps it
@@ -355,7 +356,7 @@ class ValueModel(torch.nn.Module):
 
     def __init__(self, model_dir: str, dtype: torch.dtype):
         super().__init__()
-        self.backbone = AutoModel.from_pretrained(model_dir, dtype=dtype)
+        self.backbone = from_pretrained(AutoModel, model_dir, dtype=dtype)
         self.packed = False  # set by the learner with the backbone's attention (packing.py)
         hidden = self.backbone.config.hidden_size
         self.head = torch.nn.Linear(hidden, 1)

@@ -273,6 +273,9 @@ def adapter_state_for(model: torch.nn.Module, state: dict[str, torch.Tensor], so
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
+PEFT_PREFIX = "base_model.model."  # PEFT's saved keys: the PeftModel's names of the adapters
+
+
 def save_adapter(directory: Path, model: torch.nn.Module, settings: LoraSettings, model_dir: str, write: bool) -> None:
     """`adapter/` in PEFT's format and `base_model.json`. Sharded, every rank calls this (the gathers
     are collectives) and rank 0 writes (`write`)."""
@@ -283,8 +286,12 @@ def save_adapter(directory: Path, model: torch.nn.Module, settings: LoraSettings
         return
     target = directory / ADAPTER_DIR
     target.mkdir(parents=True, exist_ok=True)
+    # Keyed as PeftModel.save_pretrained keys them ("base_model.model.{module}..."): PEFT adds that
+    # prefix on load only for models transformers converts (MoE), so dense models need it on disk.
     save_file(
-        {n: t.contiguous() for n, t in state.items()}, str(target / "adapter_model.safetensors"), {"format": "pt"}
+        {PEFT_PREFIX + n: t.contiguous() for n, t in state.items()},
+        str(target / "adapter_model.safetensors"),
+        {"format": "pt"},
     )
     peft_config(settings, adapted_modules(model), str(model_dir)).save_pretrained(str(target))
     files = [p.name for p in _weight_files(Path(model_dir))]
@@ -296,7 +303,8 @@ def read_adapter(directory: Path) -> dict[str, torch.Tensor]:
     """A checkpoint's adapter tensors under their public names."""
     from safetensors.torch import load_file
 
-    return load_file(str(directory / ADAPTER_DIR / "adapter_model.safetensors"))
+    state = load_file(str(directory / ADAPTER_DIR / "adapter_model.safetensors"))
+    return {n.removeprefix(PEFT_PREFIX): t for n, t in state.items()}  # checkpoints before the prefix too
 
 
 def check_checkpoint(directory: Path, settings: LoraSettings | None, model: torch.nn.Module, model_dir: str) -> None:

@@ -41,8 +41,11 @@ itself may name why in `info["end_reason"]` (a policy that wrote outside its wor
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -397,8 +400,12 @@ class MultiTurnRollout:
         observation, reward, done, info = result
         if not isinstance(observation, str):
             raise TypeError(f"step returned an observation of type {type(observation).__name__}, expected str")
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool):
+        if not isinstance(reward, numbers.Real) or isinstance(reward, (bool, np.bool_)):  # numpy floats too
             raise TypeError(f"step returned a reward of type {type(reward).__name__}, expected a number")
+        if not math.isfinite(float(reward)):  # one NaN would make every weight NaN at the next update
+            raise ValueError(f"step returned a reward of {float(reward)}, not a finite number")
+        if info is not None and not isinstance(info, Mapping):
+            raise TypeError(f"step returned an info of type {type(info).__name__}, expected a dict")
         ep.turns_done += 1
         ep.env_return += float(reward)
         ep.infos.append(dict(info or {}))
