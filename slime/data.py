@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 
 from slime.config import DataConfig
 from slime.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +64,13 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
         records.append(_to_record(len(records), where, row, cfg, tokenizer))
     if not records:
         raise DatasetError(f"{p}: the dataset has no rows")
+    if all(r.label is None for r in records):  # fine for a judge or a reward model, not for a rule
+        log.warning(
+            "%s: no row has the label column %r (data.label_key): a reward that compares with a label "
+            "(exact_match, f1, math_answer, ...) will fail every sample",
+            p,
+            cfg.label_key,
+        )
     return records
 
 

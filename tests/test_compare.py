@@ -144,4 +144,8 @@ def test_errors_are_one_line(four_runs: list[Path], tmp_path: Path, capsys) -> N
     line = one_error(capsys, ["compare", str(four_runs[0]), "--metric", "reward_men", *out])
     assert "no run has the metric 'reward_men'" in line and "reward_mean" in line
     assert "needs at least one run directory" in one_error(capsys, ["compare", *out])
-    assert not (tmp_path / "x.png").exists()
+    run = str(four_runs[0])
+    assert "is named twice" in one_error(capsys, ["compare", run, run + "/", *out])  # one run, not two seeds
+    txt = ["--out", str(tmp_path / "x.txt")]
+    assert "the plot is an image; name a file ending in .png" in one_error(capsys, ["compare", run, *txt])
+    assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.txt").exists()

@@ -170,3 +170,16 @@ def test_whole_file_errors(tmp_path: Path, tok) -> None:
 
 def test_dataset_error_is_a_value_error() -> None:
     assert issubclass(DatasetError, ValueError)
+
+
+def test_a_dataset_without_its_label_column_is_named_at_load(tmp_path: Path, tok, caplog) -> None:
+    """gsm8k-style rows (`question`/`answer`) loaded with only data.prompt_key set have no `label`:
+    a rule reward then fails every sample, so the load says why up front."""
+    path = write_jsonl([{"question": "1+1?", "answer": "2"}], tmp_path / "d.jsonl")
+    with caplog.at_level("WARNING", logger="slime.data"):
+        load_prompts(DataConfig(prompt_key="question"), tok, str(path))
+    assert "no row has the label column 'label' (data.label_key)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slime.data"):
+        load_prompts(DataConfig(prompt_key="question", label_key="answer"), tok, str(path))
+    assert caplog.text == ""

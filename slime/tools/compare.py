@@ -43,6 +43,9 @@ LAST_STEPS = 5
 MAX_LABEL_KEYS = 5
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
 class CompareError(UserError, ValueError):
     """A run directory, a metrics file or a metric that `slime compare` cannot use."""
 
@@ -250,6 +253,12 @@ def compare(paths: list[Path], metrics: list[str], out: Path) -> list[dict[str, 
     """Load, group, plot and summarise; returns the groups' figures."""
     if not paths:
         raise CompareError("slime compare needs at least one run directory")
+    seen: dict[Path, Path] = {}
+    for path in paths:  # one run named twice would count as two seeds of its group
+        if (twice := seen.setdefault(path.resolve(), path)) is not path:
+            raise CompareError(f"{path} is named twice (also as {twice}): each run counts once")
+    if out.suffix.lower() not in PLOT_SUFFIXES:
+        raise CompareError(f"--out {out}: the plot is an image; name a file ending in {', '.join(PLOT_SUFFIXES)}")
     runs = [load_run(path, name) for path, name in zip(paths, run_names(paths))]
     check_metrics(runs, metrics)
     groups = group_runs(runs)
