@@ -424,6 +424,33 @@ def test_kl_estimators_by_hand() -> None:
         kl_penalty(logp, ref, "k5")  # type: ignore[arg-type]
 
 
+def test_a_kl_in_the_reward_defaults_to_k1_whose_score_gradient_is_the_kls():
+    """A KL in the reward reaches π only through E_a~π[∇log π(a) · k(a)]. Over a 5-way softmax,
+    exactly (no sampling): k1 gives ∇KL(π‖π_ref) itself; k3 (the in-loss default) gives
+    ∇KL(π‖π_ref) − ∇KL(π_ref‖π), whose first-order terms cancel: here a tenth of the KL's gradient.
+    So a KL in the reward defaults to k1."""
+    from slime.config import AlgorithmConfig
+
+    g = torch.Generator().manual_seed(0)
+    ref_logits = torch.randn(5, generator=g, dtype=torch.float64)
+    logits = (ref_logits + 0.3 * torch.randn(5, generator=g, dtype=torch.float64)).requires_grad_(True)
+    logp, ref = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
+    (true_grad,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), logits, retain_graph=True)
+
+    def score_gradient(estimator: str) -> torch.Tensor:
+        k = kl_penalty(logp.detach(), ref, estimator)  # a reward term: no gradient of its own
+        (grad,) = torch.autograd.grad((logp.exp().detach() * logp * k).sum(), logits, retain_graph=True)
+        return grad
+
+    torch.testing.assert_close(score_gradient("k1"), true_grad)
+    k3 = score_gradient("k3")
+    assert k3.norm() < 0.3 * true_grad.norm()
+    assert AlgorithmConfig(name="ppo", kl_mode="reward").kl_estimator == "k1"
+    assert AlgorithmConfig(name="reinforce_pp").kl_estimator == "k1"
+    assert AlgorithmConfig(name="ppo").kl_estimator == "low_var_kl"  # in the loss: verl's choice
+    assert AlgorithmConfig(name="ppo", kl_mode="reward", kl_estimator="k3").kl_estimator == "k3"  # as set
+
+
 def test_low_var_kl_clamps_and_keeps_gradients_finite() -> None:
     logp = t([0.0, 0.0, 0.0]).requires_grad_(True)
     ref = t([-15.0, 100.0, -0.1])  # k3 = 14 -> 10; k3 = e^100 -> 10; small one untouched

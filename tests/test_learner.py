@@ -219,6 +219,7 @@ GOLDEN_CASES = {
             "algorithm.name=ppo",
             "algorithm.kl_coef=0.05",
             "algorithm.kl_mode=reward",
+            "algorithm.kl_estimator=low_var_kl",  # recorded before a KL in the reward defaulted to k1
             "algorithm.value_clip=0.05",
             "algorithm.gamma=0.99",
             "algorithm.lam=0.9",

@@ -185,7 +185,11 @@ class AlgorithmConfig(_Strict):
     vf_coef: float = Field(0.5, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
     kl_coef: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "low_var_kl",
+        description="KL(pi || pi_ref) per token. Default: low_var_kl for a KL in the loss, k1 for a KL in the reward "
+        "(kl_mode=reward, REINFORCE++), where only k1's score-function gradient is the KL's own.",
+    )
     kl_mode: Literal["loss", "reward"] = "loss"
     kl_schedule: list[StagedKL] = Field(default_factory=list, description="Staged KL coefficient; overrides kl_coef.")
     adaptive_clip: AdaptiveClipConfig = AdaptiveClipConfig()
@@ -206,6 +210,13 @@ class AlgorithmConfig(_Strict):
             if "loss_agg" in self.model_fields_set:
                 raise ValueError(f"algorithm.name={self.name} averages over sequences: loss_agg must be seq_*")
             self.loss_agg = "seq_mean_token_sum" if self.name == "dr_grpo" else "seq_mean_token_mean"
+        # A KL in the REWARD (PPO's kl_mode=reward; REINFORCE++ always) reaches the policy through the
+        # score function, E[grad log pi * k]: that is grad KL(pi||pi_ref) only for k1. With k3 it is
+        # grad KL(pi||ref) - grad KL(ref||pi): ~0 near pi_ref, and it may point away from it.
+        # verl's in-reward default and OpenRLHF's are k1, as is REINFORCE++'s definition.
+        kl_in_reward = self.kl_mode == "reward" or self.name in ("reinforce_pp", "reinforce_pp_baseline")
+        if kl_in_reward and "kl_estimator" not in self.model_fields_set:
+            self.kl_estimator = "k1"
         steps = [s.until_step for s in self.kl_schedule]
         if steps != sorted(steps):
             raise ValueError("algorithm.kl_schedule: until_step values must increase")
