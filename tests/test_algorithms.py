@@ -449,6 +449,9 @@ def test_a_kl_in_the_reward_defaults_to_k1_whose_score_gradient_is_the_kls():
     assert AlgorithmConfig(name="reinforce_pp").kl_estimator == "k1"
     assert AlgorithmConfig(name="ppo").kl_estimator == "low_var_kl"  # in the loss: verl's choice
     assert AlgorithmConfig(name="ppo", kl_mode="reward", kl_estimator="k3").kl_estimator == "k3"  # as set
+    for name in ("grpo", "gspo", "cispo", "rloo", "dr_grpo"):  # one advantage per sequence: nothing to shape
+        with pytest.raises(ValueError, match=f"kl_mode=reward: {name} has no per-token reward"):
+            AlgorithmConfig(name=name, kl_mode="reward", kl_coef=0.01)
 
 
 def test_low_var_kl_clamps_and_keeps_gradients_finite() -> None:

@@ -217,6 +217,12 @@ class AlgorithmConfig(_Strict):
         kl_in_reward = self.kl_mode == "reward" or self.name in ("reinforce_pp", "reinforce_pp_baseline")
         if kl_in_reward and "kl_estimator" not in self.model_fields_set:
             self.kl_estimator = "k1"
+        wants_kl = self.kl_coef > 0 or any(s.coef > 0 for s in self.kl_schedule)
+        if self.kl_mode == "reward" and wants_kl and self.name not in ("ppo", "reinforce_pp", "reinforce_pp_baseline"):
+            raise ValueError(
+                f"algorithm.kl_mode=reward: {self.name} has no per-token reward for a KL to shape (its "
+                "advantage is one number per sequence), so the KL would be dropped; use kl_mode=loss"
+            )
         steps = [s.until_step for s in self.kl_schedule]
         if steps != sorted(steps):
             raise ValueError("algorithm.kl_schedule: until_step values must increase")
