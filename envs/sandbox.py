@@ -61,9 +61,12 @@ from pydantic import BaseModel, Field
 from envs.sandbox_host import (
     PLACES,
     acquire_uid,
+    cgroup_oom,
     count_procs_of_uid,
+    make_memory_cgroup,
     mount_area,
     release_uid,
+    remove_cgroup,
     sweep_uid,
     unmount_area,
 )
@@ -92,6 +95,9 @@ class SandboxConfig(BaseModel):
     timeout_s: float = Field(10.0, gt=0, description="wall clock per run")
     cpu_s: int | None = Field(None, description="RLIMIT_CPU; default ceil(timeout_s) + 1")
     memory_mb: int = Field(512, ge=64, description="RLIMIT_AS of every process in the sandbox")
+    total_memory_mb: int = Field(
+        1024, ge=64, description="all the run's processes together (a memory cgroup, where one can be made)"
+    )
     max_processes: int = Field(32, ge=1, description="RLIMIT_NPROC (threads count too)")
     max_file_mb: int = Field(16, ge=1, description="RLIMIT_FSIZE")
     max_open_files: int = Field(64, ge=16, description="RLIMIT_NOFILE")
@@ -346,9 +352,12 @@ class Sandbox:
             return SandboxResult("sandbox_unavailable", None, "", "", error=err)
         area = tempfile.mkdtemp(prefix="slime-sandbox-")
         uid = acquire_uid(cfg.host_uid_base, cfg.host_uid_count)
+        cgroup, no_cgroup = make_memory_cgroup(os.path.basename(area), cfg.total_memory_mb << 20)
         no_quota = "unsafe mode" if unsafe else mount_area(area, cfg.write_quota_mb << 20, cfg.max_files, uid)
         if no_quota is not None:
-            os.chmod(area, 0o711)  # the run's uid passes through to its work dir
+            if uid is not None:  # the run's uid passes through to its work dir; no one else does
+                os.chown(area, uid, uid)
+            os.chmod(area, 0o700)
             os.mkdir(os.path.join(area, "work"))
             if not unsafe:
                 warning = f"no total write quota ({no_quota}): /tmp and /dev/shm are capped apart, /work per file only"
@@ -367,13 +376,20 @@ class Sandbox:
                     # bwrap and its pid-1 init keep the environment they were started with (readable in
                     # /proc/1/environ inside): give them none; the code's own comes from --setenv.
                     env, cwd = {}, "/"
-                res = _execute(full, stdin_file, env, cwd, uid, cfg)
+                res = _execute(full, stdin_file, env, cwd, uid, cfg, cgroup)
+            if cgroup is not None and res.status in ("killed", "error") and cgroup_oom(cgroup):
+                res.status = "memory"
+            if no_cgroup is not None:
+                extra = f"no total memory limit ({no_cgroup}): a run may hold max_processes x memory_mb"
+                warning = f"{warning}; {extra}" if warning else extra
             res.warning = warning
             return res
         finally:
             if uid is not None:
                 sweep_uid(uid)
             release_uid(uid)
+            if cgroup is not None:
+                remove_cgroup(cgroup)
             if no_quota is None:
                 unmount_area(area)
             shutil.rmtree(area, ignore_errors=True)
@@ -402,22 +418,61 @@ _SIGNAL_STATUS: dict[int, Status] = {
 }
 
 
-def _execute(argv: list[str], stdin_file, env: dict, cwd: str, uid: int | None, cfg: SandboxConfig) -> SandboxResult:
+# The run's first process: wait for the go on the pipe (fd argv[1]), close it, become argv[2:] with
+# the environment it was given (/proc/self/environ: Python's start-up adds LC_CTYPE to os.environ).
+# Python, not sh: a shell's redirections take one-digit fds only.
+_GATE = (
+    "import os, sys; fd = int(sys.argv[1]); os.read(fd, 1); os.close(fd); "
+    "env = dict(e.split(b'=', 1) for e in open('/proc/self/environ', 'rb').read().split(b'\\0') if b'=' in e); "
+    "os.execvpe(sys.argv[2], sys.argv[2:], env)"
+)
+
+
+def _execute(
+    argv: list[str], stdin_file, env: dict, cwd: str, uid: int | None, cfg: SandboxConfig, cgroup: str | None = None
+) -> SandboxResult:
+    """Run ``argv`` under the limits. With ``cgroup`` (a memory cgroup's `cgroup.procs`), the first
+    process waits on a pipe until this process (root: allowed on cgroup v1 and v2) has moved it into
+    the cgroup, so everything it starts is inside."""
     t0 = time.monotonic()
     deadline = t0 + cfg.timeout_s
-    proc = subprocess.Popen(
-        argv,
-        stdin=stdin_file,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,
-        close_fds=True,
-        user=uid,
-        group=uid,
-        extra_groups=[] if uid is not None else None,
-    )
+    gate_r = gate_w = None
+    if cgroup is not None:
+        gate_r, gate_w = os.pipe()
+        argv = [cfg.python, "-I", "-S", "-c", _GATE, str(gate_r), *argv]  # the interpreter the sandbox runs
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=stdin_file,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=() if gate_r is None else (gate_r,),
+            user=uid,
+            group=uid,
+            extra_groups=[] if uid is not None else None,
+        )
+    finally:
+        if gate_r is not None:
+            os.close(gate_r)
+    if gate_w is not None:
+        try:
+            with open(cgroup, "w") as procs:
+                procs.write(str(proc.pid))
+        except OSError as exc:  # never run it outside its memory limit
+            _kill_group(proc)
+            proc.wait()
+            os.close(gate_w)
+            proc.stdout.close()
+            proc.stderr.close()
+            return SandboxResult(
+                "sandbox_unavailable", None, "", "", error=f"joining the run's memory cgroup failed: {exc}"
+            )
+        os.write(gate_w, b"go\n")
+        os.close(gate_w)
     limit = cfg.max_output_bytes
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     bufs = {out_fd: bytearray(), err_fd: bytearray()}

@@ -134,7 +134,9 @@ def mount_area(root: str, size_bytes: int, max_files: int, uid: int | None) -> s
     if _mount_error and _mount_error[0] is not None:
         return _mount_error[0]
     # nr_inodes counts the area's root and its places too
-    options = f"size={size_bytes},nr_inodes={max_files + 1 + len(PLACES)},mode=0755".encode()
+    # 0700, the run's uid's: /tmp and /dev/shm inside are 1777, so a root any user may cross would
+    # let every local user read and plant files in a running sandbox's /tmp
+    options = f"size={size_bytes},nr_inodes={max_files + 1 + len(PLACES)},mode=0700".encode()
     if _libc.mount(b"tmpfs", root.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
         code = ctypes.get_errno()
         why = f"mounting a tmpfs failed ({errno.errorcode.get(code, code)}: {os.strerror(code)}; needs root or CAP_SYS_ADMIN)"
@@ -143,6 +145,8 @@ def mount_area(root: str, size_bytes: int, max_files: int, uid: int | None) -> s
         return why
     if not _mount_error:
         _mount_error.append(None)
+    if uid is not None:
+        os.chown(root, uid, uid)
     for name in PLACES:
         path = os.path.join(root, name)
         os.mkdir(path, 0o700 if name == "work" else 0o1777)
@@ -155,3 +159,61 @@ def mount_area(root: str, size_bytes: int, max_files: int, uid: int | None) -> s
 def unmount_area(root: str) -> None:
     """Detach the area (lazily: a file still open somewhere does not keep the quota alive for us)."""
     _libc.umount2(root.encode(), _MNT_DETACH)
+
+
+# ----------------------------------------------------------------------------- the run's memory
+
+_CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def make_memory_cgroup(name: str, limit_bytes: int) -> tuple[str | None, str | None]:
+    """A memory cgroup for one run, limited to `limit_bytes` for all its processes together (RLIMIT_AS
+    is per process: without this a run holds max_processes x memory_mb). Returns (the file a pid is
+    written to, to move that process in; None and why when no cgroup can be made here)."""
+    v2 = os.path.join(_CGROUP_ROOT, "cgroup.controllers")
+    try:
+        if os.path.exists(v2):
+            with open(v2) as f:
+                if "memory" not in f.read().split():
+                    return None, "cgroup v2 without the memory controller"
+            path, limits = os.path.join(_CGROUP_ROOT, name), {"memory.max": limit_bytes, "memory.swap.max": 0}
+        elif os.path.isdir(os.path.join(_CGROUP_ROOT, "memory")):
+            path, limits = os.path.join(_CGROUP_ROOT, "memory", name), {"memory.limit_in_bytes": limit_bytes}
+        else:
+            return None, "no memory cgroup controller mounted"
+        os.mkdir(path, 0o755)
+        for file, value in limits.items():
+            try:
+                with open(os.path.join(path, file), "w") as f:
+                    f.write(str(value))
+            except FileNotFoundError:
+                if file != "memory.swap.max":
+                    raise
+        return os.path.join(path, "cgroup.procs"), None  # the parent (root) moves the run's first process in
+    except OSError as exc:
+        return None, f"cannot make a memory cgroup ({exc.strerror}; needs root and a writable {_CGROUP_ROOT})"
+
+
+def cgroup_oom(procs: str) -> bool:
+    """Did the run's cgroup hit its limit (the kernel then killed one of its processes)?"""
+    path = os.path.dirname(procs)
+    try:
+        with open(os.path.join(path, "memory.events")) as f:  # v2
+            return any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in f)
+    except FileNotFoundError:
+        pass
+    try:
+        with open(os.path.join(path, "memory.failcnt")) as f:  # v1
+            return int(f.read()) > 0
+    except OSError:
+        return False
+
+
+def remove_cgroup(procs: str) -> None:
+    path = os.path.dirname(procs)
+    for _ in range(50):  # the run's processes are killed; their exit takes a moment
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.02)

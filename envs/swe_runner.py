@@ -38,7 +38,11 @@ MAX_TRACEBACK_CHARS = 800
 MAX_TRACEBACKS = 20  # per run: a suite where everything fails reports the first ones in full
 
 RUNNER = r"""
-import builtins, importlib.util, json, json.encoder, os, sys, traceback, unittest
+import sys
+# sys.path[0] is /work, the workspace: a workspace json.py (or unittest/, traceback.py, ...) would
+# be imported in place of the stdlib below, before the nonce is read. Out until _main has read it.
+_WORK = sys.path.pop(0)
+import builtins, importlib.util, json, json.encoder, os, traceback, unittest
 import unittest.case, unittest.loader, unittest.result, unittest.suite, unittest.util
 
 
@@ -136,6 +140,7 @@ def _load_error(format_exception):
 def _main():
     nonce, test_files = _read_stdin()
     out_fd = os.dup(1)
+    sys.path.insert(0, _WORK)  # the tests import the workspace's packages
     dumps, write, format_exception = json.dumps, os.write, traceback.format_exception
     check, result_class, load_error = _tampered, _Result, _load_error
 

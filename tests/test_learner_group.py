@@ -261,3 +261,28 @@ def test_a_two_rank_job_trains_pushes_checkpoints_and_resumes(ray_session, tiny_
     finally:
         one.close()
     buffer.delete_job()
+
+
+def _global_ref(module: str, name: str) -> bytes:
+    """A protocol-4 pickle of one global, `module` and `name` as given (STACK_GLOBAL)."""
+    m, n = module.encode(), name.encode()
+    return b"\x80\x04\x8c" + bytes([len(m)]) + m + b"\x8c" + bytes([len(n)]) + n + b"\x93."
+
+
+@pytest.mark.parametrize(
+    "name", ["operator.methodcaller", "operator.attrgetter", "os.system", "FileSystemReader.__init__"]
+)
+def test_a_checkpoint_index_cannot_walk_from_a_dcp_module_to_other_callables(name):
+    """Protocol 4 resolves dotted names attribute by attribute: `operator.methodcaller` looked up in
+    a DCP module that imports operator is a type, and attrgetter/itemgetter/methodcaller chained
+    reach os.system. Only a DCP module's own classes load."""
+    import io
+
+    from slime.learner.sharding import _SafeMetadataUnpickler
+
+    with pytest.raises(pickle.UnpicklingError, match="which a checkpoint never holds"):
+        _SafeMetadataUnpickler(io.BytesIO(_global_ref("torch.distributed.checkpoint.filesystem", name))).load()
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    got = _SafeMetadataUnpickler(io.BytesIO(_global_ref("torch.distributed.checkpoint.metadata", "Metadata"))).load()
+    assert got is Metadata

@@ -129,6 +129,58 @@ def test_memory_bomb_killed(sb):
     _still_serving(sb)
 
 
+MANY_CHILDREN = r"""
+import os, sys, time
+n, mb = int(sys.argv[1]), int(sys.argv[2])
+pipes = []
+for _ in range(n):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        block = bytearray(mb << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        os.write(w, b"x")
+        time.sleep(2)
+        os._exit(0)
+    os.close(w)
+    pipes.append(r)
+print("alive", sum(1 for r in pipes if os.read(r, 1)))
+"""
+
+
+def test_the_runs_processes_together_stay_under_total_memory_mb(sb):
+    """RLIMIT_AS bounds each process: 6 children of 200 MB each pass it (memory_mb=256) and held
+    1.2 GB together, up to max_processes x memory_mb per run. A memory cgroup per run bounds the
+    total (total_memory_mb); where none can be made, the result says so."""
+    r = Sandbox(CFG.model_copy(update={"total_memory_mb": 512})).run_python(MANY_CHILDREN, args=["6", "200"])
+    if r.warning and "no total memory limit" in r.warning:
+        pytest.skip(r.warning)
+    assert r.status == "ok", r
+    assert int(r.stdout.split()[1]) <= 2, r.stdout  # 512 MB holds two 200 MB children, never six
+    small = sb.run_python(MANY_CHILDREN, args=["2", "50"])
+    assert small.status == "ok" and small.stdout.split() == ["alive", "2"], small
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dedicated host uids are used only when run as root")
+def test_a_running_sandbox_area_is_closed_to_other_users(sb):
+    """The area's root was 0755 and root's, with 1777 /tmp and /dev/shm inside: any local user could
+    read and plant files in a running sandbox's /tmp. Now it is 0700 and the run's uid's."""
+    import glob
+    import threading
+
+    before = set(glob.glob("/tmp/slime-sandbox-*"))
+    done = threading.Event()
+    threading.Thread(target=lambda: (sb.run_python("import time; time.sleep(1.5)"), done.set())).start()
+    area = None
+    while not done.is_set() and (area is None or area.st_uid == 0):  # mkdtemp's, until the run's
+        found = set(glob.glob("/tmp/slime-sandbox-*")) - before
+        area = os.stat(found.pop()) if found else None
+        time.sleep(0.05)
+    done.wait(10)
+    assert area is not None, "no sandbox area appeared"
+    assert area.st_mode & 0o777 == 0o700 and area.st_uid >= CFG.host_uid_base, (oct(area.st_mode), area.st_uid)
+
+
 def test_infinite_loop_killed_at_timeout(sb):
     t0 = time.monotonic()
     r = sb.run_python("while True:\n    pass")

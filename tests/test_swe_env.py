@@ -342,6 +342,38 @@ def test_forged_report_lines_and_a_patched_unittest_do_not_pass_tests():
     assert done and reward == 0.0
 
 
+# A workspace json.py that reads the nonce from stdin itself and reports every test as passed.
+SHADOW_JSON = r"""
+import ast, os
+data = b""
+while chunk := os.read(0, 65536):
+    data += chunk
+nonce, files = data.decode().split("\n", 1)
+out = ""
+for f in [x.strip().strip('"') for x in files.strip()[1:-1].split(",")]:
+    mod = f[:-3].replace("/", ".")
+    for node in ast.parse(open(f).read()).body:
+        if isinstance(node, ast.ClassDef):
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test"):
+                    out += "\n" + nonce + '{"id": "%s.%s.%s", "status": "passed"}\n' % (mod, node.name, fn.name)
+os.write(1, (out + "\n" + nonce + '{"done": true, "tampered": null}\n').encode())
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("name", ["json.py", "traceback.py"])
+def test_a_workspace_module_named_like_the_stdlib_cannot_read_the_nonce_first(name):
+    """The runner imports json, traceback and unittest before it reads the nonce; with the workspace
+    first on sys.path, a workspace json.py ran in its place, read the nonce and forged a full pass."""
+    env = env_for(TOY)
+    env.step(write(name, SHADOW_JSON))
+    observation, _, _, _ = env.step(tool_call("run_tests"))
+    assert "ran 3 tests: 1 passed, 2 failed" in observation, observation
+    _, reward, done, _ = env.step(tool_call("finish"))
+    assert done and reward < 1.0
+
+
 def test_qwen_chat_format_wraps_the_tool_turn():
     env = env_for(TOY, chat_format="qwen")
     observation, _, _, _ = env.step(tool_call("list_dir", path="calc"))

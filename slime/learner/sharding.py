@@ -243,9 +243,11 @@ class _SafeMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) == ("builtins", "getattr"):
             return _enum_member_by_name
-        if module.startswith("torch.distributed.checkpoint."):
+        # A dotted name (pickle protocol >= 4) walks attributes: "operator.methodcaller" from a
+        # module that imports operator is a type too. Only a module's own top-level classes.
+        if module.startswith("torch.distributed.checkpoint.") and name.isidentifier():
             found = super().find_class(module, name)
-            if isinstance(found, type):  # its dataclasses and enums; never a function to call
+            if isinstance(found, type) and found.__module__ == module:  # its dataclasses and enums
                 return found
         elif module == "torch" and name in self._TORCH_VALUES or (module, name) in self._PLAIN:
             return super().find_class(module, name)
