@@ -254,3 +254,30 @@ def test_cli_hooks(tiny_model_dir, tmp_path, capsys):
     bad.write_text('{"prompt": "x"}\n')
     assert main_train_rm(base + ["--data", str(bad), "--out", str(tmp_path / "x")]) == 2
     assert f"{bad}:1:" in capsys.readouterr().out
+
+
+def test_a_step_score_that_ends_in_an_observation_moves_to_a_trainable_token():
+    """In a multi-turn transcript a step may end inside an observation (loss mask 0), where GAE's
+    mask dropped its score: the sample trained with reward 0 and nothing said so. The score moves to
+    the last trainable token before it, else the first one after."""
+    from types import SimpleNamespace
+
+    from rewards.runner import StepScores
+    from slime.model import build_char_tokenizer
+    from slime.rollout.worker import RolloutWorker
+    from slime.sample import Sample
+
+    tokenizer = build_char_tokenizer()
+    ids = tokenizer("abcdefgh", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 8  # one token per character
+    sample = Sample(group_id="g", index=0, prompt_ids=[1], max_new_tokens=16)
+    sample.append(ids[:2], np.zeros(2), 0, loss_mask=1)  # model: "ab"
+    sample.append(ids[2:5], np.zeros(3), 0, loss_mask=0)  # observation: "cde"
+    sample.append(ids[5:], np.zeros(3), 0, loss_mask=1)  # model: "fgh"
+    worker = SimpleNamespace(tokenizer=tokenizer, params=SimpleNamespace(stop_token_ids=[]))
+    steps = StepScores(scores=(0.25, 0.5, 1.0), ends=(3, 6, 7))  # "d" (observation), "g", "h"
+    rewards = RolloutWorker._step_rewards_on_tokens(worker, sample, steps)
+    assert rewards.tolist() == [0.0, 0.25, 0.0, 0.0, 0.0, 0.0, 0.5, 1.0]
+    sample.loss_mask[:2] = 0  # nothing trainable before the observation: the first trainable after
+    rewards = RolloutWorker._step_rewards_on_tokens(worker, sample, StepScores(scores=(0.25,), ends=(3,)))
+    assert rewards.tolist() == [0.0] * 5 + [0.25, 0.0, 0.0]

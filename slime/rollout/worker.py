@@ -471,9 +471,14 @@ class RolloutWorker:
             ids = ids[:-1]  # _finalize scored the text without it
         if not ids:
             return None
-        return place_step_rewards(
-            sample.response_length, step_end_tokens_of_ids(self.tokenizer, ids, steps.ends), steps.scores
-        )
+        ends = step_end_tokens_of_ids(self.tokenizer, ids, steps.ends)
+        # A step that ends inside an observation (a multi-turn episode: mask-0 tokens) would have its
+        # score dropped by GAE's mask: move it to the last trainable token before, else the first after.
+        trainable = np.flatnonzero(np.asarray(sample.loss_mask)[: sample.response_length] > 0)
+        if len(trainable):
+            before = np.searchsorted(trainable, ends, side="right") - 1
+            ends = [int(trainable[b]) if b >= 0 else int(trainable[0]) for b in before]
+        return place_step_rewards(sample.response_length, ends, steps.scores)
 
     # ---- control (called by the driver) -------------------------------------------------------
     def set_max_version_span(self, max_version_span: int | None) -> None:
