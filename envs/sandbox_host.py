@@ -182,6 +182,9 @@ def make_memory_cgroup(name: str, limit_bytes: int) -> tuple[str | None, str | N
         else:
             return None, "no memory cgroup controller mounted"
         os.mkdir(path, 0o755)
+    except OSError as exc:
+        return None, f"cannot make a memory cgroup ({exc.strerror}; needs root and a writable {_CGROUP_ROOT})"
+    try:
         for file, value in limits.items():
             try:
                 with open(os.path.join(path, file), "w") as f:
@@ -189,9 +192,10 @@ def make_memory_cgroup(name: str, limit_bytes: int) -> tuple[str | None, str | N
             except FileNotFoundError:
                 if file != "memory.swap.max":
                     raise
-        return os.path.join(path, "cgroup.procs"), None  # the parent (root) moves the run's first process in
-    except OSError as exc:
-        return None, f"cannot make a memory cgroup ({exc.strerror}; needs root and a writable {_CGROUP_ROOT})"
+    except OSError as exc:  # e.g. v2 without memory delegated to child cgroups: no memory.max
+        os.rmdir(path)
+        return None, f"cannot limit a memory cgroup ({exc.strerror})"
+    return os.path.join(path, "cgroup.procs"), None  # the parent (root) moves the run's first process in
 
 
 def cgroup_oom(procs: str) -> bool:
