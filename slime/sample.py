@@ -129,7 +129,12 @@ class Sample:
 
 
 # "reward function NAME raised ValueError: ..." -> "reward function NAME raised ValueError"
-_FAILURE_HEAD = re.compile(r"^(reward function|env) (\S+) (raised \w+|timed out|returned|did not finish|not called)")
+# A reward given as a spec dict (rewards/mix.py) is named by its repr, "{'fn': ..., 'kwargs': {...}}", which
+# holds spaces: it is matched up to the first kind of failure after a closing brace or bracket.
+_FAILURE_HEAD = re.compile(
+    r"^(reward function|env) (\{.*?\}|\[.*?\]|\S+) (raised \w+|timed out|returned|did not finish|not called)"
+)
+_SPEC_FUNCTION = re.compile(r"'([\w./-]+:\w+)'")
 
 
 def failure_key(failure: str | None) -> str:
@@ -142,6 +147,9 @@ def failure_key(failure: str | None) -> str:
     if head is None:
         return text.split(": ", 1)[0][:80]
     what, name, how = head.groups()
+    if name[0] in "{[":  # a spec: by the functions it names (kwargs, such as a judge's template, left out)
+        functions = list(dict.fromkeys(_SPEC_FUNCTION.findall(name)))
+        name = "+".join(f.rsplit("/", 1)[-1] for f in functions[:3]) or "spec"
     return f"{what} {name.rsplit('/', 1)[-1]} {how}"  # a file plugin by its file name, not its path
 
 

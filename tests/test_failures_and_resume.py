@@ -31,6 +31,22 @@ QUIET = LoggingConfig(tensorboard=False, plot=False, progress=False)
         ),
         ("reward function m:f returned None (a missing return statement?)", "reward function m:f returned"),
         ("env e.py:Maze raised KeyError: 'x'", "env e.py:Maze raised KeyError"),
+        # a spec-dict reward is named by its repr (spaces, colons, a judge template's braces): counted by
+        # the functions it names and the kind, not cut at the repr's first colon into one bucket for all
+        (
+            "reward function {'fn': 'rewards.judge:llm_judge', 'kwargs': {'model_dir': 'tiny', 'template': "
+            "'Q: {prompt}\\nScore:'}} raised JudgeParseError: no score (at judge.py:269)",
+            "reward function rewards.judge:llm_judge raised JudgeParseError",
+        ),
+        (
+            "reward function {'fn': 'rewards.judge:llm_judge', 'kwargs': {'model_dir': 'tiny'}} timed out after 60s",
+            "reward function rewards.judge:llm_judge timed out",
+        ),
+        (
+            "reward function {'mix': [{'fn': 'rewards.rule:math_answer', 'weight': 0.8}, {'fn': 'rewards.rule:f1', "
+            "'weight': 0.2}]} raised RewardChildError: child reward x raised ValueError: y",
+            "reward function rewards.rule:math_answer+rewards.rule:f1 raised RewardChildError",
+        ),
         ("placing per-step rewards on tokens failed: ValueError: x", "placing per-step rewards on tokens failed"),
         ("first line: detail\nsecond line", "first line"),
         ("", "no reason given"),
