@@ -457,3 +457,20 @@ def test_make_engine_builds_the_configured_builtin_engine(tiny_model_dir, tmp_pa
     out = engine.generate([GenerationRequest("r", [1, 2, 3], greedy(4))])["r"]
     assert len(out.token_ids) == 4 and out.version == 5
     engine.close()
+
+
+def test_an_engine_started_later_does_not_repeat_the_first_steps_draws(tiny_model_dir, tmp_path):
+    """The sampler is seeded from the job's seed, the worker index and the policy version the engine
+    starts at: a fresh job draws as before, a resumed job or a restarted worker (version > 0) draws a
+    stream of its own instead of step 0's again."""
+    cfg = load_config(None, [f"output_dir={tmp_path}", f"model.path={tiny_model_dir}"])
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=[])
+
+    def draws(version: int) -> list[int]:
+        engine = make_engine(cfg, str(tiny_model_dir), 0, version)
+        tokens = engine.generate([GenerationRequest("r", [1, 2, 3], sampled)])["r"].token_ids
+        engine.close()
+        return tokens
+
+    assert draws(0) == draws(0)  # reproducible
+    assert draws(0) != draws(4)

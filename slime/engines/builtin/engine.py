@@ -236,7 +236,9 @@ class BuiltinEngine:
             model,
             device=cfg.rollout.device,
             max_running_requests=cfg.rollout.max_running_requests,
-            seed=cfg.seed + 1000 * index,  # reproducible across runs (worker_id carries a run nonce)
+            # reproducible across runs; an engine started later (a resume, a restarted worker: version > 0)
+            # draws a stream of its own instead of repeating the one the job's first step drew
+            seed=cfg.seed + 1000 * index + 1_000_000 * version,
             version=version,
             kept_kv_tokens=cfg.rollout.kept_kv_tokens,
             record_routing=cfg.learner.routing_replay,
