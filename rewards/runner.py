@@ -30,7 +30,6 @@ import asyncio
 import heapq
 import inspect
 import itertools
-import json
 import logging
 import math
 import queue
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from slime.errors import UserError
+from slime.sample import as_json
 
 log = logging.getLogger(__name__)
 
@@ -400,14 +400,6 @@ class RewardRunner:
         )
 
 
-def _json_scalar(value: Any) -> Any:
-    """What `json.dumps` cannot encode: a numpy or torch scalar as its number, else its text."""
-    item = getattr(value, "item", None)
-    if callable(item) and getattr(value, "ndim", None) == 0:
-        return item()
-    return str(value)
-
-
 def check_reward_value(value: Any, who: str, response: str) -> tuple[float | None, str | None, dict[str, Any]]:
     """Validate what a reward returned: a number, or a dict with "score" and optionally per-step
     rewards ("step_scores" + "step_ends", character indices into `response`) and "info" (a dict).
@@ -427,9 +419,7 @@ def check_reward_value(value: Any, who: str, response: str) -> tuple[float | Non
             if info is not None:
                 if not isinstance(info, Mapping):
                     return None, f"{who} returned 'info' of type {type(info).__name__}, not a dict", {}
-                # Stored in the sample's metadata (JSON in Redis): numpy and torch scalars become
-                # numbers, anything else JSON cannot hold a string (it stopped the worker before).
-                extras["info"] = json.loads(json.dumps(dict(info), default=_json_scalar))
+                extras["info"] = as_json(dict(info))  # kept in the sample's metadata (a numpy value stopped the worker)
             value = value["score"]
         if value is None:
             return None, f"{who} returned None (a missing return statement?)", {}

@@ -7,6 +7,7 @@ The per-token arrays always have the same length; `append` refuses chunks that w
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -126,6 +127,19 @@ class Sample:
     @property
     def min_version(self) -> int | None:
         return int(self.versions.min()) if len(self.versions) else None
+
+
+def as_json(value: Any) -> Any:
+    """``value`` as the buffer stores it (JSON): numpy and torch scalars become numbers, anything
+    else JSON cannot encode becomes its text (a reward's or an env's info)."""
+    return json.loads(json.dumps(value, default=_scalar_or_text))
+
+
+def _scalar_or_text(value: Any) -> Any:
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "ndim", None) == 0:
+        return item()
+    return str(value)
 
 
 # "reward function NAME raised ValueError: ..." -> "reward function NAME raised ValueError"

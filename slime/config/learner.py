@@ -11,6 +11,9 @@ from pydantic import Field, model_validator
 
 from slime.config.base import StrictModel as _Strict
 
+# Algorithms whose advantages come from per-token rewards with the KL penalty always in them.
+KL_ALWAYS_IN_REWARD = ("reinforce_pp", "reinforce_pp_baseline")
+
 
 class StagedKL(_Strict):
     until_step: int = Field(..., ge=0)
@@ -214,11 +217,11 @@ class AlgorithmConfig(_Strict):
         # score function, E[grad log pi * k]: that is grad KL(pi||pi_ref) only for k1. With k3 it is
         # grad KL(pi||ref) - grad KL(ref||pi): ~0 near pi_ref, and it may point away from it.
         # verl's in-reward default and OpenRLHF's are k1, as is REINFORCE++'s definition.
-        kl_in_reward = self.kl_mode == "reward" or self.name in ("reinforce_pp", "reinforce_pp_baseline")
+        kl_in_reward = self.kl_mode == "reward" or self.name in KL_ALWAYS_IN_REWARD
         if kl_in_reward and "kl_estimator" not in self.model_fields_set:
             self.kl_estimator = "k1"
         wants_kl = self.kl_coef > 0 or any(s.coef > 0 for s in self.kl_schedule)
-        if self.kl_mode == "reward" and wants_kl and self.name not in ("ppo", "reinforce_pp", "reinforce_pp_baseline"):
+        if self.kl_mode == "reward" and wants_kl and self.name not in {"ppo", *KL_ALWAYS_IN_REWARD}:
             raise ValueError(
                 f"algorithm.kl_mode=reward: {self.name} has no per-token reward for a KL to shape (its "
                 "advantage is one number per sequence), so the KL would be dropped; use kl_mode=loss"

@@ -57,7 +57,7 @@ from rewards.plugin import load_function
 from slime.buffer import ChunksLostError, LeaseLostError, TrajectoryStore
 from slime.config import EnvConfig
 from slime.engines.contract import GenerationRequest, SamplingParams
-from slime.sample import Sample, Status
+from slime.sample import Sample, Status, as_json
 
 
 @dataclass
@@ -96,7 +96,7 @@ class EpisodeEnd:
 
     def metadata(self) -> dict[str, Any]:
         # Step infos are the env's own dicts: keep the last few, JSON-safe.
-        infos = json.loads(json.dumps(self.infos[-8:], default=str))
+        infos = as_json(self.infos[-8:])
         out = {"env_turns": self.turns, "env_return": self.env_return, "env_end": self.reason, "env_infos": infos}
         if self.loss_masked:
             out["loss_masked"] = f"truncated: {self.reason}"
@@ -385,7 +385,7 @@ class MultiTurnRollout:
             "at_length": at_length,
             "turns": ep.turns_done,
             "env_return": ep.env_return,
-            "infos": json.loads(json.dumps(ep.infos[-ENV_SNAPSHOT_INFOS:], default=str)),
+            "infos": as_json(ep.infos[-ENV_SNAPSHOT_INFOS:]),
             "state": snapshot(),
         }
         try:

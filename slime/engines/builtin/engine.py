@@ -63,8 +63,9 @@ import torch
 from slime.config import JobConfig
 from slime.engines.builtin.fast_decoder import FastDecoder
 from slime.engines.builtin.generic_decoder import GenericDecoder, fast_decoder_for
-from slime.engines.builtin.hf_batch import HfBatch, hf_path_misfit
+from slime.engines.builtin.hf_batch import HfBatch
 from slime.engines.builtin.lora_merge import LoraMerge
+from slime.engines.builtin.start_check import agrees_with_model
 from slime.engines.builtin.token_sampler import PERTURBATIONS, PerturbationKind, sample_tokens
 from slime.engines.contract import (
     GenerationChunk,
@@ -186,7 +187,13 @@ class BuiltinEngine:
         if self._batch is None:
             if fast_path:
                 raise ValueError(f"fast_path=True: {type(model).__name__} does not fit the fast forward (see the log)")
-            if misfit := hf_path_misfit(self.model, self._decode_mask_4d):
+            # The same check as the fast paths' (no routing forced: the padded prefill's router calls
+            # are not laid out flat): a state-space or hybrid model's state is not in a DynamicCache.
+            try:
+                misfit = agrees_with_model(self.model, HfBatch(self.model, self._decode_mask_4d), force_routing=False)
+            except Exception as exc:
+                misfit = f"{type(exc).__name__}: {exc}"
+            if misfit is not None:
                 raise ValueError(
                     f"the built-in engine cannot serve {type(model).__name__} ({config.model_type}): no fast path "
                     f"fits (see the log) and on the Hugging Face path {misfit}; use rollout.engine=vllm or sglang"

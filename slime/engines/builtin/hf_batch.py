@@ -29,6 +29,8 @@ class HfBatch:
 
     def __init__(self, model: torch.nn.Module, decode_mask_4d: bool):
         self.model = model
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
         self.decode_mask_4d = decode_mask_4d
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [B, L] bool
@@ -102,36 +104,3 @@ class HfBatch:
                 layer.keys = layer.keys[:, :, start:]
                 layer.values = layer.values[:, :, start:]
         return keep
-
-
-@torch.inference_mode()
-def hf_path_misfit(model: torch.nn.Module, decode_mask_4d: bool) -> str | None:
-    """Why the Hugging Face path does not compute the model's own forward, or None: two unequal
-    prompts prefilled, three tokens decoded, each position's logits against a forward of the whole row
-    (float32: 1e-3 relative; lower precision: 5e-2). A model whose state is not keys and values in a
-    ``DynamicCache`` (state-space and linear-attention layers) fails here instead of sampling from
-    logits that ignore the context, or failing inside a rollout worker."""
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 3)]
-    steps = [torch.randint(0, vocab, (2,), generator=gen) for _ in range(3)]
-    batch = HfBatch(model, decode_mask_4d)
-    dev = model.device
-    try:
-        got = [batch.prefill(prompts)]
-        for j, tokens in enumerate(steps):
-            positions = torch.tensor([len(p) + j for p in prompts], device=dev)
-            got.append(batch.decode(tokens.to(dev), positions))
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    worst = 0.0
-    for r, prompt in enumerate(prompts):
-        seq = prompt + [int(t[r]) for t in steps]
-        ref = model(input_ids=torch.tensor([seq], device=dev), use_cache=False).logits[0].float()
-        for j, logits in enumerate(got):
-            expected = ref[len(prompt) - 1 + j]
-            worst = max(
-                worst, (logits[r].float() - expected).abs().max().item() / max(1.0, expected.abs().max().item())
-            )
-    tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    return None if worst <= tol else f"its cached logits differ from the model's forward by {worst:.2e} (relative)"

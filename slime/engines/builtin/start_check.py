@@ -1,6 +1,7 @@
-"""The built-in engine's start-up check: does a fast path compute what the model's own forward does?
+"""The built-in engine's start-up check: does a path compute what the model's own forward does?
 
-Two unequal prompts are prefilled and three tokens decoded on the fast path, and every position's
+Two unequal prompts are prefilled and three tokens decoded on the path (a fast path, or the Hugging
+Face path: a model whose state a `DynamicCache` does not hold fails there), and every position's
 logits are compared with the model's forward over the same tokens (float32: 1e-3 relative;
 lower precision: 5e-2). In lower precision a router near a tie can choose other experts in the
 two forwards, so there the model's forward takes the experts the fast path chose
@@ -18,11 +19,12 @@ from slime.engines.routing import RouterTrace, routers_of
 
 if TYPE_CHECKING:
     from slime.engines.builtin.fast_decoder import FastDecoder
+    from slime.engines.builtin.hf_batch import HfBatch
 
 
 @torch.inference_mode()
 def agrees_with_model(
-    model: torch.nn.Module, fast: FastDecoder, tol: float = 1e-3, force_routing: bool | None = None
+    model: torch.nn.Module, fast: FastDecoder | HfBatch, tol: float = 1e-3, force_routing: bool | None = None
 ) -> str | None:
     """Prefill two unequal prompts and decode 3 tokens both ways; a mismatch is the reason.
 
@@ -35,7 +37,8 @@ def agrees_with_model(
     gen = torch.Generator().manual_seed(0)
     # Longer than a sliding window, when the model has one, so that the window is exercised.
     window = getattr(model.config, "sliding_window", None)
-    longest = 7 if not isinstance(window, int) else min(window + 3, max(7, fast.max_len // 2))
+    max_len = getattr(fast, "max_len", 128)  # the Hugging Face path has no cache length of its own
+    longest = 7 if not isinstance(window, int) else min(window + 3, max(7, max_len // 2))
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (longest, 3)]
     steps = [torch.randint(0, vocab, (2,), generator=gen) for _ in range(3)]
     if force_routing is None:
@@ -43,8 +46,9 @@ def agrees_with_model(
     trace = RouterTrace(_routers_called(model, fast) if force_routing else [])
     with trace.recording():
         got = [fast.prefill(prompts)]
-        for tokens in steps:
-            got.append(fast.decode(tokens.to(fast.device)))
+        for j, tokens in enumerate(steps):
+            positions = torch.tensor([len(p) + j for p in prompts], device=fast.device)
+            got.append(fast.decode(tokens.to(fast.device), positions))
     worst = 0.0
     for r, prompt in enumerate(prompts):
         seq = prompt + [int(t[r]) for t in steps]
