@@ -122,7 +122,10 @@ def _dashboard_run_dir(ns: argparse.Namespace) -> int:
     try:
         run = open_run_buffer(ns.run_dir)
         try:
-            token = read_token(ns.token_file) if ns.token_file else run.credentials.token("dashboard")
+            # The job writes the token it serves to dashboard.token: a literal dashboard.token in the
+            # config wins over the derived one there, and config.yaml keeps the literal redacted.
+            token_file = Path(ns.token_file) if ns.token_file else run.run_dir / "dashboard.token"
+            token = read_token(token_file) if token_file.is_file() else run.credentials.token("dashboard")
             read_only = READ_ONLY_REASON if run.read_only else None
             server = DashboardServer(
                 run.url, run.job, ns.host, ns.port, token, redis_password=run.redis_password, read_only=read_only

@@ -80,6 +80,25 @@ def test_a_running_jobs_dashboard_attaches_live(job_server):
     assert server.running  # the command leaves the job's server alone
 
 
+def test_a_job_with_a_literal_dashboard_token_is_controlled_with_that_token(job_server):
+    """dashboard.token set in the config: the job writes it to run_dir/dashboard.token (config.yaml
+    keeps it redacted), and the command serves that token, not the one derived from the secret."""
+    run_dir, _, credentials = job_server
+    literal = "a-literal-dashboard-token"
+    (run_dir / "dashboard.token").write_text(literal + "\n")
+    proc, first = _start_dashboard(run_dir)
+    try:
+        url = re.search(r": (http://\S+) \(running job", first).group(1)
+        pause = lambda token: httpx.post(  # noqa: E731
+            url + "api/control/pause", headers={"X-Slime-Token": token}, json={}, timeout=10
+        ).status_code
+        assert pause(credentials.token("dashboard")) == 401
+        assert pause(literal) == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
 def test_a_finished_run_is_served_from_a_copy_that_is_deleted(job_server):
     run_dir, server, credentials = job_server
     server.stop()
