@@ -454,6 +454,32 @@ def test_behaviour_clip_band_leaves_the_dual_clip_and_sequence_level_losses_thei
         torch.testing.assert_close(results[name, True][1], results[name, False][1])
 
 
+def test_gspo_under_behaviour_clip_takes_the_fresh_tokens_ratio_against_pi_old() -> None:
+    """A sync batch (lag 0) whose engine logprobs differ from the learner's by bf16-sized noise:
+    log(π_old/μ) = .002, −.001, .003 | −.002. Against μ both sequences' ratios, 1.0013 (Â = +1) and
+    .998 (Â = −1), lie outside GSPO's band [1 − 3e-4, 1 + 4e-4] on the side that bites, so they got
+    no gradient. Against π_old (ratio 1): d loss/d log π_θ = −Â·s_i/(G·|y_i|) = −1/6 ×3 | +1/2, as
+    with no correction. Tokens an older version sampled (lag 1) keep μ and stay clipped."""
+    from slime.algorithms.gspo import GSPO
+
+    batch = two_row_batch()
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.0, 0.0]])
+    logp = batch.behaviour_logp + torch.tensor([[0.002, -0.001, 0.003], [-0.002, 0.0, 0.0]])
+    gspo = GSPO(AlgorithmConfig(), correction("behaviour_clip"))
+    grads = {}
+    for lag in (0, 1):
+        x = logp.clone().requires_grad_(True)
+        fixed = UpdateTensors(advantages=adv, old_logp=None, version_lag=torch.full_like(batch.versions, lag))
+        loss, stats = gspo.loss(batch, fixed, Forward(x, None, None, None), clip_low=0.2, clip_high=0.28, kl_coef=0)
+        loss.backward()
+        grads[lag] = (x.grad, stats["seq_clipfrac"])
+    expected = torch.tensor([[-1 / 6, -1 / 6, -1 / 6], [0.5, 0.0, 0.0]])
+    torch.testing.assert_close(grads[0][0], expected, rtol=1e-5, atol=1e-7)
+    assert grads[0][1] == 0.0
+    torch.testing.assert_close(grads[1][0], torch.zeros_like(expected))
+    assert grads[1][1] == 1.0
+
+
 def test_behaviour_clip_on_fresh_tokens_is_ppos_clip_around_the_sampler() -> None:
     """Lag 0 everywhere: the same loss, gradient and figures as with no lag given (the band is PPO's)."""
     batch = two_row_batch()

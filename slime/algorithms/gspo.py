@@ -18,6 +18,13 @@ a token ratio); the learner's clip range (and adaptive clip) is not used. The su
 the mean over sequences of the token mean (the paper's objective); the regularisers use
 algorithm.loss_agg, which the config requires to be a seq_* mode so that the learner weighs
 micro-batches by their sequences. w_t are the off-policy correction's weights, per token.
+
+Under `behaviour_clip` the ratio of a token an older version sampled is taken against that
+sampler, μ (as for every algorithm). A token the learner's current version sampled keeps π_old:
+its μ differs from π_old only by the engine's numerics, and that gap alone is wider than GSPO's
+band. With a bf16 engine (a per-token log-ratio spread of a few 1e-3 over a few hundred tokens)
+a sequence's mean log-ratio falls outside ±4e-4 for many on-policy sequences, which then got no
+gradient at all in a sync job.
 """
 
 from __future__ import annotations
@@ -88,9 +95,12 @@ class GSPO(GRPO):
         """L(θ) on one micro-batch; clip_low/clip_high (the learner's PPO range) are not used."""
         cfg = self.cfg
         terms = surrogate_terms(self.correction, batch, fixed, out.logp)
+        base_logp = terms.base_logp
+        if fixed.version_lag is not None:  # behaviour_clip: μ is the base of the stale tokens only
+            base_logp = torch.where(fixed.version_lag > 0, base_logp, _old_logp(fixed, out))
         loss, stats = gspo_policy_loss(
             out.logp,
-            terms.base_logp,
+            base_logp,
             fixed.advantages,
             batch.mask,
             cfg.gspo.clip_low,
@@ -115,3 +125,8 @@ class GSPO(GRPO):
         )
         stats.update(terms.stats)
         return loss, stats
+
+
+def _old_logp(fixed: UpdateTensors, out: Forward) -> torch.Tensor:
+    """π_old: recomputed, or this forward without grad (one optimizer step per batch)."""
+    return fixed.old_logp if fixed.old_logp is not None else out.logp.detach()

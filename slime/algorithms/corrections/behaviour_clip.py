@@ -30,7 +30,9 @@ How: the correction hands the algorithm μ as the ratio's base and the band per 
 (`ClipBand`), built at loss time from the ε the update clips with, so an adaptive clip widens it
 too. GRPO, PPO and Dr. GRPO clip each token with its own band; `algorithm.dual_clip` still
 bounds r_t = π_θ/μ where it did. GSPO's sequence-level clip and CISPO's capped weight take the ratio against μ
-with their own band, not widened: theirs are not one PPO step per version. Tokens off the loss
+with their own band, not widened: theirs are not one PPO step per version. GSPO keeps π_old as the
+base of the tokens the current version sampled: the engine's numerics alone (bf16) move a
+sequence's mean log-ratio past its band of 4e-4 (slime/algorithms/gspo.py). Tokens off the loss
 mask keep π_old, so padding (μ's logprob undefined there) never enters the ratio.
 
 offpolicy_clipped_share counts the trainable tokens whose ρ_t = π_old/μ already lies outside
