@@ -26,11 +26,18 @@ CHECKPOINT_DIR = "dcp"  # inside a learner checkpoint directory: the sharded sta
 
 
 def init_group(rank: int, world_size: int, master: str, device: torch.device, timeout_s: float) -> None:
-    """Join the learner ranks' process group (master "host:port" is rank 0's)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    """Join the learner ranks' process group (master "host:port" is rank 0's). On CUDA the group has
+    NCCL for CUDA tensors and gloo for CPU ones: `gather_json` gathers CPU tensors, which a group of
+    NCCL alone refuses ("No backend type associated with device type cpu")."""
+    backend = group_backend(device)
     dist.init_process_group(
         backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
+
+
+def group_backend(device: torch.device) -> str:
+    """The learner group's backend spec for ranks on ``device``."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def free_local_address() -> str:

@@ -1,0 +1,30 @@
+"""Code paths that run only on CUDA, checked on CPU where their logic allows (no GPU here)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+from slime.learner import sharding
+
+
+def test_a_cuda_learner_group_has_a_backend_for_the_cpu_tensors_gather_json_sends(monkeypatch):
+    """gather_json (the ranks' stats after every update) gathers CPU tensors; a group of NCCL alone
+    has no backend for them ("No backend type associated with device type cpu")."""
+    seen: dict = {}
+    monkeypatch.setattr(sharding.dist, "init_process_group", lambda backend, **kw: seen.setdefault("backend", backend))
+    sharding.init_group(0, 2, "127.0.0.1:1", torch.device("cuda"), 10.0)
+    backends = BackendConfig(Backend(seen["backend"])).get_device_backend_map()
+    assert backends.get("cuda") == "nccl"
+
+    devices = []
+    monkeypatch.setattr(sharding.dist, "get_world_size", lambda: 1)
+
+    def all_gather(out, t):
+        devices.append(t.device.type)
+        for o in out:
+            o.copy_(t)
+
+    monkeypatch.setattr(sharding.dist, "all_gather", all_gather)
+    assert sharding.gather_json({"a": 1}) == [{"a": 1}]
+    assert devices and all(d in backends for d in devices), (devices, backends)
