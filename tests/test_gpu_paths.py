@@ -28,3 +28,35 @@ def test_a_cuda_learner_group_has_a_backend_for_the_cpu_tensors_gather_json_send
     monkeypatch.setattr(sharding.dist, "all_gather", all_gather)
     assert sharding.gather_json({"a": 1}) == [{"a": 1}]
     assert devices and all(d in backends for d in devices), (devices, backends)
+
+
+class _RecordingLauncher:
+    name = "local"
+
+    def __init__(self):
+        self.options: dict = {}
+
+    def cluster_resources(self):
+        return {"CPU": 64.0, "GPU": 8.0}
+
+    def actor(self, cls, *args, name, options):
+        self.options[name] = options
+
+
+def test_a_disaggregated_one_rank_learner_reserves_its_own_gpu():
+    """Disaggregated, the engines reserve a GPU each and the job counts one more for the learner; a
+    learner actor that reserves none sees every GPU of its node and runs on GPU 0, an engine's."""
+    from slime.config import load_config
+    from slime.learner.group import LearnerGroup, required_resources
+
+    overrides = ["learner.device=cuda", "rollout.device=cuda", "rollout.num_workers=2"]
+    disaggregated = load_config("examples/repeat_grpo.yaml", [*overrides, "cluster.placement=disaggregated"])
+    assert required_resources(disaggregated)["GPU"] == 3
+    launcher = _RecordingLauncher()
+    LearnerGroup(disaggregated, "m", "redis://x", None, launcher)
+    assert launcher.options["learner-0"]["num_gpus"] == 1.0
+
+    colocated = load_config("examples/repeat_grpo.yaml", [*overrides, "cluster.placement=colocated"])
+    launcher = _RecordingLauncher()
+    LearnerGroup(colocated, "m", "redis://x", None, launcher)
+    assert launcher.options["learner-0"]["num_gpus"] == 0

@@ -90,7 +90,9 @@ class LearnerGroup:
         self.placement = None
         strategies: list[dict[str, Any]] = [{} for _ in range(n)]
         per_rank = {name: amount / n for name, amount in learner_resources(cfg).items()}
-        if n == 1:  # one rank shares its GPU with the engines (CUDA IPC); like them, it reserves none
+        if n == 1 and cfg.cluster.placement == "colocated":
+            # one rank shares its GPU with the engines (CUDA IPC); like them, it reserves none. Disaggregated,
+            # it reserves its own: else Ray leaves it every GPU of the node and "cuda" is GPU 0, an engine's.
             per_rank.pop("GPU", None)
         if per_rank and launcher.name == "ray":
             import ray
