@@ -60,3 +60,18 @@ def test_a_disaggregated_one_rank_learner_reserves_its_own_gpu():
     launcher = _RecordingLauncher()
     LearnerGroup(colocated, "m", "redis://x", None, launcher)
     assert launcher.options["learner-0"]["num_gpus"] == 0
+
+
+def test_a_tensor_update_for_a_tensor_parallel_sglang_server_has_a_payload_per_rank():
+    """SGLang's TP rank r deserializes serialized_named_tensors[r]: with one entry, ranks >= 1 fail
+    (IndexError) and the update is refused."""
+    from slime.engines.sglang.adapter import SglangEngine
+
+    engine = SglangEngine("http://127.0.0.1:9", tensor_parallel_size=2)
+    try:
+        body = engine._tensor_payload(1, [("w", torch.zeros(2))], builtin=False)
+        assert len(body["serialized_named_tensors"]) == 2
+        assert len(set(body["serialized_named_tensors"])) == 1
+        assert len(engine._tensor_payload(1, [("w", torch.zeros(2))], builtin=True)["serialized_named_tensors"]) == 1
+    finally:
+        engine.close()

@@ -550,8 +550,11 @@ class SglangEngine:
             ForkingPickler(buf).dump(named)
             payload, load_format = base64.b64encode(buf.getvalue()).decode(), None
             self._keep_alive = named  # the server maps this memory while it loads
+        # SGLang's tensor-parallel rank r reads serialized_named_tensors[r] (and shards the whole
+        # tensors itself): one entry per rank. The built-in engine's server has one rank.
+        ranks = 1 if builtin else self.tensor_parallel_size
         return {
-            "serialized_named_tensors": [payload],
+            "serialized_named_tensors": [payload] * ranks,
             "load_format": load_format,
             "flush_cache": True,
             "weight_version": str(version),
