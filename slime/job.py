@@ -149,7 +149,10 @@ class RunningJob:
         launcher = self.launcher
         self.learner = LearnerGroup(cfg, self.model_dir, self.redis_url, self.credentials, launcher)
         launch = WorkerLaunch(self.model_dir, self.redis_url, self.credentials, run_id)
-        self.workers = [start_rollout_worker(launcher, cfg, launch, i) for i in range(cfg.rollout.num_workers)]
+        self.workers = [
+            start_rollout_worker(launcher, cfg, launch, i, shared_gpu=self.learner.worker_placement(i))
+            for i in range(cfg.rollout.num_workers)
+        ]
         self.fleet = RolloutFleet(cfg, self.workers, self.buffer, self.telemetry, self.sampler, launcher, launch)
 
     def _start_dashboard(self) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
 import torch
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
@@ -75,3 +79,71 @@ def test_a_tensor_update_for_a_tensor_parallel_sglang_server_has_a_payload_per_r
         assert len(engine._tensor_payload(1, [("w", torch.zeros(2))], builtin=True)["serialized_named_tensors"]) == 1
     finally:
         engine.close()
+
+
+_PLACEMENT_PROBE = r"""
+import json, os, sys
+import ray
+from slime.config import load_config
+from slime.launch import launcher as launch_mod
+from slime.launch.launcher import WorkerLaunch, start_rollout_worker
+from slime.launch.ray_cluster import RayLauncher
+from slime.learner import group as group_mod
+
+class Probe:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def gpus(self):
+        return [str(g) for g in ray.get_gpu_ids()], os.environ.get("CUDA_VISIBLE_DEVICES")
+
+group_mod.Learner = Probe
+launch_mod.RolloutWorker = Probe
+ray.init(num_cpus=2, num_gpus=4, include_dashboard=False)
+cfg = load_config("examples/repeat_grpo.yaml", sys.argv[1:])
+launcher = RayLauncher()
+learner = group_mod.LearnerGroup(cfg, "m", "redis://x", None, launcher)
+launch = WorkerLaunch("m", "redis://x", None, "probe")
+workers = [
+    start_rollout_worker(launcher, cfg, launch, i, shared_gpu=learner.worker_placement(i))
+    for i in range(cfg.rollout.num_workers)
+]
+print(json.dumps({
+    "ranks": ray.get([r.gpus.remote() for r in learner.ranks], timeout=60),
+    "workers": ray.get([w.gpus.remote() for w in workers], timeout=60),
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("ranks", "workers"), [(2, 2), (1, 3), (3, 1)])
+def test_colocated_ranks_and_engines_share_one_gpu_each_pair(tmp_path, ranks, workers):
+    """Colocated on Ray (4 GPUs declared): rank i and engine i are given the same GPU, and no two
+    pairs the same one. Reserving no GPU, every engine saw all of them and ran on GPU 0."""
+    import json
+    import subprocess
+    import sys
+
+    overrides = [
+        "learner.device=cuda",
+        "rollout.device=cuda",
+        "cluster.placement=colocated",
+        f"learner.num_ranks={ranks}",
+        f"rollout.num_workers={workers}",
+        f"output_dir={tmp_path}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PLACEMENT_PROBE, *overrides], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    rank_gpus = [ids for ids, _ in got["ranks"]]
+    worker_gpus = [ids for ids, _ in got["workers"]]
+    assert all(len(ids) == 1 for ids in rank_gpus + worker_gpus), got
+    for i in range(min(ranks, workers)):
+        assert rank_gpus[i] == worker_gpus[i], got
+    pairs = [rank_gpus[i] if i < ranks else worker_gpus[i] for i in range(max(ranks, workers))]
+    assert len({ids[0] for ids in pairs}) == max(ranks, workers), got
+    for ids, visible in got["ranks"] + got["workers"]:
+        assert visible == ids[0], got  # Ray narrows CUDA_VISIBLE_DEVICES to that GPU: "cuda" is it

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from slime.config import JobConfig
+from slime.learner.group import GPU_SHARE
 from slime.rollout import RolloutWorker
 from slime.security import JobCredentials
 
@@ -53,17 +54,31 @@ def worker_resources(cfg: JobConfig) -> dict[str, float]:
 
 
 def start_rollout_worker(
-    launcher: Launcher, cfg: JobConfig, launch: WorkerLaunch, index: int, *, paused: bool = False, placement: Any = None
+    launcher: Launcher,
+    cfg: JobConfig,
+    launch: WorkerLaunch,
+    index: int,
+    *,
+    paused: bool = False,
+    placement: Any = None,
+    shared_gpu: tuple[Any, int] | None = None,
 ) -> Any:
     """Rollout worker ``index`` as an actor of ``launcher`` (on Ray: in ``placement``, a one-bundle
-    placement group, if given)."""
+    placement group, if given; or, colocated on GPUs, in bundle b of the learner's placement group
+    given as ``shared_gpu`` = (group, b), with GPU_SHARE of that bundle's GPU)."""
     need = worker_resources(cfg)
     # These actors mostly wait on each other; num_cpus=0 keeps a 2-core box schedulable.
     options: dict[str, Any] = {"num_cpus": 0, "num_gpus": need.pop("GPU", 0.0), "resources": need or None}
+    bundle = 0
+    if shared_gpu is not None:
+        placement, bundle = shared_gpu
+        options["num_gpus"] = GPU_SHARE
     if placement is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # a placement: on Ray
 
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement, placement_group_bundle_index=bundle
+        )
     worker_id = launch.worker_id(index)
     return launcher.actor(
         RolloutWorker,

@@ -68,6 +68,33 @@ def check_resources(cfg: JobConfig, available: dict[str, float], where: str) -> 
         )
 
 
+GPU_SHARE = 0.5  # colocated: rank i and engine i each take half of bundle i's GPU, so Ray gives both that GPU
+
+
+def shared_gpus(cfg: JobConfig) -> int:
+    """Colocated CUDA engines: the GPUs that rank i and engine i share (bundle i of the learner's
+    placement group), the larger of the two counts; 0 where nothing is shared on a GPU."""
+    if cfg.cluster.placement != "colocated" or not cfg.rollout.device.startswith("cuda"):
+        return 0
+    ranks = cfg.learner.num_ranks if cfg.learner.device.startswith("cuda") else 0
+    return max(cfg.rollout.num_workers, ranks)
+
+
+def _bundles(cfg: JobConfig, per_rank: dict[str, float]) -> list[dict[str, float]]:
+    """The learner's placement group: a bundle per rank or, colocated on GPUs, one per shared GPU,
+    holding that GPU, the rank's CPUs and resources, and the engine's rollout.resources_per_worker."""
+    n, gpus = cfg.learner.num_ranks, shared_gpus(cfg)
+    if not gpus:
+        return [per_rank] * n
+    rank_part = {k: v for k, v in per_rank.items() if k != "GPU"}
+    return [
+        {"GPU": 1.0}
+        | (rank_part if i < n else {})
+        | (cfg.rollout.resources_per_worker if i < cfg.rollout.num_workers else {})
+        for i in range(gpus)
+    ]
+
+
 def _free_address() -> str:
     """host:port for rank 0's rendezvous, found on rank 0's node (this runs in its bundle)."""
     import ray
@@ -90,16 +117,21 @@ class LearnerGroup:
         self.placement = None
         strategies: list[dict[str, Any]] = [{} for _ in range(n)]
         per_rank = {name: amount / n for name, amount in learner_resources(cfg).items()}
-        if n == 1 and cfg.cluster.placement == "colocated":
+        # Colocated on Ray with CUDA engines: bundle i holds GPU i, shared by rank i and engine i
+        # (worker_placement); without it an actor reserving no GPU sees every GPU and runs on GPU 0.
+        self.shared_gpus = shared_gpus(cfg) if launcher.name == "ray" else 0
+        if self.shared_gpus and "GPU" in per_rank:
+            per_rank["GPU"] = GPU_SHARE
+        elif n == 1 and cfg.cluster.placement == "colocated":
             # one rank shares its GPU with the engines (CUDA IPC); like them, it reserves none. Disaggregated,
             # it reserves its own: else Ray leaves it every GPU of the node and "cuda" is GPU 0, an engine's.
             per_rank.pop("GPU", None)
-        if per_rank and launcher.name == "ray":
+        if (per_rank or self.shared_gpus) and launcher.name == "ray":
             import ray
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             # PACK: the ranks on as few nodes as fit (their collectives are the learner's hot path).
-            self.placement = launcher.placement_group([per_rank] * n, "PACK", f"{cfg.job_name}-learner")
+            self.placement = launcher.placement_group(_bundles(cfg, per_rank), "PACK", f"{cfg.job_name}-learner")
             try:
                 ray.get(self.placement.ready(), timeout=60)
             except ray.exceptions.GetTimeoutError:
@@ -142,6 +174,11 @@ class LearnerGroup:
             )
             for rank in range(n)
         ]
+
+    def worker_placement(self, index: int) -> tuple[Any, int] | None:
+        """(placement group, bundle) where rollout worker ``index`` runs beside rank ``index`` on
+        their shared GPU, taking GPU_SHARE of it; None: the worker is placed on its own."""
+        return (self.placement, index) if index < self.shared_gpus else None
 
     # ---- calls: each returns the ranks' refs; result() waits for them -------------------------------
     def train_step(self, step: int, num_groups: int, max_staleness: int | None, commit: bool) -> list:
