@@ -25,7 +25,7 @@ from slime.config import ModelConfig
 from slime.errors import UserError
 from slime.learner import lora
 from slime.learner.sharding import CHECKPOINT_DIR, load_policy_shards
-from slime.model import ensure_model_dir, load_model, load_tokenizer
+from slime.model import ensure_model_dir, eos_token_ids, load_model, load_tokenizer
 
 EXPORT_INFO = "slime_export.json"
 
@@ -117,7 +117,8 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
                 shutil.copy2(path, tmp / path.name)
             shutil.copy2(checkpoint / lora.BASE_INFO, tmp / lora.BASE_INFO)
         else:
-            model.generation_config.eos_token_id = tokenizer.eos_token_id
+            eos = eos_token_ids(tokenizer)  # the base directory's list too (Llama 3: <|eot_id|>), not one id
+            model.generation_config.eos_token_id = eos if len(eos) > 1 else (eos[0] if eos else None)
             model.generation_config.pad_token_id = tokenizer.pad_token_id
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -205,14 +205,38 @@ def disable_dropout(model: torch.nn.Module) -> list[str]:
     return changed
 
 
+def eos_token_ids(tokenizer) -> list[int]:
+    """The ids that end a response, as Hugging Face's generate stops: the tokenizer's EOS plus the
+    model directory's `eos_token_id` (generation_config.json, else config.json; an id or a list:
+    Llama 3's <|eot_id|>, Qwen's <|im_end|>, which a chat model ends its turn with)."""
+    ids = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+    for extra in _config_eos_ids(getattr(tokenizer, "name_or_path", "") or ""):
+        if extra not in ids:
+            ids.append(extra)
+    return ids
+
+
+def _config_eos_ids(model_dir: str) -> list[int]:
+    d = Path(model_dir).expanduser()
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((d / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):  # no such file (or not a directory), not a JSON object
+            continue
+        if value is not None:
+            return [int(v) for v in (value if isinstance(value, list) else [value])]
+    return []
+
+
 def stop_token_ids(tokenizer, stop_strings: list[str]) -> list[int]:
-    """EOS plus each extra stop string, which must be a single token."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    """EOS (every id of `eos_token_ids`) plus each extra stop string, which must be a single token."""
+    ids = eos_token_ids(tokenizer)
     for s in stop_strings:
         toks = tokenizer(s, add_special_tokens=False)["input_ids"]
         if len(toks) != 1:
             raise ConfigError(f"rollout.stop: {s!r} is {len(toks)} tokens; stop strings must be single tokens")
-        ids.append(toks[0])
+        if toks[0] not in ids:
+            ids.append(toks[0])
     return ids
 
 

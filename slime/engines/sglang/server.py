@@ -94,7 +94,7 @@ from slime.engines.sglang.protocol import (
     parse_weight_version,
     tensors_from_payload,
 )
-from slime.model import load_model, load_tokenizer
+from slime.model import eos_token_ids, load_model, load_tokenizer
 from slime.security import GuardPolicy, HttpGuard, check_bind, read_token
 from slime.weights import broadcast_from_rank0, join_update_group
 
@@ -479,8 +479,7 @@ def build_server(
     tokenizer, eos = None, []
     try:
         tokenizer = load_tokenizer(model_dir)
-        if tokenizer.eos_token_id is not None:
-            eos = [int(tokenizer.eos_token_id)]
+        eos = eos_token_ids(tokenizer)
     except Exception:  # a weights-only directory: input_ids only, no implicit EOS
         pass
     engine = BuiltinEngine(model, device=device, max_running_requests=max_running_requests, seed=seed)

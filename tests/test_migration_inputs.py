@@ -1,0 +1,55 @@
+"""What a user coming from verl, slime, OpenRLHF or TRL brings: a chat model directory whose turn
+ends at an id listed only in generation_config.json, verl's parquet rows, their reward functions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from slime.config import RolloutConfig
+from slime.model import load_tokenizer, rollout_sampling_params
+
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+CHAT = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def llama3_style_dir(path: Path, generation_eos: object = (1, 2)) -> Path:
+    """A tokenizer directory like Llama 3 Instruct's: eos_token <|end_of_text|> (1), the chat turn's
+    end <|eot_id|> (2) listed in generation_config.json's eos_token_id, no pad token."""
+    vocab = {t: i for i, t in enumerate(SPECIAL + [chr(c) for c in range(32, 127)] + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=SPECIAL[0], eos_token=SPECIAL[1], additional_special_tokens=SPECIAL[2:]
+    )
+    hf.chat_template = CHAT
+    hf.save_pretrained(path)
+    eos = list(generation_eos) if isinstance(generation_eos, tuple) else generation_eos
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": eos}))
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 1}))
+    return path
+
+
+def test_the_rollout_stops_at_every_eos_id_of_generation_config(tmp_path):
+    tokenizer = load_tokenizer(llama3_style_dir(tmp_path))
+    assert tokenizer.eos_token_id == 1
+    params = rollout_sampling_params(RolloutConfig(), tokenizer)
+    assert params.stop_token_ids == [1, 2]  # <|eot_id|> ends the assistant's turn, as HF generate stops
+    assert rollout_sampling_params(RolloutConfig(stop=["<|eot_id|>"]), tokenizer).stop_token_ids == [1, 2]
+
+
+def test_a_single_generation_eos_or_none_keeps_the_tokenizers(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert rollout_sampling_params(
+        RolloutConfig(), load_tokenizer(llama3_style_dir(tmp_path / "a", 2))
+    ).stop_token_ids == [1, 2]
+    tokenizer = load_tokenizer(llama3_style_dir(tmp_path / "b", None))  # none there: config.json's
+    assert rollout_sampling_params(RolloutConfig(), tokenizer).stop_token_ids == [1]
