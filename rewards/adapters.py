@@ -26,7 +26,9 @@ What each style receives (metadata = the sample's dataset columns and other per-
   `.metadata` (plus `.reward=None`, `.status="completed"`). It may return a number or a dict
   with "score".
 * verl: `data_source` = metadata["data_source"], else metadata["task"], else None;
-  `ground_truth` = label; `extra_info` = metadata. Keywords the function does not take are not
+  `ground_truth` = label, else (no label) metadata["reward_model"]["ground_truth"] as in verl's
+  parquet rows; `extra_info` = metadata["extra_info"] when the row has that dict column (as verl
+  passes it), else metadata. Keywords the function does not take are not
   passed (verl's own `compute_score(solution_str, ground_truth)` helpers work). A dict result
   gives its "score".
 * TRL: keywords `prompts=[prompt]`, `completions=[response]`, every metadata column as a
@@ -181,7 +183,17 @@ def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
     def build(prompt, response, label, metadata):
         data_source = metadata.get("data_source", metadata.get("task"))
-        offered = {"data_source": data_source, "solution_str": response, "ground_truth": label, "extra_info": metadata}
+        # verl's own rows: the answer in the `reward_model` column, `extra_info` a column of its own.
+        column = metadata.get("reward_model")
+        if label is None and isinstance(column, Mapping):
+            label = column.get("ground_truth")
+        extra_info = metadata["extra_info"] if isinstance(metadata.get("extra_info"), Mapping) else metadata
+        offered = {
+            "data_source": data_source,
+            "solution_str": response,
+            "ground_truth": label,
+            "extra_info": extra_info,
+        }
         return (), {k: v for k, v in offered.items() if accepts(k)}
 
     def post(value: Any) -> Any:

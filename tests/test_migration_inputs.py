@@ -53,3 +53,25 @@ def test_a_single_generation_eos_or_none_keeps_the_tokenizers(tmp_path):
     ).stop_token_ids == [1, 2]
     tokenizer = load_tokenizer(llama3_style_dir(tmp_path / "b", None))  # none there: config.json's
     assert rollout_sampling_params(RolloutConfig(), tokenizer).stop_token_ids == [1]
+
+
+def verl_row_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A verl reward as written for verl's rows: extra_info is the row's extra_info column."""
+    assert extra_info["split"] == "train" and extra_info["index"] == 7
+    return float(solution_str.strip() == ground_truth)
+
+
+def test_a_verl_reward_reads_verl_rows_as_verl_does():
+    from rewards.adapters import adapt
+
+    row_meta = {  # a verl parquet row's columns other than the prompt, as the reward gets them
+        "data_source": "openai/gsm8k",
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "5"},
+        "extra_info": {"split": "train", "index": 7},
+        "prompt_text": "What is 2+3?",
+    }
+    fn = adapt(verl_row_score)
+    assert fn("What is 2+3?", " 5", None, row_meta) == 1.0  # ground truth from reward_model, not None
+    assert fn("What is 2+3?", "6", None, row_meta) == 0.0
+    assert fn("What is 2+3?", "6", "6", row_meta) == 1.0  # data.label_key's label comes first
