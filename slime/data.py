@@ -48,7 +48,7 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
     """Read every row of a local dataset into a `PromptRecord`, tokenized and validated.
 
     `path` overrides `cfg.path`. Columns: `cfg.prompt_key` (text, or chat messages), optional
-    `cfg.label_key`, everything else in `metadata` (plus `metadata["task"]` from `cfg.task_key`).
+    `cfg.label_key` (a dotted key reads a nested field: `reward_model.ground_truth`), everything else in `metadata` (plus `metadata["task"]` from `cfg.task_key`).
     Any bad row raises `DatasetError` naming `file:line` (JSONL) or `file:row N` (Parquet, HF).
     """
     raw = path if path is not None else cfg.path
@@ -180,7 +180,7 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
             f"data.max_prompt_tokens={cfg.max_prompt_tokens}"
         )
 
-    label = row.get(cfg.label_key) if cfg.label_key else None
+    label = _nested_get(row, cfg.label_key) if cfg.label_key else None
     metadata = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
     if cfg.task_key and cfg.task_key in row:
         metadata["task"] = row[cfg.task_key]
@@ -189,6 +189,19 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
     except (TypeError, ValueError):
         _name_non_json_column(where, [(cfg.label_key, label), *metadata.items()])
     return PromptRecord(index=index, prompt=prompt, prompt_ids=prompt_ids, label=label, metadata=metadata)
+
+
+def _nested_get(row: Mapping[str, Any], key: str) -> Any:
+    """row[key], or for a dotted key absent as a column the nested field (verl's
+    `reward_model.ground_truth`); None when a level is missing or not a mapping."""
+    if key in row or "." not in key:
+        return row.get(key)
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(part)
+    return value
 
 
 def _name_non_json_column(where: str, columns: list[tuple[Any, Any]]) -> None:

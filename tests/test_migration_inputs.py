@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from slime.config import RolloutConfig
@@ -26,6 +26,7 @@ def llama3_style_dir(path: Path, generation_eos: object = (1, 2)) -> Path:
     vocab = {t: i for i, t in enumerate(SPECIAL + [chr(c) for c in range(32, 127)] + ["\n"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=" "))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=SPECIAL[0], eos_token=SPECIAL[1], additional_special_tokens=SPECIAL[2:]
     )
@@ -75,3 +76,30 @@ def test_a_verl_reward_reads_verl_rows_as_verl_does():
     assert fn("What is 2+3?", " 5", None, row_meta) == 1.0  # ground truth from reward_model, not None
     assert fn("What is 2+3?", "6", None, row_meta) == 0.0
     assert fn("What is 2+3?", "6", "6", row_meta) == 1.0  # data.label_key's label comes first
+
+
+def test_a_dotted_label_key_reads_verls_nested_ground_truth(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from slime.config import DataConfig
+    from slime.data import load_prompts
+
+    tokenizer = load_tokenizer(llama3_style_dir(tmp_path))
+    rows = [
+        {
+            "data_source": "gsm8k",
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}],
+            "reward_model": {"style": "rule", "ground_truth": str(i)},
+        }
+        for i in range(2)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    cfg = DataConfig(path=str(tmp_path / "train.parquet"), label_key="reward_model.ground_truth")
+    records = load_prompts(cfg, tokenizer)
+    assert [r.label for r in records] == ["0", "1"]
+    assert records[0].metadata["reward_model"] == {"style": "rule", "ground_truth": "0"}
+    text = tokenizer.decode(records[0].prompt_ids)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system") and text.endswith(
+        "assistant<|end_header_id|>\n\n"
+    )

@@ -59,7 +59,9 @@ class DataConfig(_Strict):
         None, description="JSONL, Parquet or a local HF dataset directory; None generates the example task."
     )
     prompt_key: str = "prompt"
-    label_key: str = "label"
+    label_key: str = Field(
+        "label", description="The label column; a dotted key reads a nested field (reward_model.ground_truth)."
+    )
     task_key: str = "task"
     apply_chat_template: bool = False
     max_prompt_tokens: int = Field(256, gt=0)
