@@ -34,8 +34,10 @@ What each style receives (metadata = the sample's dataset columns and other per-
 * TRL: keywords `prompts=[prompt]`, `completions=[response]`, every metadata column as a
   one-element list (as TRL passes dataset columns), and `ground_truth=[label]`, `label=[label]`
   unless metadata has columns of those names. Without `**kwargs` only the keywords it names are
-  passed; a required one that is absent is a clear error. Completions are plain strings (TRL's
-  "standard" format, not chat messages); `completion_ids`/`trainer_state` are not supplied. The
+  passed; a required one that is absent is a clear error. A chat-messages prompt (metadata
+  "prompt_messages") is passed as TRL's conversational format: `prompts=[messages]`,
+  `completions=[[{"role": "assistant", "content": response}]]`; a text prompt as plain strings
+  (TRL's "standard" format). `completion_ids`/`trainer_state` are not supplied. The
   result must be a list (or tuple) of exactly one score.
 """
 
@@ -221,9 +223,16 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     ]
 
     def build(prompt, response, label, metadata):
-        offered: dict[str, list[Any]] = {"prompts": [prompt], "completions": [response]}
+        messages = metadata.get("prompt_messages")
+        if isinstance(messages, list):  # a conversational dataset: TRL passes messages both ways
+            offered: dict[str, list[Any]] = {
+                "prompts": [messages],
+                "completions": [[{"role": "assistant", "content": response}]],
+            }
+        else:
+            offered = {"prompts": [prompt], "completions": [response]}
         for key, value in metadata.items():
-            if isinstance(key, str) and key not in _TRL_RESERVED:
+            if isinstance(key, str) and key not in _TRL_RESERVED and key != "prompt_messages":
                 offered[key] = [value]
         offered.setdefault("ground_truth", [label])
         offered.setdefault("label", [label])

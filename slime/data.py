@@ -31,6 +31,15 @@ def prompt_text(record: PromptRecord) -> str:
     return "\n".join(m.get("content", "") for m in record.prompt)
 
 
+def reward_metadata(record: PromptRecord) -> dict[str, Any]:
+    """What a sample's reward gets as metadata: the row's other columns, `label`, `prompt_text`, and
+    for chat messages `prompt_messages` (a TRL-style reward gets them as conversational `prompts`)."""
+    meta = {**record.metadata, "label": record.label, "prompt_text": prompt_text(record)}
+    if not isinstance(record.prompt, str):
+        meta["prompt_messages"] = record.prompt
+    return meta
+
+
 class DatasetError(UserError, ValueError):
     """A prompt dataset that cannot be loaded; the message names the file, the line or row, and why."""
 

@@ -24,7 +24,7 @@ from april.elastic import ElasticPolicy
 from april.scheduler import BudgetHold, GroupCounts, GroupScheduler, ZeroVarianceFilter
 from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import JobConfig
-from slime.data import prompt_text
+from slime.data import reward_metadata
 from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker, worker_resources
 from slime.sampling import PromptSampler
 
@@ -130,12 +130,7 @@ class RolloutFleet:
         self.admission_held = self.scheduler.held_by_staleness(counts, version) > 0
         for _ in range(missing):
             record = self.sampler.next()
-            metadata = {
-                **record.metadata,
-                "label": record.label,
-                "prompt_text": prompt_text(record),
-                "record_index": record.index,
-            }
+            metadata = {**reward_metadata(record), "record_index": record.index}
             gid = self.buffer.add_group(
                 record.prompt_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens, metadata
             )

@@ -103,3 +103,23 @@ def test_a_dotted_label_key_reads_verls_nested_ground_truth(tmp_path):
     assert text.startswith("<|begin_of_text|><|start_header_id|>system") and text.endswith(
         "assistant<|end_header_id|>\n\n"
     )
+
+
+def trl_conversational_accuracy(completions, ground_truth, **kwargs):
+    """As TRL's docs write a reward for a conversational dataset."""
+    assert kwargs["prompts"][0][-1] == {"role": "user", "content": "2+3?"}
+    return [float(c[0]["content"].strip() == g) for c, g in zip(completions, ground_truth)]
+
+
+def test_a_trl_reward_gets_a_chat_datasets_prompts_and_completions_as_messages():
+    from rewards.adapters import adapt
+    from slime.data import PromptRecord, reward_metadata
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    meta = reward_metadata(PromptRecord(0, messages, [1, 2], "5", {}))
+    fn = adapt(trl_conversational_accuracy)
+    assert fn(meta["prompt_text"], " 5", "5", meta) == 1.0
+    assert fn(meta["prompt_text"], "6", "5", meta) == 0.0
+    text_meta = reward_metadata(PromptRecord(0, "2+3?", [1, 2], "5", {}))  # a text prompt: plain strings
+    assert "prompt_messages" not in text_meta
+    assert adapt(lambda completions, **kw: [float(completions[0] == "5")])("2+3?", "5", "5", text_meta) == 1.0
