@@ -250,7 +250,16 @@ def _chat_ids(where: str, messages: list[dict[str, str]], tokenizer: Any) -> lis
             f"{where}: the prompt needs a chat template (chat messages, or data.apply_chat_template=true) "
             f"but tokenizer {type(tokenizer).__name__} has no chat_template"
         )
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # jinja2's TemplateError (raise_exception: "System role not supported"), ...
+        roles = [m["role"] for m in messages]
+        raise DatasetError(
+            f"{where}: the tokenizer's chat template refused these messages (roles {roles}): "
+            f"{type(exc).__name__}: {exc}",
+            hint="change the messages to what the model's chat template accepts (some templates refuse a "
+            "'system' message: fold it into the first user message), or give the model another chat_template",
+        ) from exc
     # transformers < 5 returns list[int]; >= 5 returns a BatchEncoding (a dict) by default.
     if isinstance(out, Mapping):
         out = out["input_ids"]

@@ -123,3 +123,22 @@ def test_a_trl_reward_gets_a_chat_datasets_prompts_and_completions_as_messages()
     text_meta = reward_metadata(PromptRecord(0, "2+3?", [1, 2], "5", {}))  # a text prompt: plain strings
     assert "prompt_messages" not in text_meta
     assert adapt(lambda completions, **kw: [float(completions[0] == "5")])("2+3?", "5", "5", text_meta) == 1.0
+
+
+def test_a_chat_template_that_refuses_the_messages_names_the_row(tmp_path):
+    import pytest
+
+    from slime.config import DataConfig
+    from slime.data import DatasetError, load_prompts
+
+    tokenizer = load_tokenizer(llama3_style_dir(tmp_path))
+    tokenizer.chat_template = (  # as Gemma's: no system role
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + CHAT
+    )
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"role": "system", "content": "x"}]}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(
+        DatasetError, match=r"chat\.jsonl:2: the tokenizer's chat template refused .*System role not supported"
+    ):
+        load_prompts(DataConfig(path=str(path)), tokenizer)
