@@ -22,7 +22,7 @@ item by item: a wrong number of results fails the whole batch; a NaN, a non-numb
 step rewards fail only their own sample.
 
 `CachedRewards` wraps any mode with a bounded LRU of successful results keyed by
-prompt + response + label (failures are not cached: a timeout may pass next time).
+prompt + response + label + metadata (failures are not cached: a timeout may pass next time).
 
 Names (`service.name`, in every failure message, log line and so in Redis and on the dashboard)
 come from `describe_spec`/`redact_url`: a judge's `api_key` or a password in a URL never shows.
@@ -107,8 +107,10 @@ def sample_to_wire(prompt: str, response: str, label: Any, metadata: dict[str, A
 # --- cache ---------------------------------------------------------------------------------------
 
 
-def cache_key(prompt: str, response: str, label: Any) -> str:
-    blob = json.dumps([prompt, response, label], sort_keys=True, default=repr, ensure_ascii=False)
+def cache_key(prompt: str, response: str, label: Any, metadata: dict[str, Any] | None = None) -> str:
+    """The metadata is part of the key: a reward may read the answer from a column other than the
+    label (TRL's `solution`, verl's `reward_model`/`extra_info`, a task's tests) under a shared prompt."""
+    blob = json.dumps([prompt, response, label, metadata or {}], sort_keys=True, default=repr, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -127,7 +129,7 @@ class CachedRewards:
         self._lock = threading.Lock()
 
     def submit(self, prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Future:
-        key = cache_key(prompt, response, label)
+        key = cache_key(prompt, response, label, metadata)
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None:

@@ -142,3 +142,20 @@ def test_a_chat_template_that_refuses_the_messages_names_the_row(tmp_path):
         DatasetError, match=r"chat\.jsonl:2: the tokenizer's chat template refused .*System role not supported"
     ):
         load_prompts(DataConfig(path=str(path)), tokenizer)
+
+
+def test_the_reward_cache_keeps_rows_apart_whose_answer_is_in_another_column():
+    from rewards.adapters import adapt
+    from rewards.runner import RewardRunner
+    from rewards.service import CachedRewards
+
+    def accuracy(completions, solution, **kwargs):  # TRL: the answer in the dataset's `solution` column
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    cache = CachedRewards(RewardRunner(adapt(accuracy), 5, 2), max_entries=16)
+    same_prompt = "Solve the attached problem."
+    assert cache.submit(same_prompt, "5", None, {"solution": "5", "record_index": 0}).result(timeout=10).reward == 1.0
+    assert cache.submit(same_prompt, "5", None, {"solution": "6", "record_index": 1}).result(timeout=10).reward == 0.0
+    assert cache.submit(same_prompt, "5", None, {"solution": "5", "record_index": 0}).result(timeout=10).reward == 1.0
+    assert cache.hits == 1  # a group's repeated response still hits
+    cache.close()

@@ -32,7 +32,7 @@ class RewardConfig(_Strict):
     max_retries: int = Field(3, ge=0, description="Remote modes: retries after a failed call.")
     backoff_s: float = Field(0.5, ge=0, description="Remote modes: first retry delay; doubles each retry.")
     cache_size: int = Field(
-        4096, ge=0, description="Successful results kept, keyed by prompt+response+label (0: no cache)."
+        4096, ge=0, description="Successful results kept, keyed by prompt+response+label+metadata (0: no cache)."
     )
     max_failed_share: float = Field(
         0.5,

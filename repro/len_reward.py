@@ -1,0 +1,2 @@
+def score(prompt, response):
+    return float(len(response)) / 50.0
