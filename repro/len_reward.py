@@ -1,2 +1,0 @@
-def score(prompt, response):
-    return float(len(response)) / 50.0
