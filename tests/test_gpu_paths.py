@@ -147,3 +147,42 @@ def test_colocated_ranks_and_engines_share_one_gpu_each_pair(tmp_path, ranks, wo
     assert len({ids[0] for ids in pairs}) == max(ranks, workers), got
     for ids, visible in got["ranks"] + got["workers"]:
         assert visible == ids[0], got  # Ray narrows CUDA_VISIBLE_DEVICES to that GPU: "cuda" is it
+
+
+def test_a_real_sglang_server_gets_the_weights_bucket_by_bucket_in_copies_of_its_own(monkeypatch):
+    """torch refuses to pickle CUDA memory this process received from another (the learner's CUDA
+    IPC weights: "Attempted to send CUDA tensor received from another process"): the adapter sends a
+    real SGLang server copies it owns, one bucket at a time (the GPU holds one bucket's copy, not a
+    second model), flushing the cache and naming the version with the last bucket only."""
+    import base64
+    import concurrent.futures
+    import pickle
+
+    import httpx
+
+    from slime.engines.sglang.adapter import SglangEngine
+
+    url = "http://127.0.0.1:9"
+    engine = SglangEngine(url, bucket_mb=2048 / 2**20)  # 2 KiB buckets
+    sent: list[dict] = []
+
+    def send(requests):
+        sent.extend(body for _, body in requests)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(
+            [httpx.Response(200, json={"success": True}, request=httpx.Request("POST", u)) for u, _ in requests]
+        )
+        return done
+
+    try:
+        engine._builtin[url] = False  # a real SGLang server
+        monkeypatch.setattr(engine, "_send", send)
+        named = [(f"w{i}", torch.full((256,), float(i))) for i in range(3)]  # 1 KiB each
+        engine._update_from_tensor(7, named)
+    finally:
+        engine.close()
+    assert [b["flush_cache"] for b in sent] == [False, True]
+    assert [b["weight_version"] for b in sent] == [None, "7"]
+    got = [pickle.loads(base64.b64decode(b["serialized_named_tensors"][0])) for b in sent]
+    assert [[n for n, _ in bucket] for bucket in got] == [["w0", "w1"], ["w2"]]
+    assert all(torch.equal(t, torch.full((256,), float(n[1:]))) for bucket in got for n, t in bucket)

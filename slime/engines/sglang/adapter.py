@@ -466,14 +466,7 @@ class SglangEngine:
             self._group = join_update_group(addr, port, 0, world_size, group_name, backend, self._timeout)
             for resp in joined.result():
                 self._check(resp, expect_success=True)
-        buckets, size = [[]], 0
-        for n, t in named:
-            nbytes = t.numel() * t.element_size()
-            if buckets[-1] and size + nbytes > self._bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append((n, t))
-            size += nbytes
+        buckets = _buckets(named, self._bucket_bytes)
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
             body = {
@@ -507,11 +500,23 @@ class SglangEngine:
         publication per format, shared by every server taking it."""
         named = [(n, t.detach()) for n, t in named_tensors]
         builtin = self._builtin_servers()
-        payloads = {kind: self._tensor_payload(version, named, kind) for kind in set(builtin.values())}
-        for resp in self._send(
-            [(f"{u}/update_weights_from_tensor", payloads[builtin[u]]) for u in self.server_urls]
-        ).result():
-            self._check(resp, expect_success=True)
+        own = [u for u in self.server_urls if builtin[u]]
+        if own:
+            payload = self._tensor_payload(version, named, builtin=True)
+            for resp in self._send([(f"{u}/update_weights_from_tensor", payload) for u in own]).result():
+                self._check(resp, expect_success=True)
+        real = [u for u in self.server_urls if not builtin[u]]
+        # A real SGLang server: bucket by bucket, each a copy this process owns (torch refuses to
+        # pass on CUDA memory it received from another process, as the learner's CUDA IPC weights
+        # are), so the copy on the GPU is one bucket at a time, not the whole model.
+        buckets = _buckets(named, self._bucket_bytes) if real else []
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            owned = [(n, t.clone() if t.is_cuda else t) for n, t in bucket]
+            payload = self._tensor_payload(version, owned, builtin=False, last=last)
+            for resp in self._send([(f"{u}/update_weights_from_tensor", payload) for u in real]).result():
+                self._check(resp, expect_success=True)
+        self._keep_alive = None
 
     def _builtin_servers(self) -> dict[str, bool]:
         """Which servers are the built-in engine's (``/server_info`` engine ``slime-builtin``), asked once."""
@@ -531,7 +536,9 @@ class SglangEngine:
             self._builtin.update(zip(unknown, self._on_loop(infos())))
         return {u: self._builtin[u] for u in self.server_urls}
 
-    def _tensor_payload(self, version: int, named: list[tuple[str, torch.Tensor]], builtin: bool) -> dict:
+    def _tensor_payload(
+        self, version: int, named: list[tuple[str, torch.Tensor]], builtin: bool, last: bool = True
+    ) -> dict:
         """The built-in engine's server: the JSON of a weight handle (shared memory for CPU tensors,
         CUDA IPC for CUDA tensors). A real SGLang server: its MultiprocessingSerializer format, a
         pickle in which torch turns CUDA tensors into IPC handles; SGLang accepts it only with the
@@ -556,8 +563,8 @@ class SglangEngine:
         return {
             "serialized_named_tensors": [payload] * ranks,
             "load_format": load_format,
-            "flush_cache": True,
-            "weight_version": str(version),
+            "flush_cache": last,
+            "weight_version": str(version) if last else None,
         }
 
     def _write_safetensors(self, version: int, named_tensors) -> dict:
@@ -678,3 +685,17 @@ class SglangEngine:
             raise RuntimeError("\n".join(p.exit_message() for p in dead))
         if self._error is not None:
             raise RuntimeError(f"SGLang generation failed: {self._error}")
+
+
+def _buckets(named: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """The tensors in order, cut into runs of at most max_bytes (a larger tensor alone)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for n, t in named:
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and size + nbytes > max_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((n, t))
+        size += nbytes
+    return buckets
