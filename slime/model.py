@@ -189,15 +189,18 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
 
 
 def disable_dropout(model: torch.nn.Module) -> list[str]:
-    """Set the model's own dropout to 0 (its nn.Dropout modules and the float rates attention modules
-    read, `attention_dropout`, ...), as TRL's disable_dropout: RL's pi_old, pi and the engine's
+    """Set the model's own dropout to 0 (its nn.Dropout modules and every float rate its modules hand
+    to F.dropout: `attention_dropout`, `residual_dropout`, `resid_pdrop`, `layerdrop`, ...), as TRL's disable_dropout: RL's pi_old, pi and the engine's
     behaviour logprobs must be one function of the weights. The names of what was above 0."""
     changed = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Dropout) and module.p > 0:
             module.p = 0.0
             changed.append(name)
-        for attr in ("attention_dropout", "dropout", "attn_dropout", "hidden_dropout"):
+        # Every float rate a forward hands to F.dropout, whatever its name: attention_dropout,
+        # residual_dropout (StarCoder2, Seed-OSS), embedding_dropout, activation_dropout, resid_pdrop
+        # (DBRX), layerdrop (XGLM, BioGPT), ...
+        for attr in dict.fromkeys([*(a for a in vars(module) if _is_dropout_rate(a)), *_DROPOUT_NAMES]):
             value = getattr(module, attr, None)
             if isinstance(value, float) and value > 0:
                 setattr(module, attr, 0.0)
@@ -226,6 +229,13 @@ def _config_eos_ids(model_dir: str) -> list[int]:
         if value is not None:
             return [int(v) for v in (value if isinstance(value, list) else [value])]
     return []
+
+
+_DROPOUT_NAMES = ("attention_dropout", "dropout", "attn_dropout", "hidden_dropout")  # class attributes too
+
+
+def _is_dropout_rate(attr: str) -> bool:
+    return "dropout" in attr or attr.endswith("pdrop") or attr == "layerdrop"
 
 
 def stop_token_ids(tokenizer, stop_strings: list[str]) -> list[int]:

@@ -1,0 +1,49 @@
+"""The learner computes log π with its policy in train mode (activation checkpointing, LoRA's own
+dropout); the engine and the weight-sync probe in eval mode. After `disable_dropout` the two must be
+one function of the weights for every family, or every update trains on a gap the probe never sees.
+Released configs that set what the tiny defaults leave at 0: StarCoder2 (residual and embedding
+dropout 0.1), Seed-OSS (residual dropout 0.1, transformers' default too)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.families import tiny_model
+from slime.algorithms.batch import collate
+from slime.learner import response_logprobs
+from slime.model import disable_dropout
+from slime.sample import Sample
+
+CASES = {
+    "seed_oss": {},
+    "starcoder2": {"residual_dropout": 0.1, "embedding_dropout": 0.1, "attention_dropout": 0.1},
+}
+
+
+def _batch(vocab: int):
+    rng = np.random.default_rng(0)
+    samples = []
+    for i, (p, r) in enumerate([(5, 7), (9, 3)]):
+        s = Sample(group_id="g", index=i, prompt_ids=rng.integers(3, vocab, p).tolist(), max_new_tokens=r)
+        s.append(rng.integers(3, vocab, r).tolist(), np.zeros(r), 0)
+        samples.append(s)
+    return collate(samples, [0, 0], pad_id=0)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_train_mode_logprobs_are_the_eval_ones_after_disable_dropout(family):
+    torch.manual_seed(0)
+    model = tiny_model(family, 97, **CASES[family])
+    dropped = disable_dropout(model)
+    assert dropped and any("residual_dropout" in name for name in dropped)
+    batch = _batch(97)
+    with torch.no_grad():
+        model.eval()
+        want = response_logprobs(model, batch, 1.0)[0]
+        model.train()  # as LearnerActor: π_old and π
+        got = [response_logprobs(model, batch, 1.0)[0] for _ in range(2)]
+    for g in got:
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-6)
+    assert disable_dropout(model) == []
