@@ -190,8 +190,9 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
 
 def disable_dropout(model: torch.nn.Module) -> list[str]:
     """Set the model's own dropout to 0 (its nn.Dropout modules and every float rate its modules hand
-    to F.dropout: `attention_dropout`, `residual_dropout`, `resid_pdrop`, `layerdrop`, ...), as TRL's disable_dropout: RL's pi_old, pi and the engine's
-    behaviour logprobs must be one function of the weights. The names of what was above 0."""
+    to F.dropout: `attention_dropout`, `residual_dropout`, `resid_pdrop`, `layerdrop`, ...; routers with
+    training-mode noise route as in eval mode), as TRL's disable_dropout: RL's pi_old, pi and the
+    engine's behaviour logprobs must be one function of the weights. The names of what changed."""
     changed = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Dropout) and module.p > 0:
@@ -205,7 +206,18 @@ def disable_dropout(model: torch.nn.Module) -> list[str]:
             if isinstance(value, float) and value > 0:
                 setattr(module, attr, 0.0)
                 changed.append(f"{name}.{attr}")
+        # A router with training-mode noise (a `*jitter*` setting: PhiMoE samples its experts with
+        # Gumbel noise and jitters its input in training, Mixtral and MiniMax jitter, DBRX too) runs
+        # as in eval mode, the engine's routing, whatever the model's mode.
+        if any("jitter" in a for a in vars(module)) and not getattr(module, "_slime_eval_routing", False):
+            module.register_forward_pre_hook(_routing_as_in_eval)
+            module._slime_eval_routing = True
+            changed.append(f"{name} (routing noise in train mode)")
     return changed
+
+
+def _routing_as_in_eval(module: torch.nn.Module, args) -> None:
+    module.training = False
 
 
 def eos_token_ids(tokenizer) -> list[int]:

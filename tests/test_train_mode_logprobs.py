@@ -2,7 +2,8 @@
 dropout); the engine and the weight-sync probe in eval mode. After `disable_dropout` the two must be
 one function of the weights for every family, or every update trains on a gap the probe never sees.
 Released configs that set what the tiny defaults leave at 0: StarCoder2 (residual and embedding
-dropout 0.1), Seed-OSS (residual dropout 0.1, transformers' default too)."""
+dropout 0.1), Seed-OSS (residual dropout 0.1, transformers' default too), Phi-3.5-MoE (router and
+input jitter 0.01: in train mode PhiMoE samples its experts with Gumbel noise)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from slime.learner import response_logprobs
 from slime.model import disable_dropout
 from slime.sample import Sample
 
+# family -> (config overrides, a name disable_dropout must report)
 CASES = {
-    "seed_oss": {},
-    "starcoder2": {"residual_dropout": 0.1, "embedding_dropout": 0.1, "attention_dropout": 0.1},
+    "seed_oss": ({}, "residual_dropout"),
+    "starcoder2": ({"residual_dropout": 0.1, "embedding_dropout": 0.1, "attention_dropout": 0.1}, "embedding_dropout"),
+    "phimoe": ({"router_jitter_noise": 0.01, "input_jitter_noise": 0.01}, "mlp.router (routing noise in train mode)"),
 }
 
 
@@ -35,9 +38,10 @@ def _batch(vocab: int):
 @pytest.mark.parametrize("family", list(CASES))
 def test_train_mode_logprobs_are_the_eval_ones_after_disable_dropout(family):
     torch.manual_seed(0)
-    model = tiny_model(family, 97, **CASES[family])
+    overrides, reported = CASES[family]
+    model = tiny_model(family, 97, **overrides)
     dropped = disable_dropout(model)
-    assert dropped and any("residual_dropout" in name for name in dropped)
+    assert any(reported in name for name in dropped), dropped
     batch = _batch(97)
     with torch.no_grad():
         model.eval()
