@@ -216,6 +216,28 @@ def disable_dropout(model: torch.nn.Module) -> list[str]:
     return changed
 
 
+def train_mode_gap(model: torch.nn.Module) -> float:
+    """The largest gap between the model's logits in training mode (two forwards) and in eval mode
+    on a short input, relative to the logits' size: 0 once disable_dropout has done its work. A
+    dropout or noise setting it does not know of shows here; the weight-sync probe cannot see it,
+    because engine and learner both score the probe in eval mode. The model's mode is kept."""
+    was_training = model.training
+    param = next(model.parameters())
+    vocab = int(getattr(model.config, "vocab_size", 0) or 2)
+    ids = (torch.arange(1, 9, device=param.device) % vocab)[None]
+    try:
+        with torch.no_grad():
+            model.eval()
+            want = model(input_ids=ids, use_cache=False).logits.float()
+            model.train()
+            gap = max(
+                (model(input_ids=ids, use_cache=False).logits.float() - want).abs().max().item() for _ in range(2)
+            )
+    finally:
+        model.train(was_training)
+    return gap / max(want.abs().max().item(), 1e-6)
+
+
 def _routing_as_in_eval(module: torch.nn.Module, args) -> None:
     module.training = False
 

@@ -51,3 +51,24 @@ def test_train_mode_logprobs_are_the_eval_ones_after_disable_dropout(family):
     for g in got:
         torch.testing.assert_close(g, want, rtol=0, atol=1e-6)
     assert disable_dropout(model) == []
+
+
+def test_a_noise_disable_dropout_does_not_know_shows_as_a_train_mode_gap():
+    """train_mode_gap is 0 once disable_dropout has run on a family it knows; a layer that adds noise
+    in training under a name it does not know gives a gap (the learner warns at start)."""
+    from slime.learner.actor import TRAIN_MODE_GAP_TOLERANCE
+    from slime.model import train_mode_gap
+
+    torch.manual_seed(0)
+    model = tiny_model("starcoder2", 97, residual_dropout=0.1)
+    assert train_mode_gap(model) > 1e-3  # its residual dropout, before disable_dropout
+    disable_dropout(model)
+    assert train_mode_gap(model) == 0.0
+    model.train()
+
+    def noisy(module, args, output):  # a decoder layer returns its hidden states (transformers 5)
+        return output + 0.01 * torch.randn_like(output) if module.training else output
+
+    model.model.layers[0].register_forward_hook(noisy)
+    assert train_mode_gap(model) > TRAIN_MODE_GAP_TOLERANCE[torch.float32]
+    assert model.training  # the model's mode is kept

@@ -38,7 +38,7 @@ from slime.errors import dump_stacks_on_sigusr1
 from slime.learner import lora, sharding
 from slime.learner.forwards import ValueModel, response_logprobs, use_logit_chunks
 from slime.learner.packing import packing_misfit, use_packed_attention
-from slime.model import disable_dropout, load_model
+from slime.model import disable_dropout, load_model, train_mode_gap
 from slime.sample import Sample, Status, failure_key
 from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
@@ -133,6 +133,10 @@ def _merge_rank_stats(per_rank: list[dict]) -> tuple[dict[str, list[tuple[float,
     return stats, sums
 
 
+# float32 forwards repeat to rounding; bf16 ones within its rounding (a GPU's atomic adds vary)
+TRAIN_MODE_GAP_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
+
+
 class Learner:
     def __init__(
         self,
@@ -163,6 +167,13 @@ class Learner:
         self.policy = load_model(model_dir, "float32" if lc.mixed_precision else cfg.model.dtype, lc.device)
         if dropped := disable_dropout(self.policy):  # before the adapters: learner.lora.dropout stays
             log.info("learner: the model's dropout set to 0 (%d modules, e.g. %s)", len(dropped), dropped[0])
+        if (gap := train_mode_gap(self.policy)) > TRAIN_MODE_GAP_TOLERANCE.get(self.policy.dtype, 1e-2):
+            log.warning(
+                "learner: the model's logits in training mode differ from eval mode by %.2g (relative) after its "
+                "dropout was set to 0: a dropout or noise setting of the model is still on, so π_old and π are "
+                "random and differ from the engine's behaviour logprobs (find it in the model's config)",
+                gap,
+            )
         self.policy.train()
         # Padding-free micro-batches when the model's packed logits match its own forward.
         self.packed = False
