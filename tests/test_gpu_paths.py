@@ -186,3 +186,25 @@ def test_a_real_sglang_server_gets_the_weights_bucket_by_bucket_in_copies_of_its
     got = [pickle.loads(base64.b64decode(b["serialized_named_tensors"][0])) for b in sent]
     assert [[n for n, _ in bucket] for bucket in got] == [["w0", "w1"], ["w2"]]
     assert all(torch.equal(t, torch.full((256,), float(n[1:]))) for bucket in got for n, t in bucket)
+
+
+def test_a_tensor_parallel_engine_reserves_its_gpus_and_a_workers_sglang_servers_sit_side_by_side():
+    """vLLM at tensor_parallel_size=2 needs two GPUs per worker; disaggregated, the worker reserved
+    one (vLLM then saw one GPU and failed at start). Colocated it is not placed on one shared GPU.
+    SGLang's servers of one worker start at --base-gpu-id j * tp (all sat on the first GPU)."""
+    from slime.config import load_config
+    from slime.engines.sglang.processes import launch_command
+    from slime.launch.launcher import worker_resources
+    from slime.learner.group import required_resources, shared_gpus
+
+    base = ["learner.device=cuda", "rollout.device=cuda", "rollout.num_workers=2", "rollout.engine=vllm"]
+    tp2 = load_config(
+        "examples/repeat_grpo.yaml", [*base, "vllm.tensor_parallel_size=2", "cluster.placement=disaggregated"]
+    )
+    assert worker_resources(tp2)["GPU"] == 2.0
+    assert required_resources(tp2)["GPU"] == 5  # 2 workers x 2 + the learner
+    colocated = load_config("examples/repeat_grpo.yaml", [*base, "vllm.tensor_parallel_size=2"])
+    assert required_resources(colocated)["GPU"] == 4 and shared_gpus(colocated) == 0
+    assert shared_gpus(load_config("examples/repeat_grpo.yaml", base)) == 2
+    cmd = launch_command("sglang", "m", "127.0.0.1", 1, tensor_parallel_size=2, base_gpu_id=2)
+    assert cmd[cmd.index("--base-gpu-id") + 1] == "2" and cmd[cmd.index("--tp-size") + 1] == "2"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from slime.config import JobConfig
-from slime.learner.group import GPU_SHARE
+from slime.learner.group import GPU_SHARE, gpus_per_engine
 from slime.rollout import RolloutWorker
 from slime.security import JobCredentials
 
@@ -47,10 +47,10 @@ class WorkerLaunch:
 
 
 def worker_resources(cfg: JobConfig) -> dict[str, float]:
-    """What one rollout worker reserves: a GPU for a disaggregated GPU engine (colocated engines share
-    the learner's devices), and rollout.resources_per_worker."""
+    """What one rollout worker reserves: its engine's GPUs (gpus_per_engine) when disaggregated on
+    CUDA (colocated engines share the learner's devices), and rollout.resources_per_worker."""
     gpu = cfg.cluster.placement == "disaggregated" and cfg.rollout.device.startswith("cuda")
-    return ({"GPU": 1.0} if gpu else {}) | cfg.rollout.resources_per_worker
+    return ({"GPU": float(gpus_per_engine(cfg))} if gpu else {}) | cfg.rollout.resources_per_worker
 
 
 def start_rollout_worker(

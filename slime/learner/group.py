@@ -36,14 +36,28 @@ def learner_resources(cfg: JobConfig) -> dict[str, float]:
     return {name: amount * lc.num_ranks for name, amount in need.items() if amount > 0}
 
 
+def gpus_per_engine(cfg: JobConfig) -> int:
+    """The GPUs one rollout worker's engine uses: vLLM's tensor-parallel size, the launched SGLang
+    servers' (tensor-parallel size x sglang.num_servers); 1 for the built-in engine."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        return cfg.vllm.tensor_parallel_size
+    sg = cfg.sglang
+    if r.engine == "sglang" and sg.url is None and not sg.urls:
+        return sg.tensor_parallel_size * sg.num_servers
+    return 1
+
+
 def required_resources(cfg: JobConfig) -> dict[str, float]:
-    """What the job needs from the cluster: the learner's resources, and a GPU per rollout engine on
-    CUDA. cluster.placement=colocated: ranks and engines share GPUs (the larger count is needed);
+    """What the job needs from the cluster: the learner's resources, and gpus_per_engine per rollout
+    engine on CUDA. cluster.placement=colocated: ranks and engines share GPUs (the larger count is needed);
     disaggregated: one GPU each. (Rollout workers reserve no CPU: they mostly wait.)"""
     need = learner_resources(cfg)
     for name, amount in cfg.rollout.resources_per_worker.items():
         need[name] = need.get(name, 0.0) + amount * cfg.rollout.num_workers
-    engine_gpus = float(cfg.rollout.num_workers) if cfg.rollout.device.startswith("cuda") else 0.0
+    engine_gpus = (
+        float(cfg.rollout.num_workers * gpus_per_engine(cfg)) if cfg.rollout.device.startswith("cuda") else 0.0
+    )
     if engine_gpus:
         learner_gpus = need.get("GPU", 0.0)
         colocated = cfg.cluster.placement == "colocated"
@@ -75,6 +89,8 @@ def shared_gpus(cfg: JobConfig) -> int:
     """Colocated CUDA engines: the GPUs that rank i and engine i share (bundle i of the learner's
     placement group), the larger of the two counts; 0 where nothing is shared on a GPU."""
     if cfg.cluster.placement != "colocated" or not cfg.rollout.device.startswith("cuda"):
+        return 0
+    if gpus_per_engine(cfg) > 1:  # a tensor-parallel engine reserves none and sees every GPU of its node
         return 0
     ranks = cfg.learner.num_ranks if cfg.learner.device.startswith("cuda") else 0
     return max(cfg.rollout.num_workers, ranks)
