@@ -510,3 +510,25 @@ def test_a_non_finite_gradient_skips_the_optimizer_step(tiny_model_dir, redis_ur
     assert m["skipped_updates"] == 0 and np.isfinite(m["grad_norm"])
     assert any(not torch.equal(a, b) for a, b in zip(before, learner.policy.parameters()))
     buffer.delete_job()
+
+
+def test_a_resume_trains_with_the_configs_lr_not_the_checkpoints(tiny_model_dir, redis_url, tmp_path):
+    """Optimizer.load_state_dict brings the saved param_groups: resume=auto learner.lr=... ran on at
+    the old lr (the `lr` metric said so) without a word."""
+    job = "learner-ckpt-lr"
+    buffer = TrajectoryStore.open(redis_url, job)
+    buffer.delete_job()
+    _fill(buffer, groups=1, n=4)
+    learner = _learner(tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=1", "algorithm.name=ppo")
+    learner.train_step(0, num_groups=1)
+    learner.save(str(tmp_path / "ckpt"))
+    changed = ("learner.lr=1e-5", "learner.critic_lr=3e-5", "learner.weight_decay=0.1", "learner.betas=[0.8,0.9]")
+    fresh = _learner(tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=1", "algorithm.name=ppo", *changed)
+    fresh.load(str(tmp_path / "ckpt"))
+    group = fresh.optim.param_groups[0]
+    assert (group["lr"], tuple(group["betas"]), group["weight_decay"]) == (1e-5, (0.8, 0.9), 0.1)
+    assert fresh.critic_optim.param_groups[0]["lr"] == 3e-5
+    assert fresh.optim.state_dict()["state"]  # the moments are still the checkpoint's
+    _fill(buffer, groups=1, n=4, seed=1)
+    assert fresh.train_step(1, num_groups=1)["lr"] == 1e-5
+    buffer.delete_job()

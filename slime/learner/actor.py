@@ -668,9 +668,25 @@ class Learner:
                 torch.set_rng_state(state["rng"])
             self.clip.load_state_dict(state["clip"])
             self.version = int(state["version"])
+        self._apply_optimizer_settings()
         if self.rank == 0:
             self.buffer.set_policy_version(self.version)
         return self.version
+
+    def _apply_optimizer_settings(self) -> None:
+        """A loaded optimizer state brings the checkpoint's param_groups (lr, betas, weight_decay):
+        the config's values win, as a resume with a new learner.lr asks (the moments are kept)."""
+        lc = self.cfg.learner
+        optims = [(self.optim, {"lr": lc.lr, "betas": tuple(lc.betas), "weight_decay": lc.weight_decay})]
+        if self.critic is not None:
+            optims.append((self.critic_optim, {"lr": lc.critic_lr, "betas": tuple(lc.betas)}))
+        for optim, settings in optims:
+            for group in optim.param_groups:
+                old = {k: tuple(group[k]) if k == "betas" else group[k] for k in settings}
+                changed = {k: f"{old[k]} -> {v}" for k, v in settings.items() if old[k] != v}
+                if changed and self.rank == 0:
+                    log.warning("resumed optimizer: the config's values replace the checkpoint's: %s", changed)
+                group.update(settings)
 
     def close(self) -> None:
         if self.transport is not None:
