@@ -25,9 +25,11 @@ from slime.config import ModelConfig
 from slime.errors import UserError
 from slime.learner import lora
 from slime.learner.sharding import CHECKPOINT_DIR, load_policy_shards
+from slime.metrics import write_atomic
 from slime.model import ensure_model_dir, eos_token_ids, load_model, load_tokenizer
 
 EXPORT_INFO = "slime_export.json"
+LATEST = "latest"  # checkpoints/latest: the name of the last checkpoint written (slime/job.py)
 
 
 class ExportError(UserError, ValueError):
@@ -41,9 +43,33 @@ def checkpoints_of(run_dir: Path) -> list[Path]:
     return sorted(p.parent for p in (run_dir / "checkpoints").glob("step_*/driver_state.json"))
 
 
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint `resume=auto` and `slime export RUN_DIR` take: the one checkpoints/latest names,
+    i.e. the last one written by the run that used this output_dir last. A fresh run empties that
+    file, so an earlier run's checkpoints (step_* beyond this run's) are not taken for its own.
+    Without the file (a run from before it existed) the newest complete one."""
+    found = checkpoints_of(run_dir)
+    try:
+        name = (run_dir / "checkpoints" / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return found[-1] if found else None
+    # `latest` is written after the checkpoint is complete; if it was removed since, an older one.
+    not_newer = [p for p in found if p.name <= name] if name else []
+    return not_newer[-1] if not_newer else None
+
+
+def forget_earlier_checkpoints(run_dir: Path) -> list[Path]:
+    """A fresh run (no resume) in an output_dir that holds checkpoints: `resume=auto` must take only
+    this run's from now on. Empties checkpoints/latest; returns the earlier run's checkpoints."""
+    found = checkpoints_of(run_dir)
+    if (run_dir / "checkpoints").is_dir():
+        write_atomic(run_dir / "checkpoints" / LATEST, "")
+    return found
+
+
 def find_checkpoint(path: Path, step: int | None = None) -> Path:
     """`path` itself when it is a checkpoint; else the run dir's checkpoint after `step` steps
-    (default: the newest)."""
+    (default: the latest, see latest_checkpoint)."""
     if (path / "driver_state.json").is_file():
         if step is not None:
             raise ExportError(f"{path} is one checkpoint; --step picks one of a run dir's checkpoints")
@@ -54,7 +80,13 @@ def find_checkpoint(path: Path, step: int | None = None) -> Path:
     if not found:
         raise ExportError(f"{path}: no complete checkpoint in {path / 'checkpoints'} (is it a run's output_dir?)")
     if step is None:
-        return found[-1]
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise ExportError(
+                f"{path}: the last run in it (a fresh one) has written no checkpoint yet; "
+                f"{', '.join(p.name for p in found)} are an earlier run's: --step N takes one of them"
+            )
+        return latest
     by_step = {int(p.name.removeprefix("step_")): p for p in found}
     if step not in by_step:
         raise ExportError(f"{path}: no checkpoint after step {step}; there are {sorted(by_step)}")

@@ -26,7 +26,7 @@ from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.engines.contract import GenerationRequest
 from slime.evaluation import HeldOutEval
-from slime.export import export_checkpoint
+from slime.export import LATEST, export_checkpoint, forget_earlier_checkpoints, latest_checkpoint
 from slime.fleet import Abort, RolloutFleet, scheduler_for
 from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker
 from slime.launch.local import LocalLauncher
@@ -101,6 +101,10 @@ class RunningJob:
             checkpoint = self._find_checkpoint()
             if cfg.resume is None:
                 self.buffer.delete_job()  # a fresh run starts from an empty buffer
+                if earlier := forget_earlier_checkpoints(self.run_dir):  # resume=auto: this run's only
+                    print(
+                        f"a fresh run: {len(earlier)} checkpoint(s) of an earlier run in {earlier[0].parent} are not resumed"
+                    )
             else:
                 # The previous run's workers are gone: their trajectories go back to the queue now,
                 # tokens kept, instead of after their leases expire.
@@ -428,6 +432,7 @@ class RunningJob:
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
         path = self.run_dir / "checkpoints" / f"step_{step + 1:06d}"
+        (path / "driver_state.json").unlink(missing_ok=True)  # an earlier run's, over which this one writes
         self.learner.result(self.learner.save(str(path)))
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
         if self.offpolicy is not None:
@@ -437,7 +442,7 @@ class RunningJob:
         write_atomic(path / "driver_state.json", json.dumps(state))
         if self.cfg.checkpoint.export_hf:
             export_checkpoint(path, path / "hf", Path(self.model_dir))
-        write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
+        write_atomic(self.run_dir / "checkpoints" / LATEST, path.name)
         # Groups become "trained" only once the weights that learned from them are on disk. A crash
         # between the line above and this one is repaired by _restore (commit_through).
         self.buffer.commit_through(step, self.cfg.buffer.keep_trained_steps)
@@ -449,15 +454,14 @@ class RunningJob:
         if resume is None:
             return None
         if resume == "auto":
-            complete = sorted((self.run_dir / "checkpoints").glob("step_*/driver_state.json"))
-            if not complete:
+            latest = latest_checkpoint(self.run_dir)  # the last run's: not an earlier run's step_* beyond it
+            if latest is None:
                 print(
                     f"resume=auto: no checkpoint in {self.run_dir / 'checkpoints'}: training starts at step 0 "
                     "(the buffer's unfinished trajectories are kept and resumed)",
                     flush=True,
                 )
-                return None
-            return complete[-1].parent
+            return latest
         path = Path(resume).expanduser()
         if not (path / "driver_state.json").is_file():
             raise CheckpointError(f"resume={resume}: not a checkpoint directory (no driver_state.json in it)")

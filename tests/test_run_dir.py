@@ -1,0 +1,62 @@
+"""One output_dir across runs: a fresh run over an earlier run's checkpoints, and resume=auto,
+`slime export` after it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slime import cli
+from slime.export import ExportError, find_checkpoint, forget_earlier_checkpoints, latest_checkpoint
+from tests.helpers import TINY_JOB
+
+
+def _train(run, tiny_model_dir, *extra) -> int:
+    args = [f"output_dir={run}", f"model.path={tiny_model_dir}", "cluster.launcher=local", *TINY_JOB]
+    return cli.main(["train", *args, "checkpoint.every_steps=2", *extra])
+
+
+def _steps(run) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoint(run, step: int, with_state: bool = True) -> None:
+    path = run / "checkpoints" / f"step_{step:06d}"
+    path.mkdir(parents=True)
+    if with_state:
+        (path / "driver_state.json").write_text(json.dumps({"next_step": step}))
+
+
+def test_latest_follows_the_last_run_not_the_highest_step_dir(tmp_path):
+    for step in (2, 4, 6, 8):  # an earlier run's
+        _checkpoint(tmp_path, step)
+    assert latest_checkpoint(tmp_path).name == "step_000008"  # no `latest` file: the newest, as before
+    assert [p.name for p in forget_earlier_checkpoints(tmp_path)] == [
+        "step_000002",
+        "step_000004",
+        "step_000006",
+        "step_000008",
+    ]
+    assert latest_checkpoint(tmp_path) is None  # a fresh run without a checkpoint yet: nothing to resume
+    with pytest.raises(ExportError, match="--step N"):
+        find_checkpoint(tmp_path)
+    assert find_checkpoint(tmp_path, 6).name == "step_000006"
+    (tmp_path / "checkpoints" / "latest").write_text("step_000004")  # the fresh run's second checkpoint
+    assert latest_checkpoint(tmp_path).name == "step_000004"
+    (tmp_path / "checkpoints" / "latest").write_text("step_000005")  # named, then removed: the one before
+    assert latest_checkpoint(tmp_path).name == "step_000004"
+
+
+@pytest.mark.slow
+def test_resume_after_a_fresh_run_over_an_earlier_one_continues_the_fresh_run(tiny_model_dir, tmp_path, capsys):
+    """resume=auto took the highest step_* of the directory: an earlier run's step_000004 after a
+    fresh 2-step run, 'resuming at step 4 of 3', nothing trained; `slime export` exported it too."""
+    run = tmp_path / "run"
+    assert _train(run, tiny_model_dir, "steps=4") == 0  # checkpoints 2 and 4
+    assert _train(run, tiny_model_dir, "steps=2", "seed=1") == 0  # fresh: its own step_000002
+    assert "checkpoint(s) of an earlier run" in capsys.readouterr().out
+    assert find_checkpoint(run).name == "step_000002"
+    assert _train(run, tiny_model_dir, "steps=3", "seed=1", "resume=auto") == 0
+    assert f"resuming from {run / 'checkpoints' / 'step_000002'} at step 2 of 3" in capsys.readouterr().out
+    assert _steps(run) == [0, 1, 2]
