@@ -8,6 +8,7 @@ the rollout workers are actors of the launcher cluster.launcher names (slime/lau
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from slime.learner.lora import check_model_dir
 from slime.learner.sharding import CheckpointError
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
 from slime.model import ensure_model_dir, load_tokenizer, rollout_sampling_params, rollout_stop_token_ids
+from slime.run_lock import lock_run_dir
 from slime.sample import new_id
 from slime.sampling import PromptSampler
 from slime.security import JobCredentials, write_private
@@ -54,6 +56,7 @@ class RunningJob:
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.redis_server = None
+        self.run_lock: int | None = None  # output_dir/job.lock (slime/run_lock.py)
         self.ray_session = RaySession()
         self.launcher: Launcher | None = None
         self.workers: list = []
@@ -73,6 +76,7 @@ class RunningJob:
             check_local_resources(cfg)  # a learner that cannot fit fails before anything starts
             require_packages(cfg.logging)  # logging.wandb / logging.mlflow without the package
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_lock = lock_run_dir(self.run_dir)  # one job per output_dir, until __exit__
             dump_config(cfg, self.run_dir / "config.yaml")
             # One secret per run (run_dir/job.secret, 0600): the job's Redis password and every
             # service token derive from it; actors get it as an argument, children by environment.
@@ -219,6 +223,9 @@ class RunningJob:
             self.dashboard.stop()
         if self.redis_server is not None:
             self.redis_server.stop()
+        if self.run_lock is not None:
+            os.close(self.run_lock)
+            self.run_lock = None
 
     def _load_records(self) -> list[PromptRecord]:
         cfg = self.cfg

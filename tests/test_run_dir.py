@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from slime import cli
 from slime.export import ExportError, find_checkpoint, forget_earlier_checkpoints, latest_checkpoint
+from slime.run_lock import lock_run_dir
 from tests.helpers import TINY_JOB
 
 
@@ -60,3 +62,22 @@ def test_resume_after_a_fresh_run_over_an_earlier_one_continues_the_fresh_run(ti
     assert _train(run, tiny_model_dir, "steps=3", "seed=1", "resume=auto") == 0
     assert f"resuming from {run / 'checkpoints' / 'step_000002'} at step 2 of 3" in capsys.readouterr().out
     assert _steps(run) == [0, 1, 2]
+
+
+def test_a_second_job_in_a_running_jobs_output_dir_stops_before_touching_it(tiny_model_dir, tmp_path, capsys):
+    """Both ran to exit 0: the second stopped the first's redis-server as a leftover, the first's
+    keep-alive restarted it (two servers appending to one AOF), checkpoints interleaved, and the
+    first's metrics went to a metrics.jsonl the second had replaced."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("the running job's\n")
+    held = lock_run_dir(run)  # the running job
+    try:
+        assert _train(run, tiny_model_dir, "steps=1") == 2
+        assert f"output_dir {run} is in use by another job (pid {os.getpid()})" in capsys.readouterr().err
+        assert (run / "config.yaml").read_text() == "the running job's\n"
+        assert not (run / "redis").exists() and not (run / "job.secret").exists()
+    finally:
+        os.close(held)
+    fd = lock_run_dir(run)  # released with its holder (the kernel drops it on SIGKILL too)
+    os.close(fd)
