@@ -194,10 +194,11 @@ class RunningJob:
                 launcher.get([w.abort_all.remote() for w in self.workers], timeout=60)
             except Exception:
                 pass
-        if hasattr(self, "logger"):
-            self.logger.close()
-        if self.held_out is not None:
-            self.held_out.close()
+        for part in (getattr(self, "logger", None), self.held_out):  # e.g. the plot on a full disk: stop the rest
+            try:
+                part is not None and part.close()
+            except Exception as exc:
+                print(f"slime: closing {type(part).__name__} failed: {exc!r}", file=sys.stderr, flush=True)
         if launcher is not None:
             if self.workers:
                 try:

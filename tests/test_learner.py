@@ -532,3 +532,24 @@ def test_a_resume_trains_with_the_configs_lr_not_the_checkpoints(tiny_model_dir,
     _fill(buffer, groups=1, n=4, seed=1)
     assert fresh.train_step(1, num_groups=1)["lr"] == 1e-5
     buffer.delete_job()
+
+
+def test_a_checkpoint_that_cannot_be_written_or_read_is_named(tiny_model_dir, redis_url, tmp_path, monkeypatch):
+    """A full disk gave torch's 'basic_ios::clear: iostream error' / 'unexpected pos', a truncated
+    file safetensors' 'invalid header length' or miniz's message: tracebacks naming no checkpoint."""
+    from slime.learner.sharding import CheckpointError
+
+    learner = _learner(tiny_model_dir, redis_url, "learner-ckpt-errors", tmp_path)
+    learner.save(str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt" / "learner_state.pt").write_bytes(b"PK\x03\x04 cut")
+    with pytest.raises(CheckpointError, match=f"cannot load checkpoint {tmp_path / 'ckpt'}: RuntimeError"):
+        learner.load(str(tmp_path / "ckpt"))
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(
+        CheckpointError, match=f"cannot write checkpoint {tmp_path / 'next'}: .*iostream error .*MiB free"
+    ):
+        learner.save(str(tmp_path / "next"))

@@ -81,3 +81,26 @@ def test_a_second_job_in_a_running_jobs_output_dir_stops_before_touching_it(tiny
         os.close(held)
     fd = lock_run_dir(run)  # released with its holder (the kernel drops it on SIGKILL too)
     os.close(fd)
+
+
+def test_a_failing_plot_at_the_end_does_not_skip_stopping_the_jobs_parts(tmp_path, capsys):
+    """On a full disk the plot raised in __exit__: the redis-server, the workers, the learner and
+    Ray were not stopped, and that OSError hid the job's own error."""
+    from slime.config import load_config
+    from slime.job import RunningJob
+
+    class Full:
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    class Server:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    job = RunningJob(load_config(None, [f"output_dir={tmp_path}"]))
+    job.logger, job.redis_server = Full(), Server()
+    job.__exit__(None, None, None)
+    assert job.redis_server.stopped
+    assert "closing Full failed: OSError(28, 'No space left on device')" in capsys.readouterr().err

@@ -123,6 +123,7 @@ def test_a_crafted_checkpoint_cannot_run_code(tiny_model_dir, redis_url, tmp_pat
     import torch
 
     from slime.learner import Learner
+    from slime.learner.sharding import CheckpointError
 
     cfg = load_config(None, ["job_name=ckpt-attack", f"output_dir={tmp_path}"])
     learner = Learner(cfg, str(tiny_model_dir), redis_url)
@@ -133,8 +134,9 @@ def test_a_crafted_checkpoint_cannot_run_code(tiny_model_dir, redis_url, tmp_pat
     state["version"] = _WritesMarker(marker)
     with open(tmp_path / "ckpt" / "learner_state.pt", "wb") as f:
         pickle.dump(state, f)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CheckpointError, match="cannot load checkpoint .*UnpicklingError") as raised:
         learner.load(str(tmp_path / "ckpt"))
+    assert isinstance(raised.value.__cause__, pickle.UnpicklingError)
     assert not marker.exists()
     learner.close()
     TrajectoryStore.open(redis_url, "ckpt-attack").delete_job()

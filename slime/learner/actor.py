@@ -19,6 +19,7 @@ import copy
 import json
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
 from slime.buffer import JobConnection, TrajectoryStore
 from slime.config import JobConfig
 from slime.engines.routing import replay_misfit
-from slime.errors import dump_stacks_on_sigusr1
+from slime.errors import UserError, dump_stacks_on_sigusr1
 from slime.learner import lora, sharding
 from slime.learner.forwards import ValueModel, response_logprobs, use_logit_chunks
 from slime.learner.packing import packing_misfit, use_packed_attention
@@ -607,6 +608,18 @@ class Learner:
         learner.lora: adapter/ and base_model.json instead of the policy (lora.py); sharded, the
         shards hold the adapters and their optimizer state, not the frozen base."""
         path = Path(directory)
+        try:
+            self._save(path)
+        except UserError:
+            raise
+        except (OSError, RuntimeError) as exc:  # torch.save on a full disk: "basic_ios::clear: iostream error"
+            free = shutil.disk_usage(path if path.exists() else path.parent).free
+            raise sharding.CheckpointError(
+                f"cannot write checkpoint {path}: {type(exc).__name__}: {exc} ({free / 2**20:.0f} MiB free on its "
+                "file system)"
+            ) from exc
+
+    def _save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
         if self.sharded:
             critic_optim = self.critic_optim if self.critic is not None else None
@@ -637,6 +650,18 @@ class Learner:
     def load(self, directory: str) -> int:
         """A checkpoint of any number of ranks, into this learner's (N to M)."""
         path = Path(directory)
+        try:
+            self._load(path)
+        except UserError:
+            raise
+        except Exception as exc:  # a truncated file: safetensors' "invalid header length", no path
+            raise sharding.CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+        self._apply_optimizer_settings()
+        if self.rank == 0:
+            self.buffer.set_policy_version(self.version)
+        return self.version
+
+    def _load(self, path: Path) -> None:
         lora.check_checkpoint(path, self.lora, self.policy, self.model_dir)  # LoRA or not, modules, base
         critic_optim = self.critic_optim if self.critic is not None else None
         if (path / sharding.CHECKPOINT_DIR).is_dir():
@@ -668,10 +693,6 @@ class Learner:
                 torch.set_rng_state(state["rng"])
             self.clip.load_state_dict(state["clip"])
             self.version = int(state["version"])
-        self._apply_optimizer_settings()
-        if self.rank == 0:
-            self.buffer.set_policy_version(self.version)
-        return self.version
 
     def _apply_optimizer_settings(self) -> None:
         """A loaded optimizer state brings the checkpoint's param_groups (lr, betas, weight_decay):
