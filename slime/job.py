@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from transformers import AutoConfig
 
 from envs import repeat
 from rewards.mix import load_reward_spec
@@ -22,7 +21,7 @@ from slime.algorithms.mismatch import probe_kl
 from slime.algorithms.offpolicy_controller import Measurement, OffPolicyController
 from slime.buffer import JobConnection, JobTelemetry, TrajectoryStore
 from slime.buffer.redis_server import connect_or_start
-from slime.config import ConfigError, JobConfig, config_for_display, dump_config
+from slime.config import JobConfig, config_for_display, dump_config
 from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.engines.contract import GenerationRequest
@@ -36,7 +35,13 @@ from slime.learner import LearnerGroup
 from slime.learner.lora import check_model_dir
 from slime.learner.sharding import CheckpointError
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
-from slime.model import ensure_model_dir, load_tokenizer, rollout_sampling_params, rollout_stop_token_ids
+from slime.model import (
+    check_context_fits,
+    ensure_model_dir,
+    load_tokenizer,
+    rollout_sampling_params,
+    rollout_stop_token_ids,
+)
 from slime.run_lock import lock_run_dir
 from slime.sample import new_id
 from slime.sampling import PromptSampler
@@ -95,7 +100,7 @@ class RunningJob:
             if self.redis_server is not None:  # every part retries meanwhile (buffer.reconnect_timeout_s)
                 self.redis_server.keep_alive(self._redis_restarted)
             self.model_dir = str(ensure_model_dir(cfg.model))
-            _check_context_fits(cfg, self.model_dir)
+            check_context_fits(cfg.rollout, self.model_dir)
             if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
                 check_model_dir(self.model_dir, cfg.learner.lora)
             self.tokenizer = load_tokenizer(self.model_dir)
@@ -490,14 +495,3 @@ class RunningJob:
         self.buffer.commit_through(int(state["next_step"]) - 1, self.cfg.buffer.keep_trained_steps)
         self.buffer.requeue_uncommitted()
         return int(state["next_step"])
-
-
-def _check_context_fits(cfg: JobConfig, model_dir: str) -> None:
-    """The engines refuse a response budget longer than the model reads (validate_sampling in the
-    engine contract): say so at start, naming the field, instead of failing every request."""
-    context = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
-    if context is not None and cfg.rollout.max_new_tokens > context:
-        raise ConfigError(
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} exceeds the model's context "
-            f"(max_position_embeddings={context} in {model_dir})"
-        )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from envs import repeat
 from slime.config import ModelConfig, RolloutConfig, TinyModelConfig
@@ -298,3 +298,14 @@ def rollout_sampling_params(rollout: RolloutConfig, tokenizer) -> SamplingParams
         max_new_tokens=rollout.max_new_tokens,
         stop_token_ids=rollout_stop_token_ids(rollout, tokenizer),
     )
+
+
+def check_context_fits(rollout: RolloutConfig, model_dir: str) -> None:
+    """The engines refuse a response budget longer than the model reads (validate_sampling in the
+    engine contract): say so at start, naming the field, instead of failing every request."""
+    context = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    if context is not None and rollout.max_new_tokens > context:
+        raise ConfigError(
+            f"rollout.max_new_tokens={rollout.max_new_tokens} exceeds the model's context "
+            f"(max_position_embeddings={context} in {model_dir})"
+        )
