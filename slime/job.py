@@ -482,10 +482,13 @@ class RunningJob:
 
     def _restore(self, checkpoint: Path) -> int:
         state = json.loads((checkpoint / "driver_state.json").read_text())
-        print(
-            f"resume={self.cfg.resume}: resuming from {checkpoint} at step {state['next_step']} of {self.cfg.steps}",
-            flush=True,
+        done, steps = int(state["next_step"]), self.cfg.steps
+        left = (
+            f"at step {done} of {steps}"
+            if done < steps
+            else f"with nothing to train: it has {done} steps, steps={steps}"
         )
+        print(f"resume={self.cfg.resume}: resuming from {checkpoint} {left}", flush=True)
         self.learner.result(self.learner.load(str(checkpoint)))
         self.sampler.load_state_dict(state["sampler"])
         if self.offpolicy is not None and "offpolicy_auto" in state:  # absent: a run without it, start afresh
