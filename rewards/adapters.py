@@ -23,7 +23,8 @@ What each style receives (metadata = the sample's dataset columns and other per-
 * slime: `args` is a `types.SimpleNamespace` with `label`, `metadata`, `rm_type`
   (metadata["rm_type"] or None) and every metadata key that is a valid identifier and does not
   clash with those; `sample` is a `RewardSample` with `.prompt`, `.response`, `.label`,
-  `.metadata` (plus `.reward=None`, `.status="completed"`). It may return a number or a dict
+  `.metadata` (plus `.reward=None`, `.status=Sample.Status.COMPLETED`; `from slime.utils.types
+  import Sample` works as in slime). It may return a number or a dict
   with "score".
 * verl: `data_source` = metadata["data_source"], else metadata["task"], else None;
   `ground_truth` = label, else (no label) metadata["reward_model"]["ground_truth"] as in verl's
@@ -46,13 +47,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from rewards.plugin import load_function
 from rewards.runner import _describe, _is_async, _keyword_plan
 from slime.errors import UserError
+from slime.utils.types import Sample
 
 STYLES = ("native", "slime", "verl", "trl")
 
@@ -70,16 +71,7 @@ class RewardSignatureError(UserError, TypeError):
     hint = "docs/rewards.md, 'Plugging in a function', lists the signatures a reward function may have"
 
 
-@dataclass
-class RewardSample:
-    """The light stand-in for slime's Sample that a slime-style `rm(args, sample)` receives."""
-
-    prompt: str
-    response: str
-    label: Any = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    reward: Any = None
-    status: str = "completed"
+RewardSample = Sample  # what a slime-style `rm(args, sample)` receives (slime.utils.types)
 
 
 def load_reward(spec: str, style: str | None = None) -> Callable[..., Any]:

@@ -152,6 +152,21 @@ def test_slime_sync_rm_stays_sync_and_sees_metadata_as_args():
     assert fn("ab*2=", "abab", "abab", {"difficulty": "hard"}) == 0.0
 
 
+def test_a_reward_file_written_for_slime_loads_unchanged(tmp_path):
+    """slime's reward files import its Sample (`from slime.utils.types import Sample`) and compare
+    the status with `Sample.Status`; the file loads as is and gets a Sample of that class."""
+    path = tmp_path / "slime_reward.py"
+    path.write_text(
+        "from slime.utils.types import Sample\n\n\n"
+        "async def reward_func(args, sample: Sample, **kwargs):\n"
+        "    assert isinstance(sample, Sample) and sample.status == Sample.Status.COMPLETED\n"
+        "    return float(sample.response.strip() == sample.label)\n"
+    )
+    fn = load_reward(f"{path}:reward_func")
+    assert asyncio.run(fn("2+2=", " 4 ", "4", {})) == 1.0
+    assert asyncio.run(fn("2+2=", "5", "4", {})) == 0.0
+
+
 # --- verl ----------------------------------------------------------------------------------------
 
 

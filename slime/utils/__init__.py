@@ -1,0 +1,1 @@
+"""Names that reward and generate files written for THUDM's slime import (`slime.utils.types`)."""
