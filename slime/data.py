@@ -46,6 +46,12 @@ class DatasetError(UserError, ValueError):
     hint = "data.path is a JSONL or Parquet file or a saved HF dataset directory, a prompt per row (README, 'Your own model, data and reward')"
 
 
+class OverlongPrompt(DatasetError):
+    """A prompt over data.max_prompt_tokens."""
+
+    hint = "raise data.max_prompt_tokens, shorten the prompt, or skip such rows: data.overlong_prompts=drop"
+
+
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED_FORMATS = (
@@ -69,10 +75,26 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
         raise DatasetError(f"dataset not found: {p} (from {source})")
 
     records: list[PromptRecord] = []
+    overlong: list[str] = []
     for where, row in _read_rows(p):
-        records.append(_to_record(len(records), where, row, cfg, tokenizer))
+        try:
+            records.append(_to_record(len(records), where, row, cfg, tokenizer))
+        except OverlongPrompt:
+            if cfg.overlong_prompts != "drop":
+                raise
+            overlong.append(where)
+    if overlong:
+        log.warning(
+            "%s: dropped %d of %d prompts over data.max_prompt_tokens=%d (data.overlong_prompts=drop; first: %s)",
+            p,
+            len(overlong),
+            len(overlong) + len(records),
+            cfg.max_prompt_tokens,
+            overlong[0],
+        )
     if not records:
-        raise DatasetError(f"{p}: the dataset has no rows")
+        what = f"every prompt is over data.max_prompt_tokens={cfg.max_prompt_tokens}" if overlong else "no rows"
+        raise DatasetError(f"{p}: the dataset has {what}")
     if all(r.label is None for r in records):  # fine for a judge or a reward model, not for a rule
         log.warning(
             "%s: no row has the label column %r (data.label_key): a reward that compares with a label "
@@ -184,7 +206,7 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
     if not prompt_ids:
         raise DatasetError(f"{where}: the prompt ({cfg.prompt_key!r}) tokenizes to zero tokens")
     if len(prompt_ids) > cfg.max_prompt_tokens:
-        raise DatasetError(
+        raise OverlongPrompt(
             f"{where}: the prompt has {len(prompt_ids)} tokens, more than "
             f"data.max_prompt_tokens={cfg.max_prompt_tokens}"
         )

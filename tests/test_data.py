@@ -114,6 +114,20 @@ def test_bad_rows(tmp_path: Path, tok, row: dict, cause: str) -> None:
         load_prompts(DataConfig(max_prompt_tokens=10), tok, path)
 
 
+def test_overlong_prompts_can_be_dropped_with_a_count(tmp_path: Path, tok, caplog) -> None:
+    """data.overlong_prompts=drop (verl's filter_overlong_prompts): the rows over the budget are
+    skipped and counted, the rest indexed 0.. in order; all of them over it is still an error."""
+    rows = [{"prompt": "ok", "label": "a"}, {"prompt": "x" * 20}, {"prompt": "fine", "label": "b"}]
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    with caplog.at_level("WARNING"):
+        records = load_prompts(DataConfig(max_prompt_tokens=10, overlong_prompts="drop"), tok, path)
+    assert [(r.index, r.label) for r in records] == [(0, "a"), (1, "b")]
+    assert "dropped 1 of 3 prompts over data.max_prompt_tokens=10" in caplog.text and "d.jsonl:2" in caplog.text
+    only_long = write_lines(tmp_path / "long.jsonl", [json.dumps({"prompt": "y" * 30})])
+    with pytest.raises(DatasetError, match="every prompt is over data.max_prompt_tokens=10"):
+        load_prompts(DataConfig(max_prompt_tokens=10, overlong_prompts="drop"), tok, only_long)
+
+
 def test_bad_parquet_row_names_the_row(tmp_path: Path, tok) -> None:
     pq.write_table(pa.Table.from_pylist([{"prompt": "ok"}, {"prompt": ""}]), tmp_path / "d.parquet")
     with pytest.raises(DatasetError, match=r"d\.parquet:row 1: the prompt \('prompt'\) is empty"):

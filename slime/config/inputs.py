@@ -65,6 +65,11 @@ class DataConfig(_Strict):
     task_key: str = "task"
     apply_chat_template: bool = False
     max_prompt_tokens: int = Field(256, gt=0)
+    overlong_prompts: Literal["error", "drop"] = Field(
+        "error",
+        description="A prompt over max_prompt_tokens: error (the load stops, naming the row) or drop (skipped, "
+        "counted in a warning; verl's filter_overlong_prompts).",
+    )
     shuffle: bool = True
     seed: int = 0
     num_generated: int = Field(2000, gt=0, description="Prompts generated for the example task when path is None.")
