@@ -36,7 +36,7 @@ from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.errors import UserError
 from slime.export import ExportError, base_model_dir, export_checkpoint, find_checkpoint
-from slime.model import ensure_model_dir, load_tokenizer, rollout_stop_token_ids
+from slime.model import ensure_model_dir, load_tokenizer, rollout_stop_strings, rollout_stop_token_ids
 
 EXAMPLE_HELD_OUT_SEED = 10_000  # the example task's held-out prompts; training draws with data.seed
 
@@ -48,10 +48,21 @@ class EvalError(UserError, ValueError):
 
 
 # ---- the requests and their answers ------------------------------------------------------------
-def eval_requests(records: Sequence[PromptRecord], cfg: EvalConfig, max_new_tokens: int, stop: list[int]):
-    """Greedy once per prompt (`eval-I-g`), then `cfg.samples` sampled (`eval-I-sK`)."""
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
-    sampled = SamplingParams(temperature=cfg.temperature, max_new_tokens=max_new_tokens, stop_token_ids=stop)
+def eval_requests(
+    records: Sequence[PromptRecord],
+    cfg: EvalConfig,
+    max_new_tokens: int,
+    stop: list[int],
+    stop_strings: Sequence[str] = (),
+):
+    """Greedy once per prompt (`eval-I-g`), then `cfg.samples` sampled (`eval-I-sK`); they stop as
+    the rollout does (`stop`: its stop tokens; `stop_strings`: its stop strings of several tokens)."""
+    greedy = SamplingParams(
+        temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop, stop_strings=list(stop_strings)
+    )
+    sampled = SamplingParams(
+        temperature=cfg.temperature, max_new_tokens=max_new_tokens, stop_token_ids=stop, stop_strings=list(stop_strings)
+    )
     requests = [GenerationRequest(f"eval-{i}-g", list(r.prompt_ids), greedy) for i, r in enumerate(records)]
     requests += [
         GenerationRequest(f"eval-{i}-s{k}", list(r.prompt_ids), sampled)
@@ -170,6 +181,7 @@ class HeldOutEval:
         self.job, self.tokenizer = job, tokenizer
         self.records = held_out_records(job, tokenizer, run_dir)
         self.stop = rollout_stop_token_ids(job.rollout, tokenizer)
+        self.stop_strings = rollout_stop_strings(job.rollout, tokenizer)
         self.rewards = make_reward_service(job.reward, job.job_name)
 
     def due(self, step: int) -> bool:
@@ -180,7 +192,7 @@ class HeldOutEval:
         job = self.job
         started = time.time()
         requests = eval_requests(
-            self.records, job.eval, job.eval.max_new_tokens or job.rollout.max_new_tokens, self.stop
+            self.records, job.eval, job.eval.max_new_tokens or job.rollout.max_new_tokens, self.stop, self.stop_strings
         )
         answers = generate(requests)
         timeout = job.reward.timeout_s * 4 + 30
@@ -201,7 +213,8 @@ def evaluate_model_dir(
 
     tokenizer = tokenizer or load_tokenizer(model_dir)
     stop = rollout_stop_token_ids(job.rollout, tokenizer)
-    requests = eval_requests(records, job.eval, job.eval.max_new_tokens or job.rollout.max_new_tokens, stop)
+    max_new = job.eval.max_new_tokens or job.rollout.max_new_tokens
+    requests = eval_requests(records, job.eval, max_new, stop, rollout_stop_strings(job.rollout, tokenizer))
     started = time.time()
     torch.manual_seed(job.eval.seed)
     engine = make_engine(job, str(model_dir), 0, 0)

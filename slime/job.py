@@ -104,7 +104,7 @@ class RunningJob:
             if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
                 check_model_dir(self.model_dir, cfg.learner.lora)
             self.tokenizer = load_tokenizer(self.model_dir)
-            rollout_stop_token_ids(cfg.rollout, self.tokenizer)  # a stop string of several tokens fails here
+            rollout_stop_token_ids(cfg.rollout, self.tokenizer)  # an empty stop string fails here
             self.records = self._load_records()
             self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
             checkpoint = self._find_checkpoint()

@@ -273,30 +273,49 @@ def _is_dropout_rate(attr: str) -> bool:
 
 
 def stop_token_ids(tokenizer, stop_strings: list[str]) -> list[int]:
-    """EOS (every id of `eos_token_ids`) plus each extra stop string, which must be a single token."""
+    """EOS (every id of `eos_token_ids`) plus each stop string that is a single token (the others
+    are matched as text: `multi_token_stops`)."""
     ids = eos_token_ids(tokenizer)
     for s in stop_strings:
-        toks = tokenizer(s, add_special_tokens=False)["input_ids"]
-        if len(toks) != 1:
-            raise ConfigError(f"rollout.stop: {s!r} is {len(toks)} tokens; stop strings must be single tokens")
-        if toks[0] not in ids:
+        toks = _stop_tokens(tokenizer, s)
+        if len(toks) == 1 and toks[0] not in ids:
             ids.append(toks[0])
     return ids
 
 
+def multi_token_stops(tokenizer, stop_strings: list[str]) -> list[str]:
+    """The stop strings of several tokens: engines match them in the response's text."""
+    return [s for s in stop_strings if len(_stop_tokens(tokenizer, s)) > 1]
+
+
+def _stop_tokens(tokenizer, s: str) -> list[int]:
+    toks = tokenizer(s, add_special_tokens=False)["input_ids"]
+    if not toks:
+        raise ConfigError(f"rollout.stop: {s!r} is no token at all (an empty stop string)")
+    return toks
+
+
 def rollout_stop_token_ids(rollout: RolloutConfig, tokenizer) -> list[int]:
-    """The tokens that end a response: none with rollout.ignore_eos, else EOS and rollout.stop."""
+    """The tokens that end a response: none with rollout.ignore_eos, else EOS and rollout.stop's
+    single-token strings."""
     return [] if rollout.ignore_eos else stop_token_ids(tokenizer, rollout.stop)
 
 
+def rollout_stop_strings(rollout: RolloutConfig, tokenizer) -> list[str]:
+    """rollout.stop's strings of several tokens (none with rollout.ignore_eos)."""
+    return [] if rollout.ignore_eos else multi_token_stops(tokenizer, rollout.stop)
+
+
 def rollout_sampling_params(rollout: RolloutConfig, tokenizer) -> SamplingParams:
-    """The rollout's sampling: temperature, top-p, top-k, the response budget and the stop tokens."""
+    """The rollout's sampling: temperature, top-p, top-k, the response budget, the stop tokens and
+    stop strings."""
     return SamplingParams(
         temperature=rollout.temperature,
         top_p=rollout.top_p,
         top_k=rollout.top_k,
         max_new_tokens=rollout.max_new_tokens,
         stop_token_ids=rollout_stop_token_ids(rollout, tokenizer),
+        stop_strings=rollout_stop_strings(rollout, tokenizer),
     )
 
 

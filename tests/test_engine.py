@@ -228,6 +228,37 @@ def test_stop_token_included_and_length_reason(engine):
     assert done.token_ids == [] and done.finish_reason == "length"
 
 
+def letters(ids) -> str:
+    """A toy detokenizer: one letter per token id."""
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_a_stop_string_of_several_tokens_ends_the_response_where_its_text_first_holds_it(engine):
+    """The response ends with the token that completes the string in its text (stop_strings),
+    in a batch beside a request without one; a response resumed with the string already in it
+    finishes at once; without the tokenizer's decode such a request is refused."""
+    p = prompts(1, seed=17)[0]
+    free = run_alone(engine, p, greedy(24))
+    text = letters(free.token_ids)
+    stop = text[6:9]
+    end = text.index(stop) + len(stop)  # the first occurrence, one letter per token
+    engine._decode = letters
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_strings=[stop])
+    out: dict[str, list[int]] = {}
+    finals: dict[str, GenerationChunk] = {}
+    engine.add_request(GenerationRequest("with", p, params))
+    engine.add_request(GenerationRequest("without", p, greedy(24)))
+    while engine.has_unfinished():
+        drain(engine, out, finals)
+    assert out["with"] == free.token_ids[:end] and finals["with"].finish_reason == "stop"
+    assert out["without"] == free.token_ids and finals["without"].finish_reason == "length"
+    resumed = run_alone(engine, p, params, response_ids=free.token_ids[:end])
+    assert resumed.token_ids == [] and resumed.finish_reason == "stop"
+    engine._decode = None
+    with pytest.raises(ValueError, match="stop_strings need the tokenizer's decode"):
+        engine.add_request(GenerationRequest("no-decode", p, params))
+
+
 def test_max_seq_len_truncates(model):
     eng = BuiltinEngine(model, max_seq_len=16)
     p = prompts(1, seed=19, lo=10, hi=10)[0]

@@ -119,6 +119,25 @@ def test_abort_returns_the_partial_and_resume_is_token_exact(engine):
     assert done["b"] == {"tokens": [], "logprobs": [], "reason": "length"}  # nothing left: finished at once
 
 
+def test_a_stop_string_of_several_tokens_ends_the_response_and_the_stream(engine, server):
+    """The server runs token ids only: the adapter matches stop_strings in the decoded response,
+    cuts after the token that completed one and leaves the stream (the server drops the request);
+    resumed with it, finished at once."""
+    letters = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)  # noqa: E731
+    free = drive_engine(engine, [GenerationRequest("free", PROMPT, SamplingParams(temperature=0.0, max_new_tokens=40))])
+    text = letters(free["free"]["tokens"])
+    stop = text[5:7]
+    end = text.index(stop) + len(stop)
+    engine._decode = letters
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_strings=[stop])
+    out = drive_engine(engine, [GenerationRequest("str", PROMPT, params)])["str"]
+    assert out["tokens"] == free["free"]["tokens"][:end] and out["reason"] == "stop"
+    again = drive_engine(engine, [GenerationRequest("str2", PROMPT, params, response_ids=out["tokens"])])["str2"]
+    assert again == {"tokens": [], "logprobs": [], "reason": "stop"}
+    health = httpx.get(f"{server.url}/health_generate", headers=AUTH, timeout=10)
+    assert health.status_code == 200  # the server goes on serving after the client left the stream
+
+
 def _perturbed(model, seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(n, p.detach() + 0.3 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]

@@ -136,6 +136,27 @@ def test_stop_token_is_included_and_reasons(engine, learner):
     assert (out["l2"].token_ids, out["l2"].finish_reason) == ([], "length")
 
 
+def test_a_stop_string_of_several_tokens_ends_the_response_at_its_first_occurrence(engine, learner):
+    """vLLM runs without its tokenizer: the adapter matches stop_strings in the decoded response,
+    cuts after the token that completed one and stops vLLM; resumed with it, finished at once."""
+    letters = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)  # noqa: E731
+    p = prompts(1, seed=2)[0]
+    free = hf_greedy(learner, p, 12)
+    text = letters(free)
+    stop = text[5:7]
+    end = text.index(stop) + len(stop)
+    engine._decode = letters
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_strings=[stop])
+        out = run(engine, [GenerationRequest("str", p, params), GenerationRequest("free", p, greedy(12))])
+        assert out["str"].token_ids == free[:end] and out["str"].finish_reason == "stop"
+        assert out["free"].token_ids == free and out["free"].finish_reason == "length"
+        out = run(engine, [GenerationRequest("str2", p, params, free[:end])])
+        assert (out["str2"].token_ids, out["str2"].finish_reason) == ([], "stop")
+    finally:
+        engine._decode = None
+
+
 def test_abort_then_resume_is_token_exact_under_greedy(engine):
     ps = prompts(8, seed=3)
     budgets = [40, 25, 33, 40, 12, 38, 30, 40]

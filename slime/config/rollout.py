@@ -146,7 +146,11 @@ class RolloutConfig(StrictModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    stop: list[str] = Field(default_factory=list, description="Extra stop strings (single tokens); EOS always stops.")
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Extra stop strings; EOS always stops. A string of several tokens (`</answer>`) is matched in the "
+        "response's text; the response ends with the tokens that complete it, and the reward's text keeps it.",
+    )
     ignore_eos: bool = Field(False, description="Generate to max_new_tokens regardless of EOS (benchmarks, tests).")
     max_running_requests: int = Field(64, gt=0, description="Engine batch slots (continuous batching).")
     chunk_tokens: int = Field(16, gt=0, description="Tokens per chunk a worker writes to the buffer.")

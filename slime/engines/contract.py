@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -48,6 +48,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 64  # budget of the whole response, resumed tokens included
     stop_token_ids: list[int] = field(default_factory=list)  # included in the output; caller adds EOS
+    # Text that ends the response once it appears in it (a string of several tokens, `</answer>`);
+    # the tokens that completed it are the last of the output. Single-token stops go in stop_token_ids.
+    stop_strings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +90,27 @@ def _is_real(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
+class StopStrings:
+    """Where a response's text first holds one of ``stops`` (strings of several tokens): every
+    engine checks each new token with the decoded tail of the response, so the first token that
+    completes a stop string ends it. ``decode``: the model's tokenizer's."""
+
+    def __init__(self, stops: list[str], decode: Callable[[list[int]], str]) -> None:
+        self.stops = list(stops)
+        self.decode = decode
+        # enough tokens for the longest string: a token holds at least one byte, a character at most four
+        self.window = 4 * max((len(x) for x in self.stops), default=0) + 1
+
+    def first_end(self, tokens: list[int], start: int, floor: int = 0) -> int | None:
+        """The first i >= start whose token completes a stop string in the text of tokens[floor:i + 1]
+        (floor: where the response begins in ``tokens``); None when none does."""
+        for i in range(max(start, floor), len(tokens)):
+            text = self.decode(tokens[max(floor, i + 1 - self.window) : i + 1])
+            if any(x in text for x in self.stops):
+                return i
+        return None
+
+
 def validate_sampling(params: SamplingParams, *, vocab_size: int | None, max_seq_len: int | None) -> None:
     """The one check of sampling parameters, shared by every engine and the SGLang-protocol server.
     Raises ValueError naming the field. ``vocab_size`` / ``max_seq_len`` None: that bound is unknown
@@ -105,6 +129,8 @@ def validate_sampling(params: SamplingParams, *, vocab_size: int | None, max_seq
     if not _is_int(k) or k < 0 or (vocab_size is not None and k > vocab_size):
         bound = f"[0, {vocab_size}]" if vocab_size is not None else ">= 0"
         raise ValueError(f"top_k must be an integer in {bound} (0 = off), got {k!r:.100}")
+    if any(not isinstance(x, str) or not x for x in params.stop_strings):
+        raise ValueError(f"stop_strings must be non-empty strings, got {params.stop_strings!r:.100}")
     m = params.max_new_tokens
     if not _is_int(m) or m < 0 or (max_seq_len is not None and m > max_seq_len):
         bound = f"[0, {max_seq_len}] (the model's max_seq_len)" if max_seq_len is not None else ">= 0"

@@ -65,8 +65,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,10 +75,12 @@ from slime.engines.contract import (
     GenerationChunk,
     GenerationRequest,
     SamplingParams,
+    StopStrings,
     adapter_pairs,
     checked_token_ids,
     validate_sampling,
 )
+from slime.model import load_tokenizer
 
 __all__ = ["VllmEngine", "to_checkpoint_names"]
 
@@ -134,6 +136,8 @@ class _Live:
     params: SamplingParams
     remaining: int  # tokens it may generate from ``ids`` on
     generated: list[int]
+    stops: StopStrings | None = None  # params.stop_strings, matched here
+    response: list[int] = field(default_factory=list)  # with stop strings: the response so far
 
 
 def to_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -198,9 +202,12 @@ class VllmEngine:
         enforce_eager: bool = False,
         enable_sleep_mode: bool = False,
         lora: tuple[int, float] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ):
         """``lora``: (rank, alpha) of ``learner.lora``: vLLM starts with LoRA enabled and every push
-        is a LoRA push (module docstring); None: full pushes only."""
+        is a LoRA push (module docstring); None: full pushes only. ``decode`` (the tokenizer's):
+        what matches ``stop_strings`` here (vLLM runs without its tokenizer)."""
+        self._decode = decode
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError(
                 "VllmEngine runs vLLM's engine core in-process (step-wise driving, weight reload from "
@@ -300,6 +307,7 @@ class VllmEngine:
             enforce_eager=v.enforce_eager,
             enable_sleep_mode=cfg.releases_engine_memory,
             lora=None if (lora := cfg.learner.lora) is None else (lora.rank, lora.alpha),
+            decode=load_tokenizer(model_dir).decode if cfg.rollout.stop else None,
         )
 
     # ------------------------------------------------------------------ contract
@@ -325,9 +333,14 @@ class VllmEngine:
             response = checked_token_ids(req.response_ids, vocab_size=self.vocab_size, field_name="response_ids")
         except ValueError as e:
             raise ValueError(f"request {rid!r}: {e}") from None
+        if p.stop_strings and self._decode is None:
+            raise ValueError(f"request {rid!r}: stop_strings need the tokenizer's decode (VllmEngine(decode=...))")
+        stops = StopStrings(p.stop_strings, self._decode) if p.stop_strings else None
         ids = prompt + response
         remaining = min(p.max_new_tokens - len(response), self.max_seq_len - len(ids))
-        if response and response[-1] in p.stop_token_ids:
+        if response and (
+            response[-1] in p.stop_token_ids or stops is not None and stops.first_end(response, 0) is not None
+        ):
             self._ready.append(GenerationChunk(rid, [], [], self._version, True, "stop"))
             return
         if remaining <= 0:
@@ -339,7 +352,7 @@ class VllmEngine:
                 "vLLM with top_k/top_p: behaviour logprobs are of the truncated distribution, not the full "
                 "tempered one the learner uses (see slime/engines/vllm.py)"
             )
-        self._add(rid, _Live(ids, p, remaining, []))
+        self._add(rid, _Live(ids, p, remaining, [], stops, list(response) if stops is not None else []))
 
     def _add(self, rid: str, live: _Live) -> None:
         """Into vLLM, under the newest adapter (if any)."""
@@ -521,14 +534,25 @@ class VllmEngine:
                 raise RuntimeError(f"vLLM returned {len(tokens)} tokens but {len(lps)} logprobs for {o.request_id!r}")
             if not tokens and not o.finished:
                 continue
-            reason = c.finish_reason if o.finished else None
-            if o.finished:
+            finished = o.finished
+            reason = c.finish_reason if finished else None
+            live = self._live.get(o.request_id)
+            if live is not None and live.stops is not None and tokens:
+                live.response += tokens
+                end = live.stops.first_end(live.response, len(live.response) - len(tokens))
+                if end is not None:  # a stop string: cut after the token that completed it, stop vLLM
+                    keep = len(tokens) - (len(live.response) - end - 1)
+                    tokens, lps, reason = tokens[:keep], lps[:keep], "stop"
+                    if not finished:
+                        self._engine.abort_request([o.request_id])
+                    finished = True
+            if finished:
                 self._ids.discard(o.request_id)
                 self._live.pop(o.request_id, None)
             elif self._lora is not None:  # kept to add it again after a LoRA push
                 self._live[o.request_id].generated += tokens
             self._tokens_generated += len(tokens)
-            chunks.append(GenerationChunk(o.request_id, tokens, lps, self._version, o.finished, reason))
+            chunks.append(GenerationChunk(o.request_id, tokens, lps, self._version, finished, reason))
         return chunks
 
     def _push_adapter(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -565,7 +589,9 @@ class VllmEngine:
             self._ids.difference_update(rid for rid, _ in live)
         for rid, req in live:
             self._live.pop(rid)
-            again = _Live(req.ids + req.generated, req.params, req.remaining - len(req.generated), [])
+            again = _Live(
+                req.ids + req.generated, req.params, req.remaining - len(req.generated), [], req.stops, req.response
+            )
             if again.remaining <= 0:  # vLLM had not reported it finished yet
                 self._ready.append(GenerationChunk(rid, [], [], int(version), True, "length"))
                 continue

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
 import torch
@@ -71,11 +71,12 @@ from slime.engines.contract import (
     GenerationChunk,
     GenerationRequest,
     SamplingParams,
+    StopStrings,
     checked_token_ids,
     validate_sampling,
 )
 from slime.engines.routing import RoutingRecorder
-from slime.model import load_model
+from slime.model import load_model, load_tokenizer
 
 __all__ = ["BuiltinEngine"]
 
@@ -83,12 +84,33 @@ __all__ = ["BuiltinEngine"]
 class _Seq:
     """Per-request bookkeeping of a running request (its row lives in the batched tensors)."""
 
-    __slots__ = ("request_id", "tokens", "params", "remaining", "stop", "greedy", "top_k", "top_p", "keep_kv")
+    __slots__ = (
+        "request_id",
+        "tokens",
+        "params",
+        "remaining",
+        "stop",
+        "greedy",
+        "top_k",
+        "top_p",
+        "keep_kv",
+        "response_start",
+        "stop_strings",
+    )
 
     def __init__(
-        self, request_id: str, tokens: list[int], remaining: int, params: SamplingParams, keep_kv: bool = False
+        self,
+        request_id: str,
+        tokens: list[int],
+        remaining: int,
+        params: SamplingParams,
+        keep_kv: bool = False,
+        response_start: int = 0,
+        decode: Callable[[list[int]], str] | None = None,
     ):
         self.request_id = request_id
+        self.response_start = response_start  # where the response begins in tokens
+        self.stop_strings = StopStrings(params.stop_strings, decode) if params.stop_strings and decode else None
         self.keep_kv = keep_kv  # keep its cache when it finishes: it comes back with more context
         self.tokens = tokens  # prompt + response so far; the cache holds all but the last one
         self.params = params
@@ -116,6 +138,7 @@ class BuiltinEngine:
         lora_scaling: float | None = None,
         perturbation: PerturbationKind = "none",
         perturbation_scale: float = 0.0,
+        decode: Callable[[list[int]], str] | None = None,
     ):
         """``fast_path``: None uses the fast forward when the model fits it (checked against the
         model's own logits), False always uses the Hugging Face forward, True requires the fast one,
@@ -142,12 +165,16 @@ class BuiltinEngine:
         the weights (`slime.engines.builtin.lora_merge`); None: full pushes only.
 
         ``perturbation`` and ``perturbation_scale`` (rollout.behaviour_perturbation): sampled rows draw
-        from a perturbed policy and carry its logprobs (`slime.engines.builtin.token_sampler`)."""
+        from a perturbed policy and carry its logprobs (`slime.engines.builtin.token_sampler`).
+
+        ``decode`` (the tokenizer's): what matches a request's ``stop_strings`` in its response's
+        text; a request with stop strings needs it."""
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         if perturbation not in PERTURBATIONS:
             raise ValueError(f"perturbation must be one of {', '.join(PERTURBATIONS)}, got {perturbation!r}")
         self.perturbation, self.perturbation_scale = perturbation, float(perturbation_scale)
+        self._decode = decode
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.max_running_requests = max_running_requests
@@ -253,6 +280,7 @@ class BuiltinEngine:
             lora_scaling=None if (lora := cfg.learner.lora) is None else lora.alpha / lora.rank,
             perturbation=cfg.rollout.behaviour_perturbation.kind,
             perturbation_scale=cfg.rollout.behaviour_perturbation.scale,
+            decode=_decoder(model_dir) if cfg.rollout.stop else None,
         )
 
     # ------------------------------------------------------------------ public API
@@ -273,6 +301,8 @@ class BuiltinEngine:
             raise ValueError(f"request {req.request_id!r}: prompt_ids and response_ids are both empty")
         try:
             validate_sampling(p, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+            if p.stop_strings and self._decode is None:
+                raise ValueError("stop_strings need the tokenizer's decode (BuiltinEngine(decode=...))")
             # Snapshot as plain ints (callers may pass numpy arrays, or mutate their lists later).
             prompt = checked_token_ids(req.prompt_ids, vocab_size=self.vocab_size, field_name="prompt_ids")
             response = checked_token_ids(req.response_ids, vocab_size=self.vocab_size, field_name="response_ids")
@@ -284,6 +314,7 @@ class BuiltinEngine:
             int(p.top_k),
             int(p.max_new_tokens),
             [int(t) for t in p.stop_token_ids],
+            [str(x) for x in p.stop_strings],
         )
         self._ids.add(req.request_id)
         self._waiting.append(GenerationRequest(req.request_id, prompt, params, response, req.keep_kv_after_finish))
@@ -502,8 +533,12 @@ class BuiltinEngine:
             p = req.params
             n_ctx = len(req.prompt_ids) + len(req.response_ids)
             remaining = min(p.max_new_tokens - len(req.response_ids), self.max_seq_len - n_ctx)
-            if req.response_ids and req.response_ids[-1] in p.stop_token_ids:
-                reason = "stop"  # resumed after its stop token: nothing left to generate
+            if req.response_ids and (
+                req.response_ids[-1] in p.stop_token_ids
+                or bool(p.stop_strings)
+                and StopStrings(p.stop_strings, self._decode).first_end(req.response_ids, 0) is not None
+            ):
+                reason = "stop"  # resumed after its stop: nothing left to generate
             elif remaining <= 0:
                 reason = "length"
             else:
@@ -512,7 +547,15 @@ class BuiltinEngine:
                 self._ids.discard(req.request_id)
                 chunks[req.request_id] = GenerationChunk(req.request_id, [], [], self._version, True, reason)
                 continue
-            seq = _Seq(req.request_id, req.prompt_ids + req.response_ids, remaining, p, req.keep_kv_after_finish)
+            seq = _Seq(
+                req.request_id,
+                req.prompt_ids + req.response_ids,
+                remaining,
+                p,
+                req.keep_kv_after_finish,
+                len(req.prompt_ids),
+                self._decode,
+            )
             kept = self._kept.pop(req.request_id, None)
             if kept is not None:
                 self._kept_len -= len(kept[0])
@@ -633,7 +676,10 @@ class BuiltinEngine:
             t = int(t)
             s.tokens.append(t)
             s.remaining -= 1
-            if t in s.stop:
+            if t in s.stop or (
+                s.stop_strings is not None
+                and s.stop_strings.first_end(s.tokens, len(s.tokens) - 1, s.response_start) is not None
+            ):
                 reason = "stop"
             elif s.remaining <= 0:
                 reason = "length"
@@ -722,3 +768,9 @@ def _forward_kind(batch) -> str:
     if isinstance(batch, GenericDecoder):
         return "generic"
     return "fast" if isinstance(batch, FastDecoder) else "hf"
+
+
+def _decoder(model_dir: str) -> Callable[[list[int]], str]:
+    """The model's tokenizer's decode, special tokens kept (rollout.stop's strings are matched in it)."""
+    tokenizer = load_tokenizer(model_dir)
+    return lambda ids: tokenizer.decode(ids)

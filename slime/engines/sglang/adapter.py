@@ -55,7 +55,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler  # with torch's reductions (import torch registers them)
 from pathlib import Path
@@ -66,8 +66,15 @@ import torch
 from safetensors.torch import save_file
 
 from slime.config import JobConfig
-from slime.engines.contract import GenerationChunk, GenerationRequest, checked_token_ids, validate_sampling
+from slime.engines.contract import (
+    GenerationChunk,
+    GenerationRequest,
+    StopStrings,
+    checked_token_ids,
+    validate_sampling,
+)
 from slime.engines.sglang.processes import SglangServerProcess, free_port, launch_worker_servers, update_group_address
+from slime.model import load_tokenizer
 from slime.security import auth_headers, new_secret, read_token
 from slime.weights import CudaIpcTransport, SharedMemoryTransport, broadcast_from_rank0, join_update_group
 
@@ -83,6 +90,8 @@ class _Request:
     finished: bool = False
     abort_requested: bool = False
     task: asyncio.Future | None = None
+    stops: StopStrings | None = None  # stop_strings, matched here (the server runs token ids only)
+    response: list[int] = field(default_factory=list)  # with stop strings: the response so far
 
 
 @dataclass
@@ -126,6 +135,7 @@ class SglangEngine:
         tensor_parallel_size: int = 1,
         probe_tolerance: float = 1e-3,
         api_token: str | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ):
         if weight_update not in ("tensor", "disk", "distributed"):
             raise ValueError(f"sglang.weight_update={weight_update!r}: expected tensor, disk or distributed")
@@ -138,6 +148,7 @@ class SglangEngine:
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.tensor_parallel_size = tensor_parallel_size
         self.probe_tolerance = probe_tolerance
+        self._decode = decode  # the tokenizer's: what matches stop_strings
         self._version = int(version)
         self._timeout = request_timeout_s
         self._requests: dict[str, _Request] = {}
@@ -186,6 +197,7 @@ class SglangEngine:
             tensor_parallel_size=sg.tensor_parallel_size,
             probe_tolerance=cfg.weights.check_tolerance,
             api_token=token,
+            decode=load_tokenizer(model_dir).decode if cfg.rollout.stop else None,
         )
 
     # ---- the private event loop -----------------------------------------------------------------
@@ -237,6 +249,8 @@ class SglangEngine:
                     if data == "[DONE]":
                         break
                     self._on_event(r, json.loads(data))
+                    if r.finished:  # a stop string: leaving the stream ends the request on the server
+                        break
         except asyncio.CancelledError:
             pass
         except Exception as e:  # surfaced by the next step()
@@ -260,6 +274,12 @@ class SglangEngine:
         r.seen = total
         finish = meta.get("finish_reason")
         reason = None if finish is None else _FINISH.get(finish.get("type"), "abort")
+        if r.stops is not None and ids:
+            r.response += ids
+            end = r.stops.first_end(r.response, len(r.response) - len(ids))
+            if end is not None:  # cut after the token that completed it
+                keep = len(ids) - (len(r.response) - end - 1)
+                ids, lps, reason = ids[:keep], lps[:keep], "stop"
         version = meta.get("weight_version")
         try:
             version = int(version)
@@ -310,11 +330,17 @@ class SglangEngine:
             validate_sampling(p, vocab_size=None, max_seq_len=None)
             prompt = checked_token_ids(req.prompt_ids, vocab_size=None, field_name="prompt_ids")
             response = checked_token_ids(req.response_ids, vocab_size=None, field_name="response_ids")
+            if p.stop_strings and self._decode is None:
+                raise ValueError("stop_strings need the tokenizer's decode (SglangEngine(decode=...))")
         except ValueError as e:
             raise ValueError(f"request {req.request_id!r}: {e}") from None
         remaining = p.max_new_tokens - len(response)
         r = _Request(req.request_id, prompt + response, {})
-        if response and response[-1] in p.stop_token_ids:
+        if p.stop_strings:
+            r.stops, r.response = StopStrings(p.stop_strings, self._decode), list(response)
+        if response and (
+            response[-1] in p.stop_token_ids or r.stops is not None and r.stops.first_end(response, 0) is not None
+        ):
             self._emit(r, [], [], "stop")  # resumed after its stop token: nothing left to generate
             return
         if remaining <= 0:
