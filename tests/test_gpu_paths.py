@@ -208,3 +208,29 @@ def test_a_tensor_parallel_engine_reserves_its_gpus_and_a_workers_sglang_servers
     assert shared_gpus(load_config("examples/repeat_grpo.yaml", base)) == 2
     cmd = launch_command("sglang", "m", "127.0.0.1", 1, tensor_parallel_size=2, base_gpu_id=2)
     assert cmd[cmd.index("--base-gpu-id") + 1] == "2" and cmd[cmd.index("--tp-size") + 1] == "2"
+
+
+def test_a_tensor_parallel_vllm_reload_sends_weights_its_worker_processes_can_unpickle():
+    """With vllm.tensor_parallel_size > 1 vLLM pickles collective_rpc's arguments to its worker
+    processes; a generator does not pickle ("cannot pickle 'generator' object"), so every push
+    failed. The call carries a list of host tensors then."""
+    import pickle
+
+    from slime.engines.vllm import VllmEngine
+
+    class RecordingCore:
+        def __init__(self):
+            self.calls = []
+
+        def collective_rpc(self, method, kwargs=None):
+            self.calls.append(pickle.loads(pickle.dumps((method, kwargs or {}))))
+
+    engine = object.__new__(VllmEngine)  # the engine core stands in for vLLM's multiprocess executor
+    engine._lora, engine._tensor_parallel_size, engine._prefix_caching = None, 2, False
+    engine._engine = RecordingCore()
+    weight = torch.arange(6.0).reshape(2, 3)
+    engine.update_weights(3, [("model.embed_tokens.weight", weight)])
+    method, kwargs = engine._engine.calls[0]
+    assert method == "reload_weights"
+    names = [(n, t.tolist()) for n, t in kwargs["weights_iterator"]]
+    assert names == [("model.embed_tokens.weight", weight.tolist())] and engine.version == 3

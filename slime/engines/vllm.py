@@ -208,6 +208,7 @@ class VllmEngine:
         is a LoRA push (module docstring); None: full pushes only. ``decode`` (the tokenizer's):
         what matches ``stop_strings`` here (vLLM runs without its tokenizer)."""
         self._decode = decode
+        self._tensor_parallel_size = tensor_parallel_size
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError(
                 "VllmEngine runs vLLM's engine core in-process (step-wise driving, weight reload from "
@@ -442,10 +443,13 @@ class VllmEngine:
         if self._lora is not None:
             self._push_adapter(version, named_tensors)
             return
+        weights: Iterable[tuple[str, torch.Tensor]] = to_checkpoint_names(named_tensors)
+        if self._tensor_parallel_size > 1:
+            # vLLM's worker processes get the call pickled: a list (a generator does not pickle) of
+            # host tensors, each rank loading its shard on its own GPU. One host copy per push.
+            weights = [(n, t.detach().cpu()) for n, t in weights]
         try:
-            self._engine.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": to_checkpoint_names(named_tensors)}
-            )
+            self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         except (KeyError, ValueError, AttributeError) as e:
             raise ValueError(f"update_weights: vLLM could not load the tensors: {e}") from e
         self._engine.collective_rpc(_repack_cpu_moe_experts)
