@@ -13,7 +13,8 @@ Modes:
   averages, cancelling the judge's position bias.
 
 Verdicts are parsed robustly (`parse_score`, `parse_verdict`): "Score: 7/10", "Rating: 7",
-"[[8]]", JSON {"score": 8}, "8/10", the last match winning (judges reason first, then conclude).
+"[[8]]", JSON {"score": 8}, "8/10", the last one in the text winning whatever its form (judges
+reason first, quoting the answer, then conclude).
 A verdict with no parseable score raises `JudgeParseError`, so the sample fails with the judge's
 text in the failure reason; a parsed verdict keeps the text in the sample's metadata
 (`reward_info.judge`).
@@ -74,33 +75,42 @@ class JudgeParseError(ValueError):
 
 
 def parse_score(text: str, max_score: float = 10, min_score: float = 1) -> float | None:
-    """The rating in a judge's text, or None. JSON {"score"|"rating": N} first, then the last of
-    [[N]], "Score: N[/M]", "N/M" (with M == max_score). Out-of-range ratings are not parsed."""
-    for candidate in reversed(re.findall(r"\{[^{}]*\}", text)):
+    """The rating in a judge's text, or None: the last in the text of JSON {"score"|"rating": N},
+    [[N]], "Score: N[/M]" and "N/M" (with M == max_score). Out-of-range ratings are not parsed.
+
+    The last one by position, whatever its form: a judge quotes the answer it grades before its
+    own verdict, and an answer that writes "[[10]]" or {"score": 10} must not outrank the judge's
+    final "Score: 1/10"."""
+    found: tuple[int, float] | None = None  # (where it ends, the rating)
+
+    def consider(end: int, number: float) -> bool:
+        nonlocal found
+        if not min_score <= number <= max_score:
+            return False
+        if found is None or end >= found[0]:
+            found = (end, number)
+        return True
+
+    for m in re.finditer(r"\{[^{}]*\}", text):
         try:
-            obj = json.loads(candidate)
+            obj = json.loads(m.group(0))
         except ValueError:
             continue
         for key in ("score", "rating", "grade"):
             value = obj.get(key) if isinstance(obj, dict) else None
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and min_score <= value <= max_score:
-                return float(value)
-            if isinstance(value, str) and re.fullmatch(r"\s*" + _NUM + r"\s*", value):
-                number = float(value)
-                if min_score <= number <= max_score:
-                    return number
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if consider(m.end(), float(value)):
+                    break
+            elif isinstance(value, str) and re.fullmatch(r"\s*" + _NUM + r"\s*", value):
+                if consider(m.end(), float(value)):
+                    break
     for pattern in _SCORE_PATTERNS:
-        found = None
         for m in pattern.finditer(text):
-            number = float(m.group(1))
             denominator = m.groups()[1] if len(m.groups()) > 1 else None
             if denominator is not None and not math.isclose(float(denominator), max_score):
                 continue
-            if min_score <= number <= max_score:
-                found = number
-        if found is not None:
-            return found
-    return None
+            consider(m.end(), float(m.group(1)))
+    return None if found is None else found[1]
 
 
 _VERDICT = re.compile(r"\[\[\s*(A|B|C|tie)\s*\]\]", re.I)
@@ -109,20 +119,23 @@ _VERDICT_WORDS = re.compile(r"\b(?:verdict|winner|better)\b\s*(?:is|:)?\s*\**\s*
 
 def parse_verdict(text: str) -> Literal["A", "B", "tie"] | None:
     """The winner in a pairwise verdict: [[A]] / [[B]] / [[C]] (tie), JSON {"winner": ...}, or
-    "Verdict: A"; the last match wins. None if there is none."""
-    for candidate in reversed(re.findall(r"\{[^{}]*\}", text)):
+    "Verdict: A"; the last one in the text wins, whatever its form (a judge quotes the answers
+    before its verdict). None if there is none."""
+    found: tuple[int, str] | None = None
+    for m in re.finditer(r"\{[^{}]*\}", text):
         try:
-            obj = json.loads(candidate)
+            obj = json.loads(m.group(0))
         except ValueError:
             continue
         value = obj.get("winner", obj.get("verdict")) if isinstance(obj, dict) else None
         if isinstance(value, str) and value.strip().upper() in ("A", "B", "C", "TIE"):
-            return _winner(value)
+            if found is None or m.end() >= found[0]:
+                found = (m.end(), value)
     for pattern in (_VERDICT, _VERDICT_WORDS):
-        found = pattern.findall(text)
-        if found:
-            return _winner(found[-1])
-    return None
+        for m in pattern.finditer(text):
+            if found is None or m.end() >= found[0]:
+                found = (m.end(), m.group(1))
+    return None if found is None else _winner(found[1])
 
 
 def _winner(token: str) -> Literal["A", "B", "tie"]:
