@@ -10,7 +10,8 @@ import pytest
 
 from slime import cli
 from slime.export import ExportError, find_checkpoint, forget_earlier_checkpoints, latest_checkpoint
-from slime.run_lock import lock_run_dir
+from slime.run_lock import RunDirUnsafe, lock_run_dir
+from slime.security import write_private
 from tests.helpers import TINY_JOB
 
 
@@ -81,6 +82,51 @@ def test_a_second_job_in_a_running_jobs_output_dir_stops_before_touching_it(tiny
         os.close(held)
     fd = lock_run_dir(run)  # released with its holder (the kernel drops it on SIGKILL too)
     os.close(fd)
+
+
+def test_an_output_dir_other_users_can_write_is_refused_before_anything_is_written(tiny_model_dir, tmp_path, capsys):
+    """An output_dir another user made first (mkdir -m 777 /tmp/run, job.lock a symlink to a file
+    of the job's user): the job ftruncate'd that file through the symlink, and that user could
+    later swap the 0600 config.yaml, whose reward.fn `slime eval RUN_DIR` imports
+    (repro/shared_output_dir.sh)."""
+    victim = tmp_path / "notes.txt"
+    victim.write_text("precious\n")
+    run = tmp_path / "shared"
+    run.mkdir()
+    os.chmod(run, 0o777)
+    (run / "job.lock").symlink_to(victim)
+    assert _train(run, tiny_model_dir, "steps=1") == 2
+    assert f"{run} is writable by every user (mode 777)" in capsys.readouterr().err
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in run.iterdir()) == ["job.lock"]
+    os.chmod(run, 0o755)  # the job's own directory now: a symlinked job.lock is still never followed
+    with pytest.raises(RunDirUnsafe, match="job.lock is a symlink"):
+        lock_run_dir(run)
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_an_output_dir_of_another_user_is_refused(tmp_path):
+    run = tmp_path / "theirs"
+    run.mkdir()
+    os.chown(run, 65534, 65534)
+    with pytest.raises(RunDirUnsafe, match="belongs to uid 65534"):
+        lock_run_dir(run)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    os.lchown(link, 65534, 65534)  # its owner could point it at a directory of theirs at any time
+    with pytest.raises(RunDirUnsafe, match="is a symlink of uid 65534"):
+        lock_run_dir(link)
+
+
+def test_write_private_never_writes_through_a_planted_temporary_symlink(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("keep\n")
+    (tmp_path / f".job.secret.{os.getpid()}.tmp").symlink_to(target)
+    write_private(tmp_path / "job.secret", "s3cret\n")
+    assert target.read_text() == "keep\n" and (tmp_path / "job.secret").read_text() == "s3cret\n"
 
 
 def test_a_failing_plot_at_the_end_does_not_skip_stopping_the_jobs_parts(tmp_path, capsys):
