@@ -82,7 +82,7 @@ def post_json(url: str, body, **kwargs) -> httpx.Response:
 
 
 def greedy(url: str) -> list[int]:
-    r = httpx.post(f"{url}/generate", json=HONEST, timeout=60)
+    r = httpx.post(f"{url}/generate", headers=AUTH, json=HONEST, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
@@ -146,7 +146,9 @@ def test_a_pickle_in_a_tensor_update_is_never_loaded(url, tmp_path):
 )
 def test_bad_sampling_values_answer_400_naming_the_field(url, field, sampling):
     for stream in (False, True):
-        r = post_json(f"{url}/generate", {"input_ids": PROMPT, "sampling_params": sampling, "stream": stream})
+        r = post_json(
+            f"{url}/generate", {"input_ids": PROMPT, "sampling_params": sampling, "stream": stream}, headers=AUTH
+        )
         assert r.status_code == 400 and field in r.json()["message"], r.text
     assert_still_serving(url)
 
@@ -167,7 +169,7 @@ def test_bad_sampling_values_answer_400_naming_the_field(url, field, sampling):
     ],
 )
 def test_bad_prompts_answer_400_naming_the_field(url, field, body):
-    r = httpx.post(f"{url}/generate", json=body, timeout=30)
+    r = httpx.post(f"{url}/generate", headers=AUTH, json=body, timeout=30)
     assert r.status_code == 400 and field in r.json()["message"], r.text
     assert_still_serving(url)
 
@@ -179,6 +181,7 @@ def test_a_cross_site_pause_is_refused(url):
         target=lambda: done.update(
             httpx.post(
                 f"{url}/generate",
+                headers=AUTH,
                 timeout=60,
                 json={
                     "input_ids": PROMPT,
@@ -323,7 +326,7 @@ def test_only_the_token_holder_aborts(url):
             "stream": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True},
         }
-        with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as r:
+        with httpx.stream("POST", f"{url}/generate", headers=AUTH, json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
@@ -340,12 +343,14 @@ def test_only_the_token_holder_aborts(url):
 
 def test_an_oversized_body_is_refused(url):
     big = b'{"input_ids": [' + b"1, " * (3 << 20) + b"1]}"  # ~9 MiB, over the 8 MiB limit
-    declared = httpx.post(f"{url}/generate", content=big, headers={"Content-Type": "application/json"}, timeout=30)
+    declared = httpx.post(
+        f"{url}/generate", content=big, headers={"Content-Type": "application/json", **AUTH}, timeout=30
+    )
     assert declared.status_code == 413  # refused on its Content-Length
     chunked = httpx.post(
         f"{url}/generate",
         content=iter([big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **AUTH},
         timeout=30,
     )
     assert chunked.status_code == 413  # no length given: refused once 8 MiB have arrived
@@ -357,11 +362,13 @@ def test_a_full_queue_answers_503(url):
     assert httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}, headers=AUTH).status_code == 200
     batch: dict = {}
     body = {"input_ids": [PROMPT] * 8, "sampling_params": {"max_new_tokens": 4}}
-    t = threading.Thread(target=lambda: batch.update(r=httpx.post(f"{url}/generate", json=body, timeout=60)))
+    t = threading.Thread(
+        target=lambda: batch.update(r=httpx.post(f"{url}/generate", headers=AUTH, json=body, timeout=60))
+    )
     t.start()
     try:
         wait_for(lambda: httpx.get(f"{url}/get_load").json()[0]["num_waiting_reqs"] == 8, 30, "8 waiting requests")
-        r = httpx.post(f"{url}/generate", json=HONEST, timeout=10)
+        r = httpx.post(f"{url}/generate", headers=AUTH, json=HONEST, timeout=10)
         assert r.status_code == 503 and "max-queued-requests" in r.json()["message"]
     finally:
         httpx.post(f"{url}/continue_generation", json={}, headers=AUTH)
@@ -486,10 +493,10 @@ def test_the_engine_thread_survives_a_failing_step(model, monkeypatch):
 
     monkeypatch.setattr(engine, "step", step)
     try:
-        r = httpx.post(f"{url}/generate", json=HONEST, timeout=30)
+        r = httpx.post(f"{url}/generate", headers=AUTH, json=HONEST, timeout=30)
         assert r.status_code == 500 and "engine step failed: OverflowError" in r.json()["message"]
         failing["left"] = 1
-        with httpx.stream("POST", f"{url}/generate", json={**HONEST, "stream": True}, timeout=30) as s:
+        with httpx.stream("POST", f"{url}/generate", headers=AUTH, json={**HONEST, "stream": True}, timeout=30) as s:
             lines = [line for line in s.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         last = json.loads(lines[-2][6:])["meta_info"]["finish_reason"]
@@ -499,11 +506,11 @@ def test_the_engine_thread_survives_a_failing_step(model, monkeypatch):
 
         failing["left"] = 10**6  # now every step fails: the thread stops after a few in a row
         for _ in range(MAX_CONSECUTIVE_STEP_FAILURES):
-            assert httpx.post(f"{url}/generate", json=HONEST, timeout=30).status_code == 500
+            assert httpx.post(f"{url}/generate", headers=AUTH, json=HONEST, timeout=30).status_code == 500
         wait_for(lambda: not server.thread.is_alive(), 10, "the engine thread to stop")
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and "failed in a row" in health.json()["message"]
-        r = httpx.post(f"{url}/generate", json=HONEST, timeout=10)
+        r = httpx.post(f"{url}/generate", headers=AUTH, json=HONEST, timeout=10)
         assert r.status_code == 503 and "engine thread has stopped" in r.json()["message"]
     finally:
         http.stop()
@@ -552,12 +559,12 @@ def test_a_server_whose_engine_died_reports_it_and_exits_on_sigterm(tiny_model_d
                 return False
 
         wait_for(up, 120, "the server to start")
-        with httpx.stream("POST", f"{url}/generate", json={**HONEST, "stream": True}, timeout=30) as s:
+        with httpx.stream("POST", f"{url}/generate", headers=AUTH, json={**HONEST, "stream": True}, timeout=30) as s:
             lines = [line for line in s.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and "OverflowError" in lines[-2]  # the open stream ended
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 503 and "resetting the engine failed too" in health.json()["message"]
-        assert httpx.post(f"{url}/generate", json=HONEST, timeout=10).status_code == 503
+        assert httpx.post(f"{url}/generate", headers=AUTH, json=HONEST, timeout=10).status_code == 503
         started = time.time()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
@@ -673,3 +680,13 @@ def test_shm_segment_names_must_be_ours(segment):
     doc = {"version": 1, "transport": "shm", "metas": [], "buckets": [{"segment": segment}]}
     with pytest.raises(ValueError, match="segment"):
         WeightHandle.from_json(json.dumps(doc))
+
+
+def test_generate_needs_the_token_of_a_server_that_has_one(url):
+    """Open on loopback, any local user could fill a job's server's queue (2 running + 8 waiting
+    here) and the job's next request got 503, failing its rollout worker
+    (repro/sglang_generate_queue_dos.py)."""
+    for headers in ({}, auth_headers("wrong")):
+        assert httpx.post(f"{url}/generate", json=HONEST, headers=headers, timeout=30).status_code == 401
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # liveness stays open for routers
+    assert_still_serving(url)

@@ -746,6 +746,11 @@ def test_openai_server_guard(generator):
         assert r.status_code == 415
         assert httpx.get(f"{server.url}/v1/models", headers={"Host": "rebound.example"}).status_code == 421
         assert _complete(server.url, {}).status_code == 200
+    # A loopback server given a token wants it for generation too: open, any local user could hold
+    # every --max-in-flight slot and the judge's own requests got 503 (failed rewards).
+    with ServerThread(make_openai_app(generator, "tiny", token=TOKEN)) as server:
+        assert _complete(server.url, {}).status_code == 401
+        assert _complete(server.url, {}, headers=BEARER).status_code == 200
 
 
 def test_openai_server_cli_refuses_an_open_bind_before_loading(tmp_path):

@@ -203,11 +203,17 @@ def test_health_and_bad_input(engine, server):
     assert h["healthy"] and h["running"] == 0
     assert httpx.post(f"{server.url}/flush_cache", json={}, headers=AUTH).status_code == 200
     assert httpx.post(f"{server.url}/flush_cache", json={}).status_code == 401  # state-changing: the token
-    r = httpx.post(f"{server.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}})
+    r = httpx.post(
+        f"{server.url}/generate", headers=AUTH, json={"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}
+    )
     assert r.status_code == 400 and "stop" in r.json()["message"]
-    r = httpx.post(f"{server.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}})
+    r = httpx.post(
+        f"{server.url}/generate",
+        headers=AUTH,
+        json={"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}},
+    )
     assert r.status_code == 400 and "repetition_penalty" in r.json()["message"]
-    r = httpx.post(f"{server.url}/generate", json={"sampling_params": {}})
+    r = httpx.post(f"{server.url}/generate", headers=AUTH, json={"sampling_params": {}})
     assert r.status_code == 400 and "input_ids" in r.json()["message"]
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         launch_command("slime", "m", "127.0.0.1", 1, tensor_parallel_size=2)
@@ -253,7 +259,7 @@ def test_raw_sglang_client(server, model):
         "return_logprob": True,
         "rid": "raw-1",
     }
-    out = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    out = httpx.post(f"{server.url}/generate", headers=AUTH, json=body, timeout=60).json()
     meta = out["meta_info"]
     assert set(out) == {"text", "output_ids", "meta_info"} and len(out["output_ids"]) == 6
     assert meta["id"] == "raw-1" and meta["finish_reason"] == {"type": "length", "length": 6}
@@ -269,6 +275,7 @@ def test_raw_sglang_client(server, model):
         with httpx.stream(
             "POST",
             f"{server.url}/generate",
+            headers=AUTH,
             json={
                 **body,
                 "rid": "raw-2",
@@ -303,7 +310,7 @@ def test_raw_sglang_client(server, model):
     result: dict = {}
     t = threading.Thread(
         target=lambda: result.update(
-            httpx.post(f"{server.url}/generate", json={**body, "rid": "raw-3"}, timeout=60).json()
+            httpx.post(f"{server.url}/generate", headers=AUTH, json={**body, "rid": "raw-3"}, timeout=60).json()
         )
     )
     t.start()

@@ -11,8 +11,8 @@ one choice per request, no streaming, no logprobs. It serves a
 `slime.engines.builtin.local_generator.LocalGenerator` (the engine with a thread that steps it);
 concurrent requests share its continuous batch.
 
-Security (docs/security.md): on loopback the two generation routes are open (a judge on the same
-machine needs no key; a browser cannot post JSON cross-site, and the Host allow-list stops DNS
+Security (docs/security.md): on loopback without a token the two generation routes are open (a
+judge on the same machine needs no key; with a token they need it too; a browser cannot post JSON cross-site, and the Host allow-list stops DNS
 rebinding); on any other bind every route needs the token (`Authorization: Bearer`, which is what
 an OpenAI client sends as its api key), and such a bind without a token refuses to start. The
 token comes from the environment (`SLIME_API_TOKEN`) or `--token-file`. Every input is bounded
@@ -95,7 +95,9 @@ def make_openai_app(
             token=token,
             bind_host=bind_host,
             max_body_bytes=max_body_bytes,
-            open_posts=frozenset({"/v1/completions", "/v1/chat/completions"}),
+            # open only on a loopback server without a token: with one, any local user could
+            # otherwise hold every in-flight slot and its owner's (a judge's) requests get 503
+            open_posts=frozenset() if token else frozenset({"/v1/completions", "/v1/chat/completions"}),
         ),
     )
     app.add_exception_handler(RequestValidationError, _invalid_request)

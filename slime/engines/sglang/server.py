@@ -42,7 +42,8 @@ Security (docs/security.md, docs/engines.md): no route unpickles anything. The t
 the environment (``SLIME_API_TOKEN``) or ``--token-file``, never argv; a non-loopback ``--host``
 needs one. `slime.security.HttpGuard` checks the Host header, body sizes, JSON-only
 state-changing requests and the token: every route needs it on a non-loopback bind, every
-state-changing route always (``/generate`` is open on loopback, ``/health`` everywhere).
+state-changing route always, ``/generate`` whenever the server has a token (open only on a
+loopback server without one), ``/health`` never.
 Sampling parameters and token ids are bounded (`slime.engines.contract.validate_sampling`), as are batch
 size, rids and the queue (503 when full). Disk updates load only under ``--weights-dir``; update
 groups connect only to ``--update-group-hosts``, one rendezvous at a time, with a timeout. A step
@@ -106,15 +107,18 @@ MAX_UPDATE_GROUPS = 16
 
 def guard_policy(token: str | None, host: str, max_tensor_body_mb: float = DEFAULT_TENSOR_BODY_MB) -> GuardPolicy:
     """What the guard requires here: a token for every state-changing route (and every route on a
-    non-loopback bind), except ``/generate`` on loopback (it changes no server state; sglang-router
-    in front of it forwards its own key anyway) and ``/health`` (liveness only: routers probe it
-    without a key). ``GET /flush_cache`` is state-changing."""
+    non-loopback bind), and for ``/generate`` too whenever the server has one (a job's launched
+    servers always do: its adapter sends it on every request, sglang-router forwards its own key).
+    Open without a token, any local user could fill the queue, and the job's next request got 503
+    and failed its rollout worker. ``/generate`` is open only on a loopback server started without
+    a token; ``/health`` always (liveness only: routers probe it without a key). ``GET
+    /flush_cache`` is state-changing."""
     return GuardPolicy(
         token=token,
         bind_host=host,
         max_body_bytes=MAX_BODY_BYTES,
         large_body_paths={"/update_weights_from_tensor": int(max_tensor_body_mb * 2**20)},
-        open_posts=frozenset({"/generate"}),
+        open_posts=frozenset() if token else frozenset({"/generate"}),
         open_paths=frozenset({"/health"}),
         state_changing_gets=frozenset({"/flush_cache"}),
     )
