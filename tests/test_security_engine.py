@@ -684,8 +684,7 @@ def test_shm_segment_names_must_be_ours(segment):
 
 def test_generate_needs_the_token_of_a_server_that_has_one(url):
     """Open on loopback, any local user could fill a job's server's queue (2 running + 8 waiting
-    here) and the job's next request got 503, failing its rollout worker
-    (repro/sglang_generate_queue_dos.py)."""
+    here) and the job's next request got 503, failing its rollout worker."""
     for headers in ({}, auth_headers("wrong")):
         assert httpx.post(f"{url}/generate", json=HONEST, headers=headers, timeout=30).status_code == 401
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # liveness stays open for routers
