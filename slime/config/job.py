@@ -172,6 +172,13 @@ class JobConfig(_Strict):
                 )
             if self.mode != "sync":
                 raise ValueError("april.streaming_chunk_tokens runs its own loop: leave mode=sync")
+        buffer = self.algorithm.overlong_buffer
+        if buffer is not None and buffer >= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer={buffer} must be below rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}: the penalty starts at max_new_tokens - overlong_buffer, so every "
+                "response, however short, would be penalised as overlong"
+            )
         if self.sampling.tasks is not None and self.data.task_key == "":
             raise ValueError("data.task_key must be set when sampling.tasks is configured")
         if self.buffer.replica_acks and self.buffer.url is None:
