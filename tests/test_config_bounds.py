@@ -21,3 +21,19 @@ def test_overlong_buffer_must_leave_room_below_max_new_tokens():
     msg = _refused("rollout.max_new_tokens=16", "algorithm.overlong_buffer=16")
     assert "algorithm.overlong_buffer=16" in msg and "rollout.max_new_tokens=16" in msg
     assert load_config(EXAMPLE, ["rollout.max_new_tokens=16", "algorithm.overlong_buffer=15"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "learner.lr=inf",  # loaded, trained NaN weights, reward 0.000, exit 0
+        "april.oversample=.inf",  # loaded, then OverflowError in april/scheduler.py at the first step
+        "eval.pass_threshold=.nan",  # loaded; no response could ever pass
+        "algorithm.kl_coef=inf",
+        "reward.timeout_s=inf",
+    ],
+)
+def test_no_number_is_inf_or_nan(override):
+    key = override.split("=")[0]
+    msg = _refused("april.enabled=true", override)
+    assert key in msg and "finite" in msg

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from slime.algorithms.mismatch import KINDS
 from slime.config import TIS_CAP_CORRECTIONS, AutoOffPolicyConfig, JobConfig, StrictModel, format_validation_error
@@ -117,6 +117,9 @@ class Measurement:
 
 class ControllerState(StrictModel):
     """What a checkpoint keeps of the controller (driver_state.json, key "offpolicy_auto")."""
+
+    # A measured state, not a setting: a NaN kl_smoothed a checkpoint holds still loads.
+    model_config = ConfigDict(allow_inf_nan=True)  # merged with StrictModel's (extra="forbid", ...)
 
     staleness: int | None = Field(..., ge=0)
     tis_cap: float | None = Field(..., gt=0)

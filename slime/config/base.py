@@ -8,9 +8,10 @@ from slime.errors import UserError
 
 
 class StrictModel(BaseModel):
-    """Unknown keys fail at load with their dotted path; assignments are validated too."""
+    """Unknown keys fail at load with their dotted path; assignments are validated too. No number may
+    be inf or nan: no field means "unbounded" by inf, and learner.lr=inf trained NaN weights."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ConfigError(UserError, ValueError):
