@@ -37,3 +37,13 @@ def test_no_number_is_inf_or_nan(override):
     key = override.split("=")[0]
     msg = _refused("april.enabled=true", override)
     assert key in msg and "finite" in msg
+
+
+def test_april_oversample_is_bounded_as_the_dashboards_control():
+    # april.oversample=1e6 loaded; the first step then wrote 2e6 groups into Redis one by one, ignoring
+    # SIGTERM (killed after 10 minutes).
+    assert "april.oversample" in _refused("april.enabled=true", "april.oversample=1e6")
+    assert load_config(EXAMPLE, ["april.enabled=true", "april.oversample=16"]).april.oversample == 16
+    msg = _refused("april.enabled=true", "rollout.batch_size=2", "april.oversample_groups=33")
+    assert "april.oversample_groups=33" in msg and "rollout.batch_size=2" in msg
+    assert load_config(EXAMPLE, ["april.enabled=true", "rollout.batch_size=2", "april.oversample_groups=32"])

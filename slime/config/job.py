@@ -24,7 +24,7 @@ from slime.config.base import StrictModel as _Strict
 from slime.config.inputs import DataConfig, ModelConfig, SamplingConfig
 from slime.config.learner import TIS_CAP_CORRECTIONS, AlgorithmConfig, LearnerConfig
 from slime.config.renames import RENAMED, conflict_error, move_renamed_keys, renamed_key
-from slime.config.rollout import AprilConfig, RolloutConfig, SglangConfig, VllmConfig
+from slime.config.rollout import MAX_OVERSAMPLE, AprilConfig, RolloutConfig, SglangConfig, VllmConfig
 from slime.config.services import (
     BufferConfig,
     ClusterConfig,
@@ -155,14 +155,16 @@ class JobConfig(_Strict):
                 f"learner.num_minibatches={self.learner.num_minibatches} exceeds the "
                 f"{n_seqs} sequences per step (rollout.batch_size * rollout.n_samples_per_prompt)"
             )
-        if (
-            self.april.enabled
-            and self.april.oversample_groups is not None
-            and (self.april.oversample_groups < self.rollout.batch_size)
-        ):
+        groups = self.april.oversample_groups
+        if self.april.enabled and groups is not None and groups < self.rollout.batch_size:
             raise ValueError(
-                f"april.oversample_groups={self.april.oversample_groups} is below rollout.batch_size="
+                f"april.oversample_groups={groups} is below rollout.batch_size="
                 f"{self.rollout.batch_size}: the batch could never fill"
+            )
+        if groups is not None and groups > MAX_OVERSAMPLE * self.rollout.batch_size:
+            raise ValueError(
+                f"april.oversample_groups={groups} exceeds {MAX_OVERSAMPLE:g} x rollout.batch_size="
+                f"{self.rollout.batch_size} (april.oversample's bound)"
             )
         if self.april.streaming_chunk_tokens is not None:
             if self.algorithm.name != "ppo":

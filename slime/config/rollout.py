@@ -10,6 +10,10 @@ from pydantic import Field, model_validator
 
 from slime.config.base import StrictModel
 
+# APRIL's over-provisioning, as the dashboard's control bounds it: beyond it the driver would spend the
+# step writing groups into Redis (april.oversample=1e6: 2e6 add_group calls, deaf to SIGTERM).
+MAX_OVERSAMPLE = 16.0
+
 
 class VllmConfig(StrictModel):
     """Options of the vLLM rollout engine (``rollout.engine=vllm``, extra ``vllm``)."""
@@ -204,9 +208,14 @@ class AprilConfig(StrictModel):
     """Active Partial Rollouts: over-provision, abort the long tail at the batch boundary, resume later."""
 
     enabled: bool = False
-    oversample: float = Field(2.0, ge=1.0, description="Keep ceil(oversample * batch_size) groups in flight.")
+    oversample: float = Field(
+        2.0,
+        ge=1.0,
+        le=MAX_OVERSAMPLE,
+        description="Keep ceil(oversample * batch_size) groups in flight (at most 16x, as the dashboard's control).",
+    )
     oversample_groups: int | None = Field(
-        None, gt=0, description="Absolute number of groups in flight; overrides oversample."
+        None, gt=0, description="Absolute number of groups in flight; overrides oversample (at most 16 x batch_size)."
     )
     max_version_span: int | None = Field(
         None,
