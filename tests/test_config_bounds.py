@@ -47,3 +47,28 @@ def test_april_oversample_is_bounded_as_the_dashboards_control():
     msg = _refused("april.enabled=true", "rollout.batch_size=2", "april.oversample_groups=33")
     assert "april.oversample_groups=33" in msg and "rollout.batch_size=2" in msg
     assert load_config(EXAMPLE, ["april.enabled=true", "rollout.batch_size=2", "april.oversample_groups=32"])
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        # Each loaded, then the job died with a raw traceback: the engine's request check
+        # (temperature in [0, 100]), AdamW's constructor, the correction's constructor.
+        ("rollout.temperature=150", "rollout.temperature"),
+        ("eval.temperature=150", "eval.temperature"),
+        ("learner.betas=[1.5, 0.999]", "learner.betas"),
+        ("learner.betas=[0.9, -0.1]", "learner.betas"),
+        ("algorithm.correction.icepop_band=[5, 0.5]", "algorithm.correction.icepop_band"),
+        ("algorithm.correction.geo_band=[1.2, 2]", "algorithm.correction.geo_band"),
+    ],
+)
+def test_values_the_engine_or_optimizer_refuse_fail_at_load(override, key):
+    assert key in _refused(override)
+
+
+def test_edge_values_that_still_load():
+    cfg = load_config(
+        EXAMPLE,
+        ["rollout.temperature=100", "learner.betas=[0, 0.5]", "algorithm.correction.icepop_band=[1, 1]"],
+    )
+    assert cfg.rollout.temperature == 100 and cfg.learner.betas == (0, 0.5)

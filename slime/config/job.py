@@ -66,7 +66,9 @@ class EvalConfig(_Strict):
     )
     num_prompts: int = Field(64, gt=0, description="Prompts of the example task's generated held-out set.")
     samples: int = Field(0, ge=0, description="Sampled responses per prompt besides the greedy one (pass@1, pass@k).")
-    temperature: float = Field(1.0, gt=0, description="Temperature of the sampled responses.")
+    temperature: float = Field(
+        1.0, gt=0, le=100, description="Temperature of the sampled responses (every engine takes at most 100)."
+    )
     max_new_tokens: int | None = Field(None, gt=0, description="Response budget; None: rollout.max_new_tokens.")
     pass_threshold: float = Field(1.0, description="A response passes when its reward is at least this.")
     seed: int = Field(0, description="Seed of the sampled responses (slime eval).")

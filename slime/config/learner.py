@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from slime.config.base import StrictModel as _Strict
 
@@ -157,6 +157,15 @@ class CorrectionConfig(_Strict):
         "mismatch (off by default).",
     )
 
+    @field_validator("icepop_band", "geo_band")
+    @classmethod
+    def _band_brackets_one(cls, band: tuple[float, float]) -> tuple[float, float]:
+        # The corrections refuse anything else when the learner is built (a raw traceback then).
+        low, high = band
+        if not 0 < low <= 1 <= high:
+            raise ValueError(f"[{low}, {high}] must satisfy 0 < low <= 1 <= high")
+        return band
+
 
 class GspoConfig(_Strict):
     """GSPO's clip on the sequence ratio (slime/algorithms/gspo.py)."""
@@ -280,7 +289,7 @@ class LearnerConfig(_Strict):
     lr: float = Field(1e-3, gt=0)
     critic_lr: float = Field(2e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (beta1, beta2), each in [0, 1).")
     grad_clip: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, gt=0)
     num_minibatches: int = Field(1, gt=0)
@@ -341,3 +350,11 @@ class LearnerConfig(_Strict):
         default_factory=dict,
         description="Custom Ray resources each learner rank needs, e.g. {learner_node: 1} to place the ranks.",
     )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        # AdamW refuses anything else when the learner is built (a raw traceback then).
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"{list(betas)}: AdamW's betas must each lie in [0, 1)")
+        return betas

@@ -147,7 +147,7 @@ class RolloutConfig(StrictModel):
     batch_size: int = Field(8, gt=0, description="Prompt groups per training step.")
     n_samples_per_prompt: int = Field(4, gt=0)
     max_new_tokens: int = Field(96, gt=0)
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature; every engine takes [0, 100].")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     stop: list[str] = Field(
