@@ -100,7 +100,7 @@ class RunningJob:
             if self.redis_server is not None:  # every part retries meanwhile (buffer.reconnect_timeout_s)
                 self.redis_server.keep_alive(self._redis_restarted)
             self.model_dir = str(ensure_model_dir(cfg.model))
-            check_context_fits(cfg.rollout, self.model_dir)
+            check_context_fits(cfg, self.model_dir)
             if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
                 check_model_dir(self.model_dir, cfg.learner.lora)
             self.tokenizer = load_tokenizer(self.model_dir)

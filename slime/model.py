@@ -24,7 +24,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from envs import repeat
-from slime.config import ModelConfig, RolloutConfig, TinyModelConfig
+from slime.config import JobConfig, ModelConfig, RolloutConfig, TinyModelConfig
 from slime.config.base import ConfigError
 from slime.engines.contract import SamplingParams
 
@@ -319,12 +319,18 @@ def rollout_sampling_params(rollout: RolloutConfig, tokenizer) -> SamplingParams
     )
 
 
-def check_context_fits(rollout: RolloutConfig, model_dir: str) -> None:
-    """The engines refuse a response budget longer than the model reads (validate_sampling in the
-    engine contract): say so at start, naming the field, instead of failing every request."""
-    context = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
-    if context is not None and rollout.max_new_tokens > context:
-        raise ConfigError(
-            f"rollout.max_new_tokens={rollout.max_new_tokens} exceeds the model's context "
-            f"(max_position_embeddings={context} in {model_dir})"
-        )
+def check_context_fits(cfg: JobConfig, model_dir: str) -> None:
+    """The engines refuse a response budget longer than the model reads and a top_k beyond its
+    vocabulary (validate_sampling in the engine contract): say so at start, naming the field,
+    instead of failing every request (eval's only at its first evaluation, after training)."""
+    model_config = AutoConfig.from_pretrained(model_dir)
+    context = getattr(model_config, "max_position_embeddings", None)
+    budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens, "eval.max_new_tokens": cfg.eval.max_new_tokens}
+    for key, budget in budgets.items():
+        if context is not None and budget is not None and budget > context:
+            raise ConfigError(
+                f"{key}={budget} exceeds the model's context (max_position_embeddings={context} in {model_dir})"
+            )
+    vocab = getattr(model_config, "vocab_size", None)
+    if vocab is not None and cfg.rollout.top_k > vocab:
+        raise ConfigError(f"rollout.top_k={cfg.rollout.top_k} exceeds the model's vocabulary (vocab_size={vocab})")

@@ -3,6 +3,9 @@ every field): each is now refused at load, naming the key and the reason."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from slime.config import ConfigError, load_config
@@ -72,3 +75,25 @@ def test_edge_values_that_still_load():
         ["rollout.temperature=100", "learner.betas=[0, 0.5]", "algorithm.correction.icepop_band=[1, 1]"],
     )
     assert cfg.rollout.temperature == 100 and cfg.learner.betas == (0, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("rollout.max_new_tokens=129", "rollout.max_new_tokens=129"),
+        # Loaded, trained, then every evaluation request failed with a raw ValueError (exit 1).
+        ("eval.max_new_tokens=129", "eval.max_new_tokens=129"),
+        # Loaded, then the first rollout request failed with a raw ValueError (exit 1).
+        ("rollout.top_k=101", "rollout.top_k=101"),
+    ],
+)
+def test_budgets_beyond_the_model_fail_at_start(tmp_path, override, named):
+    from slime.model import check_context_fits
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "max_position_embeddings": 128, "vocab_size": 100})
+    )
+    cfg = load_config(EXAMPLE, [override])
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        check_context_fits(cfg, str(tmp_path))
+    check_context_fits(load_config(EXAMPLE, ["eval.max_new_tokens=128", "rollout.top_k=100"]), str(tmp_path))
