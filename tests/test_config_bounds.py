@@ -97,3 +97,24 @@ def test_budgets_beyond_the_model_fail_at_start(tmp_path, override, named):
     with pytest.raises(ConfigError, match=re.escape(named)):
         check_context_fits(cfg, str(tmp_path))
     check_context_fits(load_config(EXAMPLE, ["eval.max_new_tokens=128", "rollout.top_k=100"]), str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        # Each loaded and then died with a raw traceback: torch.device("abc") in the worker's
+        # constructor (LocalActorDead), redis-py's URL parser (RuntimeError ... is not a Redis URL).
+        ("rollout.device=abc", "rollout.device"),
+        ("learner.device=gpu", "learner.device"),
+        ("buffer.url=localhost:6379", "buffer.url"),
+    ],
+)
+def test_devices_and_buffer_urls_are_checked_at_load(override, key):
+    assert key in _refused(override)
+
+
+def test_good_devices_and_buffer_urls_load():
+    cfg = load_config(
+        EXAMPLE, ["rollout.device=cuda:1", "learner.device=cuda", "buffer.url=redis+cluster://10.0.0.1:7000"]
+    )
+    assert cfg.rollout.device == "cuda:1" and cfg.buffer.url.startswith("redis+cluster://")

@@ -5,11 +5,12 @@ replay). slime/config/job.py checks the rules across sections."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from slime.config.base import StrictModel as _Strict
+from slime.config.base import check_device
 
 # Algorithms whose advantages come from per-token rewards with the KL penalty always in them.
 KL_ALWAYS_IN_REWARD = ("reinforce_pp", "reinforce_pp_baseline")
@@ -320,7 +321,7 @@ class LearnerConfig(_Strict):
         description="Recompute pi_old with the learner before the update; otherwise the first forward's "
         "detached logprobs are pi_old (identical when ppo_epochs=num_minibatches=1).",
     )
-    device: str = "cpu"
+    device: Annotated[str, AfterValidator(check_device)] = "cpu"
     num_ranks: int = Field(
         1,
         ge=1,

@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
-from slime.config.base import StrictModel
+from slime.config.base import StrictModel, check_device
 
 # APRIL's over-provisioning, as the dashboard's control bounds it: beyond it the driver would spend the
 # step writing groups into Redis (april.oversample=1e6: 2e6 add_group calls, deaf to SIGTERM).
@@ -174,7 +174,7 @@ class RolloutConfig(StrictModel):
         "padded to batch buckets, and are replayed as CUDA graphs (one per batch and length bucket, captured "
         "on first use). health() says whether they run. No effect on CPU.",
     )
-    device: str = "cpu"
+    device: Annotated[str, AfterValidator(check_device)] = "cpu"
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to place the workers.",

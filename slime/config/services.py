@@ -143,6 +143,13 @@ class BufferConfig(_Strict):
         "replicated server). 0: acknowledged when the master has it.",
     )
 
+    @model_validator(mode="after")
+    def _check_url(self) -> BufferConfig:
+        schemes = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+        if self.url is not None and not self.url.startswith(schemes):
+            raise ValueError(f"buffer.url must start with one of {', '.join(schemes)} (None: a local redis-server)")
+        return self
+
 
 def resolve_weight_transport(kind: str, learner_device: str, launcher: str = "ray") -> str:
     """weights.transport "auto": in the job's own process (cluster.launcher=local) the engines read
