@@ -683,7 +683,14 @@ class Learner:
                 if self.critic is not None and "critic" in state:
                     sharding.load_full(self.critic, critic_optim, state["critic"], state["critic_optim"])
             else:
-                self.policy.load_state_dict(saved, strict=self.lora is None)
+                try:
+                    self.policy.load_state_dict(saved, strict=self.lora is None)
+                except RuntimeError as exc:  # its message lists every tensor: keep the first
+                    lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+                    raise sharding.CheckpointError(
+                        f"resume: {path} holds a policy of another shape than this job's model (model.path or "
+                        f"model.tiny changed since it was written?): {lines[0] if lines else exc}"
+                    ) from exc
                 self.optim.load_state_dict(state["optim"])
                 if self.critic is not None and "critic" in state:
                     self.critic.load_state_dict(state["critic"])
