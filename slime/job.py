@@ -383,11 +383,12 @@ class RunningJob:
         for got in self.fleet.probe_logprobs(record.prompt_ids, probe):
             diff = float(np.max(np.abs(got - expected)))
             worst = max(worst, diff)
-            if diff > self.cfg.weight_check_tolerance:
+            if not diff <= self.cfg.weight_check_tolerance:  # NaN too: diverged weights used to pass
+                why = "the engine does not hold the learner's weights (e.g. tied embeddings not refreshed)"
                 raise WeightSyncError(
                     f"after the weight update the engine's probe logprobs differ from the learner's by {diff:.2e} "
-                    f"(weights.check_tolerance={self.cfg.weight_check_tolerance}); the engine does not hold the "
-                    "learner's weights (e.g. tied embeddings not refreshed)"
+                    f"(weights.check_tolerance={self.cfg.weight_check_tolerance}); "
+                    + (why if np.isfinite(diff) else "they are not finite: the weights diverged (lower learner.lr?)")
                 )
         return worst
 
@@ -483,11 +484,7 @@ class RunningJob:
     def _restore(self, checkpoint: Path) -> int:
         state = json.loads((checkpoint / "driver_state.json").read_text())
         done, steps = int(state["next_step"]), self.cfg.steps
-        left = (
-            f"at step {done} of {steps}"
-            if done < steps
-            else f"with nothing to train: it has {done} steps, steps={steps}"
-        )
+        left = f"at step {done} of {steps}" if done < steps else f"with nothing left to train (steps={steps})"
         print(f"resume={self.cfg.resume}: resuming from {checkpoint} {left}", flush=True)
         self.learner.result(self.learner.load(str(checkpoint)))
         self.sampler.load_state_dict(state["sampler"])

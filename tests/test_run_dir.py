@@ -151,3 +151,12 @@ def test_a_failing_plot_at_the_end_does_not_skip_stopping_the_jobs_parts(tmp_pat
     job.__exit__(None, None, None)
     assert job.redis_server.stopped
     assert "closing Full failed: OSError(28, 'No space left on device')" in capsys.readouterr().err
+
+
+def test_diverged_weights_fail_the_probe_check_naming_it(tmp_path, tiny_model_dir):
+    """A NaN difference compared as 'not above the tolerance': a job whose weights had diverged
+    (learner.lr=1e30) passed every probe check and finished with exit 0 and NaN losses."""
+    from slime.job import WeightSyncError
+
+    with pytest.raises(WeightSyncError, match="not finite: the weights diverged"):
+        _train(tmp_path / "run", tiny_model_dir, "learner.lr=1e30", "weights.check_every=1", "steps=3")
