@@ -67,6 +67,21 @@ def forget_earlier_checkpoints(run_dir: Path) -> list[Path]:
     return found
 
 
+def prune_checkpoints(current: Path, keep_last: int | None) -> list[Path]:
+    """After `current` was written: delete its run's complete checkpoints of earlier steps but the
+    newest keep_last - 1 of them (None: none); later steps (a run resumed from an older checkpoint)
+    are left alone. Returns those deleted. driver_state.json goes first, so a checkpoint half deleted
+    (the process stopped meanwhile) no longer counts as complete for resume=auto or export."""
+    if keep_last is None:
+        return []
+    earlier = [p for p in checkpoints_of(current.parent.parent) if p.name < current.name]
+    old = earlier[: max(0, len(earlier) - (keep_last - 1))]
+    for path in old:
+        (path / "driver_state.json").unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    return old
+
+
 def find_checkpoint(path: Path, step: int | None = None) -> Path:
     """`path` itself when it is a checkpoint; else the run dir's checkpoint after `step` steps
     (default: the latest, see latest_checkpoint)."""

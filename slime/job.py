@@ -26,7 +26,7 @@ from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.engines.contract import GenerationRequest
 from slime.evaluation import HeldOutEval
-from slime.export import LATEST, export_checkpoint, forget_earlier_checkpoints, latest_checkpoint
+from slime.export import LATEST, export_checkpoint, forget_earlier_checkpoints, latest_checkpoint, prune_checkpoints
 from slime.fleet import Abort, RolloutFleet, scheduler_for
 from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker
 from slime.launch.local import LocalLauncher
@@ -460,6 +460,7 @@ class RunningJob:
         # Groups become "trained" only once the weights that learned from them are on disk. A crash
         # between the line above and this one is repaired by _restore (commit_through).
         self.buffer.commit_through(step, self.cfg.buffer.keep_trained_steps)
+        prune_checkpoints(path, self.cfg.checkpoint.keep_last)  # after `latest` moved past them
         self.last_checkpoint_at = time.time()
         return path
 

@@ -51,6 +51,13 @@ class CheckpointConfig(_Strict):
         False,
         description="Each checkpoint also holds hf/: the policy as a Hugging Face directory (what `slime export` writes).",
     )
+    keep_last: int | None = Field(
+        None,
+        gt=0,
+        description="After each checkpoint, delete the complete checkpoints older than the newest keep_last "
+        "(the one just written is always kept), so a long job's disk use stays bounded. None keeps every one "
+        "(a checkpoint every 300 s is 288 a day, each the policy plus its AdamW state).",
+    )
 
 
 class EvalConfig(_Strict):

@@ -1,0 +1,61 @@
+"""What must not grow with the number of steps in a long job (found by measuring long runs,
+repro/monitor.py): checkpoints on disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slime.config import load_config
+from slime.export import checkpoints_of, prune_checkpoints
+from slime.train import train
+from tests.helpers import TINY_JOB
+
+
+def _fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    (path / "policy").mkdir(parents=True)
+    (path / "learner_state.pt").write_bytes(b"x" * 100)
+    if complete:
+        (path / "driver_state.json").write_text(json.dumps({"next_step": step}))
+    return path
+
+
+def test_prune_checkpoints_keeps_the_newest_and_never_a_later_timeline(tmp_path):
+    for step in (10, 20, 30):
+        _fake_checkpoint(tmp_path, step)
+    current = _fake_checkpoint(tmp_path, 40)
+    assert prune_checkpoints(current, None) == []
+    assert [p.name for p in prune_checkpoints(current, 2)] == ["step_000010", "step_000020"]
+    assert [p.name for p in checkpoints_of(tmp_path)] == ["step_000030", "step_000040"]
+    assert not (tmp_path / "checkpoints" / "step_000010").exists()
+    # A run resumed from step 30 writes step 35: the checkpoint of step 40 (a later step of the
+    # abandoned run) is not the pruner's to judge, and the one just written is never deleted.
+    resumed = _fake_checkpoint(tmp_path, 35)
+    assert prune_checkpoints(resumed, 1) == [tmp_path / "checkpoints" / "step_000030"]
+    assert [p.name for p in checkpoints_of(tmp_path)] == ["step_000035", "step_000040"]
+
+
+@pytest.mark.slow
+def test_a_long_job_keeps_only_its_last_checkpoints(tiny_model_dir, redis_url, tmp_path):
+    """Measured before the fix: 3000 steps with a checkpoint every 50 left 60 checkpoints (1.3 GB for
+    the 2M-parameter model); nothing ever deleted one. checkpoint.keep_last bounds them."""
+    common = [
+        "job_name=keep-last",
+        "cluster.launcher=local",
+        f"output_dir={tmp_path}",
+        f"model.path={tiny_model_dir}",
+        f"buffer.url={redis_url}",
+        *TINY_JOB,
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=2",
+    ]
+    train(load_config(None, [*common, "steps=4"]))
+    assert [p.name for p in checkpoints_of(tmp_path)] == ["step_000003", "step_000004"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000003", "step_000004"]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000004"
+    history = train(load_config(None, [*common, "steps=6", "resume=auto"]))
+    assert [h["step"] for h in history] == list(range(6))
+    assert [p.name for p in checkpoints_of(tmp_path)] == ["step_000005", "step_000006"]
