@@ -2,7 +2,7 @@
 -- step becomes trained (their update is in a checkpoint). With keep, the trajectories of groups
 -- trained at a step <= step - keep are deleted (hashes and per-token arrays), and so are those of
 -- groups the filter dropped before that step's checkpoint: the buffer's memory stays bounded over a
--- long job. The group's hash and its place in the stage sets stay (a few bytes), so the group counts
+-- long job. The group's hash (less its metadata) and its place in the stage sets stay (~300 bytes), so the group counts
 -- go on counting it; the sample counts drop the pruned samples, which the stats count.
 -- At most `budget` groups are pruned per call, so that no call holds the server long: the reply is
 -- {groups committed, the offset to call again with, or -1 when nothing is left to prune}.
@@ -37,6 +37,9 @@ local function prune(gid)
     redis.call('UNLINK', skey .. ':tok', skey .. ':lp', skey .. ':ver', skey .. ':mask', skey .. ':route', skey .. ':env')
   end
   redis.call('UNLINK', gkey .. ':samples')
+  -- The row's metadata (prompt text, label, every other column: KBs for a task that carries its
+  -- repository) goes with the trajectories; what stays per group is a few fixed-size fields.
+  redis.call('HDEL', gkey, 'metadata')
   redis.call('HSET', gkey, 'pruned', 1)
   groups = groups + 1
 end
