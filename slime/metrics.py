@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -183,7 +184,9 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        flat = flatten(metrics)
+        # history keeps every step for the job's life: one copy of each metric's name, not one per
+        # step (names come fresh from Ray's unpickling and from flatten's f-strings; 9.1 -> 3.6 KB a step)
+        flat = {sys.intern(key): value for key, value in flatten(metrics).items()}
         flat["step"] = step
         flat["wall_seconds"] = time.time() - self.started
         self.history.append(flat)
@@ -262,7 +265,7 @@ def _kept_history(path: Path, start_step: int) -> list[dict[str, float]]:
         except json.JSONDecodeError:
             continue
         if isinstance(row, dict) and row.get("step", start_step) < start_step:
-            kept.append(row)
+            kept.append({sys.intern(key): value for key, value in row.items()})
     return kept
 
 
