@@ -150,14 +150,20 @@ def test_failed_samples_are_not_trained(tiny_model_dir, redis_url, tmp_path):
     buffer.delete_job()
 
 
-def test_checkpoint_roundtrip(tiny_model_dir, redis_url, tmp_path):
-    job = "learner-ckpt"
+def _saved_after_one_ppo_step(tiny_model_dir, redis_url, job: str, tmp_path):
+    """A PPO learner after one step on a fresh group, saved to tmp_path/ckpt; its buffer too."""
     buffer = TrajectoryStore.open(redis_url, job)
     buffer.delete_job()
     _fill(buffer, groups=1, n=4)
     learner = _learner(tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=1", "algorithm.name=ppo")
     learner.train_step(0, num_groups=1)
     learner.save(str(tmp_path / "ckpt"))
+    return buffer, learner
+
+
+def test_checkpoint_roundtrip(tiny_model_dir, redis_url, tmp_path):
+    job = "learner-ckpt"
+    buffer, learner = _saved_after_one_ppo_step(tiny_model_dir, redis_url, job, tmp_path)
     fresh = _learner(tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=1", "algorithm.name=ppo")
     assert fresh.load(str(tmp_path / "ckpt")) == 1
     for a, b in zip(learner.policy.parameters(), fresh.policy.parameters()):
@@ -516,12 +522,7 @@ def test_a_resume_trains_with_the_configs_lr_not_the_checkpoints(tiny_model_dir,
     """Optimizer.load_state_dict brings the saved param_groups: resume=auto learner.lr=... ran on at
     the old lr (the `lr` metric said so) without a word."""
     job = "learner-ckpt-lr"
-    buffer = TrajectoryStore.open(redis_url, job)
-    buffer.delete_job()
-    _fill(buffer, groups=1, n=4)
-    learner = _learner(tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=1", "algorithm.name=ppo")
-    learner.train_step(0, num_groups=1)
-    learner.save(str(tmp_path / "ckpt"))
+    buffer, _ = _saved_after_one_ppo_step(tiny_model_dir, redis_url, job, tmp_path)
     changed = ("learner.lr=1e-5", "learner.critic_lr=3e-5", "learner.weight_decay=0.1", "learner.betas=[0.8,0.9]")
     fresh = _learner(tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=1", "algorithm.name=ppo", *changed)
     fresh.load(str(tmp_path / "ckpt"))
