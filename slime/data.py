@@ -190,8 +190,9 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
             raise DatasetError(f"{where}: the prompt ({cfg.prompt_key!r}) is empty")
         if cfg.apply_chat_template:
             prompt_ids = _chat_ids(where, [{"role": "user", "content": prompt}], tokenizer)
-        else:
-            prompt_ids = _as_id_list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        else:  # data.input_template shapes what the model reads; the reward sees the row's prompt
+            text = cfg.input_template.replace("{}", prompt) if cfg.input_template else prompt
+            prompt_ids = _as_id_list(tokenizer(text, add_special_tokens=False)["input_ids"])
     elif isinstance(prompt, list):
         prompt = _check_messages(where, cfg.prompt_key, prompt)
         # Chat messages can only be rendered through the template, so it applies whatever

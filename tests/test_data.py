@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import datasets
@@ -126,6 +127,20 @@ def test_overlong_prompts_can_be_dropped_with_a_count(tmp_path: Path, tok, caplo
     only_long = write_lines(tmp_path / "long.jsonl", [json.dumps({"prompt": "y" * 30})])
     with pytest.raises(DatasetError, match="every prompt is over data.max_prompt_tokens=10"):
         load_prompts(DataConfig(max_prompt_tokens=10, overlong_prompts="drop"), tok, only_long)
+
+
+def test_an_input_template_shapes_what_the_model_reads_not_what_the_reward_gets(tmp_path: Path, tok) -> None:
+    """data.input_template (OpenRLHF's --input_template): the prompt's tokens are the template's
+    with the row's prompt in place of {}; the record (the reward's prompt) keeps the row's."""
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": "ab*2="})])
+    (record,) = load_prompts(DataConfig(input_template="Q: {} A:"), tok, path)
+    assert record.prompt == "ab*2="
+    assert record.prompt_ids == list(tok("Q: ab*2= A:", add_special_tokens=False)["input_ids"])
+    for bad, cause in [("no slot", "must hold {} once"), ("{} {}", "must hold {} once")]:
+        with pytest.raises(ValueError, match=re.escape(cause)):
+            DataConfig(input_template=bad)
+    with pytest.raises(ValueError, match="choose one"):
+        DataConfig(input_template="{}", apply_chat_template=True)
 
 
 def test_bad_parquet_row_names_the_row(tmp_path: Path, tok) -> None:

@@ -64,6 +64,12 @@ class DataConfig(_Strict):
     )
     task_key: str = "task"
     apply_chat_template: bool = False
+    input_template: str | None = Field(
+        None,
+        description="A text prompt as the model reads it, {} standing for the row's prompt (OpenRLHF's "
+        "--input_template), e.g. 'Question: {}\\nAnswer:'; the reward still gets the row's prompt. Not with "
+        "apply_chat_template, nor for chat-message prompts.",
+    )
     max_prompt_tokens: int = Field(256, gt=0)
     overlong_prompts: Literal["error", "drop"] = Field(
         "error",
@@ -73,6 +79,14 @@ class DataConfig(_Strict):
     shuffle: bool = True
     seed: int = 0
     num_generated: int = Field(2000, gt=0, description="Prompts generated for the example task when path is None.")
+
+    @model_validator(mode="after")
+    def _one_prompt_format(self) -> DataConfig:
+        if self.input_template is not None and self.input_template.count("{}") != 1:
+            raise ValueError(f"data.input_template={self.input_template!r} must hold {{}} once: where the prompt goes")
+        if self.input_template is not None and self.apply_chat_template:
+            raise ValueError("data.input_template and data.apply_chat_template both format a text prompt: choose one")
+        return self
 
 
 class TaskWeighting(_Strict):
