@@ -104,6 +104,8 @@ def sample_to_wire(prompt: str, response: str, label: Any, metadata: dict[str, A
     return {"prompt": prompt, "response": response, "label": label, "metadata": metadata or {}}
 
 
+MAX_REPLY_BYTES = 64 << 20  # a reward server's reply to one batch, read at most this far
+
 # --- cache ---------------------------------------------------------------------------------------
 
 
@@ -339,22 +341,33 @@ def http_transport(url: str, token: str | None = None) -> tuple[Callable[[], Tra
 
         async def call(samples: list[dict], timeout_s: float) -> Any:
             try:
-                resp = await holder["client"].post(endpoint, json={"samples": samples}, timeout=timeout_s)
+                async with holder["client"].stream(
+                    "POST", endpoint, json={"samples": samples}, timeout=timeout_s
+                ) as resp:
+                    status, body = resp.status_code, bytearray()
+                    async for part in resp.aiter_bytes():
+                        body += part
+                        if len(body) > MAX_REPLY_BYTES:  # a hostile or broken server: not the worker's memory
+                            raise RuntimeError(
+                                f"POST {shown}: the reply is over {MAX_REPLY_BYTES >> 20} MiB for "
+                                f"{len(samples)} samples (not retried)"
+                            )
             except httpx.TransportError as exc:  # connect, read, protocol errors
                 raise RetryableError(f"POST {shown}: {type(exc).__name__}: {redact_url(str(exc))}") from None
-            if resp.status_code == 429 or resp.status_code >= 500:
-                raise RetryableError(f"POST {shown}: HTTP {resp.status_code}: {resp.text[:200]}")
-            if resp.status_code in (401, 403):
+            text = body.decode("utf-8", errors="replace")
+            if status == 429 or status >= 500:
+                raise RetryableError(f"POST {shown}: HTTP {status}: {text[:200]}")
+            if status in (401, 403):
                 raise RuntimeError(
-                    f"POST {shown}: HTTP {resp.status_code} (not retried): the reward server "
-                    f"wants its token; set reward.token: {resp.text[:200]}"
+                    f"POST {shown}: HTTP {status} (not retried): the reward server "
+                    f"wants its token; set reward.token: {text[:200]}"
                 )
-            if resp.status_code != 200:
-                raise RuntimeError(f"POST {shown}: HTTP {resp.status_code} (not retried): {resp.text[:300]}")
+            if status != 200:
+                raise RuntimeError(f"POST {shown}: HTTP {status} (not retried): {text[:300]}")
             try:
-                return resp.json()
+                return json.loads(text)
             except ValueError:
-                raise RuntimeError(f"POST {shown}: reply is not JSON: {resp.text[:200]!r}") from None
+                raise RuntimeError(f"POST {shown}: reply is not JSON: {text[:200]!r}") from None
 
         return call
 

@@ -424,3 +424,23 @@ def _client(
     return RemoteRewardClient(
         url, make, request_timeout_s, 2, batch_size, max_retries, backoff_s, close_transport=close
     )
+
+
+def test_a_reply_too_large_fails_its_batch_before_it_fills_the_workers_memory(monkeypatch):
+    """The client read whole replies: a hostile or broken reward server could make a worker hold
+    any amount. Past MAX_REPLY_BYTES the batch fails, not retried."""
+    from rewards import service
+
+    monkeypatch.setattr(service, "MAX_REPLY_BYTES", 1 << 20)
+    app = FastAPI()
+
+    @app.post("/score")
+    async def score() -> Response:
+        return Response(b"[" + b"0," * (2 << 20) + b"0]", media_type="application/json")
+
+    with ServerThread(app) as server:
+        client = _client(server.url, max_retries=2)
+        r = client.submit("p", "r").result(timeout=30)
+        assert r.failure is not None and "the reply is over 1 MiB for 1 samples" in r.failure, r.failure
+        assert client.attempts == 1
+        client.close()
