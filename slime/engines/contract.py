@@ -101,6 +101,11 @@ class StopStrings:
         # enough tokens for the longest string: a token holds at least one byte, a character at most four
         self.window = 4 * max((len(x) for x in self.stops), default=0) + 1
 
+    def in_text(self, tokens: list[int]) -> bool:
+        """Whether the text of ``tokens`` holds a stop string (a resumed response: one decode)."""
+        text = self.decode(list(tokens))
+        return any(x in text for x in self.stops)
+
     def first_end(self, tokens: list[int], start: int, floor: int = 0) -> int | None:
         """The first i >= start whose token completes a stop string in the text of tokens[floor:i + 1]
         (floor: where the response begins in ``tokens``); None when none does."""
