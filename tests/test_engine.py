@@ -259,6 +259,25 @@ def test_a_stop_string_of_several_tokens_ends_the_response_where_its_text_first_
         engine.add_request(GenerationRequest("no-decode", p, params))
 
 
+def test_a_stop_string_of_an_earlier_turn_does_not_end_the_next_one(model):
+    """A multi-turn episode's next model turn comes back with the earlier turn (ended by the stop
+    string) and the env's observation as response_ids: only a string its own tokens complete ends
+    it, not the earlier turn's (it finished at once, or at its first token, with reason stop)."""
+    from slime.engines.contract import StopStrings
+
+    stops = StopStrings(["dbc"], letters)
+    assert stops.first_end([3, 1, 2, 7, 8, 9], 5) is None  # 'dbc' is already in the text before
+    assert stops.first_end([3, 1, 2, 7, 3, 1, 2], 4) == 6  # completed again, by token 6
+    assert stops.ends([7, 3, 1, 2]) and not stops.ends([3, 1, 2, 7])
+    eng = BuiltinEngine(copy.deepcopy(model), seed=0, decode=letters)
+    p = prompts(1, seed=17)[0]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_strings=["dbc"])
+    earlier = [3, 1, 2] + [40, 41, 42]  # turn 1 ended with 'dbc', then a three-token observation
+    free = run_alone(eng, p, greedy(24), response_ids=earlier)
+    got = run_alone(eng, p, params, response_ids=earlier)
+    assert len(got.token_ids) > 1 and got.token_ids == free.token_ids[: len(got.token_ids)]
+
+
 def test_max_seq_len_truncates(model):
     eng = BuiltinEngine(model, max_seq_len=16)
     p = prompts(1, seed=19, lo=10, hi=10)[0]

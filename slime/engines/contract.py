@@ -101,19 +101,22 @@ class StopStrings:
         # enough tokens for the longest string: a token holds at least one byte, a character at most four
         self.window = 4 * max((len(x) for x in self.stops), default=0) + 1
 
-    def in_text(self, tokens: list[int]) -> bool:
-        """Whether the text of ``tokens`` holds a stop string (a resumed response: one decode)."""
-        text = self.decode(list(tokens))
-        return any(x in text for x in self.stops)
-
     def first_end(self, tokens: list[int], start: int, floor: int = 0) -> int | None:
         """The first i >= start whose token completes a stop string in the text of tokens[floor:i + 1]
-        (floor: where the response begins in ``tokens``); None when none does."""
+        (floor: where the response begins in ``tokens``); None when none does. A string the text
+        held before token i (an earlier model turn of a multi-turn response) is not completed by it."""
         for i in range(max(start, floor), len(tokens)):
-            text = self.decode(tokens[max(floor, i + 1 - self.window) : i + 1])
+            lo = max(floor, i + 1 - self.window)
+            text = self.decode(tokens[lo : i + 1])
             if any(x in text for x in self.stops):
-                return i
+                before = self.decode(tokens[lo:i]) if i > lo else ""
+                if any(text.count(x) > before.count(x) for x in self.stops):
+                    return i
         return None
+
+    def ends(self, tokens: list[int]) -> bool:
+        """Whether the last of ``tokens`` completes a stop string (a resumed response that stopped)."""
+        return bool(tokens) and self.first_end(tokens, len(tokens) - 1) is not None
 
 
 def validate_sampling(params: SamplingParams, *, vocab_size: int | None, max_seq_len: int | None) -> None:

@@ -339,7 +339,7 @@ class VllmEngine:
         stops = StopStrings(p.stop_strings, self._decode) if p.stop_strings else None
         ids = prompt + response
         remaining = min(p.max_new_tokens - len(response), self.max_seq_len - len(ids))
-        if response and (response[-1] in p.stop_token_ids or stops is not None and stops.in_text(response)):
+        if response and (response[-1] in p.stop_token_ids or stops is not None and stops.ends(response)):
             self._ready.append(GenerationChunk(rid, [], [], self._version, True, "stop"))
             return
         if remaining <= 0:

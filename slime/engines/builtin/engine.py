@@ -536,7 +536,7 @@ class BuiltinEngine:
             if req.response_ids and (
                 req.response_ids[-1] in p.stop_token_ids
                 or bool(p.stop_strings)
-                and StopStrings(p.stop_strings, self._decode).in_text(req.response_ids)
+                and StopStrings(p.stop_strings, self._decode).ends(req.response_ids)
             ):
                 reason = "stop"  # resumed after its stop: nothing left to generate
             elif remaining <= 0:

@@ -338,7 +338,7 @@ class SglangEngine:
         r = _Request(req.request_id, prompt + response, {})
         if p.stop_strings:
             r.stops, r.response = StopStrings(p.stop_strings, self._decode), list(response)
-        if response and (response[-1] in p.stop_token_ids or r.stops is not None and r.stops.in_text(response)):
+        if response and (response[-1] in p.stop_token_ids or r.stops is not None and r.stops.ends(response)):
             self._emit(r, [], [], "stop")  # resumed after its stop token: nothing left to generate
             return
         if remaining <= 0:
