@@ -234,3 +234,46 @@ def test_a_tensor_parallel_vllm_reload_sends_weights_its_worker_processes_can_un
     assert method == "reload_weights"
     names = [(n, t.tolist()) for n, t in kwargs["weights_iterator"]]
     assert names == [("model.embed_tokens.weight", weight.tolist())] and engine.version == 3
+
+
+def test_colocated_cuda_engines_beside_a_cpu_learner_of_more_ranks_leave_each_rank_a_bundle():
+    """Colocated, engines on CUDA and the learner on CPU: the learner's placement group had a bundle
+    per engine only, and rank i >= rollout.num_workers was placed in bundle i, which Ray refuses
+    ("placement group bundle index 1 is invalid")."""
+    from slime.config import load_config
+    from slime.learner.group import _bundles, learner_resources
+
+    overrides = ["learner.device=cpu", "rollout.device=cuda", "cluster.placement=colocated"]
+    cfg = load_config(
+        "examples/repeat_grpo.yaml",
+        [*overrides, "learner.num_ranks=3", "rollout.num_workers=1", "learner.cpus_per_rank=1"],
+    )
+    per_rank = {k: v / 3 for k, v in learner_resources(cfg).items()}
+    bundles = _bundles(cfg, per_rank)
+    assert len(bundles) == 3 and all(b.get("CPU") == 1 for b in bundles)
+    assert [b.get("GPU", 0) for b in bundles] == [1.0, 0, 0]
+    assert all(b and all(v > 0 for v in b.values()) for b in bundles)  # Ray refuses an empty bundle
+
+
+@pytest.mark.slow
+def test_colocated_cuda_engines_beside_a_cpu_learner_of_more_ranks_start(tmp_path):
+    """The same on Ray, the ranks reserving nothing: they run outside the group, the engine on its GPU."""
+    import json
+    import subprocess
+    import sys
+
+    overrides = [
+        "learner.device=cpu",
+        "rollout.device=cuda",
+        "cluster.placement=colocated",
+        "learner.num_ranks=2",
+        "rollout.num_workers=1",
+        f"output_dir={tmp_path}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PLACEMENT_PROBE, *overrides], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [ids for ids, _ in got["workers"]] == [["0"]] and len(got["ranks"]) == 2, got

@@ -103,11 +103,13 @@ def _bundles(cfg: JobConfig, per_rank: dict[str, float]) -> list[dict[str, float
     if not gpus:
         return [per_rank] * n
     rank_part = {k: v for k, v in per_rank.items() if k != "GPU"}
+    # A CPU learner's ranks share no GPU and may outnumber the engines: those beyond get a bundle of
+    # their own resources, if they reserve any (else none: they are placed outside the group).
     return [
-        {"GPU": 1.0}
+        ({"GPU": 1.0} if i < gpus else {})
         | (rank_part if i < n else {})
         | (cfg.rollout.resources_per_worker if i < cfg.rollout.num_workers else {})
-        for i in range(gpus)
+        for i in range(max(gpus, n) if rank_part else gpus)
     ]
 
 
@@ -147,7 +149,8 @@ class LearnerGroup:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             # PACK: the ranks on as few nodes as fit (their collectives are the learner's hot path).
-            self.placement = launcher.placement_group(_bundles(cfg, per_rank), "PACK", f"{cfg.job_name}-learner")
+            bundles = _bundles(cfg, per_rank)
+            self.placement = launcher.placement_group(bundles, "PACK", f"{cfg.job_name}-learner")
             try:
                 ray.get(self.placement.ready(), timeout=60)
             except ray.exceptions.GetTimeoutError:
@@ -162,6 +165,8 @@ class LearnerGroup:
                         self.placement, placement_group_bundle_index=i
                     )
                 }
+                if i < len(bundles)
+                else {}
                 for i in range(n)
             ]
         # Resources come from the bundle; outside one, num_cpus=0: the learner mostly waits on the engines.
