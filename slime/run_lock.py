@@ -6,8 +6,8 @@ AOF), overwrite each other's checkpoints and job.secret, and the second's metric
 the first's. The lock is flock(2): the kernel drops it when the process ends, SIGKILL included, so a
 resume after a crash never finds it held.
 
-An output_dir every user may write is refused (`check_run_dir`), and one another user owns is
-warned about: its owner could plant a symlink where the job creates a file (job.lock was
+An output_dir that every user may write, or that another user owns, is warned about
+(`check_run_dir`): its owner could plant a symlink where the job creates a file (job.lock was
 ftruncate'd through one: any file of the job's user emptied) and swap the job's config.yaml or
 checkpoints once written (`slime eval RUN_DIR` imports the config's reward.fn). The job's own
 files are never opened through a symlink."""
@@ -41,10 +41,11 @@ class RunDirUnsafe(UserError, RuntimeError):
 
 
 def check_run_dir(run_dir: Path) -> list[str]:
-    """RunDirUnsafe when ``run_dir``, or a directory above it that is not sticky (/tmp is), may be
-    written by every user. Another user's directory or symlink on the way is allowed (a bind mount
-    owned by the host's user, a root job in a user's home) but returned as a warning: its owner
-    could replace the job's files there."""
+    """Warnings about who else could tamper with ``run_dir``: a directory on the way that every user
+    may write (but a sticky one: /tmp), or that another user owns, or another user's symlink. They
+    are warnings, not refusals: a Kubernetes emptyDir is 0777, a bind mount belongs to the host's
+    user, a root job may run in a user's home. The job's own files are never opened through a
+    symlink whatever this says (lock_run_dir, security.write_private)."""
     me = os.geteuid()
     trusted = {0, me}
     warnings: list[str] = []
@@ -58,9 +59,9 @@ def check_run_dir(run_dir: Path) -> list[str]:
         st = os.stat(part)
         others_write = bool(st.st_mode & stat.S_IWOTH)
         if others_write and (part == real or not st.st_mode & stat.S_ISVTX):
-            raise RunDirUnsafe(
-                f"output_dir {run_dir}: {part} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}); "
-                "any of them could replace the job's files there (config.yaml, checkpoints) or plant symlinks"
+            warnings.append(
+                f"{part} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}): any of them could replace "
+                "the job's files there (config.yaml, checkpoints)"
             )
         if st.st_uid not in trusted:
             warnings.append(f"{part} belongs to uid {st.st_uid}, who could replace the job's files there")
@@ -69,7 +70,7 @@ def check_run_dir(run_dir: Path) -> list[str]:
 
 def lock_run_dir(run_dir: Path) -> int:
     """The held lock's file descriptor (close it to release); RunDirInUse naming the holder's pid,
-    RunDirUnsafe for an output_dir others could tamper with (`check_run_dir`)."""
+    RunDirUnsafe when its job.lock is a symlink; warnings for an output_dir others could tamper with (`check_run_dir`)."""
     for warning in check_run_dir(run_dir):
         log.warning("output_dir %s: %s (this user is uid %d)", run_dir, warning, os.geteuid())
     try:  # never through a symlink: it would truncate the file it points to
