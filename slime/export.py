@@ -68,18 +68,27 @@ def forget_earlier_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def prune_checkpoints(current: Path, keep_last: int | None) -> list[Path]:
-    """After `current` was written: delete its run's complete checkpoints of earlier steps but the
+    """After `current` was written: delete its run's complete checkpoints of earlier steps (the same
+    lineage in driver_state.json: the run and its resumes, not an earlier run's) but the
     newest keep_last - 1 of them (None: none); later steps (a run resumed from an older checkpoint)
     are left alone. Returns those deleted. driver_state.json goes first, so a checkpoint half deleted
     (the process stopped meanwhile) no longer counts as complete for resume=auto or export."""
     if keep_last is None:
         return []
-    earlier = [p for p in checkpoints_of(current.parent.parent) if p.name < current.name]
+    lineage = _lineage(current)  # this run's and its resumes', never an earlier run's in the same output_dir
+    earlier = [p for p in checkpoints_of(current.parent.parent) if p.name < current.name and _lineage(p) == lineage]
     old = earlier[: max(0, len(earlier) - (keep_last - 1))]
     for path in old:
         (path / "driver_state.json").unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     return old
+
+
+def _lineage(checkpoint: Path) -> str | None:
+    try:
+        return json.loads((checkpoint / "driver_state.json").read_text()).get("lineage")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def find_checkpoint(path: Path, step: int | None = None) -> Path:

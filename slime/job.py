@@ -129,7 +129,7 @@ class RunningJob:
             self._start_actors()
             if cfg.algorithm.correction.auto.enabled:
                 self.offpolicy = OffPolicyController.for_job(cfg)
-            self.start_step = 0
+            self.start_step, self.lineage = 0, new_id()  # lineage: this run and its resumes (keep_last)
             if checkpoint is not None:
                 self.start_step = self._restore(checkpoint)
             elif cfg.resume is not None:
@@ -449,6 +449,7 @@ class RunningJob:
         (path / "driver_state.json").unlink(missing_ok=True)  # an earlier run's, over which this one writes
         self.learner.result(self.learner.save(str(path)))
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
+        state["lineage"] = self.lineage  # keep_last prunes only its own run's checkpoints
         if self.offpolicy is not None:
             state["offpolicy_auto"] = self.offpolicy.state_dict()
         # Written last and atomically: a checkpoint directory counts only once this file exists,
@@ -484,6 +485,7 @@ class RunningJob:
 
     def _restore(self, checkpoint: Path) -> int:
         state = json.loads((checkpoint / "driver_state.json").read_text())
+        self.lineage = state.get("lineage", self.lineage)
         done, steps = int(state["next_step"]), self.cfg.steps
         left = f"at step {done} of {steps}" if done < steps else f"with nothing left to train (steps={steps})"
         print(f"resume={self.cfg.resume}: resuming from {checkpoint} {left}", flush=True)

@@ -20,12 +20,12 @@ from slime.train import train
 from tests.helpers import TINY_JOB
 
 
-def _fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
+def _fake_checkpoint(run_dir: Path, step: int, complete: bool = True, lineage: str | None = None) -> Path:
     path = run_dir / "checkpoints" / f"step_{step:06d}"
-    (path / "policy").mkdir(parents=True)
+    (path / "policy").mkdir(parents=True, exist_ok=True)
     (path / "learner_state.pt").write_bytes(b"x" * 100)
     if complete:
-        (path / "driver_state.json").write_text(json.dumps({"next_step": step}))
+        (path / "driver_state.json").write_text(json.dumps({"next_step": step, "lineage": lineage}))
     return path
 
 
@@ -42,6 +42,18 @@ def test_prune_checkpoints_keeps_the_newest_and_never_a_later_timeline(tmp_path)
     resumed = _fake_checkpoint(tmp_path, 35)
     assert prune_checkpoints(resumed, 1) == [tmp_path / "checkpoints" / "step_000030"]
     assert [p.name for p in checkpoints_of(tmp_path)] == ["step_000035", "step_000040"]
+
+
+def test_prune_checkpoints_leaves_an_earlier_runs_checkpoints_alone(tmp_path):
+    """A fresh run in an output_dir holding an earlier run's step_1..5 (found by review): with
+    keep_last=2 its step 6 pruned its own step 4 and kept the earlier run's step 5."""
+    for step in range(1, 6):
+        _fake_checkpoint(tmp_path, step, lineage="earlier")
+    _fake_checkpoint(tmp_path, 2, lineage="this")  # written over the earlier run's
+    _fake_checkpoint(tmp_path, 4, lineage="this")
+    current = _fake_checkpoint(tmp_path, 6, lineage="this")
+    assert [p.name for p in prune_checkpoints(current, 2)] == ["step_000002"]
+    assert [p.name for p in checkpoints_of(tmp_path)] == [f"step_00000{i}" for i in (1, 3, 4, 5, 6)]
 
 
 @pytest.mark.slow
