@@ -134,6 +134,14 @@ def test_a_stop_string_of_several_tokens_ends_the_response_and_the_stream(engine
     assert out["tokens"] == free["free"]["tokens"][:end] and out["reason"] == "stop"
     again = drive_engine(engine, [GenerationRequest("str2", PROMPT, params, response_ids=out["tokens"])])["str2"]
     assert again == {"tokens": [], "logprobs": [], "reason": "stop"}
+    # The next model turn of an episode comes at once under the same request id: the server has
+    # dropped the stopped one by then (the adapter aborts it before reporting the stop).
+    for turn in range(3):
+        first = drive_engine(engine, [GenerationRequest("turns", PROMPT, params)])["turns"]
+        assert first["reason"] == "stop", turn
+        follow = SamplingParams(temperature=0.0, max_new_tokens=len(first["tokens"]) + 4)
+        nxt = drive_engine(engine, [GenerationRequest("turns", PROMPT, follow, response_ids=first["tokens"])])["turns"]
+        assert nxt["reason"] == "length" and len(nxt["tokens"]) == 4, (turn, nxt)
     health = httpx.get(f"{server.url}/health_generate", headers=AUTH, timeout=10)
     assert health.status_code == 200  # the server goes on serving after the client left the stream
 

@@ -92,6 +92,7 @@ class _Request:
     task: asyncio.Future | None = None
     stops: StopStrings | None = None  # stop_strings, matched here (the server runs token ids only)
     response: list[int] = field(default_factory=list)  # with stop strings: the response so far
+    stopped: tuple[list[int], list[float], int] | None = None  # the tokens up to a stop string, to emit
 
 
 @dataclass
@@ -249,8 +250,18 @@ class SglangEngine:
                     if data == "[DONE]":
                         break
                     self._on_event(r, json.loads(data))
-                    if r.finished:  # a stop string: leaving the stream ends the request on the server
+                    if r.stopped is not None:
                         break
+            if r.stopped is not None:
+                # A stop string: the server is told to drop the request before the caller hears it
+                # stopped, since the caller may send the same request id again at once (the next
+                # model turn of an episode). A server that finished it already ignores the abort.
+                await asyncio.gather(
+                    *(self._aclient.post(f"{u}/abort_request", json={"rid": r.request_id}) for u in self.server_urls),
+                    return_exceptions=True,  # a server gone: the next request finds out
+                )
+                ids, lps, version = r.stopped
+                self._emit(r, ids, lps, "stop", version)
         except asyncio.CancelledError:
             pass
         except Exception as e:  # surfaced by the next step()
@@ -277,7 +288,7 @@ class SglangEngine:
         if r.stops is not None and ids:
             r.response += ids
             end = r.stops.first_end(r.response, len(r.response) - len(ids))
-            if end is not None:  # cut after the token that completed it
+            if end is not None:  # cut after the token that completed it; _generate ends the request
                 keep = len(ids) - (len(r.response) - end - 1)
                 ids, lps, reason = ids[:keep], lps[:keep], "stop"
         version = meta.get("weight_version")
@@ -285,6 +296,9 @@ class SglangEngine:
             version = int(version)
         except (TypeError, ValueError):
             version = self._version
+        if reason == "stop" and finish is None:
+            r.stopped = (ids, lps, version)  # a stop string, not the server's: emitted once the server dropped it
+            return
         self._emit(r, ids, lps, reason, version)
 
     def _emit(
