@@ -115,14 +115,26 @@ print(json.dumps({
 """
 
 
+def _placement_probe(overrides: list[str]) -> dict:
+    """Each learner rank's and rollout worker's GPU ids and CUDA_VISIBLE_DEVICES, as Ray (4 GPUs
+    declared) gives them to actors placed as the job places its own."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PLACEMENT_PROBE, *overrides], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("ranks", "workers"), [(2, 2), (1, 3), (3, 1)])
 def test_colocated_ranks_and_engines_share_one_gpu_each_pair(tmp_path, ranks, workers):
     """Colocated on Ray (4 GPUs declared): rank i and engine i are given the same GPU, and no two
     pairs the same one. Reserving no GPU, every engine saw all of them and ran on GPU 0."""
-    import json
-    import subprocess
-    import sys
 
     overrides = [
         "learner.device=cuda",
@@ -132,12 +144,7 @@ def test_colocated_ranks_and_engines_share_one_gpu_each_pair(tmp_path, ranks, wo
         f"rollout.num_workers={workers}",
         f"output_dir={tmp_path}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "RAY_AUTH_MODE": "disabled"}
-    done = subprocess.run(
-        [sys.executable, "-c", _PLACEMENT_PROBE, *overrides], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = _placement_probe(overrides)
     rank_gpus = [ids for ids, _ in got["ranks"]]
     worker_gpus = [ids for ids, _ in got["workers"]]
     assert all(len(ids) == 1 for ids in rank_gpus + worker_gpus), got
@@ -258,9 +265,6 @@ def test_colocated_cuda_engines_beside_a_cpu_learner_of_more_ranks_leave_each_ra
 @pytest.mark.slow
 def test_colocated_cuda_engines_beside_a_cpu_learner_of_more_ranks_start(tmp_path):
     """The same on Ray, the ranks reserving nothing: they run outside the group, the engine on its GPU."""
-    import json
-    import subprocess
-    import sys
 
     overrides = [
         "learner.device=cpu",
@@ -270,10 +274,5 @@ def test_colocated_cuda_engines_beside_a_cpu_learner_of_more_ranks_start(tmp_pat
         "rollout.num_workers=1",
         f"output_dir={tmp_path}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "RAY_AUTH_MODE": "disabled"}
-    done = subprocess.run(
-        [sys.executable, "-c", _PLACEMENT_PROBE, *overrides], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = _placement_probe(overrides)
     assert [ids for ids, _ in got["workers"]] == [["0"]] and len(got["ranks"]) == 2, got
