@@ -114,6 +114,12 @@ class StopStrings:
                     return i
         return None
 
+    def new_tokens_kept(self, response: list[int], new: int) -> int | None:
+        """``response`` just grew by ``new`` tokens (an adapter's chunk): how many of them to keep,
+        up to the one that completes a stop string; None when none does."""
+        end = self.first_end(response, len(response) - new)
+        return None if end is None else new - (len(response) - end - 1)
+
     def ends(self, tokens: list[int]) -> bool:
         """Whether the last of ``tokens`` completes a stop string (a resumed response that stopped)."""
         return bool(tokens) and self.first_end(tokens, len(tokens) - 1) is not None

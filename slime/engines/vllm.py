@@ -541,9 +541,8 @@ class VllmEngine:
             live = self._live.get(o.request_id)
             if live is not None and live.stops is not None and tokens:
                 live.response += tokens
-                end = live.stops.first_end(live.response, len(live.response) - len(tokens))
-                if end is not None:  # a stop string: cut after the token that completed it, stop vLLM
-                    keep = len(tokens) - (len(live.response) - end - 1)
+                keep = live.stops.new_tokens_kept(live.response, len(tokens))
+                if keep is not None:  # a stop string: cut after the token that completed it, stop vLLM
                     tokens, lps, reason = tokens[:keep], lps[:keep], "stop"
                     if not finished:
                         self._engine.abort_request([o.request_id])

@@ -287,9 +287,8 @@ class SglangEngine:
         reason = None if finish is None else _FINISH.get(finish.get("type"), "abort")
         if r.stops is not None and ids:
             r.response += ids
-            end = r.stops.first_end(r.response, len(r.response) - len(ids))
-            if end is not None:  # cut after the token that completed it; _generate ends the request
-                keep = len(ids) - (len(r.response) - end - 1)
+            keep = r.stops.new_tokens_kept(r.response, len(ids))
+            if keep is not None:  # cut after the token that completed it; _generate ends the request
                 ids, lps, reason = ids[:keep], lps[:keep], "stop"
         version = meta.get("weight_version")
         try:
