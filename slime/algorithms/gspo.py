@@ -94,13 +94,11 @@ class GSPO(GRPO):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """L(θ) on one micro-batch; clip_low/clip_high (the learner's PPO range) are not used."""
         cfg = self.cfg
-        terms = surrogate_terms(self.correction, batch, fixed, out.logp)
-        base_logp = terms.base_logp
-        if fixed.version_lag is not None:  # behaviour_clip: μ is the base of the stale tokens only
-            base_logp = torch.where(fixed.version_lag > 0, base_logp, _old_logp(fixed, out))
+        # behaviour_clip: μ is the base of the stale tokens only (module docstring)
+        terms = surrogate_terms(self.correction, batch, fixed, out.logp, fresh_keep_old=True)
         loss, stats = gspo_policy_loss(
             out.logp,
-            base_logp,
+            terms.base_logp,
             fixed.advantages,
             batch.mask,
             cfg.gspo.clip_low,
@@ -125,8 +123,3 @@ class GSPO(GRPO):
         )
         stats.update(terms.stats)
         return loss, stats
-
-
-def _old_logp(fixed: UpdateTensors, out: Forward) -> torch.Tensor:
-    """π_old: recomputed, or this forward without grad (one optimizer step per batch)."""
-    return fixed.old_logp if fixed.old_logp is not None else out.logp.detach()

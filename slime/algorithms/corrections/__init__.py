@@ -105,13 +105,20 @@ class SurrogateTerms:
         return self.band.bounds(clip_low, clip_high) if self.band is not None else (clip_low, clip_high)
 
 
-def surrogate_terms(correction: Correction, batch: Batch, fixed: UpdateTensors, logp: torch.Tensor) -> SurrogateTerms:
+def surrogate_terms(
+    correction: Correction, batch: Batch, fixed: UpdateTensors, logp: torch.Tensor, fresh_keep_old: bool = False
+) -> SurrogateTerms:
     """For one micro-batch: the log-probabilities the surrogate's ratio is taken against, the
     per-token weights w_t, the correction's figures and its clip band. The ratio's base is π_old
     (the learner's weights before this update: ``fixed.old_logp`` when recomputed, else this
-    forward without grad), or on trainable tokens the base a correction gives (behaviour_clip: μ)."""
+    forward without grad), or on trainable tokens the base a correction gives (behaviour_clip: μ).
+    ``fresh_keep_old`` (GSPO): tokens the current version sampled (lag 0, when lags are known)
+    keep π_old, their μ differing from it by the engine's numerics only."""
     old_logp = fixed.old_logp if fixed.old_logp is not None else logp.detach()
     out = _apply(correction, batch, fixed, old_logp)
     if out.ratio_base is not None:
-        old_logp = torch.where(batch.mask > 0, out.ratio_base, old_logp)
+        takes_base = batch.mask > 0
+        if fresh_keep_old and fixed.version_lag is not None:
+            takes_base = takes_base & (fixed.version_lag > 0)
+        old_logp = torch.where(takes_base, out.ratio_base, old_logp)
     return SurrogateTerms(old_logp, out.weights, out.stats, out.band)
