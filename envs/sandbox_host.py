@@ -178,7 +178,9 @@ def make_memory_cgroup(name: str, limit_bytes: int) -> tuple[str | None, str | N
                     return None, "cgroup v2 without the memory controller"
             path, limits = os.path.join(_CGROUP_ROOT, name), {"memory.max": limit_bytes, "memory.swap.max": 0}
         elif os.path.isdir(os.path.join(_CGROUP_ROOT, "memory")):
-            path, limits = os.path.join(_CGROUP_ROOT, "memory", name), {"memory.limit_in_bytes": limit_bytes}
+            # memory + swap too, where swap is accounted (memsw: the file is absent otherwise)
+            path = os.path.join(_CGROUP_ROOT, "memory", name)
+            limits = {"memory.limit_in_bytes": limit_bytes, "memory.memsw.limit_in_bytes": limit_bytes}
         else:
             return None, "no memory cgroup controller mounted"
         os.mkdir(path, 0o755)
@@ -190,7 +192,7 @@ def make_memory_cgroup(name: str, limit_bytes: int) -> tuple[str | None, str | N
                 with open(os.path.join(path, file), "w") as f:
                     f.write(str(value))
             except FileNotFoundError:
-                if file != "memory.swap.max":
+                if file not in ("memory.swap.max", "memory.memsw.limit_in_bytes"):
                     raise
     except OSError as exc:  # e.g. v2 without memory delegated to child cgroups: no memory.max
         os.rmdir(path)

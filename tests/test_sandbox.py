@@ -159,7 +159,9 @@ def test_the_runs_processes_together_stay_under_total_memory_mb(sb):
     if r.warning and "no total memory limit" in r.warning:
         pytest.skip(r.warning)
     assert r.status == "ok", r
-    assert int(r.stdout.split()[1]) <= 2, r.stdout  # 512 MB holds two 200 MB children, never six
+    # 512 MB holds two 200 MB children, never six (memory and swap together: once in CI a third
+    # lived on in swap while v1's limit bounded memory alone)
+    assert int(r.stdout.split()[1]) <= 2, r.stdout
     small = sb.run_python(MANY_CHILDREN, args=["2", "50"])
     assert small.status == "ok" and small.stdout.split() == ["alive", "2"], small
 
