@@ -375,12 +375,12 @@ class RunningJob:
     def check_weights(self) -> float:
         """Engine and learner must give the same logprobs for a fixed probe after an update."""
         record = self.records[0]
-        probe = [
-            int(t) for t in (self.tokenizer(str(record.label or "probe"), add_special_tokens=False)["input_ids"] or [0])
-        ]
-        expected = self.learner.result(self.learner.probe_logprobs(record.prompt_ids, probe))
-        worst = 0.0
-        for got in self.fleet.probe_logprobs(record.prompt_ids, probe):
+        probe = self.tokenizer(str(record.label or "probe"), add_special_tokens=False)["input_ids"] or [0]
+        probe = [int(t) for t in probe]
+        learner_probe = self.learner.probe_logprobs(record.prompt_ids, probe)  # runs beside the engines'
+        engine_probes, worst = self.fleet.probe_logprobs(record.prompt_ids, probe), 0.0
+        expected = self.learner.result(learner_probe)
+        for got in engine_probes:
             diff = float(np.max(np.abs(got - expected)))
             worst = max(worst, diff)
             if not diff <= self.cfg.weight_check_tolerance:  # NaN too: diverged weights used to pass

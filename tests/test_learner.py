@@ -554,3 +554,25 @@ def test_a_checkpoint_that_cannot_be_written_or_read_is_named(tiny_model_dir, re
         CheckpointError, match=f"cannot write checkpoint {tmp_path / 'next'}: .*iostream error .*MiB free"
     ):
         learner.save(str(tmp_path / "next"))
+
+
+def test_the_fused_adamw_steps_as_torchs_default_and_sharded_parameters_keep_the_default() -> None:
+    from slime.learner.actor import make_adamw
+
+    torch.manual_seed(0)
+    start = [torch.randn(7, 5), torch.randn(5), torch.randn(3, 4, 2)]
+    grads = [[torch.randn_like(t) for t in start] for _ in range(4)]
+    settings = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    finals = []
+    for fused in (True, False):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        optim = make_adamw(params, sharded=not fused, **settings)
+        assert optim.defaults["fused"] is (True if fused else None)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            optim.step()
+        finals.append([p.detach().clone() for p in params])
+    for got, want, before in zip(*finals, start):
+        assert (got - before).abs().max() > 1e-3  # the steps moved the weights
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

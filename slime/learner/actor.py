@@ -91,6 +91,17 @@ def _histogram(values: list[int]) -> dict[str, int]:
     return out
 
 
+def make_adamw(params: list[torch.nn.Parameter], sharded: bool, **settings) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where it applies (plain CPU or CUDA float tensors): one
+    kernel for all parameters instead of a dozen ops per tensor (1.85 ms against 5.5 ms a step on
+    CPU for the tiny MoE's 67 tensors). FSDP2's sharded parameters keep torch's default."""
+    params = list(params)
+    fused = not sharded and all(
+        p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params
+    )
+    return torch.optim.AdamW(params, **settings, **({"fused": True} if fused else {}))
+
+
 def _step_if_finite(optim: torch.optim.Optimizer, grad_norm: float, which: str) -> None:
     """The optimizer step, unless the gradient holds a NaN or inf: one such step would make every
     weight NaN, and every later rollout garbage. The norm is the global one, so all ranks agree."""
@@ -215,9 +226,9 @@ class Learner:
                 sharding.shard(module, lc.mixed_precision)
         # Only the trainable parameters (LoRA: the adapters) get gradients and optimizer state.
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optim = torch.optim.AdamW(self.trainable, lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
+        self.optim = make_adamw(self.trainable, self.sharded, lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
         if self.critic is not None:
-            self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=lc.critic_lr, betas=lc.betas)
+            self.critic_optim = make_adamw(self.critic.parameters(), self.sharded, lr=lc.critic_lr, betas=lc.betas)
         self.clip = AdaptiveClip(self.algo_cfg.adaptive_clip, self.algo_cfg.clip_low, self.algo_cfg.clip_high)
         self.buffer = TrajectoryStore(
             JobConnection.of_job(cfg, redis_url, credentials.redis_password if credentials else None),
