@@ -24,8 +24,7 @@ import yaml
 from slime.config import ModelConfig
 from slime.errors import UserError
 from slime.learner import lora
-from slime.learner.sharding import CHECKPOINT_DIR, load_policy_shards
-from slime.metrics import write_atomic
+from slime.learner.sharding import CHECKPOINT_DIR, CheckpointError, load_policy_shards
 from slime.model import ensure_model_dir, eos_token_ids, load_model, load_tokenizer
 
 EXPORT_INFO = "slime_export.json"
@@ -58,13 +57,56 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return not_newer[-1] if not_newer else None
 
 
-def forget_earlier_checkpoints(run_dir: Path) -> list[Path]:
-    """A fresh run (no resume) in an output_dir that holds checkpoints: `resume=auto` must take only
-    this run's from now on. Empties checkpoints/latest; returns the earlier run's checkpoints."""
-    found = checkpoints_of(run_dir)
-    if (run_dir / "checkpoints").is_dir():
-        write_atomic(run_dir / "checkpoints" / LATEST, "")
-    return found
+def resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint a job resumes from: none (resume unset), the run's latest (auto; none yet
+    is a start at step 0 that keeps the buffer), or the checkpoint directory ``resume`` names."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        latest = latest_checkpoint(run_dir)  # the last run's: not an earlier run's step_* beyond it
+        if latest is None:
+            print(
+                f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}: training starts at step 0 "
+                "(the buffer's unfinished trajectories are kept and resumed)",
+                flush=True,
+            )
+        return latest
+    path = Path(resume).expanduser()
+    if not (path / "driver_state.json").is_file():
+        raise CheckpointError(f"resume={resume}: not a checkpoint directory (no driver_state.json in it)")
+    return path
+
+
+EARLIER_RUNS = "earlier_runs"
+# What a run writes of its own into output_dir; the Redis data, the dataset it generated and the
+# directory's secret stay (a fresh run empties the job's buffer).
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "training.png",
+    "tensorboard",
+    "checkpoints",
+    "wandb_run_id",
+    "mlflow_run_id",
+)
+
+
+def set_earlier_run_aside(run_dir: Path) -> Path | None:
+    """A fresh run (no resume) in an output_dir an earlier run trained in: that run's metrics, plot,
+    TensorBoard events, config and checkpoints move to output_dir/earlier_runs/N/ (renamed, not
+    copied), so nothing of it is overwritten or mixed into the new run's, and `resume=auto` and
+    `slime export` find only the new run's checkpoints. Returns that folder; None when no run
+    trained here before."""
+    if not any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "tensorboard")):
+        return None
+    earlier = run_dir / EARLIER_RUNS
+    taken = [int(p.name) for p in earlier.glob("*") if p.name.isdigit()] if earlier.is_dir() else []
+    aside = earlier / str(max(taken, default=0) + 1)
+    aside.mkdir(parents=True)
+    for name in RUN_FILES:
+        if (run_dir / name).exists() or (run_dir / name).is_symlink():
+            (run_dir / name).rename(aside / name)
+    return aside
 
 
 def prune_checkpoints(current: Path, keep_last: int | None) -> list[Path]:

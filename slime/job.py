@@ -26,14 +26,13 @@ from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.engines.contract import GenerationRequest
 from slime.evaluation import HeldOutEval
-from slime.export import LATEST, export_checkpoint, forget_earlier_checkpoints, latest_checkpoint, prune_checkpoints
+from slime.export import LATEST, export_checkpoint, prune_checkpoints, resume_checkpoint, set_earlier_run_aside
 from slime.fleet import Abort, RolloutFleet, scheduler_for
 from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker
 from slime.launch.local import LocalLauncher
 from slime.launch.ray_cluster import RayLauncher, RaySession, check_local_resources
 from slime.learner import LearnerGroup
 from slime.learner.lora import check_model_dir
-from slime.learner.sharding import CheckpointError
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
 from slime.model import (
     check_context_fits,
@@ -82,6 +81,10 @@ class RunningJob:
             require_packages(cfg.logging)  # logging.wandb / logging.mlflow without the package
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.run_lock = lock_run_dir(self.run_dir)  # one job per output_dir, until __exit__
+            if cfg.resume is None and (aside := set_earlier_run_aside(self.run_dir)) is not None:
+                print(
+                    f"a fresh run in {self.run_dir}: the earlier run's metrics, plot and checkpoints moved to {aside}"
+                )
             dump_config(cfg, self.run_dir / "config.yaml")
             # One secret per run (run_dir/job.secret, 0600): the job's Redis password and every
             # service token derive from it; actors get it as an argument, children by environment.
@@ -107,13 +110,9 @@ class RunningJob:
             rollout_stop_token_ids(cfg.rollout, self.tokenizer)  # an empty stop string fails here
             self.records = self._load_records()
             self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
-            checkpoint = self._find_checkpoint()
+            checkpoint = resume_checkpoint(cfg.resume, self.run_dir)
             if cfg.resume is None:
                 self.buffer.delete_job()  # a fresh run starts from an empty buffer
-                if earlier := forget_earlier_checkpoints(self.run_dir):  # resume=auto: this run's only
-                    print(
-                        f"a fresh run: {len(earlier)} checkpoint(s) of an earlier run in {earlier[0].parent} are not resumed"
-                    )
             else:
                 # The previous run's workers are gone: their trajectories go back to the queue now,
                 # tokens kept, instead of after their leases expire.
@@ -193,6 +192,23 @@ class RunningJob:
             print(f"dashboard: {self.dashboard.url} (control token in {token_file})", flush=True)
 
     def __exit__(self, *exc) -> None:
+        try:  # a second SIGINT/SIGTERM may cut the graceful part short; the job's processes stop anyway
+            self._stop_parts()
+        finally:
+            self.stop.cleaning_up = True
+            try:
+                self.ray_session.close()
+                if self.dashboard is not None:
+                    self.dashboard.stop()
+                if self.redis_server is not None:
+                    self.redis_server.stop()
+                if self.run_lock is not None:
+                    os.close(self.run_lock)
+                    self.run_lock = None
+            finally:
+                self.stop.cleaning_up = False
+
+    def _stop_parts(self) -> None:
         launcher = self.launcher  # None: the job failed before it started its actors
         if launcher is not None and self.workers:
             try:  # first of all, stop generating and store every partial trajectory
@@ -224,14 +240,6 @@ class RunningJob:
                     pass
             if self.learner is not None:
                 self.learner.kill()
-        self.ray_session.close()
-        if self.dashboard is not None:
-            self.dashboard.stop()
-        if self.redis_server is not None:
-            self.redis_server.stop()
-        if self.run_lock is not None:
-            os.close(self.run_lock)
-            self.run_lock = None
 
     def _load_records(self) -> list[PromptRecord]:
         cfg = self.cfg
@@ -463,24 +471,6 @@ class RunningJob:
         self.buffer.commit_through(step, self.cfg.buffer.keep_trained_steps)
         prune_checkpoints(path, self.cfg.checkpoint.keep_last)  # after `latest` moved past them
         self.last_checkpoint_at = time.time()
-        return path
-
-    def _find_checkpoint(self) -> Path | None:
-        resume = self.cfg.resume
-        if resume is None:
-            return None
-        if resume == "auto":
-            latest = latest_checkpoint(self.run_dir)  # the last run's: not an earlier run's step_* beyond it
-            if latest is None:
-                print(
-                    f"resume=auto: no checkpoint in {self.run_dir / 'checkpoints'}: training starts at step 0 "
-                    "(the buffer's unfinished trajectories are kept and resumed)",
-                    flush=True,
-                )
-            return latest
-        path = Path(resume).expanduser()
-        if not (path / "driver_state.json").is_file():
-            raise CheckpointError(f"resume={resume}: not a checkpoint directory (no driver_state.json in it)")
         return path
 
     def _restore(self, checkpoint: Path) -> int:

@@ -19,9 +19,15 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.requested: str | None = None  # the signal's name once one arrived
+        # Set while the job stops its own processes (redis-server, Ray, the dashboard): a signal then
+        # must not cut that short, or they outlive the job.
+        self.cleaning_up = False
 
     def __call__(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if self.cleaning_up:
+            print(f"\nreceived {name}: stopping the job's processes (redis-server, Ray)", file=sys.stderr, flush=True)
+            return
         if self.requested is not None:
             raise JobInterrupted(f"received {name} again: stopping now")
         self.requested = name

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from slime import cli
-from slime.export import ExportError, find_checkpoint, forget_earlier_checkpoints, latest_checkpoint
+from slime.export import ExportError, find_checkpoint, latest_checkpoint, set_earlier_run_aside
 from slime.run_lock import check_run_dir, lock_run_dir
 from slime.security import write_private
 from tests.helpers import TINY_JOB
@@ -35,20 +35,37 @@ def test_latest_follows_the_last_run_not_the_highest_step_dir(tmp_path):
     for step in (2, 4, 6, 8):  # an earlier run's
         _checkpoint(tmp_path, step)
     assert latest_checkpoint(tmp_path).name == "step_000008"  # no `latest` file: the newest, as before
-    assert [p.name for p in forget_earlier_checkpoints(tmp_path)] == [
-        "step_000002",
-        "step_000004",
-        "step_000006",
-        "step_000008",
-    ]
-    assert latest_checkpoint(tmp_path) is None  # a fresh run without a checkpoint yet: nothing to resume
-    with pytest.raises(ExportError, match="--step N"):
-        find_checkpoint(tmp_path)
     assert find_checkpoint(tmp_path, 6).name == "step_000006"
-    (tmp_path / "checkpoints" / "latest").write_text("step_000004")  # the fresh run's second checkpoint
+    (tmp_path / "checkpoints" / "latest").write_text("step_000004")  # a later run's second checkpoint
     assert latest_checkpoint(tmp_path).name == "step_000004"
     (tmp_path / "checkpoints" / "latest").write_text("step_000005")  # named, then removed: the one before
     assert latest_checkpoint(tmp_path).name == "step_000004"
+
+
+def test_a_fresh_run_sets_the_earlier_runs_files_aside_and_keeps_them(tmp_path):
+    """A fresh run overwrote metrics.jsonl, training.png and config.yaml, mixed its TensorBoard
+    events into the earlier run's, and left that run's checkpoints beside its own."""
+    assert set_earlier_run_aside(tmp_path) is None  # nothing trained here yet
+    (tmp_path / "config.yaml").write_text("a run that stopped before training\n")
+    assert set_earlier_run_aside(tmp_path) is None
+    for step in (2, 4):
+        _checkpoint(tmp_path, step)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out").write_text("events")
+    (tmp_path / "repeat_task.jsonl").write_text("the generated dataset\n")
+    first = set_earlier_run_aside(tmp_path)
+    assert first == tmp_path / "earlier_runs" / "1"
+    assert (first / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 1}\n'
+    assert (first / "config.yaml").read_text() == "a run that stopped before training\n"
+    assert (first / "tensorboard" / "events.out").read_text() == "events"
+    assert [p.name for p in sorted((first / "checkpoints").iterdir())] == ["step_000002", "step_000004"]
+    assert latest_checkpoint(tmp_path) is None  # the new run has none yet: resume=auto starts at 0
+    with pytest.raises(ExportError):
+        find_checkpoint(tmp_path)
+    assert (tmp_path / "repeat_task.jsonl").exists()  # the dataset stays
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert set_earlier_run_aside(tmp_path) == tmp_path / "earlier_runs" / "2"  # never over an earlier one
 
 
 @pytest.mark.slow
@@ -58,7 +75,11 @@ def test_resume_after_a_fresh_run_over_an_earlier_one_continues_the_fresh_run(ti
     run = tmp_path / "run"
     assert _train(run, tiny_model_dir, "steps=4") == 0  # checkpoints 2 and 4
     assert _train(run, tiny_model_dir, "steps=2", "seed=1") == 0  # fresh: its own step_000002
-    assert "checkpoint(s) of an earlier run" in capsys.readouterr().out
+    assert f"the earlier run's metrics, plot and checkpoints moved to {run / 'earlier_runs' / '1'}" in (
+        capsys.readouterr().out
+    )
+    assert _steps(run / "earlier_runs" / "1") == [0, 1, 2, 3]  # the earlier run's, kept whole
+    assert (run / "earlier_runs" / "1" / "checkpoints" / "step_000004" / "driver_state.json").is_file()
     assert find_checkpoint(run).name == "step_000002"
     assert _train(run, tiny_model_dir, "steps=3", "seed=1", "resume=auto") == 0
     assert f"resuming from {run / 'checkpoints' / 'step_000002'} at step 2 of 3" in capsys.readouterr().out
@@ -163,3 +184,31 @@ def test_diverged_weights_fail_the_probe_check_naming_it(tmp_path, tiny_model_di
 
     with pytest.raises(WeightSyncError, match="not finite: the weights diverged"):
         _train(tmp_path / "run", tiny_model_dir, "learner.lr=1e30", "weights.check_every=1", "steps=3")
+
+
+def test_a_signal_during_the_jobs_stop_still_stops_its_redis_server(tiny_model_dir, tmp_path, monkeypatch):
+    """A second SIGTERM that landed while the job was stopping (closing its logger, say) cut
+    __exit__ short: the job's redis-server outlived it, owned by init, until a later run there."""
+    import signal
+
+    from slime.config import load_config
+    from slime.job import RunningJob
+    from slime.signals import JobInterrupted
+
+    args = [f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "cluster.launcher=local", *TINY_JOB]
+    job = RunningJob(load_config(None, args))
+    job.__enter__()
+    server = job.redis_server._process
+    assert server.poll() is None
+
+    def interrupted() -> None:
+        job.stop(signal.SIGTERM, None)  # the first signal: noted
+        job.stop(signal.SIGTERM, None)  # the second: raises here, in the middle of the stop
+
+    monkeypatch.setattr(job.logger, "close", interrupted)
+    with pytest.raises(JobInterrupted):
+        job.__exit__(None, None, None)
+    assert server.wait(timeout=15) is not None  # stopped, not left behind
+    assert job.run_lock is None
+    job.stop.cleaning_up = True  # and a signal while the processes stop is noted, not raised
+    job.stop(signal.SIGTERM, None)
