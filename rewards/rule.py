@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
 import string
@@ -47,6 +48,18 @@ try:  # optional: `pip install math-verify`
     import math_verify as _math_verify
 except ImportError:  # pragma: no cover - depends on the environment
     _math_verify = None
+
+
+def _not_timeout_disabled(record: logging.LogRecord) -> bool:
+    """math-verify warns "Timeout is disabled as parsing_timeout/timeout_seconds is None" on its first
+    call without a timeout: ours on purpose (its signal alarm fails off the main thread; the reward
+    runner's timeout bounds a call). Its other records pass."""
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
+for _logger in ("math_verify.parser", "math_verify.grader"):  # the modules of parse and verify
+    if _not_timeout_disabled not in logging.getLogger(_logger).filters:
+        logging.getLogger(_logger).addFilter(_not_timeout_disabled)
 
 MATH_VERIFY_AVAILABLE = _math_verify is not None
 

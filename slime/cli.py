@@ -233,7 +233,7 @@ def _run(argv: list[str]) -> int:
         "serve-sglang", help="serve the built-in engine over SGLang's HTTP API: serve-sglang --model DIR --port N"
     )
     p_sim = sub.add_parser("simulate", help="APRIL rollout simulator: sync vs APRIL vs async (april/sim/run.py)")
-    p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | cpu_tiny] then key=value overrides")
+    p_sim.add_argument("args", nargs="*", help="[CONFIG.yaml | paper | paper_runs | cpu_tiny] then key=value overrides")
     p_cmp = sub.add_parser(
         "compare",
         help="runs side by side: a plot per metric against steps and wall-clock, a table of final values",

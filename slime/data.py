@@ -95,14 +95,25 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
     if not records:
         what = f"every prompt is over data.max_prompt_tokens={cfg.max_prompt_tokens}" if overlong else "no rows"
         raise DatasetError(f"{p}: the dataset has {what}")
-    if all(r.label is None for r in records):  # fine for a judge or a reward model, not for a rule
+    if all(r.label is None for r in records) and not _answer_elsewhere(records):  # fine for a judge or an RM
         log.warning(
-            "%s: no row has the label column %r (data.label_key): a reward that compares with a label "
-            "(exact_match, f1, math_answer, ...) will fail every sample",
+            "%s: no row has the label column %r (data.label_key), nor verl's reward_model.ground_truth or TRL's "
+            "solution/ground_truth: a reward that compares with a label (exact_match, f1, math_answer, ...) will "
+            "fail every sample; set data.label_key to the answer's column (a dotted key reads a nested field)",
             p,
             cfg.label_key,
         )
     return records
+
+
+# Where other frameworks' rows keep the answer: verl's parquet rows (its compute_score gets it as
+# ground_truth, rewards/adapters.py), TRL's datasets (its reward functions get the columns as kwargs).
+ANSWER_COLUMNS = ("reward_model.ground_truth", "solution", "ground_truth")
+
+
+def _answer_elsewhere(records: list[PromptRecord]) -> bool:
+    """Whether some row carries an answer in one of ANSWER_COLUMNS (a reward reads it from metadata)."""
+    return any(_nested_get(r.metadata, key) is not None for key in ANSWER_COLUMNS for r in records)
 
 
 def write_jsonl(records: list[dict[str, Any]], path: str | Path) -> Path:

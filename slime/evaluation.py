@@ -35,7 +35,7 @@ from slime.data import PromptRecord, load_prompts, reward_metadata, write_jsonl
 from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.errors import UserError
-from slime.export import ExportError, base_model_dir, export_checkpoint, find_checkpoint
+from slime.export import EXPORT_INFO, ExportError, base_model_dir, export_checkpoint, find_checkpoint
 from slime.model import ensure_model_dir, load_tokenizer, rollout_stop_strings, rollout_stop_token_ids
 
 EXAMPLE_HELD_OUT_SEED = 10_000  # the example task's held-out prompts; training draws with data.seed
@@ -234,6 +234,14 @@ def evaluate_model_dir(
     return result
 
 
+def _exported_from(export: Path) -> str | None:
+    """The checkpoint `slime export` wrote `export` from (its EXPORT_INFO), when it says."""
+    try:
+        return str(json.loads((export / EXPORT_INFO).read_text())["checkpoint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _job_config(path: Path, overrides: list[str]) -> tuple[JobConfig, Path | None]:
     """(the config to evaluate with, the run dir) of a run dir, a checkpoint or a model directory."""
     run_dir = None
@@ -250,6 +258,13 @@ def _job_config(path: Path, overrides: list[str]) -> tuple[JobConfig, Path | Non
         return load_config(tmp, overrides), run_dir
     if run_dir is not None:
         raise EvalError(f"{run_dir}: a run dir without config.yaml")
+    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+        checkpoint = _exported_from(path) or "RUN_DIR"
+        raise EvalError(
+            f"{path}: a LoRA adapter export (adapter_config.json), not a whole model; export it with the adapters "
+            f"merged first: `slime export {checkpoint} --out DIR --merged`, then `slime eval DIR` (or `slime eval "
+            f"{checkpoint}`, which merges them itself)"
+        )
     if not (path / "config.json").is_file():
         raise EvalError(f"{path}: neither a run dir (checkpoints/, config.yaml) nor a model directory (config.json)")
     return load_config(None, [f"model.path={path}", *overrides]), None

@@ -20,13 +20,15 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from envs import repeat
 from slime.config import JobConfig, ModelConfig, RolloutConfig, TinyModelConfig
 from slime.config.base import ConfigError
 from slime.engines.contract import SamplingParams
+from slime.errors import UserError
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -34,6 +36,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelDirError(UserError, ValueError):
+    """model.path names no Hugging Face model directory transformers can load."""
+
+    hint = (
+        "model.path: a local Hugging Face causal LM directory (config.json with a model_type transformers knows, "
+        "weights, tokenizer), or leave it unset for the built-in tiny MoE (README, 'Your own model, data and reward')"
+    )
+
+
+class ModelDirNotFound(ModelDirError, FileNotFoundError):
+    """model.path is no directory, or one without config.json."""
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -133,14 +148,40 @@ def _tiny_cache_key(cfg: ModelConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def check_model_config(path: Path, name: str) -> None:
+    """A ModelDirError, its message starting with ``name``, unless transformers reads path's
+    config.json: JSON, a mapping, with a model_type it knows (or remote code's auto_map)."""
+    config = path / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelDirError(f"{name}: {config} is not readable JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{name}: {config} is not a JSON object")
+    model_type = data.get("model_type")
+    if model_type is None and "auto_map" not in data:
+        raise ModelDirError(f"{name}: {config} has no model_type (transformers picks the architecture by it)")
+    if model_type is not None and model_type not in CONFIG_MAPPING and "auto_map" not in data:
+        raise ModelDirError(
+            f"{name}: model_type {model_type!r} in {config} is not one transformers {transformers.__version__} "
+            "knows (a typo, or a model newer than this transformers)"
+        )
+    try:
+        AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # a bad field, remote code not trusted: whatever transformers says, in one line
+        cause = " ".join(str(exc).split())
+        cause = cause if len(cause) <= 300 else cause[:297] + "..."
+        raise ModelDirError(f"{name}: transformers cannot load {config} ({cause or type(exc).__name__})") from exc
+
+
 def ensure_model_dir(cfg: ModelConfig) -> Path:
     """The policy's HF directory: cfg.path as given, or the cached (built on first use) tiny MoE."""
     if cfg.path is not None:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.path={cfg.path}: no config.json there (expected a local HF model directory)"
-            )
+            where = "no such directory" if not path.exists() else "no config.json there"
+            raise ModelDirNotFound(f"model.path={cfg.path}: {where} (expected a local Hugging Face model directory)")
+        check_model_config(path, f"model.path={cfg.path}")
         return path
     cache_root = Path(cfg.cache_dir).expanduser()
     target = cache_root / f"tiny-moe-{_tiny_cache_key(cfg)}"

@@ -6,6 +6,7 @@ that exist (subcommands, docs pages, README sections)."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -134,3 +135,37 @@ def test_an_empty_stop_string(tmp_path):
     it is matched in the response's text)."""
     done = slime("train", EXAMPLE, "rollout.stop=['']", "cluster.launcher=local", f"output_dir={tmp_path}")
     assert_one_clean_error(done, "rollout.stop: '' is no token at all (an empty stop string)")
+
+
+@pytest.mark.parametrize(
+    ("config", "cause"),
+    [(None, "no such directory"), ({"hidden_size": 8}, "config.json has no model_type")],
+)
+def test_a_model_path_that_is_no_model(tmp_path, config, cause):
+    """model.path without a config.json, or with one transformers cannot read: one line naming
+    model.path and the cause, before anything starts."""
+    model = tmp_path / "model"
+    if config is not None:
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(config))
+    done = slime("train", EXAMPLE, f"model.path={model}", "steps=1", f"output_dir={tmp_path / 'run'}")
+    assert_one_clean_error(done, f"model.path={model}: ")
+    assert cause in done.stderr
+
+
+def test_a_user_error_raised_in_a_ray_actor_is_reported_without_rays_trace(capsys):
+    """The error of a Ray actor's call comes back as Ray's RayTaskError(CheckpointError), whose text
+    is Ray's: the actor's repr, pid and ~15 lines of frames before the one line that says what to do."""
+    from ray.exceptions import RayTaskError
+
+    from slime.cli import _report
+    from slime.learner.sharding import CheckpointError
+
+    cause = CheckpointError("the checkpoint holds LoRA adapters (adapter/), but learner.lora is not set")
+    trace = 'ray::Learner.load() (pid=4652, ip=10.0.0.1)\n  File "actor.py", line 1\nCheckpointError: ...'
+    raised = RayTaskError("Learner.load", trace, cause).as_instanceof_cause()
+    assert isinstance(raised, CheckpointError)
+    assert _report(raised) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == f"slime: {cause}"
+    assert "pid=" not in err and "File" not in err

@@ -360,6 +360,15 @@ def format_validation_error(err: ValidationError, title: str = "invalid config",
     return f"{title}:\n" + "\n".join(f"  {line}" for line in lines)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: its problem and the column it was found at."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+    return problem if mark is None else f"{problem} at column {mark.column + 1}"
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`learner.lr=1e-5` -> (['learner', 'lr'], 1e-05). Values are parsed as YAML scalars/lists."""
     if "=" not in text:
@@ -371,7 +380,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+        raise ConfigError(
+            f"override {text!r}: value is not valid YAML ({_yaml_problem(exc)}); quote the value, e.g. "
+            f"'{key}=\"...\"' (double quotes inside the shell's single quotes; \\n in them is a newline)"
+        ) from exc
     # YAML reads 1e-5 as a string; users mean a number.
     if isinstance(value, str):
         try:

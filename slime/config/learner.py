@@ -221,7 +221,12 @@ class AlgorithmConfig(_Strict):
     def _check(self) -> AlgorithmConfig:
         if self.name in ("gspo", "dr_grpo") and self.loss_agg == "token_mean":  # learner weighs by sequences
             if "loss_agg" in self.model_fields_set:
-                raise ValueError(f"algorithm.name={self.name} averages over sequences: loss_agg must be seq_*")
+                default = "seq_mean_token_sum" if self.name == "dr_grpo" else "seq_mean_token_mean"
+                other = "seq_mean_token_mean" if self.name == "dr_grpo" else "seq_mean_token_sum"
+                raise ValueError(
+                    f"algorithm.name={self.name} averages over sequences: loss_agg=token_mean is refused; set "
+                    f"algorithm.loss_agg={default} (its default when unset) or algorithm.loss_agg={other}"
+                )
             self.loss_agg = "seq_mean_token_sum" if self.name == "dr_grpo" else "seq_mean_token_mean"
         # A KL in the REWARD (PPO's kl_mode=reward; REINFORCE++ always) reaches the policy through the
         # score function, E[grad log pi * k]: that is grad KL(pi||pi_ref) only for k1. With k3 it is

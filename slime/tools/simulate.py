@@ -1,5 +1,6 @@
 """`slime simulate [CONFIG.yaml | PRESET] [key=value ...]`: a job config or a preset -> the APRIL
-simulator (april/sim/run.py), which takes only its own plain settings (`SimConfig`)."""
+simulator (april/sim/run.py), which takes only its own plain settings (`SimConfig`). The presets
+are april/sim/config.py's PRESETS (ARGS_HELP and `--help` name them all)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from pydantic import ValidationError
 
 from april.sim import PRESETS, SimConfig, compare, format_table, headline, plot
 from slime.config import ConfigError, JobConfig, format_validation_error, load_config, parse_override
+
+# The positional arguments' help, every preset of april/sim/config.py named (slime/cli.py's
+# `slime simulate --help` should show this one).
+ARGS_HELP = f"[CONFIG.yaml | {' | '.join(PRESETS)}] then key=value overrides (sim.<field>=v, preset=NAME, out=PATH)"
 
 
 def sim_config_from_job(job: JobConfig, overrides: dict[str, Any] | None = None) -> SimConfig:
@@ -121,6 +126,9 @@ def config_from_cli(args: list[str]) -> tuple[SimConfig, Path]:
 
 def main_simulate(args: list[str]) -> int:
     """`slime simulate [CONFIG.yaml | PRESET] [key=value ...]`: table, simulate.png, JSON last line."""
+    if args and args[0] in ("-h", "--help"):
+        print(f"usage: slime simulate {ARGS_HELP}\npresets: {', '.join(PRESETS)} (april/sim/config.py)")
+        return 0
     try:
         cfg, out = config_from_cli(args)
     except ConfigError as exc:
