@@ -508,6 +508,7 @@ def serve(
     if torch_threads:
         torch.set_num_threads(torch_threads)
     server = build_server(model_dir, device, dtype, max_running_requests, seed, settings)
+    print(f"slime serve-sglang: {model_dir} loaded; serving on http://{host}:{port} (/generate, /health)", flush=True)
     try:
         # A bounded graceful shutdown: SIGTERM never waits on a stream for long.
         uvicorn.run(
