@@ -109,14 +109,49 @@ def replayed_routing(model: torch.nn.Module, routing: torch.Tensor, response_pos
         valid = (recorded != NO_ROUTE).all(-1)
         chosen[flat_pos[valid]] = recorded[valid]
         forced.append(chosen)
-    originals = [r.forward for r in routers]
-    for r, f in zip(routers, forced):
-        r.forward = _replaying_forward(r, f, r.slime_replay_normalize)
+    global _in_force
+    replaying = [(r, _replaying_forward(r, f, r.slime_replay_normalize)) for r, f in zip(routers, forced)]
+    outer, _in_force = _in_force, replaying
     try:
-        yield
+        with _Forcing(replaying):
+            yield
     finally:
-        for r, original in zip(routers, originals):
-            r.forward = original
+        _in_force = outer
+
+
+# The replaying forwards that replayed_routing has put in force now: what `recompute_as_forward`
+# captures in each checkpointed layer's forward.
+_in_force: list[tuple[torch.nn.Module, object]] = []
+
+
+def recompute_as_forward() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`context_fn` of torch.utils.checkpoint (non-reentrant) for activation checkpointing: called in
+    each checkpointed layer's forward, it returns the context of that layer's recomputation in
+    backward, which puts the replaying forwards in force at the forward back on its routers. Backward
+    runs after `replayed_routing` has ended: without this, the recomputation would route by itself,
+    through other experts than the forward (wrong gradients, or checkpoint's tensor-count error)."""
+    return contextlib.nullcontext(), _Forcing(_in_force) if _in_force else contextlib.nullcontext()
+
+
+class _Forcing:
+    """Inside: each router takes its given forward; outside, its own again. Re-entrant (a graph
+    backpropagated twice recomputes twice)."""
+
+    def __init__(self, forwards: list[tuple[torch.nn.Module, object]]):
+        self.forwards = list(forwards)
+        self.saved: list[list[object]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append([r.__dict__.get("forward") for r, _ in self.forwards])
+        for r, forward in self.forwards:
+            r.forward = forward
+
+    def __exit__(self, *exc) -> None:
+        for (r, _), own in zip(self.forwards, self.saved.pop()):
+            if own is None:
+                del r.forward  # the class's forward again
+            else:
+                r.forward = own
 
 
 def _replaying_forward(router: torch.nn.Module, forced: torch.Tensor, normalize: bool):

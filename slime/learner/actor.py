@@ -37,7 +37,7 @@ from slime.config import JobConfig
 from slime.engines.routing import replay_misfit
 from slime.errors import UserError, dump_stacks_on_sigusr1
 from slime.learner import lora, sharding
-from slime.learner.forwards import ValueModel, response_logprobs, use_logit_chunks
+from slime.learner.forwards import ValueModel, checkpoint_activations, response_logprobs, use_logit_chunks
 from slime.learner.packing import packing_misfit, use_packed_attention
 from slime.model import disable_dropout, load_model, train_mode_gap
 from slime.sample import Sample, Status, failure_key
@@ -202,7 +202,7 @@ class Learner:
         if self.logit_chunk_misfit and lc.logit_chunk_tokens:
             log.warning("learner.logit_chunk_tokens: whole logits, because %s", self.logit_chunk_misfit)
         if lc.activation_checkpointing:
-            self.policy.gradient_checkpointing_enable()
+            checkpoint_activations(self.policy)  # recomputes with the forward's replayed experts
         self.is_moe = hasattr(self.policy.config, "num_experts") or hasattr(self.policy.config, "num_local_experts")
         self.replay = lc.routing_replay
         if self.replay and (misfit := replay_misfit(self.policy)):

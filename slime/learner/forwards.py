@@ -10,6 +10,7 @@ in backward: the peak is one chunk's [C, V], whatever T."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -18,7 +19,7 @@ from transformers import AutoModel
 
 from slime.algorithms.batch import Batch, collate
 from slime.algorithms.core import entropy_from_logits
-from slime.engines.routing import replayed_routing
+from slime.engines.routing import recompute_as_forward, replayed_routing
 from slime.learner.packing import PACKED, PackedRows, keeps_logits
 from slime.model import from_pretrained
 from slime.sample import Sample
@@ -85,6 +86,15 @@ def response_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits)
     return logp, entropy, aux
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Activation checkpointing on the model's layers (non-reentrant), each layer's recomputation in
+    backward routing as its forward did: routing replay's experts are in force only during the
+    forward (`replayed_routing`), backward runs later (routing.recompute_as_forward)."""
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": recompute_as_forward}
+    )
 
 
 def _at(x: torch.Tensor, positions: torch.Tensor, packed: bool) -> torch.Tensor:
@@ -351,12 +361,45 @@ def logit_chunk_misfit(model: torch.nn.Module, tol: float = 1e-4) -> str | None:
     return None
 
 
+def _load_backbone(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The policy checkpoint's backbone (AutoModel), without its output head: transformers' load
+    report is shown only when it names more than the head's keys, deliberately not loaded (unexpected
+    lm_head.*): a missing, mismatched or other unexpected key, or a failed load."""
+    report = logging.getLogger("transformers.modeling_utils")
+    held = _HeldLoadReport()
+    report.addFilter(held)
+    try:
+        backbone, info = from_pretrained(AutoModel, model_dir, dtype=dtype, output_loading_info=True)
+        others = {k for k in info["unexpected_keys"] if not k.startswith("lm_head.")}
+        if not (others or info["missing_keys"] or info["mismatched_keys"] or info["error_msgs"]):
+            held.records.clear()
+    finally:
+        report.removeFilter(held)
+        for record in held.records:  # what it would have logged
+            report.handle(record)
+    return backbone
+
+
+class _HeldLoadReport(logging.Filter):
+    """Holds back transformers' LOAD REPORT records (the caller logs them or drops them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+
 class ValueModel(torch.nn.Module):
     """Critic: the policy's backbone with a scalar head; V(s_t) read at the same positions as π."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype):
         super().__init__()
-        self.backbone = from_pretrained(AutoModel, model_dir, dtype=dtype)
+        self.backbone = _load_backbone(model_dir, dtype)
         self.packed = False  # set by the learner with the backbone's attention (packing.py)
         hidden = self.backbone.config.hidden_size
         self.head = torch.nn.Linear(hidden, 1)
