@@ -116,3 +116,18 @@ def run_slime_chaos() -> tuple[subprocess.CompletedProcess, float]:
         timeout=900,
     )
     return proc, time.monotonic() - started
+
+
+def routers_choices(model: Any, ids: list[int]) -> Any:
+    """[positions, layers * k]: the experts the model's own routers choose over ``ids`` (one forward)."""
+    import torch
+
+    from slime.engines.routing import routers_of
+
+    captured = []
+    hooks = [r.register_forward_hook(lambda m, i, out: captured.append(out[-1])) for r in routers_of(model)]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    return torch.cat(captured, dim=1)  # each [positions, k], in layer order

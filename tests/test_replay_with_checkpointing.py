@@ -19,20 +19,10 @@ from slime.learner import Learner, response_logprobs
 from slime.learner.forwards import ValueModel, checkpoint_activations
 from slime.model import load_model
 from slime.sample import Sample, Status
+from tests.helpers import routers_choices
 
 PROMPTS = [[6, 7, 77, 61, 86, 9, 12], [6, 7, 30, 31]]
 RESPONSES = [[11, 40, 52, 3, 19, 23, 8], [44, 45, 17, 90, 2]]
-
-
-def _own_experts(model, ids: list[int]) -> torch.Tensor:
-    """[positions, layers, k] the model's own routers' choices over `ids`."""
-    captured = []
-    hooks = [r.register_forward_hook(lambda m, i, out: captured.append(out[-1])) for r in routers_of(model)]
-    with torch.no_grad():
-        model(input_ids=torch.tensor([ids]), use_cache=False)
-    for h in hooks:
-        h.remove()
-    return torch.stack(captured, dim=1)
 
 
 def _batch(model, seed: int = 0):
@@ -41,7 +31,10 @@ def _batch(model, seed: int = 0):
     experts = int(routers_of(model)[0].num_experts)
     samples = []
     for i, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES)):
-        own = _own_experts(model, prompt + response[:-1])[len(prompt) - 1 :]  # [T, layers, k]
+        ids = prompt + response[:-1]
+        own = routers_choices(model, ids).view(len(ids), len(routers_of(model)), -1)[
+            len(prompt) - 1 :
+        ]  # [T, layers, k]
         routing = np.empty(tuple(own.shape), dtype=np.uint8)
         for t, layer in np.ndindex(own.shape[:2]):
             others = [e for e in range(experts) if e not in own[t, layer].tolist()]

@@ -17,19 +17,9 @@ from slime.engines.routing import NO_ROUTE, replay_misfit, replayed_routing, rou
 from slime.learner import Learner, response_logprobs
 from slime.model import load_model
 from slime.sample import Sample, Status
+from tests.helpers import routers_choices
 
 PROMPTS = [[6, 7, 77, 61, 86, 9, 12], [6, 7, 30, 31]]
-
-
-def _recorded_experts(model, ids: list[int]) -> torch.Tensor:
-    """[positions, layers * k] the model's own routers' choices over `ids` (one forward)."""
-    captured = []
-    hooks = [r.register_forward_hook(lambda m, i, out: captured.append(out[-1])) for r in routers_of(model)]
-    with torch.no_grad():
-        model(input_ids=torch.tensor([ids]), use_cache=False)
-    for h in hooks:
-        h.remove()
-    return torch.cat(captured, dim=1)  # each [positions, k], in layer order
 
 
 def _generate(model, record: bool = True):
@@ -53,7 +43,7 @@ def test_the_engine_records_the_experts_that_sampled_each_token(tiny_model_dir):
         chunk = out[f"r{i}"]
         recorded = np.frombuffer(b"".join(chunk.routing), dtype=np.uint8).reshape(len(chunk.token_ids), -1)
         # Token t was sampled from the logits at position len(prompt) - 1 + t.
-        own = _recorded_experts(model, prompt + chunk.token_ids[:-1])[len(prompt) - 1 :]
+        own = routers_choices(model, prompt + chunk.token_ids[:-1])[len(prompt) - 1 :]
         np.testing.assert_array_equal(recorded, own.numpy())
         assert recorded.shape[1] == 4 * 2  # 4 MoE layers x top-2
 
