@@ -3,11 +3,14 @@
 One in-process `Learner` (a real redis-server for its buffer, no Ray) runs GRPO updates on a fixed
 batch of 4 prompts x 8 samples; the time of `Learner.update` is the step's learner time. Arms:
 - before: the forward as it was until 2026-12-03 (`legacy_response_logprobs` below): logits at
-  every position of padded rows, an [N, T, V] log-softmax, the entropy inside the autograd graph;
+  every position of padded rows, an [N, T, V] log-softmax, the entropy inside the autograd graph,
+  and torch's default AdamW;
 - padded: today's forward on padded rows (`learner.packing=false`): logits only where a response
   token is predicted, log π = logit - logsumexp, the entropy outside the graph when its
   coefficient is 0;
-- packed: today's default (`learner.packing=true`): the same on the rows laid end to end.
+- packed: today's default (`learner.packing=true`): the same on the rows laid end to end;
+- packed_unfused: packed with torch's default AdamW (one op per tensor on CPU) in place of the
+  fused kernel the learner takes since 2026-12-06 (`make_adamw`).
 
 Workloads (each model random-init from its transformers config; the learner's speed does not
 depend on the weights):
@@ -55,7 +58,7 @@ from slime.model import build_char_tokenizer, build_tiny_moe  # noqa: E402
 from slime.sample import Sample, Status  # noqa: E402
 
 PROMPTS, SAMPLES, MAX_NEW = 4, 8, 64
-ARMS = ["before", "padded", "packed"]
+ARMS = ["before", "padded", "packed", "packed_unfused"]
 
 
 def legacy_response_logprobs(model, batch: Batch, temperature: float, with_entropy=False, with_aux=False, **_):
@@ -110,7 +113,7 @@ def run_arm(arm: str, model_dir: Path, redis_url: str, batch, steps: int, out_di
             f"job_name=learner-step-{arm}",
             f"output_dir={out_dir}",
             f"rollout.n_samples_per_prompt={SAMPLES}",
-            f"learner.packing={arm == 'packed'}",
+            f"learner.packing={arm.startswith('packed')}",
             "cluster.torch_threads=1",
         ],
     )
@@ -121,6 +124,9 @@ def run_arm(arm: str, model_dir: Path, redis_url: str, batch, steps: int, out_di
     )
     with patch:
         learner = Learner(cfg, str(model_dir), redis_url)
+        if arm == "packed_unfused" or arm == "before":  # the optimizer as it was before make_adamw
+            settings = {k: learner.optim.defaults[k] for k in ("lr", "betas", "weight_decay")}
+            learner.optim = torch.optim.AdamW(learner.trainable, **settings)
         samples, group_ids = batch
         learner.update(samples, group_ids, 0)  # warm-up
         times = []
@@ -184,7 +190,7 @@ def main() -> None:
                     res = run_arm(
                         arm, dirs[model], redis.url, batches[(model, lengths)], args.steps, Path(tmp) / "runs"
                     )
-                    assert res["packed"] == (arm == "packed"), (model, arm, res)
+                    assert res["packed"] == arm.startswith("packed"), (model, arm, res)
                     results[f"{model}_{lengths}"][arm].append(res["step_s"])
                     print(
                         f"round {r} {model:14s} {lengths:9s} {arm:7s} {res['step_s'] * 1000:8.1f} ms/step", flush=True
@@ -196,7 +202,8 @@ def main() -> None:
         "batch": f"{PROMPTS}x{SAMPLES}",
         "max_new_tokens": MAX_NEW,
     }
-    print(f"\n{'workload':26s} {'padding':>8s} {'before':>14s} {'padded':>14s} {'packed':>14s} {'before/packed':>13s}")
+    header = " ".join(f"{a:>14s}" for a in ARMS)
+    print(f"\n{'workload':26s} {'padding':>8s} {header} {'before/packed':>13s} {'unfused/fused':>13s}")
     for name, arms in results.items():
         stats = {a: mean_sd(arms[a]) for a in ARMS}
         for a in ARMS:
@@ -205,9 +212,11 @@ def main() -> None:
         speedup = stats["before"][0] / stats["packed"][0]
         line[f"{name}_before_over_packed_step_time_ratio"] = round(speedup, 3)
         line[f"{name}_padded_over_packed_step_time_ratio"] = round(stats["padded"][0] / stats["packed"][0], 3)
+        unfused = stats["packed_unfused"][0] / stats["packed"][0]
+        line[f"{name}_unfused_over_fused_adamw_step_time_ratio"] = round(unfused, 3)
         line[f"{name}_padding_share"] = tokens[name]["padding_share"]
         cells = " ".join(f"{stats[a][0] * 1000:8.1f}±{stats[a][1] * 1000:4.1f}" for a in ARMS)
-        print(f"{name:26s} {tokens[name]['padding_share']:8.2f} {cells} {speedup:12.2f}x")
+        print(f"{name:26s} {tokens[name]['padding_share']:8.2f} {cells} {speedup:12.2f}x {unfused:12.2f}x")
     line["min_before_over_packed_step_time_ratio"] = min(
         v for k, v in line.items() if k.endswith("_before_over_packed_step_time_ratio")
     )
