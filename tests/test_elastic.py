@@ -211,7 +211,7 @@ def test_elastic_job_adds_a_worker_when_dry_removes_it_when_full_and_loses_nothi
     """Scripted load: the reward service stalls on the prompts of step 2 on (a stuck judge) until
     this test releases it, which it does once the added worker has joined. So the learner finds
     the buffer dry with samples waiting for a worker (steps 1 and 2: a worker is added), then, the
-    reward quick and the learner slow (4 epochs), its batch all there when it asks (steps 3 and 4:
+    reward quick and the learner slow (8 epochs), its batch all there when it asks (steps 3 and 4:
     the worker is removed). Every group is trained or still in the buffer with every token."""
     from fastapi.testclient import TestClient
 
@@ -271,7 +271,7 @@ def test_elastic_job_adds_a_worker_when_dry_removes_it_when_full_and_loses_nothi
                 "data.shuffle=false",
                 f"reward.fn={reward}:reward",
                 "reward.max_concurrency=1",
-                "learner.ppo_epochs=4",  # a learner slower than the rollout once the reward is quick
+                "learner.ppo_epochs=8",  # a learner slower than the rollout once the reward is quick
                 "weights.check_every=1",  # every worker, the added one too, holds the learner's weights
                 "logging.progress=false",
                 "logging.tensorboard=false",
