@@ -363,7 +363,7 @@ def test_job_with_its_own_redis_runs_secured_end_to_end(ray_session, tiny_model_
             "job_name=secured",
             f"output_dir={out}",
             f"model.path={tiny_model_dir}",
-            "steps=12",  # long enough for the watcher's dashboard checks on a fast machine
+            "steps=24",  # long enough for the watcher's dashboard checks on a fast machine (12 missed them once)
             "rollout.batch_size=2",
             "rollout.n_samples_per_prompt=2",
             "rollout.max_new_tokens=16",
@@ -416,7 +416,7 @@ def test_job_with_its_own_redis_runs_secured_end_to_end(ray_session, tiny_model_
     watcher.start()
     history = train(cfg)
     watcher.join(timeout=30)
-    assert len(history) == 12 and history[-1]["policy_version"] == 12
+    assert len(history) == 24 and history[-1]["policy_version"] == 24
 
     assert "summary" in seen, f"the dashboard never served the job's buffer: {seen}"
     assert seen["no_token"] == 401 and seen["with_token"] == 200
@@ -428,8 +428,8 @@ def test_job_with_its_own_redis_runs_secured_end_to_end(ray_session, tiny_model_
     # The job's server is gone now; over its AOF a server with another password still holds the data.
     with LocalRedisServer(out / "redis", password="inspector") as server:
         assert (
-            TrajectoryStore.open(server.url, "secured", password="inspector").counts()["groups_trained"] == 24
-        )  # 12 steps x 2 groups
+            TrajectoryStore.open(server.url, "secured", password="inspector").counts()["groups_trained"] == 48
+        )  # 24 steps x 2 groups
 
 
 _RAY_HEAD = """
