@@ -130,21 +130,30 @@ def test_memory_bomb_killed(sb):
 
 
 MANY_CHILDREN = r"""
-import os, sys, time
+import os, sys
 n, mb = int(sys.argv[1]), int(sys.argv[2])
-pipes = []
+hold_r, hold_w = os.pipe()  # each child holds its block until this closes
+children = []
 for _ in range(n):
     r, w = os.pipe()
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
+        os.close(hold_w)
         block = bytearray(mb << 20)
         for i in range(0, len(block), 4096):
             block[i] = 1
         os.write(w, b"x")
-        time.sleep(2)
+        os.read(hold_r, 1)  # until the parent has counted
         os._exit(0)
     os.close(w)
-    pipes.append(r)
-print("alive", sum(1 for r in pipes if os.read(r, 1)))
+    children.append((pid, r))
+# Every child has touched its block or died; count those alive now, each holding its block. The
+# limit kills whichever process it picks, a child that had already reported too: counting reports
+# would count one killed after its report.
+reported = [pid for pid, r in children if os.read(r, 1)]
+print("alive", sum(1 for pid in reported if os.waitpid(pid, os.WNOHANG) == (0, 0)))
+sys.stdout.flush()
+os.close(hold_w)
 """
 
 
