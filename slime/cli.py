@@ -163,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(error: UserError) -> int:
     """``slime: <cause>`` and, unless the message already says it, ``  hint: <what to do>``."""
-    if isinstance(getattr(error, "cause", None), UserError):  # raised in a Ray actor: the error, not Ray's trace
-        error = error.cause
     message = str(error).strip() or type(error).__name__
     print(f"slime: {message}", file=sys.stderr)
     if error.hint and error.hint not in message:

@@ -36,7 +36,10 @@ def exception_behind(exc: BaseException, kind: type[E]) -> E | None:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         if isinstance(current, kind):
-            return current
+            # Ray re-raises an actor's error as RayTaskError(kind), a subclass of both whose text is
+            # Ray's trace: the error itself is its cause.
+            cause = getattr(current, "cause", None)
+            return cause if isinstance(cause, kind) else current
         seen.add(id(current))
         cause = getattr(current, "cause", None)  # ray.exceptions.RayTaskError wraps the actor's error
         current = current.__cause__ or (cause if isinstance(cause, BaseException) else None) or current.__context__

@@ -159,13 +159,14 @@ def test_a_user_error_raised_in_a_ray_actor_is_reported_without_rays_trace(capsy
     from ray.exceptions import RayTaskError
 
     from slime.cli import _report
+    from slime.errors import user_error_behind
     from slime.learner.sharding import CheckpointError
 
     cause = CheckpointError("the checkpoint holds LoRA adapters (adapter/), but learner.lora is not set")
     trace = 'ray::Learner.load() (pid=4652, ip=10.0.0.1)\n  File "actor.py", line 1\nCheckpointError: ...'
     raised = RayTaskError("Learner.load", trace, cause).as_instanceof_cause()
     assert isinstance(raised, CheckpointError)
-    assert _report(raised) == 2
+    assert _report(user_error_behind(raised)) == 2  # as main() reports it
     err = capsys.readouterr().err
     assert err.splitlines()[0] == f"slime: {cause}"
     assert "pid=" not in err and "File" not in err
