@@ -92,9 +92,11 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
     """Activation checkpointing on the model's layers (non-reentrant), each layer's recomputation in
     backward routing as its forward did: routing replay's experts are in force only during the
     forward (`replayed_routing`), backward runs later (routing.recompute_as_forward)."""
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": recompute_as_forward}
-    )
+    kwargs = {"use_reentrant": False, "context_fn": recompute_as_forward}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _at(x: torch.Tensor, positions: torch.Tensor, packed: bool) -> torch.Tensor:
