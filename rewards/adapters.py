@@ -13,6 +13,8 @@ slime, which calls `rm(args, sample)` positionally):
                                                                   solution_str=..., ground_truth=...,
                                                                   extra_info=...)
     TRL     has a parameter `completions`                      -> f(prompts=[p], completions=[r], ...)
+    OpenRLHF has parameters `queries`, `prompts` and `labels`  -> reward_func(queries=[p + r],
+                                                                  prompts=[p], labels=[label])
 
 A function matching none of these, or more than one, is refused with a message naming it and the
 accepted signatures; pass `style=` ("native", "slime", "verl", "trl") to decide explicitly (e.g. a
@@ -40,6 +42,13 @@ What each style receives (metadata = the sample's dataset columns and other per-
   `completions=[[{"role": "assistant", "content": response}]]`; a text prompt as plain strings
   (TRL's "standard" format). `completion_ids`/`trainer_state` are not supplied. The
   result must be a list (or tuple) of exactly one score.
+* OpenRLHF (`reward_func(queries, prompts, labels, **kwargs)`, the file `--remote_rm_url` names):
+  `queries=[text]`, where text is what the model read (the prompt after its chat template, when
+  the caller passes it as metadata["model_prompt"]) followed by the response, else prompt +
+  response; `prompts=[prompt]`, `labels=[label]`. The result is OpenRLHF's dict: "rewards" (a list
+  or tensor, one per query) and optionally "scores" (OpenRLHF's filter score, not used) and
+  "extra_logs" (kept in the sample's metadata as `reward_info`); a bare list or tensor is taken as
+  the rewards.
 """
 
 from __future__ import annotations
@@ -55,13 +64,14 @@ from rewards.runner import _describe, _is_async, _keyword_plan
 from slime.errors import UserError
 from slime.utils.types import Sample
 
-STYLES = ("native", "slime", "verl", "trl")
+STYLES = ("native", "slime", "verl", "trl", "openrlhf")
 
 ACCEPTED_SIGNATURES = (
     "native `fn(prompt, response, label, metadata)` (label/metadata optional, sync or async); "
     "slime `async def rm(args, sample)`; "
     "verl `compute_score(data_source, solution_str, ground_truth, extra_info=None)`; "
-    "TRL `f(completions, **kwargs)` (optionally `prompts=`) returning a list of floats"
+    "TRL `f(completions, **kwargs)` (optionally `prompts=`) returning a list of floats; "
+    "OpenRLHF `reward_func(queries, prompts, labels)` returning {'rewards': [...]}"
 )
 
 
@@ -89,7 +99,7 @@ def adapt(fn: Callable[..., Any], style: str | None = None, name: str | None = N
     if style == "native":
         _keyword_plan(fn, name)  # raises a clear TypeError now rather than on every call
         return fn
-    return {"slime": _slime, "verl": _verl, "trl": _trl}[style](fn, name)
+    return {"slime": _slime, "verl": _verl, "trl": _trl, "openrlhf": _openrlhf}[style](fn, name)
 
 
 def detect_style(fn: Callable[..., Any], name: str | None = None) -> str:
@@ -113,6 +123,8 @@ def detect_style(fn: Callable[..., Any], name: str | None = None) -> str:
         matches.append("verl")
     if "completions" in names:
         matches.append("trl")
+    if {"queries", "prompts", "labels"} <= set(names):
+        matches.append("openrlhf")
     if len(matches) == 1:
         return matches[0]
     why = f"matches several styles ({', '.join(matches)})" if matches else "matches no supported style"
@@ -249,6 +261,69 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         if value[0] is None:
             raise ValueError(f"TRL-style reward {name} returned [None]: it does not apply to this sample")
         return value[0]
+
+    return _native(fn, name, build, post)
+
+
+def model_text(prompt: str, response: str, metadata: Mapping[str, Any]) -> str:
+    """OpenRLHF's `query`: the text the model read (metadata["model_prompt"], the prompt after its chat
+    template) and the response after it; without it, the prompt and the response."""
+    read = metadata.get("model_prompt")
+    return (read if isinstance(read, str) else prompt) + response
+
+
+def openrlhf_results(reply: Any, count: int, who: str) -> list[dict[str, Any]]:
+    """OpenRLHF's reward reply for `count` queries ({"rewards": [...], "scores"?, "extra_logs"?}, or a
+    bare list/tensor of rewards) as one {"score", "info"?} per query, in order. Per-query values of
+    "extra_logs" (a list or tensor as long as the rewards) go to each query's info, a scalar to all."""
+    if isinstance(reply, Mapping):
+        if "rewards" not in reply:
+            keys = sorted(str(k) for k in reply)[:10]
+            raise ValueError(
+                f"{who} answered without 'rewards' (keys: {keys}); OpenRLHF's reply is {{'rewards': [...]}}"
+            )
+        rewards, logs = reply["rewards"], reply.get("extra_logs")
+    else:
+        rewards, logs = reply, None
+    values = _as_list(rewards)
+    if values is None:
+        raise TypeError(f"{who} gave rewards as {type(rewards).__name__}, not a list or tensor: {rewards!r:.80}")
+    rewards = values
+    if len(rewards) != count:
+        raise ValueError(f"{who} gave {len(rewards)} rewards for {count} queries")
+    infos: list[dict[str, Any]] = [{} for _ in rewards]
+    if isinstance(logs, Mapping):
+        for key, value in logs.items():
+            values = _as_list(value)
+            for i, info in enumerate(infos):
+                info[str(key)] = values[i] if values is not None and len(values) == count else _plain(value)
+    return [{"score": r, **({"info": info} if info else {})} for r, info in zip(rewards, infos)]
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    """A list, tuple, numpy array or tensor as a list of Python values; anything else None."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1:
+        return value.tolist()
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """A 0-d tensor or numpy scalar as a Python number; other values unchanged."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
+
+
+def _openrlhf(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    accepts = _acceptor(fn)
+
+    def build(prompt, response, label, metadata):
+        offered = {"queries": [model_text(prompt, response, metadata)], "prompts": [prompt], "labels": [label]}
+        return (), {k: v for k, v in offered.items() if accepts(k)}
+
+    def post(value: Any) -> Any:
+        (result,) = openrlhf_results(value, 1, f"OpenRLHF-style reward {name}")
+        return result
 
     return _native(fn, name, build, post)
 

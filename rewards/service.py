@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from rewards.adapters import model_text, openrlhf_results
 from rewards.mix import describe_spec, load_reward_spec
 from rewards.runner import RewardResult, RewardRunner, StepScores, check_reward_value
 from slime.security import auth_headers, redact_url
@@ -327,47 +328,40 @@ def _resolve(future: Future, result: RewardResult) -> None:
         future.set_result(result)
 
 
-def http_transport(url: str, token: str | None = None) -> tuple[Callable[[], Transport], Callable[[], Awaitable[None]]]:
+def http_transport(
+    url: str, token: str | None = None, wire_format: str = "slime"
+) -> tuple[Callable[[], Transport], Callable[[], Awaitable[None]]]:
     """POST {url}/score with {"samples": [...]} and the server's token; made inside the client's
-    loop (httpx is loop-bound)."""
+    loop (httpx is loop-bound). ``wire_format="openrlhf"``: POST to `url` itself OpenRLHF's remote
+    reward-model request, {"query": [...], "prompts": [...], "labels": [...]}, and read its reply,
+    {"rewards": [...], "extra_logs"?: {...}} (rewards.adapters.openrlhf_results)."""
     import httpx
 
     holder: dict[str, httpx.AsyncClient] = {}
-    endpoint = url.rstrip("/") + "/score"
+    endpoint = url if wire_format == "openrlhf" else url.rstrip("/") + "/score"
     shown = redact_url(endpoint)
 
     def make() -> Transport:
         holder["client"] = httpx.AsyncClient(timeout=None, headers=auth_headers(token))
 
         async def call(samples: list[dict], timeout_s: float) -> Any:
-            try:
-                async with holder["client"].stream(
-                    "POST", endpoint, json={"samples": samples}, timeout=timeout_s
-                ) as resp:
-                    status, body = resp.status_code, bytearray()
-                    async for part in resp.aiter_bytes():
-                        body += part
-                        if len(body) > MAX_REPLY_BYTES:  # a hostile or broken server: not the worker's memory
-                            raise RuntimeError(
-                                f"POST {shown}: the reply is over {MAX_REPLY_BYTES >> 20} MiB for "
-                                f"{len(samples)} samples (not retried)"
-                            )
-            except httpx.TransportError as exc:  # connect, read, protocol errors
-                raise RetryableError(f"POST {shown}: {type(exc).__name__}: {redact_url(str(exc))}") from None
-            text = body.decode("utf-8", errors="replace")
-            if status == 429 or status >= 500:
-                raise RetryableError(f"POST {shown}: HTTP {status}: {text[:200]}")
-            if status in (401, 403):
-                raise RuntimeError(
-                    f"POST {shown}: HTTP {status} (not retried): the reward server "
-                    f"wants its token; set reward.token: {text[:200]}"
+            if wire_format != "openrlhf":
+                return await _post_json(
+                    holder["client"], endpoint, {"samples": samples}, shown, timeout_s, len(samples)
                 )
-            if status != 200:
-                raise RuntimeError(f"POST {shown}: HTTP {status} (not retried): {text[:300]}")
+            body = {
+                "query": [model_text(s["prompt"], s["response"], s["metadata"]) for s in samples],
+                "prompts": [s["prompt"] for s in samples],
+                "labels": [s["label"] for s in samples],
+            }
+            reply = await _post_json(holder["client"], endpoint, body, shown, timeout_s, len(samples))
             try:
-                return json.loads(text)
-            except ValueError:
-                raise RuntimeError(f"POST {shown}: reply is not JSON: {text[:200]!r}") from None
+                results = openrlhf_results(reply, len(samples), f"POST {shown}")
+            except (TypeError, ValueError) as exc:  # a broken reply fails this batch, not retried
+                raise RuntimeError(str(exc)) from None
+            return {
+                "results": [{"reward": r["score"], **({"info": r["info"]} if "info" in r else {})} for r in results]
+            }
 
         return call
 
@@ -376,6 +370,37 @@ def http_transport(url: str, token: str | None = None) -> tuple[Callable[[], Tra
             await holder["client"].aclose()
 
     return make, close
+
+
+async def _post_json(client: Any, endpoint: str, body: dict, shown: str, timeout_s: float, count: int) -> Any:
+    """POST `body` as JSON; the reply's JSON. Connection errors, 429 and 5xx are retryable; other
+    statuses, an oversized reply and one that is not JSON are not."""
+    import httpx
+
+    try:
+        async with client.stream("POST", endpoint, json=body, timeout=timeout_s) as resp:
+            status, reply = resp.status_code, bytearray()
+            async for part in resp.aiter_bytes():
+                reply += part
+                if len(reply) > MAX_REPLY_BYTES:  # a hostile or broken server: not the worker's memory
+                    raise RuntimeError(
+                        f"POST {shown}: the reply is over {MAX_REPLY_BYTES >> 20} MiB for {count} samples (not retried)"
+                    )
+    except httpx.TransportError as exc:  # connect, read, protocol errors
+        raise RetryableError(f"POST {shown}: {type(exc).__name__}: {redact_url(str(exc))}") from None
+    text = reply.decode("utf-8", errors="replace")
+    if status == 429 or status >= 500:
+        raise RetryableError(f"POST {shown}: HTTP {status}: {text[:200]}")
+    if status in (401, 403):
+        raise RuntimeError(
+            f"POST {shown}: HTTP {status} (not retried): the reward server wants its token; set reward.token: {text[:200]}"
+        )
+    if status != 200:
+        raise RuntimeError(f"POST {shown}: HTTP {status} (not retried): {text[:300]}")
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise RuntimeError(f"POST {shown}: reply is not JSON: {text[:200]!r}") from None
 
 
 # --- Ray actor mode ------------------------------------------------------------------------------
@@ -467,7 +492,7 @@ def make_reward_service(cfg: Any, job_name: str) -> RewardService:
             on_timeout=ray_hang_check(actor, max(5.0, min(HEALTH_PROBE_S, request_timeout))),
         )
     elif cfg.mode == "http":
-        make, close = http_transport(cfg.url, cfg.token)
+        make, close = http_transport(cfg.url, cfg.token, cfg.http_format)
         service = RemoteRewardClient(
             redact_url(cfg.url),
             make,

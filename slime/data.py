@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,13 @@ def reward_metadata(record: PromptRecord) -> dict[str, Any]:
     if not isinstance(record.prompt, str):
         meta["prompt_messages"] = record.prompt
     return meta
+
+
+def scored_metadata(metadata: dict[str, Any], prompt_ids: Sequence[int], tokenizer: Any) -> dict[str, Any]:
+    """The metadata a reward call gets: the sample's, plus `model_prompt`, the prompt as the model
+    read it (chat template or data.input_template applied; special tokens kept). OpenRLHF-style
+    rewards score that text followed by the response."""
+    return {**metadata, "model_prompt": tokenizer.decode(list(prompt_ids), skip_special_tokens=False)}
 
 
 class DatasetError(UserError, ValueError):

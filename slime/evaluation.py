@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from slime.config import EvalConfig, JobConfig, load_config
-from slime.data import PromptRecord, load_prompts, reward_metadata, write_jsonl
+from slime.data import PromptRecord, load_prompts, reward_metadata, scored_metadata, write_jsonl
 from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.errors import UserError
@@ -96,7 +96,7 @@ def score_answers(
         ids = answer["token_ids"]
         if ids and ids[-1] in stop:
             ids = ids[:-1]
-        meta = reward_metadata(record)
+        meta = scored_metadata(reward_metadata(record), record.prompt_ids, tokenizer)
         futures[rid] = submit(meta["prompt_text"], tokenizer.decode(ids, skip_special_tokens=True), record.label, meta)
     scores = {}
     for rid, future in futures.items():

@@ -131,8 +131,8 @@ def test_style_override_and_bad_style():
 
     fn = adapt(wrapper, style="trl")
     assert fn("p", "ok", None, {}) == 1.0
-    with pytest.raises(ValueError, match=r"unknown style 'openrlhf'; choose one of native, slime, verl, trl"):
-        adapt(wrapper, style="openrlhf")
+    with pytest.raises(ValueError, match=r"unknown style 'deepspeed'; choose one of native, slime, verl, trl, openrlhf"):
+        adapt(wrapper, style="deepspeed")
 
 
 # --- slime ---------------------------------------------------------------------------------------

@@ -25,6 +25,12 @@ class RewardConfig(_Strict):
         "or behind HTTP (`slime reward-serve SPEC --port N`; set url). rewards/service.py.",
     )
     url: str | None = Field(None, description="mode=http: the reward server, e.g. http://127.0.0.1:8000.")
+    http_format: Literal["slime", "openrlhf"] = Field(
+        "slime",
+        description="mode=http: what the server speaks. slime: `slime reward-serve` (POST {url}/score). "
+        "openrlhf: an OpenRLHF remote reward model (`--remote_rm_url`, e.g. `openrlhf.cli.serve_rm`): "
+        'POST url itself {"query", "prompts", "labels"}, reply {"rewards": [...]}.',
+    )
     batch_size: int = Field(32, gt=0, description="Remote modes: most samples per call.")
     request_timeout_s: float | None = Field(
         None, gt=0, description="Remote modes: limit per call attempt (default 2*timeout_s + 5)."
@@ -54,6 +60,8 @@ class RewardConfig(_Strict):
             raise ValueError("reward.url is required when reward.mode is 'http' (start one with `slime reward-serve`)")
         if self.url and self.mode != "http":
             raise ValueError(f"reward.url is set but reward.mode is {self.mode!r}; set reward.mode=http to use it")
+        if self.http_format != "slime" and self.mode != "http":
+            raise ValueError(f"reward.http_format={self.http_format} applies to reward.mode=http, not {self.mode!r}")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"reward.url must start with http:// or https://, got {self.url!r}")
         return self

@@ -38,6 +38,7 @@ from slime.buffer import (
     TrajectoryStore,
 )
 from slime.config import JobConfig
+from slime.data import scored_metadata
 from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
@@ -365,7 +366,7 @@ class RolloutWorker:
         if ids and ids[-1] in stop:
             ids = ids[:-1]
         response = self.tokenizer.decode(ids, skip_special_tokens=True)
-        meta = sample.metadata
+        meta = scored_metadata(sample.metadata, sample.prompt_ids.tolist(), self.tokenizer)
         future = self.rewards.submit(meta.get("prompt_text", ""), response, meta.get("label"), meta)
         self.scoring[sample.id] = future
         future.add_done_callback(lambda f, s=sample, st=status: self.scored.append((s, st, f.result())))
