@@ -40,8 +40,12 @@ What each style receives (metadata = the sample's dataset columns and other per-
   passed; a required one that is absent is a clear error. A chat-messages prompt (metadata
   "prompt_messages") is passed as TRL's conversational format: `prompts=[messages]`,
   `completions=[[{"role": "assistant", "content": response}]]`; a text prompt as plain strings
-  (TRL's "standard" format). `completion_ids`/`trainer_state` are not supplied. The
-  result must be a list (or tuple) of exactly one score.
+  (TRL's "standard" format). `completion_ids=[ids]` when the caller gives the response's token
+  ids (EOS included) as metadata["response_ids"]; `log_metric(name, value)` and
+  `log_extra(column, values)` put what they log in the sample's `reward_info`; `trainer_state` is
+  not supplied. A function taking `completion_ids` but no `completions` (TRL's
+  `get_soft_overlong_punishment`, `get_repetition_penalty_reward`) is TRL-style too. The result
+  must be a list (or tuple) of exactly one score.
 * OpenRLHF (`reward_func(queries, prompts, labels, **kwargs)`, the file `--remote_rm_url` names):
   `queries=[text]`, where text is what the model read (the prompt after its chat template, when
   the caller passes it as metadata["model_prompt"]) followed by the response, else prompt +
@@ -121,7 +125,7 @@ def detect_style(fn: Callable[..., Any], name: str | None = None) -> str:
         matches.append("slime")
     if "solution_str" in names and "ground_truth" in names:
         matches.append("verl")
-    if "completions" in names:
+    if "completions" in names or "completion_ids" in names:
         matches.append("trl")
     if {"queries", "prompts", "labels"} <= set(names):
         matches.append("openrlhf")
@@ -153,19 +157,20 @@ def native_caller(fn: Callable[..., Any], name: str | None = None) -> Callable[[
 
 
 def _native(
-    fn: Callable[..., Any], name: str, build: Callable[..., tuple[tuple, dict]], post: Callable[[Any], Any]
+    fn: Callable[..., Any], name: str, build: Callable[..., tuple[tuple, dict]], post: Callable[[Any, dict], Any]
 ) -> Callable[..., Any]:
-    """A native-signature function calling `fn(*args, **kwargs)` from `build`, sync or async like fn."""
+    """A native-signature function calling `fn(*args, **kwargs)` from `build`, sync or async like fn;
+    `post(value, kwargs)` turns what it returned into a native reward."""
     if _is_async(fn):
 
         async def reward(prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Any:
             args, kwargs = build(prompt, response, label, dict(metadata or {}))
-            return post(await fn(*args, **kwargs))
+            return post(await fn(*args, **kwargs), kwargs)
     else:
 
         def reward(prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Any:
             args, kwargs = build(prompt, response, label, dict(metadata or {}))
-            return post(fn(*args, **kwargs))
+            return post(fn(*args, **kwargs), kwargs)
 
     reward.__name__ = getattr(fn, "__name__", "reward")
     reward.__qualname__ = name  # the runner names failures after this
@@ -181,7 +186,7 @@ def _slime(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         sample = RewardSample(prompt=prompt, response=response, label=label, metadata=metadata)
         return (SimpleNamespace(**fields), sample), {}
 
-    return _native(fn, name, build, lambda value: value)
+    return _native(fn, name, build, lambda value, _: value)
 
 
 def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -202,7 +207,7 @@ def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         }
         return (), {k: v for k, v in offered.items() if accepts(k)}
 
-    def post(value: Any) -> Any:
+    def post(value: Any, _: dict) -> Any:
         if isinstance(value, Mapping):
             if "score" not in value:
                 raise ValueError(
@@ -214,7 +219,22 @@ def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return _native(fn, name, build, post)
 
 
-_TRL_RESERVED = ("prompts", "completions")
+_TRL_RESERVED = ("prompts", "completions", "completion_ids", "log_metric", "log_extra")
+
+
+class _TrlLog:
+    """TRL's `log_metric(name, value)` and `log_extra(column, values)` for one completion: what they
+    log goes to the sample's `reward_info`."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def metric(self, name: str, value: Any) -> None:
+        self.values[str(name)] = _plain(value)
+
+    def extra(self, column: str, values: Any) -> None:
+        items = _as_list(values)
+        self.values[str(column)] = items[0] if items is not None and len(items) == 1 else _plain(values)
 
 
 def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -240,6 +260,10 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
                 offered[key] = [value]
         offered.setdefault("ground_truth", [label])
         offered.setdefault("label", [label])
+        if isinstance(metadata.get("response_ids"), list):  # TRL's completion_ids: the tokens, EOS included
+            offered["completion_ids"] = [metadata["response_ids"]]
+        log = _TrlLog()
+        offered["log_metric"], offered["log_extra"] = log.metric, log.extra
         missing = [n for n in required if n not in offered]
         if missing:
             raise TypeError(
@@ -248,7 +272,7 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             )
         return (), {k: v for k, v in offered.items() if accepts(k)}
 
-    def post(value: Any) -> Any:
+    def post(value: Any, kwargs: dict) -> Any:
         if not isinstance(value, (list, tuple)):
             raise TypeError(
                 f"TRL-style reward {name} returned {type(value).__name__} {value!r:.80}; "
@@ -260,7 +284,8 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             )
         if value[0] is None:
             raise ValueError(f"TRL-style reward {name} returned [None]: it does not apply to this sample")
-        return value[0]
+        log = getattr(kwargs.get("log_metric") or kwargs.get("log_extra"), "__self__", None)
+        return {"score": value[0], "info": log.values} if isinstance(log, _TrlLog) and log.values else value[0]
 
     return _native(fn, name, build, post)
 
@@ -321,7 +346,7 @@ def _openrlhf(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         offered = {"queries": [model_text(prompt, response, metadata)], "prompts": [prompt], "labels": [label]}
         return (), {k: v for k, v in offered.items() if accepts(k)}
 
-    def post(value: Any) -> Any:
+    def post(value: Any, _: dict) -> Any:
         (result,) = openrlhf_results(value, 1, f"OpenRLHF-style reward {name}")
         return result
 

@@ -40,11 +40,18 @@ def reward_metadata(record: PromptRecord) -> dict[str, Any]:
     return meta
 
 
-def scored_metadata(metadata: dict[str, Any], prompt_ids: Sequence[int], tokenizer: Any) -> dict[str, Any]:
+def scored_metadata(
+    metadata: dict[str, Any], prompt_ids: Sequence[int], response_ids: Sequence[int], tokenizer: Any
+) -> dict[str, Any]:
     """The metadata a reward call gets: the sample's, plus `model_prompt`, the prompt as the model
-    read it (chat template or data.input_template applied; special tokens kept). OpenRLHF-style
-    rewards score that text followed by the response."""
-    return {**metadata, "model_prompt": tokenizer.decode(list(prompt_ids), skip_special_tokens=False)}
+    read it (chat template or data.input_template applied; special tokens kept), which
+    OpenRLHF-style rewards score with the response after it, and `response_ids`, the response's
+    tokens (a stop token included), TRL's `completion_ids`."""
+    return {
+        **metadata,
+        "model_prompt": tokenizer.decode(list(prompt_ids), skip_special_tokens=False),
+        "response_ids": [int(t) for t in response_ids],
+    }
 
 
 class DatasetError(UserError, ValueError):

@@ -94,9 +94,9 @@ def score_answers(
     for rid, answer in answers.items():
         record = records[int(rid.split("-")[1])]
         ids = answer["token_ids"]
+        meta = scored_metadata(reward_metadata(record), record.prompt_ids, ids, tokenizer)
         if ids and ids[-1] in stop:
             ids = ids[:-1]
-        meta = scored_metadata(reward_metadata(record), record.prompt_ids, tokenizer)
         futures[rid] = submit(meta["prompt_text"], tokenizer.decode(ids, skip_special_tokens=True), record.label, meta)
     scores = {}
     for rid, future in futures.items():

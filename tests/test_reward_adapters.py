@@ -250,3 +250,31 @@ def test_load_reward_from_file_and_run_through_the_runner(tmp_path: Path, monkey
     with RewardRunner(load_reward("my_slime.py:rm"), 5.0, 2) as runner:
         assert runner.score("p", "yes", "yes", {}).reward == 1.0
         assert runner.score("p", "no", "yes", {}).reward == 0.0
+
+
+def test_trls_own_completion_ids_rewards_plug_in_as_factories():
+    """TRL's built-in length and repetition rewards take `completion_ids` alone: the response's
+    tokens (metadata["response_ids"], as the rollout worker gives them), EOS included as in TRL."""
+    from rewards.mix import load_reward_spec
+
+    overlong = load_reward_spec(
+        {"fn": "trl.rewards:get_soft_overlong_punishment", "kwargs": {"max_completion_len": 8, "soft_punish_cache": 4}}
+    )
+    # TRL's schedule: 0 up to max - cache tokens, then down linearly to -1 at max, -1 beyond
+    assert overlong("p", "r", None, {"response_ids": [5] * 4}) == 0.0
+    assert overlong("p", "r", None, {"response_ids": [5] * 6}) == pytest.approx((8 - 4 - 6) / 4)
+    assert overlong("p", "r", None, {"response_ids": [5] * 9}) == -1.0
+    with pytest.raises(TypeError, match=r"requires \['completion_ids'\], which this sample does not have"):
+        overlong("p", "r", None, {})
+
+
+def test_trl_log_metric_and_log_extra_land_in_the_rewards_info():
+    def scored(completions, log_metric, log_extra, **kwargs):
+        log_metric("length", len(completions[0]))
+        log_extra("upper", [completions[0].upper()])
+        return [1.0]
+
+    assert adapt(scored)("p", "abc", None, {}) == {"score": 1.0, "info": {"length": 3, "upper": "ABC"}}
+    with RewardRunner(adapt(scored), 5.0, 1) as runner:
+        result = runner.score("p", "ab", None, {})
+    assert (result.reward, result.info) == (1.0, {"length": 2, "upper": "AB"})

@@ -363,10 +363,10 @@ class RolloutWorker:
         status = Status.TRUNCATED if finish_reason == "length" else Status.COMPLETED
         stop = set(self.params.stop_token_ids)
         ids = sample.response_ids.tolist()
+        meta = scored_metadata(sample.metadata, sample.prompt_ids.tolist(), ids, self.tokenizer)
         if ids and ids[-1] in stop:
             ids = ids[:-1]
         response = self.tokenizer.decode(ids, skip_special_tokens=True)
-        meta = scored_metadata(sample.metadata, sample.prompt_ids.tolist(), self.tokenizer)
         future = self.rewards.submit(meta.get("prompt_text", ""), response, meta.get("label"), meta)
         self.scoring[sample.id] = future
         future.add_done_callback(lambda f, s=sample, st=status: self.scored.append((s, st, f.result())))
