@@ -131,7 +131,9 @@ def test_style_override_and_bad_style():
 
     fn = adapt(wrapper, style="trl")
     assert fn("p", "ok", None, {}) == 1.0
-    with pytest.raises(ValueError, match=r"unknown style 'deepspeed'; choose one of native, slime, verl, trl, openrlhf"):
+    with pytest.raises(
+        ValueError, match=r"unknown style 'deepspeed'; choose one of native, slime, verl, trl, openrlhf"
+    ):
         adapt(wrapper, style="deepspeed")
 
 
