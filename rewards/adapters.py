@@ -61,7 +61,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 from rewards.plugin import load_function
 from rewards.runner import _describe, _is_async, _keyword_plan
@@ -221,23 +221,37 @@ def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 _TRL_RESERVED = ("prompts", "completions", "completion_ids", "log_metric", "log_extra")
 
+Item = tuple[str, str, Any, dict[str, Any]]  # what a reward scores: prompt, response, label, metadata
+
 
 class _TrlLog:
-    """TRL's `log_metric(name, value)` and `log_extra(column, values)` for one completion: what they
-    log goes to the sample's `reward_info`."""
+    """TRL's `log_metric(name, value)` (one value for the batch) and `log_extra(column, values)` (one
+    per completion): what they log goes to each completion's `reward_info`."""
 
-    def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
+    def __init__(self, count: int) -> None:
+        self.values: list[dict[str, Any]] = [{} for _ in range(count)]
 
     def metric(self, name: str, value: Any) -> None:
-        self.values[str(name)] = _plain(value)
+        for info in self.values:
+            info[str(name)] = _plain(value)
 
     def extra(self, column: str, values: Any) -> None:
         items = _as_list(values)
-        self.values[str(column)] = items[0] if items is not None and len(items) == 1 else _plain(values)
+        for i, info in enumerate(self.values):
+            info[str(column)] = items[i] if items is not None and len(items) == len(self.values) else _plain(values)
 
 
-def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+class BatchCall(NamedTuple):
+    """A framework's batched reward call: `build(items) -> (args, kwargs)` for `fn`, and
+    `post(value, kwargs, count) -> one result per item` (a number, a dict with "score", or None)."""
+
+    build: Callable[[list[Item]], tuple[tuple, dict]]
+    post: Callable[[Any, dict, int], list[Any]]
+
+
+def trl_batch(fn: Callable[..., Any], name: str) -> BatchCall:
+    """TRL's call: the batch's prompts and completions, each dataset column as a list (one value per
+    completion), completion_ids, log_metric and log_extra."""
     accepts = _acceptor(fn)
     sig = inspect.signature(fn)
     required = [
@@ -246,23 +260,23 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
 
-    def build(prompt, response, label, metadata):
-        messages = metadata.get("prompt_messages")
-        if isinstance(messages, list):  # a conversational dataset: TRL passes messages both ways
-            offered: dict[str, list[Any]] = {
-                "prompts": [messages],
-                "completions": [[{"role": "assistant", "content": response}]],
+    def build(items: list[Item]) -> tuple[tuple, dict]:
+        metas = [m for _, _, _, m in items]
+        if all(isinstance(m.get("prompt_messages"), list) for m in metas):  # conversational: messages both ways
+            offered: dict[str, Any] = {
+                "prompts": [m["prompt_messages"] for m in metas],
+                "completions": [[{"role": "assistant", "content": r}] for _, r, _, _ in items],
             }
         else:
-            offered = {"prompts": [prompt], "completions": [response]}
-        for key, value in metadata.items():
+            offered = {"prompts": [p for p, _, _, _ in items], "completions": [r for _, r, _, _ in items]}
+        for key in dict.fromkeys(k for m in metas for k in m):
             if isinstance(key, str) and key not in _TRL_RESERVED and key != "prompt_messages":
-                offered[key] = [value]
-        offered.setdefault("ground_truth", [label])
-        offered.setdefault("label", [label])
-        if isinstance(metadata.get("response_ids"), list):  # TRL's completion_ids: the tokens, EOS included
-            offered["completion_ids"] = [metadata["response_ids"]]
-        log = _TrlLog()
+                offered[key] = [m.get(key) for m in metas]
+        offered.setdefault("ground_truth", [label for _, _, label, _ in items])
+        offered.setdefault("label", [label for _, _, label, _ in items])
+        if all(isinstance(m.get("response_ids"), list) for m in metas):  # completion_ids: the tokens, EOS included
+            offered["completion_ids"] = [m["response_ids"] for m in metas]
+        log = _TrlLog(len(items))
         offered["log_metric"], offered["log_extra"] = log.metric, log.extra
         missing = [n for n in required if n not in offered]
         if missing:
@@ -272,22 +286,36 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             )
         return (), {k: v for k, v in offered.items() if accepts(k)}
 
-    def post(value: Any, kwargs: dict) -> Any:
-        if not isinstance(value, (list, tuple)):
+    def post(value: Any, kwargs: dict, count: int) -> list[Any]:
+        values = _as_list(value) if not isinstance(value, (list, tuple)) else list(value)
+        if values is None:
             raise TypeError(
                 f"TRL-style reward {name} returned {type(value).__name__} {value!r:.80}; "
                 f"expected a list with one score per completion"
             )
-        if len(value) != 1:
+        if len(values) != count:
+            completions = "1 completion" if count == 1 else f"{count} completions"
             raise ValueError(
-                f"TRL-style reward {name} returned {len(value)} scores for 1 completion; expected a list of exactly 1"
+                f"TRL-style reward {name} returned {len(values)} scores for {completions}; "
+                f"expected a list of exactly {count}"
             )
-        if value[0] is None:
-            raise ValueError(f"TRL-style reward {name} returned [None]: it does not apply to this sample")
         log = getattr(kwargs.get("log_metric") or kwargs.get("log_extra"), "__self__", None)
-        return {"score": value[0], "info": log.values} if isinstance(log, _TrlLog) and log.values else value[0]
+        infos = log.values if isinstance(log, _TrlLog) else [{} for _ in values]
+        return [{"score": v, "info": info} if info and v is not None else v for v, info in zip(values, infos)]
 
-    return _native(fn, name, build, post)
+    return BatchCall(build, post)
+
+
+def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    call = trl_batch(fn, name)
+
+    def post(value: Any, kwargs: dict) -> Any:
+        (result,) = call.post(value, kwargs, 1)
+        if result is None:
+            raise ValueError(f"TRL-style reward {name} returned [None]: it does not apply to this sample")
+        return result
+
+    return _native(fn, name, lambda *item: call.build([item]), post)
 
 
 def model_text(prompt: str, response: str, metadata: Mapping[str, Any]) -> str:
@@ -339,18 +367,27 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
 
 
-def _openrlhf(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+def openrlhf_batch(fn: Callable[..., Any], name: str) -> BatchCall:
+    """OpenRLHF's call: reward_func(queries, prompts, labels) over the batch."""
     accepts = _acceptor(fn)
 
-    def build(prompt, response, label, metadata):
-        offered = {"queries": [model_text(prompt, response, metadata)], "prompts": [prompt], "labels": [label]}
+    def build(items: list[Item]) -> tuple[tuple, dict]:
+        offered = {
+            "queries": [model_text(p, r, m) for p, r, _, m in items],
+            "prompts": [p for p, _, _, _ in items],
+            "labels": [label for _, _, label, _ in items],
+        }
         return (), {k: v for k, v in offered.items() if accepts(k)}
 
-    def post(value: Any, _: dict) -> Any:
-        (result,) = openrlhf_results(value, 1, f"OpenRLHF-style reward {name}")
-        return result
+    def post(value: Any, _: dict, count: int) -> list[Any]:
+        return openrlhf_results(value, count, f"OpenRLHF-style reward {name}")
 
-    return _native(fn, name, build, post)
+    return BatchCall(build, post)
+
+
+def _openrlhf(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    call = openrlhf_batch(fn, name)
+    return _native(fn, name, lambda *item: call.build([item]), lambda value, kwargs: call.post(value, kwargs, 1)[0])
 
 
 def _acceptor(fn: Callable[..., Any]) -> Callable[[str], bool]:

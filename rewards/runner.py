@@ -477,8 +477,9 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 (its __call__ method)
 
 
-def _keyword_plan(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:
-    """Whether to pass `label` and `metadata`; raises TypeError if fn cannot take the native call."""
+def _keyword_plan(fn: Callable[..., Any], name: str, response_param: str = "response") -> tuple[bool, bool]:
+    """Whether to pass `label` and `metadata`; raises TypeError if fn cannot take the native call
+    (`response_param="responses"`: a group reward's, rewards/group.py)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no introspectable signature (some builtins): pass everything
@@ -490,8 +491,8 @@ def _keyword_plan(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:
         p = params.get(arg)
         return takes_kwargs or (p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
-    missing = [arg for arg in ("prompt", "response") if not accepts(arg)]
-    native = {"prompt", "response", "label", "metadata"}
+    missing = [arg for arg in ("prompt", response_param) if not accepts(arg)]
+    native = {"prompt", response_param, "label", "metadata"}
     unsupplied = [
         n
         for n, p in params.items()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,23 @@ def scored_metadata(
         "model_prompt": tokenizer.decode(list(prompt_ids), skip_special_tokens=False),
         "response_ids": [int(t) for t in response_ids],
     }
+
+
+def reward_inputs(
+    metadata: dict[str, Any],
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    tokenizer: Any,
+    stop_token_ids: Collection[int],
+) -> tuple[str, str, Any, dict[str, Any]]:
+    """What a reward scores a response with: (prompt, response, label, metadata). The response is
+    its tokens without a final stop token, decoded without special tokens."""
+    ids = [int(t) for t in response_ids]
+    meta = scored_metadata(metadata, prompt_ids, ids, tokenizer)
+    if ids and ids[-1] in stop_token_ids:
+        ids = ids[:-1]
+    response = tokenizer.decode(ids, skip_special_tokens=True)
+    return meta.get("prompt_text", ""), response, meta.get("label"), meta
 
 
 class DatasetError(UserError, ValueError):

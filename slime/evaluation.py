@@ -30,8 +30,9 @@ from typing import Any
 import torch
 import yaml
 
+from rewards.group import GroupScorer, load_group_reward
 from slime.config import EvalConfig, JobConfig, load_config
-from slime.data import PromptRecord, load_prompts, reward_metadata, scored_metadata, write_jsonl
+from slime.data import PromptRecord, load_prompts, reward_inputs, reward_metadata, write_jsonl
 from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.errors import UserError
@@ -85,24 +86,39 @@ def score_answers(
     answers: dict[str, dict[str, Any]],
     tokenizer: Any,
     stop: list[int],
-    submit: Callable[..., Future],
+    rewards: Any,
     timeout_s: float,
 ) -> dict[str, tuple[float | None, str | None]]:
     """request id -> (reward, failure), each response scored as the rollout worker scores it:
-    the stop token cut, the rest decoded without special tokens."""
-    futures: dict[str, Future] = {}
-    for rid, answer in answers.items():
-        record = records[int(rid.split("-")[1])]
-        ids = answer["token_ids"]
-        meta = scored_metadata(reward_metadata(record), record.prompt_ids, ids, tokenizer)
-        if ids and ids[-1] in stop:
-            ids = ids[:-1]
-        futures[rid] = submit(meta["prompt_text"], tokenizer.decode(ids, skip_special_tokens=True), record.label, meta)
+    the stop token cut, the rest decoded without special tokens. `rewards`: the job's reward
+    service, or with reward.scope=group its GroupScorer (each prompt's answers scored together)."""
+    inputs = {
+        rid: reward_inputs(reward_metadata(record), record.prompt_ids, answer["token_ids"], tokenizer, stop)
+        for rid, answer in answers.items()
+        for record in [records[int(rid.split("-")[1])]]
+    }
+    if isinstance(rewards, GroupScorer):
+        by_prompt: dict[str, list[str]] = {}
+        for rid in inputs:
+            by_prompt.setdefault(rid.split("-")[1], []).append(rid)
+        groups = list(by_prompt.values())
+        results = rewards.score([[inputs[rid] for rid in group] for group in groups])
+        return {rid: (r.reward, r.failure) for group, rs in zip(groups, results) for rid, r in zip(group, rs)}
+    futures: dict[str, Future] = {rid: rewards.submit(*item) for rid, item in inputs.items()}
     scores = {}
     for rid, future in futures.items():
         result = future.result(timeout=timeout_s)
         scores[rid] = (result.reward, result.failure)
     return scores
+
+
+def eval_rewards(job: JobConfig) -> Any:
+    """What scores the answers: the job's reward service, or with reward.scope=group a GroupScorer."""
+    if job.reward.scope == "group":
+        return GroupScorer(load_group_reward(job.reward.fn), job.reward.timeout_s, job.reward.max_concurrency)
+    from rewards.service import make_reward_service
+
+    return make_reward_service(job.reward, job.job_name)
 
 
 def summarize(
@@ -176,13 +192,11 @@ class HeldOutEval:
     weights the rollout engines hold through `generate` (the fleet's generate_for_eval)."""
 
     def __init__(self, job: JobConfig, tokenizer: Any, run_dir: Path) -> None:
-        from rewards.service import make_reward_service
-
         self.job, self.tokenizer = job, tokenizer
         self.records = held_out_records(job, tokenizer, run_dir)
         self.stop = rollout_stop_token_ids(job.rollout, tokenizer)
         self.stop_strings = rollout_stop_strings(job.rollout, tokenizer)
-        self.rewards = make_reward_service(job.reward, job.job_name)
+        self.rewards = eval_rewards(job)
 
     def due(self, step: int) -> bool:
         every = self.job.eval.every_steps
@@ -196,7 +210,7 @@ class HeldOutEval:
         )
         answers = generate(requests)
         timeout = job.reward.timeout_s * 4 + 30
-        scores = score_answers(self.records, answers, self.tokenizer, self.stop, self.rewards.submit, timeout)
+        scores = score_answers(self.records, answers, self.tokenizer, self.stop, self.rewards, timeout)
         return {**summarize(self.records, answers, scores, job.eval), "seconds": time.time() - started}
 
     def close(self) -> None:
@@ -209,8 +223,6 @@ def evaluate_model_dir(
 ) -> dict[str, Any]:
     """The figures of the model in `model_dir` on `records`, on a fresh engine of `rollout.engine`
     (`tokenizer`: when `model_dir` has none, e.g. a 1-rank checkpoint's policy/)."""
-    from rewards.service import make_reward_service
-
     tokenizer = tokenizer or load_tokenizer(model_dir)
     stop = rollout_stop_token_ids(job.rollout, tokenizer)
     max_new = job.eval.max_new_tokens or job.rollout.max_new_tokens
@@ -222,9 +234,9 @@ def evaluate_model_dir(
         answers = run_to_completion(engine, requests)
     finally:
         engine.close()
-    rewards = make_reward_service(job.reward, job.job_name)
+    rewards = eval_rewards(job)
     try:
-        scores = score_answers(records, answers, tokenizer, stop, rewards.submit, job.reward.timeout_s * 4 + 30)
+        scores = score_answers(records, answers, tokenizer, stop, rewards, job.reward.timeout_s * 4 + 30)
     finally:
         rewards.close()
     result = summarize(records, answers, scores, job.eval)

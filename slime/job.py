@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from envs import repeat
+from rewards.group import load_group_reward
 from rewards.mix import load_reward_spec
 from slime.algorithms.mismatch import probe_kl
 from slime.algorithms.offpolicy_controller import Measurement, OffPolicyController
@@ -75,8 +76,11 @@ class RunningJob:
     def __enter__(self) -> RunningJob:
         cfg = self.cfg
         try:
-            if cfg.reward.mode != "http":  # an http reward lives in its own server
-                load_reward_spec(cfg.reward.fn)  # a bad reward spec fails here, before anything starts
+            # A bad reward spec fails here, before anything starts (an http reward lives in its own server).
+            if cfg.reward.scope == "group":
+                load_group_reward(cfg.reward.fn)
+            elif cfg.reward.mode != "http":
+                load_reward_spec(cfg.reward.fn)
             check_local_resources(cfg)  # a learner that cannot fit fails before anything starts
             require_packages(cfg.logging)  # logging.wandb / logging.mlflow without the package
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -121,6 +121,7 @@ class TrajectoryStore:
         self._restart = connection.once_script("transitions.lua", "restart.lua")
         self._requeue_leased = connection.once_script("transitions.lua", "requeue_leased.lua")
         self._claim_segments = connection.once_script("claim_segments.lua")
+        self._set_rewards = connection.once_script("transitions.lua", "set_rewards.lua")
 
     @classmethod
     def open(cls, url: str, job: str, lease_seconds: float = 10.0, *, password: str | None = None) -> TrajectoryStore:
@@ -375,6 +376,18 @@ class TrajectoryStore:
         """Take a complete group out of the ready queue for good (e.g. a dynamic-sampling filter);
         counted in stats as dropped_groups:<reason> and dropped_tokens:<reason>."""
         return bool(self._drop_ready(args=[self.prefix, group_id, reason]))
+
+    def set_rewards(self, scores: Sequence[tuple[str, float | None, str | None, dict | None]]) -> int:
+        """(sample id, reward, failure, metadata) of finished samples: reward.scope=group's scores,
+        written when the learner takes their group. A failure makes the sample FAILED. Returns how
+        many of the samples exist."""
+        if not scores:
+            return 0
+        args: list[Any] = [self.prefix]
+        for sid, reward, failure, metadata in scores:
+            meta = json.dumps(metadata) if metadata is not None else ""
+            args += [sid, "" if reward is None else repr(float(reward)), failure or "", meta]
+        return int(self._set_rewards(args=args))
 
     def restart_sample(self, sample_id: str, worker_id: str) -> int:
         """Discard a leased sample's tokens so it is generated afresh; returns how many were discarded

@@ -197,11 +197,27 @@ class JobConfig(_Strict):
                 f"buffer.replica_acks={self.buffer.replica_acks} needs a replicated Redis at buffer.url: the job's "
                 "own redis-server (buffer.url unset) has no replica, so no write could ever be acknowledged"
             )
+        self._check_group_rewards()
         self._check_elastic()
         self._check_local_launcher()
         self._check_lora()
         self._check_offpolicy_tuning()
         return self
+
+    def _check_group_rewards(self) -> None:
+        if self.reward.scope != "group":
+            return
+        why = "reward.scope=group scores each group as the learner takes it, in the learner's process"
+        if self.reward.mode != "in_process":
+            raise ValueError(f"{why}: reward.mode must be in_process (got {self.reward.mode!r})")
+        if self.april.filter_zero_variance:
+            raise ValueError(
+                f"{why}; april.filter_zero_variance reads the rewards of ready groups before that: set it false"
+            )
+        if self.loop_mode == "streaming":
+            raise ValueError(f"{why}; april.streaming_chunk_tokens trains trajectories before their groups complete")
+        if self.env.plugin is not None and self.env.reward == "env":
+            raise ValueError(f"{why}; with env.reward=env the env gives the rewards: set env.reward=reward_fn")
 
     def _check_offpolicy_tuning(self) -> None:
         """rollout.behaviour_perturbation needs the built-in engine's sampler; algorithm.correction.auto

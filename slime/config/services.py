@@ -17,7 +17,13 @@ class RewardConfig(_Strict):
         description="`package.module:function` or `path/to/file.py:function`, or a mix/route spec "
         "({mix: [{fn, weight}, ...]} or {route: field, routes: {value: spec}, default: spec}).",
     )
-    timeout_s: float = Field(30.0, gt=0, description="Per-sample limit; a slower call fails that sample.")
+    scope: Literal["sample", "group"] = Field(
+        "sample",
+        description="sample: reward.fn scores each response in the rollout workers. group: reward.fn scores "
+        "each complete group's responses together (slime's --group-rm; rank, pairwise-judge, diversity rewards), "
+        "once per group as the learner takes it (rewards/group.py).",
+    )
+    timeout_s: float = Field(30.0, gt=0, description="Per-sample (scope=group: per-group) limit; a slower call fails.")
     max_concurrency: int = Field(8, gt=0, description="Calls at once (remote modes: batches in flight).")
     mode: Literal["in_process", "ray_actor", "http"] = Field(
         "in_process",

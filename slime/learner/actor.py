@@ -39,6 +39,7 @@ from slime.engines.routing import replay_misfit
 from slime.errors import UserError, dump_stacks_on_sigusr1
 from slime.learner import lora, sharding
 from slime.learner.forwards import ValueModel, checkpoint_activations, response_logprobs, use_logit_chunks
+from slime.learner.group_rewards import GroupRewards
 from slime.learner.packing import packing_misfit, use_packed_attention
 from slime.model import disable_dropout, load_model, train_mode_gap
 from slime.sample import Sample, Status, failure_key
@@ -236,6 +237,8 @@ class Learner:
             cfg.buffer.lease_seconds,
         )
         self.version = self.buffer.get_policy_version()
+        # reward.scope=group: rank 0 scores each group it claims (the workers score nothing then)
+        self.group_rewards = GroupRewards(cfg, model_dir) if cfg.reward.scope == "group" and rank == 0 else None
         self.transport = None  # rank 0 publishes; the other ranks only gather their shards for it
         if rank == 0:
             self.transport = make_transport(
@@ -274,7 +277,9 @@ class Learner:
         if dropped_stale:
             self.buffer.incr_stat("dropped_groups:stale", dropped_stale)
             self.buffer.incr_stat("dropped_tokens:stale", wasted_tokens)
+        scoring = self.group_rewards.score(kept, self.buffer) if self.group_rewards is not None and kept else {}
         metrics: dict = {
+            **scoring,
             "step": step,
             "groups": len(kept),
             "dropped_stale_groups": dropped_stale,
@@ -731,5 +736,7 @@ class Learner:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+        if self.group_rewards is not None:
+            self.group_rewards.close()
         if self.sharded and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

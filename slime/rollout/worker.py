@@ -38,7 +38,7 @@ from slime.buffer import (
     TrajectoryStore,
 )
 from slime.config import JobConfig
-from slime.data import scored_metadata
+from slime.data import reward_inputs
 from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
@@ -115,7 +115,8 @@ class RolloutWorker:
         model = getattr(self.engine, "model", None)  # the built-in engine's torch model: per-expert load
         self.expert_load = ExpertLoadRecorder.attach(model if isinstance(model, torch.nn.Module) else None)
         self.params = rollout_sampling_params(cfg.rollout, self.tokenizer)
-        self.rewards = make_reward_service(cfg.reward, cfg.job_name)
+        # reward.scope=group: the learner scores each group as it takes it; the workers score nothing.
+        self.rewards = make_reward_service(cfg.reward, cfg.job_name) if cfg.reward.scope == "sample" else None
         self.staleness_budget = StalenessBudget(cfg.april.max_version_span, cfg.april.beyond_budget)
         self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
         # Multi-turn episodes (env.plugin set): slime/rollout/multiturn.py owns the turn state machine.
@@ -361,13 +362,14 @@ class RolloutWorker:
     def _finalize(self, p: _Pending, finish_reason: str | None) -> None:
         sample = p.sample
         status = Status.TRUNCATED if finish_reason == "length" else Status.COMPLETED
+        if self.rewards is None:  # reward.scope=group: the learner scores the whole group when it takes it
+            self.scored.append((sample, status, RewardResult(None, None, 0.0)))
+            return
         stop = set(self.params.stop_token_ids)
-        ids = sample.response_ids.tolist()
-        meta = scored_metadata(sample.metadata, sample.prompt_ids.tolist(), ids, self.tokenizer)
-        if ids and ids[-1] in stop:
-            ids = ids[:-1]
-        response = self.tokenizer.decode(ids, skip_special_tokens=True)
-        future = self.rewards.submit(meta.get("prompt_text", ""), response, meta.get("label"), meta)
+        inputs = reward_inputs(
+            sample.metadata, sample.prompt_ids.tolist(), sample.response_ids.tolist(), self.tokenizer, stop
+        )
+        future = self.rewards.submit(*inputs)
         self.scoring[sample.id] = future
         future.add_done_callback(lambda f, s=sample, st=status: self.scored.append((s, st, f.result())))
 
@@ -578,7 +580,8 @@ class RolloutWorker:
             self._settle()  # the last chunk writes' replies; their finished samples go to scoring
         if self.expert_load is not None:  # the counts since the last periodic flush
             self.telemetry.add_expert_load(self.expert_load.take())
-        self.rewards.close()  # calls still running resolve (as failures) into self.scored
+        if self.rewards is not None:
+            self.rewards.close()  # calls still running resolve (as failures) into self.scored
         self._finish_scored(wait=True)
         self.transport.close()
         self.engine.close()  # engines that run servers (SGLang) stop them

@@ -1,0 +1,236 @@
+"""Group rewards (`reward.scope: group`): one call per complete group, the prompt's responses
+together, one reward per response back. What slime's `--group-rm` does, and what a TRL reward
+function sees when it compares completions: rank, pairwise-judge, diversity and length-relative
+rewards.
+
+`load_group_reward(spec)` loads a function and detects its style from its parameter names:
+
+    native   has parameters `prompt` and `responses`   -> fn(prompt, responses, label, metadata)
+                                                          (label/metadata only if it names them)
+    slime    first two parameters are `args, samples`   -> rm(args, samples)  (slime's batched rm)
+    TRL      has `completions` or `completion_ids`      -> f(prompts=[...], completions=[...], ...)
+    OpenRLHF has `queries`, `prompts` and `labels`      -> reward_func(queries, prompts, labels)
+
+Each returns one result per response, in order: a number, a dict with "score" (and "info"), or
+None for a response it does not score (that sample fails). A list of the wrong length, an
+exception or a call past `timeout_s` fails every sample of the group with the reason; other groups
+go on. `GroupScorer` runs the calls, `max_concurrency` groups at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from types import SimpleNamespace
+from typing import Any
+
+from rewards.adapters import (
+    ACCEPTED_SIGNATURES,
+    BatchCall,
+    Item,
+    RewardSample,
+    RewardSignatureError,
+    _as_list,
+    openrlhf_batch,
+    trl_batch,
+)
+from rewards.plugin import load_function
+from rewards.runner import RewardResult, _describe, _keyword_plan, check_reward_value
+from slime.errors import UserError
+
+GROUP_STYLES = ("native", "slime", "trl", "openrlhf")
+
+GROUP_SIGNATURES = (
+    "native `fn(prompt, responses, label, metadata) -> list` (label/metadata optional, sync or async); "
+    "slime `async def rm(args, samples) -> list`; TRL `f(completions, **kwargs) -> list`; "
+    "OpenRLHF `reward_func(queries, prompts, labels)`"
+)
+
+
+class BadGroupReply(ValueError):
+    """What a group reward returned does not give one reward per response."""
+
+
+class GroupRewardSpecError(UserError, ValueError):
+    """A reward.fn that cannot score whole groups."""
+
+    hint = "docs/rewards.md, 'Group rewards', lists what reward.scope=group takes"
+
+
+def load_group_reward(spec: Any) -> GroupCall:
+    """`spec`: `module:function` / `file.py:function`, or {fn, kwargs, style} (a factory called once
+    with kwargs). A mix or route spec is refused: they combine per-sample rewards."""
+    style = None
+    if isinstance(spec, Mapping):
+        if "fn" not in spec or set(spec) - {"fn", "kwargs", "style"}:
+            raise GroupRewardSpecError(
+                f"reward.fn with reward.scope=group is one function (`module:function`, or {{fn, kwargs, style}}); "
+                f"got the keys {sorted(map(str, spec))} (mix and route combine per-sample rewards)"
+            )
+        style = spec.get("style")
+        fn = load_function(spec["fn"])
+        name = str(spec["fn"])
+        if spec.get("kwargs") is not None:
+            try:
+                fn = fn(**spec["kwargs"])
+            except Exception as exc:
+                raise GroupRewardSpecError(f"reward.fn: {name}(**kwargs) failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        name = str(spec)
+        fn = load_function(name)
+    return GroupCall(fn, name, style)
+
+
+def detect_group_style(fn: Callable[..., Any], name: str) -> str:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise RewardSignatureError(f"group reward {name}: its signature cannot be inspected ({exc})") from None
+    names = list(sig.parameters)
+    positional = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    matches = []
+    if "prompt" in names and "responses" in names:
+        matches.append("native")
+    if positional[:2] == ["args", "samples"]:
+        matches.append("slime")
+    if "completions" in names or "completion_ids" in names:
+        matches.append("trl")
+    if {"queries", "prompts", "labels"} <= set(names):
+        matches.append("openrlhf")
+    if len(matches) == 1:
+        return matches[0]
+    why = f"matches several styles ({', '.join(matches)})" if matches else "matches no group style"
+    hint = ""
+    if "response" in names or positional[:2] == ["args", "sample"]:
+        hint = " It looks like a per-sample reward: leave reward.scope at 'sample' for it."
+    raise RewardSignatureError(
+        f"group reward {name}{sig} {why}; pass style= one of {', '.join(GROUP_STYLES)} to choose. "
+        f"Group signatures: {GROUP_SIGNATURES}.{hint} (Per-sample signatures: {ACCEPTED_SIGNATURES})"
+    )
+
+
+class GroupCall:
+    """`fn` in its style as `call(items) -> one result per item` (sync; an async fn runs to completion)."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, style: str | None = None) -> None:
+        self.fn, self.name = fn, name or _describe(fn)
+        self.style = style or detect_group_style(fn, self.name)
+        if self.style not in GROUP_STYLES:
+            raise GroupRewardSpecError(
+                f"group reward {name}: unknown style {self.style!r}; choose one of {GROUP_STYLES}"
+            )
+        self.batch: BatchCall = {
+            "native": self._native,
+            "slime": self._slime,
+            "trl": lambda: trl_batch(fn, self.name),
+            "openrlhf": lambda: openrlhf_batch(fn, self.name),
+        }[self.style]()
+
+    def __call__(self, items: list[Item]) -> list[Any]:
+        args, kwargs = self.batch.build(items)
+        value = self.fn(*args, **kwargs)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+        try:
+            return self.batch.post(value, kwargs, len(items))
+        except (TypeError, ValueError) as exc:
+            raise BadGroupReply(str(exc)) from None
+
+    def _native(self) -> BatchCall:
+        pass_label, pass_metadata = _keyword_plan(self.fn, self.name, response_param="responses")
+
+        def build(items: list[Item]) -> tuple[tuple, dict]:
+            prompt, _, label, metadata = items[0]  # a group shares its prompt, label and row
+            kwargs: dict[str, Any] = {"prompt": prompt, "responses": [r for _, r, _, _ in items]}
+            if pass_label:
+                kwargs["label"] = label
+            if pass_metadata:
+                kwargs["metadata"] = metadata
+            return (), kwargs
+
+        return BatchCall(build, self._listed)
+
+    def _slime(self) -> BatchCall:
+        def build(items: list[Item]) -> tuple[tuple, dict]:
+            _, _, label, metadata = items[0]
+            fields = {k: v for k, v in metadata.items() if isinstance(k, str) and k.isidentifier()}
+            fields.update(label=label, metadata=metadata, rm_type=metadata.get("rm_type"))
+            samples = [RewardSample(prompt=p, response=r, label=lab, metadata=m) for p, r, lab, m in items]
+            return (SimpleNamespace(**fields), samples), {}
+
+        return BatchCall(build, self._listed)
+
+    def _listed(self, value: Any, _: dict, count: int) -> list[Any]:
+        values = list(value) if isinstance(value, (list, tuple)) else _as_list(value)
+        if values is None:
+            raise TypeError(
+                f"group reward {self.name} returned {type(value).__name__} {value!r:.80}, "
+                f"not a list with one reward per response"
+            )
+        if len(values) != count:
+            raise ValueError(
+                f"group reward {self.name} returned {len(values)} rewards for a group of {count} responses"
+            )
+        return values
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+class GroupScorer:
+    """Scores groups with a GroupCall, `max_concurrency` at once, each within `timeout_s`."""
+
+    def __init__(self, call: GroupCall, timeout_s: float, max_concurrency: int) -> None:
+        self.call, self.timeout_s = call, timeout_s
+        self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="group-reward")
+        self.hung = 0  # calls past their timeout still running (a thread cannot be stopped)
+        self._lock = threading.Lock()
+
+    def score(self, groups: list[list[Item]]) -> list[list[RewardResult]]:
+        started = time.monotonic()
+        futures = [self.pool.submit(self._timed, items) for items in groups]
+        out = []
+        for items, future in zip(groups, futures):
+            left = max(0.0, self.timeout_s - (time.monotonic() - started))
+            try:
+                out.append(future.result(timeout=left))
+            except FutureTimeout:
+                future.add_done_callback(self._unhung)
+                with self._lock:
+                    self.hung += 1
+                why = f"group reward {self.call.name} took longer than reward.timeout_s={self.timeout_s:g}"
+                out.append([RewardResult(None, why, self.timeout_s) for _ in items])
+        return out
+
+    def _unhung(self, _: Any) -> None:
+        with self._lock:
+            self.hung -= 1
+
+    def _timed(self, items: list[Item]) -> list[RewardResult]:
+        who = f"group reward {self.call.name}"
+        t0 = time.monotonic()
+        try:
+            values = self.call(items)
+        except BadGroupReply as exc:
+            return [RewardResult(None, str(exc), time.monotonic() - t0) for _ in items]
+        except Exception as exc:
+            latency = time.monotonic() - t0
+            return [RewardResult(None, f"{who} raised {type(exc).__name__}: {exc}", latency) for _ in items]
+        latency = time.monotonic() - t0
+        results = []
+        for (_, response, _, _), value in zip(items, values):
+            reward, failure, extras = check_reward_value(value, who, response)
+            results.append(RewardResult(reward, failure, latency, **extras))
+        return results
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["GROUP_STYLES", "GroupCall", "GroupRewardSpecError", "GroupScorer", "load_group_reward"]

@@ -1,0 +1,221 @@
+"""reward.scope=group: one call per complete group (slime's --group-rm, TRL's batch-level rewards).
+The styles and their errors (rewards/group.py), the buffer's write of the scores, refusals at load,
+held-out eval, and whole jobs under both launchers: the stored rewards are the group function's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from rewards.adapters import RewardSignatureError
+from rewards.group import GroupCall, GroupRewardSpecError, GroupScorer, load_group_reward
+from slime.buffer import TrajectoryStore
+from slime.config import ConfigError, load_config
+from slime.sample import Status
+from tests.helpers import TINY_JOB
+
+
+def _items(responses: list[str], label="ab", metadata=None) -> list[tuple]:
+    return [("ab*2=", r, label, dict(metadata or {"prompt_text": "ab*2="})) for r in responses]
+
+
+def relative_length(prompt, responses, label):
+    mean = sum(map(len, responses)) / len(responses)
+    return [len(r) - mean for r in responses]
+
+
+async def slime_batched_rm(args, samples):
+    await asyncio.sleep(0)
+    return [float(s.response == args.label) for s in samples]
+
+
+def trl_rank(completions, solution, **kwargs):
+    ranked = sorted(completions, key=len)
+    return [ranked.index(c) / (len(completions) - 1) for c in completions]
+
+
+def openrlhf_func(queries, prompts, labels):
+    return {"rewards": [float(q.endswith(lab)) for q, lab in zip(queries, labels)], "extra_logs": {"n": len(queries)}}
+
+
+def test_each_style_scores_the_whole_group_at_once():
+    scorer = GroupScorer(GroupCall(relative_length, "relative_length"), timeout_s=5, max_concurrency=2)
+    (native,) = scorer.score([_items(["a", "abc", "ab"])])
+    assert [r.reward for r in native] == [-1.0, 1.0, 0.0]
+
+    slime = GroupScorer(GroupCall(slime_batched_rm, "rm"), 5, 1).score([_items(["ab", "ba"])])[0]
+    assert [r.reward for r in slime] == [1.0, 0.0]
+
+    trl = GroupScorer(GroupCall(trl_rank, "trl_rank"), 5, 1).score(
+        [_items(["xyz", "x", "xy"], metadata={"solution": "x"})]
+    )[0]
+    assert [r.reward for r in trl] == [1.0, 0.0, 0.5]  # the group's columns reach TRL as one list
+
+    openrlhf = GroupScorer(GroupCall(openrlhf_func, "reward_func"), 5, 1).score([_items(["ab", "b"], label="b")])[0]
+    assert [r.reward for r in openrlhf] == [1.0, 1.0] and openrlhf[0].info == {"n": 2}
+
+
+def test_a_bad_group_fails_its_own_samples_with_the_reason_and_the_others_are_scored():
+    def picky(prompt, responses):
+        if "boom" in responses:
+            raise RuntimeError("no booms")
+        if "short" in responses:
+            return [1.0]
+        if "slow" in responses:
+            time.sleep(3)
+        return [None if r == "skip" else 1.0 for r in responses]
+
+    scorer = GroupScorer(GroupCall(picky, "picky"), timeout_s=1.0, max_concurrency=4)
+    boom, short, slow, skip, fine = scorer.score(
+        [_items(["a", "boom"]), _items(["short", "b"]), _items(["slow", "c"]), _items(["skip", "d"]), _items(["e"])]
+    )
+    assert all(r.reward is None and r.failure == "group reward picky raised RuntimeError: no booms" for r in boom)
+    assert all("picky returned 1 rewards for a group of 2 responses" in r.failure for r in short)
+    assert all("took longer than reward.timeout_s=1" in r.failure for r in slow)
+    assert skip[0].reward is None and "returned None" in skip[0].failure and skip[1].reward == 1.0
+    assert [r.reward for r in fine] == [1.0]
+    scorer.close()
+
+
+def test_a_per_sample_function_mix_and_route_are_refused_for_groups(tmp_path: Path):
+    def per_sample(prompt, response, label):
+        return 1.0
+
+    with pytest.raises(RewardSignatureError, match="looks like a per-sample reward: leave reward.scope at 'sample'"):
+        GroupCall(per_sample, "per_sample")
+    with pytest.raises(GroupRewardSpecError, match=r"is one function .*\(mix and route combine per-sample rewards\)"):
+        load_group_reward({"mix": [{"fn": "envs.repeat:reward", "weight": 1.0}]})
+    path = tmp_path / "group_fns.py"
+    path.write_text(
+        "def factory(scale):\n    def f(prompt, responses):\n        return [scale] * len(responses)\n    return f\n"
+    )
+    call = load_group_reward({"fn": f"{path}:factory", "kwargs": {"scale": 2.0}})
+    assert call(_items(["a", "b"])) == [2.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        (["reward.mode=http", "reward.url=http://127.0.0.1:1"], "reward.mode must be in_process"),
+        (["april.filter_zero_variance=true"], "april.filter_zero_variance reads the rewards"),
+        (["algorithm.name=ppo", "april.streaming_chunk_tokens=8"], "april.streaming_chunk_tokens trains"),
+        (["env.plugin=envs.calculator:CalculatorEnv"], "set env.reward=reward_fn"),
+    ],
+)
+def test_what_group_rewards_cannot_work_with_is_refused_at_load(setting, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, ["reward.scope=group", *setting])
+
+
+def test_the_buffer_stores_group_scores_and_counts_a_failure_once(buffer: TrajectoryStore):
+    gid = buffer.add_group([1, 2, 3], 2, 4, {"label": "x"})
+    leased = buffer.lease("w0", 2)
+    for s in leased:
+        buffer.append_chunk(s.id, "w0", [5, 6], [-0.1, -0.2], 0)
+        buffer.finish(s.id, "w0", Status.COMPLETED)
+    a, b = buffer.get_group(gid)
+    assert a.reward is None  # the workers stored no reward
+    for _ in range(2):  # scored again after a restart: the same result, the failure counted once
+        assert buffer.set_rewards([(a.id, 0.75, None, {"reward_info": {"rank": 1}}), (b.id, None, "no", None)]) == 2
+    a, b = buffer.get_group(gid)
+    assert (a.reward, a.status, a.metadata["reward_info"]) == (0.75, Status.COMPLETED, {"rank": 1})
+    assert (b.status, b.failure) == (Status.FAILED, "no")
+    assert buffer.counts()["failed"] == 1 and buffer.counts()["completed"] == 1
+
+
+GROUP_REWARD_PY = """
+import threading
+
+LOCK = threading.Lock()
+CALLS = [0]
+
+
+def relative_length(prompt, responses, label, metadata):
+    with LOCK:
+        CALLS[0] += 1
+        first = CALLS[0] == 1
+    if first:
+        raise RuntimeError("the first group fails on purpose")
+    mean = sum(map(len, responses)) / len(responses)
+    return [len(r) - mean for r in responses]
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_a_job_with_group_rewards_trains_on_the_group_functions_scores(
+    ray_session, tiny_model_dir, redis_url, tmp_path, launcher
+):
+    """The learner scores each group it claims; the stored rewards are the function's: within each
+    group they sum to 0 and order the responses by length. The group whose call raised is failed,
+    its reason stored, and the job goes on."""
+    from slime.model import load_tokenizer
+    from slime.train import train
+
+    module = f"group_reward_{launcher}"  # one name per launcher: this process imports both
+    (tmp_path / f"{module}.py").write_text(GROUP_REWARD_PY)
+    job = f"group-rewards-{launcher}"
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                f"cluster.launcher={launcher}",
+                f"output_dir={tmp_path / 'run'}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                *TINY_JOB,
+                "rollout.batch_size=3",
+                "rollout.n_samples_per_prompt=3",
+                "steps=2",
+                "reward.scope=group",
+                f"reward.fn={tmp_path / module}.py:relative_length",
+            ],
+        )
+    )
+    assert [h["step"] for h in history] == [0, 1]
+    assert sum(h["failed_samples"] for h in history) == 3  # the one group whose call raised
+    assert all(h["group_reward_seconds"] >= 0 and h["trained_tokens"] > 0 for h in history)
+    buffer = TrajectoryStore.open(redis_url, job)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    groups = [buffer.get_group(g.decode()) for g in buffer.redis.zrange(buffer._key("trained"), 0, -1)]
+    assert len(groups) == 6
+    failed = [g for g in groups if any(s.status == Status.FAILED for s in g)]
+    assert len(failed) == 1 and all("the first group fails on purpose" in s.failure for s in failed[0])
+    for group in groups:
+        if group in failed:
+            continue
+        # the response as scored: the stop token cut, the rest decoded without special tokens
+        lengths = [
+            len(tokenizer.decode(_without_eos(s.response_ids.tolist(), tokenizer), skip_special_tokens=True))
+            for s in group
+        ]
+        mean = sum(lengths) / len(lengths)
+        assert [s.reward for s in group] == pytest.approx([n - mean for n in lengths])
+        assert all(s.metadata["reward_latency_s"] >= 0 for s in group)
+    buffer.delete_job()
+
+
+def _without_eos(ids: list[int], tokenizer) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids
+
+
+@pytest.mark.slow
+def test_held_out_eval_scores_each_prompts_answers_as_one_group(tiny_model_dir, tmp_path):
+    from slime.evaluation import evaluate_model_dir, held_out_records
+    from slime.model import load_tokenizer
+
+    path = tmp_path / "group_size.py"
+    path.write_text("def size(prompt, responses):\n    return [float(len(responses))] * len(responses)\n")
+    job = load_config(
+        None,
+        [f"model.path={tiny_model_dir}", "reward.scope=group", f"reward.fn={path}:size", "eval.samples=2"]
+        + ["eval.num_prompts=3", "rollout.max_new_tokens=8", f"output_dir={tmp_path}"],
+    )
+    tokenizer = load_tokenizer(tiny_model_dir)
+    result = evaluate_model_dir(job, tiny_model_dir, held_out_records(job, tokenizer, tmp_path), tokenizer)
+    # each prompt's greedy answer and its 2 samples: one group of 3
+    assert result["greedy_reward_mean"] == 3.0 and result["sampled_reward_mean"] == 3.0
