@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from types import SimpleNamespace
 from typing import Any
 
@@ -184,7 +183,8 @@ async def _awaited(value: Any) -> Any:
 
 
 class GroupScorer:
-    """Scores groups with a GroupCall, `max_concurrency` at once, each within `timeout_s`."""
+    """Scores groups with a GroupCall, `max_concurrency` at once, each call within `timeout_s` of
+    its own start (a group waiting for a free slot is not timed yet)."""
 
     def __init__(self, call: GroupCall, timeout_s: float, max_concurrency: int) -> None:
         self.call, self.timeout_s = call, timeout_s
@@ -193,24 +193,30 @@ class GroupScorer:
         self._lock = threading.Lock()
 
     def score(self, groups: list[list[Item]]) -> list[list[RewardResult]]:
-        started = time.monotonic()
-        futures = [self.pool.submit(self._timed, items) for items in groups]
-        out = []
-        for items, future in zip(groups, futures):
-            left = max(0.0, self.timeout_s - (time.monotonic() - started))
-            try:
-                out.append(future.result(timeout=left))
-            except FutureTimeout:
-                future.add_done_callback(self._unhung)
-                with self._lock:
-                    self.hung += 1
-                why = f"group reward {self.call.name} took longer than reward.timeout_s={self.timeout_s:g}"
-                out.append([RewardResult(None, why, self.timeout_s) for _ in items])
-        return out
+        return [f.result() for f in [self.pool.submit(self._limited, items) for items in groups]]
 
-    def _unhung(self, _: Any) -> None:
+    def _limited(self, items: list[Item]) -> list[RewardResult]:
+        """The call on a thread of its own, waited for at most timeout_s; past it, the group fails
+        and the thread is left to finish (counted in `hung` until it does)."""
+        box: list[list[RewardResult]] = []
+
+        def run() -> None:
+            box.append(self._timed(items))
+            with self._lock:
+                if late.is_set():
+                    self.hung -= 1
+
+        late = threading.Event()
+        thread = threading.Thread(target=run, name="group-reward-call", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
         with self._lock:
-            self.hung -= 1
+            if box:
+                return box[0]
+            late.set()
+            self.hung += 1
+        why = f"group reward {self.call.name} took longer than reward.timeout_s={self.timeout_s:g}"
+        return [RewardResult(None, why, self.timeout_s) for _ in items]
 
     def _timed(self, items: list[Item]) -> list[RewardResult]:
         who = f"group reward {self.call.name}"

@@ -80,6 +80,23 @@ def test_a_bad_group_fails_its_own_samples_with_the_reason_and_the_others_are_sc
     scorer.close()
 
 
+def test_each_group_gets_its_own_timeout_from_when_its_call_starts():
+    def steady(prompt, responses):
+        time.sleep(0.3 if responses[0] != "slow" else 1.5)
+        return [1.0] * len(responses)
+
+    scorer = GroupScorer(GroupCall(steady, "steady"), timeout_s=0.6, max_concurrency=1)
+    # one slot: the third group starts ~0.6 s after the first, each call within its own 0.6 s
+    assert all(r.reward == 1.0 for g in scorer.score([_items(["a"]), _items(["b"]), _items(["c"])]) for r in g)
+    (slow,) = scorer.score([_items(["slow"])])
+    assert "took longer than reward.timeout_s=0.6" in slow[0].failure and scorer.hung == 1
+    deadline = time.monotonic() + 5
+    while scorer.hung and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scorer.hung == 0  # the late call ended: no longer counted
+    scorer.close()
+
+
 def test_a_per_sample_function_mix_and_route_are_refused_for_groups(tmp_path: Path):
     def per_sample(prompt, response, label):
         return 1.0
