@@ -189,34 +189,38 @@ def _slime(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return _native(fn, name, build, lambda value, _: value)
 
 
+def verl_fields(response: str, label: Any, metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's arguments for one response: data_source, solution_str, ground_truth, extra_info."""
+    # verl's own rows: the answer in the `reward_model` column, `extra_info` a column of its own.
+    column = metadata.get("reward_model")
+    if label is None and isinstance(column, Mapping):
+        label = column.get("ground_truth")
+    return {
+        "data_source": metadata.get("data_source", metadata.get("task")),
+        "solution_str": response,
+        "ground_truth": label,
+        "extra_info": metadata["extra_info"] if isinstance(metadata.get("extra_info"), Mapping) else metadata,
+    }
+
+
+def verl_score(value: Any, name: str) -> Any:
+    """A verl result: a number, or a dict whose "score" is the reward."""
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise ValueError(
+                f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
+            )
+        return value["score"]
+    return value
+
+
 def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     accepts = _acceptor(fn)
 
     def build(prompt, response, label, metadata):
-        data_source = metadata.get("data_source", metadata.get("task"))
-        # verl's own rows: the answer in the `reward_model` column, `extra_info` a column of its own.
-        column = metadata.get("reward_model")
-        if label is None and isinstance(column, Mapping):
-            label = column.get("ground_truth")
-        extra_info = metadata["extra_info"] if isinstance(metadata.get("extra_info"), Mapping) else metadata
-        offered = {
-            "data_source": data_source,
-            "solution_str": response,
-            "ground_truth": label,
-            "extra_info": extra_info,
-        }
-        return (), {k: v for k, v in offered.items() if accepts(k)}
+        return (), {k: v for k, v in verl_fields(response, label, metadata).items() if accepts(k)}
 
-    def post(value: Any, _: dict) -> Any:
-        if isinstance(value, Mapping):
-            if "score" not in value:
-                raise ValueError(
-                    f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
-                )
-            return value["score"]
-        return value
-
-    return _native(fn, name, build, post)
+    return _native(fn, name, build, lambda value, _: verl_score(value, name))
 
 
 _TRL_RESERVED = ("prompts", "completions", "completion_ids", "log_metric", "log_extra")

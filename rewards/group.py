@@ -10,6 +10,9 @@ rewards.
     slime    first two parameters are `args, samples`   -> rm(args, samples)  (slime's batched rm)
     TRL      has `completions` or `completion_ids`      -> f(prompts=[...], completions=[...], ...)
     OpenRLHF has `queries`, `prompts` and `labels`      -> reward_func(queries, prompts, labels)
+    verl     has `solution_strs` and `ground_truths`    -> compute_score(data_sources, solution_strs,
+                                                          ground_truths, extra_infos)  (its batch
+                                                          reward manager's call)
 
 Each returns one result per response, in order: a number, a dict with "score" (and "info"), or
 None for a response it does not score (that sample fails). A list of the wrong length, an
@@ -34,20 +37,23 @@ from rewards.adapters import (
     Item,
     RewardSample,
     RewardSignatureError,
+    _acceptor,
     _as_list,
     openrlhf_batch,
     trl_batch,
+    verl_fields,
 )
 from rewards.plugin import load_function
 from rewards.runner import RewardResult, _describe, _keyword_plan, check_reward_value
 from slime.errors import UserError
 
-GROUP_STYLES = ("native", "slime", "trl", "openrlhf")
+GROUP_STYLES = ("native", "slime", "trl", "openrlhf", "verl")
 
 GROUP_SIGNATURES = (
     "native `fn(prompt, responses, label, metadata) -> list` (label/metadata optional, sync or async); "
     "slime `async def rm(args, samples) -> list`; TRL `f(completions, **kwargs) -> list`; "
-    "OpenRLHF `reward_func(queries, prompts, labels)`"
+    "OpenRLHF `reward_func(queries, prompts, labels)`; "
+    "verl `compute_score(data_sources, solution_strs, ground_truths, extra_infos)`"
 )
 
 
@@ -101,6 +107,8 @@ def detect_group_style(fn: Callable[..., Any], name: str) -> str:
         matches.append("trl")
     if {"queries", "prompts", "labels"} <= set(names):
         matches.append("openrlhf")
+    if {"solution_strs", "ground_truths"} <= set(names):
+        matches.append("verl")
     if len(matches) == 1:
         return matches[0]
     why = f"matches several styles ({', '.join(matches)})" if matches else "matches no group style"
@@ -128,6 +136,7 @@ class GroupCall:
             "slime": self._slime,
             "trl": lambda: trl_batch(fn, self.name),
             "openrlhf": lambda: openrlhf_batch(fn, self.name),
+            "verl": self._verl,
         }[self.style]()
 
     def __call__(self, items: list[Item]) -> list[Any]:
@@ -163,6 +172,16 @@ class GroupCall:
             return (SimpleNamespace(**fields), samples), {}
 
         return BatchCall(build, self._listed)
+
+    def _verl(self) -> BatchCall:
+        accepts = _acceptor(self.fn)
+
+        def build(items: list[Item]) -> tuple[tuple, dict]:
+            fields = [verl_fields(r, label, m) for _, r, label, m in items]
+            offered = {f"{key}s": [f[key] for f in fields] for key in fields[0]}
+            return (), {k: v for k, v in offered.items() if accepts(k)}
+
+        return BatchCall(build, self._listed)  # a dict per response gives its "score" (check_reward_value)
 
     def _listed(self, value: Any, _: dict, count: int) -> list[Any]:
         values = list(value) if isinstance(value, (list, tuple)) else _as_list(value)

@@ -41,6 +41,10 @@ def openrlhf_func(queries, prompts, labels):
     return {"rewards": [float(q.endswith(lab)) for q, lab in zip(queries, labels)], "extra_logs": {"n": len(queries)}}
 
 
+def verl_batch(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+    return [{"score": float(s == g), "acc": s == g} for s, g in zip(solution_strs, ground_truths)]
+
+
 def test_each_style_scores_the_whole_group_at_once():
     scorer = GroupScorer(GroupCall(relative_length, "relative_length"), timeout_s=5, max_concurrency=2)
     (native,) = scorer.score([_items(["a", "abc", "ab"])])
@@ -56,6 +60,11 @@ def test_each_style_scores_the_whole_group_at_once():
 
     openrlhf = GroupScorer(GroupCall(openrlhf_func, "reward_func"), 5, 1).score([_items(["ab", "b"], label="b")])[0]
     assert [r.reward for r in openrlhf] == [1.0, 1.0] and openrlhf[0].info == {"n": 2}
+
+    # verl's batch reward manager's call; its rows keep the answer in reward_model.ground_truth
+    row = {"reward_model": {"ground_truth": "ab"}, "data_source": "repeat"}
+    verl = GroupScorer(GroupCall(verl_batch, "compute_score"), 5, 1).score([_items(["ab", "a"], None, row)])[0]
+    assert [r.reward for r in verl] == [1.0, 0.0]
 
 
 def test_a_bad_group_fails_its_own_samples_with_the_reason_and_the_others_are_scored():
