@@ -109,15 +109,7 @@ def adapt(fn: Callable[..., Any], style: str | None = None, name: str | None = N
 def detect_style(fn: Callable[..., Any], name: str | None = None) -> str:
     """The style `fn`'s parameter names say it is written in; see the module docstring."""
     name = name or _describe(fn)
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError) as exc:
-        raise RewardSignatureError(
-            f"reward function {name}: its signature cannot be inspected ({exc}); pass style= explicitly. "
-            f"Accepted signatures: {ACCEPTED_SIGNATURES}"
-        ) from None
-    names = list(sig.parameters)
-    positional = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    sig, names, positional = parameter_names(fn, f"reward function {name}", ACCEPTED_SIGNATURES)
     matches = []
     if "prompt" in names and "response" in names:
         matches.append("native")
@@ -136,6 +128,18 @@ def detect_style(fn: Callable[..., Any], name: str | None = None) -> str:
         f"reward function {name}{sig} {why}; pass style= one of {', '.join(STYLES)} to choose. "
         f"Accepted signatures: {ACCEPTED_SIGNATURES}"
     )
+
+
+def parameter_names(fn: Callable[..., Any], who: str, accepted: str) -> tuple[inspect.Signature, list[str], list[str]]:
+    """`fn`'s signature, its parameter names, and those it takes by position (the style rules read them)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise RewardSignatureError(
+            f"{who}: its signature cannot be inspected ({exc}); pass style= explicitly. Accepted signatures: {accepted}"
+        ) from None
+    positional = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return sig, list(sig.parameters), positional
 
 
 def native_caller(fn: Callable[..., Any], name: str | None = None) -> Callable[[str, str, Any, dict], Any]:

@@ -40,6 +40,7 @@ from rewards.adapters import (
     _acceptor,
     _as_list,
     openrlhf_batch,
+    parameter_names,
     trl_batch,
     verl_fields,
 )
@@ -92,12 +93,7 @@ def load_group_reward(spec: Any) -> GroupCall:
 
 
 def detect_group_style(fn: Callable[..., Any], name: str) -> str:
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError) as exc:
-        raise RewardSignatureError(f"group reward {name}: its signature cannot be inspected ({exc})") from None
-    names = list(sig.parameters)
-    positional = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    sig, names, positional = parameter_names(fn, f"group reward {name}", GROUP_SIGNATURES)
     matches = []
     if "prompt" in names and "responses" in names:
         matches.append("native")

@@ -51,18 +51,24 @@ def _score(service, items: list[tuple[str, str, str, dict]]) -> list:
     return [f.result(timeout=30) for f in futures]
 
 
-def test_an_openrlhf_reward_server_scores_over_its_own_wire_format():
+def _score_on_server(batches: list[list[tuple[str, str, str | None, dict]]], **config) -> tuple[list, list[dict]]:
+    """Each batch's results from an OpenRLHF-style server (one service, reward.http_format=openrlhf),
+    and the requests the server saw."""
     seen: list[dict] = []
     with ServerThread(_openrlhf_server(seen)) as server:
-        cfg = RewardConfig(
-            mode="http", url=server.url + "/get_reward", http_format="openrlhf", batch_size=8, cache_size=0
-        )
+        cfg = RewardConfig(mode="http", url=server.url + "/get_reward", http_format="openrlhf", batch_size=8, **config)
         service = make_reward_service(cfg, "openrlhf-wire")
         try:
-            meta = {"model_prompt": "<user>ab</user>"}
-            results = _score(service, [("ab", "aab", "x", meta), ("ab", "bbbb", "y", meta), ("ab", "none", "z", meta)])
+            return [_score(service, batch) for batch in batches], seen
         finally:
             service.close()
+
+
+def test_an_openrlhf_reward_server_scores_over_its_own_wire_format():
+    meta = {"model_prompt": "<user>ab</user>"}
+    (results,), seen = _score_on_server(
+        [[("ab", "aab", "x", meta), ("ab", "bbbb", "y", meta), ("ab", "none", "z", meta)]], cache_size=0
+    )
     assert [r.reward for r in results[:2]] == [_share_of_a("<user>ab</user>aab"), _share_of_a("<user>ab</user>bbbb")]
     assert results[0].info == {"length": len("<user>ab</user>aab")}
     # a null reward fails its own sample only, naming the server
@@ -74,17 +80,10 @@ def test_an_openrlhf_reward_server_scores_over_its_own_wire_format():
 
 
 def test_a_broken_openrlhf_reply_fails_its_batch_with_the_reason():
-    seen: list[dict] = []
-    with ServerThread(_openrlhf_server(seen)) as server:
-        cfg = RewardConfig(
-            mode="http", url=server.url + "/get_reward", http_format="openrlhf", batch_size=8, max_retries=0
-        )
-        service = make_reward_service(cfg, "openrlhf-broken")
-        try:
-            missing = _score(service, [("p", "no-rewards", None, {}), ("p", "b", None, {})])
-            short = _score(service, [("p", "short", None, {}), ("p", "c", None, {})])
-        finally:
-            service.close()
+    (missing, short), _ = _score_on_server(
+        [[("p", "no-rewards", None, {}), ("p", "b", None, {})], [("p", "short", None, {}), ("p", "c", None, {})]],
+        max_retries=0,
+    )
     for r in missing:
         assert r.reward is None and "answered without 'rewards' (keys: ['scores'])" in r.failure, r.failure
     for r in short:
