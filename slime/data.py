@@ -231,7 +231,12 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
         if not prompt.strip():
             raise DatasetError(f"{where}: the prompt ({cfg.prompt_key!r}) is empty")
         if cfg.apply_chat_template:
-            prompt_ids = _chat_ids(where, [{"role": "user", "content": prompt}], tokenizer)
+            prompt_ids = _chat_ids(where, _with_system([{"role": "user", "content": prompt}], cfg), tokenizer)
+        elif cfg.system_prompt is not None:
+            raise DatasetError(
+                f"{where}: a text prompt is read as it is (data.apply_chat_template=false), so data.system_prompt "
+                "cannot reach the model: set data.apply_chat_template=true"
+            )
         else:  # data.input_template shapes what the model reads; the reward sees the row's prompt
             text = cfg.input_template.replace("{}", prompt) if cfg.input_template else prompt
             prompt_ids = _as_id_list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -239,7 +244,7 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
         prompt = _check_messages(where, cfg.prompt_key, prompt)
         # Chat messages can only be rendered through the template, so it applies whatever
         # data.apply_chat_template says (that flag decides for plain-text prompts).
-        prompt_ids = _chat_ids(where, prompt, tokenizer)
+        prompt_ids = _chat_ids(where, _with_system(prompt, cfg), tokenizer)
     else:
         raise DatasetError(
             f"{where}: the prompt ({cfg.prompt_key!r}) must be a string or a list of "
@@ -307,6 +312,13 @@ def _check_messages(where: str, key: str, messages: list[Any]) -> list[dict[str,
             raise DatasetError(f"{where}: chat message {i} of {key!r} has an empty 'role'")
         out.append(dict(m))
     return out
+
+
+def _with_system(messages: list[dict[str, str]], cfg: DataConfig) -> list[dict[str, str]]:
+    """data.system_prompt before the messages, unless they bring a system message of their own."""
+    if cfg.system_prompt is None or any(m.get("role") == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": cfg.system_prompt}, *messages]
 
 
 def _chat_ids(where: str, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:

@@ -80,6 +80,21 @@ def test_cfg_path_keys_and_chat_template_flag(tmp_path: Path, tok) -> None:
     assert rec.metadata == {"kind": "arith", "id": 7, "task": "arith"}
 
 
+def test_a_system_prompt_goes_before_what_the_template_renders(tmp_path: Path, tok) -> None:
+    text = write_jsonl([{"prompt": "2+2"}], tmp_path / "text.jsonl")
+    (rec,) = load_prompts(DataConfig(apply_chat_template=True, system_prompt="be brief"), tok, str(text))
+    assert tok.decode(rec.prompt_ids) == "<|system|>be brief<|user|>2+2<|assistant|>"
+    assert rec.prompt == "2+2"  # the reward still gets the row's prompt
+    chats = [{"prompt": [{"role": "user", "content": "hi"}]}, CHAT_ROWS[0]]
+    plain, own = load_prompts(DataConfig(system_prompt="be kind"), tok, str(write_jsonl(chats, tmp_path / "c.jsonl")))
+    assert tok.decode(plain.prompt_ids) == "<|system|>be kind<|user|>hi<|assistant|>"
+    assert tok.decode(own.prompt_ids) == "<|system|>be brief<|user|>hi<|assistant|>"  # the row's own system wins
+    with pytest.raises(DatasetError, match="data.system_prompt cannot reach the model: set data.apply_chat_template"):
+        load_prompts(DataConfig(system_prompt="be brief"), tok, str(text))
+    with pytest.raises(ValueError, match="data.system_prompt goes through the chat template"):
+        DataConfig(system_prompt="x", input_template="Q: {}")
+
+
 def test_blank_lines_are_skipped(tmp_path: Path, tok) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text('\n{"prompt": "a"}\n   \n{"prompt": "b"}\n\n')

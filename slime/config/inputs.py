@@ -70,6 +70,11 @@ class DataConfig(_Strict):
         "--input_template), e.g. 'Question: {}\\nAnswer:'; the reward still gets the row's prompt. Not with "
         "apply_chat_template, nor for chat-message prompts.",
     )
+    system_prompt: str | None = Field(
+        None,
+        description="A system message put before each prompt that the chat template renders (text prompts with "
+        "apply_chat_template, and chat-message prompts that have no system message of their own).",
+    )
     max_prompt_tokens: int = Field(256, gt=0)
     overlong_prompts: Literal["error", "drop"] = Field(
         "error",
@@ -86,6 +91,11 @@ class DataConfig(_Strict):
             raise ValueError(f"data.input_template={self.input_template!r} must hold {{}} once: where the prompt goes")
         if self.input_template is not None and self.apply_chat_template:
             raise ValueError("data.input_template and data.apply_chat_template both format a text prompt: choose one")
+        if self.system_prompt is not None and self.input_template is not None:
+            raise ValueError(
+                "data.system_prompt goes through the chat template; data.input_template formats text without one: "
+                "put the system text in the template, or set data.apply_chat_template=true instead"
+            )
         return self
 
 
