@@ -346,9 +346,12 @@ def http_transport(
 
         async def call(samples: list[dict], timeout_s: float) -> Any:
             if wire_format != "openrlhf":
-                return await _post_json(
-                    holder["client"], endpoint, {"samples": samples}, shown, timeout_s, len(samples)
-                )
+                # The response's token ids stay home: at long lengths they alone would pass the
+                # server's body limit (a TRL completion_ids reward runs in_process or as ray_actor).
+                sent = [
+                    {**s, "metadata": {k: v for k, v in s["metadata"].items() if k != "response_ids"}} for s in samples
+                ]
+                return await _post_json(holder["client"], endpoint, {"samples": sent}, shown, timeout_s, len(samples))
             body = {
                 "query": [model_text(s["prompt"], s["response"], s["metadata"]) for s in samples],
                 "prompts": [s["prompt"] for s in samples],

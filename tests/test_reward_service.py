@@ -182,6 +182,24 @@ def test_garbage_replies_from_a_foreign_server():
         client.close()
 
 
+def test_the_http_client_keeps_the_response_token_ids_home():
+    """At long lengths the token ids alone would pass a reward server's body limit: not sent."""
+    seen: list[dict] = []
+    app = FastAPI()
+
+    @app.post("/score")
+    async def score(request: Request) -> Response:
+        samples = (await request.json())["samples"]
+        seen.extend(s["metadata"] for s in samples)
+        return JSONResponse({"results": [{"reward": 1.0} for _ in samples]})
+
+    with ServerThread(app) as server:
+        client = _client(server.url)
+        result = client.submit("p", "r", None, {"model_prompt": "<u>p", "response_ids": list(range(5000))}).result(30)
+        client.close()
+    assert result.reward == 1.0 and seen == [{"model_prompt": "<u>p"}]
+
+
 def test_retry_with_exponential_backoff_then_success():
     calls: list[float] = []
     app = FastAPI()
