@@ -113,7 +113,10 @@ MAX_REPLY_BYTES = 64 << 20  # a reward server's reply to one batch, read at most
 def cache_key(prompt: str, response: str, label: Any, metadata: dict[str, Any] | None = None) -> str:
     """The metadata is part of the key: a reward may read the answer from a column other than the
     label (TRL's `solution`, verl's `reward_model`/`extra_info`, a task's tests) under a shared prompt."""
-    blob = json.dumps([prompt, response, label, metadata or {}], sort_keys=True, default=repr, ensure_ascii=False)
+    # Not the response's token ids: the response's text stands for them, and at long lengths
+    # serializing them would cost the worker more than most rewards do.
+    kept = {k: v for k, v in (metadata or {}).items() if k != "response_ids"}
+    blob = json.dumps([prompt, response, label, kept], sort_keys=True, default=repr, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
