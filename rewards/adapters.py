@@ -17,7 +17,7 @@ slime, which calls `rm(args, sample)` positionally):
                                                                   prompts=[p], labels=[label])
 
 A function matching none of these, or more than one, is refused with a message naming it and the
-accepted signatures; pass `style=` ("native", "slime", "verl", "trl") to decide explicitly (e.g. a
+accepted signatures; pass `style=` ("native", "slime", "verl", "trl", "openrlhf") to decide explicitly (e.g. a
 `def f(*args, **kwargs)` wrapper).
 
 What each style receives (metadata = the sample's dataset columns and other per-sample data):
@@ -49,7 +49,8 @@ What each style receives (metadata = the sample's dataset columns and other per-
 * OpenRLHF (`reward_func(queries, prompts, labels, **kwargs)`, the file `--remote_rm_url` names):
   `queries=[text]`, where text is what the model read (the prompt after its chat template, when
   the caller passes it as metadata["model_prompt"]) followed by the response, else prompt +
-  response; `prompts=[prompt]`, `labels=[label]`. The result is OpenRLHF's dict: "rewards" (a list
+  response; `prompts=[that prompt]` (so `query[len(prompt):]` is the response, as in OpenRLHF),
+  `labels=[label]`. The result is OpenRLHF's dict: "rewards" (a list
   or tensor, one per query) and optionally "scores" (OpenRLHF's filter score, not used) and
   "extra_logs" (kept in the sample's metadata as `reward_info`); a bare list or tensor is taken as
   the rewards.
@@ -288,9 +289,15 @@ def trl_batch(fn: Callable[..., Any], name: str) -> BatchCall:
         offered["log_metric"], offered["log_extra"] = log.metric, log.extra
         missing = [n for n in required if n not in offered]
         if missing:
+            ids = (
+                "; completion_ids are the response's token ids, given to rewards run in_process or as a "
+                "ray_actor (an HTTP reward server does not get them)"
+                if "completion_ids" in missing
+                else ""
+            )
             raise TypeError(
                 f"TRL-style reward {name} requires {missing}, which this sample does not have "
-                f"(dataset columns in metadata: {sorted(k for k in offered if k not in _TRL_RESERVED)})"
+                f"(dataset columns in metadata: {sorted(k for k in offered if k not in _TRL_RESERVED)}){ids}"
             )
         return (), {k: v for k, v in offered.items() if accepts(k)}
 
@@ -328,7 +335,8 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 def model_text(prompt: str, response: str, metadata: Mapping[str, Any]) -> str:
     """OpenRLHF's `query`: the text the model read (metadata["model_prompt"], the prompt after its chat
-    template) and the response after it; without it, the prompt and the response."""
+    template) and the response after it; without it, the prompt and the response. OpenRLHF's
+    `prompts` are the same text without the response, so `query[len(prompt):]` is the response."""
     read = metadata.get("model_prompt")
     return (read if isinstance(read, str) else prompt) + response
 
@@ -348,7 +356,8 @@ def openrlhf_results(reply: Any, count: int, who: str) -> list[dict[str, Any]]:
         rewards, logs = reply, None
     values = _as_list(rewards)
     if values is None:
-        raise TypeError(f"{who} gave rewards as {type(rewards).__name__}, not a list or tensor: {rewards!r:.80}")
+        kind = f"a 0-d {type(rewards).__name__}" if getattr(rewards, "ndim", None) == 0 else type(rewards).__name__
+        raise TypeError(f"{who} gave rewards as {kind}, not a list or 1-d tensor (one per query): {rewards!r:.80}")
     rewards = values
     if len(rewards) != count:
         raise ValueError(f"{who} gave {len(rewards)} rewards for {count} queries")
@@ -382,7 +391,7 @@ def openrlhf_batch(fn: Callable[..., Any], name: str) -> BatchCall:
     def build(items: list[Item]) -> tuple[tuple, dict]:
         offered = {
             "queries": [model_text(p, r, m) for p, r, _, m in items],
-            "prompts": [p for p, _, _, _ in items],
+            "prompts": [model_text(p, "", m) for p, _, _, m in items],  # as OpenRLHF: after the template
             "labels": [label for _, _, label, _ in items],
         }
         return (), {k: v for k, v in offered.items() if accepts(k)}

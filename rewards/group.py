@@ -135,11 +135,13 @@ class GroupCall:
             "verl": self._verl,
         }[self.style]()
 
-    def __call__(self, items: list[Item]) -> list[Any]:
+    def __call__(self, items: list[Item], run_async: Callable[[Any], Any] | None = None) -> list[Any]:
+        """`run_async(awaitable)`: where an async fn's calls run (GroupScorer: one loop for all of
+        them, so a client it keeps across calls stays on its loop); default, a loop per call."""
         args, kwargs = self.batch.build(items)
         value = self.fn(*args, **kwargs)
         if inspect.isawaitable(value):
-            value = asyncio.run(_awaited(value))
+            value = run_async(value) if run_async is not None else asyncio.run(_awaited(value))
         try:
             return self.batch.post(value, kwargs, len(items))
         except (TypeError, ValueError) as exc:
@@ -150,6 +152,7 @@ class GroupCall:
 
         def build(items: list[Item]) -> tuple[tuple, dict]:
             prompt, _, label, metadata = items[0]  # a group shares its prompt, label and row
+            metadata = _shared(metadata)
             kwargs: dict[str, Any] = {"prompt": prompt, "responses": [r for _, r, _, _ in items]}
             if pass_label:
                 kwargs["label"] = label
@@ -162,6 +165,7 @@ class GroupCall:
     def _slime(self) -> BatchCall:
         def build(items: list[Item]) -> tuple[tuple, dict]:
             _, _, label, metadata = items[0]
+            metadata = _shared(metadata)  # each sample keeps its own, response_ids included
             fields = {k: v for k, v in metadata.items() if isinstance(k, str) and k.isidentifier()}
             fields.update(label=label, metadata=metadata, rm_type=metadata.get("rm_type"))
             samples = [RewardSample(prompt=p, response=r, label=lab, metadata=m) for p, r, lab, m in items]
@@ -193,6 +197,11 @@ class GroupCall:
         return values
 
 
+def _shared(metadata: dict[str, Any]) -> dict[str, Any]:
+    """What the responses of a group share of a sample's metadata: all but its response's tokens."""
+    return {k: v for k, v in metadata.items() if k != "response_ids"}
+
+
 async def _awaited(value: Any) -> Any:
     return await value
 
@@ -206,6 +215,14 @@ class GroupScorer:
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="group-reward")
         self.hung = 0  # calls past their timeout still running (a thread cannot be stopped)
         self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # async functions' calls, started on first use
+
+    def _run_async(self, awaitable: Any) -> Any:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="group-reward-loop", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop).result()
 
     def score(self, groups: list[list[Item]]) -> list[list[RewardResult]]:
         return [f.result() for f in [self.pool.submit(self._limited, items) for items in groups]]
@@ -237,7 +254,7 @@ class GroupScorer:
         who = f"group reward {self.call.name}"
         t0 = time.monotonic()
         try:
-            values = self.call(items)
+            values = self.call(items, self._run_async)
         except BadGroupReply as exc:
             return [RewardResult(None, str(exc), time.monotonic() - t0) for _ in items]
         except Exception as exc:
@@ -252,6 +269,8 @@ class GroupScorer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 __all__ = ["GROUP_STYLES", "GroupCall", "GroupRewardSpecError", "GroupScorer", "load_group_reward"]

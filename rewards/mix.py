@@ -188,7 +188,7 @@ class _Strict(BaseModel):
 
 class FnSpec(_Strict):
     fn: str = Field(min_length=1)
-    style: Literal["native", "slime", "verl", "trl"] | None = None
+    style: Literal["native", "slime", "verl", "trl", "openrlhf"] | None = None
     # When given, `fn` is a factory called once with these keywords; it returns the reward
     # (e.g. rewards.prm:prm_reward with model_dir, rewards.judge:llm_judge with a URL).
     kwargs: dict[str, Any] | None = None

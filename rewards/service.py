@@ -357,7 +357,7 @@ def http_transport(
                 return await _post_json(holder["client"], endpoint, {"samples": sent}, shown, timeout_s, len(samples))
             body = {
                 "query": [model_text(s["prompt"], s["response"], s["metadata"]) for s in samples],
-                "prompts": [s["prompt"] for s in samples],
+                "prompts": [model_text(s["prompt"], "", s["metadata"]) for s in samples],
                 "labels": [s["label"] for s in samples],
             }
             reply = await _post_json(holder["client"], endpoint, body, shown, timeout_s, len(samples))

@@ -241,10 +241,12 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
             text = cfg.input_template.replace("{}", prompt) if cfg.input_template else prompt
             prompt_ids = _as_id_list(tokenizer(text, add_special_tokens=False)["input_ids"])
     elif isinstance(prompt, list):
-        prompt = _check_messages(where, cfg.prompt_key, prompt)
+        # data.system_prompt joins the messages: a reward given them (TRL's conversational
+        # prompts) sees them as the model did.
+        prompt = _with_system(_check_messages(where, cfg.prompt_key, prompt), cfg)
         # Chat messages can only be rendered through the template, so it applies whatever
         # data.apply_chat_template says (that flag decides for plain-text prompts).
-        prompt_ids = _chat_ids(where, _with_system(prompt, cfg), tokenizer)
+        prompt_ids = _chat_ids(where, prompt, tokenizer)
     else:
         raise DatasetError(
             f"{where}: the prompt ({cfg.prompt_key!r}) must be a string or a list of "

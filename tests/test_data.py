@@ -88,6 +88,7 @@ def test_a_system_prompt_goes_before_what_the_template_renders(tmp_path: Path, t
     chats = [{"prompt": [{"role": "user", "content": "hi"}]}, CHAT_ROWS[0]]
     plain, own = load_prompts(DataConfig(system_prompt="be kind"), tok, str(write_jsonl(chats, tmp_path / "c.jsonl")))
     assert tok.decode(plain.prompt_ids) == "<|system|>be kind<|user|>hi<|assistant|>"
+    assert plain.prompt[0] == {"role": "system", "content": "be kind"}  # as a reward given the messages sees it
     assert tok.decode(own.prompt_ids) == "<|system|>be brief<|user|>hi<|assistant|>"  # the row's own system wins
     with pytest.raises(DatasetError, match="data.system_prompt cannot reach the model: set data.apply_chat_template"):
         load_prompts(DataConfig(system_prompt="be brief"), tok, str(text))

@@ -67,6 +67,28 @@ def test_each_style_scores_the_whole_group_at_once():
     assert [r.reward for r in verl] == [1.0, 0.0]
 
 
+class LoopBound:
+    """An async group reward holding a loop-bound object across calls (as an httpx.AsyncClient does)."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def __call__(self, prompt, responses, metadata):
+        self.loop = self.loop or asyncio.get_running_loop()  # where a client made on first use lives
+        if self.loop is not asyncio.get_running_loop():
+            raise RuntimeError("called on another event loop than the first call's")
+        assert "response_ids" not in metadata  # the group's shared row, not one response's tokens
+        return [1.0] * len(responses)
+
+
+def test_async_group_rewards_share_one_loop_and_see_the_groups_shared_metadata():
+    scorer = GroupScorer(GroupCall(LoopBound(), "loop_bound"), timeout_s=5, max_concurrency=2)
+    groups = [_items(["a", "b"], metadata={"prompt_text": "p", "response_ids": [1]}) for _ in range(4)]
+    for _ in range(2):
+        assert all(r.reward == 1.0 for g in scorer.score(groups) for r in g), scorer.score(groups)
+    scorer.close()
+
+
 def test_a_bad_group_fails_its_own_samples_with_the_reason_and_the_others_are_scored():
     def picky(prompt, responses):
         if "boom" in responses:
@@ -138,18 +160,62 @@ def test_what_group_rewards_cannot_work_with_is_refused_at_load(setting, named):
 
 def test_the_buffer_stores_group_scores_and_counts_a_failure_once(buffer: TrajectoryStore):
     gid = buffer.add_group([1, 2, 3], 2, 4, {"label": "x"})
-    leased = buffer.lease("w0", 2)
-    for s in leased:
+    for s in buffer.lease("w0", 2):
         buffer.append_chunk(s.id, "w0", [5, 6], [-0.1, -0.2], 0)
         buffer.finish(s.id, "w0", Status.COMPLETED)
     a, b = buffer.get_group(gid)
     assert a.reward is None  # the workers stored no reward
-    for _ in range(2):  # scored again after a restart: the same result, the failure counted once
-        assert buffer.set_rewards([(a.id, 0.75, None, {"reward_info": {"rank": 1}}), (b.id, None, "no", None)]) == 2
+    for _ in range(2):  # written again: the same result, the failure counted once
+        writes = [(a.id, 0.75, None, {"reward_info": {"rank": 1}}, None), (b.id, None, "no", None, Status.FAILED)]
+        assert buffer.set_rewards(writes) == 2
     a, b = buffer.get_group(gid)
     assert (a.reward, a.status, a.metadata["reward_info"]) == (0.75, Status.COMPLETED, {"rank": 1})
-    assert (b.status, b.failure) == (Status.FAILED, "no")
+    assert (b.status, b.failure, b.reward) == (Status.FAILED, "no", None)
     assert buffer.counts()["failed"] == 1 and buffer.counts()["completed"] == 1
+    # scored again with a reward: the failure goes, the status and the counts come back
+    assert buffer.set_rewards([(b.id, 0.5, None, None, Status.COMPLETED)]) == 1
+    b = buffer.get_group(gid)[1]
+    assert (b.status, b.failure, b.reward) == (Status.COMPLETED, None, 0.5)
+    assert buffer.counts()["failed"] == 0 and buffer.counts()["completed"] == 2
+
+
+FLAKY_JUDGE_PY = """
+CALLS = [0]
+
+
+def judge(prompt, responses):
+    CALLS[0] += 1
+    if CALLS[0] == 1:
+        raise TimeoutError("the judge timed out once")
+    return [1.0 for r in responses]
+"""
+
+
+def test_a_group_scored_again_after_a_restart_scores_what_its_first_scoring_failed(
+    buffer: TrajectoryStore, tiny_model_dir, tmp_path: Path
+):
+    """A claim requeued by a restart is scored again: samples the first scoring failed are scored
+    too, and their status, reward and counts come back."""
+    from slime.learner.group_rewards import GroupRewards
+
+    (tmp_path / "flaky_judge.py").write_text(FLAKY_JUDGE_PY)
+    cfg = load_config(None, ["reward.scope=group", f"reward.fn={tmp_path / 'flaky_judge.py'}:judge"])
+    rewards = GroupRewards(cfg, str(tiny_model_dir))
+    gid = buffer.add_group([3, 4, 5], 2, 8, {"label": "x", "prompt_text": "p"})
+    for s, status in zip(buffer.lease("w0", 2), (Status.COMPLETED, Status.TRUNCATED)):
+        buffer.append_chunk(s.id, "w0", [5, 6, 7], [-0.1] * 3, 0)
+        buffer.finish(s.id, "w0", status)
+    rewards.score([buffer.get_group(gid)], buffer)
+    first = buffer.get_group(gid)
+    assert all(s.status == Status.FAILED and "the judge timed out once" in s.failure for s in first)
+    again = buffer.get_group(gid)  # what a claim after the restart reads
+    rewards.score([again], buffer)
+    stored = buffer.get_group(gid)
+    assert [s.status for s in stored] == [Status.COMPLETED, Status.TRUNCATED]  # as generated
+    assert all(s.failure is None and s.reward == 1.0 for s in stored + again)
+    assert all("generated_status" not in s.metadata for s in stored)
+    assert buffer.counts()["failed"] == 0
+    rewards.close()
 
 
 GROUP_REWARD_PY = """

@@ -76,7 +76,8 @@ def test_an_openrlhf_reward_server_scores_over_its_own_wire_format():
     request = seen[0]
     # OpenRLHF's query is the text the model read (chat template applied) followed by the response
     assert request["query"][0] == "<user>ab</user>aab"
-    assert request["prompts"][:2] == ["ab", "ab"] and request["labels"][:2] == ["x", "y"]
+    # and its prompts are that prompt, so that query[len(prompt):] is the response
+    assert request["prompts"][:2] == ["<user>ab</user>"] * 2 and request["labels"][:2] == ["x", "y"]
 
 
 def test_a_broken_openrlhf_reply_fails_its_batch_with_the_reason():
@@ -188,6 +189,6 @@ def test_a_rollout_worker_scores_with_an_openrlhf_reward_server(tiny_model_dir, 
         assert templated + response in queries, (templated + response, queries)
         assert sample.reward == pytest.approx(_share_of_a(templated + response))
         assert sample.metadata["reward_info"] == {"length": len(templated + response)}
-    assert all(request["prompts"] and set(request["prompts"]) == {"ab*3="} for request in seen)
+    assert all(request["prompts"] and set(request["prompts"]) == {templated} for request in seen)
     assert json.dumps(seen)  # what went over the wire is plain JSON
     buffer.delete_job()

@@ -180,7 +180,9 @@ def test_load_reward_spec_errors_give_the_path():
         RewardSpecError, match=r"reward\.routes: Value error, routes must name at least one field value"
     ):
         load_reward_spec({"route": "task", "routes": {}})
-    with pytest.raises(RewardSpecError, match=r"reward\.style: Input should be 'native', 'slime', 'verl' or 'trl'"):
-        load_reward_spec({"fn": "rewards.rule:f1", "style": "openrlhf"})
+    with pytest.raises(
+        RewardSpecError, match=r"reward\.style: Input should be 'native', 'slime', 'verl', 'trl' or 'openrlhf'"
+    ):
+        load_reward_spec({"fn": "rewards.rule:f1", "style": "deepspeed"})
     with pytest.raises(RewardSpecError, match=r"reward\.mix\.0\.fn: expected a spec string .*; got int 5"):
         load_reward_spec({"mix": [{"fn": 5, "weight": 1.0}]})

@@ -377,16 +377,18 @@ class TrajectoryStore:
         counted in stats as dropped_groups:<reason> and dropped_tokens:<reason>."""
         return bool(self._drop_ready(args=[self.prefix, group_id, reason]))
 
-    def set_rewards(self, scores: Sequence[tuple[str, float | None, str | None, dict | None]]) -> int:
-        """(sample id, reward, failure, metadata) of finished samples: reward.scope=group's scores,
-        written when the learner takes their group. A failure makes the sample FAILED. Returns how
+    def set_rewards(self, scores: Sequence[tuple[str, float | None, str | None, dict | None, Status | None]]) -> int:
+        """(sample id, reward, failure, metadata, status) of finished samples: reward.scope=group's
+        scores, written when the learner takes their group (again, if a requeued claim is scored
+        again). A reward clears an earlier failure and a failure an earlier reward. Returns how
         many of the samples exist."""
         if not scores:
             return 0
         args: list[Any] = [self.prefix]
-        for sid, reward, failure, metadata in scores:
+        for sid, reward, failure, metadata, status in scores:
             meta = json.dumps(metadata) if metadata is not None else ""
-            args += [sid, "" if reward is None else repr(float(reward)), failure or "", meta]
+            reward_arg = "" if reward is None else repr(float(reward))
+            args += [sid, reward_arg, failure or "", meta, status.value if status is not None else ""]
         return int(self._set_rewards(args=args))
 
     def restart_sample(self, sample_id: str, worker_id: str) -> int:

@@ -14,6 +14,10 @@ from slime.data import reward_inputs
 from slime.model import load_tokenizer, rollout_stop_token_ids
 from slime.sample import Sample, Status
 
+# In the metadata of a sample its group's reward failed: the status it generated with, so that a
+# scoring of the group after a restart (a requeued claim) scores it again and can restore it.
+GENERATED = "generated_status"
+
 
 class GroupRewards:
     def __init__(self, cfg: JobConfig, model_dir: str) -> None:
@@ -23,14 +27,17 @@ class GroupRewards:
         self.scorer = GroupScorer(load_group_reward(rc.fn), rc.timeout_s, rc.max_concurrency)
 
     def score(self, groups: list[list[Sample]], buffer: TrajectoryStore) -> dict[str, float]:
-        """Score the samples of `groups` that did not fail already (their responses only); a failed
-        score fails its sample, with the reason. Returns the step's metrics."""
+        """Score each group's samples that generated (their responses only; a sample an earlier
+        scoring of this group failed is scored again); a failed score fails its sample, with the
+        reason. Returns the step's metrics."""
         started = time.time()
-        scored = [[s for s in g if s.status != Status.FAILED] for g in groups]
+        scored = [[s for s in g if s.status != Status.FAILED or GENERATED in s.metadata] for g in groups]
         scored = [g for g in scored if g]
         items = [
             [
-                reward_inputs(s.metadata, s.prompt_ids.tolist(), s.response_ids.tolist(), self.tokenizer, self.stop)
+                reward_inputs(
+                    _row(s.metadata), s.prompt_ids.tolist(), s.response_ids.tolist(), self.tokenizer, self.stop
+                )
                 for s in g
             ]
             for g in scored
@@ -41,16 +48,25 @@ class GroupRewards:
                 failure = result.failure
                 if failure is None and result.steps is not None:
                     failure = "a group reward gives one reward per response, not per-step rewards (step_scores)"
-                sample.metadata = {**sample.metadata, "reward_latency_s": result.latency_s}
+                meta = _row(sample.metadata)
+                generated = Status(sample.metadata.get(GENERATED, sample.status.value))
+                meta["reward_latency_s"] = result.latency_s
                 if result.info:
-                    sample.metadata["reward_info"] = result.info
+                    meta["reward_info"] = result.info
                 if failure is None:
-                    sample.reward = result.reward
-                else:
-                    sample.status, sample.failure, sample.reward = Status.FAILED, failure, None
-                writes.append((sample.id, sample.reward, failure, sample.metadata))
+                    sample.status, sample.reward, sample.failure = generated, result.reward, None
+                else:  # what it generated as, for a scoring of this group after a restart
+                    meta[GENERATED] = generated.value
+                    sample.status, sample.reward, sample.failure = Status.FAILED, None, failure
+                sample.metadata = meta
+                writes.append((sample.id, sample.reward, failure, meta, sample.status))
         buffer.set_rewards(writes)
         return {"group_reward_seconds": time.time() - started, "group_reward_hung_calls": float(self.scorer.hung)}
 
     def close(self) -> None:
         self.scorer.close()
+
+
+def _row(metadata: dict) -> dict:
+    """A sample's metadata without what an earlier scoring of its group wrote."""
+    return {k: v for k, v in metadata.items() if k not in (GENERATED, "reward_info", "reward_latency_s")}
