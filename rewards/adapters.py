@@ -111,17 +111,7 @@ def detect_style(fn: Callable[..., Any], name: str | None = None) -> str:
     """The style `fn`'s parameter names say it is written in; see the module docstring."""
     name = name or _describe(fn)
     sig, names, positional = parameter_names(fn, f"reward function {name}", ACCEPTED_SIGNATURES)
-    matches = []
-    if "prompt" in names and "response" in names:
-        matches.append("native")
-    if positional[:2] == ["args", "sample"]:
-        matches.append("slime")
-    if "solution_str" in names and "ground_truth" in names:
-        matches.append("verl")
-    if "completions" in names or "completion_ids" in names:
-        matches.append("trl")
-    if {"queries", "prompts", "labels"} <= set(names):
-        matches.append("openrlhf")
+    matches = matching_styles(names, positional, group=False)
     if len(matches) == 1:
         return matches[0]
     why = f"matches several styles ({', '.join(matches)})" if matches else "matches no supported style"
@@ -141,6 +131,24 @@ def parameter_names(fn: Callable[..., Any], who: str, accepted: str) -> tuple[in
         ) from None
     positional = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return sig, list(sig.parameters), positional
+
+
+def matching_styles(names: list[str], positional: list[str], group: bool) -> list[str]:
+    """The styles whose parameter names these are: of a per-sample reward, or (`group`) of a group
+    reward, where slime's, verl's and the native names are plural."""
+    response, sample, solution, truth = (
+        ("responses", "samples", "solution_strs", "ground_truths")
+        if group
+        else ("response", "sample", "solution_str", "ground_truth")
+    )
+    rules = {
+        "native": "prompt" in names and response in names,
+        "slime": positional[:2] == ["args", sample],
+        "verl": solution in names and truth in names,
+        "trl": "completions" in names or "completion_ids" in names,
+        "openrlhf": {"queries", "prompts", "labels"} <= set(names),
+    }
+    return [style for style, matched in rules.items() if matched]
 
 
 def native_caller(fn: Callable[..., Any], name: str | None = None) -> Callable[[str, str, Any, dict], Any]:

@@ -39,6 +39,7 @@ from rewards.adapters import (
     RewardSignatureError,
     _acceptor,
     _as_list,
+    matching_styles,
     openrlhf_batch,
     parameter_names,
     trl_batch,
@@ -94,17 +95,7 @@ def load_group_reward(spec: Any) -> GroupCall:
 
 def detect_group_style(fn: Callable[..., Any], name: str) -> str:
     sig, names, positional = parameter_names(fn, f"group reward {name}", GROUP_SIGNATURES)
-    matches = []
-    if "prompt" in names and "responses" in names:
-        matches.append("native")
-    if positional[:2] == ["args", "samples"]:
-        matches.append("slime")
-    if "completions" in names or "completion_ids" in names:
-        matches.append("trl")
-    if {"queries", "prompts", "labels"} <= set(names):
-        matches.append("openrlhf")
-    if {"solution_strs", "ground_truths"} <= set(names):
-        matches.append("verl")
+    matches = matching_styles(names, positional, group=True)
     if len(matches) == 1:
         return matches[0]
     why = f"matches several styles ({', '.join(matches)})" if matches else "matches no group style"
