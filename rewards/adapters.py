@@ -80,6 +80,11 @@ ACCEPTED_SIGNATURES = (
 )
 
 
+class DoesNotApply(ValueError):
+    """A reward that says it does not score this sample (a TRL reward's None): a WeightedSum leaves
+    it out of its sum, as TRL's nansum does; alone, the sample fails with the reason."""
+
+
 class RewardSignatureError(UserError, TypeError):
     """A reward function whose signature matches no supported style, or more than one."""
 
@@ -335,18 +340,28 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     def post(value: Any, kwargs: dict) -> Any:
         (result,) = call.post(value, kwargs, 1)
         if result is None:
-            raise ValueError(f"TRL-style reward {name} returned [None]: it does not apply to this sample")
+            raise DoesNotApply(
+                f"TRL-style reward {name} returned [None]: it does not apply to this sample (as in TRL, a mix "
+                f"leaves it out of its sum; alone, it fails the sample)"
+            )
         return result
 
     return _native(fn, name, lambda *item: call.build([item]), post)
 
 
-def model_text(prompt: str, response: str, metadata: Mapping[str, Any]) -> str:
-    """OpenRLHF's `query`: the text the model read (metadata["model_prompt"], the prompt after its chat
-    template) and the response after it; without it, the prompt and the response. OpenRLHF's
-    `prompts` are the same text without the response, so `query[len(prompt):]` is the response."""
+def openrlhf_prompt(prompt: str, metadata: Mapping[str, Any]) -> str:
+    """OpenRLHF's `prompt`: the text the model read (metadata["model_prompt"], after its chat
+    template); without it, the prompt."""
     read = metadata.get("model_prompt")
-    return (read if isinstance(read, str) else prompt) + response
+    return read if isinstance(read, str) else prompt
+
+
+def openrlhf_query(prompt: str, response: str, metadata: Mapping[str, Any]) -> str:
+    """OpenRLHF's `query`: the prompt as above, then the response as the model wrote it
+    (metadata["model_response"]: special tokens and the stop token kept, as OpenRLHF decodes it;
+    a reward model reads its score at that last token). `query[len(prompt):]` is the response."""
+    wrote = metadata.get("model_response")
+    return openrlhf_prompt(prompt, metadata) + (wrote if isinstance(wrote, str) else response)
 
 
 def openrlhf_results(reply: Any, count: int, who: str) -> list[dict[str, Any]]:
@@ -363,10 +378,18 @@ def openrlhf_results(reply: Any, count: int, who: str) -> list[dict[str, Any]]:
     else:
         rewards, logs = reply, None
     values = _as_list(rewards)
+    if values is None and count == 1 and (getattr(rewards, "ndim", None) == 0 or isinstance(rewards, (int, float))):
+        values = [_plain(rewards)]  # one query, one number: OpenRLHF takes it too
     if values is None:
-        kind = f"a 0-d {type(rewards).__name__}" if getattr(rewards, "ndim", None) == 0 else type(rewards).__name__
-        raise TypeError(f"{who} gave rewards as {kind}, not a list or 1-d tensor (one per query): {rewards!r:.80}")
+        raise TypeError(
+            f"{who} gave rewards as {type(rewards).__name__}, not a list or 1-d tensor (one per query): {rewards!r:.80}"
+        )
     rewards = values
+    if any(isinstance(r, Mapping) for r in rewards):
+        raise ValueError(
+            f"{who} gave a dict per query; OpenRLHF's reply is one dict, {{'rewards': [one number per query], "
+            f"'extra_logs': {{...}}}}"
+        )
     if len(rewards) != count:
         raise ValueError(f"{who} gave {len(rewards)} rewards for {count} queries")
     infos: list[dict[str, Any]] = [{} for _ in rewards]
@@ -388,21 +411,27 @@ def _as_list(value: Any) -> list[Any] | None:
 
 
 def _plain(value: Any) -> Any:
-    """A 0-d tensor or numpy scalar as a Python number; other values unchanged."""
-    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
+    """A tensor or numpy value as Python numbers (a 0-d one as a number); other values unchanged."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", None) is not None:
+        return value.tolist()
+    return value
+
+
+def openrlhf_request(items: list[Item]) -> tuple[list[str], list[str], list[Any]]:
+    """OpenRLHF's queries, prompts and labels (a missing label as "", as OpenRLHF sends it)."""
+    return (
+        [openrlhf_query(p, r, m) for p, r, _, m in items],
+        [openrlhf_prompt(p, m) for p, _, _, m in items],
+        ["" if label is None else label for _, _, label, _ in items],
+    )
 
 
 def openrlhf_batch(fn: Callable[..., Any], name: str) -> BatchCall:
-    """OpenRLHF's call: reward_func(queries, prompts, labels) over the batch."""
-    accepts = _acceptor(fn)
+    """OpenRLHF's call: reward_func(queries, prompts, labels) over the batch, by position as
+    OpenRLHF calls it."""
 
     def build(items: list[Item]) -> tuple[tuple, dict]:
-        offered = {
-            "queries": [model_text(p, r, m) for p, r, _, m in items],
-            "prompts": [model_text(p, "", m) for p, _, _, m in items],  # as OpenRLHF: after the template
-            "labels": [label for _, _, label, _ in items],
-        }
-        return (), {k: v for k, v in offered.items() if accepts(k)}
+        return openrlhf_request(items), {}
 
     def post(value: Any, _: dict, count: int) -> list[Any]:
         return openrlhf_results(value, count, f"OpenRLHF-style reward {name}")

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from types import SimpleNamespace
 from typing import Any
 
@@ -57,6 +58,10 @@ GROUP_SIGNATURES = (
     "OpenRLHF `reward_func(queries, prompts, labels)`; "
     "verl `compute_score(data_sources, solution_strs, ground_truths, extra_infos)`"
 )
+
+
+class _CancelledAtTimeout(Exception):
+    """An async group call cancelled at reward.timeout_s (GroupScorer._run_async)."""
 
 
 class BadGroupReply(ValueError):
@@ -189,8 +194,8 @@ class GroupCall:
 
 
 def _shared(metadata: dict[str, Any]) -> dict[str, Any]:
-    """What the responses of a group share of a sample's metadata: all but its response's tokens."""
-    return {k: v for k, v in metadata.items() if k != "response_ids"}
+    """What the responses of a group share of a sample's metadata: all but its own response."""
+    return {k: v for k, v in metadata.items() if k not in ("response_ids", "model_response")}
 
 
 async def _awaited(value: Any) -> Any:
@@ -207,13 +212,24 @@ class GroupScorer:
         self.hung = 0  # calls past their timeout still running (a thread cannot be stopped)
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # async functions' calls, started on first use
+        self._loop_thread: threading.Thread | None = None
 
     def _run_async(self, awaitable: Any) -> Any:
+        """An async fn's call on the shared loop; past timeout_s it is cancelled (unlike a thread, a
+        coroutine can be stopped), so it ends at its next await."""
         with self._lock:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, name="group-reward-loop", daemon=True).start()
-        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop).result()
+                self._loop_thread = threading.Thread(
+                    target=self._loop.run_forever, name="group-reward-loop", daemon=True
+                )
+                self._loop_thread.start()
+        future = asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:  # (the builtin TimeoutError: a reward may raise one of its own)
+            future.cancel()
+            raise _CancelledAtTimeout from None
 
     def score(self, groups: list[list[Item]]) -> list[list[RewardResult]]:
         return [f.result() for f in [self.pool.submit(self._limited, items) for items in groups]]
@@ -238,8 +254,10 @@ class GroupScorer:
                 return box[0]
             late.set()
             self.hung += 1
-        why = f"group reward {self.call.name} took longer than reward.timeout_s={self.timeout_s:g}"
-        return [RewardResult(None, why, self.timeout_s) for _ in items]
+        return [RewardResult(None, self._too_slow(), self.timeout_s) for _ in items]
+
+    def _too_slow(self) -> str:
+        return f"group reward {self.call.name} took longer than reward.timeout_s={self.timeout_s:g}"
 
     def _timed(self, items: list[Item]) -> list[RewardResult]:
         who = f"group reward {self.call.name}"
@@ -248,20 +266,38 @@ class GroupScorer:
             values = self.call(items, self._run_async)
         except BadGroupReply as exc:
             return [RewardResult(None, str(exc), time.monotonic() - t0) for _ in items]
+        except _CancelledAtTimeout:
+            return [RewardResult(None, self._too_slow(), self.timeout_s) for _ in items]
         except Exception as exc:
             latency = time.monotonic() - t0
             return [RewardResult(None, f"{who} raised {type(exc).__name__}: {exc}", latency) for _ in items]
         latency = time.monotonic() - t0
         results = []
         for (_, response, _, _), value in zip(items, values):
+            if value is None:  # TRL's way to say a reward does not apply; it has no reward here
+                results.append(RewardResult(None, f"{who} gave None for this response: it does not score it", latency))
+                continue
             reward, failure, extras = check_reward_value(value, who, response)
             results.append(RewardResult(reward, failure, latency, **extras))
         return results
 
     def close(self) -> None:
+        """Stop taking groups; async calls still running are cancelled and the loop closed (a sync
+        call past its timeout cannot be stopped: its daemon thread ends with the process)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        loop, thread = self._loop, self._loop_thread
+        if loop is None or thread is None:
+            return
+
+        def cancel_all() -> None:
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            loop.call_soon(loop.stop)  # after the cancellations have run one step
+
+        loop.call_soon_threadsafe(cancel_all)
+        thread.join(timeout=5)
+        if not loop.is_running():
+            loop.close()
 
 
 __all__ = ["GROUP_STYLES", "GroupCall", "GroupRewardSpecError", "GroupScorer", "load_group_reward"]

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rewards.adapters import STYLES, adapt, load_reward, native_caller
+from rewards.adapters import STYLES, DoesNotApply, adapt, load_reward, native_caller
 from rewards.plugin import load_function
 from rewards.runner import _describe, _is_async
 from slime.errors import UserError
@@ -76,19 +76,24 @@ class _Child:
             return exc  # type: ignore[return-value]  # already names the failing part
         return RewardChildError(f"child reward {self.name} raised {type(exc).__name__}: {exc}")
 
-    def sync(self, prompt: str, response: str, label: Any, metadata: dict) -> float:
+    def sync(self, prompt: str, response: str, label: Any, metadata: dict) -> float | None:
+        """The child's score; None when it does not apply to this sample (DoesNotApply)."""
         try:
             value = self._call(prompt, response, label, metadata)
+        except DoesNotApply:
+            return None
         except Exception as exc:
             raise self._fail(exc) from exc
         return as_score(value, self.name)
 
-    async def run(self, prompt: str, response: str, label: Any, metadata: dict) -> float:
+    async def run(self, prompt: str, response: str, label: Any, metadata: dict) -> float | None:
         try:
             if self.is_async:
                 value = await self._call(prompt, response, label, metadata)
             else:
                 value = await asyncio.to_thread(self._call, prompt, response, label, metadata)
+        except DoesNotApply:
+            return None
         except Exception as exc:
             raise self._fail(exc) from exc
         return as_score(value, self.name)
@@ -127,14 +132,28 @@ def WeightedSum(children: Sequence[tuple[Callable[..., Any] | str, float]]) -> C
                 for task in tasks:
                     task.cancel()
                 raise
-            return sum(w * s for (_, w), s in zip(parts, scores))
+            return _weighted(parts, scores, label_)
     else:
 
         def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
             meta = metadata if metadata is not None else {}
-            return sum(w * c.sync(prompt, response, label, meta) for c, w in parts)
+            return _weighted(parts, [c.sync(prompt, response, label, meta) for c, _ in parts], label_)
 
     return _finish(reward, label_, children=[(c.fn, w) for c, w in parts])
+
+
+def _weighted(parts: list[tuple[_Child, float]], scores: list[float | None], name: str) -> float:
+    """The weighted sum of the children that scored (TRL's nansum); none scoring fails the sample."""
+    scored = [(w, score) for (_, w), score in zip(parts, scores) if score is not None]
+    if not scored:
+        raise DoesNotApply(f"{name}: none of its rewards applies to this sample (each returned None)")
+    return sum(w * score for w, score in scored)
+
+
+def _applied(score: float | None, child: _Child) -> float:
+    if score is None:
+        raise DoesNotApply(f"child reward {child.name} does not apply to this sample (it returned None)")
+    return score
 
 
 def RouteByField(
@@ -164,12 +183,14 @@ def RouteByField(
 
         async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
             meta = metadata if metadata is not None else {}
-            return await pick(meta).run(prompt, response, label, meta)
+            child = pick(meta)
+            return _applied(await child.run(prompt, response, label, meta), child)
     else:
 
         def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
             meta = metadata if metadata is not None else {}
-            return pick(meta).sync(prompt, response, label, meta)
+            child = pick(meta)
+            return _applied(child.sync(prompt, response, label, meta), child)
 
     return _finish(
         reward,

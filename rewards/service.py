@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from rewards.adapters import model_text, openrlhf_results
+from rewards.adapters import openrlhf_request, openrlhf_results
 from rewards.mix import describe_spec, load_reward_spec
 from rewards.runner import RewardResult, RewardRunner, StepScores, check_reward_value
 from slime.security import auth_headers, redact_url
@@ -105,6 +105,11 @@ def sample_to_wire(prompt: str, response: str, label: Any, metadata: dict[str, A
     return {"prompt": prompt, "response": response, "label": label, "metadata": metadata or {}}
 
 
+# The response again, as token ids and as text with its special tokens: rewards run here get them
+# in their metadata, but neither a reward server (its body limit) nor the cache key (the response's
+# text stands for them).
+HOME_ONLY = ("response_ids", "model_response")
+
 MAX_REPLY_BYTES = 64 << 20  # a reward server's reply to one batch, read at most this far
 
 # --- cache ---------------------------------------------------------------------------------------
@@ -113,9 +118,9 @@ MAX_REPLY_BYTES = 64 << 20  # a reward server's reply to one batch, read at most
 def cache_key(prompt: str, response: str, label: Any, metadata: dict[str, Any] | None = None) -> str:
     """The metadata is part of the key: a reward may read the answer from a column other than the
     label (TRL's `solution`, verl's `reward_model`/`extra_info`, a task's tests) under a shared prompt."""
-    # Not the response's token ids: the response's text stands for them, and at long lengths
-    # serializing them would cost the worker more than most rewards do.
-    kept = {k: v for k, v in (metadata or {}).items() if k != "response_ids"}
+    # Not HOME_ONLY: the response's text stands for them, and at long lengths serializing them
+    # would cost the worker more than most rewards do.
+    kept = {k: v for k, v in (metadata or {}).items() if k not in HOME_ONLY}
     blob = json.dumps([prompt, response, label, kept], sort_keys=True, default=repr, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -349,17 +354,15 @@ def http_transport(
 
         async def call(samples: list[dict], timeout_s: float) -> Any:
             if wire_format != "openrlhf":
-                # The response's token ids stay home: at long lengths they alone would pass the
-                # server's body limit (a TRL completion_ids reward runs in_process or as ray_actor).
+                # The response again (HOME_ONLY) stays home: at long lengths its token ids alone would
+                # pass the server's body limit (a TRL completion_ids reward runs in_process or as ray_actor).
                 sent = [
-                    {**s, "metadata": {k: v for k, v in s["metadata"].items() if k != "response_ids"}} for s in samples
+                    {**s, "metadata": {k: v for k, v in s["metadata"].items() if k not in HOME_ONLY}} for s in samples
                 ]
                 return await _post_json(holder["client"], endpoint, {"samples": sent}, shown, timeout_s, len(samples))
-            body = {
-                "query": [model_text(s["prompt"], s["response"], s["metadata"]) for s in samples],
-                "prompts": [model_text(s["prompt"], "", s["metadata"]) for s in samples],
-                "labels": [s["label"] for s in samples],
-            }
+            items = [(s["prompt"], s["response"], s["label"], s["metadata"]) for s in samples]
+            queries, prompts, labels = openrlhf_request(items)
+            body = {"query": queries, "prompts": prompts, "labels": labels}
             reply = await _post_json(holder["client"], endpoint, body, shown, timeout_s, len(samples))
             try:
                 results = openrlhf_results(reply, len(samples), f"POST {shown}")

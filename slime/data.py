@@ -22,6 +22,8 @@ class PromptRecord:
     prompt_ids: list[int]  # token ids after the chat template (when applied)
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)  # every other column, plus "task" when present
+    # A text prompt rendered through the chat template: the messages it became (system prompt included)
+    chat: list[dict[str, str]] | None = None
 
 
 def prompt_text(record: PromptRecord) -> str:
@@ -33,10 +35,12 @@ def prompt_text(record: PromptRecord) -> str:
 
 def reward_metadata(record: PromptRecord) -> dict[str, Any]:
     """What a sample's reward gets as metadata: the row's other columns, `label`, `prompt_text`, and
-    for chat messages `prompt_messages` (a TRL-style reward gets them as conversational `prompts`)."""
+    for a prompt the model read as chat messages (chat-message rows, and text rendered through the
+    chat template) `prompt_messages` (a TRL-style reward gets them as conversational `prompts`)."""
     meta = {**record.metadata, "label": record.label, "prompt_text": prompt_text(record)}
-    if not isinstance(record.prompt, str):
-        meta["prompt_messages"] = record.prompt
+    messages = record.prompt if not isinstance(record.prompt, str) else record.chat
+    if messages is not None:
+        meta["prompt_messages"] = messages
     return meta
 
 
@@ -44,13 +48,16 @@ def scored_metadata(
     metadata: dict[str, Any], prompt_ids: Sequence[int], response_ids: Sequence[int], tokenizer: Any
 ) -> dict[str, Any]:
     """The metadata a reward call gets: the sample's, plus `model_prompt`, the prompt as the model
-    read it (chat template or data.input_template applied; special tokens kept), which
-    OpenRLHF-style rewards score with the response after it, and `response_ids`, the response's
-    tokens (a stop token included), TRL's `completion_ids`."""
+    read it (chat template or data.input_template applied; special tokens kept), `model_response`,
+    the response as the model wrote it (special tokens and the stop token kept: OpenRLHF-style
+    rewards score model_prompt + model_response), and `response_ids`, the response's tokens (TRL's
+    `completion_ids`)."""
+    ids = [int(t) for t in response_ids]
     return {
         **metadata,
         "model_prompt": tokenizer.decode(list(prompt_ids), skip_special_tokens=False),
-        "response_ids": [int(t) for t in response_ids],
+        "model_response": tokenizer.decode(ids, skip_special_tokens=False),
+        "response_ids": ids,
     }
 
 
@@ -227,11 +234,13 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
             f"{where}: missing the prompt column {cfg.prompt_key!r} (data.prompt_key); the row has {sorted(row)}"
         )
     prompt = row[cfg.prompt_key]
+    chat = None
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DatasetError(f"{where}: the prompt ({cfg.prompt_key!r}) is empty")
         if cfg.apply_chat_template:
-            prompt_ids = _chat_ids(where, _with_system([{"role": "user", "content": prompt}], cfg), tokenizer)
+            chat = _with_system([{"role": "user", "content": prompt}], cfg)
+            prompt_ids = _chat_ids(where, chat, tokenizer)
         elif cfg.system_prompt is not None:
             raise DatasetError(
                 f"{where}: a text prompt is read as it is (data.apply_chat_template=false), so data.system_prompt "
@@ -269,7 +278,7 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
         json.dumps([label, metadata])
     except (TypeError, ValueError):
         _name_non_json_column(where, [(cfg.label_key, label), *metadata.items()])
-    return PromptRecord(index=index, prompt=prompt, prompt_ids=prompt_ids, label=label, metadata=metadata)
+    return PromptRecord(index=index, prompt=prompt, prompt_ids=prompt_ids, label=label, metadata=metadata, chat=chat)
 
 
 def _nested_get(row: Mapping[str, Any], key: str) -> Any:

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from slime.config import DataConfig
-from slime.data import DatasetError, PromptRecord, load_prompts, write_jsonl
+from slime.data import DatasetError, PromptRecord, load_prompts, reward_metadata, write_jsonl
 
 try:
     from tests.helpers import make_char_tokenizer
@@ -90,6 +90,13 @@ def test_a_system_prompt_goes_before_what_the_template_renders(tmp_path: Path, t
     assert tok.decode(plain.prompt_ids) == "<|system|>be kind<|user|>hi<|assistant|>"
     assert plain.prompt[0] == {"role": "system", "content": "be kind"}  # as a reward given the messages sees it
     assert tok.decode(own.prompt_ids) == "<|system|>be brief<|user|>hi<|assistant|>"  # the row's own system wins
+    # the model read a chat: a TRL-style reward gets the messages (conversational prompts and completions)
+    assert reward_metadata(rec)["prompt_messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "2+2"},
+    ]
+    (raw,) = load_prompts(DataConfig(), tok, str(text))
+    assert "prompt_messages" not in reward_metadata(raw)  # read as text: TRL's standard format
     with pytest.raises(DatasetError, match="data.system_prompt cannot reach the model: set data.apply_chat_template"):
         load_prompts(DataConfig(system_prompt="be brief"), tok, str(text))
     with pytest.raises(ValueError, match="data.system_prompt goes through the chat template"):

@@ -5,6 +5,7 @@ held-out eval, and whole jobs under both launchers: the stored rewards are the g
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -89,6 +90,30 @@ def test_async_group_rewards_share_one_loop_and_see_the_groups_shared_metadata()
     scorer.close()
 
 
+def test_an_async_group_reward_past_its_timeout_is_cancelled_and_close_ends_the_loop():
+    cancelled = threading.Event()
+
+    async def slow(prompt, responses):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return [1.0] * len(responses)
+
+    scorer = GroupScorer(GroupCall(slow, "slow"), timeout_s=0.3, max_concurrency=2)
+    (late,) = scorer.score([_items(["a"])])
+    assert "took longer than reward.timeout_s=0.3" in late[0].failure
+    assert cancelled.wait(5)  # the coroutine was stopped, not left running on the loop
+    deadline = time.monotonic() + 5
+    while scorer.hung and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert scorer.hung == 0
+    loop_thread = scorer._loop_thread
+    scorer.close()
+    assert not loop_thread.is_alive() and scorer._loop.is_closed()
+
+
 def test_a_bad_group_fails_its_own_samples_with_the_reason_and_the_others_are_scored():
     def picky(prompt, responses):
         if "boom" in responses:
@@ -106,7 +131,7 @@ def test_a_bad_group_fails_its_own_samples_with_the_reason_and_the_others_are_sc
     assert all(r.reward is None and r.failure == "group reward picky raised RuntimeError: no booms" for r in boom)
     assert all("picky returned 1 rewards for a group of 2 responses" in r.failure for r in short)
     assert all("took longer than reward.timeout_s=1" in r.failure for r in slow)
-    assert skip[0].reward is None and "returned None" in skip[0].failure and skip[1].reward == 1.0
+    assert skip[0].reward is None and "gave None for this response" in skip[0].failure and skip[1].reward == 1.0
     assert [r.reward for r in fine] == [1.0]
     scorer.close()
 

@@ -182,13 +182,29 @@ def test_a_rollout_worker_scores_with_an_openrlhf_reward_server(tiny_model_dir, 
     queries = [q for request in seen for q in request["query"]]
     for sample in buffer.get_group(gid):
         assert sample.status in (Status.COMPLETED, Status.TRUNCATED), sample.failure
-        ids = sample.response_ids.tolist()
-        if ids and ids[-1] == tok.eos_token_id:
-            ids = ids[:-1]
-        response = tok.decode(ids, skip_special_tokens=True)
-        assert templated + response in queries, (templated + response, queries)
-        assert sample.reward == pytest.approx(_share_of_a(templated + response))
-        assert sample.metadata["reward_info"] == {"length": len(templated + response)}
+        # as OpenRLHF decodes it: special tokens and the stop token kept (a reward model scores there)
+        query = templated + tok.decode(sample.response_ids.tolist(), skip_special_tokens=False)
+        assert query in queries, (query, queries)
+        assert sample.reward == pytest.approx(_share_of_a(query))
+        assert sample.metadata["reward_info"] == {"length": len(query)}
     assert all(request["prompts"] and set(request["prompts"]) == {templated} for request in seen)
     assert json.dumps(seen)  # what went over the wire is plain JSON
     buffer.delete_job()
+
+
+def test_openrlhf_replies_as_openrlhf_reads_them():
+    import torch
+
+    # one query, one number (OpenRLHF wraps it in a tensor itself); extra_logs tensors as plain values
+    assert openrlhf_results({"rewards": torch.tensor(0.5), "extra_logs": {"v": torch.tensor([1.0, 2.0])}}, 1, "w") == [
+        {"score": 0.5, "info": {"v": [1.0, 2.0]}}
+    ]
+    with pytest.raises(ValueError, match="gave a dict per query; OpenRLHF's reply is one dict"):
+        openrlhf_results({"rewards": [{"rewards": 0.5}]}, 1, "w")
+    # called by position, as OpenRLHF calls reward_func; a missing label goes as "", as OpenRLHF sends it
+    from rewards.adapters import adapt
+
+    def scorer(q, p, labels_):
+        return {"rewards": [float(labels_[0] == "" and q[0].startswith(p[0]))]}
+
+    assert adapt(scorer, style="openrlhf")("p", "r", None, {}) == {"score": 1.0}

@@ -280,3 +280,17 @@ def test_trl_log_metric_and_log_extra_land_in_the_rewards_info():
     with RewardRunner(adapt(scored), 5.0, 1) as runner:
         result = runner.score("p", "ab", None, {})
     assert (result.reward, result.info) == (1.0, {"length": 2, "upper": "AB"})
+
+
+def test_trls_own_conversational_rewards_get_messages_when_the_model_read_a_chat():
+    """TRL's think_format_reward reads completions[i][0]["content"]: a prompt the model read as chat
+    (prompt_messages in the metadata) gives TRL's conversational format, per sample and per group."""
+    from rewards.group import GroupCall
+    from rewards.mix import load_reward_spec
+
+    chat = {"prompt_messages": [{"role": "user", "content": "2+2?"}]}
+    think = load_reward_spec("trl.rewards:think_format_reward")
+    assert think("2+2?", "<think>add</think>4", None, chat) == 1.0
+    assert think("2+2?", "4", None, chat) == 0.0
+    group = GroupCall(load_function("trl.rewards:think_format_reward"), "think_format_reward")
+    assert group([("2+2?", "<think>a</think>4", None, chat), ("2+2?", "4", None, chat)]) == [1.0, 0.0]

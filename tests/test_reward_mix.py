@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rewards.adapters import DoesNotApply, adapt
 from rewards.mix import (
     NoRouteError,
     RewardChildError,
@@ -186,3 +187,22 @@ def test_load_reward_spec_errors_give_the_path():
         load_reward_spec({"fn": "rewards.rule:f1", "style": "deepspeed"})
     with pytest.raises(RewardSpecError, match=r"reward\.mix\.0\.fn: expected a spec string .*; got int 5"):
         load_reward_spec({"mix": [{"fn": 5, "weight": 1.0}]})
+
+
+def test_a_trl_reward_that_does_not_apply_is_left_out_of_the_mix_as_trl_does():
+    """TRL sums its reward functions with nansum: a None (accuracy_reward on an unparsable answer)
+    leaves that function out. The mix does the same; when no part applies, the sample fails."""
+
+    def picky(completions, **kwargs):
+        return [None if c == "skip" else 1.0 for c in completions]
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    mix = WeightedSum([(picky, 0.5), (length, 2.0)])
+    assert mix("p", "ab", None, {}) == 0.5 * 1.0 + 2.0 * 2
+    assert mix("p", "skip", None, {}) == 2.0 * 4  # picky left out
+    with pytest.raises(DoesNotApply, match="none of its rewards applies to this sample"):
+        WeightedSum([(picky, 1.0)])("p", "skip", None, {})
+    with pytest.raises(DoesNotApply, match="returned \\[None\\]: it does not apply to this sample"):
+        adapt(picky)("p", "skip", None, {})
