@@ -175,20 +175,38 @@ def native_caller(fn: Callable[..., Any], name: str | None = None) -> Callable[[
 
 
 def _native(
-    fn: Callable[..., Any], name: str, build: Callable[..., tuple[tuple, dict]], post: Callable[[Any, dict], Any]
+    fn: Callable[..., Any],
+    name: str,
+    build: Callable[..., tuple[tuple, dict]],
+    post: Callable[[Any, dict], Any],
+    explain: Callable[[Exception, dict], str | None] = lambda exc, kwargs: None,
 ) -> Callable[..., Any]:
     """A native-signature function calling `fn(*args, **kwargs)` from `build`, sync or async like fn;
-    `post(value, kwargs)` turns what it returned into a native reward."""
+    `post(value, kwargs)` turns what it returned into a native reward. `explain(exc, kwargs)`: a
+    likely cause to add to an exception fn raised."""
+
+    def raised(exc: Exception, kwargs: dict) -> Exception:
+        why = explain(exc, kwargs)
+        return type(exc)(f"{exc} ({why})") if why else exc
+
     if _is_async(fn):
 
         async def reward(prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Any:
             args, kwargs = build(prompt, response, label, dict(metadata or {}))
-            return post(await fn(*args, **kwargs), kwargs)
+            try:
+                value = await fn(*args, **kwargs)
+            except Exception as exc:
+                raise raised(exc, kwargs) from exc
+            return post(value, kwargs)
     else:
 
         def reward(prompt: str, response: str, label: Any = None, metadata: dict[str, Any] | None = None) -> Any:
             args, kwargs = build(prompt, response, label, dict(metadata or {}))
-            return post(fn(*args, **kwargs), kwargs)
+            try:
+                value = fn(*args, **kwargs)
+            except Exception as exc:
+                raise raised(exc, kwargs) from exc
+            return post(value, kwargs)
 
     reward.__name__ = getattr(fn, "__name__", "reward")
     reward.__qualname__ = name  # the runner names failures after this
@@ -346,7 +364,16 @@ def _trl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             )
         return result
 
-    return _native(fn, name, lambda *item: call.build([item]), post)
+    def explain(exc: Exception, kwargs: dict) -> str | None:
+        completions = kwargs.get("completions") or [None]
+        if isinstance(exc, (TypeError, KeyError, IndexError)) and isinstance(completions[0], str):
+            return (
+                "it got TRL's standard format, text completions, as TRL gives a dataset of text prompts; "
+                "a reward written for conversational completions needs chat-message prompts in the dataset"
+            )
+        return None
+
+    return _native(fn, name, lambda *item: call.build([item]), post, explain)
 
 
 def openrlhf_prompt(prompt: str, metadata: Mapping[str, Any]) -> str:

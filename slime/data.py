@@ -22,8 +22,6 @@ class PromptRecord:
     prompt_ids: list[int]  # token ids after the chat template (when applied)
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)  # every other column, plus "task" when present
-    # A text prompt rendered through the chat template: the messages it became (system prompt included)
-    chat: list[dict[str, str]] | None = None
 
 
 def prompt_text(record: PromptRecord) -> str:
@@ -35,12 +33,11 @@ def prompt_text(record: PromptRecord) -> str:
 
 def reward_metadata(record: PromptRecord) -> dict[str, Any]:
     """What a sample's reward gets as metadata: the row's other columns, `label`, `prompt_text`, and
-    for a prompt the model read as chat messages (chat-message rows, and text rendered through the
-    chat template) `prompt_messages` (a TRL-style reward gets them as conversational `prompts`)."""
+    for chat messages `prompt_messages` (a TRL-style reward gets them as conversational `prompts`,
+    as TRL does for a conversational dataset; a text row stays TRL's standard format)."""
     meta = {**record.metadata, "label": record.label, "prompt_text": prompt_text(record)}
-    messages = record.prompt if not isinstance(record.prompt, str) else record.chat
-    if messages is not None:
-        meta["prompt_messages"] = messages
+    if not isinstance(record.prompt, str):
+        meta["prompt_messages"] = record.prompt
     return meta
 
 
@@ -234,13 +231,11 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
             f"{where}: missing the prompt column {cfg.prompt_key!r} (data.prompt_key); the row has {sorted(row)}"
         )
     prompt = row[cfg.prompt_key]
-    chat = None
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DatasetError(f"{where}: the prompt ({cfg.prompt_key!r}) is empty")
         if cfg.apply_chat_template:
-            chat = _with_system([{"role": "user", "content": prompt}], cfg)
-            prompt_ids = _chat_ids(where, chat, tokenizer)
+            prompt_ids = _chat_ids(where, _with_system([{"role": "user", "content": prompt}], cfg), tokenizer)
         elif cfg.system_prompt is not None:
             raise DatasetError(
                 f"{where}: a text prompt is read as it is (data.apply_chat_template=false), so data.system_prompt "
@@ -278,7 +273,7 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
         json.dumps([label, metadata])
     except (TypeError, ValueError):
         _name_non_json_column(where, [(cfg.label_key, label), *metadata.items()])
-    return PromptRecord(index=index, prompt=prompt, prompt_ids=prompt_ids, label=label, metadata=metadata, chat=chat)
+    return PromptRecord(index=index, prompt=prompt, prompt_ids=prompt_ids, label=label, metadata=metadata)
 
 
 def _nested_get(row: Mapping[str, Any], key: str) -> Any:

@@ -90,13 +90,8 @@ def test_a_system_prompt_goes_before_what_the_template_renders(tmp_path: Path, t
     assert tok.decode(plain.prompt_ids) == "<|system|>be kind<|user|>hi<|assistant|>"
     assert plain.prompt[0] == {"role": "system", "content": "be kind"}  # as a reward given the messages sees it
     assert tok.decode(own.prompt_ids) == "<|system|>be brief<|user|>hi<|assistant|>"  # the row's own system wins
-    # the model read a chat: a TRL-style reward gets the messages (conversational prompts and completions)
-    assert reward_metadata(rec)["prompt_messages"] == [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "2+2"},
-    ]
-    (raw,) = load_prompts(DataConfig(), tok, str(text))
-    assert "prompt_messages" not in reward_metadata(raw)  # read as text: TRL's standard format
+    # a text row stays TRL's standard format (TRL decides by the dataset's prompts, not the template)
+    assert "prompt_messages" not in reward_metadata(rec)
     with pytest.raises(DatasetError, match="data.system_prompt cannot reach the model: set data.apply_chat_template"):
         load_prompts(DataConfig(system_prompt="be brief"), tok, str(text))
     with pytest.raises(ValueError, match="data.system_prompt goes through the chat template"):

@@ -282,9 +282,9 @@ def test_trl_log_metric_and_log_extra_land_in_the_rewards_info():
     assert (result.reward, result.info) == (1.0, {"length": 2, "upper": "AB"})
 
 
-def test_trls_own_conversational_rewards_get_messages_when_the_model_read_a_chat():
-    """TRL's think_format_reward reads completions[i][0]["content"]: a prompt the model read as chat
-    (prompt_messages in the metadata) gives TRL's conversational format, per sample and per group."""
+def test_trls_own_conversational_rewards_get_messages_for_chat_prompts():
+    """TRL's think_format_reward reads completions[i][0]["content"]: chat-message prompts
+    (prompt_messages in the metadata) give TRL's conversational format, per sample and per group."""
     from rewards.group import GroupCall
     from rewards.mix import load_reward_spec
 
@@ -294,3 +294,7 @@ def test_trls_own_conversational_rewards_get_messages_when_the_model_read_a_chat
     assert think("2+2?", "4", None, chat) == 0.0
     group = GroupCall(load_function("trl.rewards:think_format_reward"), "think_format_reward")
     assert group([("2+2?", "<think>a</think>4", None, chat), ("2+2?", "4", None, chat)]) == [1.0, 0.0]
+    # a text prompt: TRL's standard format, as TRL gives it; a reward that wants messages is told why it broke
+    accuracy = load_reward_spec("trl.rewards:accuracy_reward")
+    with pytest.raises(TypeError, match="it got TRL's standard format, text completions"):
+        accuracy("2+2?", "4", None, {"solution": "4"})
