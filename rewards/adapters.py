@@ -215,12 +215,17 @@ def _native(
     return reward
 
 
+def slime_args(label: Any, metadata: dict[str, Any]) -> SimpleNamespace:
+    """slime's `args` for a sample (or a group): its metadata keys, label, metadata and rm_type."""
+    fields = {k: v for k, v in metadata.items() if isinstance(k, str) and k.isidentifier()}
+    fields.update(label=label, metadata=metadata, rm_type=metadata.get("rm_type"))
+    return SimpleNamespace(**fields)
+
+
 def _slime(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     def build(prompt, response, label, metadata):
-        fields = {k: v for k, v in metadata.items() if isinstance(k, str) and k.isidentifier()}
-        fields.update(label=label, metadata=metadata, rm_type=metadata.get("rm_type"))
         sample = RewardSample(prompt=prompt, response=response, label=label, metadata=metadata)
-        return (SimpleNamespace(**fields), sample), {}
+        return (slime_args(label, metadata), sample), {}
 
     return _native(fn, name, build, lambda value, _: value)
 
@@ -239,25 +244,28 @@ def verl_fields(response: str, label: Any, metadata: Mapping[str, Any]) -> dict[
     }
 
 
-def verl_score(value: Any, name: str) -> Any:
-    """A verl result: a number, or a dict whose "score" is the reward."""
-    if isinstance(value, Mapping):
-        if "score" not in value:
-            raise ValueError(
-                f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
-            )
-        return value["score"]
-    return value
-
-
 def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     accepts = _acceptor(fn)
 
     def build(prompt, response, label, metadata):
         return (), {k: v for k, v in verl_fields(response, label, metadata).items() if accepts(k)}
 
-    return _native(fn, name, build, lambda value, _: verl_score(value, name))
+    def post(value: Any, _: dict) -> Any:
+        if isinstance(value, Mapping):
+            if "score" not in value:
+                raise ValueError(
+                    f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
+                )
+            return value["score"]
+        return value
 
+    return _native(fn, name, build, post)
+
+
+# The response again, as token ids and as text with its special tokens (slime.data.scored_metadata):
+# per response, so not in what a group's responses share, not sent to a reward server, not in the
+# cache key (the response's text stands for them).
+RESPONSE_KEYS = ("response_ids", "model_response")
 
 _TRL_RESERVED = ("prompts", "completions", "completion_ids", "log_metric", "log_extra")
 
@@ -333,7 +341,7 @@ def trl_batch(fn: Callable[..., Any], name: str) -> BatchCall:
         return (), {k: v for k, v in offered.items() if accepts(k)}
 
     def post(value: Any, kwargs: dict, count: int) -> list[Any]:
-        values = _as_list(value) if not isinstance(value, (list, tuple)) else list(value)
+        values = _as_list(value)
         if values is None:
             raise TypeError(
                 f"TRL-style reward {name} returned {type(value).__name__} {value!r:.80}; "

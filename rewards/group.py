@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from types import SimpleNamespace
 from typing import Any
 
 from rewards.adapters import (
     ACCEPTED_SIGNATURES,
+    RESPONSE_KEYS,
     BatchCall,
     Item,
     RewardSample,
@@ -43,6 +43,7 @@ from rewards.adapters import (
     matching_styles,
     openrlhf_batch,
     parameter_names,
+    slime_args,
     trl_batch,
     verl_fields,
 )
@@ -161,11 +162,8 @@ class GroupCall:
     def _slime(self) -> BatchCall:
         def build(items: list[Item]) -> tuple[tuple, dict]:
             _, _, label, metadata = items[0]
-            metadata = _shared(metadata)  # each sample keeps its own, response_ids included
-            fields = {k: v for k, v in metadata.items() if isinstance(k, str) and k.isidentifier()}
-            fields.update(label=label, metadata=metadata, rm_type=metadata.get("rm_type"))
             samples = [RewardSample(prompt=p, response=r, label=lab, metadata=m) for p, r, lab, m in items]
-            return (SimpleNamespace(**fields), samples), {}
+            return (slime_args(label, _shared(metadata)), samples), {}  # each sample keeps its own metadata
 
         return BatchCall(build, self._listed)
 
@@ -180,7 +178,7 @@ class GroupCall:
         return BatchCall(build, self._listed)  # a dict per response gives its "score" (check_reward_value)
 
     def _listed(self, value: Any, _: dict, count: int) -> list[Any]:
-        values = list(value) if isinstance(value, (list, tuple)) else _as_list(value)
+        values = _as_list(value)
         if values is None:
             raise TypeError(
                 f"group reward {self.name} returned {type(value).__name__} {value!r:.80}, "
@@ -195,7 +193,7 @@ class GroupCall:
 
 def _shared(metadata: dict[str, Any]) -> dict[str, Any]:
     """What the responses of a group share of a sample's metadata: all but its own response."""
-    return {k: v for k, v in metadata.items() if k not in ("response_ids", "model_response")}
+    return {k: v for k, v in metadata.items() if k not in RESPONSE_KEYS}
 
 
 async def _awaited(value: Any) -> Any:
@@ -208,6 +206,8 @@ class GroupScorer:
 
     def __init__(self, call: GroupCall, timeout_s: float, max_concurrency: int) -> None:
         self.call, self.timeout_s = call, timeout_s
+        # metadata["model_prompt"] and ["model_response"] are made for an OpenRLHF-style call only
+        self.reads_model_text = call.style == "openrlhf"
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="group-reward")
         self.hung = 0  # calls past their timeout still running (a thread cannot be stopped)
         self._lock = threading.Lock()

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rewards.adapters import STYLES, DoesNotApply, adapt, load_reward, native_caller
+from rewards.adapters import STYLES, DoesNotApply, adapt, detect_style, load_reward, native_caller
 from rewards.plugin import load_function
 from rewards.runner import _describe, _is_async
 from slime.errors import UserError
@@ -278,6 +278,27 @@ def load_reward_spec(spec: str | dict, _path: str = "reward") -> Callable[..., A
             raise RewardSpecError(f"{_path}: {model.fn}(**{shown}) failed: {type(exc).__name__}: {exc}") from exc
         return adapt(reward, style=model.style, name=f"{model.fn}({', '.join(f'{k}={v!r}' for k, v in shown.items())})")
     raise RewardSpecError(f"{_path}: unrecognised keys {sorted(map(str, keys))}; expected {_FORMS}")
+
+
+def reads_model_text(spec: Any) -> bool:
+    """Whether the reward `spec` names has an OpenRLHF-style part: the only kind that reads
+    metadata["model_prompt"] and ["model_response"], which cost a decode more per response, so
+    the callers make them only for it. Read off the spec, without calling any factory (OpenRLHF's
+    reward_func is a plain function, or a factory given `style: openrlhf`)."""
+    if isinstance(spec, str):
+        try:
+            return detect_style(load_function(spec)) == "openrlhf"
+        except Exception:  # loading the reward itself reports what is wrong with it
+            return False
+    if not isinstance(spec, Mapping):
+        return False
+    if "mix" in spec:
+        return any(isinstance(item, Mapping) and reads_model_text(item.get("fn")) for item in spec["mix"] or [])
+    if "route" in spec or "routes" in spec:
+        return any(reads_model_text(part) for part in [*(spec.get("routes") or {}).values(), spec.get("default")])
+    if spec.get("style") is not None or spec.get("kwargs") is not None:
+        return spec.get("style") == "openrlhf"
+    return reads_model_text(spec.get("fn"))
 
 
 def describe_spec(spec: Any) -> str:

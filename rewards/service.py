@@ -43,8 +43,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from rewards.adapters import openrlhf_request, openrlhf_results
-from rewards.mix import describe_spec, load_reward_spec
+from rewards.adapters import RESPONSE_KEYS, openrlhf_request, openrlhf_results
+from rewards.mix import describe_spec, load_reward_spec, reads_model_text
 from rewards.runner import RewardResult, RewardRunner, StepScores, check_reward_value
 from slime.security import auth_headers, redact_url
 
@@ -105,11 +105,6 @@ def sample_to_wire(prompt: str, response: str, label: Any, metadata: dict[str, A
     return {"prompt": prompt, "response": response, "label": label, "metadata": metadata or {}}
 
 
-# The response again, as token ids and as text with its special tokens: rewards run here get them
-# in their metadata, but neither a reward server (its body limit) nor the cache key (the response's
-# text stands for them).
-HOME_ONLY = ("response_ids", "model_response")
-
 MAX_REPLY_BYTES = 64 << 20  # a reward server's reply to one batch, read at most this far
 
 # --- cache ---------------------------------------------------------------------------------------
@@ -118,9 +113,9 @@ MAX_REPLY_BYTES = 64 << 20  # a reward server's reply to one batch, read at most
 def cache_key(prompt: str, response: str, label: Any, metadata: dict[str, Any] | None = None) -> str:
     """The metadata is part of the key: a reward may read the answer from a column other than the
     label (TRL's `solution`, verl's `reward_model`/`extra_info`, a task's tests) under a shared prompt."""
-    # Not HOME_ONLY: the response's text stands for them, and at long lengths serializing them
+    # Not RESPONSE_KEYS: the response's text stands for them, and at long lengths serializing them
     # would cost the worker more than most rewards do.
-    kept = {k: v for k, v in (metadata or {}).items() if k not in HOME_ONLY}
+    kept = {k: v for k, v in (metadata or {}).items() if k not in RESPONSE_KEYS}
     blob = json.dumps([prompt, response, label, kept], sort_keys=True, default=repr, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -354,10 +349,11 @@ def http_transport(
 
         async def call(samples: list[dict], timeout_s: float) -> Any:
             if wire_format != "openrlhf":
-                # The response again (HOME_ONLY) stays home: at long lengths its token ids alone would
+                # The response again (RESPONSE_KEYS) stays home: at long lengths its token ids alone would
                 # pass the server's body limit (a TRL completion_ids reward runs in_process or as ray_actor).
                 sent = [
-                    {**s, "metadata": {k: v for k, v in s["metadata"].items() if k not in HOME_ONLY}} for s in samples
+                    {**s, "metadata": {k: v for k, v in s["metadata"].items() if k not in RESPONSE_KEYS}}
+                    for s in samples
                 ]
                 return await _post_json(holder["client"], endpoint, {"samples": sent}, shown, timeout_s, len(samples))
             items = [(s["prompt"], s["response"], s["label"], s["metadata"]) for s in samples]
@@ -482,6 +478,15 @@ def reward_actor(job_name: str, spec: str | dict, timeout_s: float, max_concurre
 # --- from config ---------------------------------------------------------------------------------
 
 
+def wants_model_text(cfg: Any) -> bool:
+    """Whether the samples `cfg` (RewardConfig, scope sample) scores need metadata["model_prompt"]
+    and ["model_response"]: an OpenRLHF reward server, or an OpenRLHF-style reward here or in
+    the Ray actor (one behind `slime reward-serve` is the server's: it scores prompt + response)."""
+    if cfg.mode == "http":
+        return cfg.http_format == "openrlhf"
+    return reads_model_text(cfg.fn)
+
+
 def make_reward_service(cfg: Any, job_name: str) -> RewardService:
     """The reward service `cfg` (slime.config.RewardConfig) asks for, cache included."""
     service: RewardService
@@ -526,4 +531,5 @@ __all__ = [
     "StepScores",
     "http_transport",
     "make_reward_service",
+    "wants_model_text",
 ]

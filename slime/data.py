@@ -42,37 +42,37 @@ def reward_metadata(record: PromptRecord) -> dict[str, Any]:
 
 
 def scored_metadata(
-    metadata: dict[str, Any], prompt_ids: Sequence[int], response_ids: Sequence[int], tokenizer: Any
+    metadata: dict[str, Any],
+    prompt_ids: Sequence[int],
+    response_ids: list[int],
+    tokenizer: Any,
+    model_text: bool = False,
 ) -> dict[str, Any]:
-    """The metadata a reward call gets: the sample's, plus `model_prompt`, the prompt as the model
-    read it (chat template or data.input_template applied; special tokens kept), `model_response`,
-    the response as the model wrote it (special tokens and the stop token kept: OpenRLHF-style
-    rewards score model_prompt + model_response), and `response_ids`, the response's tokens (TRL's
-    `completion_ids`)."""
-    ids = [int(t) for t in response_ids]
-    return {
-        **metadata,
-        "model_prompt": tokenizer.decode(list(prompt_ids), skip_special_tokens=False),
-        "model_response": tokenizer.decode(ids, skip_special_tokens=False),
-        "response_ids": ids,
-    }
+    """The metadata a reward call gets: the sample's, plus `response_ids`, the response's tokens
+    (TRL's `completion_ids`), and with `model_text` (an OpenRLHF-style reward: a decode more per
+    response, so only for it) `model_prompt`, the prompt as the model read it (chat template or
+    data.input_template applied), and `model_response`, the response as the model wrote it
+    (special tokens and the stop token kept), which it scores one after the other."""
+    meta = {**metadata, "response_ids": response_ids}
+    if model_text:
+        meta["model_prompt"] = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+        meta["model_response"] = tokenizer.decode(response_ids, skip_special_tokens=False)
+    return meta
 
 
 def reward_inputs(
     metadata: dict[str, Any],
     prompt_ids: Sequence[int],
-    response_ids: Sequence[int],
+    response_ids: list[int],
     tokenizer: Any,
     stop_token_ids: Collection[int],
+    model_text: bool = False,
 ) -> tuple[str, str, Any, dict[str, Any]]:
     """What a reward scores a response with: (prompt, response, label, metadata). The response is
-    its tokens without a final stop token, decoded without special tokens."""
-    ids = [int(t) for t in response_ids]
-    meta = scored_metadata(metadata, prompt_ids, ids, tokenizer)
-    if ids and ids[-1] in stop_token_ids:
-        ids = ids[:-1]
-    response = tokenizer.decode(ids, skip_special_tokens=True)
-    return meta.get("prompt_text", ""), response, meta.get("label"), meta
+    its tokens (a list of ints) without a final stop token, decoded without special tokens."""
+    meta = scored_metadata(metadata, prompt_ids, response_ids, tokenizer, model_text)
+    ids = response_ids[:-1] if response_ids and response_ids[-1] in stop_token_ids else response_ids
+    return meta.get("prompt_text", ""), tokenizer.decode(ids, skip_special_tokens=True), meta.get("label"), meta
 
 
 class DatasetError(UserError, ValueError):

@@ -88,12 +88,13 @@ def score_answers(
     stop: list[int],
     rewards: Any,
     timeout_s: float,
+    model_text: bool = False,
 ) -> dict[str, tuple[float | None, str | None]]:
     """request id -> (reward, failure), each response scored as the rollout worker scores it:
     the stop token cut, the rest decoded without special tokens. `rewards`: the job's reward
     service, or with reward.scope=group its GroupScorer (each prompt's answers scored together)."""
     inputs = {
-        rid: reward_inputs(reward_metadata(record), record.prompt_ids, answer["token_ids"], tokenizer, stop)
+        rid: reward_inputs(reward_metadata(record), record.prompt_ids, answer["token_ids"], tokenizer, stop, model_text)
         for rid, answer in answers.items()
         for record in [records[int(rid.split("-")[1])]]
     }
@@ -112,13 +113,15 @@ def score_answers(
     return scores
 
 
-def eval_rewards(job: JobConfig) -> Any:
-    """What scores the answers: the job's reward service, or with reward.scope=group a GroupScorer."""
+def eval_rewards(job: JobConfig) -> tuple[Any, bool]:
+    """What scores the answers: the job's reward service, or with reward.scope=group a GroupScorer;
+    and whether it reads metadata["model_prompt"] and ["model_response"] (OpenRLHF-style)."""
     if job.reward.scope == "group":
-        return GroupScorer(load_group_reward(job.reward.fn), job.reward.timeout_s, job.reward.max_concurrency)
-    from rewards.service import make_reward_service
+        scorer = GroupScorer(load_group_reward(job.reward.fn), job.reward.timeout_s, job.reward.max_concurrency)
+        return scorer, scorer.reads_model_text
+    from rewards.service import make_reward_service, wants_model_text
 
-    return make_reward_service(job.reward, job.job_name)
+    return make_reward_service(job.reward, job.job_name), wants_model_text(job.reward)
 
 
 def summarize(
@@ -196,7 +199,7 @@ class HeldOutEval:
         self.records = held_out_records(job, tokenizer, run_dir)
         self.stop = rollout_stop_token_ids(job.rollout, tokenizer)
         self.stop_strings = rollout_stop_strings(job.rollout, tokenizer)
-        self.rewards = eval_rewards(job)
+        self.rewards, self.model_text = eval_rewards(job)
 
     def due(self, step: int) -> bool:
         every = self.job.eval.every_steps
@@ -210,7 +213,7 @@ class HeldOutEval:
         )
         answers = generate(requests)
         timeout = job.reward.timeout_s * 4 + 30
-        scores = score_answers(self.records, answers, self.tokenizer, self.stop, self.rewards, timeout)
+        scores = score_answers(self.records, answers, self.tokenizer, self.stop, self.rewards, timeout, self.model_text)
         return {**summarize(self.records, answers, scores, job.eval), "seconds": time.time() - started}
 
     def close(self) -> None:
@@ -234,9 +237,9 @@ def evaluate_model_dir(
         answers = run_to_completion(engine, requests)
     finally:
         engine.close()
-    rewards = eval_rewards(job)
+    rewards, model_text = eval_rewards(job)
     try:
-        scores = score_answers(records, answers, tokenizer, stop, rewards, job.reward.timeout_s * 4 + 30)
+        scores = score_answers(records, answers, tokenizer, stop, rewards, job.reward.timeout_s * 4 + 30, model_text)
     finally:
         rewards.close()
     result = summarize(records, answers, scores, job.eval)

@@ -208,3 +208,23 @@ def test_openrlhf_replies_as_openrlhf_reads_them():
         return {"rewards": [float(labels_[0] == "" and q[0].startswith(p[0]))]}
 
     assert adapt(scorer, style="openrlhf")("p", "r", None, {}) == {"score": 1.0}
+
+
+def test_the_model_text_is_made_only_for_an_openrlhf_reward(tmp_path: Path):
+    """model_prompt and model_response cost a decode more per response: read off the spec, only an
+    OpenRLHF-style part (or an OpenRLHF server) gets them."""
+    from rewards.mix import reads_model_text
+    from rewards.service import wants_model_text
+
+    path = tmp_path / "reward_func.py"
+    path.write_text(REWARD_FUNC_PY)
+    openrlhf, native = f"{path}:reward_func", "envs.repeat:reward"
+    assert reads_model_text(openrlhf) and not reads_model_text(native)
+    assert reads_model_text({"mix": [{"fn": native, "weight": 1.0}, {"fn": openrlhf, "weight": 0.5}]})
+    assert reads_model_text({"route": "task", "routes": {"a": native}, "default": openrlhf})
+    assert not reads_model_text({"route": "task", "routes": {"a": native}})
+    assert reads_model_text({"fn": "pkg.mod:factory", "kwargs": {}, "style": "openrlhf"})
+    assert not reads_model_text({"fn": "rewards.prm:prm_reward", "kwargs": {"model_dir": "x"}})  # not called
+    assert wants_model_text(RewardConfig(mode="http", url="http://h:5000/get_reward", http_format="openrlhf"))
+    assert not wants_model_text(RewardConfig(mode="http", url="http://h:8000"))
+    assert not wants_model_text(RewardConfig())

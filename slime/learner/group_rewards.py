@@ -36,7 +36,12 @@ class GroupRewards:
         items = [
             [
                 reward_inputs(
-                    _row(s.metadata), s.prompt_ids.tolist(), s.response_ids.tolist(), self.tokenizer, self.stop
+                    _row(s.metadata),
+                    s.prompt_ids.tolist(),
+                    s.response_ids.tolist(),
+                    self.tokenizer,
+                    self.stop,
+                    self.scorer.reads_model_text,
                 )
                 for s in g
             ]

@@ -27,7 +27,7 @@ from april.scheduler import StalenessBudget
 from rewards.plugin import load_function
 from rewards.prm import place_step_rewards, step_end_tokens_of_ids
 from rewards.runner import RewardResult, StepScores
-from rewards.service import make_reward_service
+from rewards.service import make_reward_service, wants_model_text
 from slime.buffer import (
     ChunksLostError,
     Finish,
@@ -117,6 +117,7 @@ class RolloutWorker:
         self.params = rollout_sampling_params(cfg.rollout, self.tokenizer)
         # reward.scope=group: the learner scores each group as it takes it; the workers score nothing.
         self.rewards = make_reward_service(cfg.reward, cfg.job_name) if cfg.reward.scope == "sample" else None
+        self.model_text = self.rewards is not None and wants_model_text(cfg.reward)  # a decode more per response
         self.staleness_budget = StalenessBudget(cfg.april.max_version_span, cfg.april.beyond_budget)
         self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
         # Multi-turn episodes (env.plugin set): slime/rollout/multiturn.py owns the turn state machine.
@@ -367,7 +368,12 @@ class RolloutWorker:
             return
         stop = set(self.params.stop_token_ids)
         inputs = reward_inputs(
-            sample.metadata, sample.prompt_ids.tolist(), sample.response_ids.tolist(), self.tokenizer, stop
+            sample.metadata,
+            sample.prompt_ids.tolist(),
+            sample.response_ids.tolist(),
+            self.tokenizer,
+            stop,
+            self.model_text,
         )
         future = self.rewards.submit(*inputs)
         self.scoring[sample.id] = future
