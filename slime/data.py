@@ -31,6 +31,27 @@ def prompt_text(record: PromptRecord) -> str:
     return "\n".join(m.get("content", "") for m in record.prompt)
 
 
+# Keys the job writes into a sample's metadata beside the row's columns (here, in the fleet, the
+# rollout worker, the multi-turn episode and the learner's group scoring). A column of the same
+# name would be overwritten, or worse read as the job's own (`loss_masked`), so it is refused.
+JOB_METADATA_KEYS: dict[str, str] = {
+    "prompt_text": "the prompt as the reward reads it",
+    "prompt_messages": "a chat prompt's messages",
+    "record_index": "the row's place in the dataset",
+    "response_ids": "the response's token ids",
+    "model_prompt": "the prompt as the model read it",
+    "model_response": "the response as the model wrote it",
+    "reward_latency_s": "the reward call's seconds",
+    "reward_info": "what the reward reported beside its number",
+    "env_turns": "the episode's turns",
+    "env_return": "the episode's return",
+    "env_end": "why the episode ended",
+    "env_infos": "the env's last step infos",
+    "loss_masked": "why none of the sample's tokens is trained",
+    "generated_status": "the status a group reward found",
+}
+
+
 def reward_metadata(record: PromptRecord) -> dict[str, Any]:
     """What a sample's reward gets as metadata: the row's other columns, `label`, `prompt_text`, and
     for chat messages `prompt_messages` (a TRL-style reward gets them as conversational `prompts`,
@@ -267,6 +288,7 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
 
     label = _nested_get(row, cfg.label_key) if cfg.label_key else None
     metadata = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
+    _refuse_shadowed_columns(where, metadata, cfg)
     if cfg.task_key and cfg.task_key in row:
         metadata["task"] = row[cfg.task_key]
     try:  # label and metadata travel to the buffer as JSON
@@ -274,6 +296,26 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
     except (TypeError, ValueError):
         _name_non_json_column(where, [(cfg.label_key, label), *metadata.items()])
     return PromptRecord(index=index, prompt=prompt, prompt_ids=prompt_ids, label=label, metadata=metadata)
+
+
+def _refuse_shadowed_columns(where: str, columns: Mapping[str, Any], cfg: DataConfig) -> None:
+    """A column the job would overwrite in the sample's metadata is an error, not a silent loss."""
+    for name in columns:
+        if name in JOB_METADATA_KEYS:
+            raise DatasetError(
+                f"{where}: the column {name!r} has the name of a key the job writes into each sample's metadata "
+                f"({JOB_METADATA_KEYS[name]}), so the reward would never see the row's value; rename the column"
+            )
+    if "label" in columns:  # a label_key other than "label" fills metadata["label"]
+        raise DatasetError(
+            f"{where}: the column 'label' would be hidden by the label read from data.label_key="
+            f"{cfg.label_key!r} (the reward's metadata['label']); rename the column, or set data.label_key=label"
+        )
+    if cfg.task_key and cfg.task_key != "task" and "task" in columns and cfg.task_key in columns:
+        raise DatasetError(
+            f"{where}: the column 'task' would be hidden by the task read from data.task_key={cfg.task_key!r} "
+            "(metadata['task']); rename the column, or set data.task_key=task"
+        )
 
 
 def _nested_get(row: Mapping[str, Any], key: str) -> Any:

@@ -230,3 +230,31 @@ def test_a_dataset_without_its_label_column_is_named_at_load(tmp_path: Path, tok
     with caplog.at_level("WARNING", logger="slime.data"):
         load_prompts(DataConfig(prompt_key="question", label_key="answer"), tok, str(path))
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize(
+    ("row", "overrides", "cause"),
+    [
+        ({"prompt": "a", "response_ids": [1, 2]}, {}, "the column 'response_ids' has the name of a key the job writes"),
+        ({"prompt": "a", "loss_masked": True}, {}, "'loss_masked' has the name of a key the job writes"),
+        ({"prompt": "a", "model_response": "x"}, {}, "the response as the model wrote it"),
+        ({"prompt": "a", "answer": "1", "label": "x"}, {"label_key": "answer"}, "set data.label_key=label"),
+        ({"prompt": "a", "kind": "k", "task": "t"}, {"task_key": "kind"}, "the column 'task' would be hidden"),
+    ],
+)
+def test_a_column_the_job_would_overwrite_is_refused_by_name(
+    tmp_path: Path, tok, row: dict, overrides: dict, cause: str
+) -> None:
+    path = write_jsonl([{"prompt": "fine"}, row], tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:2: ") + ".*" + re.escape(cause)):
+        load_prompts(DataConfig(**overrides), tok, str(path))
+
+
+def test_columns_beside_the_keys_the_job_writes_are_kept(tmp_path: Path, tok) -> None:
+    path = write_jsonl([{"prompt": "a", "answer": "1", "kind": "k", "extra": 3}], tmp_path / "d.jsonl")
+    (rec,) = load_prompts(DataConfig(label_key="answer", task_key="kind"), tok, str(path))
+    assert rec.label == "1" and rec.metadata == {"kind": "k", "extra": 3, "task": "k"}
+    # the label column under its default name, and a task column the task key does not find, are the row's own
+    path = write_jsonl([{"prompt": "a", "label": "1", "task": "t"}], tmp_path / "e.jsonl")
+    (rec,) = load_prompts(DataConfig(task_key="kind"), tok, str(path))
+    assert rec.label == "1" and rec.metadata == {"task": "t"}
