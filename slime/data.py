@@ -132,7 +132,10 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
 
     records: list[PromptRecord] = []
     overlong: list[str] = []
+    label_key_seen, first_columns = False, None
     for where, row in _read_rows(p):
+        label_key_seen = label_key_seen or _has_key(row, cfg.label_key)
+        first_columns = first_columns or _key_paths(row)
         try:
             records.append(_to_record(len(records), where, row, cfg, tokenizer))
         except OverlongPrompt:
@@ -151,6 +154,12 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
     if not records:
         what = f"every prompt is over data.max_prompt_tokens={cfg.max_prompt_tokens}" if overlong else "no rows"
         raise DatasetError(f"{p}: the dataset has {what}")
+    if cfg.label_key != "label" and not label_key_seen:
+        # Named on purpose and in no row: a typo (a verl column beside it would hide it from the warning below).
+        raise DatasetError(
+            f"{p}: no row has the label column {cfg.label_key!r} (data.label_key); the first row's columns are "
+            f"{first_columns}"
+        )
     if all(r.label is None for r in records) and not _answer_elsewhere(records):  # fine for a judge or an RM
         log.warning(
             "%s: no row has the label column %r (data.label_key), nor verl's reward_model.ground_truth or TRL's "
@@ -316,6 +325,28 @@ def _refuse_shadowed_columns(where: str, columns: Mapping[str, Any], cfg: DataCo
             f"{where}: the column 'task' would be hidden by the task read from data.task_key={cfg.task_key!r} "
             "(metadata['task']); rename the column, or set data.task_key=task"
         )
+
+
+def _has_key(row: Mapping[str, Any], key: str) -> bool:
+    """Whether row has the column key or, for a dotted key absent as a column, the nested field."""
+    if key in row or "." not in key:
+        return key in row
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return False
+        value = value[part]
+    return True
+
+
+def _key_paths(row: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The row's keys, a nested mapping's as dotted paths (what data.label_key can name)."""
+    paths = []
+    for k, v in row.items():
+        paths.append(prefix + str(k))
+        if isinstance(v, Mapping):
+            paths.extend(_key_paths(v, f"{prefix}{k}."))
+    return paths
 
 
 def _nested_get(row: Mapping[str, Any], key: str) -> Any:

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -265,12 +266,7 @@ def _job_config(path: Path, overrides: list[str]) -> tuple[JobConfig, Path | Non
     elif (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
         run_dir = path
     if run_dir is not None and (run_dir / "config.yaml").is_file():
-        data = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        # The run's model, data reading, rollout and reward; not its Redis, cluster or secrets.
-        keep = {k: data[k] for k in ("model", "data", "rollout", "reward", "env", "eval", "seed") if k in data}
-        tmp = Path(tempfile.mkdtemp(prefix="slime-eval-")) / "config.yaml"
-        tmp.write_text(yaml.safe_dump(keep))
-        return load_config(tmp, overrides), run_dir
+        return _run_settings(run_dir, overrides), run_dir
     if run_dir is not None:
         raise EvalError(f"{run_dir}: a run dir without config.yaml")
     if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
@@ -282,7 +278,34 @@ def _job_config(path: Path, overrides: list[str]) -> tuple[JobConfig, Path | Non
         )
     if not (path / "config.json").is_file():
         raise EvalError(f"{path}: neither a run dir (checkpoints/, config.yaml) nor a model directory (config.json)")
+    exported_from = _exported_from(path)
+    source_run = Path(exported_from).parent.parent if exported_from else None
+    if source_run is not None and (source_run / "config.yaml").is_file():
+        # An export scores as its run did (reward, data reading, rollout), when that run is still here.
+        print(
+            f"slime eval: the reward, data and rollout settings of {source_run / 'config.yaml'} (this export's run)",
+            file=sys.stderr,
+        )
+        return _run_settings(source_run, [f"model.path={path}", *overrides], sections=RUN_SECTIONS[1:]), None
+    if not any(o.startswith(("reward.", "env.")) for o in overrides):
+        print(
+            f"slime eval: {path} brings no reward settings, so the example task's reward scores it; "
+            "give yours with reward.fn=FILE:FUNCTION (and data.*, rollout.max_new_tokens as your job had them)",
+            file=sys.stderr,
+        )
     return load_config(None, [f"model.path={path}", *overrides]), None
+
+
+# The run's model, data reading, rollout and reward; not its Redis, cluster or secrets.
+RUN_SECTIONS = ("model", "data", "rollout", "reward", "env", "eval", "seed")
+
+
+def _run_settings(run_dir: Path, overrides: list[str], sections: tuple[str, ...] = RUN_SECTIONS) -> JobConfig:
+    data = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    keep = {k: data[k] for k in sections if k in data}
+    tmp = Path(tempfile.mkdtemp(prefix="slime-eval-")) / "config.yaml"
+    tmp.write_text(yaml.safe_dump(keep))
+    return load_config(tmp, overrides)
 
 
 def main_eval(argv: list[str]) -> int:
@@ -316,6 +339,14 @@ def main_eval(argv: list[str]) -> int:
         result = evaluate_model_dir(job, model_dir, records)
     print(format_table(result, job.eval))
     print(json.dumps({"source": source, "data": ns.data, **result}))
+    scored = len(records) * (1 + job.eval.samples)
+    if result.get("failed_rewards", 0) >= scored:
+        print(
+            f"slime eval: every reward call failed ({scored} of {scored}), so these figures measure nothing; "
+            f"e.g. {result.get('first_failure')}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

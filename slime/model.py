@@ -174,6 +174,39 @@ def check_model_config(path: Path, name: str) -> None:
         raise ModelDirError(f"{name}: transformers cannot load {config} ({cause or type(exc).__name__})") from exc
 
 
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+def check_model_files(path: Path, name: str) -> None:
+    """A ModelDirError unless path holds weights and a tokenizer. Without weights every actor's load
+    fails; without tokenizer files transformers 5 builds an empty tokenizer of the config's kind
+    (a handful of special tokens) and every prompt reads as unknown tokens, silently."""
+    files = {f.name for f in path.iterdir()}
+    if not files & set(WEIGHT_FILES) and not any(f.endswith(".safetensors") for f in files):
+        raise ModelDirError(
+            f"{name}: no weights in {path} (none of {', '.join(WEIGHT_FILES)}); save the model there with "
+            "model.save_pretrained(path)"
+        )
+    if not files & set(TOKENIZER_FILES) and not any(f.endswith(".tiktoken") for f in files):
+        raise ModelDirError(
+            f"{name}: no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}); save the model's tokenizer "
+            "there with tokenizer.save_pretrained(path)"
+        )
+
+
 def ensure_model_dir(cfg: ModelConfig) -> Path:
     """The policy's HF directory: cfg.path as given, or the cached (built on first use) tiny MoE."""
     if cfg.path is not None:
@@ -182,6 +215,7 @@ def ensure_model_dir(cfg: ModelConfig) -> Path:
             where = "no such directory" if not path.exists() else "no config.json there"
             raise ModelDirNotFound(f"model.path={cfg.path}: {where} (expected a local Hugging Face model directory)")
         check_model_config(path, f"model.path={cfg.path}")
+        check_model_files(path, f"model.path={cfg.path}")
         return path
     cache_root = Path(cfg.cache_dir).expanduser()
     target = cache_root / f"tiny-moe-{_tiny_cache_key(cfg)}"
@@ -225,7 +259,16 @@ def load_tokenizer(path: str | Path):
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
-    model = from_pretrained(AutoModelForCausalLM, path, dtype=DTYPES[dtype])
+    model, loading = from_pretrained(AutoModelForCausalLM, path, dtype=DTYPES[dtype], output_loading_info=True)
+    # transformers initializes what the checkpoint lacks at random and only prints a report: a
+    # checkpoint of another architecture than its config.json would train from noise.
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ModelDirError(
+            f"the weights in {path} do not fit its config.json ({type(model).__name__}): {len(missing)} of the "
+            f"model's tensors are not in the checkpoint ({shown}), and would start at random"
+        )
     return model.to(device)
 
 

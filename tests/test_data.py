@@ -258,3 +258,24 @@ def test_columns_beside_the_keys_the_job_writes_are_kept(tmp_path: Path, tok) ->
     path = write_jsonl([{"prompt": "a", "label": "1", "task": "t"}], tmp_path / "e.jsonl")
     (rec,) = load_prompts(DataConfig(task_key="kind"), tok, str(path))
     assert rec.label == "1" and rec.metadata == {"task": "t"}
+
+
+@pytest.mark.parametrize("label_key", ["answr", "reward_model.groundtruth"])
+def test_a_label_key_no_row_has_is_refused_naming_the_columns(tmp_path: Path, tok, label_key: str) -> None:
+    """A misspelled data.label_key gave every sample label None, silently where a verl column was
+    beside it (that column hides the missing-label warning)."""
+    row = {"prompt": "1+1?", "answer": "2", "reward_model": {"ground_truth": "2", "style": "rule"}}
+    path = write_jsonl([row, row], tmp_path / "d.jsonl")
+    columns = "['prompt', 'answer', 'reward_model', 'reward_model.ground_truth', 'reward_model.style']"
+    with pytest.raises(
+        DatasetError,
+        match=re.escape(
+            f"no row has the label column {label_key!r} (data.label_key); the first row's columns are {columns}"
+        ),
+    ):
+        load_prompts(DataConfig(label_key=label_key), tok, str(path))
+    for good in ("answer", "reward_model.ground_truth"):
+        assert [r.label for r in load_prompts(DataConfig(label_key=good), tok, str(path))] == ["2", "2"]
+    # a key some rows lack is no typo: those rows have no label
+    path = write_jsonl([{"prompt": "a"}, {"prompt": "b", "answer": "2"}], tmp_path / "e.jsonl")
+    assert [r.label for r in load_prompts(DataConfig(label_key="answer"), tok, str(path))] == [None, "2"]

@@ -145,6 +145,11 @@ def test_a_job_evaluates_on_its_engines_exports_every_checkpoint_and_slime_eval_
     out = _eval_json(capsys, [str(run), "--data", str(run / "eval_prompts.jsonl"), "--samples", "2"])
     assert out["greedy_reward_mean"] == pytest.approx(history[-1]["eval/greedy_reward_mean"], abs=1e-9)
     assert out["prompts"] == 8 and out["source"] == str(checkpoint)
+    # an export scores with its run's reward and rollout settings (its slime_export.json names the run)
+    code, said, err = _cli(capsys, "eval", str(export), "--data", str(run / "eval_prompts.jsonl"))
+    assert code == 0 and f"the reward, data and rollout settings of {run / 'config.yaml'}" in err, err[-2000:]
+    from_export = json.loads(said.strip().splitlines()[-1])
+    assert from_export["greedy_reward_mean"] == pytest.approx(out["greedy_reward_mean"], abs=1e-9)
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -165,7 +170,9 @@ def test_slime_eval_of_a_model_dir_is_what_plain_generate_and_the_reward_give(ti
     """An independent check of the greedy figure: transformers' generate, decoded, scored by the
     example's reward."""
     data = write_jsonl(repeat.make_dataset(8, seed=123), tmp_path / "held_out.jsonl")
-    out = _eval_json(capsys, [str(tiny_model_dir), "--data", str(data), "rollout.max_new_tokens=24"])
+    code, said, err = _cli(capsys, "eval", str(tiny_model_dir), "--data", str(data), "rollout.max_new_tokens=24")
+    assert code == 0 and "brings no reward settings, so the example task's reward scores it" in err, err[-2000:]
+    out = json.loads(said.strip().splitlines()[-1])
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rewards = []
@@ -179,6 +186,16 @@ def test_slime_eval_of_a_model_dir_is_what_plain_generate_and_the_reward_give(ti
         rewards.append(repeat.score(tokenizer.decode(response, skip_special_tokens=True), row["label"]))
     assert out["greedy_reward_mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1 / 8 + 1e-9)
     assert out["prompts"] == 8 and math.isfinite(out["response_len_mean"]) and "pass_at_1" not in out
+
+
+def test_slime_eval_exits_1_when_every_reward_call_failed(tiny_model_dir, tmp_path, capsys):
+    """Figures made only of failed rewards (counted as 0) measure nothing: a script must see it."""
+    data = write_jsonl(repeat.make_dataset(3, seed=1), tmp_path / "held_out.jsonl")
+    (tmp_path / "broken.py").write_text("def score(prompt, response, label, metadata):\n    return len(None)\n")
+    args = [str(tiny_model_dir), "--data", str(data), "rollout.max_new_tokens=4", "--samples", "1"]
+    code, said, err = _cli(capsys, "eval", *args, f"reward.fn={tmp_path / 'broken.py'}:score")
+    assert code == 1 and json.loads(said.strip().splitlines()[-1])["failed_rewards"] == 6
+    assert "every reward call failed (6 of 6), so these figures measure nothing" in err and "TypeError" in err
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,46 @@ def test_a_model_path_transformers_loads_passes(tmp_path):
     from slime.model import ensure_model_dir
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
     assert ensure_model_dir(ModelConfig(path=str(tmp_path))) == tmp_path
+
+
+@pytest.mark.parametrize(
+    ("files", "cause"),
+    [
+        (["tokenizer.json", "tokenizer_config.json"], "no weights in"),
+        (["model-00001-of-00002.safetensors", "special_tokens_map.json"], "no tokenizer in"),
+    ],
+)
+def test_a_model_dir_without_weights_or_tokenizer_is_refused_at_start(tmp_path, files, cause):
+    """Without weights every actor's load would fail (under Ray: restarts over the same mistake);
+    without a tokenizer transformers 5 builds an empty one and the job trains on unknown tokens."""
+    from slime.model import ModelDirError, ensure_model_dir
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for name in files:
+        (tmp_path / name).write_text("")
+    with pytest.raises(
+        ModelDirError, match=f"^model.path={re.escape(str(tmp_path))}: {cause} {re.escape(str(tmp_path))}"
+    ):
+        ensure_model_dir(ModelConfig(path=str(tmp_path)))
+
+
+def test_weights_that_do_not_fit_the_config_are_refused_not_initialized_at_random(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slime.model import ModelDirError, load_model
+
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    assert load_model(tmp_path).config.num_hidden_layers == 1
+    bigger = json.loads((tmp_path / "config.json").read_text()) | {"num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(bigger))
+    with pytest.raises(ModelDirError, match=r"do not fit its config.json \(LlamaForCausalLM\): 9 of the model's"):
+        load_model(tmp_path)
 
 
 # --- algorithm.loss_agg ------------------------------------------------------------------------
