@@ -121,7 +121,8 @@ def detect_style(fn: Callable[..., Any], name: str | None = None) -> str:
         return matches[0]
     why = f"matches several styles ({', '.join(matches)})" if matches else "matches no supported style"
     raise RewardSignatureError(
-        f"reward function {name}{sig} {why}; pass style= one of {', '.join(STYLES)} to choose. "
+        f"reward function {name}{sig} {why}; choose its style in the config, reward.fn={{fn: {name}, style: S}} "
+        f"(in Python: style=S), S one of {', '.join(STYLES)}. "
         f"Accepted signatures: {ACCEPTED_SIGNATURES}"
     )
 
@@ -132,7 +133,7 @@ def parameter_names(fn: Callable[..., Any], who: str, accepted: str) -> tuple[in
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
         raise RewardSignatureError(
-            f"{who}: its signature cannot be inspected ({exc}); pass style= explicitly. Accepted signatures: {accepted}"
+            f"{who}: its signature cannot be inspected ({exc}); choose its style: reward.fn={{fn: ..., style: S}} (in Python: style=S). Accepted signatures: {accepted}"
         ) from None
     positional = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return sig, list(sig.parameters), positional

@@ -109,7 +109,8 @@ def detect_group_style(fn: Callable[..., Any], name: str) -> str:
     if "response" in names or positional[:2] == ["args", "sample"]:
         hint = " It looks like a per-sample reward: leave reward.scope at 'sample' for it."
     raise RewardSignatureError(
-        f"group reward {name}{sig} {why}; pass style= one of {', '.join(GROUP_STYLES)} to choose. "
+        f"group reward {name}{sig} {why}; choose its style in the config, reward.fn={{fn: {name}, style: S}}, "
+        f"S one of {', '.join(GROUP_STYLES)}. "
         f"Group signatures: {GROUP_SIGNATURES}.{hint} (Per-sample signatures: {ACCEPTED_SIGNATURES})"
     )
 

@@ -121,7 +121,10 @@ def test_ambiguous_and_unknown_signatures_are_refused_with_the_accepted_forms():
     msg = str(e.value)
     assert "both" in msg and "matches several styles (native, trl)" in msg
     assert "slime `async def rm(args, sample)`" in msg and "verl `compute_score(" in msg and "TRL `f(completions" in msg
-    with pytest.raises(RewardSignatureError, match=r"neither\(x, y\) matches no supported style; pass style="):
+    with pytest.raises(
+        RewardSignatureError,
+        match=r"neither\(x, y\) matches no supported style; choose its style in the config, reward.fn=\{fn: \S*neither, style: S\}",
+    ):
         adapt(neither)
 
 
