@@ -173,9 +173,13 @@ def first_failure(scores: dict[str, tuple[float | None, str | None]]) -> str | N
 
 
 # ---- the held-out prompts ----------------------------------------------------------------------
+EXAMPLE_HELD_OUT_PROMPTS = 64
+
+
 def held_out_records(job: JobConfig, tokenizer: Any, work_dir: Path) -> list[PromptRecord]:
-    """`eval.data`, or for the generated example task (data.path unset) `eval.num_prompts` new
-    prompts from a seed of their own (written to work_dir/eval_prompts.jsonl)."""
+    """`eval.data` (its first `eval.num_prompts` rows when set), or for the generated example task
+    (data.path unset) `eval.num_prompts` (64) new prompts from a seed of their own (written to
+    work_dir/eval_prompts.jsonl)."""
     cfg = job.eval
     path = cfg.data
     if path is None:
@@ -183,11 +187,9 @@ def held_out_records(job: JobConfig, tokenizer: Any, work_dir: Path) -> list[Pro
             raise EvalError("eval.every_steps is set but eval.data is not: name a held-out JSONL for your data.path")
         from envs import repeat  # the example task
 
-        path = str(
-            write_jsonl(repeat.make_dataset(cfg.num_prompts, EXAMPLE_HELD_OUT_SEED), work_dir / "eval_prompts.jsonl")
-        )
-    records = load_prompts(job.data, tokenizer, path)
-    return records[: cfg.num_prompts] if cfg.data is None else records
+        rows = repeat.make_dataset(cfg.num_prompts or EXAMPLE_HELD_OUT_PROMPTS, EXAMPLE_HELD_OUT_SEED)
+        path = str(write_jsonl(rows, work_dir / "eval_prompts.jsonl"))
+    return load_prompts(job.data, tokenizer, path)[: cfg.num_prompts]
 
 
 # ---- inside a job: `eval.every_steps` -------------------------------------------------------------

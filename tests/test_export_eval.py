@@ -188,6 +188,20 @@ def test_slime_eval_of_a_model_dir_is_what_plain_generate_and_the_reward_give(ti
     assert out["prompts"] == 8 and math.isfinite(out["response_len_mean"]) and "pass_at_1" not in out
 
 
+def test_eval_num_prompts_caps_a_held_out_file_and_sizes_the_example_set(tmp_path):
+    from slime.evaluation import held_out_records
+    from tests.helpers import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    data = write_jsonl(repeat.make_dataset(10, seed=5), tmp_path / "held_out.jsonl")
+    for extra, expected in [([], 10), (["eval.num_prompts=4"], 4)]:
+        job = load_config(None, [f"data.path={data}", f"eval.data={data}", *extra])
+        records = held_out_records(job, tokenizer, tmp_path)
+        assert [r.index for r in records] == list(range(expected))  # the file's first rows
+    assert len(held_out_records(load_config(None, []), tokenizer, tmp_path)) == 64
+    assert len(held_out_records(load_config(None, ["eval.num_prompts=5"]), tokenizer, tmp_path)) == 5
+
+
 def test_slime_eval_exits_1_when_every_reward_call_failed(tiny_model_dir, tmp_path, capsys):
     """Figures made only of failed rewards (counted as 0) measure nothing: a script must see it."""
     data = write_jsonl(repeat.make_dataset(3, seed=1), tmp_path / "held_out.jsonl")

@@ -71,7 +71,12 @@ class EvalConfig(_Strict):
     data: str | None = Field(
         None, description="Held-out prompts (read like data.path); None with the example task: new prompts of it."
     )
-    num_prompts: int = Field(64, gt=0, description="Prompts of the example task's generated held-out set.")
+    num_prompts: int | None = Field(
+        None,
+        gt=0,
+        description="Held-out prompts: with eval.data its first N rows (None: all); with the example task the "
+        "size of its generated set (None: 64).",
+    )
     samples: int = Field(0, ge=0, description="Sampled responses per prompt besides the greedy one (pass@1, pass@k).")
     temperature: float = Field(
         1.0, gt=0, le=100, description="Temperature of the sampled responses (every engine takes at most 100)."
