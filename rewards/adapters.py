@@ -257,7 +257,9 @@ def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
                 raise ValueError(
                     f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
                 )
-            return value["score"]
+            # verl logs a dict's other keys ("acc", "pred", ...); here they go to the sample's reward_info
+            extras = {str(k): v for k, v in value.items() if k != "score"}
+            return {"score": value["score"], "info": extras} if extras else value["score"]
         return value
 
     return _native(fn, name, build, post)

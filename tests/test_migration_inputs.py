@@ -159,3 +159,34 @@ def test_the_reward_cache_keeps_rows_apart_whose_answer_is_in_another_column():
     assert cache.submit(same_prompt, "5", None, {"solution": "5", "record_index": 0}).result(timeout=10).reward == 1.0
     assert cache.hits == 1  # a group's repeated response still hits
     cache.close()
+
+
+def test_a_verl_rewards_extra_keys_reach_the_step_metrics(tiny_model_dir, tmp_path):
+    """verl logs the other keys of compute_score's dict; here each sample keeps them as reward_info
+    and the step's metrics carry the mean of each number (bools as 0/1), strings left out."""
+    from slime.config import load_config
+    from slime.train import train
+    from tests.helpers import TINY_JOB
+
+    (tmp_path / "verl_rm.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 0.5, 'acc': len(solution_str) % 2 == 0, 'length': len(solution_str), 'pred': 'x'}\n"
+    )
+    cfg = load_config(
+        None,
+        [
+            "cluster.launcher=local",
+            f"output_dir={tmp_path / 'run'}",
+            f"model.path={tiny_model_dir}",
+            *TINY_JOB,
+            "steps=1",
+            f"reward.fn={tmp_path / 'verl_rm.py'}:compute_score",
+        ],
+    )
+    (step,) = train(cfg)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    logged = json.loads(lines[-1])
+    info = {k: v for k, v in logged.items() if k.startswith("reward_info/")}
+    assert set(info) == {"reward_info/acc", "reward_info/length"}, sorted(logged)
+    assert 0 <= info["reward_info/acc"] <= 1 and info["reward_info/length"] > 0
+    assert step["reward_mean"] == 0.5

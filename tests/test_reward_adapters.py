@@ -178,9 +178,13 @@ def test_a_reward_file_written_for_slime_loads_unchanged(tmp_path):
 def test_verl_full_signature_dict_score_and_data_source():
     fn = adapt(verl_compute_score)
     meta = {"data_source": "openai/gsm8k", "split": "train"}
-    assert fn("q", "so #### 1,234", "1234", meta) == 1.0
-    assert fn("q", "so #### 7", "1234", meta) == pytest.approx(0.1)
-    assert fn("q", "no idea", "1234", {"task": "openai/gsm8k"}) == 0.0  # data_source falls back to "task"
+    # the dict's other keys, which verl logs, are the sample's reward_info (its numbers become step metrics)
+    assert fn("q", "so #### 1,234", "1234", meta) == {"score": 1.0, "info": {"acc": True, "split": "train"}}
+    assert fn("q", "so #### 7", "1234", meta)["score"] == pytest.approx(0.1)
+    assert fn("q", "no idea", "1234", {"task": "openai/gsm8k"})["score"] == 0.0  # data_source falls back to "task"
+    with RewardRunner(fn, 5.0, 1) as runner:
+        result = runner.score("q", "so #### 7", "1234", meta)
+    assert result.reward == pytest.approx(0.1) and result.info == {"acc": False, "split": "train"}
     with pytest.raises(NotImplementedError, match="data_source=None"):
         fn("q", "#### 1", "1", {})
 

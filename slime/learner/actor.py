@@ -68,6 +68,20 @@ def _reward_stats(samples: list[Sample]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _reward_info_means(samples: list[Sample]) -> dict[str, float]:
+    """The mean of each number a reward reported beside its score (`reward_info`: verl's extra dict
+    keys, TRL's log_metric/log_extra, OpenRLHF's extra_logs), over the samples that report it."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        info = s.metadata.get("reward_info")
+        if not isinstance(info, dict):
+            continue
+        for key, value in info.items():
+            if isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
+                values.setdefault(str(key), []).append(float(value))
+    return {key: float(np.mean(v)) for key, v in sorted(values.items())}
+
+
 def _failures_by_reason(samples: list[Sample]) -> dict[str, dict]:
     """Failed samples by reason (sample.failure_key): how many, and one example of each."""
     out: dict[str, dict] = {}
@@ -349,6 +363,8 @@ class Learner:
         if critic_grad_norms:
             out["critic_grad_norm"] = float(np.mean(critic_grad_norms))
         out["reward_stats"] = _reward_stats(samples)
+        if info_means := _reward_info_means(samples):
+            out["reward_info"] = info_means
         return out
 
     def _prepare(self, batch: Batch, kl_coef: float, unfinished: list[bool] | None) -> UpdateTensors:
