@@ -161,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         return _report(user)
 
 
+def _as_override(unknown: list[str]) -> str:
+    """`--steps 3` or `--steps=3` as the override the user meant: `steps=3`."""
+    key, _, value = unknown[0].lstrip("-").partition("=")
+    if not value and len(unknown) > 1 and not unknown[1].startswith("--"):
+        value = unknown[1]
+    return f"{key.replace('-', '_')}={value or 'VALUE'}"
+
+
 def _report(error: UserError) -> int:
     """``slime: <cause>`` and, unless the message already says it, ``  hint: <what to do>``."""
     message = str(error).strip() or type(error).__name__
@@ -267,7 +275,12 @@ def _run(argv: list[str]) -> int:
         help="a run's job.secret: the dashboard token and the job's Redis password derive from it",
     )
     p_dash.add_argument("--token", default=None, help=argparse.SUPPRESS)  # removed: argv shows in `ps`
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = ""
+        if ns.command in ("train", "config") and unknown[0].startswith("--"):
+            hint = f"; config overrides are key=value, e.g. {_as_override(unknown)}"
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
     if ns.command == "dashboard":
         return _dashboard(ns)

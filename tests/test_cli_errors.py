@@ -137,6 +137,18 @@ def test_an_empty_stop_string(tmp_path):
     assert_one_clean_error(done, "rollout.stop: '' is no token at all (an empty stop string)")
 
 
+def test_a_flag_where_an_override_goes_is_said_as_the_override(capsys):
+    from slime.cli import main
+
+    for args, said in [
+        (["--steps", "3"], "unrecognized arguments: --steps 3; config overrides are key=value, e.g. steps=3"),
+        (["--rollout.batch-size=4"], "config overrides are key=value, e.g. rollout.batch_size=4"),
+    ]:
+        with pytest.raises(SystemExit) as caught:
+            main(["train", EXAMPLE, *args])
+        assert caught.value.code == 2 and said in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("config", "cause"),
     [(None, "no such directory"), ({"hidden_size": 8}, "config.json has no model_type")],
