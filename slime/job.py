@@ -85,6 +85,15 @@ class RunningJob:
             require_packages(cfg.logging)  # logging.wandb / logging.mlflow without the package
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.run_lock = lock_run_dir(self.run_dir)  # one job per output_dir, until __exit__
+            # The model and the dataset are checked before an earlier run is set aside: a mistake in
+            # them leaves the output_dir as it was.
+            self.model_dir = str(ensure_model_dir(cfg.model))
+            check_context_fits(cfg, self.model_dir)
+            if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
+                check_model_dir(self.model_dir, cfg.learner.lora)
+            self.tokenizer = load_tokenizer(self.model_dir)
+            rollout_stop_token_ids(cfg.rollout, self.tokenizer)  # an empty stop string fails here
+            self.records = self._load_records()
             if cfg.resume is None and (aside := set_earlier_run_aside(self.run_dir)) is not None:
                 print(
                     f"a fresh run in {self.run_dir}: the earlier run's metrics, plot and checkpoints moved to {aside}"
@@ -106,13 +115,6 @@ class RunningJob:
             self.clock = StepClock(lambda: self.buffer.stats().get("generated_tokens", 0.0))
             if self.redis_server is not None:  # every part retries meanwhile (buffer.reconnect_timeout_s)
                 self.redis_server.keep_alive(self._redis_restarted)
-            self.model_dir = str(ensure_model_dir(cfg.model))
-            check_context_fits(cfg, self.model_dir)
-            if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
-                check_model_dir(self.model_dir, cfg.learner.lora)
-            self.tokenizer = load_tokenizer(self.model_dir)
-            rollout_stop_token_ids(cfg.rollout, self.tokenizer)  # an empty stop string fails here
-            self.records = self._load_records()
             self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
             checkpoint = resume_checkpoint(cfg.resume, self.run_dir)
             if cfg.resume is None:

@@ -68,6 +68,21 @@ def test_a_fresh_run_sets_the_earlier_runs_files_aside_and_keeps_them(tmp_path):
     assert set_earlier_run_aside(tmp_path) == tmp_path / "earlier_runs" / "2"  # never over an earlier one
 
 
+def test_a_run_refused_for_its_dataset_or_model_leaves_the_earlier_run_in_place(tiny_model_dir, tmp_path, capsys):
+    """It set the earlier run aside first, then failed on the dataset: the output_dir held a
+    config.yaml of a run that never started, and the earlier run's files under earlier_runs/1."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run / "config.yaml").write_text("the earlier run's\n")
+    assert _train(run, tiny_model_dir, "steps=1", f"data.path={tmp_path / 'nope.jsonl'}") == 2
+    assert _train(run, tmp_path / "no-model", "steps=1") == 2
+    assert "dataset not found" in capsys.readouterr().err
+    assert not (run / "earlier_runs").exists()
+    assert (run / "config.yaml").read_text() == "the earlier run's\n"
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
 @pytest.mark.slow
 def test_resume_after_a_fresh_run_over_an_earlier_one_continues_the_fresh_run(tiny_model_dir, tmp_path, capsys):
     """resume=auto took the highest step_* of the directory: an earlier run's step_000004 after a
