@@ -153,6 +153,8 @@ class MetricsLogger:
     ):
         self.run_dir = run_dir
         self.cfg = cfg
+        job_name = (config or {}).get("job_name")
+        self.title = f"{job_name} ({run_dir.name})" if job_name and job_name != run_dir.name else run_dir.name
         self.sinks = build_sinks(run_dir, cfg, start_step, self.say)
         if config is not None:
             shown = redact(config)  # the caller redacted it (config_for_display); once more costs nothing
@@ -235,7 +237,7 @@ class MetricsLogger:
         ax2.set_ylabel("rollout tokens/s")
         ax2.set_xlabel("wall-clock seconds")
         ax2.grid(alpha=0.3)
-        fig.suptitle(self.run_dir.name)
+        fig.suptitle(self.title)
         fig.tight_layout()
         path = self.run_dir / "training.png"
         fig.savefig(path, dpi=110)
