@@ -149,3 +149,19 @@ def test_errors_are_one_line(four_runs: list[Path], tmp_path: Path, capsys) -> N
     txt = ["--out", str(tmp_path / "x.txt")]
     assert "the plot is an image; name a file ending in .png" in one_error(capsys, ["compare", run, *txt])
     assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.txt").exists()
+
+
+def test_labels_tell_the_groups_apart_when_more_keys_differ_than_a_label_shows(tmp_path: Path, capsys) -> None:
+    """Three settings, seven differing keys: the labels showed the first five in config order, and two
+    groups that differed only in the last (learner.lora, late in config.yaml) had one label."""
+    base = {"rollout": {"batch_size": 4, "n_samples_per_prompt": 4, "max_new_tokens": 32, "top_p": 0.9}}
+    ppo = {"algorithm": {"name": "ppo"}, "steps": 3, "max_staleness": 2, **base}
+    runs = [
+        make_run(tmp_path, "grpo", 0),
+        make_run(tmp_path, "ppo", 0, **ppo),
+        make_run(tmp_path, "ppo_lora", 0, **ppo, learner={"lora": {"rank": 4}}),
+    ]
+    assert main(["compare", *map(str, runs), "--out", str(tmp_path / "c.png")]) == 0
+    labels = [g["label"] for g in json_line(capsys.readouterr().out)["groups"]]
+    assert len(set(labels)) == 3, labels
+    assert "learner.lora" in labels[2] and all(label.endswith("more") for label in labels), labels

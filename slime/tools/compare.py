@@ -133,6 +133,21 @@ def show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def label_keys(differing: list[str], settings: list[dict[str, Any]]) -> list[str]:
+    """At most MAX_LABEL_KEYS of the differing keys, chosen so the labels tell the groups apart:
+    each next key is the one that separates the most groups still sharing a label (config order
+    breaks ties), until every label differs; then in config order."""
+    chosen: list[str] = []
+
+    def distinct(keys: list[str]) -> int:
+        return len({tuple(show(flat.get(k)) for k in keys) for flat in settings})
+
+    while len(chosen) < min(MAX_LABEL_KEYS, len(differing)) and distinct(chosen) < len(settings):
+        chosen.append(max((k for k in differing if k not in chosen), key=lambda k: distinct([*chosen, k])))
+    chosen += [k for k in differing if k not in chosen][: MAX_LABEL_KEYS - len(chosen)]
+    return sorted(chosen, key=differing.index)
+
+
 def group_runs(runs: list[Run]) -> list[Group]:
     """Runs of equal settings in one group each, in the order of their first run."""
     members: dict[str, list[Run]] = {}
@@ -144,9 +159,10 @@ def group_runs(runs: list[Run]) -> list[Group]:
         settings.setdefault(key, flat)
     keys = list(dict.fromkeys(k for flat in settings.values() for k in flat))  # config.yaml's order
     differing = [k for k in keys if len({show(flat.get(k)) for flat in settings.values()}) > 1]
+    shown = label_keys(differing, list(settings.values()))
     groups = []
     for key, members_ in members.items():
-        parts = [f"{k}={show(settings[key].get(k))}" for k in differing[:MAX_LABEL_KEYS]]
+        parts = [f"{k}={show(settings[key].get(k))}" for k in shown]
         if len(differing) > MAX_LABEL_KEYS:
             parts.append(f"+{len(differing) - MAX_LABEL_KEYS} more")
         groups.append(Group(", ".join(parts) if parts else members_[0].name, members_))
