@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -360,8 +361,10 @@ def merged_policy(checkpoint: Path, model_dir: str | Path, dtype: str = "float32
             f"{checkpoint}: its adapters were trained on {base['model_dir']} (sha256 {base['sha256']}), not on "
             f"{Path(model_dir).resolve()} (sha256 {digest})"
         )
-    model = PeftModel.from_pretrained(load_model(model_dir, dtype), str(checkpoint / ADAPTER_DIR))
-    return model.merge_and_unload()
+    with warnings.catch_warnings():  # PEFT calls transformers 5's deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = PeftModel.from_pretrained(load_model(model_dir, dtype), str(checkpoint / ADAPTER_DIR))
+        return model.merge_and_unload()
 
 
 # ---- the base model's hash ----------------------------------------------------------------------
