@@ -19,7 +19,7 @@ import redis
 from slime.buffer import ChunksLostError, TrajectoryStore
 from slime.buffer.aof import open_transaction_start
 from slime.buffer.connection import JobConnection
-from slime.buffer.redis_server import LocalRedisServer
+from slime.buffer.redis_server import PARENT_DEATH_SIGNAL, LocalRedisServer
 from slime.sample import Status
 
 PROMPT = [5, 6, 7]
@@ -258,3 +258,36 @@ def test_a_fresh_start_takes_another_port_when_the_probed_one_is_taken(tmp_path:
         server.stop()
     finally:
         taken.close()
+
+
+@pytest.mark.skipif(not PARENT_DEATH_SIGNAL, reason="setpriv (util-linux) is Linux's")
+def test_a_job_killed_with_sigkill_takes_its_redis_server_with_it(tmp_path: Path) -> None:
+    """A SIGKILLed driver (the OOM killer, kill -9) left its redis-server running until the next run
+    in the same output_dir stopped it as a leftover; another output_dir never did."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, sys\n"
+        "from slime.buffer.redis_server import LocalRedisServer\n"
+        f"server = LocalRedisServer({str(tmp_path / 'redis')!r}, aof=True)\n"
+        "server.keep_alive()\n"
+        "print(server._process.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid)
+    assert "ready to exit" in (tmp_path / "redis" / "redis-server.log").read_text()  # SIGTERM: a clean shutdown
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

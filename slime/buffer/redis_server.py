@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,6 +116,14 @@ def _terminate(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
+# A job killed with SIGKILL (the OOM killer, kill -9) cannot stop its redis-server: with util-linux's
+# setpriv the server gets SIGTERM (a clean shutdown, the AOF synced) when the thread that started it
+# ends. That is the driver's main thread, or the keep-alive thread for a restarted server: both live
+# as long as the job. Without setpriv (not Linux) the next run in the output_dir stops the leftover.
+_SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+PARENT_DEATH_SIGNAL: list[str] = [_SETPRIV, "--pdeathsig", "TERM"] if _SETPRIV else []
+
+
 class LocalRedisServer:
     """A `redis-server` subprocess on 127.0.0.1 and a free port, data (AOF) and log in data_dir."""
 
@@ -176,7 +185,7 @@ class LocalRedisServer:
         return write_private(self.data_dir / CONFIG_FILE_NAME, "\n".join(lines) + "\n")
 
     def _command(self, port: int) -> list[str]:
-        return [self.binary, str(self._write_config(port))]
+        return [*PARENT_DEATH_SIGNAL, self.binary, str(self._write_config(port))]
 
     def _start(self, timeout_s: float, port: int | None = None) -> None:
         """Start on a free port (a few tries: it can be taken between probing and binding), or on
