@@ -72,10 +72,7 @@ class EvalConfig(_Strict):
         None, description="Held-out prompts (read like data.path); None with the example task: new prompts of it."
     )
     num_prompts: int | None = Field(
-        None,
-        gt=0,
-        description="Held-out prompts: with eval.data its first N rows (None: all); with the example task the "
-        "size of its generated set (None: 64).",
+        None, gt=0, description="eval.data's first N rows (None: all); the example task's held-out set size (64)."
     )
     samples: int = Field(0, ge=0, description="Sampled responses per prompt besides the greedy one (pass@1, pass@k).")
     temperature: float = Field(
