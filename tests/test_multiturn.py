@@ -6,6 +6,7 @@ the right turn; every limit ends the episode with a status naming it."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -62,6 +63,24 @@ class SnapshotEnv(ScriptedEnv):
 
     def restore(self, sample: Sample, snapshot: dict) -> None:
         self.turn, self.tag = snapshot["turn"], f"restored from {snapshot['tag']}"
+
+
+class HangsOnceEnv(ScriptedEnv):
+    """ScriptedEnv whose first step in this process hangs for `hang_s` (the others take 0.05 s)."""
+
+    steps = 0
+    lock = threading.Lock()
+
+    def __init__(self, hang_s: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.hang_s = hang_s
+
+    def step(self, action: str):
+        with HangsOnceEnv.lock:
+            HangsOnceEnv.steps += 1
+            first = HangsOnceEnv.steps == 1
+        time.sleep(self.hang_s if first else 0.05)
+        return super().step(action)
 
 
 def obs_ids(tokenizer, k: int) -> list[int]:
@@ -354,6 +373,25 @@ def test_limits_end_the_episode_and_say_which(
     assert s.status == status
     assert reason in (s.failure if status == Status.FAILED else s.metadata["env_end"])
     assert check(s), (s.response_length, s.loss_mask.tolist(), s.metadata)
+
+
+def test_one_hung_env_call_fails_its_own_episode_only(buffer, redis_url, tiny_model_dir, tmp_path):
+    """With one env thread, the calls queued behind a hung one used up their step_timeout_s in the
+    queue: every episode of the worker failed, and kept failing while the hung thread held the slot."""
+    HangsOnceEnv.steps = 0
+    cfg = job_config(
+        buffer,
+        tmp_path,
+        "env.plugin=tests.test_multiturn:HangsOnceEnv",
+        "env.kwargs={done_at: 2, hang_s: 8}",
+        "env.max_concurrency=1",
+        "env.step_timeout_s=1",
+    )
+    groups = [buffer.add_group(PROMPT, 4, cfg.rollout.max_new_tokens, {"label": "ababab"})]
+    _, samples = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
+    failed = [s for s in samples if s.status == Status.FAILED]
+    assert len(failed) == 1 and "env call exceeded env.step_timeout_s=1" in failed[0].failure
+    assert sorted(s.metadata.get("env_turns") for s in samples if s not in failed) == [2, 2, 2]
 
 
 def test_long_observations_keep_head_and_tail(buffer, redis_url, tiny_model_dir, tmp_path):

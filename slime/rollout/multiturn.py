@@ -46,7 +46,7 @@ import numbers
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -57,6 +57,7 @@ from rewards.plugin import load_function
 from slime.buffer import ChunksLostError, LeaseLostError, TrajectoryStore
 from slime.config import EnvConfig
 from slime.engines.contract import GenerationRequest, SamplingParams
+from slime.rollout.env_threads import EnvCall, EnvThreads
 from slime.sample import Sample, Status, as_json
 
 
@@ -124,7 +125,7 @@ class _Episode:
     infos: list[dict[str, Any]] = field(default_factory=list)
     turn_started_at: float = 0.0
     job: Future | None = None  # env work in flight; None while the model generates
-    job_started_at: float = 0.0
+    call: EnvCall | None = None  # the thread call behind job (None for a result known at once)
     limit: str | None = None  # a time limit that aborted the model turn
 
     def end(self, status: Status, reason: str) -> EpisodeEnd:
@@ -156,7 +157,7 @@ class MultiTurnRollout:
         self.buffer = buffer
         self.worker_id = worker_id
         self.max_seq_len = max_seq_len
-        self.pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="env")
+        self.threads = EnvThreads(cfg.max_concurrency, max_hung=4 * cfg.max_concurrency)
         self.episodes: dict[str, _Episode] = {}
 
     # ---- hooks called by the rollout worker -----------------------------------------------------
@@ -191,12 +192,9 @@ class MultiTurnRollout:
             if ep.job is None:
                 continue
             if not ep.job.done():
-                if now - ep.job_started_at <= self.cfg.step_timeout_s:
+                if (why := self._overdue(ep.call, now)) is None:
                     continue
-                # The thread cannot be killed; its late result is ignored.
-                outcome = _EnvOutcome(
-                    [], ep.end(Status.FAILED, f"env call exceeded env.step_timeout_s={self.cfg.step_timeout_s}")
-                )
+                outcome = _EnvOutcome([], ep.end(Status.FAILED, why))
             else:
                 try:
                     outcome = ep.job.result()
@@ -269,17 +267,35 @@ class MultiTurnRollout:
         self.episodes.pop(sample_id, None)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.threads.close()
 
     # ---- generation-thread helpers --------------------------------------------------------------
     def _submit(self, ep: _Episode, fn, *args) -> None:
-        ep.job = self.pool.submit(fn, *args)
-        ep.job_started_at = time.time()
+        ep.call = self.threads.submit(fn, *args)
+        ep.job = ep.call.future
 
     def _submit_done(self, ep: _Episode, outcome: _EnvOutcome) -> None:
-        ep.job = Future()
+        ep.job, ep.call = Future(), None
         ep.job.set_result(outcome)
-        ep.job_started_at = time.time()
+
+    def _overdue(self, call: EnvCall | None, now: float) -> str | None:
+        """Why a call still running fails its sample now, or None. Its limit counts from its start: a
+        call queued behind others is not late. One past it is written off (a thread cannot be killed;
+        its late result is ignored) and another thread takes its slot."""
+        limit = self.cfg.step_timeout_s
+        if call is None:
+            return None
+        if call.started_at is None:
+            if self.threads.starved and now - call.queued_at > limit:
+                return (
+                    f"no env thread free for env.step_timeout_s={limit}: {self.threads.hung} env calls hung past it "
+                    "hold every thread (fix the hang; the job counts them as failures)"
+                )
+            return None
+        if now - call.started_at <= limit:
+            return None
+        self.threads.write_off(call)
+        return f"env call exceeded env.step_timeout_s={limit}"
 
     def _turn_budget(self, sample: Sample) -> int:
         layout = read_layout(sample, self.stop_ids, self.cfg.max_turn_tokens)
