@@ -151,9 +151,13 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
             cfg.max_prompt_tokens,
             overlong[0],
         )
+    if overlong and not records:
+        raise OverlongPrompt(
+            f"{p}: every prompt ({len(overlong)}) is over data.max_prompt_tokens={cfg.max_prompt_tokens} "
+            "(data.overlong_prompts=drop dropped them all)"
+        )
     if not records:
-        what = f"every prompt is over data.max_prompt_tokens={cfg.max_prompt_tokens}" if overlong else "no rows"
-        raise DatasetError(f"{p}: the dataset has {what}")
+        raise DatasetError(f"{p}: the dataset has no rows")
     if cfg.label_key != "label" and not label_key_seen:
         # Named on purpose and in no row: a typo (a verl column beside it would hide it from the warning below).
         raise DatasetError(
@@ -275,6 +279,11 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
             text = cfg.input_template.replace("{}", prompt) if cfg.input_template else prompt
             prompt_ids = _as_id_list(tokenizer(text, add_special_tokens=False)["input_ids"])
     elif isinstance(prompt, list):
+        if cfg.input_template:
+            raise DatasetError(
+                f"{where}: the prompt ({cfg.prompt_key!r}) is chat messages, which go through the chat template, so "
+                "data.input_template (for text prompts) cannot shape it: unset data.input_template"
+            )
         # data.system_prompt joins the messages: a reward given them (TRL's conversational
         # prompts) sees them as the model did.
         prompt = _with_system(_check_messages(where, cfg.prompt_key, prompt), cfg)

@@ -143,7 +143,10 @@ def test_overlong_prompts_can_be_dropped_with_a_count(tmp_path: Path, tok, caplo
     assert [(r.index, r.label) for r in records] == [(0, "a"), (1, "b")]
     assert "dropped 1 of 3 prompts over data.max_prompt_tokens=10" in caplog.text and "d.jsonl:2" in caplog.text
     only_long = write_lines(tmp_path / "long.jsonl", [json.dumps({"prompt": "y" * 30})])
-    with pytest.raises(DatasetError, match="every prompt is over data.max_prompt_tokens=10"):
+    with pytest.raises(
+        DatasetError,
+        match=r"every prompt \(1\) is over data.max_prompt_tokens=10 \(data.overlong_prompts=drop dropped them all\)",
+    ):
         load_prompts(DataConfig(max_prompt_tokens=10, overlong_prompts="drop"), tok, only_long)
 
 
@@ -159,6 +162,11 @@ def test_an_input_template_shapes_what_the_model_reads_not_what_the_reward_gets(
             DataConfig(input_template=bad)
     with pytest.raises(ValueError, match="choose one"):
         DataConfig(input_template="{}", apply_chat_template=True)
+    chat = write_lines(tmp_path / "c.jsonl", [json.dumps({"prompt": [{"role": "user", "content": "hi"}]})])
+    with pytest.raises(
+        DatasetError, match=r"c\.jsonl:1: the prompt \('prompt'\) is chat messages.*unset data.input_template"
+    ):
+        load_prompts(DataConfig(input_template="Q: {} A:"), tok, chat)
 
 
 def test_bad_parquet_row_names_the_row(tmp_path: Path, tok) -> None:

@@ -18,8 +18,8 @@ from slime.config import load_config
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.model import load_model, load_tokenizer
-from slime.rollout.multiturn import MultiTurnRollout, _Episode
-from slime.sample import Sample, Status
+from slime.rollout.multiturn import EnvContractError, MultiTurnRollout, _Episode
+from slime.sample import Sample, Status, failure_key
 from tests.helpers import wait_for
 
 PROMPT = [6, 7, 77, 61, 86]  # "ab*3="
@@ -480,7 +480,8 @@ class _OneStep:
         (("obs", np.bool_(True), False, {}), "a reward of type bool"),
         (("obs", 1.0, False, ["not", "a", "dict"]), "an info of type list, expected a dict"),
         ((None, 1.0, False, {}), "an observation of type NoneType, expected str"),
-        (("obs", 1.0), "step returned tuple, expected"),
+        (("obs", 1.0), "from step a tuple of 2, expected the tuple"),
+        ("obs", "from step a str, expected the tuple"),
     ],
 )
 def test_an_env_step_that_breaks_the_contract_fails_its_episode_naming_why(result, error):
@@ -488,9 +489,11 @@ def test_an_env_step_that_breaks_the_contract_fails_its_episode_naming_why(resul
     (one would make every weight NaN at the next update), a reward that is no number, an info that
     is no dict."""
     ep = _Episode(Sample(group_id="g", index=0, prompt_ids=[1], max_new_tokens=4), 0.0, env=_OneStep(result))
-    with pytest.raises((TypeError, ValueError), match=error):
+    with pytest.raises(EnvContractError, match=error):
         MultiTurnRollout._call_step(None, ep, "act")
     assert ep.turns_done == 0 and ep.env_return == 0.0
+    # counted under what the env did, not as an exception it raised
+    assert failure_key(f"env my_env.py:EchoEnv returned {error}: details") == "env my_env.py:EchoEnv returned"
 
 
 def test_an_env_step_reward_may_be_a_numpy_number():

@@ -115,6 +115,10 @@ ENV_SNAPSHOT_INFOS = 8  # step infos carried in a snapshot (the episode's metada
 OBSERVATION_CUT = "\n[...middle of {n} tokens cut...]\n"
 
 
+class EnvContractError(TypeError):
+    """An env returned what the contract does not allow (envs/contract.py); it raised nothing."""
+
+
 @dataclass(eq=False)
 class _Episode:
     sample: Sample
@@ -198,6 +202,8 @@ class MultiTurnRollout:
             else:
                 try:
                     outcome = ep.job.result()
+                except EnvContractError as exc:  # counted as "returned", not as an exception it raised
+                    outcome = _EnvOutcome([], ep.end(Status.FAILED, f"env {self.cfg.plugin} returned {exc}"))
                 except Exception as exc:
                     outcome = _EnvOutcome(
                         [], ep.end(Status.FAILED, f"env {self.cfg.plugin} raised {type(exc).__name__}: {exc}")
@@ -344,7 +350,7 @@ class MultiTurnRollout:
         ep.env = self.env_class(**self.cfg.kwargs)
         observation = ep.env.reset(ep.sample)
         if not isinstance(observation, str):
-            raise TypeError(f"reset returned {type(observation).__name__}, expected str (the observation)")
+            raise EnvContractError(f"from reset a {type(observation).__name__}, expected str (the observation)")
         sample = ep.sample
         if sample.response_length == 0:
             return _EnvOutcome(self._encode_observation(observation, sample))
@@ -387,8 +393,8 @@ class MultiTurnRollout:
         if not ids:
             if self._room(ep.sample)[0] <= 1:
                 return _EnvOutcome([], ep.end(Status.TRUNCATED, self._room(ep.sample)[1]))
-            raise ValueError(
-                "step returned an empty observation with done=False; a non-final observation needs at "
+            raise EnvContractError(
+                "from step an empty observation with done=False; a non-final observation needs at "
                 "least one token (turn boundaries are read from the loss mask)"
             )
         return _EnvOutcome(ids, env_state=self._snapshot(ep, ep.sample.response_length + len(ids)))
@@ -412,16 +418,21 @@ class MultiTurnRollout:
     def _call_step(self, ep: _Episode, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         result = ep.env.step(action)
         if not (isinstance(result, tuple) and len(result) == 4):
-            raise TypeError(f"step returned {type(result).__name__}, expected (observation, reward, done, info)")
+            what = (
+                f"{type(result).__name__} of {len(result)}"
+                if isinstance(result, (tuple, list))
+                else type(result).__name__
+            )
+            raise EnvContractError(f"from step a {what}, expected the tuple (observation, reward, done, info)")
         observation, reward, done, info = result
         if not isinstance(observation, str):
-            raise TypeError(f"step returned an observation of type {type(observation).__name__}, expected str")
+            raise EnvContractError(f"from step an observation of type {type(observation).__name__}, expected str")
         if not isinstance(reward, numbers.Real) or isinstance(reward, (bool, np.bool_)):  # numpy floats too
-            raise TypeError(f"step returned a reward of type {type(reward).__name__}, expected a number")
+            raise EnvContractError(f"from step a reward of type {type(reward).__name__}, expected a number")
         if not math.isfinite(float(reward)):  # one NaN would make every weight NaN at the next update
-            raise ValueError(f"step returned a reward of {float(reward)}, not a finite number")
+            raise EnvContractError(f"from step a reward of {float(reward)}, not a finite number")
         if info is not None and not isinstance(info, Mapping):
-            raise TypeError(f"step returned an info of type {type(info).__name__}, expected a dict")
+            raise EnvContractError(f"from step an info of type {type(info).__name__}, expected a dict")
         ep.turns_done += 1
         ep.env_return += float(reward)
         ep.infos.append(dict(info or {}))
