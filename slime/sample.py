@@ -146,7 +146,8 @@ def _scalar_or_text(value: Any) -> Any:
 # A reward given as a spec dict (rewards/mix.py) is named by its repr, "{'fn': ..., 'kwargs': {...}}", which
 # holds spaces: it is matched up to the first kind of failure after a closing brace or bracket.
 _FAILURE_HEAD = re.compile(
-    r"^(reward function|env) (\{.*?\}|\[.*?\]|\S+) (raised \w+|timed out|returned|did not finish|not called)"
+    r"^(reward function|group reward|env) (\{.*?\}|\[.*?\]|\S+) "
+    r"(raised \w+|timed out|took longer|returned|gave None|did not finish|not called)"
 )
 _SPEC_FUNCTION = re.compile(r"'([\w./-]+:\w+)'")
 

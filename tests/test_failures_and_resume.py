@@ -31,6 +31,13 @@ QUIET = LoggingConfig(tensorboard=False, plot=False, progress=False)
         ),
         ("reward function m:f returned None (a missing return statement?)", "reward function m:f returned"),
         ("env e.py:Maze raised KeyError: 'x'", "env e.py:Maze raised KeyError"),
+        # a group reward's kinds too; the wrong-count one was cut at 80 characters, mid-sentence
+        ("group reward g.py:rank returned 1 rewards for a group of 4 responses", "group reward g.py:rank returned"),
+        ("group reward g.py:rank took longer than reward.timeout_s=5", "group reward g.py:rank took longer"),
+        (
+            "group reward g.py:rank gave None for this response: it does not score it",
+            "group reward g.py:rank gave None",
+        ),
         # a spec-dict reward is named by its repr (spaces, colons, a judge template's braces): counted by
         # the functions it names and the kind, not cut at the repr's first colon into one bucket for all
         (
