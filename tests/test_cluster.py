@@ -132,6 +132,7 @@ def test_learner_and_rollout_workers_on_different_nodes(tiny_model_dir, tmp_path
 
         followed = _slime(env, "logs", job_id, "--address", dashboard, "--follow", timeout=300)
         tail = followed.stdout[-3000:]
+        assert followed.returncode == 0, followed.stderr[-2000:]  # 1 when the job it follows failed
         assert tail.rstrip().endswith(f"{job_id}: SUCCEEDED (Job finished successfully.)"), tail
         _wait_for_status(env, dashboard, job_id, "SUCCEEDED", timeout_s=0)
         logs = _slime(env, "logs", job_id, "--address", dashboard)

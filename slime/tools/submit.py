@@ -166,7 +166,7 @@ def status(ns: argparse.Namespace) -> int:
     if ns.id is not None:
         job = client.get_job_info(ns.id)
         print(f"{ns.id}: {job.status.value}" + (f" ({job.message})" if job.message else ""))
-        return 0
+        return 1 if job.status.value == "FAILED" else 0  # a script following the job sees how it ended
     jobs = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
     rows = [("ID", "STATUS", "STARTED", "JOB")] + [
         (
