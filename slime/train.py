@@ -81,6 +81,8 @@ def train(cfg: JobConfig) -> list[dict]:
     its last checkpoint and the buffer, up to `max_restarts` times: partials keep their tokens and
     the groups trained after that checkpoint are trained again, once."""
     dump_stacks_on_sigusr1()
+    if (notice := unused_reward_notice(cfg)) is not None:
+        print(f"slime: {notice}", file=sys.stderr, flush=True)
     stop = GracefulStop()
     previous = stop.install()
     restarts = 0
@@ -102,6 +104,18 @@ def train(cfg: JobConfig) -> list[dict]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def unused_reward_notice(cfg: JobConfig) -> str | None:
+    """A reward.fn set beside env.reward=env is never called: say so rather than ignore it."""
+    if cfg.env.plugin is None or cfg.env.reward != "env":
+        return None
+    if cfg.reward.fn == type(cfg.reward).model_fields["fn"].default:
+        return None
+    return (
+        f"reward.fn={cfg.reward.fn} is not called: with env.reward=env each episode's reward is the env's "
+        "return; set env.reward=reward_fn to score the transcript with reward.fn"
+    )
 
 
 def _run(cfg: JobConfig, stop: GracefulStop) -> list[dict]:

@@ -501,3 +501,15 @@ def test_an_env_step_reward_may_be_a_numpy_number():
     ep.env = _OneStep(("obs", np.float32(0.5), np.bool_(True), {"score": np.float64(2.0)}))
     assert MultiTurnRollout._call_step(None, ep, "act") == ("obs", 0.5, True, {"score": 2.0})
     assert ep.turns_done == 1 and ep.env_return == 0.5
+
+
+def test_a_reward_fn_beside_env_reward_env_is_said_to_be_unused():
+    from slime.config import load_config
+    from slime.train import unused_reward_notice
+
+    env = ["env.plugin=tests.test_multiturn:ScriptedEnv"]
+    notice = unused_reward_notice(load_config(None, [*env, "reward.fn=rewards.rule:exact_match"]))
+    assert notice is not None and "reward.fn=rewards.rule:exact_match is not called: with env.reward=env" in notice
+    assert unused_reward_notice(load_config(None, env)) is None  # the default fn: nothing was asked for
+    assert unused_reward_notice(load_config(None, [*env, "env.reward=reward_fn", "reward.fn=rewards.rule:f1"])) is None
+    assert unused_reward_notice(load_config(None, ["reward.fn=rewards.rule:f1"])) is None  # no env

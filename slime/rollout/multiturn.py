@@ -293,6 +293,7 @@ class MultiTurnRollout:
             return None
         if call.started_at is None:
             if self.threads.starved and now - call.queued_at > limit:
+                call.future.cancel()  # it never runs: its sample has failed
                 return (
                     f"no env thread free for env.step_timeout_s={limit}: {self.threads.hung} env calls hung past it "
                     "hold every thread (fix the hang; the job counts them as failures)"
