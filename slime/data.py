@@ -338,14 +338,7 @@ def _refuse_shadowed_columns(where: str, columns: Mapping[str, Any], cfg: DataCo
 
 def _has_key(row: Mapping[str, Any], key: str) -> bool:
     """Whether row has the column key or, for a dotted key absent as a column, the nested field."""
-    if key in row or "." not in key:
-        return key in row
-    value: Any = row
-    for part in key.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return False
-        value = value[part]
-    return True
+    return _nested_get(row, key, _ABSENT) is not _ABSENT
 
 
 def _key_paths(row: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -358,16 +351,19 @@ def _key_paths(row: Mapping[str, Any], prefix: str = "") -> list[str]:
     return paths
 
 
-def _nested_get(row: Mapping[str, Any], key: str) -> Any:
+_ABSENT = object()
+
+
+def _nested_get(row: Mapping[str, Any], key: str, missing: Any = None) -> Any:
     """row[key], or for a dotted key absent as a column the nested field (verl's
-    `reward_model.ground_truth`); None when a level is missing or not a mapping."""
+    `reward_model.ground_truth`); `missing` when a level is missing or not a mapping."""
     if key in row or "." not in key:
-        return row.get(key)
+        return row.get(key, missing)
     value: Any = row
     for part in key.split("."):
-        if not isinstance(value, Mapping):
-            return None
-        value = value.get(part)
+        if not isinstance(value, Mapping) or part not in value:
+            return missing
+        value = value[part]
     return value
 
 
