@@ -37,7 +37,7 @@ from slime.data import PromptRecord, load_prompts, reward_inputs, reward_metadat
 from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.errors import UserError
-from slime.export import EXPORT_INFO, ExportError, base_model_dir, export_checkpoint, find_checkpoint
+from slime.export import EXPORT_INFO, ExportError, base_model_dir, export_checkpoint, find_checkpoint, run_dir_of
 from slime.model import ensure_model_dir, load_tokenizer, rollout_stop_strings, rollout_stop_token_ids
 
 EXAMPLE_HELD_OUT_SEED = 10_000  # the example task's held-out prompts; training draws with data.seed
@@ -281,7 +281,7 @@ def _job_config(path: Path, overrides: list[str]) -> tuple[JobConfig, Path | Non
     if not (path / "config.json").is_file():
         raise EvalError(f"{path}: neither a run dir (checkpoints/, config.yaml) nor a model directory (config.json)")
     exported_from = _exported_from(path)
-    source_run = Path(exported_from).parent.parent if exported_from else None
+    source_run = run_dir_of(Path(exported_from)) if exported_from else None
     if source_run is not None and (source_run / "config.yaml").is_file():
         # An export scores as its run did (reward, data reading, rollout), when that run is still here.
         print(
