@@ -15,7 +15,7 @@ from slime.model import ensure_model_dir
 from slime.sample import new_id
 from tests.helpers import run_benchmark_smoke, run_slime_chaos
 
-SUBPROCESS_CHECKS_AT_ONCE = 4
+SUBPROCESS_CHECKS_AT_ONCE = 2
 
 
 @pytest.fixture(scope="session")
@@ -65,26 +65,45 @@ def ray_session() -> Iterator[None]:
     ray.shutdown()
 
 
+CHAOS_TEST = "test_slime_chaos_on_its_defaults_runs_to_a_clean_audit"
+
+
+def _reads_a_subprocess_check(item: pytest.Item) -> bool:
+    return item.name == CHAOS_TEST or getattr(item, "originalname", None) == "test_benchmark_smoke"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that read a subprocess check's result run last (in their order), so the checks,
+    started with the session, run beside the whole suite instead of holding it up."""
+    items.sort(key=_reads_a_subprocess_check)
+
+
 def _selected_subprocess_checks(items: list[pytest.Item]) -> dict[str, Callable[[], tuple]]:
     """The long subprocess runs of the selected, unskipped tests: `slime chaos` (the longest, first)
     and each benchmark's `--smoke` (tests/test_benchmarks.py)."""
     checks: dict[str, Callable[[], tuple]] = {}
     for item in items:
+        if not _reads_a_subprocess_check(item):
+            continue
         if any(m.name == "skipif" and m.args and m.args[0] for m in item.iter_markers()):
             continue
-        if item.name == "test_slime_chaos_on_its_defaults_runs_to_a_clean_audit":
+        if item.name == CHAOS_TEST:
             checks = {"chaos": run_slime_chaos, **checks}
-        elif getattr(item, "originalname", None) == "test_benchmark_smoke":
+        else:
             name = item.callspec.params["name"]
             checks[f"smoke:{name}"] = lambda name=name: run_benchmark_smoke(name)
     return checks
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def subprocess_checks(request: pytest.FixtureRequest) -> Iterator[dict[str, Future]]:
-    """The selected tests' long subprocess runs, started together at the first one's request,
-    SUBPROCESS_CHECKS_AT_ONCE at a time. They spend much of their time starting Python, Ray or a
-    redis-server, or waiting out a fault's timeout, so they overlap well on two cores (the suite's
-    time: README). A test reads its run's future: (CompletedProcess, wall seconds)."""
-    with ThreadPoolExecutor(SUBPROCESS_CHECKS_AT_ONCE) as pool:
+    """The selected tests' long subprocess runs, started with the session's first test,
+    SUBPROCESS_CHECKS_AT_ONCE at a time, beside the rest of the suite. They spend much of their
+    time starting Python, Ray or a redis-server, or waiting out a fault's timeout, so on two cores
+    they overlap the in-process tests well (the suite's time: README). A test reads its run's
+    future: (CompletedProcess, wall seconds)."""
+    pool = ThreadPoolExecutor(SUBPROCESS_CHECKS_AT_ONCE, thread_name_prefix="subprocess-check")
+    try:
         yield {key: pool.submit(run) for key, run in _selected_subprocess_checks(request.session.items).items()}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # a session cut short starts no further check
