@@ -345,6 +345,7 @@ def test_ppo_prepare_by_hand() -> None:
     torch.testing.assert_close(fixed.returns, fixed.advantages + values)
     assert fixed.metrics["advantage_mean"] == pytest.approx(4.0 / 6)
     assert fixed.metrics["return_mean"] == pytest.approx((4.0 + 1.2) / 6)
+    assert fixed.metrics["kl_reward_mean"] == pytest.approx(0.5 / 6)  # KL to π_ref, logged (k1: μ − π_ref)
     whitened = PPO(cfg.model_copy(update={"normalize_advantages": True}), _correction("none", 2.0)).prepare(
         batch,
         kl_coef=0.2,

@@ -216,17 +216,20 @@ class PPO:
         advantages, returns = gae(rewards, old_values, batch.mask, cfg.gamma, cfg.lam, bootstrap_values)
         if cfg.normalize_advantages:
             advantages = masked_whiten(advantages, batch.mask) * batch.mask
+        metrics = {
+            "advantage_mean": masked_mean(advantages, batch.mask).item(),
+            "return_mean": masked_mean(returns, batch.mask).item(),
+            **shaping,
+        }
+        if kl_reward is not None:  # KL(π_behaviour ‖ π_ref) per token: what kl_coef penalises
+            metrics["kl_reward_mean"] = masked_mean(kl_reward, batch.mask).item()
         return UpdateTensors(
             advantages=advantages,
             returns=returns,
             old_values=old_values,
             old_logp=old_logp,
             ref_logp=ref_logp,
-            metrics={
-                "advantage_mean": masked_mean(advantages, batch.mask).item(),
-                "return_mean": masked_mean(returns, batch.mask).item(),
-                **shaping,
-            },
+            metrics=metrics,
         )
 
     def loss(
