@@ -25,10 +25,10 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from rewards.group import GroupScorer, load_group_reward
@@ -58,19 +58,18 @@ def eval_requests(
     stop_strings: Sequence[str] = (),
 ):
     """Greedy once per prompt (`eval-I-g`), then `cfg.samples` sampled (`eval-I-sK`); they stop as
-    the rollout does (`stop`: its stop tokens; `stop_strings`: its stop strings of several tokens)."""
+    the rollout does (`stop`: its stop tokens; `stop_strings`: its stop strings of several tokens).
+    Each sampled request has a seed of its own (from eval.seed, I and K): its tokens do not depend on
+    the engine it lands on or what runs beside it, so the job's eval/* and `slime eval` agree."""
     greedy = SamplingParams(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop, stop_strings=list(stop_strings)
     )
-    sampled = SamplingParams(
-        temperature=cfg.temperature, max_new_tokens=max_new_tokens, stop_token_ids=stop, stop_strings=list(stop_strings)
-    )
     requests = [GenerationRequest(f"eval-{i}-g", list(r.prompt_ids), greedy) for i, r in enumerate(records)]
-    requests += [
-        GenerationRequest(f"eval-{i}-s{k}", list(r.prompt_ids), sampled)
-        for i, r in enumerate(records)
-        for k in range(cfg.samples)
-    ]
+    for i, r in enumerate(records):
+        for k in range(cfg.samples):
+            seed = (cfg.seed * 1_000_003 + i * cfg.samples + k) % 2**63
+            sampled = replace(greedy, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=seed)
+            requests.append(GenerationRequest(f"eval-{i}-s{k}", list(r.prompt_ids), sampled))
     return requests
 
 
@@ -234,7 +233,6 @@ def evaluate_model_dir(
     max_new = job.eval.max_new_tokens or job.rollout.max_new_tokens
     requests = eval_requests(records, job.eval, max_new, stop, rollout_stop_strings(job.rollout, tokenizer))
     started = time.time()
-    torch.manual_seed(job.eval.seed)
     engine = make_engine(job, str(model_dir), 0, 0)
     try:
         answers = run_to_completion(engine, requests)

@@ -331,6 +331,24 @@ def test_seed_makes_sampling_reproducible(model):
     assert a != c
 
 
+def test_a_request_with_a_seed_of_its_own_samples_the_same_tokens_whatever_runs_beside_it(engine):
+    """SamplingParams.seed (held-out eval): the same tokens alone, in a batch of other requests
+    (with and without seeds), on an engine of another seed; another seed gives other tokens."""
+    ps = prompts(5, seed=41)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=123)
+    free = SamplingParams(temperature=1.0, max_new_tokens=16)
+    alone = run_alone(engine, ps[0], seeded).token_ids
+    fast_path = {"fast": None, "generic": "generic", "hf": False}[engine.health()["forward"]]
+    other_engine = BuiltinEngine(engine.model, seed=99, fast_path=fast_path)
+    batch = [GenerationRequest("seeded", ps[0], seeded)]
+    batch += [GenerationRequest(f"free{i}", p, free) for i, p in enumerate(ps[1:3])]
+    batch += [GenerationRequest(f"other{i}", p, copy.copy(seeded)) for i, p in enumerate(ps[3:])]
+    out = other_engine.generate(batch)
+    assert out["seeded"].token_ids == alone
+    reseeded = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=124)
+    assert run_alone(engine, ps[0], reseeded).token_ids != alone
+
+
 # ---------------------------------------------------------------------------- weights
 
 
@@ -418,6 +436,9 @@ def test_request_validation(engine):
         ("stop_token_ids", [True]),
         ("stop_token_ids", list(range(VOCAB)) * 5),
         ("stop_token_ids", 3),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("seed", 1.5),
     ],
 )
 def test_bad_sampling_values_are_refused_naming_the_field(model, field, value):

@@ -144,6 +144,9 @@ def test_a_job_evaluates_on_its_engines_exports_every_checkpoint_and_slime_eval_
     # the engine at the last step held this checkpoint's weights: the same greedy responses
     out = _eval_json(capsys, [str(run), "--data", str(run / "eval_prompts.jsonl"), "--samples", "2"])
     assert out["greedy_reward_mean"] == pytest.approx(history[-1]["eval/greedy_reward_mean"], abs=1e-9)
+    # the samples too: each has a seed of its own, not the stream the job's engine had drawn from
+    for figure in ("sampled_reward_mean", "pass_at_1", "pass_at_2"):
+        assert out[figure] == pytest.approx(history[-1][f"eval/{figure}"], abs=1e-9), figure
     assert out["prompts"] == 8 and out["source"] == str(checkpoint)
     # an export scores with its run's reward and rollout settings (its slime_export.json names the run)
     code, said, err = _cli(capsys, "eval", str(export), "--data", str(run / "eval_prompts.jsonl"))

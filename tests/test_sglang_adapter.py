@@ -93,6 +93,18 @@ def test_generation_logprobs_match_a_direct_forward(engine, model):
     assert engine.score_logprobs(PROMPT, out["g"]["tokens"][:5]) == pytest.approx(out["g"]["logprobs"][:5], abs=1e-4)
 
 
+def test_a_requests_own_seed_reaches_the_server_as_sampling_seed(engine):
+    """SamplingParams.seed travels as SGLang's `sampling_seed`: the same seed, the same tokens,
+    whatever else the server runs; another seed, other tokens."""
+
+    def sampled(rid: str, seed: int, prompt=PROMPT) -> GenerationRequest:
+        return GenerationRequest(rid, prompt, SamplingParams(temperature=1.0, max_new_tokens=16, seed=seed))
+
+    alone = drive_engine(engine, [sampled("a", 5)])["a"]["tokens"]
+    beside = drive_engine(engine, [sampled("b", 5), sampled("c", 5, PROMPT[:3]), sampled("d", 6)])
+    assert beside["b"]["tokens"] == alone and beside["d"]["tokens"] != alone
+
+
 def test_abort_returns_the_partial_and_resume_is_token_exact(engine):
     params = SamplingParams(temperature=0.0, max_new_tokens=120)
     reference = drive_engine(engine, [GenerationRequest("ref", PROMPT, params)])["ref"]["tokens"]

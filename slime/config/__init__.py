@@ -9,6 +9,7 @@ from slime.config.base import ConfigError, StrictModel
 from slime.config.inputs import (
     CurriculumStage,
     DataConfig,
+    EvalConfig,
     ModelConfig,
     SamplingConfig,
     TaskWeighting,
@@ -18,7 +19,6 @@ from slime.config.inputs import (
 from slime.config.job import (
     ENV_REFERENCE,
     CheckpointConfig,
-    EvalConfig,
     JobConfig,
     apply_overrides,
     config_for_display,

@@ -1,5 +1,6 @@
 """What the job starts from: the policy (`model.*`), the prompts (`data.*`) and how they are drawn
-(`sampling.*`). Read by slime/model.py, slime/data.py and slime/sampling.py."""
+(`sampling.*`), and the held-out prompts it is measured on (`eval.*`). Read by slime/model.py,
+slime/data.py, slime/sampling.py and slime/evaluation.py."""
 
 from __future__ import annotations
 
@@ -117,3 +118,34 @@ class SamplingConfig(_Strict):
     tasks: TaskWeighting | None = None
     curriculum: list[CurriculumStage] = Field(default_factory=list)
     window: int = Field(4, gt=0, description="Steps of reward history used by task weights and curriculum.")
+
+
+class EvalConfig(_Strict):
+    """Held-out evaluation (slime/evaluation.py): `slime eval`, and every `every_steps` inside the job."""
+
+    every_steps: int = Field(
+        0,
+        ge=0,
+        description="Evaluate on the rollout engines every N steps and at the end, logged as eval/* (0: never).",
+    )
+    data: str | None = Field(
+        None, description="Held-out prompts (read like data.path); None with the example task: new prompts of it."
+    )
+    num_prompts: int | None = Field(
+        None, gt=0, description="eval.data's first N rows (None: all); the example task's held-out set size (64)."
+    )
+    samples: int = Field(0, ge=0, description="Sampled responses per prompt besides the greedy one (pass@1, pass@k).")
+    temperature: float = Field(
+        1.0, gt=0, le=100, description="Temperature of the sampled responses (every engine takes at most 100)."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus mass of the sampled responses (1: off); not rollout.top_p."
+    )
+    top_k: int = Field(0, ge=0, description="Top-k of the sampled responses (0: off); not rollout.top_k.")
+    max_new_tokens: int | None = Field(None, gt=0, description="Response budget; None: rollout.max_new_tokens.")
+    pass_threshold: float = Field(1.0, description="A response passes when its reward is at least this.")
+    seed: int = Field(
+        0,
+        ge=0,
+        description="Seed of the sampled responses: each has a stream of its own, from this seed, its prompt and its index.",
+    )

@@ -21,7 +21,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from slime.config.base import ConfigError
 from slime.config.base import StrictModel as _Strict
-from slime.config.inputs import DataConfig, ModelConfig, SamplingConfig
+from slime.config.inputs import DataConfig, EvalConfig, ModelConfig, SamplingConfig
 from slime.config.learner import TIS_CAP_CORRECTIONS, AlgorithmConfig, LearnerConfig
 from slime.config.renames import RENAMED, conflict_error, move_renamed_keys, renamed_key
 from slime.config.rollout import MAX_OVERSAMPLE, AprilConfig, RolloutConfig, SglangConfig, VllmConfig
@@ -58,29 +58,6 @@ class CheckpointConfig(_Strict):
         "(the one just written is always kept), so a long job's disk use stays bounded. None keeps every one "
         "(a checkpoint every 300 s is 288 a day, each the policy plus its AdamW state).",
     )
-
-
-class EvalConfig(_Strict):
-    """Held-out evaluation (slime/evaluation.py): `slime eval`, and every `every_steps` inside the job."""
-
-    every_steps: int = Field(
-        0,
-        ge=0,
-        description="Evaluate on the rollout engines every N steps and at the end, logged as eval/* (0: never).",
-    )
-    data: str | None = Field(
-        None, description="Held-out prompts (read like data.path); None with the example task: new prompts of it."
-    )
-    num_prompts: int | None = Field(
-        None, gt=0, description="eval.data's first N rows (None: all); the example task's held-out set size (64)."
-    )
-    samples: int = Field(0, ge=0, description="Sampled responses per prompt besides the greedy one (pass@1, pass@k).")
-    temperature: float = Field(
-        1.0, gt=0, le=100, description="Temperature of the sampled responses (every engine takes at most 100)."
-    )
-    max_new_tokens: int | None = Field(None, gt=0, description="Response budget; None: rollout.max_new_tokens.")
-    pass_threshold: float = Field(1.0, description="A response passes when its reward is at least this.")
-    seed: int = Field(0, description="Seed of the sampled responses (slime eval).")
 
 
 class JobConfig(_Strict):

@@ -51,6 +51,10 @@ class SamplingParams:
     # Text that ends the response once it appears in it (a string of several tokens, `</answer>`);
     # the tokens that completed it are the last of the output. Single-token stops go in stop_token_ids.
     stop_strings: list[str] = field(default_factory=list)
+    # The request's own sampling stream: its tokens do not depend on what it is batched with or
+    # on which engine runs it (held-out eval). None: the engine's stream. A resumed request draws
+    # from seed + its response length (not the stream it would have gone on with).
+    seed: int | None = None
 
 
 @dataclass
@@ -145,6 +149,8 @@ def validate_sampling(params: SamplingParams, *, vocab_size: int | None, max_seq
         raise ValueError(f"top_k must be an integer in {bound} (0 = off), got {k!r:.100}")
     if any(not isinstance(x, str) or not x for x in params.stop_strings):
         raise ValueError(f"stop_strings must be non-empty strings, got {params.stop_strings!r:.100}")
+    if params.seed is not None and (not _is_int(params.seed) or not 0 <= params.seed < 2**63):
+        raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {params.seed!r:.100}")
     m = params.max_new_tokens
     if not _is_int(m) or m < 0 or (max_seq_len is not None and m > max_seq_len):
         bound = f"[0, {max_seq_len}] (the model's max_seq_len)" if max_seq_len is not None else ">= 0"

@@ -371,6 +371,7 @@ class VllmEngine:
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
+            seed=p.seed,
         )
         self._engine.add_request(rid, TokensPrompt(prompt_token_ids=live.ids), params, lora_request=self._lora_request)
         self._ids.add(rid)

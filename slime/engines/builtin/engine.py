@@ -96,6 +96,7 @@ class _Seq:
         "keep_kv",
         "response_start",
         "stop_strings",
+        "generator",
     )
 
     def __init__(
@@ -107,6 +108,7 @@ class _Seq:
         keep_kv: bool = False,
         response_start: int = 0,
         decode: Callable[[list[int]], str] | None = None,
+        device: torch.device | None = None,
     ):
         self.request_id = request_id
         self.response_start = response_start  # where the response begins in tokens
@@ -119,6 +121,10 @@ class _Seq:
         self.greedy = params.temperature == 0
         self.top_k = not self.greedy and params.top_k > 0  # top-k truncation active
         self.top_p = not self.greedy and params.top_p < 1.0  # top-p truncation active
+        self.generator = None  # the request's own stream (params.seed)
+        if params.seed is not None and not self.greedy:
+            self.generator = torch.Generator(device=device or "cpu")
+            self.generator.manual_seed(params.seed + len(tokens) - response_start)
 
 
 class BuiltinEngine:
@@ -247,6 +253,7 @@ class BuiltinEngine:
         self._all_greedy = True
         self._any_top_k = False
         self._any_top_p = False
+        self._any_seeded = False
         self._tokens_generated = 0
         self._steps = 0
         self._decode_steps = 0
@@ -315,6 +322,7 @@ class BuiltinEngine:
             int(p.max_new_tokens),
             [int(t) for t in p.stop_token_ids],
             [str(x) for x in p.stop_strings],
+            None if p.seed is None else int(p.seed),
         )
         self._ids.add(req.request_id)
         self._waiting.append(GenerationRequest(req.request_id, prompt, params, response, req.keep_kv_after_finish))
@@ -555,6 +563,7 @@ class BuiltinEngine:
                 req.keep_kv_after_finish,
                 len(req.prompt_ids),
                 self._decode,
+                self.device,
             )
             kept = self._kept.pop(req.request_id, None)
             if kept is not None:
@@ -654,6 +663,7 @@ class BuiltinEngine:
             generator=self._generator,
             perturbation=self.perturbation,
             perturbation_scale=self.perturbation_scale,
+            row_generators=[s.generator for s in self._running] if self._any_seeded else None,
         )
         self._last = tok
         keep = self._record(self._running, tok, lp, chunks, getattr(self._batch, "step_routing", None))
@@ -724,6 +734,7 @@ class BuiltinEngine:
         self._all_greedy = all(s.greedy for s in self._running)
         self._any_top_k = any(s.top_k for s in self._running)
         self._any_top_p = any(s.top_p for s in self._running)
+        self._any_seeded = any(s.generator is not None for s in self._running)
 
 
 @contextlib.contextmanager

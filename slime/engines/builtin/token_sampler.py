@@ -36,12 +36,15 @@ def sample_tokens(
     generator: torch.Generator,
     perturbation: PerturbationKind = "none",
     perturbation_scale: float = 0.0,
+    row_generators: list[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (token ids [B], behaviour logprobs [B]).
 
     logprob = log_softmax(logits / T)[token] over the full tempered distribution (T = 1 for
     greedy rows), i.e. before top-k/top-p truncation; under a perturbation, of the perturbed
-    logits and temperature the row was sampled with.
+    logits and temperature the row was sampled with. ``row_generators``: per row, None or the
+    generator of a request with a seed of its own, which draws that row's race (one small draw
+    per such row and step; the batch's own draw is unchanged).
     """
     logits = logits.float()
     if all_greedy:
@@ -73,6 +76,9 @@ def sample_tokens(
     # Exponential race: argmax(p / E), E ~ Exp(1), samples from p (no host sync, seeded).
     # E = -log(U), U ~ U[0, 1): in (0, inf], never 0; 5x cheaper on CPU than exponential_.
     race = torch.empty_like(probs).uniform_(generator=generator).log_().neg_()
+    for row, row_generator in enumerate(row_generators or ()):  # requests with a seed of their own
+        if row_generator is not None:
+            race[row].uniform_(generator=row_generator).log_().neg_()
     tok = (probs / race).argmax(-1)
     tok = torch.where(greedy, exact.argmax(-1), tok)
     lp = logp.gather(1, tok[:, None]).squeeze(1)

@@ -367,6 +367,7 @@ class SglangEngine:
                 "max_new_tokens": remaining,
                 "stop_token_ids": list(p.stop_token_ids),
                 "ignore_eos": True,  # only the caller's stop tokens stop a request
+                **({} if p.seed is None else {"sampling_seed": p.seed}),
             },
             "return_logprob": True,
             "stream": True,

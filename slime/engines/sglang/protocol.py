@@ -135,7 +135,7 @@ def parse_sampling_params(
 ) -> SamplingParams:
     """SGLang's sampling_params -> the engine's, checked by `validate_sampling` (ValueError naming the field)."""
     raw = dict(raw or {})
-    used = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos"}
+    used = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "sampling_seed"}
     # Fields SGLang clients often send: accepted at their neutral value, refused otherwise.
     neutral = {
         "min_p": 0.0,
@@ -153,7 +153,6 @@ def parse_sampling_params(
         "skip_special_tokens",
         "spaces_between_special_tokens",
         "no_stop_trim",
-        "sampling_seed",
         "stream_interval",
     }
     unknown = set(raw) - used - set(neutral) - harmless
@@ -175,6 +174,7 @@ def parse_sampling_params(
         top_k=top_k,
         max_new_tokens=raw.get("max_new_tokens", min(128, max_seq_len)),
         stop_token_ids=raw.get("stop_token_ids") or [],
+        seed=raw.get("sampling_seed"),
     )
     try:
         validate_sampling(params, vocab_size=vocab_size, max_seq_len=max_seq_len)
