@@ -287,8 +287,11 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
         # data.system_prompt joins the messages: a reward given them (TRL's conversational
         # prompts) sees them as the model did.
         prompt = _with_system(_check_messages(where, cfg.prompt_key, prompt), cfg)
-        # Chat messages can only be rendered through the template, so it applies whatever
-        # data.apply_chat_template says (that flag decides for plain-text prompts).
+        if cfg.apply_chat_template is False:  # set so, not the default
+            raise DatasetError(
+                f"{where}: the prompt ({cfg.prompt_key!r}) is chat messages, which reach the model only through "
+                "the chat template, but data.apply_chat_template=false: unset it (or set true), or give text prompts"
+            )
         prompt_ids = _chat_ids(where, prompt, tokenizer)
     else:
         raise DatasetError(

@@ -130,6 +130,9 @@ def test_a_runs_config_yaml_from_before_the_move_loads_with_the_same_values(name
         f"config key {o} is deprecated: it is now {n} (the old key is read for one release)" for o, n in RENAMED.items()
     )
     fresh = load_config(None if name == "default" else Path(__file__).parents[1] / "examples" / "repeat_april.yaml")
+    # written as false before the default became None (unset): the same for text prompts
+    assert cfg.data.apply_chat_template is False and fresh.data.apply_chat_template is None
+    cfg.data.apply_chat_template = None
     assert config_for_display(cfg) == config_for_display(fresh)
     old = yaml.safe_load(before.read_text())
     for old_key, new_key in RENAMED.items():

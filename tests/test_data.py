@@ -69,6 +69,13 @@ def test_chat_records_get_the_template(tmp_path: Path, tok) -> None:
     assert chat.prompt == CHAT_ROWS[0]["prompt"]
     assert tok.decode(chat.prompt_ids) == "<|system|>be brief<|user|>hi<|assistant|>"
     assert chat.label == "hello" and chat.metadata == {"task": "chat"}
+    # chat messages reach the model only through the template: an explicit false is refused, not ignored
+    with pytest.raises(
+        DatasetError, match=r"d.jsonl:1: the prompt \('prompt'\) is chat messages.*apply_chat_template=false"
+    ):
+        load_prompts(DataConfig(apply_chat_template=False), tok, str(tmp_path / "d.jsonl"))
+    (templated,) = load_prompts(DataConfig(apply_chat_template=True), tok, str(tmp_path / "d.jsonl"))
+    assert templated.prompt_ids == chat.prompt_ids
 
 
 def test_cfg_path_keys_and_chat_template_flag(tmp_path: Path, tok) -> None:

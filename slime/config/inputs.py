@@ -64,7 +64,11 @@ class DataConfig(_Strict):
         "label", description="The label column; a dotted key reads a nested field (reward_model.ground_truth)."
     )
     task_key: str = "task"
-    apply_chat_template: bool = False
+    apply_chat_template: bool | None = Field(
+        None,
+        description="Text prompts through the tokenizer's chat template (true) or as they are (false; None, the "
+        "default, is false). Chat-message prompts always go through it: false with them is refused.",
+    )
     input_template: str | None = Field(
         None,
         description="A text prompt as the model reads it, {} standing for the row's prompt (OpenRLHF's "
