@@ -23,8 +23,8 @@ from slime.algorithms.corrections import Correction, CorrectionInputs, make_corr
 from slime.algorithms.grpo import GRPO, broadcast_to_tokens, group_advantages, grpo_loss
 from slime.algorithms.kl import kl_penalty
 from slime.algorithms.ppo import PPO, gae, ppo_loss, token_level_rewards, value_loss
-from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
-from slime.config import AdaptiveClipConfig, AlgorithmConfig, StagedKL, load_config
+from slime.algorithms.schedules import AdaptiveClip, AdaptiveKL, lr_factor, staged_kl_coef
+from slime.config import AdaptiveClipConfig, AlgorithmConfig, LearnerConfig, StagedKL, load_config
 from slime.sample import Sample, Status
 
 
@@ -502,6 +502,38 @@ def test_adaptive_clip_shrinks_grows_and_clamps() -> None:
     assert (clip.clip_low, clip.clip_high) == pytest.approx((0.4, 0.4))
     off = AdaptiveClip(AdaptiveClipConfig(enabled=False), 0.2, 0.28)
     assert off.update(1.0) == (0.2, 0.28)
+
+
+def test_adaptive_kl_moves_beta_by_the_clipped_error_times_samples_over_horizon() -> None:
+    kl = AdaptiveKL(0.1, target=0.02, horizon=1000)
+    assert kl.update(0.03, 100) == pytest.approx(0.1 * (1 + 0.2 * 0.1))  # error 0.5 -> clipped to 0.2
+    assert kl.coef == pytest.approx(0.102)
+    assert kl.update(0.01, 100) == pytest.approx(0.102 * (1 - 0.2 * 0.1))  # error −0.5 -> clipped to −0.2
+    state = kl.state_dict()
+    assert kl.update(0.021, 1000) == pytest.approx(state["coef"] * 1.05)  # error 0.05, unclipped
+    assert kl.update(float("nan"), 100) == pytest.approx(state["coef"] * 1.05)  # no measurement, no move
+    kl.load_state_dict(state)
+    assert kl.coef == state["coef"]
+
+
+@pytest.mark.parametrize(
+    "settings, want",
+    [
+        ({}, [1.0] * 6),
+        ({"lr_warmup_steps": 3}, [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0]),
+        # decay from step W to the last step (5): progress (s − 2) / 3
+        ({"lr_warmup_steps": 2, "lr_schedule": "linear"}, [0.5, 1.0, 1.0, 2 / 3, 1 / 3, 0.0]),
+        ({"lr_schedule": "linear", "min_lr_ratio": 0.2}, [1.0, 0.84, 0.68, 0.52, 0.36, 0.2]),
+        (
+            {"lr_schedule": "cosine", "min_lr_ratio": 0.1},
+            [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / 5)) for s in range(6)],
+        ),
+    ],
+)
+def test_lr_factor_warms_up_then_decays_to_min_lr_ratio_at_the_last_step(settings, want) -> None:
+    cfg = LearnerConfig(**settings)
+    assert [lr_factor(s, 6, cfg) for s in range(6)] == pytest.approx(want)
+    assert lr_factor(9, 6, cfg) == pytest.approx(want[-1])  # past the last step (a resume with more steps)
 
 
 def test_staged_kl_coef_boundaries() -> None:

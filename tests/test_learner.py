@@ -370,6 +370,8 @@ GOLDEN_SAMPLE_METRICS = {
     "version_lag_hist",
     "version_span_hist",
 }
+# PPO's, added later still: its KL to the reference in the reward, the critic's lr, the critic warmup
+GOLDEN_PPO_METRICS = {"kl_reward_mean", "critic_lr", "policy_frozen"}
 
 
 @pytest.fixture(scope="module")
@@ -469,7 +471,10 @@ def test_update_reproduces_recorded_numbers(golden_model_dir, redis_url, tmp_pat
     checksums = {"param_abs_delta", "param_weighted", "critic_abs_delta", "critic_head"}
     # per-kind mismatch figures appear only for the kinds the batch has
     checksums |= {k for k in m if k.startswith("mismatch_") and not k.endswith("_tokens")}
-    assert set(m) - checksums == (set(GOLDEN[case]) - checksums) | GOLDEN_SAMPLE_METRICS
+    added = GOLDEN_SAMPLE_METRICS | (GOLDEN_PPO_METRICS if case.startswith("ppo") else set())
+    if "algorithm.kl_mode=reward" not in GOLDEN_CASES[case][0]:
+        added -= {"kl_reward_mean"}
+    assert set(m) - checksums == (set(GOLDEN[case]) - checksums) | added
     for name, want in GOLDEN[case].items():
         # Adam's first step moves a parameter by lr·g/(|g| + eps): one whose gradient is float noise
         # (about eps) moves by a noise-sized amount, its sign the rounding's. Summed with weights in
@@ -532,6 +537,53 @@ def test_a_resume_trains_with_the_configs_lr_not_the_checkpoints(tiny_model_dir,
     assert fresh.optim.state_dict()["state"]  # the moments are still the checkpoint's
     _fill(buffer, groups=1, n=4, seed=1)
     assert fresh.train_step(1, num_groups=1)["lr"] == 1e-5
+    buffer.delete_job()
+
+
+def test_lr_schedule_critic_warmup_and_adaptive_kl_in_the_learner_and_across_a_resume(
+    tiny_model_dir, redis_url, tmp_path
+):
+    """PPO with a 2-step warmup then a linear decay to half lr at the 4th step, a 1-step critic warmup and an
+    adaptive β: the `lr` metric follows lr_factor; step 0 steps only the critic; β moves by the
+    measured KL and a resumed learner goes on from the checkpoint's β and lr."""
+    job = "learner-schedules"
+    buffer = TrajectoryStore.open(redis_url, job)
+    buffer.delete_job()
+    _fill(buffer, groups=4, n=4)
+    settings = [
+        "steps=4",
+        "rollout.batch_size=1",
+        "algorithm.name=ppo",
+        "algorithm.kl_mode=reward",
+        "algorithm.kl_coef=0.1",
+        "algorithm.kl_target=1e-6",  # any KL the step measures is far above: β grows by the clip, 20%
+        "algorithm.kl_horizon=4",  # x samples (4) / horizon (4)
+        "learner.lr=0.01",
+        "learner.critic_lr=0.02",
+        "learner.lr_warmup_steps=2",
+        "learner.lr_schedule=linear",
+        "learner.min_lr_ratio=0.5",
+        "learner.critic_warmup_steps=1",
+    ]
+    learner = _learner(tiny_model_dir, redis_url, job, tmp_path, *settings)
+    policy = [p.detach().clone() for p in learner.policy.parameters()]
+    critic = [p.detach().clone() for p in learner.critic.parameters()]
+    m0 = learner.train_step(0, num_groups=1)
+    assert (m0["lr"], m0["critic_lr"], m0["policy_frozen"]) == pytest.approx((0.005, 0.01, 1.0))
+    assert all(torch.equal(a, b) for a, b in zip(policy, learner.policy.parameters()))  # critic warmup
+    assert any(not torch.equal(a, b) for a, b in zip(critic, learner.critic.parameters()))
+    assert m0["kl_coef"] == 0.1 and m0["kl_reward_mean"] > 1e-6
+    m1 = learner.train_step(1, num_groups=1)
+    assert (m1["lr"], m1["policy_frozen"]) == pytest.approx((0.01, 0.0))
+    assert any(not torch.equal(a, b) for a, b in zip(policy, learner.policy.parameters()))
+    assert m1["kl_coef"] == pytest.approx(0.1 * 1.2)
+    learner.save(str(tmp_path / "ckpt"))
+
+    fresh = _learner(tiny_model_dir, redis_url, job, tmp_path, *settings)
+    fresh.load(str(tmp_path / "ckpt"))
+    m2 = fresh.train_step(3, num_groups=1)  # the last step: the decay's end, min_lr_ratio x lr
+    assert m2["lr"] == pytest.approx(0.01 * 0.5) and m2["critic_lr"] == pytest.approx(0.02 * 0.5)
+    assert m2["kl_coef"] == pytest.approx(0.1 * 1.2**2)  # β went on from the checkpoint's
     buffer.delete_job()
 
 

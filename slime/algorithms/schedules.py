@@ -1,8 +1,11 @@
-"""Schedules for the clip range and the KL coefficient (GLM-5 report, section 4.7)."""
+"""Schedules for the clip range and the KL coefficient (GLM-5 report, section 4.7), the adaptive KL
+coefficient (Ziegler et al. 2019) and the learning rate's warmup and decay."""
 
 from __future__ import annotations
 
-from slime.config import AdaptiveClipConfig, StagedKL
+import math
+
+from slime.config import AdaptiveClipConfig, LearnerConfig, StagedKL
 
 
 class AdaptiveClip:
@@ -50,3 +53,39 @@ def staged_kl_coef(step: int, schedule: list[StagedKL], default: float) -> float
         if step < stage.until_step:
             return stage.coef
     return schedule[-1].coef
+
+
+class AdaptiveKL:
+    """β toward a target KL (Ziegler et al. 2019, as verl's and OpenRLHF's adaptive controllers):
+    after a step whose mean per-token KL to the reference is `kl` over `samples` samples,
+    β *= 1 + clip(kl / target − 1, −0.2, 0.2) · samples / horizon."""
+
+    def __init__(self, coef: float, target: float, horizon: int) -> None:
+        self.coef, self.target, self.horizon = coef, target, horizon
+
+    def update(self, kl: float, samples: int) -> float:
+        if math.isfinite(kl):
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.coef *= 1.0 + error * samples / self.horizon
+        return self.coef
+
+    def state_dict(self) -> dict[str, float]:
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.coef = float(state["coef"])
+
+
+def lr_factor(step: int, steps: int, cfg: LearnerConfig) -> float:
+    """The share of learner.lr (and critic_lr) that step `step` (0-based) of a `steps`-step job uses:
+    (step+1)/W over the first W = lr_warmup_steps steps; then 1 (constant), or a linear or cosine
+    decay from 1 at step W to min_lr_ratio at the last step. A pure function of the step, so a
+    resumed job goes on where it was."""
+    warmup = cfg.lr_warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min((step - warmup) / max(steps - 1 - warmup, 1), 1.0)
+    decay = 1.0 - progress if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay

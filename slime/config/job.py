@@ -162,6 +162,8 @@ class JobConfig(_Strict):
                 )
             if self.mode != "sync":
                 raise ValueError("april.streaming_chunk_tokens runs its own loop: leave mode=sync")
+        if self.learner.critic_warmup_steps and self.algorithm.name != "ppo":
+            raise ValueError(f"learner.critic_warmup_steps: algorithm.name={self.algorithm.name} has no critic")
         buffer = self.algorithm.overlong_buffer
         if buffer is not None and buffer >= self.rollout.max_new_tokens:
             raise ValueError(

@@ -205,6 +205,14 @@ class AlgorithmConfig(_Strict):
     )
     kl_mode: Literal["loss", "reward"] = "loss"
     kl_schedule: list[StagedKL] = Field(default_factory=list, description="Staged KL coefficient; overrides kl_coef.")
+    kl_target: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive KL coefficient (Ziegler et al. 2019; verl's kl_ctrl.type=adaptive, OpenRLHF's "
+        "--kl_target): starting from kl_coef, after each step beta *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) x "
+        "samples / kl_horizon, KL being the step's mean per-token KL to the reference. None: beta as set.",
+    )
+    kl_horizon: int = Field(10_000, gt=0, description="The adaptive KL coefficient's horizon, in samples.")
     adaptive_clip: AdaptiveClipConfig = AdaptiveClipConfig()
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
     normalize_advantages: bool = True
@@ -246,6 +254,11 @@ class AlgorithmConfig(_Strict):
             raise ValueError("algorithm.kl_schedule: until_step values must increase")
         if self.adaptive_clip.min_clip > self.adaptive_clip.max_clip:
             raise ValueError("algorithm.adaptive_clip.min_clip must not exceed max_clip")
+        if self.kl_target is not None and (self.kl_schedule or self.kl_coef <= 0):
+            raise ValueError(
+                "algorithm.kl_target adapts beta from algorithm.kl_coef: set kl_coef > 0 (the starting beta) "
+                "and no kl_schedule"
+            )
         return self
 
 
@@ -297,6 +310,23 @@ class LearnerConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (beta1, beta2), each in [0, 1).")
     grad_clip: float = Field(1.0, gt=0)
+    lr_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="lr and critic_lr rise linearly over the first N steps: step s uses (s+1)/N of them (verl's "
+        "lr_warmup_steps; OpenRLHF's lr_warmup_ratio x steps).",
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="After the warmup: constant, or decay (linear, cosine) to min_lr_ratio x lr at the last step.",
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Where lr_schedule=linear|cosine ends, as a share of lr.")
+    critic_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="PPO: the first N steps train only the critic; the policy is not stepped (verl's "
+        "trainer.critic_warmup, OpenRLHF's freezing_actor_steps).",
+    )
     ppo_epochs: int = Field(1, gt=0)
     num_minibatches: int = Field(1, gt=0)
     micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward; gradients accumulate.")

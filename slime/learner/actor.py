@@ -32,7 +32,7 @@ from slime.algorithms.batch import Batch, Forward, UpdateTensors, collate
 from slime.algorithms.core import masked_mean, off_policy_mask, stale_tokens
 from slime.algorithms.corrections import CorrectionInputs, make_correction
 from slime.algorithms.mismatch import MismatchMeter
-from slime.algorithms.schedules import AdaptiveClip, staged_kl_coef
+from slime.algorithms.schedules import AdaptiveClip, AdaptiveKL, lr_factor, staged_kl_coef
 from slime.buffer import JobConnection, TrajectoryStore
 from slime.config import JobConfig
 from slime.engines.routing import replay_misfit
@@ -246,6 +246,9 @@ class Learner:
         if self.critic is not None:
             self.critic_optim = make_adamw(self.critic.parameters(), self.sharded, lr=lc.critic_lr, betas=lc.betas)
         self.clip = AdaptiveClip(self.algo_cfg.adaptive_clip, self.algo_cfg.clip_low, self.algo_cfg.clip_high)
+        self.kl_ctrl = None
+        if (target := self.algo_cfg.kl_target) is not None:
+            self.kl_ctrl = AdaptiveKL(self.algo_cfg.kl_coef, target, self.algo_cfg.kl_horizon)
         self.buffer = TrajectoryStore(
             JobConnection.of_job(cfg, redis_url, credentials.redis_password if credentials else None),
             cfg.buffer.lease_seconds,
@@ -324,6 +327,11 @@ class Learner:
         whose trajectory goes on; their return is bootstrapped with the critic's V(s_end)."""
         batch = collate(samples, group_ids, self.pad_id).to(self.device)
         kl_coef = staged_kl_coef(step, self.algo_cfg.kl_schedule, self.algo_cfg.kl_coef)
+        if self.kl_ctrl is not None:
+            kl_coef = self.kl_ctrl.coef
+        self._set_lr(step)
+        # PPO's critic warmup: the critic learns the returns first; the policy is not stepped
+        policy_frozen = self.critic is not None and step < self.cfg.learner.critic_warmup_steps
         stale = stale_tokens(batch.versions, batch.mask, self.version)
         batch.mask = off_policy_mask(batch.mask, stale, self.cfg.algorithm.correction.name)
         with torch.no_grad():
@@ -339,7 +347,9 @@ class Learner:
             fixed.is_weights, correction_stats = applied.weights, applied.stats
         # The metrics report the clip range this update used (adaptive clip moves it afterwards).
         clip_low, clip_high = self.clip.clip_low, self.clip.clip_high
-        stats, grad_norms, critic_grad_norms, mismatch = self._optimize(batch, fixed, kl_coef, clip_low, clip_high)
+        stats, grad_norms, critic_grad_norms, mismatch = self._optimize(
+            batch, fixed, kl_coef, clip_low, clip_high, policy_frozen
+        )
 
         # Maxima stay maxima over the micro-batches. Losses are weighted as the gradient accumulated
         # them, so they report the objective each minibatch optimized (averaged over minibatches);
@@ -351,6 +361,9 @@ class Learner:
             self.clip.update(out["approx_kl"])
         out.update(fixed.metrics)
         out.update(self._batch_metrics(samples, batch, stale))
+        measured_kl = out.get("kl_reward_mean", out.get("kl"))  # per token, to the reference
+        if self.kl_ctrl is not None and measured_kl is not None:
+            self.kl_ctrl.update(measured_kl, len(samples))
         out.update(
             grad_norm=float(np.mean(grad_norms)),
             skipped_updates=sum(not math.isfinite(n) for n in grad_norms + critic_grad_norms),
@@ -360,6 +373,9 @@ class Learner:
             lr=self.optim.param_groups[0]["lr"],
             learner_packed=float(self.packed),
         )
+        if self.critic is not None:
+            out["critic_lr"] = self.critic_optim.param_groups[0]["lr"]
+            out["policy_frozen"] = float(policy_frozen)
         if critic_grad_norms:
             out["critic_grad_norm"] = float(np.mean(critic_grad_norms))
         out["reward_stats"] = _reward_stats(samples)
@@ -442,11 +458,29 @@ class Learner:
             loss = loss + self.critic(sub).sum() * 0.0
         loss.backward()
 
+    def _set_lr(self, step: int) -> None:
+        """learner.lr and critic_lr at this step's point of the warmup and decay (schedules.lr_factor)."""
+        lc = self.cfg.learner
+        factor = lr_factor(step, self.cfg.steps, lc)
+        for optim, lr in self._optims_and_lrs():
+            for group in optim.param_groups:
+                group["lr"] = lr * factor
+
+    def _optims_and_lrs(self) -> list[tuple[torch.optim.Optimizer, float]]:
+        lc = self.cfg.learner
+        return [(self.optim, lc.lr)] + ([(self.critic_optim, lc.critic_lr)] if self.critic is not None else [])
+
     def _optimize(
-        self, batch: Batch, fixed: UpdateTensors, kl_coef: float, clip_low: float, clip_high: float
+        self,
+        batch: Batch,
+        fixed: UpdateTensors,
+        kl_coef: float,
+        clip_low: float,
+        clip_high: float,
+        policy_frozen: bool = False,
     ) -> tuple[dict[str, list[tuple[float, float]]], list[float], list[float], MismatchMeter]:
-        """ppo_epochs x num_minibatches optimizer steps; each minibatch's gradient accumulates over
-        micro-batches. Returns the per-micro-batch loss stats as (value, weight) pairs, the per-step
+        """ppo_epochs x num_minibatches optimizer steps (policy_frozen: the critic's only); each
+        minibatch's gradient accumulates over micro-batches. Returns the per-micro-batch loss stats as (value, weight) pairs, the per-step
         gradient norms and the engine-vs-learner mismatch of the trained tokens (measured against π_old)."""
         lc = self.cfg.learner
         mismatch = MismatchMeter()
@@ -515,7 +549,8 @@ class Learner:
                         # every other stat is a token mean or share (its trainable tokens).
                         stats.setdefault(k, []).append((v, float(weight) if k.endswith("loss") else tokens))
                 grad_norms.append(sharding.clip_grad_norm(self.trainable, lc.grad_clip))
-                _step_if_finite(self.optim, grad_norms[-1], "policy")
+                if not policy_frozen:
+                    _step_if_finite(self.optim, grad_norms[-1], "policy")
                 if self.critic is not None:
                     critic_grad_norms.append(sharding.clip_grad_norm(self.critic.parameters(), lc.grad_clip))
                     _step_if_finite(self.critic_optim, critic_grad_norms[-1], "critic")
@@ -662,6 +697,8 @@ class Learner:
                 lora.save_adapter(path, self.policy, self.lora, self.model_dir, write=self.rank == 0)
             if self.rank == 0:
                 info = {"version": self.version, "clip": self.clip.state_dict(), "ranks": self.world_size}
+                if self.kl_ctrl is not None:
+                    info["kl_ctrl"] = self.kl_ctrl.state_dict()
                 (path / "learner.json").write_text(json.dumps(info))
             return
         if self.lora is not None:
@@ -671,6 +708,7 @@ class Learner:
         state = {
             "optim": self.optim.state_dict(),
             "clip": self.clip.state_dict(),
+            **({"kl_ctrl": self.kl_ctrl.state_dict()} if self.kl_ctrl is not None else {}),
             "version": self.version,
             "rng": torch.get_rng_state(),  # the minibatch order goes on after a resume
         }
@@ -701,6 +739,7 @@ class Learner:
             sharding.load_sharded(path, self.policy, self.optim, self.critic, critic_optim, self.lora is not None)
             info = json.loads((path / "learner.json").read_text())
             self.clip.load_state_dict(info["clip"])
+            self._load_kl_ctrl(info)
             self.version = int(info["version"])
         else:
             # from_pretrained, not the raw files: transformers converts its on-disk layout (e.g.
@@ -732,7 +771,13 @@ class Learner:
             if "rng" in state:  # checkpoints from before 2026-12-03 have none
                 torch.set_rng_state(state["rng"])
             self.clip.load_state_dict(state["clip"])
+            self._load_kl_ctrl(state)
             self.version = int(state["version"])
+
+    def _load_kl_ctrl(self, state: dict) -> None:
+        """The adaptive β goes on from the checkpoint's (one written without it: from kl_coef)."""
+        if self.kl_ctrl is not None and "kl_ctrl" in state:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
     def _apply_optimizer_settings(self) -> None:
         """A loaded optimizer state brings the checkpoint's param_groups (lr, betas, weight_decay):
@@ -741,6 +786,9 @@ class Learner:
         optims = [(self.optim, {"lr": lc.lr, "betas": tuple(lc.betas), "weight_decay": lc.weight_decay})]
         if self.critic is not None:
             optims.append((self.critic_optim, {"lr": lc.critic_lr, "betas": tuple(lc.betas)}))
+        if lc.lr_warmup_steps or lc.lr_schedule != "constant":  # the checkpoint's lr was a scheduled one
+            for _, settings in optims:
+                del settings["lr"]  # update() sets it for each step
         for optim, settings in optims:
             for group in optim.param_groups:
                 old = {k: tuple(group[k]) if k == "betas" else group[k] for k in settings}
