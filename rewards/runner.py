@@ -73,6 +73,9 @@ class RewardResult:
     latency_s: float  # time the call ran (queueing excluded)
     steps: StepScores | None = None  # per-step rewards, when the reward gives them
     info: dict[str, Any] | None = None  # extra JSON-able facts (a judge's verdict text), kept in metadata
+    # The call did not finish because its runner or client closed (the job is stopping): not the
+    # reward's failure. A rollout worker leaves such a sample unfinished; a resume scores it again.
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -167,7 +170,7 @@ class RewardRunner:
             try:
                 asyncio.run_coroutine_threadsafe(self._run_async(call), self._loop)
             except RuntimeError:  # the loop closed under a concurrent close()
-                self._settle(call, None, self._closed_message())
+                self._settle(call, None, self._closed_message(), extras={"interrupted": True})
         return future
 
     def score(
@@ -194,7 +197,7 @@ class RewardRunner:
             live = self._live
             self._wake.notify_all()
         for call in pending:
-            call.future.set_result(RewardResult(None, self._closed_message(), _elapsed(call)))
+            call.future.set_result(RewardResult(None, self._closed_message(), _elapsed(call), interrupted=True))
         if self._is_async:
             assert self._loop is not None
             try:

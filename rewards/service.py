@@ -225,13 +225,17 @@ class RemoteRewardClient:
         future: Future = Future()
         future.set_running_or_notify_cancel()
         if self._closed:
-            future.set_result(RewardResult(None, f"reward service {self.name}: client is closed", 0.0))
+            future.set_result(
+                RewardResult(None, f"reward service {self.name}: client is closed", 0.0, interrupted=True)
+            )
             return future
         item = (sample_to_wire(prompt, response, label, metadata), future)
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # loop closed under a concurrent close()
-            future.set_result(RewardResult(None, f"reward service {self.name}: client is closed", 0.0))
+            future.set_result(
+                RewardResult(None, f"reward service {self.name}: client is closed", 0.0, interrupted=True)
+            )
         return future
 
     def close(self) -> None:
@@ -276,7 +280,10 @@ class RemoteRewardClient:
         await asyncio.gather(*inflight, return_exceptions=True)
         leftover = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
         for _, future in leftover:
-            _resolve(future, RewardResult(None, f"reward service {self.name}: client closed before sending", 0.0))
+            _resolve(
+                future,
+                RewardResult(None, f"reward service {self.name}: client closed before sending", 0.0, interrupted=True),
+            )
         if self._close_transport is not None:
             await self._close_transport()
 
@@ -287,7 +294,10 @@ class RemoteRewardClient:
             reply = await self._call_with_retries(samples)
         except asyncio.CancelledError:
             for _, future in batch:
-                _resolve(future, RewardResult(None, f"reward service {self.name}: client closed mid-call", 0.0))
+                _resolve(
+                    future,
+                    RewardResult(None, f"reward service {self.name}: client closed mid-call", 0.0, interrupted=True),
+                )
             raise
         except Exception as exc:  # retries exhausted, or an error not worth retrying
             for _, future in batch:

@@ -408,3 +408,50 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
         assert c["groups_claimed"] == 0
         resumed_final = [buffer.get_sample(sid) for sid in partials]
         assert any(s.status in FINAL_STATUSES for s in resumed_final)
+
+
+SLOW_REWARD = """
+import time
+
+from envs.repeat import score
+
+
+def reward(prompt, response, label):
+    time.sleep(1.5)
+    return score(response, label)
+"""
+
+
+@pytest.mark.slow
+def test_a_graceful_stop_leaves_the_samples_whose_reward_was_running_to_the_resume(tiny_model_dir, tmp_path):
+    """One SIGINT stops the job at the end of its step; the reward calls still running then (APRIL
+    keeps more in flight than the step needs) are cut short. They are not the reward's failures:
+    their samples stay unfinished in the buffer, and the resumed job scores and trains them (they
+    were written FAILED and trained as failures, and the resumed job stopped on max_failed_share)."""
+    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
+    out = tmp_path / "run"
+    args = [
+        "job_name=stop-mid-reward",
+        "cluster.launcher=local",
+        f"output_dir={out}",
+        f"model.path={tiny_model_dir}",
+        *SMALL,
+        f"reward.fn={tmp_path / 'slow_reward.py'}:reward",
+        "reward.max_concurrency=16",
+    ]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = _run_cli([*args, "steps=40"], env)
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1, 240, "one step")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "received SIGINT: finishing this step" in err.decode(), err.decode()[-3000:]
+    steps_done = len(metrics.read_text().splitlines())
+
+    resumed = _run_cli([*args, f"steps={steps_done + 2}", "resume=auto"], env)
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err.decode()[-3000:]
+    assert "RewardRunner was closed" not in err.decode()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps_done + 2))
+    assert [r["failed_samples"] for r in rows] == [0] * len(rows)

@@ -435,6 +435,16 @@ class RolloutWorker:
         if wait and self.unsettled_finishes is not None:
             self._finish_scored()
 
+    def _leave_interrupted_unfinished(self) -> None:
+        """A reward call the stop cut short is not the reward's failure: its sample stays RUNNING
+        in the buffer, tokens kept, and the next run (its requeue of the leased samples) scores it
+        again, instead of training it as failed."""
+        interrupted = [item for item in self.scored if item[2].interrupted]
+        if interrupted:
+            self.scored = collections.deque(item for item in self.scored if not item[2].interrupted)
+            for sample, _, _ in interrupted:
+                self.scoring.pop(sample.id, None)
+
     def _finish_of(self, sample: Sample, status: Status, result: RewardResult) -> Finish:
         meta = {"reward_latency_s": result.latency_s}
         stored = sample.metadata  # as leased (with a multi-turn episode's env_ fields added since)
@@ -587,7 +597,8 @@ class RolloutWorker:
         if self.expert_load is not None:  # the counts since the last periodic flush
             self.telemetry.add_expert_load(self.expert_load.take())
         if self.rewards is not None:
-            self.rewards.close()  # calls still running resolve (as failures) into self.scored
+            self.rewards.close()  # calls still running resolve, as interrupted, into self.scored
+        self._leave_interrupted_unfinished()
         self._finish_scored(wait=True)
         self.transport.close()
         self.engine.close()  # engines that run servers (SGLang) stop them
