@@ -223,10 +223,17 @@ def slime_args(label: Any, metadata: dict[str, Any]) -> SimpleNamespace:
     return SimpleNamespace(**fields)
 
 
+def slime_sample(prompt: Any, response: str, label: Any, metadata: dict[str, Any]) -> Sample:
+    """What a slime-style reward gets as `sample`: TRUNCATED when the response ran out of tokens
+    (metadata's `finish_reason` "length", as the rollout gives it), COMPLETED otherwise."""
+    truncated = metadata.get("finish_reason") == "length"
+    status = Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED
+    return RewardSample(prompt=prompt, response=response, label=label, metadata=metadata, status=status)
+
+
 def _slime(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     def build(prompt, response, label, metadata):
-        sample = RewardSample(prompt=prompt, response=response, label=label, metadata=metadata)
-        return (slime_args(label, metadata), sample), {}
+        return (slime_args(label, metadata), slime_sample(prompt, response, label, metadata)), {}
 
     return _native(fn, name, build, lambda value, _: value)
 

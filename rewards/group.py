@@ -36,7 +36,6 @@ from rewards.adapters import (
     RESPONSE_KEYS,
     BatchCall,
     Item,
-    RewardSample,
     RewardSignatureError,
     _acceptor,
     _as_list,
@@ -44,6 +43,7 @@ from rewards.adapters import (
     openrlhf_batch,
     parameter_names,
     slime_args,
+    slime_sample,
     trl_batch,
     verl_fields,
 )
@@ -163,7 +163,7 @@ class GroupCall:
     def _slime(self) -> BatchCall:
         def build(items: list[Item]) -> tuple[tuple, dict]:
             _, _, label, metadata = items[0]
-            samples = [RewardSample(prompt=p, response=r, label=lab, metadata=m) for p, r, lab, m in items]
+            samples = [slime_sample(p, r, lab, m) for p, r, lab, m in items]
             return (slime_args(label, _shared(metadata)), samples), {}  # each sample keeps its own metadata
 
         return BatchCall(build, self._listed)

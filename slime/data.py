@@ -39,6 +39,7 @@ JOB_METADATA_KEYS: dict[str, str] = {
     "prompt_messages": "a chat prompt's messages",
     "record_index": "the row's place in the dataset",
     "response_ids": "the response's token ids",
+    "finish_reason": "how the response ended (stop, length)",
     "model_prompt": "the prompt as the model read it",
     "model_response": "the response as the model wrote it",
     "reward_latency_s": "the reward call's seconds",

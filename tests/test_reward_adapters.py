@@ -172,6 +172,62 @@ def test_a_reward_file_written_for_slime_loads_unchanged(tmp_path):
     assert asyncio.run(fn("2+2=", "5", "4", {})) == 0.0
 
 
+SLIME_TRUNCATION_REWARD = """
+from slime.utils.types import Sample
+
+
+async def no_credit_when_cut(args, sample: Sample, **kwargs):
+    if sample.status == Sample.Status.TRUNCATED:  # DAPO-style rewards penalise a cut response
+        return 0.0
+    assert sample.status == Sample.Status.COMPLETED
+    return 1.0
+"""
+
+
+def test_a_slime_reward_sees_a_response_cut_by_max_new_tokens_as_truncated(tmp_path):
+    path = tmp_path / "cut.py"
+    path.write_text(SLIME_TRUNCATION_REWARD)
+    fn = load_reward(f"{path}:no_credit_when_cut")
+    assert asyncio.run(fn("p", "r", None, {"finish_reason": "length"})) == 0.0
+    assert asyncio.run(fn("p", "r", None, {"finish_reason": "stop"})) == 1.0
+
+
+@pytest.mark.slow
+def test_in_a_job_the_rollout_tells_a_reward_how_each_response_ended(tiny_model_dir, redis_url, tmp_path):
+    """The worker gives each reward call `finish_reason` (a slime reward: the sample's status): every
+    sample the buffer stores as TRUNCATED got 0 from the reward above, every COMPLETED one 1."""
+    from slime.buffer.store import TrajectoryStore
+    from slime.config import load_config
+    from slime.sample import Status
+    from slime.train import train
+
+    (tmp_path / "cut.py").write_text(SLIME_TRUNCATION_REWARD)
+    job = "reward-sees-truncation"
+    train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                "cluster.launcher=local",
+                f"output_dir={tmp_path / 'run'}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                "rollout.batch_size=4",
+                "rollout.n_samples_per_prompt=2",
+                "rollout.max_new_tokens=6",  # about half the example's answers are longer
+                "logging.progress=false",
+                "steps=1",
+                f"reward.fn={tmp_path / 'cut.py'}:no_credit_when_cut",
+            ],
+        )
+    )
+    buffer = TrajectoryStore.open(redis_url, job)
+    samples = [s for s in buffer.iter_samples() if s.status in (Status.TRUNCATED, Status.COMPLETED)]
+    assert {s.status for s in samples} == {Status.TRUNCATED, Status.COMPLETED}, [s.status for s in samples]
+    assert all(s.reward == (0.0 if s.status == Status.TRUNCATED else 1.0) for s in samples)
+    buffer.delete_job()
+
+
 # --- verl ----------------------------------------------------------------------------------------
 
 

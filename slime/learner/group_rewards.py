@@ -36,7 +36,7 @@ class GroupRewards:
         items = [
             [
                 reward_inputs(
-                    _row(s.metadata),
+                    {**_row(s.metadata), "finish_reason": _finish_reason(s)},
                     s.prompt_ids.tolist(),
                     s.response_ids.tolist(),
                     self.tokenizer,
@@ -75,3 +75,9 @@ class GroupRewards:
 def _row(metadata: dict) -> dict:
     """A sample's metadata without what an earlier scoring of its group wrote."""
     return {k: v for k, v in metadata.items() if k not in (GENERATED, "reward_info", "reward_latency_s")}
+
+
+def _finish_reason(sample: Sample) -> str:
+    """How its generation ended, as a per-sample reward's metadata says it: "length" or "stop"."""
+    generated = Status(sample.metadata.get(GENERATED, sample.status.value))
+    return "length" if generated == Status.TRUNCATED else "stop"

@@ -368,7 +368,7 @@ class RolloutWorker:
             return
         stop = set(self.params.stop_token_ids)
         inputs = reward_inputs(
-            sample.metadata,
+            {**sample.metadata, "finish_reason": "length" if status == Status.TRUNCATED else "stop"},
             sample.prompt_ids.tolist(),
             sample.response_ids.tolist(),
             self.tokenizer,
