@@ -488,7 +488,8 @@ def test_update_reproduces_recorded_numbers(golden_model_dir, redis_url, tmp_pat
     assert m["trained_tokens"] == {"grpo_seq_mask_stale": 48 - 12, "ppo_stream": 48 - 8}.get(case, 48)
     assert m["off_policy_token_share"] == pytest.approx((12 - 3 * streaming) / 54)
     assert m["kl_coef"] == (0.1 if case == "grpo_seq_mask_stale" else 0.05)  # the staged schedule at step 3
-    if case == "grpo_seq_mask_stale":
+    if case == "grpo_seq_mask_stale":  # its 12 stale tokens of the 48 trainable ones are masked
+        assert m["offpolicy_masked_share"] == pytest.approx(12 / 48)
         # One update with ratio 1 and no IS weights: pg_loss = −Σ_i Â_i·n_i / (rows with tokens), Dr.-GRPO
         # centring Â_i = r_i − mean(group). Group 0: Â = .5, −.5, 0 on 2, 7 − 3 stale, 3 tokens; group 1
         # (row 4 failed): Â = −.35, .35 on 8 − 4 stale, 9 − 2 tool tokens; group 2 is constant: Â = 0.

@@ -333,7 +333,9 @@ class Learner:
         # PPO's critic warmup: the critic learns the returns first; the policy is not stepped
         policy_frozen = self.critic is not None and step < self.cfg.learner.critic_warmup_steps
         stale = stale_tokens(batch.versions, batch.mask, self.version)
+        trainable_before = batch.mask.sum().clamp_min(1)
         batch.mask = off_policy_mask(batch.mask, stale, self.cfg.algorithm.correction.name)
+        masked_stale = 1.0 - float(batch.mask.sum() / trainable_before)  # mask_stale's share; else 0
         with torch.no_grad():
             fixed = self._prepare(batch, kl_coef, unfinished)
         fixed.version_lag = (self.version - batch.versions).clamp_min(0)
@@ -356,6 +358,8 @@ class Learner:
         # everything else by trainable tokens: a share or mean over the batch's tokens, not its parts.
         out = {k: _aggregate(k, [v for v, _ in pairs], [w for _, w in pairs]) for k, pairs in stats.items()}
         out.update(correction_stats)
+        if masked_stale > 0:  # masked before the correction saw the batch: its own share reads 0
+            out["offpolicy_masked_share"] = masked_stale
         out.update(mismatch.metrics())
         if self.algo_cfg.adaptive_clip.enabled and "approx_kl" in out:
             self.clip.update(out["approx_kl"])
