@@ -64,8 +64,9 @@ class FailureWatch:
         lines = [f"  {e['count']}x {key}\n      e.g. sample {e['example_id']}: {e['example']}" for key, e in top]
         raise TooManyFailures(
             f"{failed} of {total} samples failed over the last {len(self.recent)} steps "
-            f"({failed / total:.0%} > reward.max_failed_share={self.max_share:g}); the job stops "
-            "without a checkpoint of these steps. Most common reasons:\n" + "\n".join(lines)
+            f"({failed / total:.0%} > reward.max_failed_share={self.max_share:g}); the job stops without "
+            "checkpointing this step (a checkpoint written earlier in the window holds the steps before it). "
+            "Most common reasons:\n" + "\n".join(lines)
         )
 
 
