@@ -221,8 +221,10 @@ class AprilConfig(StrictModel):
         None,
         ge=0,
         description="Staleness budget at rollout: most versions a partial's oldest token may lag the engine's "
-        "policy when it would resume (beyond_budget says what happens then). max_staleness is the budget at "
-        "training, for the async loop's admission and the learner's drop of stale groups; None: no budget here.",
+        "policy when it would resume (beyond_budget says what happens then). A finished sample waiting for its "
+        "group is not restarted, so trained tokens may lag more (version_lag_hist; algorithm.correction bounds "
+        "their weight). max_staleness is the budget at training, for the async loop's admission and the "
+        "learner's drop of stale groups; None: no budget here.",
     )
     beyond_budget: Literal["restart", "drop"] = Field(
         "restart", description="A partial over the budget: regenerate it from scratch, or fail it (counted)."
