@@ -20,8 +20,9 @@ so the runner keeps serving; the hung thread rejoins the pool if its call ever r
 `max_hung_calls` hung threads no more replacements start, and once no worker is left every call
 fails at once, naming the cause. Async functions run on one event loop owned by the runner, at
 most `max_concurrency` at a time; a timed-out coroutine is cancelled. An `async def` that blocks
-(time.sleep instead of asyncio.sleep) stalls the other async calls; their futures still resolve
-at the deadline.
+(time.sleep instead of asyncio.sleep) stalls the loop: once a call is past its deadline and the loop
+does not answer a ping, every call on that loop fails, naming the cause, and a new loop serves the
+next ones (the blocked one is written off, like a hung thread, up to `max_hung_calls`).
 """
 
 from __future__ import annotations
@@ -134,10 +135,9 @@ class RewardRunner:
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._semaphore: asyncio.Semaphore | None = None
+        self._blocked_loops = 0  # event loops written off: a coroutine blocked them
         if self._is_async:
-            self._loop = asyncio.new_event_loop()
-            self._loop_thread = threading.Thread(target=self._run_loop, name="reward-loop", daemon=True)
-            self._loop_thread.start()
+            self._start_loop()
         else:
             with self._lock:
                 for _ in range(self.max_concurrency):
@@ -158,7 +158,7 @@ class RewardRunner:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"RewardRunner for {self.name} is closed")
-            no_worker = not self._is_async and self._live == 0
+            no_worker = self._blocked_loops > self.max_hung_calls if self._is_async else self._live == 0
             if not no_worker:
                 self._unsettled.add(call)
                 if not self._is_async:
@@ -256,18 +256,50 @@ class RewardRunner:
 
     # --- async path --------------------------------------------------------------------------
 
-    def _run_loop(self) -> None:
-        assert self._loop is not None
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_forever()
-        tasks = asyncio.all_tasks(self._loop)
+    def _start_loop(self) -> None:  # at start, or holding self._lock
+        self._loop = asyncio.new_event_loop()
+        self._semaphore = None
+        self._loop_thread = threading.Thread(target=self._run_loop, args=(self._loop,), name="reward-loop", daemon=True)
+        self._loop_thread.start()
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+        tasks = asyncio.all_tasks(loop)
         for task in tasks:
             task.cancel()
         if tasks:
-            self._loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
-        self._loop.close()
+            loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
+        loop.close()
+
+    def _check_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After an async call passed its deadline: a loop that does not answer a ping is blocked
+        by a coroutine that never awaits. Its calls (running or queued) fail with the reason, and a
+        new loop takes the next ones."""
+        answered = threading.Event()
+        try:
+            loop.call_soon_threadsafe(answered.set)
+        except RuntimeError:
+            return  # closed meanwhile
+        if answered.wait(max(1.0, min(self.timeout_s, 10.0))):
+            return
+        with self._lock:
+            if self._closed or loop is not self._loop:
+                return  # closed, or this loop was replaced already
+            stuck = list(self._unsettled)
+            self._unsettled.clear()
+            for call in stuck:
+                call.settled = True
+            self._blocked_loops += 1
+            if self._blocked_loops <= self.max_hung_calls:
+                self._start_loop()
+        for call in stuck:
+            call.future.set_result(RewardResult(None, self._blocked_loop_message(), _elapsed(call)))
+        log.warning("%s (%d loops written off)", self._blocked_loop_message(), self._blocked_loops)
 
     async def _run_async(self, call: _Call) -> None:
+        if call.settled:  # failed meanwhile (its loop was written off as blocked, or the runner closed)
+            return
         if self._semaphore is None:  # created here: only the loop thread touches it
             self._semaphore = asyncio.Semaphore(self.max_concurrency)
         async with self._semaphore:
@@ -355,6 +387,9 @@ class RewardRunner:
                     drained = self._drain_queue()
             hung = self._hung
         call.future.set_result(RewardResult(None, self._timeout_message(), _elapsed(call)))
+        if self._is_async and self._loop is not None:
+            loop = self._loop
+            threading.Thread(target=self._check_loop, args=(loop,), name="reward-loop-check", daemon=True).start()
         for other in drained:
             other.future.set_result(RewardResult(None, self._no_worker_message(), 0.0))
         if not self._is_async:
@@ -392,6 +427,13 @@ class RewardRunner:
 
     def _timeout_message(self) -> str:
         return f"reward function {self.name} timed out after {self.timeout_s:g}s"
+
+    def _blocked_loop_message(self) -> str:
+        return (
+            f"reward function {self.name} blocked its event loop past timeout_s={self.timeout_s:g}: an async def "
+            "that calls blocking code (time.sleep, requests, a CPU-bound loop) stalls every async call; await "
+            "asyncio.sleep or an async client, or make it a plain def (it then runs on threads)"
+        )
 
     def _closed_message(self) -> str:
         return f"reward function {self.name} did not finish: the RewardRunner was closed"

@@ -318,3 +318,30 @@ def test_close_resolves_pending_calls_and_refuses_new_ones() -> None:
     assert all("RewardRunner was closed" in f.result(timeout=1).failure for f in futures)
     with pytest.raises(RuntimeError, match="closed"):
         runner.submit("q", "r")
+
+
+def test_an_async_reward_that_blocks_its_loop_fails_the_calls_on_it_and_a_new_loop_serves_the_next():
+    """`time.sleep` in an `async def` blocks the runner's event loop: the call past its deadline
+    times out, the call queued behind it (never started, so it had no deadline) fails naming the
+    cause instead of waiting forever, and the next call runs on a fresh loop."""
+    release = threading.Event()
+    blocked = []
+
+    async def blocks_once(prompt, response):
+        if not blocked:
+            blocked.append(True)
+            release.wait(60)  # blocking, not awaited
+        return 1.0
+
+    runner = RewardRunner(blocks_once, timeout_s=0.5, max_concurrency=4)
+    try:
+        first = runner.submit("p", "r0")
+        time.sleep(0.2)
+        queued = runner.submit("p", "r1")
+        assert "timed out after 0.5s" in first.result(timeout=10).failure
+        failure = queued.result(timeout=10).failure
+        assert "blocked its event loop past timeout_s=0.5" in failure and "asyncio.sleep" in failure
+        assert runner.submit("p", "r2").result(timeout=10).reward == 1.0  # the new loop
+    finally:
+        release.set()
+        runner.close()
