@@ -155,11 +155,12 @@ class ZeroVarianceFilter:
         self.dropped_this_step = self.kept_by_fallback = 0
         self.seen = set()
 
-    def check(self, group_id: str, rewards: list[float]) -> Literal["keep", "drop"]:
-        """``rewards``: the scores of the group's members that did not fail. Each group once a step:
-        the caller skips the ids in ``seen``."""
+    def check(self, group_id: str, rewards: list[float], informative: bool | None = None) -> Literal["keep", "drop"]:
+        """``rewards``: the scores of the group's members that did not fail. ``informative``: a rule
+        of the user's decided already (april.group_filter) instead of "the rewards differ". Each
+        group once a step: the caller skips the ids in ``seen``."""
         self.seen.add(group_id)
-        if len(set(rewards)) > 1:
+        if informative if informative is not None else len(set(rewards)) > 1:
             return "keep"
         if self.dropped_this_step >= self.limit:
             self.kept_by_fallback += 1

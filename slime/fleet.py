@@ -22,6 +22,7 @@ from typing import Any
 
 from april.elastic import ElasticPolicy
 from april.scheduler import BudgetHold, GroupCounts, GroupScheduler, ZeroVarianceFilter
+from rewards.group_filter import GroupFilter
 from slime.buffer import JobTelemetry, TrajectoryStore
 from slime.config import JobConfig
 from slime.data import reward_metadata
@@ -73,8 +74,10 @@ class RolloutFleet:
         sampler: PromptSampler,
         launcher: Launcher,
         launch: WorkerLaunch | None = None,
+        group_filter: GroupFilter | None = None,
     ):
         self.cfg = cfg
+        self.group_filter = group_filter  # april.group_filter: the user's rule instead of "rewards differ"
         self.launcher = launcher
         self.workers = workers  # the job's list: changed in place as workers join and leave
         self.buffer = buffer
@@ -158,7 +161,8 @@ class RolloutFleet:
         if self.scheduler.policy != "async":
             self._schedule_groups()
         while True:
-            checked = self.filter_ready_groups() if self.cfg.april.filter_zero_variance else None
+            filtering = self.cfg.april.filter_zero_variance or self.group_filter is not None
+            checked = self.filter_ready_groups() if filtering else None
             counts = self.buffer.counts()
             # With the filter, only groups it has seen count: one that turned ready after its pass
             # would reach the learner (FIFO claims) unchecked. Async trains in start order (the
@@ -206,17 +210,20 @@ class RolloutFleet:
             self._schedule_groups()
 
     def filter_ready_groups(self) -> int:
-        """DAPO dynamic sampling (the decision is april's ZeroVarianceFilter). Returns how many
-        ready groups passed (the oldest in the ready queue)."""
+        """DAPO dynamic sampling (the decision is april's ZeroVarianceFilter; april.group_filter's rule
+        instead of "the rewards differ" when set). Returns how many ready groups passed (the oldest in
+        the ready queue). A drop the buffer refuses: the group was claimed meanwhile."""
         kept = 0
         for gid in self.buffer.ready_group_ids():
             if gid in self.filter.seen:
                 kept += 1
                 continue
-            rewards = [s.reward for s in self.buffer.get_group(gid) if s.reward is not None and s.failure is None]
-            if self.filter.check(gid, rewards) == "keep":
+            group = self.buffer.get_group(gid)
+            rewards = [s.reward for s in group if s.reward is not None and s.failure is None]
+            informative = self.group_filter.keep(group) if self.group_filter is not None else None
+            if self.filter.check(gid, rewards, informative) == "keep":
                 kept += 1
-            elif self.buffer.drop_ready_group(gid, "zero_variance"):  # refused: claimed meanwhile
+            elif self.buffer.drop_ready_group(gid, "zero_variance" if informative is None else "group_filter"):
                 self.filter.dropped()
         return kept
 
@@ -472,7 +479,8 @@ class RolloutFleet:
         metrics: dict[str, float] = {"rollout_workers": float(len(self.workers))}
         if self.last_fill is not None:
             metrics["elastic_fill"] = self.last_fill
-        metrics["filtered_zero_variance"] = self.filter.dropped_this_step
+        dropped = "filtered_zero_variance" if self.group_filter is None else "filtered_by_group_filter"
+        metrics[dropped] = self.filter.dropped_this_step
         metrics["filter_kept_by_fallback"] = self.filter.kept_by_fallback
         return metrics
 

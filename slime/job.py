@@ -17,6 +17,7 @@ import numpy as np
 
 from envs import repeat
 from rewards.group import load_group_reward
+from rewards.group_filter import GroupFilter
 from rewards.mix import load_reward_spec
 from slime.algorithms.mismatch import probe_kl
 from slime.algorithms.offpolicy_controller import Measurement, OffPolicyController
@@ -92,7 +93,8 @@ class RunningJob:
             if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
                 check_model_dir(self.model_dir, cfg.learner.lora)
             self.tokenizer = load_tokenizer(self.model_dir)
-            rollout_stop_token_ids(cfg.rollout, self.tokenizer)  # an empty stop string fails here
+            stop = rollout_stop_token_ids(cfg.rollout, self.tokenizer)  # an empty stop string fails here
+            self.group_filter = (spec := cfg.april.group_filter) and GroupFilter(spec, self.tokenizer, stop)
             self.records = self._load_records()
             if cfg.resume is None and (aside := set_earlier_run_aside(self.run_dir)) is not None:
                 print(
@@ -171,7 +173,9 @@ class RunningJob:
             start_rollout_worker(launcher, cfg, launch, i, shared_gpu=self.learner.worker_placement(i))
             for i in range(cfg.rollout.num_workers)
         ]
-        self.fleet = RolloutFleet(cfg, self.workers, self.buffer, self.telemetry, self.sampler, launcher, launch)
+        self.fleet = RolloutFleet(
+            cfg, self.workers, self.buffer, self.telemetry, self.sampler, launcher, launch, self.group_filter
+        )
 
     def _start_dashboard(self) -> None:
         cfg = self.cfg

@@ -455,3 +455,74 @@ def test_a_graceful_stop_leaves_the_samples_whose_reward_was_running_to_the_resu
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps_done + 2))
     assert [r["failed_samples"] for r in rows] == [0] * len(rows)
+
+
+GROUP_FILTER = """
+from dataclasses import dataclass
+
+
+@dataclass
+class DynamicFilterOutput:  # slime's answer type: .keep (and a reason)
+    keep: bool
+    reason: str | None = None
+
+
+def at_least_half_right(args, samples, **kwargs):
+    assert all(s.status.value in ("completed", "truncated") and s.reward is not None for s in samples)
+    assert args.label == samples[0].label
+    return DynamicFilterOutput(keep=sum(s.reward for s in samples) / len(samples) >= 0.5)
+"""
+
+
+@pytest.mark.slow
+def test_a_group_filter_of_the_users_decides_which_groups_train(tiny_model_dir, redis_url, tmp_path):
+    """april.group_filter (slime's --dynamic-sampling-filter-path): a slime-style filter that keeps
+    the groups whose mean reward is at least 0.5; every trained group passes it, the dropped ones
+    are counted under their own reason."""
+    from slime.train import train
+
+    (tmp_path / "keep_good.py").write_text(GROUP_FILTER)
+    job = "april-e2e-group-filter"
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                f"output_dir={tmp_path / 'run'}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                *SMALL,
+                "steps=2",
+                f"april.group_filter={tmp_path / 'keep_good.py'}:at_least_half_right",
+                "april.max_filtered_per_step=100",
+                "cluster.launcher=local",
+            ],
+        )
+    )
+    dropped = sum(h["filtered_by_group_filter"] for h in history)
+    assert dropped > 0 and all(h["groups"] == 3 for h in history)
+    buffer = TrajectoryStore.open(redis_url, job)
+    assert buffer.stats()["dropped_groups:group_filter"] == dropped
+    for gid in buffer.redis.zrange(buffer._key("trained"), 0, -1):
+        rewards = [s.reward for s in buffer.get_group(gid.decode())]
+        assert sum(rewards) / len(rewards) >= 0.5
+    buffer.delete_job()
+
+
+def test_a_group_filter_that_raises_or_answers_no_bool_stops_the_job_naming_it(tiny_model_dir, tmp_path, buffer):
+    from rewards.group_filter import GroupFilter, GroupFilterError
+    from slime.model import load_tokenizer
+
+    (tmp_path / "bad.py").write_text(
+        "def raises(samples):\n    raise KeyError('score')\n\n\ndef says_maybe(samples):\n    return 'maybe'\n"
+    )
+    tokenizer = load_tokenizer(tiny_model_dir)
+    gid = buffer.add_group([6, 7, 77], 2, 8, {"label": "ab"})
+    for s in buffer.lease("w", 2):
+        buffer.append_chunk(s.id, "w", np.array([6, 7]), np.array([-0.1, -0.2]), 0)
+        buffer.finish(s.id, "w", Status.COMPLETED, reward=1.0)
+    group = buffer.get_group(gid)
+    with pytest.raises(GroupFilterError, match=r"bad.py:raises raised KeyError: 'score'"):
+        GroupFilter(f"{tmp_path / 'bad.py'}:raises", tokenizer, [2]).keep(group)
+    with pytest.raises(GroupFilterError, match=r"bad.py:says_maybe returned 'maybe'; it must return True"):
+        GroupFilter(f"{tmp_path / 'bad.py'}:says_maybe", tokenizer, [2]).keep(group)

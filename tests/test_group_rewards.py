@@ -173,7 +173,8 @@ def test_a_per_sample_function_mix_and_route_are_refused_for_groups(tmp_path: Pa
     "setting, named",
     [
         (["reward.mode=http", "reward.url=http://127.0.0.1:1"], "reward.mode must be in_process"),
-        (["april.filter_zero_variance=true"], "april.filter_zero_variance reads the rewards"),
+        (["april.filter_zero_variance=true"], "april.filter_zero_variance and april.group_filter read the rewards"),
+        (["april.group_filter=f.py:keep"], "april.filter_zero_variance and april.group_filter read the rewards"),
         (["algorithm.name=ppo", "april.streaming_chunk_tokens=8"], "april.streaming_chunk_tokens trains"),
         (["env.plugin=envs.calculator:CalculatorEnv"], "set env.reward=reward_fn"),
     ],

@@ -162,6 +162,8 @@ class JobConfig(_Strict):
                 )
             if self.mode != "sync":
                 raise ValueError("april.streaming_chunk_tokens runs its own loop: leave mode=sync")
+        if self.april.group_filter and self.april.filter_zero_variance:
+            raise ValueError("april.group_filter replaces april.filter_zero_variance's rule: set one of them")
         if self.learner.critic_warmup_steps and self.algorithm.name != "ppo":
             raise ValueError(f"learner.critic_warmup_steps: algorithm.name={self.algorithm.name} has no critic")
         buffer = self.algorithm.overlong_buffer
@@ -191,9 +193,10 @@ class JobConfig(_Strict):
         why = "reward.scope=group scores each group as the learner takes it, in the learner's process"
         if self.reward.mode != "in_process":
             raise ValueError(f"{why}: reward.mode must be in_process (got {self.reward.mode!r})")
-        if self.april.filter_zero_variance:
+        if self.april.filter_zero_variance or self.april.group_filter:
             raise ValueError(
-                f"{why}; april.filter_zero_variance reads the rewards of ready groups before that: set it false"
+                f"{why}; april.filter_zero_variance and april.group_filter read the rewards of ready groups "
+                "before that: unset them"
             )
         if self.loop_mode == "streaming":
             raise ValueError(f"{why}; april.streaming_chunk_tokens trains trajectories before their groups complete")

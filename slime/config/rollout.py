@@ -232,6 +232,14 @@ class AprilConfig(StrictModel):
     filter_zero_variance: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal."
     )
+    group_filter: str | None = Field(
+        None,
+        min_length=1,
+        description="Dynamic sampling by your own rule (slime's --dynamic-sampling-filter-path): `module:function` "
+        "or `file.py:function`, given the finished group's samples (slime's Sample: prompt, response, label, "
+        "metadata, reward, status; as f(samples) or slime's f(args, samples)), returns whether to train it (a "
+        "bool, or an object with .keep). Instead of filter_zero_variance's rule; max_filtered_per_step applies.",
+    )
     max_filtered_per_step: int | None = Field(
         None, ge=0, description="Fallback: after this many drops in a step, keep groups (default: batch_size)."
     )
