@@ -445,6 +445,11 @@ class RewardRunner:
         )
 
 
+# Rewards are trained in float32, squared by the advantage's std: 1e15² is still far from its max
+# (3.4e38); a reward of 1e300 stopped the job in the learner's collate.
+MAX_ABS_REWARD = 1e15
+
+
 def check_reward_value(value: Any, who: str, response: str) -> tuple[float | None, str | None, dict[str, Any]]:
     """Validate what a reward returned: a number, or a dict with "score" and optionally per-step
     rewards ("step_scores" + "step_ends", character indices into `response`) and "info" (a dict).
@@ -475,6 +480,8 @@ def check_reward_value(value: Any, who: str, response: str) -> tuple[float | Non
         return None, f"{who} returned an unusable {type(value).__name__}: {exc}", {}
     if not math.isfinite(reward):
         return None, f"{who} returned {reward}, not a finite number", {}
+    if abs(reward) > MAX_ABS_REWARD:
+        return None, f"{who} returned {reward:g}, beyond ±{MAX_ABS_REWARD:g} (the float32 learner would overflow)", {}
     return reward, None, extras
 
 
@@ -490,6 +497,8 @@ def _check_steps(scores: Any, ends: Any, response_chars: int) -> tuple[StepScore
     for i, (s, e) in enumerate(zip(scores, ends)):
         if isinstance(s, (str, bytes, bool)) or not isinstance(s, (int, float)) or not math.isfinite(float(s)):
             return None, f"step_scores[{i}] = {s!r:.40} is not a finite number"
+        if abs(float(s)) > MAX_ABS_REWARD:
+            return None, f"step_scores[{i}] = {float(s):g} is beyond ±{MAX_ABS_REWARD:g}"
         if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < max(response_chars, 1):
             return (
                 None,

@@ -220,6 +220,8 @@ def test_hanging_async_function_is_cancelled() -> None:
         ({"score": 0.5, "acc": True}, 0.5, None),
         (float("nan"), None, "returned nan, not a finite number"),
         (-math.inf, None, "returned -inf, not a finite number"),
+        (1e300, None, "returned 1e+300, beyond ±1e+15 (the float32 learner would overflow)"),
+        (-1e15, -1e15, None),
         ("abc", None, "returned str 'abc', not a number"),
         (None, None, "returned None"),
         ({"acc": 1.0}, None, "returned a dict without a 'score' key (keys: ['acc'])"),
