@@ -212,11 +212,17 @@ def _read_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _read_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with p.open(encoding="utf-8-sig") as f:  # -sig: tolerate a BOM
-        for lineno, line in enumerate(f, start=1):
+    with p.open("rb") as f:  # decoded line by line: a bad byte is named by its line
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{p}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # -sig: tolerate a BOM
+            except UnicodeDecodeError as exc:
+                raise DatasetError(
+                    f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line)"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{p}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -224,8 +230,17 @@ def _read_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 if lineno == 1 and line.lstrip().startswith("["):
                     hint = " (this looks like a JSON array; write one JSON object per line instead)"
                 raise DatasetError(f"{where}: malformed JSON: {exc.msg} at column {exc.colno}{hint}") from None
+            except RecursionError:
+                raise DatasetError(f"{where}: JSON nested too deeply to read") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+            try:  # JSON's \ud800-\udfff escapes decode to lone surrogates: not text, they break every encode
+                json.dumps(row, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+                raise DatasetError(
+                    f"{where}: a string holds {bad}, a lone UTF-16 surrogate, which is not text"
+                ) from None
             yield where, row
 
 

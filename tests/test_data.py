@@ -202,6 +202,29 @@ def test_chat_messages_need_a_chat_template(tmp_path: Path) -> None:
         load_prompts(DataConfig(), make_char_tokenizer(chat_template=None), str(path))
 
 
+@pytest.mark.parametrize(
+    "line, said",
+    [
+        (
+            b'{"prompt": "ab*2=", "label": "ab\xff\xfe"}',
+            r"bad\.jsonl:2: not UTF-8 text \(byte 0xff at byte 33 of the line\)",
+        ),
+        # valid JSON, but \udfff decodes to a lone surrogate: it stopped the job when the reward cached it
+        (
+            b'{"prompt": "ab*2=", "label": "ab\\udfffab"}',
+            r"bad\.jsonl:2: a string holds \\udfff, a lone UTF-16 surrogate",
+        ),
+        (b'{"prompt": "a", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", r"bad\.jsonl:2: JSON nested too deeply"),
+    ],
+)
+def test_a_line_that_is_not_text_or_too_deep_is_named_by_its_line(tmp_path: Path, tok, line: bytes, said: str) -> None:
+    (tmp_path / "bad.jsonl").write_bytes(
+        b'\xef\xbb\xbf{"prompt": "ab*2=", "label": "abab"}\n' + line + b"\n"
+    )  # a BOM first
+    with pytest.raises(DatasetError, match=said):
+        load_prompts(DataConfig(), tok, str(tmp_path / "bad.jsonl"))
+
+
 def test_whole_file_errors(tmp_path: Path, tok) -> None:
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(DatasetError, match=r"empty\.jsonl: the dataset has no rows"):
