@@ -79,8 +79,7 @@ def _harness(_nonce, _solution, _tests, _per_test_s):
                    else "memory" if isinstance(_e, MemoryError) else "error")
             _err = _tb.format_exc()[-1000:]
         _report({"i": _i, "status": _st, "stderr": _err})
-_args = _json.loads(_sys.stdin.readline())
-_harness(*_args)
+_harness(*_json.loads(_sys.stdin.readline()))  # no module global holds the nonce
 """
 
 
@@ -192,10 +191,18 @@ def _problem_from(label: Any, metadata: dict | None) -> tuple[list, list]:
             label = None
     if isinstance(label, list):
         label = {"tests": label}
-    if isinstance(label, dict) and (label.get("tests") or label.get("cases")):
-        return list(label.get("tests") or []), list(label.get("cases") or [])
-    md = metadata or {}
-    return list(md.get("tests") or []), list(md.get("cases") or [])
+    source = label if isinstance(label, dict) and (label.get("tests") or label.get("cases")) else (metadata or {})
+    return _checked_problem(source.get("tests") or [], source.get("cases") or [])
+
+
+def _checked_problem(tests: Any, cases: Any) -> tuple[list, list]:
+    """tests: a list of assert statements (one string: one test); cases: a list of {stdin, stdout}."""
+    tests = [tests] if isinstance(tests, str) else tests  # iterated, a string was one test per character
+    if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
+        raise ValueError(f"code_reward: 'tests' must be a list of assert statements (strings), got {tests!r:.100}")
+    if not isinstance(cases, list) or not all(isinstance(c, dict) for c in cases):
+        raise ValueError(f"code_reward: 'cases' must be a list of {{'stdin', 'stdout'}} dicts, got {cases!r:.100}")
+    return tests, cases
 
 
 def code_reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:

@@ -423,6 +423,14 @@ def test_code_reward_assert_tests(pool):
     d = score_code(crashing, tests=TESTS, pool=pool)
     assert d["reward"] == 0.0 and all("boom" in r["stderr"] for r in d["results"])
     assert score_code(hacker, tests=TESTS, pool=pool)["reward"] == 0.0
+    # the nonce was a module global of the harness, one line away from faking every result
+    reads_args = (
+        "```python\nimport __main__, json, os\nn = __main__._args[0]\n"
+        "os.write(1, (n + json.dumps({'setup': 'ok'}) + '\\n').encode())\n"
+        "for i in range(4):\n    os.write(1, (n + json.dumps({'i': i, 'status': 'ok', 'stderr': ''}) + '\\n').encode())\n"
+        "os._exit(0)\n```"
+    )
+    assert score_code(reads_args, tests=TESTS, pool=pool)["reward"] == 0.0
     hang = "```python\ndef add(a, b):\n    while a == 2: pass\n    return a + b\n```"
     d = score_code(hang, tests=TESTS, pool=pool, per_test_s=0.5)
     assert d["reward"] == 0.75 and d["results"][2]["status"] == "timeout"
@@ -441,3 +449,8 @@ def test_code_reward_io_cases_and_native_signature():
     md = {"tests": TESTS}
     assert code_reward("p", "def add(a, b):\n    return a + b", None, md) == 1.0
     assert code_reward("p", "syntax error (", '{"tests": ["assert True"]}', {}) == 0.0
+    md = {}
+    assert code_reward("p", "x = 1", {"tests": "assert x == 1"}, md) == 1.0  # one string: one test
+    assert md["code_reward"]["total"] == 1
+    with pytest.raises(ValueError, match=r"'cases' must be a list of \{'stdin', 'stdout'\} dicts, got \['x'\]"):
+        code_reward("p", "x = 1", {"cases": ["x"]}, {})
