@@ -593,3 +593,14 @@ def test_the_listing_walks_past_pruned_groups_within_its_scan_bound(buffer: Traj
     assert rows == [] and scanned == 3 and next_rank >= 0  # stopped after 3 pruned groups
     rows, next_rank, *_ = queries.scan_rows(rank=10**6, pos=0, limit=10, max_scan=100)
     assert {r["group_id"] for r in rows} == {live} and next_rank == -1
+
+
+def test_a_long_failure_is_stored_as_its_head_and_tail(buffer: TrajectoryStore) -> None:
+    """A reward that raised with a 100 kB message: stored (and printed) as 2000 characters."""
+    buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={})
+    (a,) = buffer.lease("w", 1)
+    raised = "reward raised RuntimeError: boom " + "x" * 100_000 + " at r.py:3"
+    buffer.finish(a.id, "w", Status.FAILED, failure=raised)
+    failure = buffer.get_sample(a.id).failure
+    assert len(failure) < 2100 and failure.startswith("reward raised RuntimeError: boom xx")
+    assert failure.endswith("xx at r.py:3") and f"...[{len(raised) - 2000} characters cut]..." in failure

@@ -41,6 +41,17 @@ from slime.sample import (
 from slime.security import redact_url
 
 
+MAX_FAILURE_CHARS = 2000  # a reward that raised with a 100 kB message printed it whole at the end
+
+
+def clip_failure(failure: str | None) -> str:
+    """A failure as stored: its head and tail when it is long (the cause is at one end or the other)."""
+    if not failure or len(failure) <= MAX_FAILURE_CHARS:
+        return failure or ""
+    half = MAX_FAILURE_CHARS // 2
+    return f"{failure[:half]} ...[{len(failure) - 2 * half} characters cut]... {failure[-half:]}"
+
+
 @dataclass
 class Finish:
     """One sample's final status, as `TrajectoryStore.finish` takes it (for `finish_many`)."""
@@ -302,7 +313,7 @@ class TrajectoryStore:
                     worker_id,
                     status.value,
                     "" if f.reward is None else _float_text(f.reward),
-                    f.failure or "",
+                    clip_failure(f.failure),
                     "0" if f.token_rewards is None else "1",
                     token_reward_bytes,
                     metadata_json.get(id(f), ""),
@@ -388,7 +399,7 @@ class TrajectoryStore:
         for sid, reward, failure, metadata, status in scores:
             meta = json.dumps(metadata) if metadata is not None else ""
             reward_arg = "" if reward is None else repr(float(reward))
-            args += [sid, reward_arg, failure or "", meta, status.value if status is not None else ""]
+            args += [sid, reward_arg, clip_failure(failure), meta, status.value if status is not None else ""]
         return int(self._set_rewards(args=args))
 
     def restart_sample(self, sample_id: str, worker_id: str) -> int:
