@@ -118,3 +118,26 @@ def test_good_devices_and_buffer_urls_load():
         EXAMPLE, ["rollout.device=cuda:1", "learner.device=cuda", "buffer.url=redis+cluster://10.0.0.1:7000"]
     )
     assert cfg.rollout.device == "cuda:1" and cfg.buffer.url.startswith("redis+cluster://")
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        (b"\xff\xfejob_name: x\n", r"cfg\.yaml: not UTF-8 text \(byte 0xff at offset 0\)"),
+        (
+            b"steps: 2\nrollout:\n  batch_size: 4\nsteps: 3\n",
+            r"key 'steps' is given twice in one mapping \(lines 1 and 4\)",
+        ),
+        # nine levels of nine aliases: billions of nodes once expanded (it ran 60 s into 2 GB)
+        (
+            b"a: &a [x, x, x, x, x, x, x, x, x]\n"
+            + b"".join(f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n".encode() for p, c in zip("abcdefgh", "bcdefghi")),
+            r"cfg\.yaml: its aliases \(\*name\) expand to 4.9e\+08 values, over 100000",
+        ),
+    ],
+)
+def test_a_config_file_that_is_not_text_repeats_a_key_or_explodes_its_aliases_is_refused(tmp_path, content, said):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=said):
+        load_config(path)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
-from slime.config.base import ConfigError
+from slime.config.base import ConfigError, load_yaml_file
 from slime.config.base import StrictModel as _Strict
 from slime.config.inputs import DataConfig, EvalConfig, ModelConfig, SamplingConfig
 from slime.config.learner import TIS_CAP_CORRECTIONS, AlgorithmConfig, LearnerConfig
@@ -424,10 +424,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML ({exc})") from exc
+        loaded = load_yaml_file(p)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = move_renamed_keys(loaded or {})
