@@ -73,6 +73,8 @@ def calculate(expression: str) -> int | float:
 
 def _arith(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if not math.isfinite(node.value) or abs(node.value) > MAX_MAGNITUDE:  # 1e999 parses as inf
+            raise ToolCallError("calculator: number out of range")
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_arith(node.operand))
@@ -86,7 +88,7 @@ def _arith(node: ast.AST) -> int | float:
             raise ToolCallError("calculator: division by zero") from None
         except OverflowError:  # float ** float past the float range (1e300**2)
             raise ToolCallError("calculator: result out of range") from None
-        if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
+        if isinstance(value, complex) or not abs(value) <= MAX_MAGNITUDE:  # nan too
             raise ToolCallError("calculator: result out of range")
         return value
     raise ToolCallError(f"calculator: only numbers and + - * / // % ** ( ) are allowed, not {type(node).__name__}")
@@ -293,6 +295,10 @@ def _parse_json_calls(text: str, registry: ToolRegistry, turn: ParsedTurn, requi
     while (start := text.find("{", i)) != -1:
         try:
             obj, end = decoder.raw_decode(text, start)
+        except RecursionError:  # the rest of the turn is not read: each brace would recurse again
+            turn.errors.append("malformed JSON tool call: nested too deeply")
+            found = True
+            break
         except ValueError as exc:
             # Only text that looks like a call is a malformed call; other braces are prose.
             if require or re.match(r'\{\s*"(tool|name|answer)"', text[start:]):

@@ -61,6 +61,9 @@ def test_calculator_evaluates_arithmetic(expr, value):
         ("1 if 1 else 2", "IfExp"),
         ("9**9**9", "exponent"),
         ("1e300**2", "out of range"),  # a float power past the float range: OverflowError before
+        ("1e999", "number out of range"),  # parses as inf: it was a result (and earned call_reward)
+        ("1e999-1e999", "number out of range"),  # nan
+        ("-1e999", "number out of range"),
         ("1/0", "division by zero"),
         ("1 +", "not an arithmetic expression"),
         ("", "empty"),
@@ -132,6 +135,7 @@ def test_several_calls_in_one_turn_keep_their_order(registry):
         ("<tool>6*7</tool>", "<tool> needs a name"),
         ("<tool_call>calculator 6*7</tool_call>", "holds no JSON call"),
         ("I think it is about forty", "no tool call or answer found"),
+        ('{"tool":' + "[" * 5000, "malformed JSON tool call: nested too deeply"),  # raised RecursionError
     ],
 )
 def test_malformed_calls_become_error_messages(text, error, registry):
