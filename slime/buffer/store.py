@@ -40,7 +40,6 @@ from slime.sample import (
 )
 from slime.security import redact_url
 
-
 MAX_FAILURE_CHARS = 2000  # a reward that raised with a 100 kB message printed it whole at the end
 
 
