@@ -232,46 +232,6 @@ def test_april_sync_job_aborts_resumes_and_wastes_nothing(ray_session, tiny_mode
     buffer.delete_job()
 
 
-@pytest.mark.slow
-def test_zero_variance_filter_drops_and_counts(tiny_model_dir, redis_url, tmp_path):
-    from slime.train import train
-
-    reward_file = tmp_path / "easy_constant.py"
-    reward_file.write_text(
-        "def reward(prompt, response, label, metadata):\n"
-        "    if metadata['difficulty'] == 'easy':\n"
-        "        return 1.0  # the same for every sample: no signal\n"
-        "    return len(response) / 100\n"
-    )
-    job = "april-e2e-filter"
-    history = train(
-        load_config(
-            None,
-            [
-                f"job_name={job}",
-                f"output_dir={tmp_path / 'run'}",
-                f"model.path={tiny_model_dir}",
-                f"buffer.url={redis_url}",
-                *SMALL,
-                "steps=3",
-                "april.filter_zero_variance=true",
-                "april.max_filtered_per_step=100",
-                f"reward.fn={reward_file}:reward",
-                "cluster.launcher=local",  # the filter is the driver's: no actor processes needed
-            ],
-        )
-    )
-    dropped = sum(h["filtered_zero_variance"] for h in history)
-    assert dropped > 0
-    assert all(h["groups"] == 3 for h in history)
-    buffer = TrajectoryStore.open(redis_url, job)
-    assert buffer.stats()["dropped_groups:zero_variance"] == dropped
-    for gid in buffer.redis.zrange(buffer._key("trained"), 0, -1):
-        rewards = {s.reward for s in buffer.get_group(gid.decode())}
-        assert len(rewards) > 1  # no zero-variance group was trained
-    buffer.delete_job()
-
-
 def _run_cli(args: list[str], env: dict, stdout=subprocess.DEVNULL) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "slime.cli", "train", *args],
@@ -474,15 +434,30 @@ def one_at_least_half_right(args, samples, **kwargs):
 """
 
 
+EASY_CONSTANT_REWARD = """
+def reward(prompt, response, label, metadata):
+    if metadata['difficulty'] == 'easy':
+        return 1.0  # the same for every sample: no signal
+    return len(response) / 100
+"""
+
+
 @pytest.mark.slow
-def test_a_group_filter_of_the_users_decides_which_groups_train(tiny_model_dir, redis_url, tmp_path):
-    """april.group_filter (slime's --dynamic-sampling-filter-path): a slime-style filter that keeps
-    the groups with a reward of at least 0.5; every trained group passes it, the dropped ones are
-    counted under their own reason."""
+@pytest.mark.parametrize("rule", ["zero_variance", "group_filter"])
+def test_a_filter_drops_the_groups_its_rule_rejects_and_counts_them(tiny_model_dir, redis_url, tmp_path, rule):
+    """DAPO's dynamic sampling (april.filter_zero_variance: the rewards differ), or a rule of the
+    user's (april.group_filter, slime's --dynamic-sampling-filter-path: a slime-style filter keeping
+    the groups with a reward of at least 0.5): every trained group passes, the dropped ones are
+    counted under the rule's reason, and the fallback keeps none."""
     from slime.train import train
 
+    (tmp_path / "easy_constant.py").write_text(EASY_CONSTANT_REWARD)
     (tmp_path / "keep_good.py").write_text(GROUP_FILTER)
-    job = "april-e2e-group-filter"
+    settings = {
+        "zero_variance": ["april.filter_zero_variance=true", f"reward.fn={tmp_path / 'easy_constant.py'}:reward"],
+        "group_filter": [f"april.group_filter={tmp_path / 'keep_good.py'}:one_at_least_half_right"],
+    }[rule]
+    job = f"april-e2e-{rule}"
     history = train(
         load_config(
             None,
@@ -493,21 +468,21 @@ def test_a_group_filter_of_the_users_decides_which_groups_train(tiny_model_dir, 
                 f"buffer.url={redis_url}",
                 *SMALL,
                 "steps=2",
-                f"april.group_filter={tmp_path / 'keep_good.py'}:one_at_least_half_right",
                 "april.max_filtered_per_step=1000",
-                "cluster.launcher=local",
+                "cluster.launcher=local",  # the filter is the driver's: no actor processes needed
+                *settings,
             ],
         )
     )
-    dropped = sum(h["filtered_by_group_filter"] for h in history)
+    counted = "filtered_zero_variance" if rule == "zero_variance" else "filtered_by_group_filter"
+    dropped = sum(h[counted] for h in history)
     assert dropped > 0 and all(h["groups"] == 3 for h in history)
-    assert sum(h["filter_kept_by_fallback"] for h in history) == 0, [
-        (h["filtered_by_group_filter"], h["filter_kept_by_fallback"]) for h in history
-    ]
+    assert sum(h["filter_kept_by_fallback"] for h in history) == 0
     buffer = TrajectoryStore.open(redis_url, job)
-    assert buffer.stats()["dropped_groups:group_filter"] == dropped
+    assert buffer.stats()[f"dropped_groups:{rule}"] == dropped
     for gid in buffer.redis.zrange(buffer._key("trained"), 0, -1):
-        assert max(s.reward for s in buffer.get_group(gid.decode())) >= 0.5
+        rewards = [s.reward for s in buffer.get_group(gid.decode())]
+        assert len(set(rewards)) > 1 if rule == "zero_variance" else max(rewards) >= 0.5
     buffer.delete_job()
 
 
