@@ -132,7 +132,7 @@ def test_good_devices_and_buffer_urls_load():
         (
             b"a: &a [x, x, x, x, x, x, x, x, x]\n"
             + b"".join(f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n".encode() for p, c in zip("abcdefgh", "bcdefghi")),
-            r"cfg\.yaml: its aliases \(\*name\) expand to 4.9e\+08 values, over 100000",
+            r"cfg\.yaml: its aliases \(\*name\) expand to [0-9.e+]+ values, over 100000",
         ),
     ],
 )

@@ -43,23 +43,10 @@ def check_device(value: str) -> str:
 MAX_YAML_VALUES = 100_000  # far more than any config holds; nested aliases expand to billions
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (the last one silently won)."""
-
-    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str) and key in seen:
-                raise yaml.YAMLError(
-                    f"key {key!r} is given twice in one mapping (lines {seen[key] + 1} and {key_node.start_mark.line + 1})"
-                )
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_yaml_file(path: Path) -> Any:
-    """A config file's YAML; ConfigError naming the file for text that is not UTF-8 or not valid YAML."""
+    """A config file's YAML (safe_load), refused with ConfigError naming the file when it is not
+    UTF-8 or not valid YAML, gives a key twice in one mapping (the last one silently won), or has
+    aliases that expand past MAX_YAML_VALUES values."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -67,19 +54,39 @@ def load_yaml_file(path: Path) -> Any:
             f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
         ) from None
     try:
-        loaded = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no tags that run code
+        root = yaml.compose(text, Loader=yaml.SafeLoader)  # the node graph: nothing constructed yet
+        values = _checked_size(root, {}) if root is not None else 0
+        if values > MAX_YAML_VALUES:
+            raise _Refused(f"its aliases (*name) expand to {values:.3g} values, over {MAX_YAML_VALUES}")
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
-    if (values := _expanded_size(loaded, {})) > MAX_YAML_VALUES:
-        raise ConfigError(f"{path}: its aliases (*name) expand to {values:.3g} values, over {MAX_YAML_VALUES}")
-    return loaded
+    except _Refused as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
-def _expanded_size(node: Any, memo: dict[int, int]) -> int:
-    """How many values `node` holds once every alias is copied out (aliases share one object)."""
-    if not isinstance(node, (dict, list)):
-        return 1
-    if id(node) not in memo:
-        children = node.values() if isinstance(node, dict) else node
-        memo[id(node)] = 1 + sum(_expanded_size(child, memo) for child in children)
-    return memo[id(node)]
+class _Refused(Exception):
+    """Valid YAML that a config file must not be."""
+
+
+def _checked_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """How many values `node` holds once every alias is copied out (an alias is the same node,
+    counted once per use but walked once); raises on a mapping that gives a key twice."""
+    if id(node) in memo:
+        return memo[id(node)]
+    size = 1
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.value in lines:
+                raise _Refused(
+                    f"key {key.value!r} is given twice in one mapping (lines {lines[key.value] + 1} and "
+                    f"{key.start_mark.line + 1})"
+                )
+            if isinstance(key, yaml.ScalarNode):
+                lines[key.value] = key.start_mark.line
+            size += _checked_size(key, memo) + _checked_size(value, memo)
+    elif isinstance(node, yaml.SequenceNode):
+        size += sum(_checked_size(child, memo) for child in node.value)
+    memo[id(node)] = size
+    return size
