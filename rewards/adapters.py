@@ -217,9 +217,11 @@ def _native(
 
 
 def slime_args(label: Any, metadata: dict[str, Any]) -> SimpleNamespace:
-    """slime's `args` for a sample (or a group): its metadata keys, label, metadata and rm_type."""
+    """slime's `args` for a sample (or a group): its metadata keys, label, metadata, rm_type, and
+    rollout_max_response_len (the response's budget, metadata's max_new_tokens)."""
     fields = {k: v for k, v in metadata.items() if isinstance(k, str) and k.isidentifier()}
     fields.update(label=label, metadata=metadata, rm_type=metadata.get("rm_type"))
+    fields["rollout_max_response_len"] = metadata.get("max_new_tokens")
     return SimpleNamespace(**fields)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from rewards.adapters import slime_args, slime_sample
 from rewards.plugin import load_function
-from slime.data import reward_inputs
+from slime.data import generation_metadata, reward_inputs
 from slime.errors import UserError
 from slime.sample import Sample, Status
 from slime.utils.types import Sample as SlimeSample
@@ -57,9 +57,8 @@ class GroupFilter:
         return keep
 
     def _as_slime(self, sample: Sample) -> SlimeSample:
-        ended = "length" if sample.status == Status.TRUNCATED else "stop"
         prompt, response, label, metadata = reward_inputs(
-            {**sample.metadata, "finish_reason": ended},
+            {**sample.metadata, **generation_metadata(sample.status, sample.max_new_tokens)},
             sample.prompt_ids.tolist(),
             sample.response_ids.tolist(),
             self.tokenizer,

@@ -11,6 +11,7 @@ from typing import Any
 
 from slime.config import DataConfig
 from slime.errors import UserError
+from slime.sample import Status
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ JOB_METADATA_KEYS: dict[str, str] = {
     "record_index": "the row's place in the dataset",
     "response_ids": "the response's token ids",
     "finish_reason": "how the response ended (stop, length)",
+    "max_new_tokens": "the response's token budget",
     "model_prompt": "the prompt as the model read it",
     "model_response": "the response as the model wrote it",
     "reward_latency_s": "the reward call's seconds",
@@ -51,6 +53,13 @@ JOB_METADATA_KEYS: dict[str, str] = {
     "loss_masked": "why none of the sample's tokens is trained",
     "generated_status": "the status a group reward found",
 }
+
+
+def generation_metadata(status: Status, max_new_tokens: int) -> dict[str, Any]:
+    """What a reward call learns of the generation besides its tokens: `finish_reason` ("length"
+    when cut by the budget, else "stop") and `max_new_tokens` (a slime reward's
+    args.rollout_max_response_len)."""
+    return {"finish_reason": "length" if status == Status.TRUNCATED else "stop", "max_new_tokens": max_new_tokens}
 
 
 def reward_metadata(record: PromptRecord) -> dict[str, Any]:

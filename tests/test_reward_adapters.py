@@ -177,6 +177,7 @@ from slime.utils.types import Sample
 
 
 async def no_credit_when_cut(args, sample: Sample, **kwargs):
+    assert args.rollout_max_response_len == sample.metadata["max_new_tokens"]  # slime's name for the budget
     if sample.status == Sample.Status.TRUNCATED:  # DAPO-style rewards penalise a cut response
         return 0.0
     assert sample.status == Sample.Status.COMPLETED
@@ -188,8 +189,8 @@ def test_a_slime_reward_sees_a_response_cut_by_max_new_tokens_as_truncated(tmp_p
     path = tmp_path / "cut.py"
     path.write_text(SLIME_TRUNCATION_REWARD)
     fn = load_reward(f"{path}:no_credit_when_cut")
-    assert asyncio.run(fn("p", "r", None, {"finish_reason": "length"})) == 0.0
-    assert asyncio.run(fn("p", "r", None, {"finish_reason": "stop"})) == 1.0
+    assert asyncio.run(fn("p", "r", None, {"finish_reason": "length", "max_new_tokens": 6})) == 0.0
+    assert asyncio.run(fn("p", "r", None, {"finish_reason": "stop", "max_new_tokens": 6})) == 1.0
 
 
 @pytest.mark.slow
@@ -224,6 +225,7 @@ def test_in_a_job_the_rollout_tells_a_reward_how_each_response_ended(tiny_model_
     buffer = TrajectoryStore.open(redis_url, job)
     samples = [s for s in buffer.iter_samples() if s.status in (Status.TRUNCATED, Status.COMPLETED)]
     assert {s.status for s in samples} == {Status.TRUNCATED, Status.COMPLETED}, [s.status for s in samples]
+    assert not [s.failure for s in buffer.iter_samples() if s.status == Status.FAILED]  # its asserts held
     assert all(s.reward == (0.0 if s.status == Status.TRUNCATED else 1.0) for s in samples)
     buffer.delete_job()
 

@@ -10,7 +10,7 @@ import time
 from rewards.group import GroupScorer, load_group_reward
 from slime.buffer import TrajectoryStore
 from slime.config import JobConfig
-from slime.data import reward_inputs
+from slime.data import generation_metadata, reward_inputs
 from slime.model import load_tokenizer, rollout_stop_token_ids
 from slime.sample import Sample, Status
 
@@ -36,7 +36,7 @@ class GroupRewards:
         items = [
             [
                 reward_inputs(
-                    {**_row(s.metadata), "finish_reason": _finish_reason(s)},
+                    {**_row(s.metadata), **generation_metadata(_generated_status(s), s.max_new_tokens)},
                     s.prompt_ids.tolist(),
                     s.response_ids.tolist(),
                     self.tokenizer,
@@ -77,7 +77,6 @@ def _row(metadata: dict) -> dict:
     return {k: v for k, v in metadata.items() if k not in (GENERATED, "reward_info", "reward_latency_s")}
 
 
-def _finish_reason(sample: Sample) -> str:
-    """How its generation ended, as a per-sample reward's metadata says it: "length" or "stop"."""
-    generated = Status(sample.metadata.get(GENERATED, sample.status.value))
-    return "length" if generated == Status.TRUNCATED else "stop"
+def _generated_status(sample: Sample) -> Status:
+    """How its generation ended (an earlier failed scoring of the group keeps it under GENERATED)."""
+    return Status(sample.metadata.get(GENERATED, sample.status.value))

@@ -38,7 +38,7 @@ from slime.buffer import (
     TrajectoryStore,
 )
 from slime.config import JobConfig
-from slime.data import reward_inputs
+from slime.data import generation_metadata, reward_inputs
 from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
@@ -368,7 +368,7 @@ class RolloutWorker:
             return
         stop = set(self.params.stop_token_ids)
         inputs = reward_inputs(
-            {**sample.metadata, "finish_reason": "length" if status == Status.TRUNCATED else "stop"},
+            {**sample.metadata, **generation_metadata(status, sample.max_new_tokens)},
             sample.prompt_ids.tolist(),
             sample.response_ids.tolist(),
             self.tokenizer,
