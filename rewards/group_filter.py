@@ -17,7 +17,7 @@ from typing import Any
 
 from rewards.adapters import slime_args, slime_sample
 from rewards.plugin import load_function
-from slime.data import generation_metadata, reward_inputs
+from slime.data import sample_reward_inputs
 from slime.errors import UserError
 from slime.sample import Sample, Status
 from slime.utils.types import Sample as SlimeSample
@@ -57,13 +57,7 @@ class GroupFilter:
         return keep
 
     def _as_slime(self, sample: Sample) -> SlimeSample:
-        prompt, response, label, metadata = reward_inputs(
-            {**sample.metadata, **generation_metadata(sample.status, sample.max_new_tokens)},
-            sample.prompt_ids.tolist(),
-            sample.response_ids.tolist(),
-            self.tokenizer,
-            self.stop,
-        )
+        prompt, response, label, metadata = sample_reward_inputs(sample, sample.status, self.tokenizer, self.stop)
         out = slime_sample(prompt, response, label, metadata)
         out.reward = sample.reward
         if sample.status == Status.FAILED:

@@ -11,7 +11,7 @@ from typing import Any
 
 from slime.config import DataConfig
 from slime.errors import UserError
-from slime.sample import Status
+from slime.sample import Sample, Status
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,29 @@ JOB_METADATA_KEYS: dict[str, str] = {
 }
 
 
-def generation_metadata(status: Status, max_new_tokens: int) -> dict[str, Any]:
-    """What a reward call learns of the generation besides its tokens: `finish_reason` ("length"
-    when cut by the budget, else "stop") and `max_new_tokens` (a slime reward's
-    args.rollout_max_response_len)."""
-    return {"finish_reason": "length" if status == Status.TRUNCATED else "stop", "max_new_tokens": max_new_tokens}
+def sample_reward_inputs(
+    sample: Sample,
+    status: Status,
+    tokenizer: Any,
+    stop_token_ids: Collection[int],
+    model_text: bool = False,
+    metadata: dict[str, Any] | None = None,
+) -> tuple[str, str, Any, dict[str, Any]]:
+    """`reward_inputs` of a generated sample (`metadata`: its own unless given), the metadata told
+    how the generation went: `finish_reason` ("length" when `status` says the budget cut it, else
+    "stop") and `max_new_tokens` (a slime reward's args.rollout_max_response_len)."""
+    ended = {
+        "finish_reason": "length" if status == Status.TRUNCATED else "stop",
+        "max_new_tokens": sample.max_new_tokens,
+    }
+    return reward_inputs(
+        {**(sample.metadata if metadata is None else metadata), **ended},
+        sample.prompt_ids.tolist(),
+        sample.response_ids.tolist(),
+        tokenizer,
+        stop_token_ids,
+        model_text,
+    )
 
 
 def reward_metadata(record: PromptRecord) -> dict[str, Any]:
@@ -244,7 +262,8 @@ def _read_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             if not isinstance(row, dict):
                 raise DatasetError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
             try:  # JSON's \ud800-\udfff escapes decode to lone surrogates: not text, they break every encode
-                json.dumps(row, ensure_ascii=False).encode("utf-8")
+                if "\\u" in line:  # only an escape makes one (the line itself decoded as UTF-8)
+                    json.dumps(row, ensure_ascii=False).encode("utf-8")
             except UnicodeEncodeError as exc:
                 bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
                 raise DatasetError(

@@ -150,6 +150,5 @@ class EvalConfig(_Strict):
     pass_threshold: float = Field(1.0, description="A response passes when its reward is at least this.")
     seed: int = Field(
         0,
-        ge=0,
         description="Seed of the sampled responses: each has a stream of its own, from this seed, its prompt and its index.",
     )

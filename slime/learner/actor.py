@@ -466,13 +466,10 @@ class Learner:
         """learner.lr and critic_lr at this step's point of the warmup and decay (schedules.lr_factor)."""
         lc = self.cfg.learner
         factor = lr_factor(step, self.cfg.steps, lc)
-        for optim, lr in self._optims_and_lrs():
+        optims = [(self.optim, lc.lr)] + ([(self.critic_optim, lc.critic_lr)] if self.critic is not None else [])
+        for optim, lr in optims:
             for group in optim.param_groups:
                 group["lr"] = lr * factor
-
-    def _optims_and_lrs(self) -> list[tuple[torch.optim.Optimizer, float]]:
-        lc = self.cfg.learner
-        return [(self.optim, lc.lr)] + ([(self.critic_optim, lc.critic_lr)] if self.critic is not None else [])
 
     def _optimize(
         self,
@@ -484,8 +481,9 @@ class Learner:
         policy_frozen: bool = False,
     ) -> tuple[dict[str, list[tuple[float, float]]], list[float], list[float], MismatchMeter]:
         """ppo_epochs x num_minibatches optimizer steps (policy_frozen: the critic's only); each
-        minibatch's gradient accumulates over micro-batches. Returns the per-micro-batch loss stats as (value, weight) pairs, the per-step
-        gradient norms and the engine-vs-learner mismatch of the trained tokens (measured against π_old)."""
+        minibatch's gradient accumulates over micro-batches. Returns the per-micro-batch loss stats
+        as (value, weight) pairs, the per-step gradient norms and the engine-vs-learner mismatch of
+        the trained tokens (measured against π_old)."""
         lc = self.cfg.learner
         mismatch = MismatchMeter()
         with_aux = self.is_moe and self.algo_cfg.router_aux_coef > 0

@@ -10,7 +10,7 @@ import time
 from rewards.group import GroupScorer, load_group_reward
 from slime.buffer import TrajectoryStore
 from slime.config import JobConfig
-from slime.data import generation_metadata, reward_inputs
+from slime.data import sample_reward_inputs
 from slime.model import load_tokenizer, rollout_stop_token_ids
 from slime.sample import Sample, Status
 
@@ -35,13 +35,8 @@ class GroupRewards:
         scored = [g for g in scored if g]
         items = [
             [
-                reward_inputs(
-                    {**_row(s.metadata), **generation_metadata(_generated_status(s), s.max_new_tokens)},
-                    s.prompt_ids.tolist(),
-                    s.response_ids.tolist(),
-                    self.tokenizer,
-                    self.stop,
-                    self.scorer.reads_model_text,
+                sample_reward_inputs(
+                    s, _generated_status(s), self.tokenizer, self.stop, self.scorer.reads_model_text, _row(s.metadata)
                 )
                 for s in g
             ]

@@ -38,7 +38,7 @@ from slime.buffer import (
     TrajectoryStore,
 )
 from slime.config import JobConfig
-from slime.data import generation_metadata, reward_inputs
+from slime.data import sample_reward_inputs
 from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams
 from slime.engines.expert_load import ExpertLoadRecorder
@@ -367,14 +367,7 @@ class RolloutWorker:
             self.scored.append((sample, status, RewardResult(None, None, 0.0)))
             return
         stop = set(self.params.stop_token_ids)
-        inputs = reward_inputs(
-            {**sample.metadata, **generation_metadata(status, sample.max_new_tokens)},
-            sample.prompt_ids.tolist(),
-            sample.response_ids.tolist(),
-            self.tokenizer,
-            stop,
-            self.model_text,
-        )
+        inputs = sample_reward_inputs(sample, status, self.tokenizer, stop, self.model_text)
         future = self.rewards.submit(*inputs)
         self.scoring[sample.id] = future
         future.add_done_callback(lambda f, s=sample, st=status: self.scored.append((s, st, f.result())))
