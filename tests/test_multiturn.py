@@ -271,11 +271,15 @@ def test_every_observation_is_stored_with_its_snapshot(buffer, redis_url, tiny_m
     (gid,) = [buffer.add_group(PROMPT, 1, 80, {"label": "ababab"})]
     worker = RolloutWorker(cfg, str(tiny_model_dir), redis_url, "w-snap")
     seen = set()
+    (sample_id,) = [s.id for s in buffer.get_group(gid)]
     try:
         deadline = time.time() + 60
         while buffer.counts()["groups_ready"] == 0 and time.time() < deadline:
+            # The snapshot first: transcript and snapshot are written in one step, so a transcript read
+            # after its snapshot can only be as new or newer (read the other way round, a turn that
+            # lands between the two reads pairs an old transcript with a new snapshot).
+            raw = buffer.env_state(sample_id)
             (s,) = buffer.get_group(gid)
-            raw = buffer.env_state(s.id)
             if raw is not None and s.status != Status.COMPLETED:
                 state = json.loads(raw)
                 # The transcript may have grown past the snapshot (the next model turn), never fallen short.
