@@ -4,11 +4,12 @@ sandbox, JSON and XML call styles, malformed calls answered with an error observ
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from envs.agent import ToolEnv, answers_match
-from envs.tools import DocumentIndex, ToolCallError, build_registry, calculate, parse_turn
+from envs.tools import MAX_TURN_ERRORS, DocumentIndex, ToolCallError, build_registry, calculate, parse_turn
 from slime.sample import Sample
 
 DOCS = [
@@ -142,6 +143,32 @@ def test_malformed_calls_become_error_messages(text, error, registry):
     turn = parse_turn(text, registry)
     assert turn.calls == [] and turn.answer is None
     assert any(error in e for e in turn.errors), turn.errors
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<a>" * 20_000,  # every unclosed tag made a regex with a backreference rescan the rest: 7 s
+        "<answer>" * 8_000,
+        "{" * 60_000,  # every failed decode scanned back to the start for its line number
+        '{"tool": "calculator", "args": "' * 3_000,
+        "<tool_call>" + "{" * 60_000 + "</tool_call>",
+        "<a><b></a>" * 6_000,
+    ],
+)
+def test_a_hostile_turn_is_read_in_linear_time_with_a_few_errors(text, registry):
+    started = time.perf_counter()
+    turn = parse_turn(text, registry)
+    # Quadratic parsing took seconds on these 60 kB turns; linear parsing takes milliseconds.
+    assert time.perf_counter() - started < 1.0
+    assert turn.calls == [] and 1 <= len(turn.errors) <= MAX_TURN_ERRORS + 1
+
+
+def test_pairs_and_unclosed_tags_are_read_left_to_right(registry):
+    turn = parse_turn("<search>x <calculator>1+1</calculator></search> <calculator>2*3", registry)
+    # The first pair's body is its own (the inner tag is not a second call); the last tag is unclosed.
+    assert [(c.name, c.argument) for c in turn.calls] == [("search", "x <calculator>1+1</calculator>")]
+    assert turn.errors == ["<calculator> is never closed; write <calculator>...</calculator>"]
 
 
 def test_answer_in_both_styles(registry):
