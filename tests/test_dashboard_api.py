@@ -144,6 +144,14 @@ def test_bad_queries_are_refused_with_the_field_named(client, params):
     r = client.get("/api/trajectories", params=params)
     assert r.status_code == 422
     assert list(params)[0] in json.dumps(r.json()["detail"])
+    assert all("input" not in problem for problem in r.json()["detail"])  # the bad value is not echoed
+
+
+def test_a_refused_body_is_not_echoed_back(job):
+    client = TestClient(create_app(job.url, JOB, token=TOKEN), base_url=LOOPBACK)
+    r = client.post("/api/control/oversample", headers=AUTH, json={"oversample": "<script>alert(1)</script>"})
+    assert r.status_code == 422 and "oversample" in r.text
+    assert "script" not in r.text
 
 
 def test_one_trajectory_in_full(client, job, tiny_model_dir):

@@ -21,6 +21,7 @@ from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -121,6 +122,12 @@ def create_app(
         ),
     )
     app.mount("/static", StaticFiles(packages=[("slime.dashboard", "static")]), name="static")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own 422 body echoes each bad value back ("input"); this one names the field only.
+        detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()[:5]]
+        return JSONResponse({"detail": detail}, status_code=422)
 
     def not_found(exc: KeyError) -> HTTPException:
         return HTTPException(404, exc.args[0] if exc.args else "not found")
