@@ -90,7 +90,7 @@ def greedy(url: str) -> list[int]:
 def assert_still_serving(url: str) -> None:
     assert len(greedy(url)) == 4
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+    assert httpx.get(f"{url}/health_generate", headers=AUTH, timeout=30).status_code == 200
     info = httpx.get(f"{url}/server_info", timeout=10).json()
     assert info["step_failures"] == 0 and not info["paused"]
 
@@ -215,6 +215,7 @@ CONTROL_ROUTES = [
     ("POST", "/abort_request", {"rid": "", "abort_all": True}),
     ("POST", "/flush_cache", {}),
     ("GET", "/flush_cache", None),
+    ("GET", "/health_generate", None),  # it queues a generation
     ("POST", "/update_weights_from_disk", {"model_path": "/tmp"}),
     ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["e30="], "load_format": "safetensors"}),
     (
@@ -688,4 +689,24 @@ def test_generate_needs_the_token_of_a_server_that_has_one(url):
     for headers in ({}, auth_headers("wrong")):
         assert httpx.post(f"{url}/generate", json=HONEST, headers=headers, timeout=30).status_code == 401
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # liveness stays open for routers
+    assert_still_serving(url)
+
+
+def test_health_probes_arriving_together_share_one_generation(url):
+    """A burst of /health_generate took one queue slot each: 800 of them filled the queue (2 running
+    + 8 waiting here) and the job's own requests got 503."""
+    answers: list[int] = []
+    with httpx.Client(timeout=60) as client:
+        burst = [
+            threading.Thread(
+                target=lambda: answers.append(client.get(f"{url}/health_generate", headers=AUTH).status_code)
+            )
+            for _ in range(40)
+        ]
+        for t in burst:
+            t.start()
+        r = client.post(f"{url}/generate", headers=AUTH, json=HONEST)
+        for t in burst:
+            t.join(timeout=60)
+    assert r.status_code == 200 and answers == [200] * 40
     assert_still_serving(url)

@@ -112,7 +112,8 @@ def guard_policy(token: str | None, host: str, max_tensor_body_mb: float = DEFAU
     Open without a token, any local user could fill the queue, and the job's next request got 503
     and failed its rollout worker. ``/generate`` is open only on a loopback server started without
     a token; ``/health`` always (liveness only: routers probe it without a key). ``GET
-    /flush_cache`` is state-changing."""
+    /flush_cache`` is state-changing, and so is ``GET /health_generate`` on a server with a token:
+    it queues a generation, and an open one let any local user fill the queue the same way."""
     return GuardPolicy(
         token=token,
         bind_host=host,
@@ -120,7 +121,7 @@ def guard_policy(token: str | None, host: str, max_tensor_body_mb: float = DEFAU
         large_body_paths={"/update_weights_from_tensor": int(max_tensor_body_mb * 2**20)},
         open_posts=frozenset() if token else frozenset({"/generate"}),
         open_paths=frozenset({"/health"}),
-        state_changing_gets=frozenset({"/flush_cache"}),
+        state_changing_gets=frozenset({"/flush_cache", "/health_generate"} if token else {"/flush_cache"}),
     )
 
 
@@ -398,6 +399,8 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
             return error(f"the engine thread has stopped: {server.error}", 503)
         return Response(status_code=200)
 
+    health_probe: dict[str, asyncio.Task] = {}  # the one probe generation in flight
+
     @app.get("/health_generate")
     async def health_generate():
         if server.error is not None:
@@ -407,6 +410,12 @@ def create_app(server: SglangProtocolServer, policy: GuardPolicy) -> FastAPI:
             return Response(status_code=200)  # it is generating: that is the health signal
         if server.paused:
             return Response(status_code=200)
+        # Probes that arrive together share one generation: they never take more than one queue slot.
+        if "task" not in health_probe or health_probe["task"].done():
+            health_probe["task"] = asyncio.ensure_future(probe_generation())
+        return await asyncio.shield(health_probe["task"])
+
+    async def probe_generation() -> Response:
         try:
             params = SamplingParams(temperature=0.0, max_new_tokens=1)
             (stream,) = await start([GenerateJob(f"HEALTH_CHECK_{time.time()}", [0], params, False)])
