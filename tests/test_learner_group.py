@@ -270,7 +270,8 @@ def _global_ref(module: str, name: str) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "name", ["operator.methodcaller", "operator.attrgetter", "os.system", "FileSystemReader.__init__"]
+    "name",
+    ["operator.methodcaller", "operator.attrgetter", "os.system", "FileSystemReader.__init__", "FileSystemReader"],
 )
 def test_a_checkpoint_index_cannot_walk_from_a_dcp_module_to_other_callables(name):
     """Protocol 4 resolves dotted names attribute by attribute: `operator.methodcaller` looked up in
@@ -286,3 +287,7 @@ def test_a_checkpoint_index_cannot_walk_from_a_dcp_module_to_other_callables(nam
 
     got = _SafeMetadataUnpickler(io.BytesIO(_global_ref("torch.distributed.checkpoint.metadata", "Metadata"))).load()
     assert got is Metadata
+    # A class of another DCP module, whose constructor has side effects: FsspecReader(url) connects.
+    with pytest.raises(pickle.UnpicklingError, match="which a checkpoint never holds"):
+        ref = _global_ref("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader")
+        _SafeMetadataUnpickler(io.BytesIO(ref)).load()

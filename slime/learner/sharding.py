@@ -233,11 +233,27 @@ def load_full(model, optim, model_state: dict, optim_state: dict | None) -> None
 
 class _SafeMetadataUnpickler(pickle.Unpickler):
     """torch.distributed.checkpoint stores its index (.metadata) as a pickle. A crafted checkpoint
-    must not run code when loaded, so only the index's own types (and torch's plain value types)
-    are resolved; anything else is refused with the name it asked for."""
+    must not run code (or anything else: open a URL, start a process) when loaded, so only the
+    index's own types, named one by one, and torch's plain value types are resolved; anything else
+    is refused with the name it asked for."""
 
     _TORCH_VALUES = {"Size", "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8"}
     _TORCH_VALUES |= {"bool", "strided", "contiguous_format", "preserve_format", "channels_last", "device"}
+    # The index's own types by name, not whole modules: other classes of torch.distributed.checkpoint
+    # have constructors with side effects (FsspecReader opened an ftp:// URL while the index loaded).
+    _INDEX_TYPES = {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
     _PLAIN = {
         ("collections", "OrderedDict"),
         ("builtins", "set"),
@@ -250,13 +266,10 @@ class _SafeMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) == ("builtins", "getattr"):
             return _enum_member_by_name
-        # A dotted name (pickle protocol >= 4) walks attributes: "operator.methodcaller" from a
-        # module that imports operator is a type too. Only a module's own top-level classes.
-        if module.startswith("torch.distributed.checkpoint.") and name.isidentifier():
-            found = super().find_class(module, name)
-            if isinstance(found, type) and found.__module__ == module:  # its dataclasses and enums
-                return found
-        elif module == "torch" and name in self._TORCH_VALUES or (module, name) in self._PLAIN:
+        # Exact names only: a dotted name (pickle protocol >= 4) would walk attributes from them.
+        if (module, name) in self._INDEX_TYPES or (module, name) in self._PLAIN:
+            return super().find_class(module, name)
+        if module == "torch" and name in self._TORCH_VALUES:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint index refers to {module}.{name}, which a checkpoint never holds")
 
