@@ -414,6 +414,7 @@ def test_request_validation(engine):
         ("temperature", float("inf")),
         ("temperature", -0.1),
         ("temperature", 100.5),
+        ("temperature", 1e-45),  # logits / temperature overflowed: NaN probabilities, token 0
         ("temperature", "0.5"),
         ("temperature", True),
         ("top_p", 0.0),
@@ -545,3 +546,14 @@ def test_an_engine_started_later_does_not_repeat_the_first_steps_draws(tiny_mode
 
     assert draws(0) == draws(0)  # reproducible
     assert draws(0) != draws(4)
+
+
+def test_the_config_and_the_engines_take_the_same_temperatures():
+    from slime.config import load_config
+    from slime.config.rollout import MIN_TEMPERATURE
+    from slime.engines.contract import MIN_TEMPERATURE as ENGINE_MIN_TEMPERATURE
+
+    assert MIN_TEMPERATURE == ENGINE_MIN_TEMPERATURE
+    with pytest.raises(ValueError, match="rollout.temperature: must be 0 .greedy. or at least"):
+        load_config(None, ["rollout.temperature=1e-45"])
+    assert load_config(None, ["rollout.temperature=0"]).rollout.temperature == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import pickle
 import signal
@@ -710,3 +711,13 @@ def test_health_probes_arriving_together_share_one_generation(url):
             t.join(timeout=60)
     assert r.status_code == 200 and answers == [200] * 40
     assert_still_serving(url)
+
+
+def test_a_vanishing_temperature_is_greedy_as_in_sglang(url):
+    """temperature 1e-45 overflowed logits / temperature: NaN probabilities, token 0 and a 500 on
+    the non-finite logprob. SGLang samples greedily below its epsilon; so does this server."""
+    body = {**HONEST, "return_logprob": True, "sampling_params": {"temperature": 1e-45, "max_new_tokens": 4}}
+    r = httpx.post(f"{url}/generate", headers=AUTH, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == greedy(url)
+    assert all(math.isfinite(lp) for lp, _, _ in r.json()["meta_info"]["output_token_logprobs"])

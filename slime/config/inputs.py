@@ -140,7 +140,7 @@ class EvalConfig(_Strict):
     )
     samples: int = Field(0, ge=0, description="Sampled responses per prompt besides the greedy one (pass@1, pass@k).")
     temperature: float = Field(
-        1.0, gt=0, le=100, description="Temperature of the sampled responses (every engine takes at most 100)."
+        1.0, ge=1e-6, le=100, description="Temperature of the sampled responses, in [1e-6, 100] (as every engine)."
     )
     top_p: float = Field(
         1.0, gt=0, le=1, description="Nucleus mass of the sampled responses (1: off); not rollout.top_p."

@@ -13,6 +13,15 @@ from slime.config.base import StrictModel, check_device
 # APRIL's over-provisioning, as the dashboard's control bounds it: beyond it the driver would spend the
 # step writing groups into Redis (april.oversample=1e6: 2e6 add_group calls, deaf to SIGTERM).
 MAX_OVERSAMPLE = 16.0
+# Every engine's bound (slime.engines.contract.MIN_TEMPERATURE): below it, logits / temperature
+# overflow to NaN probabilities. 0 is greedy.
+MIN_TEMPERATURE = 1e-6
+
+
+def check_temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {value!r}")
+    return value
 
 
 class VllmConfig(StrictModel):
@@ -147,7 +156,9 @@ class RolloutConfig(StrictModel):
     batch_size: int = Field(8, gt=0, description="Prompt groups per training step.")
     n_samples_per_prompt: int = Field(4, gt=0)
     max_new_tokens: int = Field(96, gt=0)
-    temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature; every engine takes [0, 100].")
+    temperature: Annotated[float, AfterValidator(check_temperature)] = Field(
+        1.0, ge=0, le=100, description="Sampling temperature: 0 (greedy) or [1e-6, 100], as every engine takes."
+    )
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     stop: list[str] = Field(

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # annotations only: the contract itself does not need torch
 __all__ = [
     "MAX_STOP_TOKEN_IDS",
     "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
     "GenerationChunk",
     "GenerationRequest",
     "RolloutEngine",
@@ -83,6 +84,9 @@ class GenerationChunk:
 # Bounds every engine enforces on a request (validate_sampling): values far outside them are
 # mistakes or attacks (top_k=1e30 once overflowed inside a step and killed the engine thread).
 MAX_TEMPERATURE = 100.0
+# Below this (but above 0, greedy) logits / temperature overflow: NaN probabilities, token 0 and a
+# non-finite logprob. SGLang samples greedily below the same bound; its protocol maps to 0 here.
+MIN_TEMPERATURE = 1e-6
 MAX_STOP_TOKEN_IDS = 256
 
 
@@ -140,6 +144,8 @@ def validate_sampling(params: SamplingParams, *, vocab_size: int | None, max_seq
     t = params.temperature
     if not _is_real(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
         raise ValueError(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t!r:.100}")
+    if 0.0 < t < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r:.100}")
     p = params.top_p
     if not _is_real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
         raise ValueError(f"top_p must be a number in (0, 1], got {p!r:.100}")

@@ -28,7 +28,7 @@ import safetensors.torch
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from slime.engines.contract import SamplingParams, checked_token_ids, validate_sampling
+from slime.engines.contract import MIN_TEMPERATURE, SamplingParams, checked_token_ids, validate_sampling
 from slime.weights import JSON_DTYPES, SHM_SEGMENT_NAME, CudaIpcTransport, WeightHandle
 
 MAX_GROUP_WORLD_SIZE = 1024
@@ -168,8 +168,11 @@ def parse_sampling_params(
     top_k = raw.get("top_k", -1)
     if type(top_k) is int and top_k == -1:  # SGLang's "off"
         top_k = 0
+    temperature = raw.get("temperature", 1.0)
+    if type(temperature) in (int, float) and 0.0 < temperature < MIN_TEMPERATURE:
+        temperature = 0.0  # SGLang's rule: below its sampling epsilon, greedy
     params = SamplingParams(
-        temperature=raw.get("temperature", 1.0),
+        temperature=temperature,
         top_p=raw.get("top_p", 1.0),
         top_k=top_k,
         max_new_tokens=raw.get("max_new_tokens", min(128, max_seq_len)),
