@@ -367,6 +367,19 @@ def test_aof_brings_back_partials_after_a_restart(tmp_path: Path, binary: str) -
         buf.close()
 
 
+def test_a_data_dir_with_quotes_and_a_newline_is_the_servers_dir(tmp_path: Path) -> None:
+    """An output_dir holding a quote stopped redis-server ("Unbalanced quotes"); a newline in it
+    would have been a second directive of its config."""
+    data_dir = tmp_path / 'run "a" \\ b\nrequirepass x'
+    with LocalRedisServer(data_dir, aof=True, password="pw") as server:
+        buf = TrajectoryStore.open(server.url, "quoted", password="pw")
+        buf.add_group(PROMPT, n=1, max_new_tokens=4, metadata={})
+        buf.close()
+    assert any(data_dir.rglob("*.aof"))  # the AOF is in the directory as named
+    with LocalRedisServer(data_dir, aof=True, password="pw") as server:
+        assert TrajectoryStore.open(server.url, "quoted", password="pw").counts()["groups_open"] == 1
+
+
 def test_connect_or_start(tmp_path: Path, redis_url: str) -> None:
     bad_url = "redis://127.0.0.1:1/0"
     with pytest.raises(RuntimeError, match=bad_url):

@@ -172,16 +172,16 @@ class LocalRedisServer:
             "bind 127.0.0.1",
             "protected-mode yes",
             f"port {port}",
-            f'dir "{self.data_dir}"',
+            f"dir {_config_quoted(str(self.data_dir))}",
             f"appendonly {'yes' if self.aof else 'no'}",
             f"appendfsync {self.appendfsync}",
             'save ""',
             "daemonize no",
-            f'logfile "{self.log_path}"',
+            f"logfile {_config_quoted(str(self.log_path))}",
             *(f'rename-command {name} ""' for name in DISABLED_COMMANDS),
         ]
         if self.password:
-            lines.append(f"requirepass {self.password}")
+            lines.append(f"requirepass {_config_quoted(self.password)}")
         return write_private(self.data_dir / CONFIG_FILE_NAME, "\n".join(lines) + "\n")
 
     def _command(self, port: int) -> list[str]:
@@ -356,3 +356,18 @@ def connect_or_start(
         if client is not None:
             client.close()
     return url, None
+
+
+def _config_quoted(value: str) -> str:
+    """``value`` as one double-quoted argument of a redis.conf line (inside quotes Redis reads a
+    backslash escape: a backslash, a quote, or x and two hex digits): an output_dir holding a quote stopped the
+    server ("Unbalanced quotes"), and one holding a newline would have added a directive."""
+    out = []
+    for ch in value:
+        if ch in '\\"':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
