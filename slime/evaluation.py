@@ -37,7 +37,7 @@ from slime.data import PromptRecord, load_prompts, reward_inputs, reward_metadat
 from slime.engines import make_engine, run_to_completion
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.errors import UserError
-from slime.export import EXPORT_INFO, ExportError, base_model_dir, export_checkpoint, find_checkpoint, run_dir_of
+from slime.export import EXPORT_INFO, ExportError, base_model_dir, config_of, export_checkpoint, find_checkpoint
 from slime.model import ensure_model_dir, load_tokenizer, rollout_stop_strings, rollout_stop_token_ids
 
 EXAMPLE_HELD_OUT_SEED = 10_000  # the example task's held-out prompts; training draws with data.seed
@@ -258,17 +258,22 @@ def _exported_from(export: Path) -> str | None:
         return None
 
 
-def _job_config(path: Path, overrides: list[str]) -> tuple[JobConfig, Path | None]:
-    """(the config to evaluate with, the run dir) of a run dir, a checkpoint or a model directory."""
+def _job_config(path: Path, overrides: list[str], step: int | None) -> tuple[JobConfig, Path | None]:
+    """(the config to evaluate with, the run dir) of a run dir, a checkpoint or a model directory.
+    A checkpoint is evaluated with the settings that trained it (a resume may have changed them)."""
     run_dir = None
     if (path / "driver_state.json").is_file():
         run_dir = path.parent.parent
     elif (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
         run_dir = path
-    if run_dir is not None and (run_dir / "config.yaml").is_file():
-        return _run_settings(run_dir, overrides), run_dir
     if run_dir is not None:
-        raise EvalError(f"{run_dir}: a run dir without config.yaml")
+        try:
+            config = config_of(find_checkpoint(path, step))
+        except ExportError:  # no checkpoint: the run's own config, and main() names what is missing
+            config = run_dir / "config.yaml"
+        if not config.is_file():
+            raise EvalError(f"{run_dir}: a run dir without config.yaml")
+        return _run_settings(config, overrides), run_dir
     if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
         checkpoint = _exported_from(path) or "RUN_DIR"
         raise EvalError(
@@ -279,14 +284,14 @@ def _job_config(path: Path, overrides: list[str]) -> tuple[JobConfig, Path | Non
     if not (path / "config.json").is_file():
         raise EvalError(f"{path}: neither a run dir (checkpoints/, config.yaml) nor a model directory (config.json)")
     exported_from = _exported_from(path)
-    source_run = run_dir_of(Path(exported_from)) if exported_from else None
-    if source_run is not None and (source_run / "config.yaml").is_file():
+    source_config = config_of(Path(exported_from)) if exported_from else None
+    if source_config is not None and source_config.is_file():
         # An export scores as its run did (reward, data reading, rollout), when that run is still here.
         print(
-            f"slime eval: the reward, data and rollout settings of {source_run / 'config.yaml'} (this export's run)",
+            f"slime eval: the reward, data and rollout settings of {source_config} (what trained this export)",
             file=sys.stderr,
         )
-        return _run_settings(source_run, [f"model.path={path}", *overrides], sections=RUN_SECTIONS[1:]), None
+        return _run_settings(source_config, [f"model.path={path}", *overrides], sections=RUN_SECTIONS[1:]), None
     if not any(o.startswith(("reward.", "env.")) for o in overrides):
         print(
             f"slime eval: {path} brings no reward settings, so the example task's reward scores it; "
@@ -300,8 +305,8 @@ def _job_config(path: Path, overrides: list[str]) -> tuple[JobConfig, Path | Non
 RUN_SECTIONS = ("model", "data", "rollout", "reward", "env", "eval", "seed")
 
 
-def _run_settings(run_dir: Path, overrides: list[str], sections: tuple[str, ...] = RUN_SECTIONS) -> JobConfig:
-    data = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+def _run_settings(config: Path, overrides: list[str], sections: tuple[str, ...] = RUN_SECTIONS) -> JobConfig:
+    data = yaml.safe_load(config.read_text()) or {}
     keep = {k: data[k] for k in sections if k in data}
     tmp = Path(tempfile.mkdtemp(prefix="slime-eval-")) / "config.yaml"
     tmp.write_text(yaml.safe_dump(keep))
@@ -324,14 +329,14 @@ def main_eval(argv: list[str]) -> int:
     ns = parser.parse_intermixed_args(argv)
     path = ns.path.expanduser()
     extra = [*ns.overrides, *([f"eval.samples={ns.samples}"] if ns.samples is not None else [])]
-    job, run_dir = _job_config(path, extra)
+    job, run_dir = _job_config(path, extra, ns.step)
     with tempfile.TemporaryDirectory(prefix="slime-eval-") as tmp:
         if run_dir is not None:
             try:
                 checkpoint = find_checkpoint(path, ns.step)
             except ExportError as exc:
                 raise EvalError(str(exc)) from None
-            model_dir = export_checkpoint(checkpoint, Path(tmp) / "model", base_model_dir(run_dir))
+            model_dir = export_checkpoint(checkpoint, Path(tmp) / "model", base_model_dir(checkpoint))
             source = str(checkpoint)
         else:
             model_dir, source = ensure_model_dir(job.model), str(path)

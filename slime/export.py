@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from slime.config import ModelConfig
+from slime.config import JobConfig, ModelConfig, dump_config
+from slime.config.job import config_changes
 from slime.errors import UserError
 from slime.learner import lora
 from slime.learner.sharding import CHECKPOINT_DIR, CheckpointError, load_policy_shards
@@ -163,19 +164,55 @@ def run_dir_of(checkpoint: Path) -> Path:
     return checkpoint.parent.parent
 
 
-def model_config_of(run_dir: Path) -> ModelConfig:
-    """The run's `model` section, from its config.yaml. Only this section: the rest may name secrets
+def config_of(checkpoint: Path) -> Path:
+    """The config that trained ``checkpoint``: its own copy (written with it), else its run's
+    config.yaml (checkpoints of older versions). The run's file is the last start's, which a resume
+    with other settings has rewritten since."""
+    own = checkpoint / "config.yaml"
+    return own if own.is_file() else run_dir_of(checkpoint) / "config.yaml"
+
+
+def model_config_of(config_path: Path) -> ModelConfig:
+    """The `model` section of a job's config.yaml. Only this section: the rest may name secrets
     (`${NAME}` references) that are not set where the export runs."""
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise ExportError(f"{run_dir}: no config.yaml (the job writes it at start; is this a run's output_dir?)")
-    data = yaml.safe_load(path.read_text()) or {}
+    if not config_path.is_file():
+        raise ExportError(
+            f"{config_path.parent}: no config.yaml (the job writes it at start; is this a run's output_dir?)"
+        )
+    data = yaml.safe_load(config_path.read_text()) or {}
     return ModelConfig.model_validate(data.get("model") or {})
 
 
-def base_model_dir(run_dir: Path) -> Path:
-    """The run's base model directory (model.path, or the tiny MoE from the cache, rebuilt if gone)."""
-    return ensure_model_dir(model_config_of(run_dir))
+def write_resumed_config(cfg: JobConfig, run_dir: Path, checkpoint: Path) -> None:
+    """A resume's config.yaml, written once its checkpoint has loaded (a resume refused leaves the
+    run's file as it was), after saying which settings differ from those that trained the checkpoint."""
+    changes = config_changes(config_of(checkpoint), cfg)
+    if changes:
+        print(f"resume: {len(changes)} settings differ from {checkpoint.name}'s: " + "; ".join(changes), flush=True)
+    dump_config(cfg, run_dir / "config.yaml")
+
+
+def base_model_dir(checkpoint: Path) -> Path:
+    """The base model directory the checkpoint was trained from (model.path, or the tiny MoE from
+    the cache, rebuilt if gone)."""
+    return ensure_model_dir(model_config_of(config_of(checkpoint)))
+
+
+def check_same_architecture(checkpoint: Path, model_dir: Path) -> None:
+    """A policy saved whole (`policy/config.json`) loads without its base, so a base of another
+    model would pass silently: its tokenizer and config would be exported with these weights."""
+    saved = checkpoint / "policy" / "config.json"
+    base = Path(model_dir) / "config.json"
+    if not saved.is_file() or not base.is_file():
+        return
+    ours, theirs = json.loads(saved.read_text()), json.loads(base.read_text())
+    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"):
+        if ours.get(key) != theirs.get(key):
+            raise ExportError(
+                f"{checkpoint}: its policy has {key}={ours.get(key)!r} but the base model {model_dir} has "
+                f"{theirs.get(key)!r}; that base's tokenizer and config do not belong to these weights (give the "
+                "base the run was trained from)"
+            )
 
 
 def is_lora(checkpoint: Path) -> bool:
@@ -201,9 +238,9 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     once: a reader sees the old export or the new one). A LoRA checkpoint with merged=False: its
     adapters as a PEFT directory (`PeftModel.from_pretrained(base, out)`) and the tokenizer."""
     check_export_target(out, checkpoint)
-    run_dir = run_dir_of(checkpoint)
-    model_dir = model_dir or base_model_dir(run_dir)
-    dtype = model_config_of(run_dir).dtype if (run_dir / "config.yaml").is_file() else "float32"
+    model_dir = model_dir or base_model_dir(checkpoint)
+    check_same_architecture(checkpoint, Path(model_dir))
+    dtype = model_config_of(config_of(checkpoint)).dtype if config_of(checkpoint).is_file() else "float32"
     adapter_only = is_lora(checkpoint) and not merged
     model = None if adapter_only else load_checkpoint_policy(checkpoint, Path(model_dir), dtype)
     tokenizer = load_tokenizer(model_dir)

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,14 @@ from slime.dashboard.server import DashboardProcess
 from slime.data import PromptRecord, load_prompts, write_jsonl
 from slime.engines.contract import GenerationRequest
 from slime.evaluation import HeldOutEval
-from slime.export import LATEST, export_checkpoint, prune_checkpoints, resume_checkpoint, set_earlier_run_aside
+from slime.export import (
+    LATEST,
+    export_checkpoint,
+    prune_checkpoints,
+    resume_checkpoint,
+    set_earlier_run_aside,
+    write_resumed_config,
+)
 from slime.fleet import Abort, RolloutFleet, scheduler_for
 from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker
 from slime.launch.local import LocalLauncher
@@ -46,7 +54,7 @@ from slime.model import (
 from slime.run_lock import lock_run_dir
 from slime.sample import new_id
 from slime.sampling import PromptSampler
-from slime.security import JobCredentials, write_private
+from slime.security import JobCredentials
 from slime.signals import GracefulStop
 from slime.tracking import require_packages
 
@@ -100,7 +108,9 @@ class RunningJob:
                 print(
                     f"a fresh run in {self.run_dir}: the earlier run's metrics, plot and checkpoints moved to {aside}"
                 )
-            dump_config(cfg, self.run_dir / "config.yaml")
+            checkpoint = resume_checkpoint(cfg.resume, self.run_dir)
+            if checkpoint is None:  # a resume's config is written once its checkpoint has loaded (_restore)
+                dump_config(cfg, self.run_dir / "config.yaml")
             # One secret per run (run_dir/job.secret, 0600): the job's Redis password and every
             # service token derive from it; actors get it as an argument, children by environment.
             self.credentials = JobCredentials.create(self.run_dir, own_redis=cfg.buffer.url is None)
@@ -118,7 +128,6 @@ class RunningJob:
             if self.redis_server is not None:  # every part retries meanwhile (buffer.reconnect_timeout_s)
                 self.redis_server.keep_alive(self._redis_restarted)
             self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
-            checkpoint = resume_checkpoint(cfg.resume, self.run_dir)
             if cfg.resume is None:
                 self.buffer.delete_job()  # a fresh run starts from an empty buffer
             else:
@@ -193,13 +202,7 @@ class RunningJob:
         )
         self.telemetry.set_control(paused="0")  # a pause from a previous run does not carry over
         if cfg.dashboard.enabled:
-            d = cfg.dashboard
-            token = d.token or self.credentials.token("dashboard")
-            token_file = write_private(self.run_dir / "dashboard.token", token + "\n")
-            self.dashboard = DashboardProcess(
-                self.redis_url, cfg.job_name, d.host, d.port, token, redis_password=self.credentials.redis_password
-            )
-            print(f"dashboard: {self.dashboard.url} (control token in {token_file})", flush=True)
+            self.dashboard = DashboardProcess.for_job(cfg, self.redis_url, self.credentials, self.run_dir)
 
     def __exit__(self, *exc) -> None:
         try:  # a second SIGINT/SIGTERM may cut the graceful part short; the job's processes stop anyway
@@ -221,10 +224,8 @@ class RunningJob:
     def _stop_parts(self) -> None:
         launcher = self.launcher  # None: the job failed before it started its actors
         if launcher is not None and self.workers:
-            try:  # first of all, stop generating and store every partial trajectory
+            with suppress(Exception):  # first of all, stop generating and store every partial trajectory
                 launcher.get([w.abort_all.remote() for w in self.workers], timeout=60)
-            except Exception:
-                pass
         for part in (getattr(self, "logger", None), self.held_out):  # e.g. the plot on a full disk: stop the rest
             try:
                 part is not None and part.close()
@@ -232,22 +233,16 @@ class RunningJob:
                 print(f"slime: closing {type(part).__name__} failed: {exc!r}", file=sys.stderr, flush=True)
         if launcher is not None:
             if self.workers:
-                try:
+                with suppress(Exception):
                     launcher.get([w.stop.remote() for w in self.workers], timeout=60)
-                except Exception:
-                    pass
             if self.learner is not None:
-                try:
+                with suppress(Exception):
                     self.learner.result(self.learner.close(), timeout=30)
-                except Exception:
-                    pass
             for actor in self.workers:
                 launcher.kill(actor)
             if hasattr(self, "fleet"):  # workers it was still adding or removing (rollout.elastic)
-                try:
+                with suppress(Exception):
                     self.fleet.release_added()
-                except Exception:
-                    pass
             if self.learner is not None:
                 self.learner.kill()
 
@@ -466,6 +461,7 @@ class RunningJob:
         path = self.run_dir / "checkpoints" / f"step_{step + 1:06d}"
         (path / "driver_state.json").unlink(missing_ok=True)  # an earlier run's, over which this one writes
         self.learner.result(self.learner.save(str(path)))
+        dump_config(self.cfg, path / "config.yaml")  # what trained it: export and eval read this one
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
         state["lineage"] = self.lineage  # keep_last prunes only its own run's checkpoints
         if self.offpolicy is not None:
@@ -490,6 +486,7 @@ class RunningJob:
         left = f"at step {done} of {steps}" if done < steps else f"with nothing left to train (steps={steps})"
         print(f"resume={self.cfg.resume}: resuming from {checkpoint} {left}", flush=True)
         self.learner.result(self.learner.load(str(checkpoint)))
+        write_resumed_config(self.cfg, self.run_dir, checkpoint)
         self.sampler.load_state_dict(state["sampler"])
         if self.offpolicy is not None and "offpolicy_auto" in state:  # absent: a run without it, start afresh
             self.offpolicy.load_state_dict(state["offpolicy_auto"])

@@ -148,9 +148,10 @@ def test_a_job_evaluates_on_its_engines_exports_every_checkpoint_and_slime_eval_
     for figure in ("sampled_reward_mean", "pass_at_1", "pass_at_2"):
         assert out[figure] == pytest.approx(history[-1][f"eval/{figure}"], abs=1e-9), figure
     assert out["prompts"] == 8 and out["source"] == str(checkpoint)
-    # an export scores with its run's reward and rollout settings (its slime_export.json names the run)
+    # an export scores with the reward and rollout settings that trained its checkpoint (slime_export.json names it)
     code, said, err = _cli(capsys, "eval", str(export), "--data", str(run / "eval_prompts.jsonl"))
-    assert code == 0 and f"the reward, data and rollout settings of {run / 'config.yaml'}" in err, err[-2000:]
+    settings = checkpoint / "config.yaml"
+    assert code == 0 and f"the reward, data and rollout settings of {settings}" in err, err[-2000:]
     from_export = json.loads(said.strip().splitlines()[-1])
     assert from_export["greedy_reward_mean"] == pytest.approx(out["greedy_reward_mean"], abs=1e-9)
 

@@ -23,7 +23,7 @@ from slime.config.base import ConfigError, load_yaml_file
 from slime.config.base import StrictModel as _Strict
 from slime.config.inputs import DataConfig, EvalConfig, ModelConfig, SamplingConfig
 from slime.config.learner import TIS_CAP_CORRECTIONS, AlgorithmConfig, LearnerConfig
-from slime.config.renames import RENAMED, conflict_error, move_renamed_keys, renamed_key
+from slime.config.renames import RENAMED, conflict_error, move_renamed_keys, renamed_key, unknown_field
 from slime.config.rollout import MAX_OVERSAMPLE, AprilConfig, RolloutConfig, SglangConfig, VllmConfig
 from slime.config.services import (
     BufferConfig,
@@ -347,13 +347,13 @@ class JobConfig(_Strict):
 
 
 def format_validation_error(err: ValidationError, title: str = "invalid config", prefix: str = "") -> str:
-    """One line per problem, each naming the field's dotted path."""
+    """One line per problem, each naming the field's dotted path (an unknown key of JobConfig's: the one meant)."""
     lines = []
     for e in err.errors():
         path = prefix + (".".join(str(p) for p in e["loc"]) or "(top level)")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling)"
+            msg = unknown_field(JobConfig if err.title == JobConfig.__name__ else None, e["loc"], prefix)
         lines.append(f"{path}: {msg}")
     if len(lines) == 1:
         return f"{title}: {lines[0]}"
@@ -475,3 +475,26 @@ def config_for_display(cfg: JobConfig) -> dict[str, Any]:
 def dump_config(cfg: JobConfig, path: Path) -> None:
     """config.yaml of a run: secrets out (config_for_display), readable by its owner only."""
     write_private(path, yaml.safe_dump(config_for_display(cfg), sort_keys=False))
+
+
+def config_changes(earlier: Path, cfg: JobConfig) -> list[str]:
+    """``key: before -> now`` for every setting of ``cfg`` that differs from the config.yaml at
+    ``earlier`` (a resume's view of what it changes); [] when there is no such file."""
+    if not earlier.is_file():
+        return []
+    before, now = _flat(yaml.safe_load(earlier.read_text()) or {}), _flat(config_for_display(cfg))
+    skip = {"resume", "steps"}  # a resume sets these by nature
+    return [
+        f"{key}: {before.get(key)!r} -> {now.get(key)!r}"
+        for key in sorted(before.keys() | now.keys())
+        if key not in skip and before.get(key) != now.get(key)
+    ]
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) and value else f"{prefix}{key}"))
+    return out

@@ -15,14 +15,19 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import uvicorn
 
 from slime.dashboard.app import create_app
 from slime.errors import UserError
-from slime.security import API_TOKEN_ENV
+from slime.security import API_TOKEN_ENV, write_private
 from slime.security import check_bind as check_bind_any
+
+if TYPE_CHECKING:
+    from slime.config import JobConfig
+    from slime.security import JobCredentials
 
 REDIS_PASSWORD_ENV = "SLIME_REDIS_PASSWORD"
 
@@ -160,6 +165,16 @@ class DashboardProcess:
             raise DashboardConfigError(f"the dashboard did not start: {(first + rest).strip()}")
         self.url = first.split(": ", 1)[1].split("?")[0].split()[0].strip()
         threading.Thread(target=self._drain, name="slime-dashboard-log", daemon=True).start()
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig, redis_url: str, credentials: JobCredentials, run_dir: Path) -> DashboardProcess:
+        """A job's dashboard (dashboard.enabled); its control token in run_dir/dashboard.token (0600)."""
+        d = cfg.dashboard
+        token = d.token or credentials.token("dashboard")
+        token_file = write_private(run_dir / "dashboard.token", token + "\n")
+        dashboard = cls(redis_url, cfg.job_name, d.host, d.port, token, redis_password=credentials.redis_password)
+        print(f"dashboard: {dashboard.url} (control token in {token_file})", flush=True)
+        return dashboard
 
     def _drain(self) -> None:
         for line in self.proc.stdout:  # its warnings and errors reach the job's console
