@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from slime.config import ConfigKeyDeprecated, JobConfig, config_for_display, load_config
+from slime.config.renames import flat_keys
 from slime.errors import UserError, exception_behind, user_error_behind
 from slime.metrics import TooManyFailures
 from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url
@@ -161,12 +162,19 @@ def main(argv: list[str] | None = None) -> int:
         return _report(user)
 
 
-def _as_override(unknown: list[str]) -> str:
-    """`--steps 3` or `--steps=3` as the override the user meant: `steps=3`."""
-    key, _, value = unknown[0].lstrip("-").partition("=")
+def _override_hint(unknown: list[str]) -> str:
+    """`--steps 3`, `--steps=3` or slime's `--rollout-batch-size 3` said as the override the user
+    meant (`steps=3`, `rollout.batch_size=3`; each key that fits), or how overrides look when none does."""
+    name, _, value = unknown[0].lstrip("-").partition("=")
     if not value and len(unknown) > 1 and not unknown[1].startswith("--"):
         value = unknown[1]
-    return f"{key.replace('-', '_')}={value or 'VALUE'}"
+    keys = flat_keys(name, JobConfig)
+    if not keys:
+        return (
+            f"config overrides are section.key=value (e.g. learner.lr=1e-5), and no config key is named "
+            f"{name.replace('-', '_')}: `slime config` prints every key"
+        )
+    return "config overrides are key=value, e.g. " + " or ".join(f"{key}={value or 'VALUE'}" for key in keys)
 
 
 def _report(error: UserError) -> int:
@@ -279,7 +287,7 @@ def _run(argv: list[str]) -> int:
     if unknown:
         hint = ""
         if ns.command in ("train", "config") and unknown[0].startswith("--"):
-            hint = f"; config overrides are key=value, e.g. {_as_override(unknown)}"
+            hint = f"; {_override_hint(unknown)}"
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
     if ns.command == "dashboard":

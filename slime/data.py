@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from slime.config import DataConfig
 from slime.errors import UserError
 from slime.sample import Sample, Status
@@ -130,6 +132,12 @@ class DatasetError(UserError, ValueError):
     hint = "data.path is a JSONL or Parquet file or a saved HF dataset directory, a prompt per row (README, 'Your own model, data and reward')"
 
 
+class ChatTemplateError(UserError, ValueError):
+    """The model's chat template is not valid Jinja: no prompt can pass it, whatever the data."""
+
+    hint = "fix the template at the line named (or give the model another chat_template); the data is not at fault"
+
+
 class OverlongPrompt(DatasetError):
     """A prompt over data.max_prompt_tokens."""
 
@@ -160,12 +168,14 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
 
     records: list[PromptRecord] = []
     overlong: list[str] = []
-    label_key_seen, first_columns = False, None
+    label_key_seen, first_columns, unlabeled = False, None, []  # unlabeled: kept rows lacking it, (where, columns)
     for where, row in _read_rows(p):
-        label_key_seen = label_key_seen or _has_key(row, cfg.label_key)
-        first_columns = first_columns or _key_paths(row)
+        has_label = _nested_get(row, cfg.label_key, _ABSENT) is not _ABSENT  # null counts: the row says it has none
+        label_key_seen, first_columns = label_key_seen or has_label, first_columns or _key_paths(row)
         try:
             records.append(_to_record(len(records), where, row, cfg, tokenizer))
+            if not has_label:
+                unlabeled.append((where, _key_paths(row)))
         except OverlongPrompt:
             if cfg.overlong_prompts != "drop":
                 raise
@@ -191,6 +201,12 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
         raise DatasetError(
             f"{p}: no row has the label column {cfg.label_key!r} (data.label_key); the first row's columns are "
             f"{first_columns}"
+        )
+    if label_key_seen and unlabeled:  # not a row without a label (that one says null): a row that lost it
+        raise DatasetError(
+            f"{unlabeled[0][0]}: missing the label column {cfg.label_key!r} (data.label_key), which other rows have "
+            f"({len(unlabeled)} of {len(records)} rows lack it); the row has {unlabeled[0][1]}",
+            hint=f"give every row its label; a row that has none says so with null ({cfg.label_key!r}: null)",
         )
     if all(r.label is None for r in records) and not _answer_elsewhere(records):  # fine for a judge or an RM
         log.warning(
@@ -383,11 +399,6 @@ def _refuse_shadowed_columns(where: str, columns: Mapping[str, Any], cfg: DataCo
         )
 
 
-def _has_key(row: Mapping[str, Any], key: str) -> bool:
-    """Whether row has the column key or, for a dotted key absent as a column, the nested field."""
-    return _nested_get(row, key, _ABSENT) is not _ABSENT
-
-
 def _key_paths(row: Mapping[str, Any], prefix: str = "") -> list[str]:
     """The row's keys, a nested mapping's as dotted paths (what data.label_key can name)."""
     paths = []
@@ -460,6 +471,13 @@ def _chat_ids(where: str, messages: list[dict[str, str]], tokenizer: Any) -> lis
         )
     try:
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except jinja2.TemplateSyntaxError as exc:  # the template's own fault, met at its first use
+        model_dir = Path(getattr(tokenizer, "name_or_path", None) or "")  # transformers reads the .jinja first
+        files = [model_dir / f for f in ("chat_template.jinja", "tokenizer_config.json") if (model_dir / f).is_file()]
+        source = files[0] if model_dir.name and files else f"tokenizer {type(tokenizer).__name__}"
+        raise ChatTemplateError(
+            f"{source}: the chat template is not valid Jinja, line {exc.lineno}: {exc.message}"
+        ) from exc
     except Exception as exc:  # jinja2's TemplateError (raise_exception: "System role not supported"), ...
         roles = [m["role"] for m in messages]
         raise DatasetError(

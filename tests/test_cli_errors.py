@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,71 @@ def test_a_flag_where_an_override_goes_is_said_as_the_override(capsys):
         with pytest.raises(SystemExit) as caught:
             main(["train", EXAMPLE, *args])
         assert caught.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "override"),
+    [
+        (["--rollout-batch-size", "8"], "rollout.batch_size=8"),  # slime's flag; rollout_batch_size is no key
+        (["--n-samples-per-prompt=8"], "rollout.n_samples_per_prompt=8"),  # the one key of that name
+        (["--lr", "1e-6"], "learner.lr=1e-6"),  # the shallowest of learner.lr and model.warmstart.lr
+        (["--checkpoint-every", "5"], "checkpoint.every_steps=5"),  # an old key's new place (config/renames.py)
+        (["--batch-size", "3"], "rollout.batch_size=3 or reward.batch_size=3"),  # ambiguous: each key
+    ],
+)
+def test_a_slime_flag_is_said_as_an_override_that_loads(capsys, args, override):
+    from slime.cli import main
+    from slime.config import load_config
+
+    with pytest.raises(SystemExit) as caught:
+        main(["train", EXAMPLE, *args])
+    assert caught.value.code == 2
+    assert f"config overrides are key=value, e.g. {override}\n" in capsys.readouterr().err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new key itself, not an old one read for a release
+        for said in override.split(" or "):
+            load_config(EXAMPLE, [said])
+
+
+def test_a_flag_no_config_key_fits_gets_the_overrides_form_not_a_key_that_fails(capsys):
+    from slime.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", EXAMPLE, "--global-batch-size", "64"])
+    said = capsys.readouterr().err
+    assert "config overrides are section.key=value (e.g. learner.lr=1e-5), and no config key is named " in said
+    assert "global_batch_size: `slime config` prints every key" in said and "global_batch_size=64" not in said
+
+
+@pytest.mark.parametrize(
+    ("override", "meant"),
+    [
+        ("rollout.n_sample_per_prompt=8", "rollout.n_samples_per_prompt"),  # a typo: the closest of its section
+        ("rollout.batchsize=3", "rollout.batch_size"),
+        ("rollout_batch_size=8", "rollout.batch_size"),  # slime's name for it
+        ("rollout.lr=1e-6", "learner.lr"),  # a key of another section
+    ],
+)
+def test_an_unknown_key_names_the_key_meant(override, meant):
+    from slime.config import ConfigError, load_config
+
+    written, value = override.split("=")
+    with pytest.raises(ConfigError, match=re.escape(f"{written}: unknown field (did you mean {meant}?)")):
+        load_config(EXAMPLE, [override])
+    assert load_config(EXAMPLE, [f"{meant}={value}"])  # the key said loads
+
+
+def test_an_unknown_key_in_a_yaml_file_names_the_key_meant_and_none_is_made_up(tmp_path):
+    from slime.config import ConfigError, load_config
+
+    path = tmp_path / "job.yaml"
+    path.write_text("rollout:\n  n_sample_per_prompt: 8\n")
+    with pytest.raises(ConfigError, match=re.escape("unknown field (did you mean rollout.n_samples_per_prompt?)")):
+        load_config(path)
+    # nothing close, or inside a list's item (no dotted key stands there): the spelling, no guess
+    for override in ["zzz=1", "sampling.curriculum=[{name: a, nmae: b}]"]:
+        with pytest.raises(ConfigError, match=re.escape("unknown field (check the spelling)")):
+            load_config(EXAMPLE, [override])
 
 
 @pytest.mark.parametrize(

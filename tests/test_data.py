@@ -92,7 +92,7 @@ def test_a_system_prompt_goes_before_what_the_template_renders(tmp_path: Path, t
     (rec,) = load_prompts(DataConfig(apply_chat_template=True, system_prompt="be brief"), tok, str(text))
     assert tok.decode(rec.prompt_ids) == "<|system|>be brief<|user|>2+2<|assistant|>"
     assert rec.prompt == "2+2"  # the reward still gets the row's prompt
-    chats = [{"prompt": [{"role": "user", "content": "hi"}]}, CHAT_ROWS[0]]
+    chats = [{"prompt": [{"role": "user", "content": "hi"}], "label": None}, CHAT_ROWS[0]]
     plain, own = load_prompts(DataConfig(system_prompt="be kind"), tok, str(write_jsonl(chats, tmp_path / "c.jsonl")))
     assert tok.decode(plain.prompt_ids) == "<|system|>be kind<|user|>hi<|assistant|>"
     assert plain.prompt[0] == {"role": "system", "content": "be kind"}  # as a reward given the messages sees it
@@ -314,6 +314,33 @@ def test_a_label_key_no_row_has_is_refused_naming_the_columns(tmp_path: Path, to
         load_prompts(DataConfig(label_key=label_key), tok, str(path))
     for good in ("answer", "reward_model.ground_truth"):
         assert [r.label for r in load_prompts(DataConfig(label_key=good), tok, str(path))] == ["2", "2"]
-    # a key some rows lack is no typo: those rows have no label
-    path = write_jsonl([{"prompt": "a"}, {"prompt": "b", "answer": "2"}], tmp_path / "e.jsonl")
-    assert [r.label for r in load_prompts(DataConfig(label_key="answer"), tok, str(path))] == [None, "2"]
+
+
+@pytest.mark.parametrize(
+    ("label_key", "labeled", "none"),
+    [
+        ("label", {"prompt": "b", "label": "2"}, {"label": None}),
+        ("answer", {"prompt": "b", "answer": "2"}, {"answer": None}),
+        (
+            "reward_model.ground_truth",
+            {"prompt": "b", "reward_model": {"ground_truth": "2"}},
+            {"reward_model": {"ground_truth": None}},
+        ),
+    ],
+)
+def test_a_row_without_the_label_column_other_rows_have_is_refused_naming_it(
+    tmp_path: Path, tok, label_key: str, labeled: dict, none: dict
+) -> None:
+    """A row that lost its label reached the reward as label=None, silently; like a row without its
+    prompt, it is refused at load naming the file:line and the key. A row with no label says null."""
+    unlabeled = {"prompt": "a", "task": "t"}
+    path = write_jsonl([unlabeled, labeled, unlabeled], tmp_path / "d.jsonl")
+    with pytest.raises(DatasetError) as caught:
+        load_prompts(DataConfig(label_key=label_key), tok, str(path))
+    assert str(caught.value) == (
+        f"{path}:1: missing the label column {label_key!r} (data.label_key), which other rows have "
+        "(2 of 3 rows lack it); the row has ['prompt', 'task']"
+    )
+    assert f"({label_key!r}: null)" in caught.value.hint
+    path = write_jsonl([{**unlabeled, **none}, labeled], tmp_path / "e.jsonl")
+    assert [r.label for r in load_prompts(DataConfig(label_key=label_key), tok, str(path))] == [None, "2"]

@@ -144,6 +144,33 @@ def test_a_chat_template_that_refuses_the_messages_names_the_row(tmp_path):
         load_prompts(DataConfig(path=str(path)), tokenizer)
 
 
+def test_a_chat_template_with_a_syntax_error_is_named_in_the_model_dir_not_the_data(tmp_path):
+    """A template Jinja cannot parse is the model directory's fault: named there, with its line,
+    never as a dataset line's messages (the hint of which was to change the data)."""
+    import pytest
+
+    from slime.config import DataConfig
+    from slime.data import ChatTemplateError, DatasetError, load_prompts
+
+    bad = "{% for m in messages %}\n{{ m.content }"
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "label": "x"}) + "\n")
+    for holder in ("chat_template.jinja", "tokenizer_config.json"):
+        model_dir = llama3_style_dir(tmp_path / holder.split(".")[0])
+        if holder == "chat_template.jinja":
+            (model_dir / holder).write_text(bad)
+        else:  # an older model directory: the template inside tokenizer_config.json
+            (model_dir / "chat_template.jinja").unlink()
+            config = json.loads((model_dir / holder).read_text())
+            (model_dir / holder).write_text(json.dumps({**config, "chat_template": bad}))
+        with pytest.raises(ChatTemplateError) as caught:
+            load_prompts(DataConfig(path=str(data)), load_tokenizer(model_dir))
+        assert (
+            str(caught.value) == f"{model_dir / holder}: the chat template is not valid Jinja, line 2: unexpected '}}'"
+        )
+        assert not isinstance(caught.value, DatasetError) and "the data is not at fault" in caught.value.hint
+
+
 def test_the_reward_cache_keeps_rows_apart_whose_answer_is_in_another_column():
     from rewards.adapters import adapt
     from rewards.runner import RewardRunner

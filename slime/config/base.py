@@ -4,8 +4,9 @@ strict YAML reader of config files."""
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict
@@ -18,6 +19,37 @@ class StrictModel(BaseModel):
     be inf or nan: no field means "unbounded" by inf, and learner.lr=inf trained NaN weights."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a field that is a section (`X` or `X | None`); None for any other field."""
+    kinds = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    kinds = tuple(k for k in kinds if k is not type(None))
+    if len(kinds) == 1 and isinstance(kinds[0], type) and issubclass(kinds[0], BaseModel):
+        return kinds[0]
+    return None
+
+
+def field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of `model`: each field, and a section's own fields under its name."""
+    paths = []
+    for name, info in model.model_fields.items():
+        paths.append(prefix + name)
+        section = section_model(info.annotation)
+        if section is not None:
+            paths.extend(field_paths(section, f"{prefix}{name}."))
+    return paths
+
+
+def section_at(model: type[BaseModel], path: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The section that `path` (a pydantic error's location) names; None inside a list or a mapping."""
+    section: type[BaseModel] | None = model
+    for part in path:
+        info = section.model_fields.get(part) if isinstance(part, str) else None
+        section = section_model(info.annotation) if info is not None else None
+        if section is None:
+            return None
+    return section
 
 
 class ConfigError(UserError, ValueError):

@@ -475,26 +475,3 @@ def config_for_display(cfg: JobConfig) -> dict[str, Any]:
 def dump_config(cfg: JobConfig, path: Path) -> None:
     """config.yaml of a run: secrets out (config_for_display), readable by its owner only."""
     write_private(path, yaml.safe_dump(config_for_display(cfg), sort_keys=False))
-
-
-def config_changes(earlier: Path, cfg: JobConfig) -> list[str]:
-    """``key: before -> now`` for every setting of ``cfg`` that differs from the config.yaml at
-    ``earlier`` (a resume's view of what it changes); [] when there is no such file."""
-    if not earlier.is_file():
-        return []
-    before, now = _flat(yaml.safe_load(earlier.read_text()) or {}), _flat(config_for_display(cfg))
-    skip = {"resume", "steps"}  # a resume sets these by nature
-    return [
-        f"{key}: {before.get(key)!r} -> {now.get(key)!r}"
-        for key in sorted(before.keys() | now.keys())
-        if key not in skip and before.get(key) != now.get(key)
-    ]
-
-
-def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(data, dict):
-        return {prefix: data}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        out.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) and value else f"{prefix}{key}"))
-    return out

@@ -1,14 +1,18 @@
 """Keys that moved (issue 32: config grouped by reader; issue 37: the checkpoint section). An old key still loads, from a YAML file,
 a run's own config.yaml or a `key=value` override, with a `ConfigKeyDeprecated` warning naming
-its new place; this release only. Old and new set to different values is a ConfigError."""
+its new place; this release only. Old and new set to different values is a ConfigError.
+`flat_keys`, `suggested_key` and `unknown_field` name the key a user most likely meant (a slime flag, a typo)."""
 
 from __future__ import annotations
 
 import copy
+import difflib
 import warnings
 from typing import Any
 
-from slime.config.base import ConfigError
+from pydantic import BaseModel
+
+from slime.config.base import ConfigError, field_paths, section_at
 
 _CORRECTION_KEYS = ("clip_band_per_version", "tis_cap", "icepop_band", "geo_band", "m2po_threshold", "opsm_delta")
 
@@ -24,6 +28,45 @@ RENAMED: dict[str, str] = {
     "checkpoint_every": "checkpoint.every_steps",
     "checkpoint_every_seconds": "checkpoint.every_seconds",
 }
+
+
+def flat_keys(name: str, model: type[BaseModel]) -> list[str]:
+    """The dotted keys of `model` a flat name may stand for, as slime's flags and old configs write
+    keys (`rollout-batch-size`, `checkpoint_every`, `lr`): an old key's new place, the key itself,
+    its dots written as `_`, else the shallowest keys ending in it (several: the name is ambiguous)."""
+    name = name.replace("-", "_")
+    if name in RENAMED:
+        return [RENAMED[name]]
+    keys = field_paths(model)
+    for fits in (lambda k: k == name, lambda k: k.replace(".", "_") == name, lambda k: k.rpartition(".")[2] == name):
+        found = [k for k in keys if fits(k)]
+        if found:
+            depth = min(k.count(".") for k in found)
+            return [k for k in found if k.count(".") == depth]
+    return []
+
+
+def flat_key(name: str, model: type[BaseModel]) -> str | None:
+    """The one dotted key a flat name stands for (`flat_keys`); None when none or several fit."""
+    keys = flat_keys(name, model)
+    return keys[0] if len(keys) == 1 else None
+
+
+def suggested_key(model: type[BaseModel], loc: tuple[str | int, ...]) -> str | None:
+    """What the unknown key at `loc` (a pydantic error's location) most likely meant: a flat name's
+    key (`rollout_batch_size`: rollout.batch_size), else the closest field of its section (a typo)."""
+    section = section_at(model, loc[:-1])
+    if section is None:
+        return None
+    leaf = str(loc[-1])
+    near = difflib.get_close_matches(leaf, list(section.model_fields), n=1)
+    return flat_key(leaf, model) or (".".join([*map(str, loc[:-1]), near[0]]) if near else None)
+
+
+def unknown_field(model: type[BaseModel] | None, loc: tuple[str | int, ...], prefix: str = "") -> str:
+    """The message of an unknown key at `loc`: with the key it most likely meant, when `model` is given."""
+    meant = suggested_key(model, loc) if model is not None else None
+    return f"unknown field (did you mean {prefix}{meant}?)" if meant else "unknown field (check the spelling)"
 
 
 class ConfigKeyDeprecated(DeprecationWarning):
