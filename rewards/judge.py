@@ -31,7 +31,7 @@ import math
 import re
 from typing import Any, Literal
 
-from slime.security import redact_url
+from slime.security import printable_excerpt, redact_url
 
 RUBRICS: dict[str, str] = {
     "helpfulness": "How well does the answer address the question: is it relevant, complete and clear?",
@@ -185,13 +185,13 @@ class OpenAIBackend:
         except httpx.HTTPError as exc:  # its text may quote the URL as given, password included
             raise RuntimeError(f"judge {self.name}: {type(exc).__name__}: {redact_url(str(exc))}") from None
         if resp.status_code != 200:
-            raise RuntimeError(f"judge {self.name}: HTTP {resp.status_code}: {resp.text[:300]}")
+            raise RuntimeError(f"judge {self.name}: HTTP {resp.status_code}: {printable_excerpt(resp.text)}")
         try:
             choice = resp.json()["choices"][0]
             text = choice["message"]["content"] if self.api == "chat" else choice["text"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise RuntimeError(
-                f"judge {self.name}: unexpected reply ({type(exc).__name__}): {resp.text[:300]}"
+                f"judge {self.name}: unexpected reply ({type(exc).__name__}): {printable_excerpt(resp.text)}"
             ) from None
         if not isinstance(text, str):
             raise RuntimeError(f"judge {self.name}: reply text is {type(text).__name__}, not a string")

@@ -26,6 +26,8 @@ prompt + response + label + metadata (failures are not cached: a timeout may pas
 
 Names (`service.name`, in every failure message, log line and so in Redis and on the dashboard)
 come from `describe_spec`/`redact_url`: a judge's `api_key` or a password in a URL never shows.
+A reward server's own text (an error reply's body, a sample's failure reason) goes into them through
+`printable_excerpt`: escape codes and line breaks shown escaped, the length capped.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Any, Protocol
 from rewards.adapters import RESPONSE_KEYS, openrlhf_request, openrlhf_results
 from rewards.mix import describe_spec, load_reward_spec, reads_model_text
 from rewards.runner import RewardResult, RewardRunner, StepScores, check_reward_value
-from slime.security import auth_headers, redact_url
+from slime.security import auth_headers, printable_excerpt, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ def sample_to_wire(prompt: str, response: str, label: Any, metadata: dict[str, A
 
 
 MAX_REPLY_BYTES = 64 << 20  # a reward server's reply to one batch, read at most this far
+MAX_REMOTE_FAILURE_CHARS = 2000  # a reward server's failure reason for one sample, as shown
 
 # --- cache ---------------------------------------------------------------------------------------
 
@@ -365,7 +368,8 @@ def http_transport(
                     {**s, "metadata": {k: v for k, v in s["metadata"].items() if k not in RESPONSE_KEYS}}
                     for s in samples
                 ]
-                return await _post_json(holder["client"], endpoint, {"samples": sent}, shown, timeout_s, len(samples))
+                reply = await _post_json(holder["client"], endpoint, {"samples": sent}, shown, timeout_s, len(samples))
+                return _printable_failures(reply)
             items = [(s["prompt"], s["response"], s["label"], s["metadata"]) for s in samples]
             queries, prompts, labels = openrlhf_request(items)
             body = {"query": queries, "prompts": prompts, "labels": labels}
@@ -405,17 +409,28 @@ async def _post_json(client: Any, endpoint: str, body: dict, shown: str, timeout
         raise RetryableError(f"POST {shown}: {type(exc).__name__}: {redact_url(str(exc))}") from None
     text = reply.decode("utf-8", errors="replace")
     if status == 429 or status >= 500:
-        raise RetryableError(f"POST {shown}: HTTP {status}: {text[:200]}")
+        raise RetryableError(f"POST {shown}: HTTP {status}: {printable_excerpt(text, 200)}")
     if status in (401, 403):
         raise RuntimeError(
-            f"POST {shown}: HTTP {status} (not retried): the reward server wants its token; set reward.token: {text[:200]}"
+            f"POST {shown}: HTTP {status} (not retried): the reward server wants its token; set reward.token: "
+            f"{printable_excerpt(text, 200)}"
         )
     if status != 200:
-        raise RuntimeError(f"POST {shown}: HTTP {status} (not retried): {text[:300]}")
+        raise RuntimeError(f"POST {shown}: HTTP {status} (not retried): {printable_excerpt(text, 300)}")
     try:
         return json.loads(text)
     except ValueError:
-        raise RuntimeError(f"POST {shown}: reply is not JSON: {text[:200]!r}") from None
+        raise RuntimeError(f"POST {shown}: reply is not JSON: {printable_excerpt(text, 200)}") from None
+
+
+def _printable_failures(reply: Any) -> Any:
+    """The reply with each sample's failure reason made printable: these reasons are logged, printed
+    under the progress bar and stored with the sample, and a server we do not run could write anything."""
+    results = reply.get("results") if isinstance(reply, dict) else reply
+    for item in results if isinstance(results, list) else ():
+        if isinstance(item, dict) and isinstance(item.get("failure"), str):
+            item["failure"] = printable_excerpt(item["failure"], MAX_REMOTE_FAILURE_CHARS)
+    return reply
 
 
 # --- Ray actor mode ------------------------------------------------------------------------------

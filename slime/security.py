@@ -9,8 +9,11 @@ use it.
   (`API_TOKEN_ENV`) or a 0600 file, never argv (visible in `ps`), URLs or logs.
 - `HttpGuard` is a pure ASGI middleware: `Host` allow-list (DNS rebinding), body-size limit,
   JSON-only state-changing requests (a browser cannot send them cross-site without a CORS
-  preflight, which these servers never grant), and the token, compared in constant time.
+  preflight, which these servers never grant), and the token, compared in constant time; routes
+  read its finding with `request_authenticated` (also where reads are open without the token).
 - `redact` / `redact_url` keep secrets out of names, messages, Redis and written configs.
+- `printable_excerpt` keeps a remote reply's text from writing escape codes or forged lines into
+  messages, logs and terminals.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ API_TOKEN_ENV = "SLIME_API_TOKEN"  # how a parent hands a server its token (argv
 TOKEN_HEADER = "X-Slime-Token"  # accepted beside `Authorization: Bearer <token>`
 REDACTED = "***"
 SECRET_FILE_NAME = "job.secret"
+AUTHENTICATED_SCOPE_KEY = "slime.authenticated"  # HttpGuard's finding, in the ASGI scope it hands on
 
 # Key names whose string values are secrets: `token`, `api_key`, `dashboard_token`,
 # `password`, ... but not `max_new_tokens` or `tokens_per_s` (the whole word must end the name).
@@ -144,6 +148,24 @@ def redact(value: Any, key: str = "") -> Any:
             return REDACTED
         return redact_url(value) if "@" in value else value
     return value
+
+
+def printable_excerpt(text: str, limit: int = 300) -> str:
+    """Text a remote service sent (a reply's body) fit for an exception or a log line: its start, up
+    to ``limit`` characters once escaped, then how much was left out. Every character that is not
+    printable (C0 controls, DEL, C1 controls, line breaks, Unicode format and separator characters)
+    is shown as its escape, ``\\x1b``, ``\\n``, so that a reply can neither drive a terminal nor
+    start a log line of its own."""
+    shown: list[str] = []
+    used = 0
+    for index, char in enumerate(text):
+        piece = char if char.isprintable() else repr(char)[1:-1]  # repr escapes exactly these
+        if used + len(piece) > limit:
+            shown.append(f"... ({len(text) - index} more characters)")
+            break
+        shown.append(piece)
+        used += len(piece)
+    return "".join(shown)
 
 
 # ---- network guard ---------------------------------------------------------------------------
@@ -262,9 +284,14 @@ class HttpGuard:
                     f"{method} {path} accepts only Content-Type: application/json "
                     f"(got {ctype.decode('latin-1') or 'none'})",
                 )
+        given = _bearer(headers)
+        if given is None and method == "GET" and path in p.query_token_paths:
+            values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
+            given = values[0].encode() if values else None
+        authenticated = self.token is not None and given is not None and hmac.compare_digest(given, self.token)
         is_open = path in p.open_paths or (bool(p.open_prefixes) and path.startswith(p.open_prefixes))
         needs_token = not is_open and (not p.loopback or (state_changing and path not in p.open_posts))
-        if needs_token:
+        if needs_token and not authenticated:
             if self.token is None:
                 return await send_error(
                     send,
@@ -272,17 +299,13 @@ class HttpGuard:
                     f"{method} {path} needs a token and this server was started "
                     f"without one (set {API_TOKEN_ENV} or give a token file)",
                 )
-            given = _bearer(headers)
-            if given is None and method == "GET" and path in p.query_token_paths:
-                values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
-                given = values[0].encode() if values else None
-            if given is None or not hmac.compare_digest(given, self.token):
-                return await send_error(
-                    send,
-                    401,
-                    "missing or wrong token (header Authorization: Bearer <token>)",
-                    [(b"www-authenticate", b"Bearer")],
-                )
+            return await send_error(
+                send,
+                401,
+                "missing or wrong token (header Authorization: Bearer <token>)",
+                [(b"www-authenticate", b"Bearer")],
+            )
+        scope = {**scope, AUTHENTICATED_SCOPE_KEY: authenticated}
         if method in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         limit = p.large_body_paths.get(path, p.max_body_bytes)
@@ -309,6 +332,12 @@ class HttpGuard:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+
+def request_authenticated(scope: Mapping[str, Any]) -> bool:
+    """Whether `HttpGuard` found this request's token right (in a header, or in ``?token=`` on the
+    paths that take it), also on the routes that are open without one."""
+    return scope.get(AUTHENTICATED_SCOPE_KEY) is True
 
 
 def _bearer(headers: dict[bytes, bytes]) -> bytes | None:

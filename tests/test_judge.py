@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from rewards.judge import JudgeParseError, LLMJudge, OpenAIBackend, llm_judge, parse_score, parse_verdict
 from rewards.mix import load_reward_spec
@@ -195,3 +196,24 @@ def test_openai_server_on_the_builtin_engine(tiny_model_dir):
 
 def test_judge_parse_error_is_a_value_error():
     assert issubclass(JudgeParseError, ValueError)
+
+
+def test_a_judge_servers_error_text_reaches_the_failure_escaped():
+    """An OpenAI-compatible judge's error body or malformed reply goes into the sample's failure
+    reason (logged, printed, shown on the dashboard) with its escape codes and line breaks escaped."""
+    hostile = "\x1b[2J\x1b]0;owned\x07\nINFO forged line\r\x9b31m" * 50
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        broken = (await request.json())["messages"][0]["content"].endswith("broken")
+        return Response(hostile, status_code=200 if broken else 503, media_type="text/plain")
+
+    with ServerThread(app) as server:
+        judge = llm_judge(url=server.url, template="{prompt} {response}")
+        with RewardRunner(judge, timeout_s=10, max_concurrency=1) as runner:
+            failures = {how: runner.score("q", how).failure for how in ("down", "broken")}
+    assert "HTTP 503" in failures["down"] and "unexpected reply" in failures["broken"]
+    for failure in failures.values():
+        assert failure.isprintable(), repr(failure)  # no escape code, no line break
+        assert "\\x1b[2J\\x1b]0;owned\\x07\\nINFO forged line\\r\\x9b31m" in failure and len(failure) < 1000

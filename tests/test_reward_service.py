@@ -462,3 +462,39 @@ def test_a_reply_too_large_fails_its_batch_before_it_fills_the_workers_memory(mo
         assert r.failure is not None and "the reply is over 1 MiB for 1 samples" in r.failure, r.failure
         assert client.attempts == 1
         client.close()
+
+
+# A reply that would clear the terminal, retitle it, ring its bell and forge a log line of its own.
+HOSTILE_TEXT = "\x1b[2J\x1b]0;owned\x07\n2024-01-01 12:00:00 INFO slime: all rewards verified\r\x9b31m\x7f\u2028"
+
+
+def test_a_servers_own_text_reaches_failures_and_logs_escaped(caplog):
+    """A reward server's error body, a reply that is not JSON and a sample's failure reason go into
+    failure reasons, log lines and the terminal: shown with their control characters and line breaks
+    escaped, and capped."""
+    app = FastAPI()
+
+    @app.post("/score")
+    async def score(request: Request) -> Response:
+        how = (await request.json())["samples"][0]["response"]
+        if how == "503":
+            return Response(HOSTILE_TEXT, status_code=503, media_type="text/plain")
+        if how == "400":
+            return Response(HOSTILE_TEXT * 1000, status_code=400, media_type="text/plain")
+        if how == "not json":
+            return Response(HOSTILE_TEXT, media_type="application/json")
+        return JSONResponse({"results": [{"reward": None, "failure": HOSTILE_TEXT * 1000}]})
+
+    with ServerThread(app) as server, caplog.at_level("WARNING", logger="rewards.service"):
+        client = _client(server.url, batch_size=1, max_retries=1)
+        failures = {
+            how: client.submit("p", how).result(timeout=30).failure for how in ("503", "400", "not json", "own")
+        }
+        client.close()
+    assert "HTTP 503" in failures["503"] and "HTTP 400" in failures["400"] and "not JSON" in failures["not json"]
+    logged = [record.getMessage() for record in caplog.records]
+    assert any("HTTP 503" in line for line in logged)  # the retried attempt's warning
+    for text in [*failures.values(), *logged]:
+        assert text.isprintable(), repr(text)  # no escape code, no line break
+    for failure in failures.values():
+        assert "\\x1b[2J\\x1b]0;owned\\x07\\n2024-01-01" in failure and len(failure) < 2500  # visible, capped

@@ -135,8 +135,15 @@ def test_dashboard_refuses_cross_site_posts_and_foreign_hosts(dashboard, buffer)
     assert r.status_code == 200 and JobTelemetry(buffer.connection).get_control()["paused"] == "1"
 
 
-def _open_stream(stack: contextlib.ExitStack, client: httpx.Client, url: str) -> int:
-    response = stack.enter_context(client.stream("GET", url + "api/stream", params={"interval": 10}, timeout=10))
+def _open_stream(
+    stack: contextlib.ExitStack,
+    client: httpx.Client,
+    url: str,
+    headers: dict[str, str] | None = None,
+    token_in_query: str | None = None,
+) -> int:
+    params = {"interval": 10, **({"token": token_in_query} if token_in_query else {})}
+    response = stack.enter_context(client.stream("GET", url + "api/stream", params=params, headers=headers, timeout=10))
     return response.status_code
 
 
@@ -173,6 +180,36 @@ def test_dashboard_limits_live_streams_per_client_and_in_total(dashboard):
             return _open_stream(again, again.enter_context(_client_from("127.0.0.1")), url) == 200
 
     wait_for(stream_again, 20, "the closed streams' slots to come back")
+
+
+def test_streams_without_the_token_cannot_lock_the_token_holder_out(dashboard):
+    """On loopback every local user is 127.0.0.1 and may read without the token: their streams, from
+    however many addresses, use up only their own share. The token holder's (in a header or in
+    `?token=`) are counted apart; a wrong token counts as none."""
+    url = dashboard.url
+    wrong = {"X-Slime-Token": "wrong-token-0000"}
+    whole_share = [200] * MAX_STREAMS_PER_CLIENT
+    with contextlib.ExitStack() as stack:
+        local = stack.enter_context(_client_from("127.0.0.1"))
+        opened = [_open_stream(stack, local, url) for _ in range(MAX_STREAMS_PER_CLIENT)]
+        with contextlib.ExitStack() as extra:
+            refused = [_open_stream(extra, local, url), _open_stream(extra, local, url, wrong, "wrong-token-0000")]
+        assert opened == whole_share and refused == [429, 429]
+        for i in range(2, 1 + MAX_STREAMS // MAX_STREAMS_PER_CLIENT):  # the rest of the total, from more addresses
+            other = stack.enter_context(_client_from(f"127.0.0.{i}"))
+            assert [_open_stream(stack, other, url) for _ in range(MAX_STREAMS_PER_CLIENT)] == whole_share
+        with contextlib.ExitStack() as extra:
+            assert _open_stream(extra, local, url, wrong) == 503
+
+        # The token holder, on the same address, still gets its whole share ...
+        holder = [
+            _open_stream(stack, local, url, BEARER),
+            _open_stream(stack, local, url, token_in_query=TOKEN),  # the page's EventSource
+            *(_open_stream(stack, local, url, {"X-Slime-Token": TOKEN}) for _ in range(MAX_STREAMS_PER_CLIENT - 2)),
+        ]
+        assert holder == whole_share
+        with contextlib.ExitStack() as extra:  # ... and no more
+            assert _open_stream(extra, local, url, BEARER) == 429
 
 
 def _redis_calls(client: redis.Redis) -> int:

@@ -8,7 +8,9 @@ Security (docs/security.md), enforced by `security.HttpGuard` before any route r
   stream (`/api/stream`) also takes `?token=`, because a browser's EventSource cannot send headers;
 - the page (`/`) and `/static/` hold no data and are always open; the page reads its token from the
   URL fragment (`#token=...`, never sent to a server) or a field kept in sessionStorage;
-- a Host allow-list on loopback (DNS rebinding); live streams are limited per client and in total.
+- a Host allow-list on loopback (DNS rebinding); live streams are limited per client and in total,
+  those with the token apart from those without it (on loopback every local user is 127.0.0.1 and
+  may read without it: their streams must not use up the token holder's).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from slime.buffer.telemetry import JobTelemetry
 from slime.dashboard import schemas as S
 from slime.dashboard.reader import CURSOR_PATTERN, BufferReader, TrajectoryFilter
 from slime.sample import Status
-from slime.security import GuardPolicy, HttpGuard
+from slime.security import GuardPolicy, HttpGuard, request_authenticated
 
 MAX_STREAMS = 32
 MAX_STREAMS_PER_CLIENT = 4
@@ -47,22 +49,26 @@ def _finite_query(description: str, ge: float | None = None) -> Any:
 
 
 class StreamSlots:
-    """Live streams held open, per client address and in total (touched on the event loop only)."""
+    """Live streams held open, per client address and in total (touched on the event loop only).
+    ``refusal_hint`` ends the refusals' messages."""
 
-    def __init__(self, total: int = MAX_STREAMS, per_client: int = MAX_STREAMS_PER_CLIENT):
-        self.total, self.per_client = total, per_client
+    def __init__(self, total: int = MAX_STREAMS, per_client: int = MAX_STREAMS_PER_CLIENT, refusal_hint: str = ""):
+        self.total, self.per_client, self.refusal_hint = total, per_client, refusal_hint
         self.open: Counter[str] = Counter()
 
     def take(self, client: str) -> None:
         """Hold one for `client`, or raise 503 (all taken) / 429 (this client holds its share)."""
         if sum(self.open.values()) >= self.total:
             raise HTTPException(
-                503, f"too many live streams (at most {self.total}); retry later", headers={"Retry-After": "5"}
+                503,
+                f"too many live streams (at most {self.total}); retry later{self.refusal_hint}",
+                headers={"Retry-After": "5"},
             )
         if self.open[client] >= self.per_client:
             raise HTTPException(
                 429,
-                f"this client already holds {self.per_client} live streams (the most one client may); close one",
+                f"this client already holds {self.per_client} live streams (the most one client may); "
+                f"close one{self.refusal_hint}",
                 headers={"Retry-After": "5"},
             )
         self.open[client] += 1
@@ -102,7 +108,8 @@ def create_app(
     connection = JobConnection(redis_url, job, password=redis_password)
     telemetry = JobTelemetry(connection)  # the dashboard's only writes: control records and events
     reader = BufferReader(BufferQueries(connection), telemetry, read_only=read_only is not None)
-    streams = StreamSlots()
+    token_streams = StreamSlots()
+    open_streams = StreamSlots(refusal_hint=", or send the token: streams with it are counted apart")
     app = FastAPI(
         title=f"slime buffer API: job {job}",
         version="1",
@@ -241,10 +248,11 @@ def create_app(
         interval: Annotated[float, Query(ge=0.2, le=10, allow_inf_nan=False)] = 1.0,
     ) -> StreamingResponse:
         client = request.client.host if request.client else "unknown"
-        streams.take(client)
+        slots = token_streams if request_authenticated(request.scope) else open_streams
+        slots.take(client)
         return _HeldStream(
             _sse(request, reader, telemetry, interval),
-            lambda: streams.give_back(client),
+            lambda: slots.give_back(client),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store"},
         )
