@@ -349,6 +349,7 @@ GOLDEN_SAMPLE_METRICS = {
     "mismatch_stale_tokens",
     "learner_packed",
     "skipped_updates",
+    "zero_grad_updates",
     "failed_samples",
     "failures_by_reason",
     "lr",
@@ -521,6 +522,30 @@ def test_a_non_finite_gradient_skips_the_optimizer_step(tiny_model_dir, redis_ur
     m = learner.train_step(1, num_groups=1)
     assert m["skipped_updates"] == 0 and np.isfinite(m["grad_norm"])
     assert any(not torch.equal(a, b) for a, b in zip(before, learner.policy.parameters()))
+    buffer.delete_job()
+
+
+def test_a_batch_with_nothing_to_learn_leaves_the_weights_as_they_were(tiny_model_dir, redis_url, tmp_path):
+    """Every group's rewards equal: GRPO's advantages and so the gradient are exactly 0. AdamW still
+    moved every weight by its momentum from the step before (and its weight decay): a trial's policy
+    drifted through nine such steps and collapsed at lr 2e-3. The step is not taken, and counted."""
+    job = "learner-zero-grad"
+    buffer = TrajectoryStore.open(redis_url, job)
+    buffer.delete_job()
+    for rewards in ([0.0, 1.0], [0.5, 0.5]):
+        buffer.add_group([6, 7, 77, 61, 86], 2, 16, {"task": "repeat"})
+        for s, reward in zip(buffer.lease("w", 2), rewards):
+            buffer.append_chunk(s.id, "w", [10, 11, 12], [-1.0] * 3, 0)
+            buffer.finish(s.id, "w", Status.COMPLETED, reward=reward)
+    # Without the MoE router's load-balancing loss, which has a gradient of its own on any batch.
+    overrides = ("rollout.batch_size=1", "learner.weight_decay=0.1", "algorithm.router_aux_coef=0")
+    learner = _learner(tiny_model_dir, redis_url, job, tmp_path, *overrides)
+    m = learner.train_step(0, num_groups=1)
+    assert m["zero_grad_updates"] == 0 and m["grad_norm"] > 0
+    before = [p.detach().clone() for p in learner.policy.parameters()]
+    m = learner.train_step(1, num_groups=1)
+    assert m["zero_grad_updates"] == 1 and m["grad_norm"] == 0.0 and m["skipped_updates"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.policy.parameters()))
     buffer.delete_job()
 
 

@@ -119,12 +119,15 @@ def make_adamw(params: Iterable[torch.nn.Parameter], sharded: bool, **settings) 
 
 
 def _step_if_finite(optim: torch.optim.Optimizer, grad_norm: float, which: str) -> None:
-    """The optimizer step, unless the gradient holds a NaN or inf: one such step would make every
-    weight NaN, and every later rollout garbage. The norm is the global one, so all ranks agree."""
-    if math.isfinite(grad_norm):
-        optim.step()
-    else:
+    """The optimizer step, unless the gradient holds a NaN or inf (one such step would make every
+    weight NaN, and every later rollout garbage) or is exactly zero (a batch with nothing to learn,
+    e.g. every group's rewards equal: AdamW would still move the weights by its momentum and weight
+    decay; at lr 2e-3 that drift alone collapsed a policy). The norm is the global one, so all ranks
+    agree."""
+    if not math.isfinite(grad_norm):
         log.warning("learner: %s gradient norm is %s; this optimizer step is skipped", which, grad_norm)
+    elif grad_norm > 0.0:
+        optim.step()
 
 
 def _micro_batches(
@@ -371,6 +374,7 @@ class Learner:
         out.update(
             grad_norm=float(np.mean(grad_norms)),
             skipped_updates=sum(not math.isfinite(n) for n in grad_norms + critic_grad_norms),
+            zero_grad_updates=sum(n == 0.0 for n in grad_norms + critic_grad_norms),
             kl_coef=kl_coef,
             clip_low=clip_low,
             clip_high=clip_high,
