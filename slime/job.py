@@ -46,10 +46,10 @@ from slime.learner.lora import check_model_dir
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
 from slime.model import (
     check_context_fits,
+    checked_rollout_stops,
     ensure_model_dir,
     load_tokenizer,
     rollout_sampling_params,
-    rollout_stop_token_ids,
 )
 from slime.run_lock import lock_run_dir
 from slime.sample import new_id
@@ -101,7 +101,7 @@ class RunningJob:
             if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
                 check_model_dir(self.model_dir, cfg.learner.lora)
             self.tokenizer = load_tokenizer(self.model_dir)
-            stop = rollout_stop_token_ids(cfg.rollout, self.tokenizer)  # an empty stop string fails here
+            stop = checked_rollout_stops(cfg.rollout, self.tokenizer, self.model_dir)  # an empty stop string fails
             self.group_filter = (spec := cfg.april.group_filter) and GroupFilter(spec, self.tokenizer, stop)
             self.records = self._load_records()
             if cfg.resume is None and (aside := set_earlier_run_aside(self.run_dir)) is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -29,6 +30,8 @@ from slime.config import JobConfig, ModelConfig, RolloutConfig, TinyModelConfig
 from slime.config.base import ConfigError
 from slime.engines.contract import SamplingParams
 from slime.errors import UserError
+
+log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -383,6 +386,22 @@ def rollout_stop_token_ids(rollout: RolloutConfig, tokenizer) -> list[int]:
     """The tokens that end a response: none with rollout.ignore_eos, else EOS and rollout.stop's
     single-token strings."""
     return [] if rollout.ignore_eos else stop_token_ids(tokenizer, rollout.stop)
+
+
+def checked_rollout_stops(rollout: RolloutConfig, tokenizer, model_dir: str) -> list[int]:
+    """`rollout_stop_token_ids` at a job's start, with a warning when nothing can end a response:
+    a tokenizer without an EOS token (a base model's, or one whose chat template ends a turn with
+    another token) made every response run to max_new_tokens, silently."""
+    ids = rollout_stop_token_ids(rollout, tokenizer)
+    if not ids and not rollout.ignore_eos and not rollout_stop_strings(rollout, tokenizer):
+        log.warning(
+            "the tokenizer of %s has no EOS token and rollout.stop is empty: nothing ends a response before "
+            "rollout.max_new_tokens=%d. Set rollout.stop to what ends a turn (e.g. ['<|im_end|>']), or "
+            "rollout.ignore_eos=true if running to the budget is meant",
+            model_dir,
+            rollout.max_new_tokens,
+        )
+    return ids
 
 
 def rollout_stop_strings(rollout: RolloutConfig, tokenizer) -> list[str]:

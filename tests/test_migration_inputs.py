@@ -217,3 +217,20 @@ def test_a_verl_rewards_extra_keys_reach_the_step_metrics(tiny_model_dir, tmp_pa
     assert set(info) == {"reward_info/acc", "reward_info/length"}, sorted(logged)
     assert 0 <= info["reward_info/acc"] <= 1 and info["reward_info/length"] > 0
     assert step["reward_mean"] == 0.5
+
+
+def test_a_tokenizer_without_eos_and_no_stop_is_said_at_start(tmp_path, caplog):
+    """Every response ran to max_new_tokens without a word: a base model's tokenizer, or one whose
+    chat template ends a turn with a token that is not its EOS."""
+    from slime.model import checked_rollout_stops
+
+    model_dir = llama3_style_dir(tmp_path, None)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no eos_token_id anywhere
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.eos_token = None
+    assert checked_rollout_stops(RolloutConfig(), tokenizer, str(tmp_path)) == []
+    assert "has no EOS token and rollout.stop is empty" in caplog.text
+    caplog.clear()
+    assert checked_rollout_stops(RolloutConfig(stop=["<|eot_id|>"]), tokenizer, str(tmp_path)) == [2]
+    assert checked_rollout_stops(RolloutConfig(ignore_eos=True), tokenizer, str(tmp_path)) == []
+    assert "EOS" not in caplog.text
