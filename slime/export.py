@@ -17,12 +17,12 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
-from slime.config import JobConfig, ModelConfig, dump_config
-from slime.config.job import config_changes
+from slime.config import JobConfig, ModelConfig, config_for_display, dump_config
 from slime.errors import UserError
 from slime.learner import lora
 from slime.learner.sharding import CHECKPOINT_DIR, CheckpointError, load_policy_shards
@@ -315,3 +315,26 @@ def main_export(argv: list[str]) -> int:
     else:
         print(f"exported {checkpoint} -> {out} (AutoModelForCausalLM.from_pretrained loads it)")
     return 0
+
+
+def config_changes(earlier: Path, cfg: JobConfig) -> list[str]:
+    """``key: before -> now`` for every setting of ``cfg`` that differs from the config.yaml at
+    ``earlier`` (a resume's view of what it changes); [] when there is no such file."""
+    if not earlier.is_file():
+        return []
+    before, now = _flat(yaml.safe_load(earlier.read_text()) or {}), _flat(config_for_display(cfg))
+    skip = {"resume", "steps"}  # a resume sets these by nature
+    return [
+        f"{key}: {before.get(key)!r} -> {now.get(key)!r}"
+        for key in sorted(before.keys() | now.keys())
+        if key not in skip and before.get(key) != now.get(key)
+    ]
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}{key}." if isinstance(value, dict) and value else f"{prefix}{key}"))
+    return out
