@@ -46,6 +46,7 @@ from slime.learner.lora import check_model_dir
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
 from slime.model import (
     check_context_fits,
+    check_prompts_fit,
     checked_rollout_stops,
     ensure_model_dir,
     load_tokenizer,
@@ -253,7 +254,9 @@ class RunningJob:
             path = str(self.run_dir / "repeat_task.jsonl")
             if not Path(path).exists():
                 write_jsonl(repeat.make_dataset(cfg.data.num_generated, cfg.data.seed), path)
-        return load_prompts(cfg.data, self.tokenizer, path)
+        records = load_prompts(cfg.data, self.tokenizer, path)
+        check_prompts_fit([len(r.prompt_ids) for r in records], self.model_dir)
+        return records
 
     # ---- the step's phases, in the loops' order -------------------------------------------------
     def steps(self) -> range:

@@ -422,6 +422,19 @@ def rollout_sampling_params(rollout: RolloutConfig, tokenizer) -> SamplingParams
     )
 
 
+def check_prompts_fit(prompt_lengths: list[int], model_dir: str) -> None:
+    """A prompt as long as the model's context leaves no room for one response token: every
+    response was empty (truncated at once, reward called on ""), and the job trained nothing."""
+    context = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    too_long = [n for n in prompt_lengths if context is not None and n >= context]
+    if too_long:
+        raise ConfigError(
+            f"{len(too_long)} of {len(prompt_lengths)} prompts (the longest {max(too_long)} tokens) fill the model's "
+            f"context (max_position_embeddings={context} in {model_dir}): no room for a response. Set "
+            f"data.max_prompt_tokens below {context} (with data.overlong_prompts=drop to skip those rows)"
+        )
+
+
 def check_context_fits(cfg: JobConfig, model_dir: str) -> None:
     """The engines refuse a response budget longer than the model reads and a top_k beyond its
     vocabulary (validate_sampling in the engine contract): say so at start, naming the field,

@@ -58,6 +58,23 @@ def test_dataset_error(tmp_path):
     assert "Traceback" in debug.stderr and "DatasetError" in debug.stderr
 
 
+def test_prompts_that_fill_the_models_context_are_refused_at_start(tmp_path):
+    """The tiny MoE reads 512 positions; prompts of 600 characters (tokens) left no room for a response: the
+    job ran to the end on empty responses (truncated_share 1.0, nothing trained) without a word."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "ab" * 300 + "=", "label": "ab"}) + "\n" for _ in range(4)))
+    done = slime(
+        "train",
+        EXAMPLE,
+        f"data.path={data}",
+        "data.max_prompt_tokens=2000",
+        "reward.fn=envs.repeat:reward",
+        f"output_dir={tmp_path / 'run'}",
+    )
+    assert_one_clean_error(done, "4 of 4 prompts (the longest 601 tokens) fill the model's context")
+    assert "max_position_embeddings=512" in done.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_plugin_with_a_syntax_error(tmp_path):
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def score(prompt, response:\n    return 1\n")

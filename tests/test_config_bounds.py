@@ -141,3 +141,14 @@ def test_a_config_file_that_is_not_text_repeats_a_key_or_explodes_its_aliases_is
     path.write_bytes(content)
     with pytest.raises(ConfigError, match=said):
         load_config(path)
+
+
+def test_own_data_without_a_reward_fn_is_warned_about(caplog):
+    """A job on one's own prompts that forgot reward.fn trained on the example task's reward
+    (character overlap with the label) without a word."""
+    load_config(None, ["data.path=/data/math.jsonl"])
+    assert "data.path=/data/math.jsonl is set but reward.fn is not" in caplog.text
+    caplog.clear()
+    load_config(None, ["data.path=/data/math.jsonl", "reward.fn=envs.repeat:reward"])  # meant: said so
+    load_config(None, [])  # the example task's own data
+    assert caplog.text == ""

@@ -11,6 +11,7 @@ as `***`.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -36,6 +37,8 @@ from slime.config.services import (
     resolve_weight_transport,
 )
 from slime.security import redact, write_private
+
+log = logging.getLogger(__name__)
 
 ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
@@ -185,7 +188,20 @@ class JobConfig(_Strict):
         self._check_local_launcher()
         self._check_lora()
         self._check_offpolicy_tuning()
+        self._warn_example_reward_on_own_data()
         return self
+
+    def _warn_example_reward_on_own_data(self) -> None:
+        """Not an error: the example task's rows may be the user's. But a job on one's own prompts
+        that forgot reward.fn trained on character overlap with the label, silently."""
+        own_data = self.data.path is not None and self.env.plugin is None and self.reward.mode != "http"
+        if own_data and "fn" not in self.reward.model_fields_set:
+            log.warning(
+                "data.path=%s is set but reward.fn is not: the example task's reward (%s, the share of characters "
+                "matching the label) scores these prompts. Set reward.fn=FILE.py:FUNCTION for your task",
+                self.data.path,
+                self.reward.fn,
+            )
 
     def _check_group_rewards(self) -> None:
         if self.reward.scope != "group":
