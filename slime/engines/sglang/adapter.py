@@ -75,7 +75,7 @@ from slime.engines.contract import (
 )
 from slime.engines.sglang.processes import SglangServerProcess, free_port, launch_worker_servers, update_group_address
 from slime.model import load_tokenizer
-from slime.security import auth_headers, new_secret, read_token
+from slime.security import auth_headers, new_secret, printable_excerpt, read_token
 from slime.weights import CudaIpcTransport, SharedMemoryTransport, broadcast_from_rank0, join_update_group
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -242,7 +242,7 @@ class SglangEngine:
             async with self._aclient.stream("POST", "/generate", json=r.payload) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")
-                    raise RuntimeError(f"SGLang /generate answered {resp.status_code}: {body[:500]}")
+                    raise RuntimeError(f"SGLang /generate answered {resp.status_code}: {printable_excerpt(body, 500)}")
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -531,7 +531,9 @@ class SglangEngine:
             except ValueError:
                 ok = False
         if not ok:
-            raise RuntimeError(f"SGLang {resp.request.url} answered {resp.status_code}: {resp.text[:500]}")
+            raise RuntimeError(
+                f"SGLang {resp.request.url} answered {resp.status_code}: {printable_excerpt(resp.text, 500)}"
+            )
 
     def _update_from_tensor(self, version: int, named_tensors) -> None:
         """One ``/update_weights_from_tensor`` per server, each in the format it takes; one
