@@ -237,8 +237,8 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     """Write `checkpoint`'s policy to `out` as a Hugging Face directory (replaced if it exists, at
     once: a reader sees the old export or the new one). A LoRA checkpoint with merged=False: its
     adapters as a PEFT directory (`PeftModel.from_pretrained(base, out)`) and the tokenizer."""
-    check_export_target(out, checkpoint)
     model_dir = model_dir or base_model_dir(checkpoint)
+    check_export_target(out, checkpoint, Path(model_dir))
     check_same_architecture(checkpoint, Path(model_dir))
     dtype = model_config_of(config_of(checkpoint)).dtype if config_of(checkpoint).is_file() else "float32"
     adapter_only = is_lora(checkpoint) and not merged
@@ -274,19 +274,21 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     return out
 
 
-def check_export_target(out: Path, checkpoint: Path) -> None:
+def check_export_target(out: Path, checkpoint: Path, model_dir: Path) -> None:
     """`out` is replaced as a whole, so it must be new, empty, or an earlier export (it holds
-    EXPORT_INFO); never the checkpoint, its run directory or a folder above them."""
+    EXPORT_INFO); never the checkpoint, its run directory, the base model the run trained from
+    (itself an earlier export, maybe) or a folder above them."""
     if not out.exists():
         return
     if not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory", hint="name a new or empty directory")
-    target, source = out.resolve(), checkpoint.resolve()
-    if target == source or target in source.parents:
-        raise ExportError(
-            f"--out {out} holds the checkpoint {checkpoint} (exporting there would delete it)",
-            hint="name a new directory outside the run, e.g. --out exported/",
-        )
+    target = out.resolve()
+    for source, what in ((checkpoint, "the checkpoint"), (model_dir, "the base model the run trained from")):
+        if target == source.resolve() or target in source.resolve().parents:
+            raise ExportError(
+                f"--out {out} holds {what}, {source} (exporting there would delete it)",
+                hint="name a new directory outside the run, e.g. --out exported/",
+            )
     if any(out.iterdir()) and not (out / EXPORT_INFO).is_file():
         raise ExportError(
             f"--out {out} is a non-empty directory that is not an earlier export (no {EXPORT_INFO}); "

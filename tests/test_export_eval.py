@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -261,6 +262,12 @@ def test_an_export_replaces_the_old_one_whole_and_names_its_checkpoint(tiny_mode
         with pytest.raises(ExportError):
             export_checkpoint(find_checkpoint(run, 4), target)
     assert (notes / "keep.txt").exists() and (checkpoint / "driver_state.json").exists()
+    # The base model the run trained from, itself an earlier export: never replaced by an export of it.
+    base = Path(shutil.copytree(tiny_model_dir, tmp_path / "base"))
+    (base / "slime_export.json").write_text("{}")
+    with pytest.raises(ExportError, match="holds the base model the run trained from"):
+        export_checkpoint(find_checkpoint(run, 4), base, base)
+    assert (base / "config.json").is_file()
     info = json.loads((out / "slime_export.json").read_text())
     assert info["checkpoint"] == str(checkpoint.resolve()) and info["steps"] == 4
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
