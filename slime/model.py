@@ -32,6 +32,9 @@ from slime.engines.contract import SamplingParams
 from slime.errors import UserError
 
 log = logging.getLogger(__name__)
+# transformers' "Loading weights" and "Writing model shards" bars: from every actor of a job (Ray
+# prints them as blank `(Learner pid=...)` lines) and for every checkpoint; the job has its own.
+transformers.utils.logging.disable_progress_bar()
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
