@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rewards.exit_guard import guard_os_exit, no_exit
 from slime.errors import UserError
 from slime.sample import as_json
 
@@ -115,6 +116,7 @@ class RewardRunner:
         self.max_concurrency = int(max_concurrency)
         self.max_hung_calls = 4 * self.max_concurrency if max_hung_calls is None else int(max_hung_calls)
         self._fn = fn
+        guard_os_exit()  # os._exit on a reward thread fails that call instead of ending this process
         self._pass_label, self._pass_metadata = _keyword_plan(fn, self.name)
         self._is_async = _is_async(fn)
 
@@ -308,7 +310,7 @@ class RewardRunner:
                     return
                 self._start(call)
             try:
-                task = asyncio.ensure_future(self._fn(**call.kwargs))
+                task = asyncio.ensure_future(no_exit(self._fn(**call.kwargs)))
             except Exception as exc:  # bad arguments, or it did not return an awaitable
                 self._settle(call, None, self._raised_message(exc))
                 return
@@ -420,7 +422,7 @@ class RewardRunner:
 
     def _raised_message(self, exc: BaseException) -> str:
         where = ""
-        frames = traceback.extract_tb(exc.__traceback__)
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).name != "exit_guard.py"]
         if frames:
             where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})"
         return f"reward function {self.name} raised {type(exc).__name__}: {exc}{where}"

@@ -347,3 +347,52 @@ def test_an_async_reward_that_blocks_its_loop_fails_the_calls_on_it_and_a_new_lo
     finally:
         release.set()
         runner.close()
+
+
+EXITING_REWARDS = """
+import asyncio, os, sys
+from rewards.runner import RewardRunner
+
+def hard(prompt, response):
+    os._exit(3)
+
+def soft(prompt, response):
+    sys.exit(2)
+
+async def hard_async(prompt, response):
+    await asyncio.sleep(0)
+    os._exit(3)
+
+async def soft_async(prompt, response):
+    sys.exit("done")
+
+for fn in (hard, soft, hard_async, soft_async):
+    with RewardRunner(fn, timeout_s=10, max_concurrency=2) as runner:
+        first, second = runner.score("p", "a"), runner.score("p", "b")  # the runner serves on after an exit
+        print(fn.__name__, "|", first.failure, "|", second.failure, flush=True)
+print("still running", flush=True)
+"""
+
+
+def test_a_reward_that_exits_fails_its_call_and_the_process_lives(tmp_path: Path) -> None:
+    """os._exit in a reward ended the rollout worker at once (the whole job under the local
+    launcher) with an error that named no reward; sys.exit in an async reward stopped its loop."""
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_REWARDS)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("still running"), done.stdout + done.stderr
+    lines = dict(line.split(" | ", 1) for line in done.stdout.splitlines() if " | " in line)
+    assert set(lines) == {"hard", "soft", "hard_async", "soft_async"}
+    for name, failures in lines.items():
+        first, second = failures.split(" | ")
+        assert first.startswith(f"reward function __main__.{name} raised") and first == second, failures
+    assert "SystemExit: os._exit(3) (at exiting.py:6)" in lines["hard"] and "os._exit(3)" in lines["hard_async"]
+    assert "SystemExit: 2" in lines["soft"] and "exited (done)" in lines["soft_async"]
