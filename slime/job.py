@@ -429,8 +429,8 @@ class RunningJob:
         metrics["kv_resumed_tokens_total"] = sum(h.get("kv_resumed_tokens", 0) for h in healths)
         rewards_by_task = metrics.get("reward_by_task", {})
         self.sampler.observe({k: [v] for k, v in rewards_by_task.items()})
-        if self.sampler.current_stage is not None:
-            metrics["curriculum_stage"] = self.sampler.current_stage
+        if self.sampler.current_stage_index is not None:  # its name is text, which metrics drop
+            metrics["curriculum_stage"] = self.sampler.current_stage_index
         if self.sampler.task_weights:
             metrics["task_weight"] = self.sampler.task_weights
         if self.held_out is not None and self.held_out.due(step):

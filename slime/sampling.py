@@ -166,6 +166,11 @@ class PromptSampler:
         return self.cfg.curriculum[self._stage].name if self.cfg.curriculum else None
 
     @property
+    def current_stage_index(self) -> int | None:
+        """The stage's position in sampling.curriculum (0 first): a number the metrics can plot."""
+        return self._stage if self.cfg.curriculum else None
+
+    @property
     def task_weights(self) -> dict[str, float]:
         return dict(self._weights)
 

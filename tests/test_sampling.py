@@ -104,12 +104,12 @@ def test_curriculum_advances_at_the_threshold() -> None:
         window=2,
     )
     sampler = PromptSampler(make_records(10), cfg, "task", seed=1, shuffle=True)
-    assert sampler.current_stage == "easy"
+    assert sampler.current_stage == "easy" and sampler.current_stage_index == 0
     assert {sampler.next().metadata["level"] for _ in range(12)} == {"easy"}
     sampler.observe({"math": [0.9]})
     assert sampler.current_stage == "easy"  # the window is not full yet
     sampler.observe({"math": [0.0, 0.2]})  # window mean (0.9 + 0.1)/2 = 0.5 reaches 0.5
-    assert sampler.current_stage == "hard"
+    assert sampler.current_stage == "hard" and sampler.current_stage_index == 1
     assert {sampler.next().metadata["level"] for _ in range(12)} == {"hard"}
     for _ in range(5):
         sampler.observe({"math": [1.0]})
