@@ -337,8 +337,16 @@ def _blank(text: str, spans: list[tuple[int, int]]) -> str:
 
 def _parse_json_calls(text: str, registry: ToolRegistry, turn: ParsedTurn, require: bool) -> None:
     decoder = json.JSONDecoder()
-    i, found, failed = 0, False, 0
-    while (start := text.find("{", i)) != -1:
+    # Each failed decode may read to the end of the turn: at most MAX_FAILED_DECODES of each kind.
+    i, found, failed_calls, failed_prose = 0, False, 0, 0
+    while True:
+        if failed_prose < MAX_FAILED_DECODES:
+            start = text.find("{", i)
+        else:  # prose that is not JSON is no longer decoded; what looks like a call still is
+            call = _CALL_LIKE.search(text, i)
+            start = -1 if call is None else call.start()
+        if start == -1:
+            break
         i = start + 1
         if not _OBJECT_START.match(text, start):  # prose braces, skipped without a decode
             if require:
@@ -353,13 +361,14 @@ def _parse_json_calls(text: str, registry: ToolRegistry, turn: ParsedTurn, requi
             break
         except ValueError as exc:
             # Only text that looks like a call is a malformed call; other braces are prose.
-            if require or _CALL_LIKE.match(text, start):
-                turn.errors.append(f"malformed JSON tool call: {exc.msg} at character {exc.pos - start}")
-                found = True
-            failed += 1
-            if failed == MAX_FAILED_DECODES:  # each failed decode may read to the end of the turn
-                turn.errors.append(f"{failed} malformed JSON objects: the rest of the turn is not read")
-                found = True
+            if not (require or _CALL_LIKE.match(text, start)):
+                failed_prose += 1
+                continue
+            turn.errors.append(f"malformed JSON tool call: {exc.msg} at character {exc.pos - start}")
+            found = True
+            failed_calls += 1
+            if failed_calls == MAX_FAILED_DECODES:
+                turn.errors.append(f"{failed_calls} malformed JSON tool calls: the rest of the turn is not read")
                 break
             continue
         i = end

@@ -169,7 +169,9 @@ def config_of(checkpoint: Path) -> Path:
     config.yaml (checkpoints of older versions). The run's file is the last start's, which a resume
     with other settings has rewritten since."""
     own = checkpoint / "config.yaml"
-    return own if own.is_file() else run_dir_of(checkpoint) / "config.yaml"
+    if own.is_file() or not (checkpoint / "driver_state.json").is_file():
+        return own  # missing when the checkpoint is gone (set aside, pruned): not another run's file
+    return run_dir_of(checkpoint) / "config.yaml"
 
 
 def model_config_of(config_path: Path) -> ModelConfig:
@@ -237,6 +239,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     """Write `checkpoint`'s policy to `out` as a Hugging Face directory (replaced if it exists, at
     once: a reader sees the old export or the new one). A LoRA checkpoint with merged=False: its
     adapters as a PEFT directory (`PeftModel.from_pretrained(base, out)`) and the tokenizer."""
+    check_export_target(out, checkpoint)  # before the base model is found (or built, for the tiny MoE)
     model_dir = model_dir or base_model_dir(checkpoint)
     check_export_target(out, checkpoint, Path(model_dir))
     check_same_architecture(checkpoint, Path(model_dir))
@@ -274,7 +277,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     return out
 
 
-def check_export_target(out: Path, checkpoint: Path, model_dir: Path) -> None:
+def check_export_target(out: Path, checkpoint: Path, model_dir: Path | None = None) -> None:
     """`out` is replaced as a whole, so it must be new, empty, or an earlier export (it holds
     EXPORT_INFO); never the checkpoint, its run directory, the base model the run trained from
     (itself an earlier export, maybe) or a folder above them."""
@@ -283,7 +286,10 @@ def check_export_target(out: Path, checkpoint: Path, model_dir: Path) -> None:
     if not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory", hint="name a new or empty directory")
     target = out.resolve()
-    for source, what in ((checkpoint, "the checkpoint"), (model_dir, "the base model the run trained from")):
+    sources = [(checkpoint, "the checkpoint")] + (
+        [(model_dir, "the base model the run trained from")] if model_dir else []
+    )
+    for source, what in sources:
         if target == source.resolve() or target in source.resolve().parents:
             raise ExportError(
                 f"--out {out} holds {what}, {source} (exporting there would delete it)",

@@ -489,10 +489,10 @@ class RunningJob:
         left = f"at step {done} of {steps}" if done < steps else f"with nothing left to train (steps={steps})"
         print(f"resume={self.cfg.resume}: resuming from {checkpoint} {left}", flush=True)
         self.learner.result(self.learner.load(str(checkpoint)))
-        write_resumed_config(self.cfg, self.run_dir, checkpoint)
         self.sampler.load_state_dict(state["sampler"])
         if self.offpolicy is not None and "offpolicy_auto" in state:  # absent: a run without it, start afresh
             self.offpolicy.load_state_dict(state["offpolicy_auto"])
+        write_resumed_config(self.cfg, self.run_dir, checkpoint)  # everything of the checkpoint took
         # Claims of steps inside the checkpoint are trained (the process may have died before it
         # marked them); claims of later steps go back to the ready queue, to train on these weights.
         self.buffer.commit_through(int(state["next_step"]) - 1, self.cfg.buffer.keep_trained_steps)

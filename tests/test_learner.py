@@ -549,6 +549,33 @@ def test_a_batch_with_nothing_to_learn_leaves_the_weights_as_they_were(tiny_mode
     buffer.delete_job()
 
 
+def test_a_sharded_checkpoint_before_any_optimizer_step_resumes(tiny_model_dir, redis_url, tmp_path):
+    """Every update before the first checkpoint had nothing to learn: the optimizer never stepped, its
+    gradients were left in place, and torch.distributed.checkpoint then saved no optimizer state, so
+    the resume failed with "Missing key in checkpoint state_dict: optim.state...step"."""
+    job = "learner-zero-grad-dcp"
+    buffer = TrajectoryStore.open(redis_url, job)
+    buffer.delete_job()
+    buffer.add_group([6, 7, 77, 61, 86], 2, 16, {"task": "repeat"})
+    for s in buffer.lease("w", 2):
+        buffer.append_chunk(s.id, "w", [10, 11, 12], [-1.0] * 3, 0)
+        buffer.finish(s.id, "w", Status.COMPLETED, reward=0.5)
+    overrides = ("rollout.batch_size=1", "algorithm.router_aux_coef=0", "learner.mixed_precision=true")
+    learner = _learner(tiny_model_dir, redis_url, job, tmp_path, *overrides)
+    assert learner.train_step(0, num_groups=1)["zero_grad_updates"] == 1
+    learner.save(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "dcp").is_dir()
+    saved = [p.detach().clone() for p in learner.policy.parameters()]
+    learner.close()  # one process group at a time
+    resumed = _learner(tiny_model_dir, redis_url, job, tmp_path, *overrides)
+    try:
+        resumed.load(str(tmp_path / "ckpt"))
+        assert all(torch.equal(a, b) for a, b in zip(saved, resumed.policy.parameters()))
+    finally:
+        resumed.close()
+    buffer.delete_job()
+
+
 def test_a_resume_trains_with_the_configs_lr_not_the_checkpoints(tiny_model_dir, redis_url, tmp_path):
     """Optimizer.load_state_dict brings the saved param_groups: resume=auto learner.lr=... ran on at
     the old lr (the `lr` metric said so) without a word."""

@@ -282,6 +282,39 @@ def test_chunk_sampler_temperature_survives_abort_and_resume(tiny_model_dir, red
     _check_temperatures(tiny_model_dir, samples)
 
 
+@pytest.mark.parametrize("returned", ["1e-45", "float('nan')", "'hot'"])
+def test_a_chunk_sampler_temperature_no_engine_takes_stops_the_worker_naming_the_hook(
+    tiny_model_dir, redis_url, tmp_path, returned
+):
+    """1e-45 (or NaN) went straight to the engine: NaN probabilities, token 0 and a non-finite logprob."""
+    from slime.rollout import RolloutWorker
+
+    hook = tmp_path / "bad_hook.py"
+    hook.write_text(f"def temperature(state):\n    return {returned} if state['response_length'] else None\n")
+    job = "offpolicy-chunk-bad"
+    cfg = load_config(
+        None,
+        [
+            f"job_name={job}",
+            f"output_dir={tmp_path / job}",
+            "rollout.ignore_eos=true",
+            f"rollout.chunk_tokens={CHUNK}",
+            f"april.chunk_sampler={hook}:temperature",
+        ],
+    )
+    buffer = TrajectoryStore.open(redis_url, job)
+    buffer.delete_job()
+    buffer.add_group(PROMPTS[0], 2, 20, {"label": "x"})
+    worker = RolloutWorker(cfg, str(tiny_model_dir), redis_url, "w0")
+    try:
+        wait_for(lambda: worker.error is not None, 60, "the worker to stop on the hook's temperature")
+    finally:
+        worker.stop()
+    assert f"april.chunk_sampler {hook}:temperature returned" in worker.error
+    assert "a temperature is 0 (greedy) or a number in [1e-06, 100]" in worker.error
+    buffer.delete_job()
+
+
 @pytest.mark.parametrize("off_policy", ["tis", "icepop"])
 def test_token_shares_do_not_depend_on_the_micro_batching(tiny_model_dir, redis_url, tmp_path, off_policy):
     """A share of the batch's trainable tokens (masked, clipped) or their mean ratio is the same

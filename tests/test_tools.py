@@ -164,6 +164,11 @@ def test_a_hostile_turn_is_read_in_linear_time_with_a_few_errors(text, registry)
     assert turn.calls == [] and 1 <= len(turn.errors) <= MAX_TURN_ERRORS + 1
 
 
+def test_prose_that_is_not_json_never_hides_a_call_after_it(registry):
+    turn = parse_turn('{"k0": v} ' * 5000 + '{"tool": "calculator", "args": "2+3"}', registry)
+    assert [(c.name, c.argument) for c in turn.calls] == [("calculator", "2+3")] and turn.errors == []
+
+
 def test_pairs_and_unclosed_tags_are_read_left_to_right(registry):
     turn = parse_turn("<search>x <calculator>1+1</calculator></search> <calculator>2*3", registry)
     # The first pair's body is its own (the inner tag is not a second call); the last tag is unclosed.

@@ -374,7 +374,7 @@ class Learner:
         out.update(
             grad_norm=float(np.mean(grad_norms)),
             skipped_updates=sum(not math.isfinite(n) for n in grad_norms + critic_grad_norms),
-            zero_grad_updates=sum(n == 0.0 for n in grad_norms + critic_grad_norms),
+            zero_grad_updates=sum(n == 0.0 for n in ([] if policy_frozen else grad_norms) + critic_grad_norms),
             kl_coef=kl_coef,
             clip_low=clip_low,
             clip_high=clip_high,

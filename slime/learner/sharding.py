@@ -168,6 +168,12 @@ def save_sharded(directory: Path, model, optim, critic=None, critic_optim=None, 
     import torch.distributed.checkpoint as dcp
 
     path = directory / CHECKPOINT_DIR
+    # An optimizer that never stepped (every update so far had a zero or non-finite gradient, or
+    # the critic's warmup froze the policy) but holds gradients is saved with no state at all, and
+    # the resume then asks for keys that are not there; without gradients its state is initialised.
+    for o in (optim, critic_optim):
+        if o is not None:
+            o.zero_grad(set_to_none=True)
     state = _training_state(model, optim, critic, critic_optim, trainable_only)
     _checkpoint_call("cannot write", path, lambda: dcp.save(state, checkpoint_id=str(path)))
 
