@@ -258,7 +258,7 @@ def _exported_from(export: Path) -> str | None:
         return None
 
 
-def _job_config(path: Path, overrides: list[str], step: int | None) -> tuple[JobConfig, Path | None]:
+def _job_config(path: Path, overrides: list[str], step: int | None = None) -> tuple[JobConfig, Path | None]:
     """(the config to evaluate with, the run dir) of a run dir, a checkpoint or a model directory.
     A checkpoint is evaluated with the settings that trained it (a resume may have changed them)."""
     run_dir = None
