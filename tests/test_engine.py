@@ -557,3 +557,18 @@ def test_the_config_and_the_engines_take_the_same_temperatures():
     with pytest.raises(ValueError, match="rollout.temperature: must be 0 .greedy. or at least"):
         load_config(None, ["rollout.temperature=1e-45"])
     assert load_config(None, ["rollout.temperature=0"]).rollout.temperature == 0
+
+
+def test_only_the_turns_own_tokens_can_have_stopped_it(model):
+    """A multi-turn response ends in an observation; one that ends in a stop token is not a turn
+    that stopped. With turn_start at the observation's end the next turn generates; without it
+    (a resumed single-turn partial) the same tokens mean "stopped already"."""
+    eng = BuiltinEngine(model, max_running_requests=2, max_seq_len=128)
+    response = [9, 10, 11, 5]  # ..., then the observation's last token, 5, which is a stop token here
+    params = greedy(12, stop=[5])
+    stopped = eng.generate([GenerationRequest("resumed", [1, 2], params, response)])["resumed"]
+    assert (stopped.token_ids, stopped.finish_reason) == ([], "stop")
+    turn = eng.generate([GenerationRequest("next-turn", [1, 2], params, response, turn_start=4)])["next-turn"]
+    assert turn.token_ids and turn.finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match="turn_start must be an integer in \\[0, 4\\]"):
+        eng.add_request(GenerationRequest("bad", [1, 2], params, response, turn_start=5))

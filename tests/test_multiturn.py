@@ -412,6 +412,19 @@ def test_long_observations_keep_head_and_tail(buffer, redis_url, tiny_model_dir,
     assert f"[...middle of {len(text)} tokens cut...]" in kept
 
 
+def test_an_observation_that_ends_in_a_stop_token_does_not_end_the_next_turn(
+    buffer, redis_url, tiny_model_dir, tmp_path
+):
+    """'[obs k]' ends in ']', here a stop token: the engine took the transcript's last token for the
+    turn's own stop, so every later turn ended at once with no tokens, and the env stepped on ''."""
+    cfg = job_config(buffer, tmp_path, "rollout.ignore_eos=false", "rollout.stop=[']']")
+    groups = [buffer.add_group(PROMPT, 2, 80, {"label": "ababab"})]
+    _, samples = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
+    for s in samples:
+        model_turns = int(s.loss_mask[0] == 1) + int(np.sum(np.diff(s.loss_mask) == 1))
+        assert s.metadata["env_turns"] == 3 and model_turns == 3, s.loss_mask.tolist()
+
+
 def test_reward_fn_mode_scores_the_transcript(buffer, redis_url, tiny_model_dir, tmp_path):
     cfg = job_config(buffer, tmp_path, "env.reward=reward_fn", "reward.fn=envs.repeat:reward")
     groups = [buffer.add_group(PROMPT, 1, 80, {"label": "ababab", "prompt_text": "ab*3="})]

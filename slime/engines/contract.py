@@ -67,6 +67,20 @@ class GenerationRequest:
     # The caller sends this request again, with more context, after it finishes (the next model
     # turn of an episode): an engine may keep its KV cache to prefill only the new tokens then.
     keep_kv_after_finish: bool = False
+    # Where the current model turn begins in response_ids: before it lie earlier turns and the env's
+    # observations. Only the turn's own tokens can have stopped it (an observation ending in a stop
+    # token or string is not a finished turn) or start a stop string. 0: all of it is the model's.
+    turn_start: int = 0
+
+    def own_tokens(self) -> list[int]:
+        """The current turn's tokens so far (a resumed partial's; none at a turn's start)."""
+        return list(self.response_ids[self.turn_start :])
+
+    def checked_turn_start(self) -> int:
+        t = self.turn_start
+        if not _is_int(t) or not 0 <= t <= len(self.response_ids):
+            raise ValueError(f"turn_start must be an integer in [0, {len(self.response_ids)}], got {t!r:.100}")
+        return int(t)
 
 
 @dataclass

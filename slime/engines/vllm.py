@@ -137,7 +137,7 @@ class _Live:
     remaining: int  # tokens it may generate from ``ids`` on
     generated: list[int]
     stops: StopStrings | None = None  # params.stop_strings, matched here
-    response: list[int] = field(default_factory=list)  # with stop strings: the response so far
+    response: list[int] = field(default_factory=list)  # with stop strings: this model turn's tokens so far
 
 
 def to_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -332,6 +332,7 @@ class VllmEngine:
             validate_sampling(p, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
             prompt = checked_token_ids(req.prompt_ids, vocab_size=self.vocab_size, field_name="prompt_ids")
             response = checked_token_ids(req.response_ids, vocab_size=self.vocab_size, field_name="response_ids")
+            own = response[req.checked_turn_start() :]  # this model turn's tokens (stops read only these)
         except ValueError as e:
             raise ValueError(f"request {rid!r}: {e}") from None
         if p.stop_strings and self._decode is None:
@@ -339,7 +340,7 @@ class VllmEngine:
         stops = StopStrings(p.stop_strings, self._decode) if p.stop_strings else None
         ids = prompt + response
         remaining = min(p.max_new_tokens - len(response), self.max_seq_len - len(ids))
-        if response and (response[-1] in p.stop_token_ids or stops is not None and stops.ends(response)):
+        if own and (own[-1] in p.stop_token_ids or stops is not None and stops.ends(own)):
             self._ready.append(GenerationChunk(rid, [], [], self._version, True, "stop"))
             return
         if remaining <= 0:
@@ -351,7 +352,7 @@ class VllmEngine:
                 "vLLM with top_k/top_p: behaviour logprobs are of the truncated distribution, not the full "
                 "tempered one the learner uses (see slime/engines/vllm.py)"
             )
-        self._add(rid, _Live(ids, p, remaining, [], stops, list(response) if stops is not None else []))
+        self._add(rid, _Live(ids, p, remaining, [], stops, own if stops is not None else []))
 
     def _add(self, rid: str, live: _Live) -> None:
         """Into vLLM, under the newest adapter (if any)."""

@@ -335,8 +335,16 @@ class MultiTurnRollout:
         ep.turn_started_at = time.time()
         # keep_kv_after_finish: the next turn comes back as this request plus the observation; the
         # built-in engine then feeds only the observation onto the kept cache (rollout.kept_kv_tokens).
+        # The turn begins after the last observation token: an observation that ends in a stop token
+        # or string is not a turn that stopped (every later turn ended at once, with no tokens).
+        observed = np.flatnonzero(sample.loss_mask == 0)
         return GenerationRequest(
-            sample.id, sample.prompt_ids.tolist(), params, sample.response_ids.tolist(), keep_kv_after_finish=True
+            sample.id,
+            sample.prompt_ids.tolist(),
+            params,
+            sample.response_ids.tolist(),
+            keep_kv_after_finish=True,
+            turn_start=int(observed[-1]) + 1 if observed.size else 0,
         )
 
     def _action_text(self, sample: Sample, span: tuple[int, int] | None) -> str:

@@ -95,6 +95,7 @@ class _Seq:
         "top_p",
         "keep_kv",
         "response_start",
+        "turn_start",
         "stop_strings",
         "generator",
     )
@@ -109,9 +110,11 @@ class _Seq:
         response_start: int = 0,
         decode: Callable[[list[int]], str] | None = None,
         device: torch.device | None = None,
+        turn_start: int = 0,
     ):
         self.request_id = request_id
         self.response_start = response_start  # where the response begins in tokens
+        self.turn_start = max(turn_start, response_start)  # where this model turn begins: stop strings start here
         self.stop_strings = StopStrings(params.stop_strings, decode) if params.stop_strings and decode else None
         self.keep_kv = keep_kv  # keep its cache when it finishes: it comes back with more context
         self.tokens = tokens  # prompt + response so far; the cache holds all but the last one
@@ -313,6 +316,7 @@ class BuiltinEngine:
             # Snapshot as plain ints (callers may pass numpy arrays, or mutate their lists later).
             prompt = checked_token_ids(req.prompt_ids, vocab_size=self.vocab_size, field_name="prompt_ids")
             response = checked_token_ids(req.response_ids, vocab_size=self.vocab_size, field_name="response_ids")
+            turn_start = req.checked_turn_start()
         except ValueError as e:
             raise ValueError(f"request {req.request_id!r}: {e}") from None
         params = SamplingParams(
@@ -325,7 +329,9 @@ class BuiltinEngine:
             None if p.seed is None else int(p.seed),
         )
         self._ids.add(req.request_id)
-        self._waiting.append(GenerationRequest(req.request_id, prompt, params, response, req.keep_kv_after_finish))
+        self._waiting.append(
+            GenerationRequest(req.request_id, prompt, params, response, req.keep_kv_after_finish, turn_start)
+        )
 
     def step(self) -> list[GenerationChunk]:
         if not self._waiting and not self._running:
@@ -541,10 +547,11 @@ class BuiltinEngine:
             p = req.params
             n_ctx = len(req.prompt_ids) + len(req.response_ids)
             remaining = min(p.max_new_tokens - len(req.response_ids), self.max_seq_len - n_ctx)
-            if req.response_ids and (
-                req.response_ids[-1] in p.stop_token_ids
+            own = req.own_tokens()
+            if own and (
+                own[-1] in p.stop_token_ids
                 or bool(p.stop_strings)
-                and StopStrings(p.stop_strings, self._decode).ends(req.response_ids)
+                and StopStrings(p.stop_strings, self._decode).ends(own)
             ):
                 reason = "stop"  # resumed after its stop: nothing left to generate
             elif remaining <= 0:
@@ -564,6 +571,7 @@ class BuiltinEngine:
                 len(req.prompt_ids),
                 self._decode,
                 self.device,
+                turn_start=len(req.prompt_ids) + req.turn_start,
             )
             kept = self._kept.pop(req.request_id, None)
             if kept is not None:
@@ -688,7 +696,7 @@ class BuiltinEngine:
             s.remaining -= 1
             if t in s.stop or (
                 s.stop_strings is not None
-                and s.stop_strings.first_end(s.tokens, len(s.tokens) - 1, s.response_start) is not None
+                and s.stop_strings.first_end(s.tokens, len(s.tokens) - 1, s.turn_start) is not None
             ):
                 reason = "stop"
             elif s.remaining <= 0:

@@ -91,7 +91,7 @@ class _Request:
     abort_requested: bool = False
     task: asyncio.Future | None = None
     stops: StopStrings | None = None  # stop_strings, matched here (the server runs token ids only)
-    response: list[int] = field(default_factory=list)  # with stop strings: the response so far
+    response: list[int] = field(default_factory=list)  # with stop strings: this model turn's tokens so far
     stopped: tuple[list[int], list[float], int] | None = None  # the tokens up to a stop string, to emit
 
 
@@ -343,6 +343,7 @@ class SglangEngine:
             validate_sampling(p, vocab_size=None, max_seq_len=None)
             prompt = checked_token_ids(req.prompt_ids, vocab_size=None, field_name="prompt_ids")
             response = checked_token_ids(req.response_ids, vocab_size=None, field_name="response_ids")
+            own = response[req.checked_turn_start() :]  # this model turn's tokens (stops read only these)
             if p.stop_strings and self._decode is None:
                 raise ValueError("stop_strings need the tokenizer's decode (SglangEngine(decode=...))")
         except ValueError as e:
@@ -350,8 +351,8 @@ class SglangEngine:
         remaining = p.max_new_tokens - len(response)
         r = _Request(req.request_id, prompt + response, {})
         if p.stop_strings:
-            r.stops, r.response = StopStrings(p.stop_strings, self._decode), list(response)
-        if response and (response[-1] in p.stop_token_ids or r.stops is not None and r.stops.ends(response)):
+            r.stops, r.response = StopStrings(p.stop_strings, self._decode), list(own)
+        if own and (own[-1] in p.stop_token_ids or r.stops is not None and r.stops.ends(own)):
             self._emit(r, [], [], "stop")  # resumed after its stop token: nothing left to generate
             return
         if remaining <= 0:
