@@ -412,6 +412,22 @@ def test_long_observations_keep_head_and_tail(buffer, redis_url, tiny_model_dir,
     assert f"[...middle of {len(text)} tokens cut...]" in kept
 
 
+def test_a_huge_observation_is_cut_as_text_before_it_is_tokenised(buffer, redis_url, tiny_model_dir, tmp_path):
+    """A 1 MB tool output was tokenised whole under the tokenizer lock: every episode's decoding
+    waited seconds a turn (step time 1.0 s -> 32.5 s in a trial)."""
+    from slime.rollout.multiturn import CHARS_PER_KEPT_TOKEN
+
+    cfg = job_config(buffer, tmp_path, "env.max_observation_tokens=60")
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rollout = MultiTurnRollout(cfg.env, tokenizer, SamplingParams(), buffer, "w-huge")
+    sample = buffer.get_group(buffer.add_group(PROMPT, 1, 80, {}))[0]
+    text = "HEAD:" + "m" * 1_000_000 + ":TAIL"
+    ids = rollout._encode_observation(text, sample)
+    kept = tokenizer.decode(ids)
+    assert len(ids) == 60 and kept.startswith("HEAD:mmm") and kept.endswith("mmm:TAIL")
+    assert f"[...middle of {len(text) - 2 * CHARS_PER_KEPT_TOKEN * 60} characters cut...]" in kept
+
+
 def test_an_observation_that_ends_in_a_stop_token_does_not_end_the_next_turn(
     buffer, redis_url, tiny_model_dir, tmp_path
 ):

@@ -113,6 +113,10 @@ class _EnvOutcome:
 
 ENV_SNAPSHOT_INFOS = 8  # step infos carried in a snapshot (the episode's metadata keeps as many)
 OBSERVATION_CUT = "\n[...middle of {n} tokens cut...]\n"
+OBSERVATION_CUT_CHARS = "\n[...middle of {n} characters cut...]\n"
+# An observation longer than this many characters per kept token is cut as text first: tokenising a
+# 1 MB tool output whole held the tokenizer lock (and so every episode's decoding) for seconds.
+CHARS_PER_KEPT_TOKEN = 16
 
 
 class EnvContractError(TypeError):
@@ -448,21 +452,37 @@ class MultiTurnRollout:
         return observation, float(reward), bool(done), dict(info or {})
 
     def _encode_observation(self, text: str, sample: Sample) -> list[int]:
-        with self.tokenizer_lock:
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
         # Leave room for at least one model token after it.
         limit = max(0, min(self.cfg.max_observation_tokens, self._room(sample)[0] - 1))
+        side = CHARS_PER_KEPT_TOKEN * max(limit, 1)
+        if len(text) > 2 * side:  # far more text than fits: its middle goes before it is tokenised
+            with self.tokenizer_lock:
+                head = self._ids(text[:side])
+                tail = self._ids(text[-side:])
+                marker = self._ids(OBSERVATION_CUT_CHARS.format(n=len(text) - 2 * side))
+            return _head_marker_tail(head, marker, tail, limit)
+        with self.tokenizer_lock:
+            ids = self._ids(text) if text else []
         if len(ids) <= limit:
             return ids
         # Head and tail: a tool's output opens with what it is and closes with its verdict (and a
         # chat template's turn markers); the middle goes, and a marker says how much.
         with self.tokenizer_lock:
-            marker = list(self.tokenizer(OBSERVATION_CUT.format(n=len(ids)), add_special_tokens=False)["input_ids"])
-        kept = limit - len(marker)
-        if kept < 2:
-            return ids[:limit]
-        tail = kept // 2
-        return ids[: kept - tail] + marker + ids[len(ids) - tail :]
+            marker = self._ids(OBSERVATION_CUT.format(n=len(ids)))
+        return _head_marker_tail(ids, marker, ids, limit)
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _head_marker_tail(head: list[int], marker: list[int], tail: list[int], limit: int) -> list[int]:
+    """At most ``limit`` tokens: the start of ``head``, the marker, the end of ``tail``; with too
+    little room for a marker, the start of ``head`` alone."""
+    kept = limit - len(marker)
+    if kept < 2:
+        return head[:limit]
+    n_tail = kept // 2
+    return head[: kept - n_tail] + marker + tail[len(tail) - n_tail :]
 
 
 def _end_reason(info: dict[str, Any]) -> str:
