@@ -245,11 +245,15 @@ def test_resume_restores_the_env_snapshot_stored_with_the_observation(
     )
     buffer.release(sample.id, "setup")
     assert json.loads(buffer.env_state(sample.id))["state"]["tag"] == "turn-1 snapshot"
-    cfg = job_config(buffer, tmp_path, "env.plugin=tests.test_multiturn:SnapshotEnv")
+    cfg = job_config(buffer, tmp_path, "env.plugin=tests.test_multiturn:SnapshotEnv", "env.turn_rewards=true")
     run_worker(cfg, tiny_model_dir, redis_url, buffer, [gid])
     (s,) = buffer.get_group(gid)
     assert s.status == Status.COMPLETED and s.metadata["env_turns"] == 3 and s.reward == pytest.approx(0.75)
     assert_matches_reference(s, reference)
+    # env.turn_rewards: each step's 0.25 on the last token of the turn it answered, restored ones too
+    run_ends = np.flatnonzero((s.loss_mask == 1) & (np.append(s.loss_mask[1:], 0) == 0))
+    assert len(run_ends) == 3 and np.flatnonzero(s.token_rewards).tolist() == run_ends.tolist()
+    assert s.token_rewards[run_ends].tolist() == [0.25, 0.25, 0.25]
     stats = buffer.stats()
     tags = [i["tag"] for i in s.metadata["env_infos"] if "tag" in i]
     if snapshot_matches:

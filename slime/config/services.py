@@ -83,6 +83,12 @@ class EnvConfig(_Strict):
     reward: Literal["env", "reward_fn"] = Field(
         "env", description="Final reward: the sum of the env's step rewards, or reward.fn on the whole transcript."
     )
+    turn_rewards: bool = Field(
+        False,
+        description="env.reward=env: each step's reward on the last token of the model turn it answers (token-level "
+        "rewards: PPO/GAE and REINFORCE++ credit each turn) instead of their sum at the end; the sample's reward "
+        "(GRPO, metrics) stays the sum.",
+    )
     max_turns: int = Field(4, gt=0, description="Model turns per episode.")
     max_turn_tokens: int = Field(
         64, gt=0, description="Tokens per model turn (rollout.max_new_tokens caps the episode)."

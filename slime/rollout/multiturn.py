@@ -2,10 +2,9 @@
 worker's machinery for driving an env (the contract is envs/contract.py).
 
 Token-in/token-out. A model turn's tokens are exactly what the engine produced (loss mask 1, the
-engine's logprobs); only the observation *text* is tokenised, and its tokens are appended with loss
-mask 0 and logprob 0. The next model turn is a resumed request over prompt + every response token
-so far, so nothing the engine made is ever decoded and encoded again (decoding a turn to hand the
-env its action text is fine: that text never goes back into the token stream).
+engine's logprobs); only the observation *text* is tokenised (loss mask 0, logprob 0). The next
+model turn is a resumed request over prompt + every response token so far: nothing the engine made
+is decoded and encoded again (the action text handed to the env never goes back into the stream).
 
 Turn state lives in the stored sample itself, so an APRIL-aborted trajectory resumes in the right
 turn on any worker: the model turns are the runs of loss mask 1, the observations the runs of
@@ -24,18 +23,15 @@ The env's own state comes back one of two ways on resume:
   observations are discarded: the stored tokens are the record), so its steps should be
   deterministic in the action history. A snapshot that does not match the transcript (none
   written yet) also falls back to replay.
-Either way the episode's return is the sum of the restored (or replayed) and the new step rewards.
+Either way the episode's return is the sum of the restored (or replayed) and the new step rewards
+(`env.turn_rewards`: each on its turn's last token).
 
 Env calls (construction, reset, replay, step) run on a small thread pool, never on the
 generation thread; `MultiTurnRollout.poll` collects finished ones between two decode steps.
-Limits: `max_turns` model turns, `max_turn_tokens` per model turn, `max_observation_tokens` per
-observation (longer ones keep their head and tail around a marker), `rollout.max_new_tokens` for
-the whole response (observations included), `max_episode_tokens` for prompt and response together
-(the context budget), `max_turn_seconds` per model turn and `max_episode_seconds` per episode (all
-end the episode as truncated, naming the limit; the episode clock restarts when a resumed episode
-is admitted; `truncated_episodes: mask` keeps a truncated episode out of the loss), and
-`step_timeout_s` per env call (fails the sample, naming the limit). An env that ends the episode
-itself may name why in `info["end_reason"]` (a policy that wrote outside its workspace, looped).
+The limits (env.* in docs/configuration.md: turns, tokens per turn, per observation, per episode,
+seconds per turn and per episode) end an episode as truncated, naming the limit; `step_timeout_s`
+per env call fails the sample. An env that ends the episode itself may name why in
+`info["end_reason"]` (a policy that wrote outside its workspace, looped).
 """
 
 from __future__ import annotations
@@ -93,7 +89,17 @@ class EpisodeEnd:
     env_return: float  # sum of the env's step rewards
     turns: int  # model turns the env answered
     infos: list[dict[str, Any]] = field(default_factory=list)
+    step_rewards: list[float] = field(default_factory=list)  # each answered turn's (env.turn_rewards)
     loss_masked: bool = False  # a truncated episode under env.truncated_episodes=mask
+
+    def turn_rewards(self, loss_mask: np.ndarray) -> np.ndarray:
+        """Step k's reward on the last token of model turn k (the k-th run of mask 1), zero elsewhere."""
+        mask = np.asarray(loss_mask) > 0
+        ends = np.flatnonzero(mask & ~np.append(mask[1:], False))  # each model run's last token
+        rewards = np.zeros(len(mask), dtype=np.float32)
+        if len(ends):  # a step past the runs (none expected) adds to the last one
+            np.add.at(rewards, ends[np.minimum(np.arange(len(self.step_rewards)), len(ends) - 1)], self.step_rewards)
+        return rewards
 
     def metadata(self) -> dict[str, Any]:
         # Step infos are the env's own dicts: keep the last few, JSON-safe.
@@ -130,6 +136,7 @@ class _Episode:
     env: Env | None = None
     turns_done: int = 0
     env_return: float = 0.0
+    step_rewards: list[float] = field(default_factory=list)  # one per answered model turn
     infos: list[dict[str, Any]] = field(default_factory=list)
     turn_started_at: float = 0.0
     job: Future | None = None  # env work in flight; None while the model generates
@@ -137,7 +144,7 @@ class _Episode:
     limit: str | None = None  # a time limit that aborted the model turn
 
     def end(self, status: Status, reason: str) -> EpisodeEnd:
-        return EpisodeEnd(status, reason, self.env_return, self.turns_done, self.infos)
+        return EpisodeEnd(status, reason, self.env_return, self.turns_done, self.infos, self.step_rewards)
 
 
 class MultiTurnRollout:
@@ -393,6 +400,7 @@ class MultiTurnRollout:
             return False
         restore(ep.sample, stored["state"])
         ep.turns_done, ep.env_return, ep.infos = stored["turns"], stored["env_return"], stored["infos"]
+        ep.step_rewards = stored.get("step_rewards") or [0.0] * (ep.turns_done - 1) + [ep.env_return]  # older
         self.buffer.incr_stat("env_snapshot_restores")
         return True
 
@@ -420,6 +428,7 @@ class MultiTurnRollout:
             "at_length": at_length,
             "turns": ep.turns_done,
             "env_return": ep.env_return,
+            "step_rewards": ep.step_rewards,
             "infos": as_json(ep.infos[-ENV_SNAPSHOT_INFOS:]),
             "state": snapshot(),
         }
@@ -448,6 +457,7 @@ class MultiTurnRollout:
             raise EnvContractError(f"from step an info of type {type(info).__name__}, expected a dict")
         ep.turns_done += 1
         ep.env_return += float(reward)
+        ep.step_rewards.append(float(reward))
         ep.infos.append(dict(info or {}))
         return observation, float(reward), bool(done), dict(info or {})
 

@@ -408,6 +408,7 @@ class RolloutWorker:
         if end.status != Status.FAILED and self.cfg.env.reward == "reward_fn":
             self._finalize(_Pending(sample), "length" if end.status == Status.TRUNCATED else "stop")
             return
+        per_turn = self.cfg.env.turn_rewards and end.status != Status.FAILED
         try:
             self.buffer.finish(
                 sample.id,
@@ -415,6 +416,7 @@ class RolloutWorker:
                 end.status,
                 failure=end.reason if end.status == Status.FAILED else None,
                 reward=None if end.status == Status.FAILED else end.env_return,
+                token_rewards=end.turn_rewards(sample.loss_mask[: sample.response_length]) if per_turn else None,
                 metadata_update=end.metadata(),
             )
         except LeaseLostError:
