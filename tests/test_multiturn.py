@@ -5,6 +5,7 @@ the right turn; every limit ends the episode with a status naming it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -44,6 +45,18 @@ class ScriptedEnv:
             raise RuntimeError("scripted failure")
         observation = self.observation if self.observation is not None else f"[obs {self.turn}]"
         return observation, 0.25, self.turn == self.done_at, {"turn": self.turn, "action": action}
+
+
+class AsyncScriptedEnv(ScriptedEnv):
+    """ScriptedEnv with `async def` reset and step (an env that awaits an external API)."""
+
+    async def reset(self, sample: Sample) -> str:
+        await asyncio.sleep(0)
+        return ScriptedEnv.reset(self, sample)
+
+    async def step(self, action: str):
+        await asyncio.sleep(0.01)
+        return ScriptedEnv.step(self, action)
 
 
 class SnapshotEnv(ScriptedEnv):
@@ -443,6 +456,16 @@ def test_an_observation_that_ends_in_a_stop_token_does_not_end_the_next_turn(
     for s in samples:
         model_turns = int(s.loss_mask[0] == 1) + int(np.sum(np.diff(s.loss_mask) == 1))
         assert s.metadata["env_turns"] == 3 and model_turns == 3, s.loss_mask.tolist()
+
+
+def test_an_async_env_runs_its_episodes_as_a_plain_one(buffer, redis_url, tiny_model_dir, tmp_path, reference):
+    """async def step failed every episode: 'returned from step a coroutine, expected the tuple'."""
+    cfg = job_config(buffer, tmp_path, "env.plugin=tests.test_multiturn:AsyncScriptedEnv")
+    groups = [buffer.add_group(PROMPT, 2, 80, {"label": "ababab"})]
+    _, samples = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
+    for s in samples:
+        assert s.status == Status.COMPLETED and s.metadata["env_turns"] == 3 and s.reward == pytest.approx(0.75)
+        assert_matches_reference(s, reference)
 
 
 def test_reward_fn_mode_scores_the_transcript(buffer, redis_url, tiny_model_dir, tmp_path):

@@ -10,6 +10,8 @@ threads (`starved` says when none is left).
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import queue
 import threading
 import time
@@ -109,3 +111,9 @@ class EnvThreads:
                     self._serving += 1  # no replacement took this slot (max_hung reached): serve on
                     continue
             return
+
+
+def awaited(result: Any) -> Any:
+    """An env's `async def` reset or step, run to its end on the env call's own thread (each call
+    gets a fresh event loop); a plain result as it is."""
+    return asyncio.run(result) if inspect.iscoroutine(result) else result

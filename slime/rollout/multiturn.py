@@ -53,7 +53,7 @@ from rewards.plugin import load_function
 from slime.buffer import ChunksLostError, LeaseLostError, TrajectoryStore
 from slime.config import EnvConfig
 from slime.engines.contract import GenerationRequest, SamplingParams
-from slime.rollout.env_threads import EnvCall, EnvThreads
+from slime.rollout.env_threads import EnvCall, EnvThreads, awaited
 from slime.sample import Sample, Status, as_json
 
 
@@ -368,7 +368,7 @@ class MultiTurnRollout:
     # ---- pool jobs ------------------------------------------------------------------------------
     def _restore(self, ep: _Episode) -> _EnvOutcome:
         ep.env = self.env_class(**self.cfg.kwargs)
-        observation = ep.env.reset(ep.sample)
+        observation = awaited(ep.env.reset(ep.sample))
         if not isinstance(observation, str):
             raise EnvContractError(f"from reset a {type(observation).__name__}, expected str (the observation)")
         sample = ep.sample
@@ -438,7 +438,7 @@ class MultiTurnRollout:
             raise TypeError(f"{type(ep.env).__name__}.snapshot() must return JSON-serialisable data: {exc}") from None
 
     def _call_step(self, ep: _Episode, action: str) -> tuple[str, float, bool, dict[str, Any]]:
-        result = ep.env.step(action)
+        result = awaited(ep.env.step(action))
         if not (isinstance(result, tuple) and len(result) == 4):
             what = (
                 f"{type(result).__name__} of {len(result)}"
