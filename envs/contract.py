@@ -5,8 +5,9 @@
     observation, reward, done, info = env.step(action_text)
 
 The rollout worker drives it (slime/rollout/multiturn.py): observation text is tokenised and
-appended with loss mask 0; the env never sees or produces token ids. Envs import nothing of the
-worker, the buffer or the learner.
+appended with loss mask 0; the env never sees or produces token ids. `reset` and `step` may be
+`async def` (each call runs to its end on the env's thread). Envs import nothing of the worker,
+the buffer or the learner.
 """
 
 from __future__ import annotations
