@@ -144,6 +144,33 @@ def test_a_client_gives_up_with_the_cause_after_its_reconnect_timeout(tmp_path: 
     assert time.monotonic() - started < 30
 
 
+def test_a_client_gives_up_on_a_server_that_accepts_and_never_answers(tmp_path: Path) -> None:
+    """A stopped redis-server (or a blackholed path) accepts connections and never replies: with no
+    read timeout the job hung in read_counts for good, deaf to SIGTERM."""
+    server = LocalRedisServer(tmp_path / "redis", aof=False)
+    store = TrajectoryStore(JobConnection(server.url, "stopped", reconnect_timeout_s=2.0))
+    assert store.counts()["running"] == 0
+    pid = server._process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        outcome: list[BaseException | dict] = []
+
+        def count() -> None:
+            try:
+                outcome.append(store.counts())
+            except BaseException as exc:  # noqa: BLE001 - the outcome is what the test reads
+                outcome.append(exc)
+
+        reader = threading.Thread(target=count, daemon=True)  # a hang must fail the test, not stall it
+        reader.start()
+        reader.join(timeout=30)  # one read timeout (5 s here), then past the reconnect deadline: no retry
+        assert not reader.is_alive(), "the read on a stopped server never returned"
+        assert isinstance(outcome[0], (redis.TimeoutError, redis.ConnectionError)), outcome
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        server.stop()
+
+
 def test_writes_lost_with_the_unsynced_second_are_detected_and_resumed_from_what_is_stored(tmp_path: Path) -> None:
     data_dir = tmp_path / "redis"
     server = LocalRedisServer(data_dir, aof=True)

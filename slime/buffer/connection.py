@@ -27,7 +27,6 @@ from importlib import resources
 from typing import TypeVar
 
 import redis
-from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import (
@@ -39,8 +38,8 @@ from redis.exceptions import (
     RedisClusterException,
     TryAgainError,
 )
-from redis.retry import Retry
 
+from slime.buffer.retry import READ_TIMEOUT_S, backoff_s, reconnecting_retry
 from slime.config import JobConfig
 from slime.security import redact_url
 
@@ -126,7 +125,6 @@ class ScriptReply(IntEnum):
     LOST_CHUNKS = -6  # append: the stored trajectory is shorter than the writer knows it to be
 
 
-BACKOFF_BASE_S, BACKOFF_CAP_S = 0.02, 1.0
 # Wrapped around a state-changing script: KEYS[1] names the call's stored reply (see OnceScript).
 # cmsgpack, not cjson: replies hold raw token bytes.
 _ONCE_HEAD = """local reply_ttl = tonumber(table.remove(ARGV))
@@ -159,21 +157,6 @@ def _reconnect(
     return JobConnection(
         url, job, password=password, reconnect_timeout_s=reconnect_timeout_s, replica_acks=replica_acks
     )
-
-
-def backoff_s(attempt: int) -> float:
-    """The wait after failure ``attempt``: doubling from BACKOFF_BASE_S, capped at BACKOFF_CAP_S."""
-    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
-
-
-def reconnecting_retry(timeout_s: float) -> Retry:
-    """Retries on a lost connection (and on LOADING while Redis replays its AOF) with exponential
-    backoff capped at BACKOFF_CAP_S, as many as fit in ``timeout_s`` of waiting."""
-    retries, waited = 0, 0.0
-    while waited < timeout_s:
-        retries += 1
-        waited += backoff_s(retries)  # redis-py waits backoff(failures) after failure 1, 2, ...
-    return Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries=retries)
 
 
 class OnceScript:
@@ -413,8 +396,15 @@ class JobConnection:
         # A stored reply outlives every retry of its call.
         self.reply_ttl_s = max(60, math.ceil(2 * self.reconnect_timeout_s))
         retry = reconnecting_retry(self.reconnect_timeout_s)
+        # A read that never ends (a stopped server) fails after READ_TIMEOUT_S and is retried like a
+        # lost connection: without a read timeout the job hung, deaf to SIGTERM, on a stopped Redis.
         self.redis = open_client(
-            url, patience_s=self.reconnect_timeout_s, socket_connect_timeout=10, retry=retry, password=password
+            url,
+            patience_s=self.reconnect_timeout_s,
+            socket_connect_timeout=10,
+            socket_timeout=max(5.0, min(READ_TIMEOUT_S, self.reconnect_timeout_s)),  # > a replica WAIT (1 s)
+            retry=retry,
+            password=password,
         )
 
     @classmethod
