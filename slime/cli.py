@@ -14,7 +14,7 @@ from pathlib import Path
 
 from slime.config import ConfigKeyDeprecated, JobConfig, config_for_display, load_config
 from slime.config.renames import flat_keys
-from slime.errors import UserError, exception_behind, user_error_behind
+from slime.errors import UserError, exception_behind, user_error_of
 from slime.metrics import TooManyFailures
 from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
     except Exception as exc:
-        user = None if debug else user_error_behind(exc)
+        user = None if debug else user_error_of(exc)
         if user is None:
             raise
         return _report(user)

@@ -7,6 +7,7 @@ RuntimeError, ...), so existing handlers still catch them."""
 
 from __future__ import annotations
 
+import errno
 from typing import TypeVar
 
 E = TypeVar("E", bound=BaseException)
@@ -79,3 +80,21 @@ def dump_stacks_on_sigusr1() -> None:
         else:
             faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
         return
+
+
+class DiskFullError(UserError, OSError):
+    """A write failed because its device is full (or over quota)."""
+
+    hint = "free space there (or point output_dir elsewhere) and run again; resume=auto goes on from the last complete checkpoint"
+
+
+def user_error_of(exc: BaseException) -> UserError | None:
+    """The error to show the user for ``exc``: a UserError behind it, or a full disk (a traceback
+    from deep inside a write said only "Errno 28")."""
+    user = user_error_behind(exc)
+    if user is not None:
+        return user
+    full = exception_behind(exc, OSError)
+    if full is not None and full.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"no space left on the device of {full.filename or 'a file the job writes'}")
+    return None

@@ -123,7 +123,9 @@ def _run(cfg: JobConfig, stop: GracefulStop) -> list[dict]:
         if not job.stop.requested:  # a signal during start-up: nothing to train
             LOOPS[cfg.loop_mode](job)
         if job.stop.requested:
-            job.logger.say(f"stopped by {job.stop.requested} with a checkpoint; resume=auto goes on from it")
+            trained = bool(job.logger.history)  # a signal during start-up: no step, so no checkpoint
+            said = "with a checkpoint; resume=auto goes on from it" if trained else "before its first step"
+            job.logger.say(f"stopped by {job.stop.requested} {said}")
         return job.logger.history
 
 

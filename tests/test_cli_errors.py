@@ -265,3 +265,29 @@ def test_a_user_error_raised_in_a_ray_actor_is_reported_without_rays_trace(capsy
     err = capsys.readouterr().err
     assert err.splitlines()[0] == f"slime: {cause}"
     assert "pid=" not in err and "File" not in err
+
+
+def test_a_full_disk_is_one_line_naming_where_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A resume on a full disk died with a traceback ending in 'Errno 28' from write_private, and left
+    an empty .job.secret.PID.tmp in the run directory."""
+    import errno
+    import os
+
+    from slime.errors import DiskFullError, user_error_of
+    from slime.security import write_private
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as info:
+        write_private(tmp_path / "job.secret", "s3cret")
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+    wrapped = RuntimeError("starting the job failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "job.secret"))
+    for exc in (info.value, wrapped):
+        user = user_error_of(exc)
+        assert isinstance(user, DiskFullError) and "no space left on the device of" in str(user)
+    assert str(tmp_path / "job.secret") in str(user_error_of(wrapped))
+    assert user_error_of(OSError(errno.EACCES, "denied")) is None  # other OS errors keep their traceback
