@@ -297,19 +297,20 @@ def test_ray_actor_mode(ray_session, rewards_file):
 
 
 def test_a_crashed_reward_actor_is_restarted_and_its_samples_retried(ray_session, tmp_path):
-    """The reward actor's process dies in the middle of a batch (here: the reward itself exits
-    the process, once). Ray restarts the actor (max_restarts=3), the client retries the batch with
-    backoff, and every sample gets its reward; none is lost or failed."""
+    """The reward actor's process dies in the middle of a batch (here: killed, once, as the kernel's
+    OOM killer or a segfault would; an os._exit in a reward only fails its call, rewards/exit_guard.py).
+    Ray restarts the actor (max_restarts=3), the client retries the batch with backoff, and every
+    sample gets its reward; none is lost or failed."""
     import ray
 
     marker = tmp_path / "crashed-once"
     reward_file = tmp_path / "crash_once.py"
     reward_file.write_text(
-        "import os\n"
+        "import os, signal\n"
         "def reward(prompt, response, label=None):\n"
         f"    if not os.path.exists({str(marker)!r}):\n"
         f"        open({str(marker)!r}, 'w').close()\n"
-        "        os._exit(1)  # the actor's whole process, mid-batch\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)  # the actor's whole process, mid-batch\n"
         "    return float(len(response))\n"
     )
     cfg = RewardConfig(mode="ray_actor", fn=f"{reward_file}:reward", max_retries=3, backoff_s=0.2, cache_size=0)
