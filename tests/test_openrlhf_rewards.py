@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -87,8 +88,11 @@ def test_a_broken_openrlhf_reply_fails_its_batch_with_the_reason():
     )
     for r in missing:
         assert r.reward is None and "answered without 'rewards' (keys: ['scores'])" in r.failure, r.failure
-    for r in short:
-        assert r.reward is None and "gave 1 rewards for 2 queries" in r.failure, r.failure
+    # The server answers a batch that starts with "short" one reward short. The client batches what is
+    # pending when it sends: "short" and "c" go together (1 reward for 2) or "short" alone (0 for 1).
+    said = re.search(r"gave (\d+) rewards for (\d+) queries", short[0].failure or "")
+    assert short[0].reward is None and said and int(said[1]) == int(said[2]) - 1, short[0].failure
+    assert short[1].failure == short[0].failure if said[2] == "2" else short[1].reward is not None
 
 
 def test_http_format_belongs_to_http_mode():
