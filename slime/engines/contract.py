@@ -37,6 +37,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "adapter_pairs",
+    "check_temperature",
     "checked_token_ids",
     "validate_sampling",
 ]
@@ -147,6 +148,17 @@ class StopStrings:
         return bool(tokens) and self.first_end(tokens, len(tokens) - 1) is not None
 
 
+def check_temperature(t: object) -> float:
+    """``t`` as a float when an engine takes it: 0 (greedy) or finite in [MIN_TEMPERATURE,
+    MAX_TEMPERATURE]; else ValueError naming the bounds."""
+    if not _is_real(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE or 0.0 < t < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature: a temperature is 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+            f"got {t!r:.100}"
+        )
+    return float(t)
+
+
 def validate_sampling(params: SamplingParams, *, vocab_size: int | None, max_seq_len: int | None) -> None:
     """The one check of sampling parameters, shared by every engine and the SGLang-protocol server.
     Raises ValueError naming the field. ``vocab_size`` / ``max_seq_len`` None: that bound is unknown
@@ -155,11 +167,7 @@ def validate_sampling(params: SamplingParams, *, vocab_size: int | None, max_seq
     The context (prompt + response) is not bounded here: a request whose context leaves no room
     finishes at once with ``length``, and the budget is clamped to the room left (``max_seq_len``
     minus the context), so only ``max_new_tokens`` itself must fit ``max_seq_len``."""
-    t = params.temperature
-    if not _is_real(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
-        raise ValueError(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t!r:.100}")
-    if 0.0 < t < MIN_TEMPERATURE:
-        raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r:.100}")
+    check_temperature(params.temperature)
     p = params.top_p
     if not _is_real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
         raise ValueError(f"top_p must be a number in (0, 1], got {p!r:.100}")

@@ -15,8 +15,6 @@ and chunking helpers are files of their own.
 from __future__ import annotations
 
 import collections
-import math
-import numbers
 import threading
 import time
 import traceback
@@ -42,13 +40,7 @@ from slime.buffer import (
 from slime.config import JobConfig
 from slime.data import sample_reward_inputs
 from slime.engines import make_engine, run_to_completion
-from slime.engines.contract import (
-    MAX_TEMPERATURE,
-    MIN_TEMPERATURE,
-    GenerationChunk,
-    GenerationRequest,
-    SamplingParams,
-)
+from slime.engines.contract import GenerationChunk, GenerationRequest, SamplingParams, check_temperature
 from slime.engines.expert_load import ExpertLoadRecorder
 from slime.errors import dump_stacks_on_sigusr1
 from slime.model import load_tokenizer, rollout_sampling_params
@@ -368,13 +360,13 @@ class RolloutWorker:
         temperature = self.chunk_sampler(state)
         if temperature is None:
             return None
-        t = float(temperature) if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool) else None
-        if t is None or not (math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE) or 0 < t < MIN_TEMPERATURE:
-            raise ValueError(  # 1e-45 or NaN gave NaN probabilities: token 0, and a non-finite logprob
-                f"april.chunk_sampler {self.cfg.april.chunk_sampler} returned {temperature!r:.100}: a temperature is 0 "
-                f"(greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], or None (the job's)"
-            )
-        return t
+        try:  # 1e-45 or NaN gave NaN probabilities: token 0, and a non-finite logprob
+            return check_temperature(temperature)
+        except ValueError as exc:
+            raise ValueError(
+                f"april.chunk_sampler {self.cfg.april.chunk_sampler} returned {temperature!r:.100}: {exc} "
+                "(or None: the job's)"
+            ) from None
 
     def _finalize(self, p: _Pending, finish_reason: str | None) -> None:
         sample = p.sample
