@@ -308,9 +308,10 @@ RUN_SECTIONS = ("model", "data", "rollout", "reward", "env", "eval", "seed")
 def _run_settings(config: Path, overrides: list[str], sections: tuple[str, ...] = RUN_SECTIONS) -> JobConfig:
     data = yaml.safe_load(config.read_text()) or {}
     keep = {k: data[k] for k in sections if k in data}
-    tmp = Path(tempfile.mkdtemp(prefix="slime-eval-")) / "config.yaml"
-    tmp.write_text(yaml.safe_dump(keep))
-    return load_config(tmp, overrides)
+    with tempfile.TemporaryDirectory(prefix="slime-eval-") as tmp:
+        config_file = Path(tmp) / "config.yaml"
+        config_file.write_text(yaml.safe_dump(keep))
+        return load_config(config_file, overrides)
 
 
 def main_eval(argv: list[str]) -> int:

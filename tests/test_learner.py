@@ -66,6 +66,32 @@ def test_train_step_consumes_each_group_once_and_updates(tiny_model_dir, redis_u
     buffer.delete_job()
 
 
+def test_groups_beyond_the_staleness_bound_are_dropped_not_trained_and_fresh_ones_take_their_place(
+    tiny_model_dir, redis_url, tmp_path
+):
+    """A sync run resumed as async finds groups generated many versions ago: the claim drops them for
+    good (not committed as trained, counted as stale) and fills the step with the next ready groups."""
+    job = "learner-stale-refill"
+    buffer = TrajectoryStore.open(redis_url, job)
+    buffer.delete_job()
+    for version in (0, 0, 0, 5, 5, 5):  # three old groups first in start order, then three fresh
+        gid = buffer.add_group([6, 7, 77, 61, 86], 2, 16, {"task": "repeat", "label": "ab"})
+        for s in buffer.lease("w", 2):
+            buffer.append_chunk(s.id, "w", [8, 9, 10], [-0.5, -0.5, -0.5], version)
+            buffer.finish(s.id, "w", Status.COMPLETED, reward=float(s.index))
+        assert buffer.get_group(gid)
+    learner = _learner(tiny_model_dir, redis_url, job, tmp_path, "rollout.batch_size=2")
+    learner.version = 6
+    m = learner.train_step(7, num_groups=2, max_staleness=2)
+    assert m["dropped_stale_groups"] == 3 and m["dropped_stale_tokens"] == 18
+    assert m["groups"] == 2 and m["samples"] == 4
+    c = buffer.counts()
+    assert (c["groups_trained"], c["groups_dropped"], c["groups_claimed"], c["groups_ready"]) == (2, 3, 0, 1)
+    stats = buffer.stats()
+    assert stats["dropped_groups:stale"] == 3 and stats["dropped_tokens:stale"] == 18
+    buffer.delete_job()
+
+
 def test_gradient_accumulation_equals_one_batch(tiny_model_dir, redis_url, tmp_path):
     grads = []
     cuts = ["learner.micro_batch_size=32", "learner.micro_batch_size=3", "learner.max_tokens_per_micro_batch=40"]

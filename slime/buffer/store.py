@@ -128,6 +128,7 @@ class TrajectoryStore:
         self._commit_through = connection.once_script("commit_through.lua")
         self._requeue = connection.once_script("requeue.lua")
         self._drop_ready = connection.once_script("drop_ready.lua")
+        self._drop_claimed = connection.once_script("drop_claimed.lua")
         self._restart = connection.once_script("transitions.lua", "restart.lua")
         self._requeue_leased = connection.once_script("transitions.lua", "requeue_leased.lua")
         self._claim_segments = connection.once_script("claim_segments.lua")
@@ -381,6 +382,12 @@ class TrajectoryStore:
 
     def ready_group_ids(self) -> list[str]:
         return [gid.decode() for gid in self.redis.lrange(self._key("queue", "ready"), 0, -1)]
+
+    def drop_claimed_group(self, group_id: str, reason: str) -> bool:
+        """Take a claimed, not yet committed group out of training for good (e.g. beyond the learner's
+        staleness bound), so the step's commit does not count it trained; counted in stats as
+        dropped_groups:<reason> and dropped_tokens:<reason>."""
+        return bool(self._drop_claimed(args=[self.prefix, group_id, reason]))
 
     def drop_ready_group(self, group_id: str, reason: str) -> bool:
         """Take a complete group out of the ready queue for good (e.g. a dynamic-sampling filter);

@@ -284,19 +284,22 @@ class Learner:
     def claim_groups(self, step: int, num_groups: int, max_staleness: int | None = None) -> dict:
         """Rank 0: the step's groups from the buffer, those beyond max_staleness dropped (and counted)."""
         started = time.time()
-        # Async (a staleness bound): in start order, the order the admission control counted on.
-        groups = self.buffer.claim_groups(num_groups, step, in_start_order=max_staleness is not None)
         kept, dropped_stale, wasted_tokens = [], 0, 0
-        for g in groups:
-            versions = [s.min_version for s in g if s.min_version is not None]
-            if max_staleness is not None and versions and self.version - min(versions) > max_staleness:
-                dropped_stale += 1
-                wasted_tokens += sum(s.response_length for s in g)
-            else:
-                kept.append(g)
-        if dropped_stale:
-            self.buffer.incr_stat("dropped_groups:stale", dropped_stale)
-            self.buffer.incr_stat("dropped_tokens:stale", wasted_tokens)
+        # A dropped group leaves the claimed set (not committed as trained) and the next ready group
+        # takes its place, until the step has num_groups or none is ready.
+        while len(kept) < num_groups:
+            # Async (a staleness bound): in start order, the order the admission control counted on.
+            groups = self.buffer.claim_groups(num_groups - len(kept), step, in_start_order=max_staleness is not None)
+            if not groups:
+                break
+            for g in groups:
+                versions = [s.min_version for s in g if s.min_version is not None]
+                if max_staleness is not None and versions and self.version - min(versions) > max_staleness:
+                    self.buffer.drop_claimed_group(g[0].group_id, "stale")
+                    dropped_stale += 1
+                    wasted_tokens += sum(s.response_length for s in g)
+                else:
+                    kept.append(g)
         scoring = self.group_rewards.score(kept, self.buffer) if self.group_rewards is not None and kept else {}
         metrics: dict = {
             **scoring,
