@@ -51,6 +51,7 @@ throughputs `<name>_min` / `<name>_max`).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
@@ -620,6 +621,7 @@ def main() -> None:
         )
         args.set = [*args.set, "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16"]
         args.out = tempfile.mkdtemp(prefix="bench-april-vs-sync-smoke-")
+        atexit.register(shutil.rmtree, args.out, True)  # a smoke's runs are not kept
     if args.steps <= args.warmup_steps + 2:
         ap.error("--steps must exceed --warmup-steps by at least 3")
     if args.runs < 1:

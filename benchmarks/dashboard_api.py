@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -133,6 +135,7 @@ def api_latency(n: int, clients_list: list[int], seconds: float) -> dict:
     import httpx
 
     tmp = Path(tempfile.mkdtemp(prefix="dash-bench-"))
+    atexit.register(shutil.rmtree, tmp, True)
     server = LocalRedisServer(tmp, aof=False)
     job = "bench"
     buffer = TrajectoryStore.open(server.url, job)
@@ -232,6 +235,7 @@ def rollout_overhead(steps: int, poll: str = "pages", shape: list[str] | None = 
     import ray
 
     tmp = Path(tempfile.mkdtemp(prefix="dash-bench-job-"))
+    atexit.register(shutil.rmtree, tmp, True)
     server = LocalRedisServer(tmp / "redis", aof=False)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     port = _free_port()

@@ -48,8 +48,10 @@ Prints a table per score (greedy, sampled), then LAST one JSON line (names carry
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -323,6 +325,7 @@ def main() -> None:
         args.eval_prompts, args.eval_samples = 4, 1
         args.set = [*args.set, "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16"]
         args.out = tempfile.mkdtemp(prefix="bench-offpolicy-study-smoke-")
+        atexit.register(shutil.rmtree, args.out, True)  # a smoke's runs are not kept
     started = time.time()
 
     import ray

@@ -16,8 +16,10 @@ Prints one JSON line last.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -67,7 +69,9 @@ def reward_throughput(n: int) -> dict[str, float]:
     local.close()
 
     port = 18000 + os.getpid() % 1000
-    token_file = Path(tempfile.mkdtemp(prefix="reward-bench-")) / "token"  # the server writes its token there
+    token_dir = tempfile.mkdtemp(prefix="reward-bench-")
+    atexit.register(shutil.rmtree, token_dir, True)  # the token is a secret: not left behind
+    token_file = Path(token_dir) / "token"  # the server writes its token there
     server = subprocess.Popen(
         [sys.executable, "-m", "slime.cli", "reward-serve", spec, "--port", str(port), "--token-file", str(token_file)],
         cwd=HERE.parent.parent,

@@ -107,14 +107,15 @@ def run_slime_chaos() -> tuple[subprocess.CompletedProcess, float]:
     """`slime chaos` with no arguments, as a new user types it, in a fresh working directory."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "slime.cli", "chaos"],
-        cwd=tempfile.mkdtemp(prefix="slime-chaos-test-"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    with tempfile.TemporaryDirectory(prefix="slime-chaos-test-") as cwd:
+        proc = subprocess.run(
+            [sys.executable, "-m", "slime.cli", "chaos"],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     return proc, time.monotonic() - started
 
 
