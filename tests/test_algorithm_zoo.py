@@ -327,6 +327,23 @@ def test_reinforce_pp_without_kl_and_failed_rows() -> None:
     assert "kl_reward_mean" not in fixed.metrics
 
 
+def test_reinforce_pp_baseline_takes_the_group_mean_off_rows_with_token_rewards() -> None:
+    """A row whose reward comes as token rewards (env.turn_rewards, a PRM) keeps them, and the baseline
+    variant still subtracts its group's mean score: the same advantages as with scalar rewards when
+    the token rewards sum to the score."""
+    scalar = _batch([(1.0, 3), (1.0, 3), (0.0, 3), (1.0, 3)], [0, 0, 1, 1])
+    per_token = _batch([(1.0, 3), (1.0, 3), (0.0, 3), (1.0, 3)], [0, 0, 1, 1])
+    per_token.token_rewards = torch.tensor([[0.0, 0.0, r] for r in (1.0, 1.0, 0.0, 1.0)])
+    per_token.token_reward_rows = torch.ones(4, dtype=torch.bool)
+    cfg = AlgorithmConfig(name="reinforce_pp_baseline", gamma=1.0)
+    want = ReinforcePPBaseline(cfg, _none()).prepare(scalar, kl_coef=0.0, old_logp=None, ref_logp=None)
+    got = ReinforcePPBaseline(cfg, _none()).prepare(per_token, kl_coef=0.0, old_logp=None, ref_logp=None)
+    close(got.advantages, want.advantages, atol=1e-6)
+    close(got.advantages[:2], torch.zeros(2, 3), atol=1e-6)  # a group with equal rewards: nothing to learn
+    plain = ReinforcePP(cfg, _none()).prepare(per_token, kl_coef=0.0, old_logp=None, ref_logp=None)
+    assert plain.advantages[0, 0] > 0  # plain REINFORCE++ has no group baseline
+
+
 # ---------------------------------------------------------------- Dr. GRPO
 
 
@@ -348,8 +365,8 @@ def test_dr_grpo_loss_sums_tokens_over_a_constant(norm: int | None) -> None:
     entropy = torch.tensor([[1.0, 1.0], [2.0, 9.0]])  # position (1, 1) is padding
     loss, stats = algo.loss(batch, fixed, _forward(logp, entropy), clip_low=0.2, clip_high=0.28, kl_coef=0.0)
     pg = (-2 / c + 1 / c) / 2
-    ent = (2 / c + 2 / c) / 2
-    assert stats["pg_loss"] == pytest.approx(pg) and stats["entropy"] == pytest.approx(ent)
+    ent = (2 / c + 2 / c) / 2  # the loss's entropy term: each row's sum over C
+    assert stats["pg_loss"] == pytest.approx(pg) and stats["entropy"] == pytest.approx(4 / 3)  # per token
     assert loss.item() == pytest.approx(pg - 0.1 * ent) and stats["dr_grpo_norm"] == c
     loss.backward()
     # every token's gradient is −Â/(G·C): no 1/|y_i|, so row 0's tokens weigh what row 1's does

@@ -553,3 +553,52 @@ def test_group_baseline_algorithms_refuse_groups_of_one(name):
         load_config(None, [f"algorithm.name={name}", "rollout.n_samples_per_prompt=1"])
     for alone in ("ppo", "reinforce_pp"):  # a critic, or the whole batch, is their baseline
         load_config(None, [f"algorithm.name={alone}", "rollout.n_samples_per_prompt=1"])
+
+
+@pytest.mark.parametrize(
+    ("name", "loss_agg"), [("grpo", "token_mean"), ("grpo", "seq_mean_token_sum"), ("dr_grpo", None)]
+)
+def test_the_kl_and_entropy_stats_are_per_token_whatever_the_aggregation(name: str, loss_agg: str | None) -> None:
+    """The adaptive β reads stats['kl'] as a per-token KL: with KL 0.1 on every token of rows of 200
+    and 100 tokens it must read 0.1, not the mean of the rows' sums (15) or Dr. GRPO's sums over C."""
+    samples = []
+    for i, length in enumerate([200, 100]):
+        s = Sample(group_id="g", index=i, prompt_ids=[5, 6], max_new_tokens=400)
+        s.append([11] * length, [-1.0] * length, 0)
+        s.status, s.reward = Status.COMPLETED, float(i)
+        samples.append(s)
+    batch = collate(samples, [0, 0], 0)
+    logp = torch.full(batch.mask.shape, -1.0)
+    settings = {"name": name, "kl_coef": 0.01, "kl_estimator": "k1", "entropy_coef": 0.01}
+    algo = make_algorithm(
+        load_config(
+            None,
+            [f"algorithm.{k}={v}" for k, v in settings.items()]
+            + ([f"algorithm.loss_agg={loss_agg}"] if loss_agg else []),
+        )
+    )
+    fixed = algo.prepare(batch, kl_coef=0.01, old_logp=logp, ref_logp=logp - 0.1)
+    entropy = torch.full(batch.mask.shape, 0.5)
+    _, stats = algo.loss(
+        batch,
+        fixed,
+        Forward(logp.clone().requires_grad_(True), entropy, None, None),
+        clip_low=0.2,
+        clip_high=0.28,
+        kl_coef=0.01,
+    )
+    assert stats["kl"] == pytest.approx(0.1, abs=1e-5) and stats["entropy"] == pytest.approx(0.5, abs=1e-6)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_one_extreme_log_ratio_leaves_the_loss_and_gradient_finite(dual_clip: float | None) -> None:
+    """log π_θ/π_old of +94 on one token (exp overflows float32) with a negative advantage: the loss
+    and every gradient stay finite, so the step is not skipped; the other tokens keep their gradient."""
+    mask = torch.ones(1, 3)
+    advantages = torch.tensor([[-1.0, -1.0, -1.0]])
+    old = torch.tensor([[-1.0, -1.0, -95.0]])
+    logp = torch.tensor([[-1.0, -1.2, -1.0]], requires_grad=True)
+    loss, _ = policy_loss(logp, old, advantages, mask, 0.2, 0.28, dual_clip, "token_mean")
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 0] != 0 and logp.grad[0, 2] == 0

@@ -308,7 +308,7 @@ GOLDEN = {
         "approx_kl": 0,
         "ratio_mean": 1,
         "ratio_max": 1,
-        "entropy": 17.39318085,
+        "entropy": 3.865151405,  # per token since 2026-12-07 (was 17.393: the mean of each row's sum)
         "kl": 0,
         "router_aux": 2.006083727,
         "behaviour_logp_abs_diff": 0.2305385768,

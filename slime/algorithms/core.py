@@ -14,6 +14,9 @@ AggMode = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 OffPolicyMode = str  # algorithm.correction.name; only "mask_stale" changes the loss mask here
 
 
+MAX_LOG_RATIO = 20.0  # |log π_θ/π_old| beyond this is clamped in the policy loss
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of x over the entries where mask == 1 (0 when there are none)."""
     if dim is None:
@@ -85,7 +88,9 @@ def policy_loss(
       approx_kl (masked mean of the k3 estimate of KL(π_old ‖ π_θ): (r − 1) − log r),
       ratio_mean, ratio_max.
     """
-    log_ratio = logp - old_logp
+    # Clamped (as verl does) so one token's log-ratio beyond ~88 cannot make the step's loss or
+    # gradient inf/NaN and skip the whole update; such a token gets no gradient.
+    log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     surr_unclipped = -advantages * ratio
     surr_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -148,15 +153,15 @@ def add_regularizers(
     router_aux: torch.Tensor | None,
     router_aux_coef: float,
 ) -> torch.Tensor:
-    """loss − c_H·H + β·KL + c_aux·L_aux (per-token terms aggregated like the loss); fills stats."""
+    """loss − c_H·H + β·KL + c_aux·L_aux (per-token terms aggregated like the loss); fills stats.
+    stats' entropy and kl are per-token means whatever the aggregation (the adaptive KL controller
+    reads kl as one), so a sum over each sequence's tokens does not read as a larger KL."""
     if entropy is not None:
-        ent = aggregate_loss(entropy, mask, agg_mode)
-        loss = loss - entropy_coef * ent
-        stats["entropy"] = ent.item()
+        loss = loss - entropy_coef * aggregate_loss(entropy, mask, agg_mode)
+        stats["entropy"] = masked_mean(entropy.detach(), mask).item()
     if kl is not None:
-        kl_term = aggregate_loss(kl, mask, agg_mode)
-        loss = loss + kl_coef * kl_term
-        stats["kl"] = kl_term.item()
+        loss = loss + kl_coef * aggregate_loss(kl, mask, agg_mode)
+        stats["kl"] = masked_mean(kl.detach(), mask).item()
     if router_aux is not None:
         loss = loss + router_aux_coef * router_aux
         stats["router_aux"] = router_aux.item()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from slime.algorithms.batch import Batch, Forward, UpdateTensors
-from slime.algorithms.core import add_regularizers, policy_loss
+from slime.algorithms.core import add_regularizers, masked_mean, policy_loss
 from slime.algorithms.corrections import surrogate_terms
 from slime.algorithms.grpo import GRPO, broadcast_to_tokens, group_advantages
 from slime.algorithms.kl import kl_penalty
@@ -85,9 +85,10 @@ class DrGRPO(GRPO):
             "seq_mean_token_sum",
             weights,
         )
-        kl = None
+        kl_per_token = None
         if fixed.ref_logp is not None and cfg.kl_mode == "loss":
-            kl = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator) * inv_c
+            kl_per_token = kl_penalty(out.logp, fixed.ref_logp, cfg.kl_estimator)
+        kl = kl_per_token * inv_c if kl_per_token is not None else None
         entropy = out.entropy * inv_c if out.entropy is not None else None
         loss = add_regularizers(
             loss,
@@ -101,6 +102,11 @@ class DrGRPO(GRPO):
             out.router_aux,
             cfg.router_aux_coef,
         )
+        # The stats are per-token means, as under the other algorithms (the adaptive β reads kl).
+        if kl_per_token is not None:
+            stats["kl"] = masked_mean(kl_per_token.detach(), batch.mask).item()
+        if out.entropy is not None:
+            stats["entropy"] = masked_mean(out.entropy.detach(), batch.mask).item()
         stats["dr_grpo_norm"] = (1.0 / inv_c).mean().item()
         stats.update(terms.stats)
         return loss, stats

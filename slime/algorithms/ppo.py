@@ -84,7 +84,9 @@ def gae(
     the whole tool call (the observation is part of s_{t+1}). Their rewards and values are ignored.
 
     After the last trainable token V(s_{t+1}) = bootstrap_values[b]: the critic's value of the
-    state where an unfinished (aborted/truncated) trajectory stopped; None or 0 means terminal.
+    state where an unfinished trajectory stopped (the learner passes it for streamed segments whose
+    trajectory goes on); None or 0 means terminal. A response cut at max_new_tokens is terminal here,
+    as in verl and OpenRLHF.
     Â and R are 0 where mask is 0.
     """
     B, T = rewards.shape

@@ -10,7 +10,8 @@ kl_mode="reward" does):
   Â_t = (G_t − mean(G)) / std(G)               (mean and std over every trainable token of the batch)
 
 REINFORCE++-baseline first centres the scores within each prompt's group, score_i − mean(group),
-then the same. The loss is GRPO's: PPO's clipped surrogate on Â_t with the learner's clip range,
+then the same; a row with token rewards (env.turn_rewards, a PRM's) keeps them and gets −mean(group)
+on its last trainable token. The loss is GRPO's: PPO's clipped surrogate on Â_t with the learner's clip range,
 w_t the off-policy correction's weights, and the entropy regulariser. The KL is always a reward
 penalty here (the method's definition), never a loss term, whatever algorithm.kl_mode says.
 """
@@ -56,14 +57,17 @@ class ReinforcePP(GRPO):
         """Â_t from the (shaped, for the baseline variant centred) scores. metrics: return_mean
         (masked mean of G_t before whitening), kl_reward_mean (of KL_t, when penalised)."""
         cfg = self.cfg
-        scores, metrics = shape_scores(batch.scores, batch, cfg)
+        raw, metrics = shape_scores(batch.scores, batch, cfg)
+        scores = raw
         if self.baseline:
             valid = batch.mask.sum(-1) > 0
-            scores = scores.clone()
+            scores = raw.clone()
             if valid.any():
-                scores[valid] = group_advantages(scores[valid], batch.group_index[valid], std_normalize=False)
-        if batch.token_reward_rows is not None:  # as in PPO: such a row's token rewards replace its score
-            scores = scores.masked_fill(batch.token_reward_rows, 0.0)
+                scores[valid] = group_advantages(raw[valid], batch.group_index[valid], std_normalize=False)
+        if batch.token_reward_rows is not None:
+            # As in PPO, such a row's token rewards replace its score; the baseline variant still takes
+            # its group's mean score off (score − mean − score), on the last trainable token.
+            scores = torch.where(batch.token_reward_rows, scores - raw if self.baseline else 0.0, scores)
         kl = None
         if kl_coef > 0 and ref_logp is not None:
             kl = kl_penalty(batch.behaviour_logp, ref_logp, cfg.kl_estimator)
