@@ -241,8 +241,13 @@ class MetricsLogger:
         fig.suptitle(self.title)
         fig.tight_layout()
         path = self.run_dir / "training.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        tmp = path.with_name(".training.png.tmp")  # a full disk or a kill leaves the last plot whole
+        try:
+            fig.savefig(tmp, dpi=110, format="png")
+            os.replace(tmp, path)
+        finally:
+            plt.close(fig)
+            tmp.unlink(missing_ok=True)
         return path
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +228,28 @@ def test_a_signal_during_the_jobs_stop_still_stops_its_redis_server(tiny_model_d
     assert job.run_lock is None
     job.stop.cleaning_up = True  # and a signal while the processes stop is noted, not raised
     job.stop(signal.SIGTERM, None)
+
+
+def test_a_plot_that_fails_midway_leaves_the_last_training_png_whole(tmp_path, monkeypatch):
+    """On a full disk savefig wrote training.png in place and left it at 0 bytes; now the plot goes to
+    a temporary file that replaces training.png only once it is whole."""
+    from matplotlib.figure import Figure
+
+    from slime.config import LoggingConfig
+    from slime.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False, progress=False), 3)
+    logger.log(0, {"reward_mean": 0.1, "rollout_tokens_per_s": 10.0})
+    first = logger.plot().read_bytes()
+    assert first.startswith(b"\x89PNG")
+
+    def full_disk(self, fname, **kwargs):
+        Path(fname).write_bytes(b"")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    logger.log(1, {"reward_mean": 0.2, "rollout_tokens_per_s": 11.0})
+    with pytest.raises(OSError, match="No space left"):
+        logger.plot()
+    assert (tmp_path / "training.png").read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "training.png"]
