@@ -263,3 +263,27 @@ def test_a_finished_runs_dashboard_is_read_only_and_leaves_the_run_untouched(fin
         assert proc.wait(timeout=30) == 0
     assert not copy_dir.exists()
     assert _hashes(run_dir) == before
+
+
+def test_the_copy_a_killed_dashboard_left_is_removed_by_the_next_one(job_server):
+    """SIGKILL skips every cleanup: the copy of the buffer stayed in /tmp. Each copy names its
+    dashboard's pid; the next dashboard removes the copies whose dashboard is gone, and only those."""
+    import tempfile
+
+    run_dir, server, _ = job_server
+    server.stop()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = Path(tempfile.mkdtemp(prefix="slime-dashboard-copy-"))
+    (orphan / "dashboard.pid").write_text(str(dead.pid))
+    (orphan / "appendonlydir").mkdir()
+    alive = Path(tempfile.mkdtemp(prefix="slime-dashboard-copy-"))
+    (alive / "dashboard.pid").write_text(str(os.getppid()))
+    run = open_run_buffer(run_dir)
+    try:
+        assert not orphan.exists() and alive.is_dir()
+        assert (run.copy_dir / "dashboard.pid").read_text() == str(os.getpid())
+    finally:
+        run.close()
+        shutil.rmtree(alive)
+    assert not run.copy_dir.exists()

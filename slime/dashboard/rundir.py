@@ -146,6 +146,24 @@ def _live_local_url(redis_dir: Path, password: str | None) -> str | None:
     return url
 
 
+COPY_PREFIX = "slime-dashboard-copy-"
+OWNER_FILE = "dashboard.pid"  # the pid of the dashboard serving the copy
+
+
+def _remove_orphaned_copies() -> None:
+    """Copies left by dashboards that were killed (SIGKILL skips every cleanup; their redis-server
+    died with them, by the parent-death signal): each names its dashboard's pid."""
+    for copy_dir in Path(tempfile.gettempdir()).glob(COPY_PREFIX + "*"):
+        try:
+            if copy_dir.stat().st_uid != os.getuid():
+                continue
+            owner = int((copy_dir / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or a copy from before the owner file: left alone
+        if owner != os.getpid() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(copy_dir, ignore_errors=True)
+
+
 def _serve_copy(run_dir: Path, job: str, credentials: JobCredentials) -> RunBuffer:
     redis_dir = run_dir / "redis"
     stored = [redis_dir / name for name in DATA_ENTRIES if (redis_dir / name).exists()]
@@ -154,7 +172,9 @@ def _serve_copy(run_dir: Path, job: str, credentials: JobCredentials) -> RunBuff
             f"{run_dir} holds no stored buffer: no AOF in {redis_dir}",
             hint="a run keeps its trajectories only with buffer.aof=true (the default) on its own redis-server",
         )
-    copy_dir = Path(tempfile.mkdtemp(prefix="slime-dashboard-copy-"))
+    _remove_orphaned_copies()
+    copy_dir = Path(tempfile.mkdtemp(prefix=COPY_PREFIX))
+    (copy_dir / OWNER_FILE).write_text(str(os.getpid()))
     try:
         # Only the data: the copy's server writes its own redis.conf, log and pid file, and the
         # run's server.json must not be there (LocalRedisServer stops the server a pid file names).
