@@ -26,6 +26,18 @@ def test_overlong_buffer_must_leave_room_below_max_new_tokens():
     assert load_config(EXAMPLE, ["rollout.max_new_tokens=16", "algorithm.overlong_buffer=15"])
 
 
+def test_adaptive_clip_is_refused_where_its_approx_kl_is_always_zero():
+    # One update per batch: pi_theta is pi_old when the loss runs, so approx_kl read 0 every step and
+    # the adaptive clip only widened, to max_clip.
+    msg = _refused("algorithm.adaptive_clip.enabled=true", "algorithm.correction.name=tis")
+    assert "algorithm.adaptive_clip" in msg and "correction.name=tis" in msg and "always 0" in msg
+    for fine in (
+        ["algorithm.correction.name=behaviour_clip"],
+        ["algorithm.correction.name=tis", "learner.ppo_epochs=2"],
+    ):
+        assert load_config(EXAMPLE, ["algorithm.adaptive_clip.enabled=true", *fine]).algorithm.adaptive_clip.enabled
+
+
 @pytest.mark.parametrize(
     "override",
     [

@@ -167,6 +167,13 @@ class JobConfig(_Strict):
                 raise ValueError("april.streaming_chunk_tokens runs its own loop: leave mode=sync")
         if self.april.group_filter and self.april.filter_zero_variance:
             raise ValueError("april.group_filter replaces april.filter_zero_variance's rule: set one of them")
+        one_update = self.learner.ppo_epochs * self.learner.num_minibatches == 1
+        if self.algorithm.adaptive_clip.enabled and one_update and self.algorithm.correction.name != "behaviour_clip":
+            raise ValueError(
+                f"algorithm.adaptive_clip reads approx_kl(pi_theta, pi_old) under correction.name={self.algorithm.correction.name}: "
+                "with one update per batch (learner.ppo_epochs * learner.num_minibatches = 1) it is always 0 and the "
+                "clip would only grow; use several updates per batch or correction.name=behaviour_clip (its base is mu)"
+            )
         if self.learner.critic_warmup_steps and self.algorithm.name != "ppo":
             raise ValueError(f"learner.critic_warmup_steps: algorithm.name={self.algorithm.name} has no critic")
         buffer = self.algorithm.overlong_buffer
