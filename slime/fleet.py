@@ -64,6 +64,27 @@ class _Changing:
     since: float
 
 
+class WorkerTotals:
+    """Counters that workers report since they started, summed over the job: a worker that left
+    (elastic rollout, a restart) keeps what it counted, and one that restarted under the same id
+    (its counters back below what it last said) adds on top."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+        self.last: dict[str, dict[str, float]] = {}  # worker id -> its counters when last read
+        self.gone = dict.fromkeys(names, 0.0)  # what workers counted before they left or restarted
+
+    def update(self, healths: list[dict]) -> dict[str, float]:
+        now = {h["worker_id"]: {n: float(h.get(n, 0)) for n in self.names} for h in healths}
+        for worker, before in self.last.items():
+            after = now.get(worker)
+            if after is None or any(after[n] < before[n] for n in self.names):
+                for n in self.names:
+                    self.gone[n] += before[n]
+        self.last = now
+        return {n: self.gone[n] + sum(c[n] for c in now.values()) for n in self.names}
+
+
 class RolloutFleet:
     def __init__(
         self,
@@ -95,6 +116,7 @@ class RolloutFleet:
         self.controls_read_at = 0.0
         self.last_health = time.time()
         self.progress: dict[int, tuple[tuple, float]] = {}  # worker -> (engine counters, since when)
+        self.kv_totals = WorkerTotals("kv_resumes", "kv_resumed_tokens")  # over the job, workers gone included
         # Elastic rollout (rollout.elastic): april decides, the methods under "elastic rollout" act.
         e = cfg.rollout.elastic
         self.elastic = (

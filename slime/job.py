@@ -425,8 +425,8 @@ class RunningJob:
         uptime = sum(h["uptime_seconds"] for h in healths)
         metrics["engine_busy_fraction"] = sum(h["busy_seconds"] for h in healths) / max(uptime, 1e-9)
         # Partials resumed from the KV cache their engine kept at the abort (no re-prefill).
-        metrics["kv_resumes_total"] = sum(h.get("kv_resumes", 0) for h in healths)
-        metrics["kv_resumed_tokens_total"] = sum(h.get("kv_resumed_tokens", 0) for h in healths)
+        kv = self.fleet.kv_totals.update(healths)
+        metrics["kv_resumes_total"], metrics["kv_resumed_tokens_total"] = kv["kv_resumes"], kv["kv_resumed_tokens"]
         rewards_by_task = metrics.get("reward_by_task", {})
         self.sampler.observe({k: [v] for k, v in rewards_by_task.items()})
         if self.sampler.current_stage_index is not None:  # its name is text, which metrics drop

@@ -313,3 +313,18 @@ def test_elastic_job_adds_a_worker_when_dry_removes_it_when_full_and_loses_nothi
     assert {"elastic_add", "elastic_joined", "elastic_remove", "elastic_removed"} <= set(shown)
     assert removed["worker"] not in {e["worker_id"] for e in client.get("/api/engines").json()}
     buffer.delete_job()
+
+
+def test_kv_resume_totals_keep_what_workers_that_left_or_restarted_counted() -> None:
+    """kv_resumes_total summed the workers alive now: an elastic scale-down made it fall."""
+    from slime.fleet import WorkerTotals
+
+    totals = WorkerTotals("kv_resumes", "kv_resumed_tokens")
+    a, b = {"worker_id": "a"}, {"worker_id": "b"}
+    assert totals.update([{**a, "kv_resumes": 2, "kv_resumed_tokens": 20}, {**b, "kv_resumes": 3}]) == {
+        "kv_resumes": 5,
+        "kv_resumed_tokens": 20,
+    }
+    assert totals.update([{**a, "kv_resumes": 4, "kv_resumed_tokens": 30}])["kv_resumes"] == 7  # b left with 3
+    restarted = totals.update([{**a, "kv_resumes": 1, "kv_resumed_tokens": 5}])  # a restarted: counts from 0
+    assert restarted == {"kv_resumes": 8, "kv_resumed_tokens": 35}
