@@ -301,7 +301,8 @@ def _tag_pairs(text: str, unclosed: list[str]):
     """``<tag>body</tag>`` pairs left to right, each closed by the first ``</tag>`` after it; pairs
     do not overlap. Linear in the text (a regex with a backreference rescans the rest of the text
     from every unclosed tag: seconds on a 60 kB turn of ``<a>``). Open tags never closed, outside
-    every pair, are added to ``unclosed``."""
+    every pair, are added to ``unclosed``; but an unclosed ``<tool_call>`` takes the rest of the turn
+    as its body (engines cut a stop string such as ``</tool_call>`` from the text)."""
     closes: dict[str, list[tuple[int, int]]] = {}
     for m in _CLOSE_TAG.finditer(text):
         closes.setdefault(m.group(1), []).append(m.span())
@@ -318,6 +319,9 @@ def _tag_pairs(text: str, unclosed: list[str]):
         if tag in next_close:
             next_close[tag] = i
         if i == len(spans):
+            if tag == "tool_call":  # `</tool_call>` as a stop string is cut from the turn: the rest is its body
+                yield m.start(), len(text), tag, m.group(2), text[m.end() :]
+                return
             unclosed.append(tag)
             continue
         close_start, close_end = spans[i]

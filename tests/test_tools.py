@@ -110,6 +110,9 @@ def registry(docs_path):
         'Let me compute. {"name": "calculator", "arguments": "{\\"expression\\": \\"6*7\\"}"} ok',
         '{"tool": "calculator", "args": "6*7"}',
         '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>',
+        # rollout.stop=["</tool_call>"]: the engine cuts the stop string, the tag stays open (it ran the
+        # call and also answered "<tool_call> is never closed")
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n',
         "<calculator>6*7</calculator>",
         '<tool name="calculator"> 6*7 </tool>',
     ],
@@ -135,6 +138,7 @@ def test_several_calls_in_one_turn_keep_their_order(registry):
         ('{"tool": "calculator", "args": {"expr": "6*7"}}', 'missing argument "expression"'),
         ("<tool>6*7</tool>", "<tool> needs a name"),
         ("<tool_call>calculator 6*7</tool_call>", "holds no JSON call"),
+        ("<tool_call>calculator 6*7", "holds no JSON call"),
         ("I think it is about forty", "no tool call or answer found"),
         ('{"tool":' + "[" * 5000, "malformed JSON tool call: nested too deeply"),  # raised RecursionError
     ],
