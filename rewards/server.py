@@ -213,19 +213,34 @@ def default_token_file(port: int) -> Path:
 def server_token(host: str, port: int, token_file: str | None) -> tuple[str, Path | None]:
     """The token to serve with, and the file it was written to when generated here.
 
-    The environment (SLIME_API_TOKEN) wins, then an existing --token-file. On loopback, without
-    either, a fresh token goes to --token-file (default: `default_token_file(port)`), 0600. A
-    non-loopback host needs a token given (ValueError)."""
+    The environment (SLIME_API_TOKEN) wins, then an existing --token-file (default:
+    `default_token_file(port)`, so a restarted server keeps the token its clients have). On
+    loopback, without either, a fresh token goes to that file, 0600. A non-loopback host needs a
+    token given (ValueError)."""
     token = read_token(None)
-    if token is None and token_file is not None and Path(token_file).exists():
-        token = read_token(token_file)
+    path = Path(token_file) if token_file is not None else default_token_file(port)
+    if token is None and path.exists():
+        token = read_token(str(path))
     if token is not None:
         return token, None
     check_bind(host, None, "slime reward-serve")  # raises: others could reach it without a token
-    path = Path(token_file) if token_file is not None else default_token_file(port)
     token = new_secret()
     write_private(path, token + "\n")
     return token, path
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening (OSError naming the address when it is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    return sock
 
 
 def main_reward_serve(args: list[str]) -> int:
@@ -265,6 +280,8 @@ def main_reward_serve(args: list[str]) -> int:
     try:
         if ns.max_body_mb <= 0 or ns.max_pending < 1:
             raise ValueError("--max-body-mb must be > 0 and --max-pending >= 1")
+        # Bound first: a second server on a port in use must not replace the first one's token file.
+        listener = _listen(ns.host, ns.port)
         token, written = server_token(ns.host, ns.port, ns.token_file)
         spec = read_spec(ns.spec)
         runner = RewardRunner(load_reward_spec(spec), ns.timeout_s, ns.max_concurrency, name=describe_spec(spec))
@@ -286,6 +303,6 @@ def main_reward_serve(args: list[str]) -> int:
         max_body_bytes=int(ns.max_body_mb * (1 << 20)),
         max_pending=ns.max_pending,
     )
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
     runner.close()
     return 0

@@ -653,10 +653,38 @@ def test_reward_serve_cli_generates_a_private_token_and_refuses_open_binds(tmp_p
         assert _score(url, headers={"Authorization": f"Bearer {token}"}).status_code == 200
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert token.encode() not in cmdline
+        # A second server on the port by mistake: it wrote a new token over the file, then failed to
+        # bind; the running server's clients got 401. Now it fails first and the file stays.
+        second = subprocess.run(
+            [*cmd, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
+            timeout=120,
+        )
+        assert second.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in second.stderr, second.stderr
+        assert "generated a token" not in second.stdout and token_file.read_text().strip() == token
+        assert _score(url, headers={"Authorization": f"Bearer {token}"}).status_code == 200
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert token not in "".join(printed) + out
+
+    # Restarted on its port, the server keeps the token its clients have.
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
+    )
+    try:
+        wait_for(lambda: _ok(f"{url}/health"), 60, "reward-serve to answer again")
+        assert _score(url, headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "generated a token" not in out and token_file.read_text().strip() == token
 
     # A token from the environment: nothing written, the same token works.
     port = _free_port()
