@@ -164,3 +164,10 @@ def test_own_data_without_a_reward_fn_is_warned_about(caplog):
     load_config(None, ["data.path=/data/math.jsonl", "reward.fn=envs.repeat:reward"])  # meant: said so
     load_config(None, [])  # the example task's own data
     assert caplog.text == ""
+
+
+def test_num_cpus_with_a_clusters_address_is_refused_at_load():
+    # It loaded, then ray.init refused it when joining: "num_cpus and num_gpus must not be provided".
+    msg = _refused("cluster.num_cpus=2", "cluster.ray_address=auto")
+    assert "cluster.num_cpus=2" in msg and "cluster.ray_address=auto" in msg
+    assert load_config(EXAMPLE, ["cluster.num_cpus=2"]) and load_config(EXAMPLE, ["cluster.ray_address=auto"])

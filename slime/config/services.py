@@ -213,7 +213,9 @@ class ClusterConfig(_Strict):
         description="None: the job starts a Ray of its own; auto: join the cluster this machine belongs to "
         "(what a submitted job does, slime submit); HOST:PORT: that cluster's GCS address.",
     )
-    num_cpus: int | None = Field(None, gt=0)
+    num_cpus: int | None = Field(
+        None, gt=0, description="The CPUs of the Ray the job starts itself (or of the local launcher); None: all."
+    )
     torch_threads: int = Field(1, gt=0, description="torch threads per actor (2-core boxes: keep 1).")
     placement: Literal["colocated", "disaggregated"] = Field(
         "colocated",
@@ -221,6 +223,15 @@ class ClusterConfig(_Strict):
         "of the two counts; in sync mode GPU engines free their KV memory while the learner trains, see "
         "rollout.release_memory). disaggregated: separate devices, each rank and each GPU engine reserves one.",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        if self.num_cpus is not None and self.ray_address is not None:
+            raise ValueError(
+                f"cluster.num_cpus={self.num_cpus} sizes a Ray the job starts itself; cluster.ray_address="
+                f"{self.ray_address} joins a running cluster, whose Ray counts its own CPUs: remove num_cpus"
+            )
+        return self
 
 
 class WandbConfig(_Strict):
