@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +120,24 @@ def test_engine_matches_learner_after_update(tiny_model_dir, tmp_path, transport
         min_new_tokens=len(after),
     )[0, len(prompt) :].tolist()
     assert after == expected
+
+
+def test_segments_that_any_killed_job_left_in_dev_shm_are_freed_by_the_next_publish() -> None:
+    """A job killed with SIGKILL left its weights in /dev/shm until a job of the same name ran again;
+    now any job's publish frees this user's segments whose publisher is gone, and only those."""
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = Path(f"/dev/shm/slime_otherjob_{dead.pid}_w0")
+    live = Path(f"/dev/shm/slime_otherjob_{os.getppid()}_w3")
+    for path in (orphan, live):
+        path.write_bytes(b"\0" * 64)
+    transport = SharedMemoryTransport(f"slime_shmtest{os.getpid()}")
+    try:
+        transport.publish(1, [("w", torch.ones(4))])
+        assert not orphan.exists() and live.exists()
+    finally:
+        transport.close()
+        live.unlink(missing_ok=True)
+        orphan.unlink(missing_ok=True)

@@ -49,13 +49,21 @@ class SharedMemoryTransport:
         return shared_memory.SharedMemory(name=name, create=True, size=size)
 
     def _free_orphans(self) -> None:
-        """Unlink this job's segments whose publisher process is gone (a run killed by SIGKILL)."""
+        """Unlink this user's segments (slime_<job>_<pid>_w<N>, any job) whose publisher process is
+        gone: a run killed by SIGKILL leaves its weights in /dev/shm, which every job's shared-memory
+        transport on the machine needs."""
         shm_dir = Path("/dev/shm")
         if not shm_dir.is_dir():
             return
-        for path in shm_dir.glob(f"{self.job_prefix}_*_w*"):
-            pid_text = path.name[len(self.job_prefix) + 1 :].split("_w")[0]
-            if pid_text.isdigit() and not Path(f"/proc/{pid_text}").exists():
+        for path in shm_dir.glob("slime_*_w*"):
+            if not SHM_SEGMENT_NAME.match(path.name):
+                continue
+            pid_text = path.name.rsplit("_w", 1)[0].rsplit("_", 1)[-1]
+            try:
+                mine = path.lstat().st_uid == os.getuid()
+            except OSError:
+                continue
+            if mine and pid_text.isdigit() and not Path(f"/proc/{pid_text}").exists():
                 path.unlink(missing_ok=True)
 
     def receive(self, handle: WeightHandle) -> Iterator[tuple[str, torch.Tensor]]:
