@@ -265,6 +265,32 @@ def test_dashboard_process_gets_its_token_from_the_environment(buffer):
         proc.stop()
 
 
+def test_a_jobs_dashboard_on_a_taken_default_port_takes_a_free_one(buffer, tmp_path):
+    """A second job with dashboard.enabled=true failed as a whole on 8377, taken by the first job's."""
+    from slime.config import load_config
+    from slime.dashboard.server import DashboardConfigError
+    from slime.security import JobCredentials
+
+    holder = socket.socket()
+    with contextlib.suppress(OSError):  # already taken by someone else: taken either way
+        holder.bind(("127.0.0.1", 8377))
+        holder.listen(1)
+    credentials = JobCredentials.create(tmp_path, own_redis=False)
+    try:
+        cfg = load_config(None, [f"job_name={buffer.job}", "dashboard.enabled=true"])
+        dashboard = DashboardProcess.for_job(cfg, buffer.url, credentials, tmp_path)
+        try:
+            assert ":8377/" not in dashboard.url
+            wait_for(lambda: _ok(dashboard.url + "api/summary"), 30, "the dashboard on its free port")
+        finally:
+            dashboard.stop()
+        on_purpose = load_config(None, [f"job_name={buffer.job}", "dashboard.enabled=true", "dashboard.port=8377"])
+        with pytest.raises(DashboardConfigError, match="8377"):
+            DashboardProcess.for_job(on_purpose, buffer.url, credentials, tmp_path)
+    finally:
+        holder.close()
+
+
 def test_dashboard_cli_refuses_argv_tokens_and_open_binds(redis_url):
     base = [sys.executable, "-m", "slime.cli", "dashboard", "--redis", redis_url, "--job", "sec-cli"]
     removed = subprocess.run(

@@ -172,7 +172,11 @@ class DashboardProcess:
         d = cfg.dashboard
         token = d.token or credentials.token("dashboard")
         token_file = write_private(run_dir / "dashboard.token", token + "\n")
-        dashboard = cls(redis_url, cfg.job_name, d.host, d.port, token, redis_password=credentials.redis_password)
+        port = d.port
+        if "port" not in d.model_fields_set and port and not _port_free(d.host, port):
+            print(f"dashboard: port {port} is taken (another job's dashboard?); this one takes a free port", flush=True)
+            port = 0  # the default port only: a port set on purpose that is taken stays an error
+        dashboard = cls(redis_url, cfg.job_name, d.host, port, token, redis_password=credentials.redis_password)
         print(f"dashboard: {dashboard.url} (control token in {token_file})", flush=True)
         return dashboard
 
@@ -188,3 +192,14 @@ class DashboardProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
