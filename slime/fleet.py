@@ -157,7 +157,11 @@ class RolloutFleet:
             record = self.sampler.next()
             metadata = {**reward_metadata(record), "record_index": record.index}
             gid = self.buffer.add_group(
-                record.prompt_ids, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens, metadata
+                record.prompt_ids,
+                cfg.rollout.n_samples_per_prompt,
+                cfg.rollout.max_new_tokens,
+                metadata,
+                draw=self.sampler.draws,
             )
             if cfg.loop_mode == "streaming":
                 self.buffer.track_streaming(gid)

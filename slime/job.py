@@ -1,9 +1,7 @@
-"""One running job's lifecycle: start and stop its parts (Redis, Ray, the learner, the rollout
-fleet, the dashboard), train and publish weights, time each step, write metrics and checkpoints.
-The loops that drive it are in slime/train.py; the rollout side is slime/fleet.py. The learner and
-the rollout workers are actors of the launcher cluster.launcher names (slime/launch/): Ray's
-(ray_cluster.py, which also starts Ray) or threads of this process (local.py).
-"""
+"""One running job's lifecycle: start and stop its parts (Redis, Ray, the learner, the rollout fleet,
+the dashboard), train and publish weights, time each step, write metrics and checkpoints. The loops
+that drive it are in slime/train.py; the rollout side is slime/fleet.py. The learner and the rollout
+workers are actors of the launcher cluster.launcher names (slime/launch/): Ray's or this process's."""
 
 from __future__ import annotations
 
@@ -23,6 +21,7 @@ from rewards.mix import load_reward_spec
 from slime.algorithms.mismatch import probe_kl
 from slime.algorithms.offpolicy_controller import Measurement, OffPolicyController
 from slime.buffer import JobConnection, JobTelemetry, TrajectoryStore
+from slime.buffer.owner import JobOwner
 from slime.buffer.redis_server import connect_or_start
 from slime.config import JobConfig, config_for_display, dump_config
 from slime.dashboard.server import DashboardProcess
@@ -95,8 +94,7 @@ class RunningJob:
             require_packages(cfg.logging)  # logging.wandb / logging.mlflow without the package
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.run_lock = lock_run_dir(self.run_dir)  # one job per output_dir, until __exit__
-            # The model and the dataset are checked before an earlier run is set aside: a mistake in
-            # them leaves the output_dir as it was.
+            # Model and dataset are checked before an earlier run is set aside: a mistake leaves output_dir as it was.
             self.model_dir = str(ensure_model_dir(cfg.model))
             check_context_fits(cfg, self.model_dir)
             if cfg.learner.lora is not None:  # a target the model lacks fails here, before any actor
@@ -123,6 +121,7 @@ class RunningJob:
                 cfg.buffer.appendfsync,
             )
             connection = JobConnection.of_job(cfg, self.redis_url, self.credentials.redis_password)
+            self.owner = JobOwner(connection, self.run_dir, cfg.job_name)  # not a live run's job name (owner.py)
             self.buffer = TrajectoryStore(connection, cfg.buffer.lease_seconds)
             self.telemetry = JobTelemetry(connection)
             self.clock = StepClock(lambda: self.buffer.stats().get("generated_tokens", 0.0))
@@ -150,7 +149,7 @@ class RunningJob:
             if checkpoint is not None:
                 self.start_step = self._restore(checkpoint)
             elif cfg.resume is not None:
-                self.buffer.requeue_uncommitted()  # no checkpoint yet: no step's update survived
+                self.buffer.restore_to_checkpoint(0, 0, cfg.buffer.keep_trained_steps)  # no checkpoint yet: all anew
             self.launcher.get([w.health.remote() for w in self.workers] + self.learner.publish_weights())
             if self.offpolicy is not None:  # its start, or the checkpoint's decision
                 self._apply_offpolicy()
@@ -214,6 +213,8 @@ class RunningJob:
                 self.ray_session.close()
                 if self.dashboard is not None:
                     self.dashboard.stop()
+                if getattr(self, "owner", None) is not None:  # last: the job's parts are stopped
+                    self.owner.close()
                 if self.redis_server is not None:
                     self.redis_server.stop()
                 if self.run_lock is not None:
@@ -493,8 +494,7 @@ class RunningJob:
         if self.offpolicy is not None and "offpolicy_auto" in state:  # absent: a run without it, start afresh
             self.offpolicy.load_state_dict(state["offpolicy_auto"])
         write_resumed_config(self.cfg, self.run_dir, checkpoint)  # everything of the checkpoint took
-        # Claims of steps inside the checkpoint are trained (the process may have died before it
-        # marked them); claims of later steps go back to the ready queue, to train on these weights.
-        self.buffer.commit_through(int(state["next_step"]) - 1, self.cfg.buffer.keep_trained_steps)
-        self.buffer.requeue_uncommitted()
-        return int(state["next_step"])
+        draws = state["sampler"].get("draws")
+        if dropped := self.buffer.restore_to_checkpoint(done, draws, self.cfg.buffer.keep_trained_steps):
+            print(f"resume: {dropped} groups drawn after the checkpoint are dropped; their prompts come again")
+        return done

@@ -16,14 +16,16 @@ exactly the prompts that the uninterrupted job would have drawn.
 
 from __future__ import annotations
 
+import logging
 import random
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
-from slime.config import CurriculumStage, SamplingConfig
+from slime.config import ConfigError, CurriculumStage, SamplingConfig
 from slime.data import PromptRecord
 
 _ALL = "*"  # the pool key when tasks are not weighted
+log = logging.getLogger(__name__)
 
 
 class _Pool:
@@ -66,25 +68,37 @@ class PromptSampler:
         shuffle: bool,
     ) -> None:
         if not records:
-            raise ValueError("PromptSampler needs at least one prompt record")
+            raise ConfigError("PromptSampler needs at least one prompt record")
         self.records = records
         self.cfg = cfg
         self.task_key = task_key
         self.seed = seed
         self.shuffle = shuffle
         self._rng = random.Random(seed)  # the task choice; orders have their own seeds
+        self.draws = 0  # prompts drawn so far in the run: each group in the buffer records its own
         self._weights: dict[str, float] = {}
         if cfg.tasks is not None:
             total = sum(cfg.tasks.weights.values())
             if not cfg.tasks.weights or total <= 0:
-                raise ValueError("sampling.tasks.weights must give at least one task a positive weight")
+                raise ConfigError("sampling.tasks.weights must give at least one task a positive weight")
             self._weights = {t: w / total for t, w in cfg.tasks.weights.items()}
+            rows = Counter(self._task_of(r) for r in records)
             for task in self._weights:
-                if not any(self._task_of(r) == task for r in records):
-                    raise ValueError(
+                if not rows.get(task):
+                    raise ConfigError(
                         f"sampling.tasks.weights names task {task!r}, but no record has "
-                        f"metadata[{task_key!r}] == {task!r}"
+                        f"metadata[{task_key!r}] == {task!r}; tasks in the data: {sorted(map(str, rows))[:20]}"
                     )
+            for task in cfg.tasks.targets:
+                if task not in self._weights:
+                    raise ConfigError(f"sampling.tasks.targets names task {task!r}, which tasks.weights does not list")
+            unlisted = {str(t): n for t, n in rows.items() if t not in self._weights}
+            if unlisted:
+                log.warning(
+                    "sampling.tasks.weights lists no weight for %s (%d prompt records): they are never drawn",
+                    ", ".join(f"{t!r} ({n})" for t, n in sorted(unlisted.items())[:20]),
+                    sum(unlisted.values()),
+                )
         self._task_windows: dict[str, deque[float]] = {}
         self._stage_window: deque[float] = deque(maxlen=cfg.window)
         self._stage = 0
@@ -94,8 +108,10 @@ class PromptSampler:
 
     # ---- drawing -------------------------------------------------------------------------
 
-    def _task_of(self, record: PromptRecord) -> Any:
-        return record.metadata.get(self.task_key)
+    def _task_of(self, record: PromptRecord) -> str | None:
+        """The record's task as text (the config's task names are text; a column of numbers too)."""
+        task = record.metadata.get(self.task_key)
+        return None if task is None else str(task)
 
     def _build_pools(self, stage_index: int) -> dict[str, _Pool]:
         members = list(range(len(self.records)))
@@ -107,7 +123,7 @@ class PromptSampler:
             if self._weights:
                 members = [i for i in members if self._task_of(self.records[i]) in self._weights]
             if not members:
-                raise ValueError(
+                raise ConfigError(
                     f"sampling.curriculum stage {stage.name!r} (filter {stage.filter}) matches no prompt record"
                     + (" of a weighted task" if self._weights else "")
                 )
@@ -126,6 +142,7 @@ class PromptSampler:
             task = self._rng.choices(tasks, weights=[self._weights[t] for t in tasks])[0]
         else:
             task = _ALL
+        self.draws += 1
         return self.records[self._pools[task].next()]
 
     # ---- feedback ------------------------------------------------------------------------
@@ -187,6 +204,7 @@ class PromptSampler:
             "task_windows": {t: list(w) for t, w in self._task_windows.items()},
             "stage_window": list(self._stage_window),
             "rng": [version, list(internal), gauss],
+            "draws": self.draws,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -206,6 +224,7 @@ class PromptSampler:
         self._stage_window = deque((float(x) for x in state["stage_window"]), maxlen=self.cfg.window)
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
+        self.draws = int(state.get("draws", 0))  # absent: a checkpoint from before it was kept
 
 
 def _matches(record: PromptRecord, stage: CurriculumStage) -> bool:

@@ -348,6 +348,8 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
         # case's, from the same buffer and checkpoint code (a suite-time saving).
         return
 
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    drawn_by_checkpoint = json.loads((latest / "driver_state.json").read_text())["sampler"]["draws"]
     resumed = _run_cli([*args, f"steps={steps_done + 3}", "resume=auto"], env, stdout=subprocess.PIPE)
     said, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err.decode()[-3000:]
@@ -367,7 +369,16 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
         assert c["groups_trained"] == trained_in_metrics == 3 * len(last_by_step)
         assert c["groups_claimed"] == 0
         resumed_final = [buffer.get_sample(sid) for sid in partials]
-        assert any(s.status in FINAL_STATUSES for s in resumed_final)
+        assert all(s.status in FINAL_STATUSES for s in resumed_final)
+        # A partial its checkpoint's sampler had drawn went on from its tokens; one drawn after it was
+        # dropped, since the restored sampler draws its prompt again (both trained it: kill -9 trained
+        # the prompts drawn after the last checkpoint twice).
+        for s in resumed_final:
+            draw = int(buffer.redis.hget(buffer.connection.key("group", s.group_id), "draw"))
+            assert (s.failure == "drawn_after_checkpoint") == (draw > drawn_by_checkpoint), (s.id, draw)
+        trained = {gid.decode() for gid in buffer.redis.zrange(buffer.connection.key("trained"), 0, -1)}
+        prompts = [buffer.get_group(gid)[0].metadata["record_index"] for gid in trained]
+        assert len(prompts) == len(set(prompts)), sorted(prompts)  # within the first epoch: each once
 
 
 SLOW_REWARD = """

@@ -246,6 +246,37 @@ def test_requeue_uncommitted_after_a_checkpoint_step(buffer: TrajectoryStore) ->
     assert buffer.requeue_uncommitted() == 0
 
 
+def test_a_resume_drops_the_groups_drawn_after_its_checkpoint_in_every_state(buffer: TrajectoryStore) -> None:
+    """kill -9 after a checkpoint whose sampler had drawn 2 prompts: the groups drawn later (open,
+    running with tokens, ready, claimed by a later step) survive in the AOF, and the restored sampler
+    draws their prompts again. They are dropped, so no prompt trains twice; the rest is kept."""
+    gids = [buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={"record_index": i}, draw=i + 1) for i in range(6)]
+    for _ in range(4):  # draws 1-4 run; 1 and 3 finish (ready), 2 keeps its partial tokens, 4 is aborted
+        (s,) = buffer.lease("w", 1)
+        buffer.append_chunk(s.id, "w", [7, 8], [-0.1, -0.2], version=0)
+        if s.group_id in (gids[0], gids[2]):
+            buffer.finish(s.id, "w", Status.COMPLETED, reward=1.0)
+        elif s.group_id == gids[3]:
+            buffer.release(s.id, "w")
+    assert [g[0].group_id for g in buffer.claim_groups(1, step=3)] == [gids[0]]  # the checkpoint's step
+    assert [g[0].group_id for g in buffer.claim_groups(1, step=4)] == [gids[2]]  # after it
+    untracked = buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={})  # no draw count: kept
+    assert buffer.restore_to_checkpoint(next_step=4, draws=2, keep_trained_steps=None) == 4
+    assert {gid for gid in gids[2:]} == {gid.decode() for gid in buffer.redis.zrange(f"{buffer.prefix}dropped", 0, -1)}
+    counts = buffer.counts()
+    assert (counts["groups_trained"], counts["groups_claimed"], counts["groups_ready"]) == (1, 0, 0)
+    assert counts["groups_dropped"] == 4 and counts["running"] == 1  # the partial drawn before: kept
+    stats = buffer.stats()
+    assert stats["dropped_groups:drawn_after_checkpoint"] == 4 and stats["dropped_tokens:drawn_after_checkpoint"] == 4
+    # What is left to run: the partial drawn before the checkpoint (tokens kept) and the untracked group.
+    assert buffer.requeue_all_leased() == 1  # as the job does at a resume
+    left = buffer.lease("w2", 10)
+    assert sorted(s.group_id for s in left) == sorted([gids[1], untracked])
+    assert next(s for s in left if s.group_id == gids[1]).response_length == 2
+    failed = buffer.get_group(gids[4])[0]
+    assert failed.status == Status.FAILED and failed.failure == "drawn_after_checkpoint"
+
+
 def test_group_is_ready_once_when_all_members_are_final(buffer: TrajectoryStore) -> None:
     gid = buffer.add_group(PROMPT, n=3, max_new_tokens=8, metadata={})
     a, b, c = buffer.lease("w", 3)
@@ -461,7 +492,7 @@ def test_every_lua_script_compiles(buffer: TrajectoryStore) -> None:
     rarely used one (a dashboard control, the streaming claim) fails here, not in a running job."""
     parts = (buffer, JobTelemetry(buffer.connection), BufferQueries(buffer.connection))
     scripts = [v for part in parts for v in vars(part).values() if hasattr(v, "sha") and hasattr(v, "script")]
-    assert len(scripts) == 22
+    assert len(scripts) == 24
     for script in scripts:
         assert buffer.redis.script_load(script.script) == script.sha
     assert "local function member_done" in lua_source("transitions.lua")
@@ -617,3 +648,24 @@ def test_a_long_failure_is_stored_as_its_head_and_tail(buffer: TrajectoryStore) 
     failure = buffer.get_sample(a.id).failure
     assert len(failure) < 2100 and failure.startswith("reward raised RuntimeError: boom xx")
     assert failure.endswith("xx at r.py:3") and f"...[{len(raised) - 2000} characters cut]..." in failure
+
+
+def test_a_live_runs_job_name_is_refused_to_a_run_of_another_output_dir(redis_url: str, tmp_path, monkeypatch) -> None:
+    """Two runs sharing a Redis and, by mistake, a job name: the second deleted the first's buffer
+    and both trained on one mixed buffer. Now the live run owns the name; the same run restarted
+    (kill -9, then resume=auto in its output_dir) takes it over at once, and a closed run frees it."""
+    from slime.buffer.owner import JobNameInUseError, JobOwner
+
+    connection = JobConnection(redis_url, "owned")
+    first = JobOwner(connection, tmp_path / "a", "owned")
+    with pytest.raises(JobNameInUseError, match=r"job_name 'owned' is in use .* output_dir \S+/a, pid"):
+        JobOwner(connection, tmp_path / "b", "owned")
+    monkeypatch.setattr(os, "getpid", lambda: 4_000_000)  # the restarted run is another process
+    restarted = JobOwner(connection, tmp_path / "a", "owned")  # same host and output_dir: a restart
+    monkeypatch.undo()
+    first.close()  # the old process's release leaves the restarted run's claim alone
+    with pytest.raises(JobNameInUseError):
+        JobOwner(connection, tmp_path / "b", "owned")
+    restarted.close()
+    JobOwner(connection, tmp_path / "b", "owned").close()
+    assert connection.redis.get(connection.key("owner")) is None

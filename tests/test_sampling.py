@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from slime.config import CurriculumStage, SamplingConfig, TaskWeighting
+from slime.config import ConfigError, CurriculumStage, SamplingConfig, TaskWeighting
 from slime.data import PromptRecord
 from slime.sampling import PromptSampler
 
@@ -145,3 +145,37 @@ def test_unknown_weighted_task_is_an_error() -> None:
     cfg = SamplingConfig(tasks=TaskWeighting(weights={"math": 1.0, "poetry": 1.0}))
     with pytest.raises(ValueError, match="'poetry'"):
         PromptSampler(make_records(10), cfg, "task", seed=0, shuffle=True)
+
+
+def test_tasks_the_weights_leave_out_are_named_and_a_target_must_be_weighted(caplog) -> None:
+    """Rows of a task without a weight were never drawn, without a word; a target on a task that is
+    not weighted did nothing."""
+    records = make_records(10) + [PromptRecord(index=10, prompt="x", prompt_ids=[10], metadata={"task": "other"})]
+    with caplog.at_level("WARNING"):
+        sampler = PromptSampler(
+            records, SamplingConfig(tasks=TaskWeighting(weights={"math": 1.0, "code": 1.0})), "task", 0, True
+        )
+    assert "'other' (1)" in caplog.text and "never drawn" in caplog.text
+    assert 10 not in draw(sampler, 40)
+    cfg = SamplingConfig(tasks=TaskWeighting(weights={"math": 1.0}, targets={"maths": 0.9}))
+    with pytest.raises(ConfigError, match="targets names task 'maths'"):
+        PromptSampler(make_records(10), cfg, "task", seed=0, shuffle=True)
+
+
+def test_a_column_of_numbers_names_its_tasks_as_text() -> None:
+    """`task: 0` rows could not be weighted: the config's names are text and the rows' values ints."""
+    records = [PromptRecord(index=i, prompt=f"p{i}", prompt_ids=[i], metadata={"task": i % 2}) for i in range(10)]
+    sampler = PromptSampler(
+        records, SamplingConfig(tasks=TaskWeighting(weights={"0": 1.0, "1": 0.0001})), "task", 0, True
+    )
+    assert sum(i % 2 == 0 for i in draw(sampler, 20)) >= 18
+
+
+def test_the_sampler_counts_its_draws_across_a_resume() -> None:
+    sampler = PromptSampler(make_records(10), SamplingConfig(), "task", seed=0, shuffle=True)
+    draw(sampler, 13)
+    state = json.loads(json.dumps(sampler.state_dict()))
+    resumed = PromptSampler(make_records(10), SamplingConfig(), "task", seed=0, shuffle=True)
+    resumed.load_state_dict(state)
+    assert sampler.draws == resumed.draws == 13
+    assert draw(resumed, 5) == draw(sampler, 5) and resumed.draws == 18

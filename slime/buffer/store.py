@@ -129,6 +129,7 @@ class TrajectoryStore:
         self._requeue = connection.once_script("requeue.lua")
         self._drop_ready = connection.once_script("drop_ready.lua")
         self._drop_claimed = connection.once_script("drop_claimed.lua")
+        self._drop_drawn_after = connection.once_script("transitions.lua", "drop_drawn_after.lua")
         self._restart = connection.once_script("transitions.lua", "restart.lua")
         self._requeue_leased = connection.once_script("transitions.lua", "requeue_leased.lua")
         self._claim_segments = connection.once_script("claim_segments.lua")
@@ -158,8 +159,10 @@ class TrajectoryStore:
         max_new_tokens: int,
         metadata: dict[str, Any],
         group_id: str | None = None,
+        draw: int | None = None,
     ) -> str:
-        """Create a group of n PENDING samples of one prompt, queued on `new`. Returns the group id."""
+        """Create a group of n PENDING samples of one prompt, queued on `new`. Returns the group id.
+        `draw`: how many prompts the job's sampler had drawn with this one (drop_drawn_after)."""
         if n < 1:
             raise ValueError(f"a group needs n >= 1 samples, got {n}")
         if max_new_tokens < 1:
@@ -168,7 +171,16 @@ class TrajectoryStore:
         prompt = np.asarray(prompt_ids, dtype=TOKEN_DTYPE).reshape(-1).astype(WIRE_TOKEN).tobytes()
         sample_ids = [new_id() for _ in range(n)]
         created = self._add_group(
-            args=[self.prefix, group_id, n, int(max_new_tokens), prompt, json.dumps(metadata), *sample_ids]
+            args=[
+                self.prefix,
+                group_id,
+                n,
+                int(max_new_tokens),
+                prompt,
+                json.dumps(metadata),
+                "" if draw is None else int(draw),
+                *sample_ids,
+            ]
         )
         if not created:
             raise ValueError(f"group {group_id!r} already exists in job {self.job!r}")
@@ -388,6 +400,24 @@ class TrajectoryStore:
         staleness bound), so the step's commit does not count it trained; counted in stats as
         dropped_groups:<reason> and dropped_tokens:<reason>."""
         return bool(self._drop_claimed(args=[self.prefix, group_id, reason]))
+
+    def restore_to_checkpoint(self, next_step: int, draws: int | None, keep_trained_steps: int | None) -> int:
+        """A job resumed from the checkpoint taken before `next_step`: claims of steps inside it are
+        trained (the process may have died before it marked them); groups its sampler had not drawn
+        yet (`draws`; None: a checkpoint that did not record it) are dropped, since the restored
+        sampler draws them again; claims of later steps go back to the ready queue, to train on the
+        checkpoint's weights. Returns how many groups were dropped."""
+        self.commit_through(next_step - 1, keep_trained_steps)
+        dropped = 0 if draws is None else self.drop_drawn_after(draws, "drawn_after_checkpoint")[0]
+        self.requeue_uncommitted()
+        return dropped
+
+    def drop_drawn_after(self, draws: int, reason: str) -> tuple[int, int]:
+        """Drop every group the sampler drew after its first `draws` prompts, whatever its state (a
+        resume restores the sampler of a checkpoint, which draws those prompts again). Returns
+        (groups dropped, their tokens); groups added without a draw count are kept."""
+        groups, tokens = self._drop_drawn_after(args=[self.prefix, int(draws), reason])
+        return int(groups), int(tokens)
 
     def drop_ready_group(self, group_id: str, reason: str) -> bool:
         """Take a complete group out of the ready queue for good (e.g. a dynamic-sampling filter);

@@ -17,6 +17,7 @@ restarted, retrying their batches. Per fault: the time from the fault to the fir
 the recovery (a token generated; for a reward fault, a sample scored) and to the first step
 trained after it (for a reward fault: after that first scored sample). Then the audit, from the job's Redis (its AOF) and its files:
     groups lost or trained twice   groups_trained == steps x batch_size, none left claimed
+    prompts trained twice          no prompt trained more often than the data's epochs allow
     steps logged twice or missing  metrics.jsonl holds 0..steps-1, each once
     trajectories lost              every sample final, or partial (its tokens kept), or failed with a reason
     tokens lost                    tokens stored + tokens discarded by a restart == tokens generated
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -274,6 +276,7 @@ def audit(chaos: ChaosRun, returncode: int | None) -> dict:
         store = TrajectoryStore.open(server.url, cfg.job_name, password="chaos-audit")
         counts, stats = store.counts(), store.stats()
         samples = list(store.iter_samples())
+        trained = {gid.decode() for gid in store.redis.zrange(store.connection.key("trained"), 0, -1)}
         store.connection.close()
     expected_groups = cfg.steps * cfg.rollout.batch_size
     unaccounted = [
@@ -299,6 +302,7 @@ def audit(chaos: ChaosRun, returncode: int | None) -> dict:
         "groups_lost": max(0, expected_groups - counts["groups_trained"]),
         "groups_trained_twice": max(0, counts["groups_trained"] - expected_groups),
         "groups_left_claimed": counts["groups_claimed"],
+        "prompts_trained_twice": _prompts_trained_twice(samples, trained, cfg.run_dir),
         "trajectories": len(samples) + int(stats.get("pruned_samples", 0.0)),
         "trajectories_lost": len(unaccounted),
         "tokens_stored": stored_tokens,
@@ -307,8 +311,25 @@ def audit(chaos: ChaosRun, returncode: int | None) -> dict:
     }
 
 
+def _prompts_trained_twice(samples: list, trained: set[str], run_dir: Path) -> int:
+    """Trainings of a prompt beyond what the data's epochs allow (each prompt once per epoch: at most
+    ceil(trained groups / records) times): a resume that drew again prompts the buffer still held
+    trained them twice. Groups whose trajectories were pruned are not seen."""
+    latest = run_dir / "checkpoints" / "latest"
+    try:
+        state = json.loads((run_dir / "checkpoints" / latest.read_text().strip() / "driver_state.json").read_text())
+        records = int(state["sampler"]["num_records"])
+    except (OSError, ValueError, KeyError):
+        return 0
+    index_of_group = {s.group_id: s.metadata.get("record_index") for s in samples if s.group_id in trained}
+    times = Counter(i for i in index_of_group.values() if i is not None)
+    allowed = -(-len(trained) // max(1, records))
+    return sum(max(0, n - allowed) for n in times.values())
+
+
 def clean(report: dict) -> bool:
     lost = ("steps_missing", "steps_logged_twice", "groups_lost", "groups_trained_twice", "groups_left_claimed")
+    lost += ("prompts_trained_twice",)
     return (
         report["exit_code"] == 0
         and all(report[k] == 0 for k in (*lost, "trajectories_lost", "tokens_lost"))
@@ -331,7 +352,14 @@ def print_report(report: dict) -> None:
         "groups_lost",
         "groups_trained_twice",
     )
-    keys += ("groups_left_claimed", "trajectories", "trajectories_lost", "tokens_stored", "tokens_lost")
+    keys += (
+        "groups_left_claimed",
+        "prompts_trained_twice",
+        "trajectories",
+        "trajectories_lost",
+        "tokens_stored",
+        "tokens_lost",
+    )
     print("  ".join(f"{k}={report[k]}" for k in keys))
     print("clean" if clean(report) else "NOT CLEAN: something was lost, duplicated or did not recover")
 

@@ -1,12 +1,14 @@
--- ARGV: prefix, gid, n, max_new_tokens, prompt bytes, metadata json, sample ids (n of them)
+-- ARGV: prefix, gid, n, max_new_tokens, prompt bytes, metadata json, draw ('' for none: the
+-- sampler's count of prompts drawn, this one included), sample ids (n of them)
 local gid, n = ARGV[2], tonumber(ARGV[3])
 local gkey = P .. 'group:' .. gid
 if redis.call('EXISTS', gkey) == 1 then return 0 end
 local t = fmt(now())
 redis.call('HSET', gkey, 'n', n, 'done', 0, 'status', 'open', 'created_at', t, 'metadata', ARGV[6])
+if ARGV[7] ~= '' then redis.call('HSET', gkey, 'draw', ARGV[7]) end
 redis.call('ZADD', P .. 'groups', t, gid)
 for i = 1, n do
-  local sid = ARGV[6 + i]
+  local sid = ARGV[7 + i]
   redis.call('HSET', P .. 'sample:' .. sid, 'group_id', gid, 'index', i - 1, 'status', 'pending',
     'prompt_ids', ARGV[5], 'max_new_tokens', ARGV[4], 'metadata', ARGV[6], 'created_at', t, 'updated_at', t)
   redis.call('RPUSH', gkey .. ':samples', sid)

@@ -1,0 +1,49 @@
+-- ARGV: prefix, draws, reason. A resume from a checkpoint whose sampler had drawn `draws` prompts:
+-- every group drawn after it (its 'draw' count is higher) is dropped, whatever its state, since the
+-- restored sampler draws those prompts again. Unfinished samples become FAILED with the reason
+-- (queue entries left behind are skipped by lease.lua); the group leaves the ready queue or the
+-- claimed set. Groups are drawn in creation order: the scan goes from the newest back and stops at
+-- a window of 64 with none to drop (so groups created in one millisecond are all seen).
+-- Returns {groups dropped, their tokens}.
+local limit, reason = tonumber(ARGV[2]), ARGV[3]
+local groups, tokens, stop, pos = 0, 0, false, 0
+while not stop do
+  local window = redis.call('ZREVRANGE', P .. 'groups', pos, pos + 63)
+  if #window == 0 then break end
+  stop = true
+  for _, gid in ipairs(window) do
+    local gkey = P .. 'group:' .. gid
+    local draw = tonumber(redis.call('HGET', gkey, 'draw') or '')
+    local status = redis.call('HGET', gkey, 'status')
+    if draw and draw > limit then
+      stop = false
+      if status ~= 'dropped' and status ~= 'trained' then
+        redis.call('LREM', P .. 'queue:ready', 0, gid)
+        redis.call('ZREM', P .. 'claimed', gid)
+        for _, sid in ipairs(redis.call('LRANGE', gkey .. ':samples', 0, -1)) do
+          local skey = P .. 'sample:' .. sid
+          local s = redis.call('HGET', skey, 'status')
+          if s == 'pending' or s == 'aborted' or s == 'running' then
+            redis.call('ZREM', P .. 'leases', sid)
+            redis.call('HDEL', skey, 'lease_owner')
+            redis.call('DEL', skey .. ':env')
+            redis.call('HSET', skey, 'status', 'failed', 'failure', reason, 'updated_at', fmt(now()))
+            move_count(s, 'failed')
+          end
+          tokens = tokens + redis.call('STRLEN', skey .. ':mask')
+        end
+        redis.call('HSET', gkey, 'status', 'dropped', 'drop_reason', reason)
+        redis.call('HDEL', gkey, 'claimed_step')
+        redis.call('ZADD', P .. 'dropped', fmt(now()), gid)
+        groups = groups + 1
+      end
+    end
+  end
+  pos = pos + 64
+end
+if groups > 0 then
+  redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_groups:' .. reason, groups)
+  redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_tokens:' .. reason, tokens)
+  redis.call('DEL', P .. 'claim_cursor')  -- the in-order claim looks from the start again
+end
+return {groups, tokens}
