@@ -1,7 +1,7 @@
 """The HTTP reward service: `slime reward-serve SPEC [--host H] [--port N] [--token-file PATH]`.
 
     POST /score   {"samples": [{"prompt", "response", "label", "metadata"}, ...]}
-               -> {"results": [{"reward", "failure", "latency_s", "step_scores"?, "step_ends"?, "info"?}, ...]}
+               -> {"results": [{"reward", "failure"?, "latency_s", "step_scores"?, "step_ends"?, "info"?}, ...]}
     GET  /health  -> {"status": "ok", "reward", "scored", "failed", "hung_calls", "pending", "max_pending"}
 
 One result per sample, in order. Each sample runs through a RewardRunner (timeout and concurrency
