@@ -103,6 +103,7 @@ class RunningJob:
             stop = checked_rollout_stops(cfg.rollout, self.tokenizer, self.model_dir)  # an empty stop string fails
             self.group_filter = (spec := cfg.april.group_filter) and GroupFilter(spec, self.tokenizer, stop)
             self.records = self._load_records()
+            self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
             if cfg.resume is None and (aside := set_earlier_run_aside(self.run_dir)) is not None:
                 print(
                     f"a fresh run in {self.run_dir}: the earlier run's metrics, plot and checkpoints moved to {aside}"
@@ -127,7 +128,6 @@ class RunningJob:
             self.clock = StepClock(lambda: self.buffer.stats().get("generated_tokens", 0.0))
             if self.redis_server is not None:  # every part retries meanwhile (buffer.reconnect_timeout_s)
                 self.redis_server.keep_alive(self._redis_restarted)
-            self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
             if cfg.resume is None:
                 self.buffer.delete_job()  # a fresh run starts from an empty buffer
             else:

@@ -291,3 +291,20 @@ def test_a_full_disk_is_one_line_naming_where_and_leaves_no_partial_file(tmp_pat
         assert isinstance(user, DiskFullError) and "no space left on the device of" in str(user)
     assert str(tmp_path / "job.secret") in str(user_error_of(wrapped))
     assert user_error_of(OSError(errno.EACCES, "denied")) is None  # other OS errors keep their traceback
+
+
+def test_a_sampling_mistake_is_one_line_and_leaves_the_earlier_run_where_it_was(tmp_path, tiny_model_dir):
+    """A curriculum stage that matches no prompt raised a traceback (exit 1), after the earlier run in
+    the output_dir had been moved to earlier_runs/1."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    done = slime(
+        "train",
+        EXAMPLE,
+        f"output_dir={run}",
+        f"model.path={tiny_model_dir}",
+        "sampling.curriculum=[{name: a, filter: {levle: 0}}]",
+    )
+    assert_one_clean_error(done, "sampling.curriculum stage 'a'")
+    assert (run / "metrics.jsonl").exists() and not (run / "earlier_runs").exists()
