@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 
 from slime.config import DataConfig
+from slime.data_files import DatasetError, read_rows
 from slime.errors import UserError
 from slime.sample import Sample, Status
 
@@ -126,12 +127,6 @@ def reward_inputs(
     return meta.get("prompt_text", ""), tokenizer.decode(ids, skip_special_tokens=True), meta.get("label"), meta
 
 
-class DatasetError(UserError, ValueError):
-    """A prompt dataset that cannot be loaded; the message names the file, the line or row, and why."""
-
-    hint = "data.path is a JSONL or Parquet file or a saved HF dataset directory, a prompt per row (README, 'Your own model, data and reward')"
-
-
 class ChatTemplateError(UserError, ValueError):
     """The model's chat template is not valid Jinja: no prompt can pass it, whatever the data."""
 
@@ -142,13 +137,6 @@ class OverlongPrompt(DatasetError):
     """A prompt over data.max_prompt_tokens."""
 
     hint = "raise data.max_prompt_tokens, shorten the prompt, or skip such rows: data.overlong_prompts=drop"
-
-
-JSONL_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
-SUPPORTED_FORMATS = (
-    "JSON Lines (.jsonl/.json), Parquet (.parquet), or a directory saved with datasets.Dataset.save_to_disk"
-)
 
 
 def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> list[PromptRecord]:
@@ -169,7 +157,7 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, path: str | None = None) -> li
     records: list[PromptRecord] = []
     overlong: list[str] = []
     label_key_seen, first_columns, unlabeled = False, None, []  # unlabeled: kept rows lacking it, (where, columns)
-    for where, row in _read_rows(p):
+    for where, row in read_rows(p):
         has_label = _nested_get(row, cfg.label_key, _ABSENT) is not _ABSENT  # null counts: the row says it has none
         label_key_seen, first_columns = label_key_seen or has_label, first_columns or _key_paths(row)
         try:
@@ -239,83 +227,6 @@ def write_jsonl(records: list[dict[str, Any]], path: str | Path) -> Path:
     return p
 
 
-# --- reading --------------------------------------------------------------------------------
-
-
-def _read_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield (location, row) pairs; location is `file:line` or `file:row N` for error messages."""
-    if p.is_dir():
-        yield from _read_hf_dir(p)
-    elif p.suffix.lower() in JSONL_SUFFIXES:
-        yield from _read_jsonl(p)
-    elif p.suffix.lower() in PARQUET_SUFFIXES:
-        yield from _read_parquet(p)
-    else:
-        raise DatasetError(f"{p}: unsupported dataset format {p.suffix!r}; supported: {SUPPORTED_FORMATS}")
-
-
-def _read_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with p.open("rb") as f:  # decoded line by line: a bad byte is named by its line
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{p}:{lineno}"
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # -sig: tolerate a BOM
-            except UnicodeDecodeError as exc:
-                raise DatasetError(
-                    f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line)"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                hint = ""
-                if lineno == 1 and line.lstrip().startswith("["):
-                    hint = " (this looks like a JSON array; write one JSON object per line instead)"
-                raise DatasetError(f"{where}: malformed JSON: {exc.msg} at column {exc.colno}{hint}") from None
-            except RecursionError:
-                raise DatasetError(f"{where}: JSON nested too deeply to read") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
-            try:  # JSON's \ud800-\udfff escapes decode to lone surrogates: not text, they break every encode
-                if "\\u" in line:  # only an escape makes one (the line itself decoded as UTF-8)
-                    json.dumps(row, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError as exc:
-                bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
-                raise DatasetError(
-                    f"{where}: a string holds {bad}, a lone UTF-16 surrogate, which is not text"
-                ) from None
-            yield where, row
-
-
-def _read_parquet(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(p)
-    except Exception as exc:  # pyarrow raises several types for unreadable files
-        raise DatasetError(f"{p}: cannot read as Parquet: {exc}") from exc
-    for i, row in enumerate(table.to_pylist()):
-        yield f"{p}:row {i}", row
-
-
-def _read_hf_dir(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(p))
-    except Exception as exc:  # not a save_to_disk directory, or a corrupt one
-        raise DatasetError(
-            f"{p}: a directory, but not loadable with datasets.load_from_disk ({exc}); supported: {SUPPORTED_FORMATS}"
-        ) from exc
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DatasetError(f"{p}: a DatasetDict without a 'train' split; its splits are {sorted(ds)}")
-        ds = ds["train"]
-    for i, row in enumerate(ds):
-        yield f"{p}:row {i}", dict(row)
-
-
 # --- validating and tokenizing ---------------------------------------------------------------
 
 
@@ -329,7 +240,8 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
         if not prompt.strip():
             raise DatasetError(f"{where}: the prompt ({cfg.prompt_key!r}) is empty")
         if cfg.apply_chat_template:
-            prompt_ids = _chat_ids(where, _with_system([{"role": "user", "content": prompt}], cfg), tokenizer)
+            messages = _with_system([{"role": "user", "content": prompt}], cfg)
+            prompt_ids = _chat_ids(where, messages, tokenizer, cfg.max_prompt_tokens)
         elif cfg.system_prompt is not None:
             raise DatasetError(
                 f"{where}: a text prompt is read as it is (data.apply_chat_template=false), so data.system_prompt "
@@ -337,7 +249,8 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
             )
         else:  # data.input_template shapes what the model reads; the reward sees the row's prompt
             text = cfg.input_template.replace("{}", prompt) if cfg.input_template else prompt
-            prompt_ids = _as_id_list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            _refuse_overlong_prefix(where, text, tokenizer, cfg.max_prompt_tokens)
+            prompt_ids = _text_ids(text, tokenizer)
     elif isinstance(prompt, list):
         if cfg.input_template:
             raise DatasetError(
@@ -352,7 +265,7 @@ def _to_record(index: int, where: str, row: dict[str, Any], cfg: DataConfig, tok
                 f"{where}: the prompt ({cfg.prompt_key!r}) is chat messages, which reach the model only through "
                 "the chat template, but data.apply_chat_template=false: unset it (or set true), or give text prompts"
             )
-        prompt_ids = _chat_ids(where, prompt, tokenizer)
+        prompt_ids = _chat_ids(where, prompt, tokenizer, cfg.max_prompt_tokens)
     else:
         raise DatasetError(
             f"{where}: the prompt ({cfg.prompt_key!r}) must be a string or a list of "
@@ -446,13 +359,18 @@ def _check_messages(where: str, key: str, messages: list[Any]) -> list[dict[str,
             raise DatasetError(
                 f"{where}: chat message {i} of {key!r} must be a dict with 'role' and 'content', got {type(m).__name__}"
             )
+        # Arrow gives every message of a column every field any message has, the missing ones None:
+        # the template and the reward get the message as it was written.
+        m = {k: v for k, v in m.items() if v is not None}
         for field_name in ("role", "content"):
             if not isinstance(m.get(field_name), str):
                 got = "missing" if field_name not in m else type(m[field_name]).__name__
                 raise DatasetError(f"{where}: chat message {i} of {key!r}: {field_name!r} must be a string, got {got}")
         if not m["role"]:
             raise DatasetError(f"{where}: chat message {i} of {key!r} has an empty 'role'")
-        out.append(dict(m))
+        out.append(m)
+    if not any(m["content"].strip() for m in out):
+        raise DatasetError(f"{where}: the prompt ({key!r}) is chat messages whose contents are all empty")
     return out
 
 
@@ -463,14 +381,29 @@ def _with_system(messages: list[dict[str, str]], cfg: DataConfig) -> list[dict[s
     return [{"role": "system", "content": cfg.system_prompt}, *messages]
 
 
-def _chat_ids(where: str, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
+def _chat_ids(where: str, messages: list[dict[str, str]], tokenizer: Any, max_tokens: int | None = None) -> list[int]:
+    """The messages' token ids after the chat template; with `max_tokens`, a huge prompt over it
+    is refused from a prefix of the rendered text (OverlongPrompt) before it is tokenized whole."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise DatasetError(
             f"{where}: the prompt needs a chat template (chat messages, or data.apply_chat_template=true) "
             f"but tokenizer {type(tokenizer).__name__} has no chat_template"
         )
+    # The rendered text holds the contents: rendered twice only when they alone pass the bound.
+    if max_tokens is not None and sum(len(m["content"]) for m in messages) > max_tokens * MAX_CHARS_PER_TOKEN:
+        _refuse_overlong_prefix(
+            where, _apply_template(where, messages, tokenizer, tokenize=False), tokenizer, max_tokens
+        )
+    out = _apply_template(where, messages, tokenizer, tokenize=True)
+    # transformers < 5 returns list[int]; >= 5 returns a BatchEncoding (a dict) by default.
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    return _as_id_list(out)
+
+
+def _apply_template(where: str, messages: list[dict[str, str]], tokenizer: Any, tokenize: bool) -> Any:
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
     except jinja2.TemplateSyntaxError as exc:  # the template's own fault, met at its first use
         model_dir = Path(getattr(tokenizer, "name_or_path", None) or "")  # transformers reads the .jinja first
         files = [model_dir / f for f in ("chat_template.jinja", "tokenizer_config.json") if (model_dir / f).is_file()]
@@ -486,10 +419,30 @@ def _chat_ids(where: str, messages: list[dict[str, str]], tokenizer: Any) -> lis
             hint="change the messages to what the model's chat template accepts (some templates refuse a "
             "'system' message: fold it into the first user message), or give the model another chat_template",
         ) from exc
-    # transformers < 5 returns list[int]; >= 5 returns a BatchEncoding (a dict) by default.
-    if isinstance(out, Mapping):
-        out = out["input_ids"]
-    return _as_id_list(out)
+
+
+# A token of any common vocabulary is far shorter than this, so a text longer than this many
+# characters per allowed token is judged from a prefix that long: tokenizing a 10 MB prompt whole
+# took gigabytes and most of a minute, only to refuse it.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def _refuse_overlong_prefix(where: str, text: str, tokenizer: Any, max_tokens: int) -> None:
+    """OverlongPrompt when a prefix of `text` alone has more than `max_tokens` tokens; a text
+    within the bound, or whose prefix fits, is left to be tokenized whole."""
+    limit = max_tokens * MAX_CHARS_PER_TOKEN
+    if len(text) <= limit:
+        return
+    count = len(_text_ids(text[:limit], tokenizer))
+    if count > max_tokens:
+        raise OverlongPrompt(
+            f"{where}: the prompt has at least {count} tokens (a lower bound, counted in its first {limit} of "
+            f"{len(text)} characters), more than data.max_prompt_tokens={max_tokens}"
+        )
+
+
+def _text_ids(text: str, tokenizer: Any) -> list[int]:
+    return _as_id_list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _as_id_list(ids: Any) -> list[int]:

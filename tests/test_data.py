@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from slime.config import DataConfig
-from slime.data import DatasetError, PromptRecord, load_prompts, reward_metadata, write_jsonl
+from slime.data import DatasetError, OverlongPrompt, PromptRecord, load_prompts, reward_metadata, write_jsonl
 
 try:
     from tests.helpers import make_char_tokenizer
@@ -131,6 +131,11 @@ def test_bad_json_names_file_and_line(tmp_path: Path, tok) -> None:
         ({"prompt": []}, r"d\.jsonl:2: .*empty list of messages"),
         ({"prompt": ["hi"]}, r"d\.jsonl:2: chat message 0 .* got str"),
         ({"prompt": [{"role": "user"}]}, r"d\.jsonl:2: chat message 0 .*'content' must be a string, got missing"),
+        ({"prompt": [{"role": "user", "content": ""}]}, r"d\.jsonl:2: .*chat messages whose contents are all empty"),
+        (
+            {"prompt": [{"role": "system", "content": " "}, {"role": "user", "content": "  \n"}]},
+            r"d\.jsonl:2: the prompt \('prompt'\) is chat messages whose contents are all empty",
+        ),
         ({"prompt": "x" * 20}, r"d\.jsonl:2: the prompt has 20 tokens, more than data\.max_prompt_tokens=10"),
     ],
 )
@@ -344,3 +349,85 @@ def test_a_row_without_the_label_column_other_rows_have_is_refused_naming_it(
     assert f"({label_key!r}: null)" in caught.value.hint
     path = write_jsonl([{**unlabeled, **none}, labeled], tmp_path / "e.jsonl")
     assert [r.label for r in load_prompts(DataConfig(label_key=label_key), tok, str(path))] == [None, "2"]
+
+
+def test_an_empty_message_beside_others_is_fine(tmp_path: Path, tok) -> None:
+    prompt = [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": ""},
+    ]
+    (rec,) = load_prompts(DataConfig(), tok, str(write_jsonl([{"prompt": prompt}], tmp_path / "d.jsonl")))
+    assert rec.prompt == prompt
+
+
+def test_parquet_chat_messages_keep_only_the_keys_they_were_written_with(tmp_path: Path, tok) -> None:
+    """Arrow gives every message of a column each field any message has: a message without `name`
+    reached the template and the reward with name=None. Labels and metadata keep their nulls."""
+    rows = [
+        {"prompt": [{"role": "user", "content": "ab"}], "label": {"a": 1}, "extra": {"x": 1}},
+        {"prompt": [{"role": "user", "content": "cd", "name": "bob"}], "label": {"a": None}, "extra": {"x": None}},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    records = load_prompts(DataConfig(), tok, str(tmp_path / "d.parquet"))
+    assert [r.prompt for r in records] == [row["prompt"] for row in rows]
+    assert reward_metadata(records[0])["prompt_messages"] == [{"role": "user", "content": "ab"}]
+    assert records == load_prompts(DataConfig(), tok, str(write_jsonl(rows, tmp_path / "d.jsonl")))
+    assert [r.label for r in records] == [{"a": 1}, {"a": None}] and records[1].metadata == {"extra": {"x": None}}
+
+
+class TokenizerSpy:
+    """The tokenizer, noting the longest text it was asked to tokenize (a chat prompt: its contents)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def __call__(self, text: str, **kwargs):
+        self.longest = max(self.longest, len(text))
+        return self.tokenizer(text, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict], **kwargs):
+        if kwargs.get("tokenize", True):
+            self.longest = max(self.longest, sum(len(m["content"]) for m in messages))
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_a_huge_prompt_is_refused_from_a_prefix_not_tokenized_whole(tmp_path: Path, tok, chat: bool, caplog) -> None:
+    """A 10 MB prompt line took ~4 GB and most of a minute to tokenize, only to be refused as over
+    data.max_prompt_tokens: a prefix of 32 characters per allowed token decides it."""
+    huge = "ab " * 100_000
+    prompt = [{"role": "user", "content": huge}] if chat else huge
+    path = write_jsonl([{"prompt": "ok"}, {"prompt": prompt}], tmp_path / "d.jsonl")
+    spy = TokenizerSpy(tok)
+    with pytest.raises(OverlongPrompt) as caught:
+        load_prompts(DataConfig(max_prompt_tokens=10), spy, str(path))
+    total = len(huge) + (len("<|user|><|assistant|>") if chat else 0)  # "<|user|>": 8 characters, 1 token
+    assert str(caught.value) == (
+        f"{path}:2: the prompt has at least {313 if chat else 320} tokens (a lower bound, counted in its first 320 "
+        f"of {total} characters), more than data.max_prompt_tokens=10"
+    )
+    assert spy.longest == 320
+    with caplog.at_level("WARNING"):
+        assert len(load_prompts(DataConfig(max_prompt_tokens=10, overlong_prompts="drop"), spy, str(path))) == 1
+    assert "dropped 1 of 2 prompts over data.max_prompt_tokens=10" in caplog.text and spy.longest == 320
+
+
+def test_a_long_text_of_long_tokens_that_fits_is_tokenized_whole(tmp_path: Path) -> None:
+    """Past 32 characters per allowed token, a prefix that fits decides nothing: the whole text is
+    tokenized, to the same ids as before the bound."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    word = "x" * 100
+    model = Tokenizer(models.WordLevel(vocab={"<unk>": 0, word: 1}, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    long_tokens = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>")
+    long_tokens.chat_template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    text = " ".join([word] * 10)  # 1009 characters, 10 tokens; the 640-character prefix: 7
+    path = write_jsonl([{"prompt": text}, {"prompt": [{"role": "user", "content": text}]}], tmp_path / "d.jsonl")
+    records = load_prompts(DataConfig(max_prompt_tokens=10), long_tokens, str(path))
+    assert [r.prompt_ids for r in records] == [[1] * 10, [1] * 10]
