@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,37 @@ def set_earlier_run_aside(run_dir: Path) -> Path | None:
         if (run_dir / name).exists() or (run_dir / name).is_symlink():
             (run_dir / name).rename(aside / name)
     return aside
+
+
+def checkpoint_due(cfg: JobConfig, step: int, last_checkpoint_at: float) -> bool:
+    """Every checkpoint.every_steps or checkpoint.every_seconds, whichever comes first; and at the end."""
+    every, seconds = cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds
+    by_steps = bool(every) and (step + 1) % every == 0
+    by_time = bool(seconds) and time.time() - last_checkpoint_at >= seconds
+    return by_steps or by_time or step + 1 == cfg.steps
+
+
+def restore_point(checkpoint: Path | None) -> tuple[int, int]:
+    """(next step, prompts its sampler had drawn) of a checkpoint; (0, 0) for none (a resume before the
+    first checkpoint starts anew) and draws 0 for one written before draws were kept (every group
+    that records its draw was drawn after it)."""
+    if checkpoint is None:
+        return 0, 0
+    state = json.loads((checkpoint / "driver_state.json").read_text())
+    return int(state["next_step"]), int(state["sampler"].get("draws", 0))
+
+
+def clear_checkpoint_dir(path: Path) -> None:
+    """A checkpoint about to be written where one of the same step exists (a run resumed from an
+    older checkpoint writes the later steps again): the old one goes first, driver_state.json
+    first of all, so no file of the abandoned branch (its policy/, dcp/, hf/, learner state) is
+    read as part of the new one."""
+    (path / "driver_state.json").unlink(missing_ok=True)
+    if path.exists() or path.is_symlink():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def prune_checkpoints(current: Path, keep_last: int | None) -> list[Path]:
@@ -268,6 +301,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
             "content": "lora_adapter" if model is None else ("merged_lora" if is_lora(checkpoint) else "full"),
         }
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        _readable_as_umask_allows(tmp)  # mkdtemp makes 0700 and safetensors 0600: a server of another user reads it
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -277,10 +311,20 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     return out
 
 
+def _readable_as_umask_allows(folder: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def check_export_target(out: Path, checkpoint: Path, model_dir: Path | None = None) -> None:
     """`out` is replaced as a whole, so it must be new, empty, or an earlier export (it holds
     EXPORT_INFO); never the checkpoint, its run directory, the base model the run trained from
     (itself an earlier export, maybe) or a folder above them."""
+    if out.is_symlink():
+        raise ExportError(f"--out {out} is a symbolic link", hint="name the directory itself, or a new one")
     if not out.exists():
         return
     if not out.is_dir():
@@ -317,7 +361,16 @@ def main_export(argv: list[str]) -> int:
     )
     ns = parser.parse_args(argv)
     checkpoint = find_checkpoint(ns.path.expanduser(), ns.step)
-    out = export_checkpoint(checkpoint, ns.out.expanduser(), merged=ns.merged or not is_lora(checkpoint))
+    try:
+        out = export_checkpoint(checkpoint, ns.out.expanduser(), merged=ns.merged or not is_lora(checkpoint))
+    except FileNotFoundError as exc:
+        if (checkpoint / "driver_state.json").is_file():
+            raise
+        raise ExportError(
+            f"{checkpoint} was deleted while it was read ({exc.filename} is gone): its job, still running, keeps "
+            "only its newest checkpoints (checkpoint.keep_last)",
+            hint="run the export again (it takes the newest checkpoint), or name a checkpoint with --step",
+        ) from None
     if is_lora(checkpoint) and not ns.merged:
         print(f"exported {checkpoint}'s adapters -> {out} (PeftModel.from_pretrained(base, {out}) loads them)")
     else:

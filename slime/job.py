@@ -30,8 +30,11 @@ from slime.engines.contract import GenerationRequest
 from slime.evaluation import HeldOutEval
 from slime.export import (
     LATEST,
+    checkpoint_due,
+    clear_checkpoint_dir,
     export_checkpoint,
     prune_checkpoints,
+    restore_point,
     resume_checkpoint,
     set_earlier_run_aside,
     write_resumed_config,
@@ -132,8 +135,13 @@ class RunningJob:
                 self.buffer.delete_job()  # a fresh run starts from an empty buffer
             else:
                 # The previous run's workers are gone: their trajectories go back to the queue now,
-                # tokens kept, instead of after their leases expire.
+                # tokens kept, instead of after their leases expire. Then the buffer as the checkpoint
+                # left it (store.restore_to_checkpoint), before any worker leases what it drops.
                 self.buffer.requeue_all_leased()
+                if dropped := self.buffer.restore_to_checkpoint(
+                    *restore_point(checkpoint), cfg.buffer.keep_trained_steps
+                ):
+                    print(f"resume: {dropped} groups drawn after the checkpoint are dropped; their prompts come again")
             self._start_dashboard()
             if cfg.cluster.launcher == "ray":
                 self.ray_session.start(cfg, self.credentials)
@@ -148,8 +156,6 @@ class RunningJob:
             self.start_step, self.lineage = 0, new_id()  # lineage: this run and its resumes (keep_last)
             if checkpoint is not None:
                 self.start_step = self._restore(checkpoint)
-            elif cfg.resume is not None:
-                self.buffer.restore_to_checkpoint(0, 0, cfg.buffer.keep_trained_steps)  # no checkpoint yet: all anew
             self.launcher.get([w.health.remote() for w in self.workers] + self.learner.publish_weights())
             if self.offpolicy is not None:  # its start, or the checkpoint's decision
                 self._apply_offpolicy()
@@ -444,7 +450,7 @@ class RunningJob:
         self.telemetry.record_step(step, self.logger.history[-1])
         self.failures.check(last_step=step + 1 == self.cfg.steps)  # too many failed: stop before a checkpoint
         self.fleet.apply_controls()
-        if self._checkpoint_due(step) or self.stop.requested:
+        if checkpoint_due(self.cfg, step, self.last_checkpoint_at) or self.stop.requested:
             if metrics.get("samples") and metrics.get("failed_samples") == metrics["samples"]:
                 # Nothing was learned: a checkpoint would look like progress. The step's groups stay
                 # uncommitted; the next checkpoint (or a resume) takes them.
@@ -453,17 +459,10 @@ class RunningJob:
                 self.save_checkpoint(step)
         self.clock.next_step()
 
-    def _checkpoint_due(self, step: int) -> bool:
-        """Every checkpoint.every_steps or checkpoint.every_seconds, whichever comes first; and at the end."""
-        every, seconds = self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_seconds
-        by_steps = bool(every) and (step + 1) % every == 0
-        by_time = bool(seconds) and time.time() - self.last_checkpoint_at >= seconds
-        return by_steps or by_time or step + 1 == self.cfg.steps
-
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
         path = self.run_dir / "checkpoints" / f"step_{step + 1:06d}"
-        (path / "driver_state.json").unlink(missing_ok=True)  # an earlier run's, over which this one writes
+        clear_checkpoint_dir(path)  # one of this step an older resume point wrote: none of its files stays
         self.learner.result(self.learner.save(str(path)))
         dump_config(self.cfg, path / "config.yaml")  # what trained it: export and eval read this one
         state = {"next_step": step + 1, "sampler": self.sampler.state_dict(), "job_name": self.cfg.job_name}
@@ -494,7 +493,6 @@ class RunningJob:
         if self.offpolicy is not None and "offpolicy_auto" in state:  # absent: a run without it, start afresh
             self.offpolicy.load_state_dict(state["offpolicy_auto"])
         write_resumed_config(self.cfg, self.run_dir, checkpoint)  # everything of the checkpoint took
-        draws = state["sampler"].get("draws")
-        if dropped := self.buffer.restore_to_checkpoint(done, draws, self.cfg.buffer.keep_trained_steps):
-            print(f"resume: {dropped} groups drawn after the checkpoint are dropped; their prompts come again")
+        if checkpoint.parent == self.run_dir / "checkpoints":  # an older one: resume=auto goes on from this branch
+            write_atomic(self.run_dir / "checkpoints" / LATEST, checkpoint.name)
         return done

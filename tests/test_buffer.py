@@ -658,7 +658,12 @@ def test_a_live_runs_job_name_is_refused_to_a_run_of_another_output_dir(redis_ur
 
     connection = JobConnection(redis_url, "owned")
     first = JobOwner(connection, tmp_path / "a", "owned")
+    TrajectoryStore(connection).delete_job()  # what a fresh run does next: its claim stays
     with pytest.raises(JobNameInUseError, match=r"job_name 'owned' is in use .* output_dir \S+/a, pid"):
+        JobOwner(connection, tmp_path / "b", "owned")
+    connection.redis.delete(connection.key("owner"))  # a Redis that lost the key: the renewal takes it back
+    assert first._call("renew")[0] == 1
+    with pytest.raises(JobNameInUseError):
         JobOwner(connection, tmp_path / "b", "owned")
     monkeypatch.setattr(os, "getpid", lambda: 4_000_000)  # the restarted run is another process
     restarted = JobOwner(connection, tmp_path / "a", "owned")  # same host and output_dir: a restart
@@ -669,3 +674,59 @@ def test_a_live_runs_job_name_is_refused_to_a_run_of_another_output_dir(redis_ur
     restarted.close()
     JobOwner(connection, tmp_path / "b", "owned").close()
     assert connection.redis.get(connection.key("owner")) is None
+
+
+def test_async_admission_after_a_resume_does_not_count_the_groups_it_dropped(buffer: TrajectoryStore) -> None:
+    """Async admits (version + 1 + max_staleness) x B groups ever started. A run killed five steps after
+    its checkpoint: the resume dropped the groups drawn since, and the restored version is the
+    checkpoint's, so counting them as started left no room: no group started, the job waited for ever
+    (RolloutFleet counts started = groups_total - the resume's drops)."""
+    from april.scheduler import GroupCounts, GroupScheduler
+    from slime.buffer.store import DRAWN_AFTER_CHECKPOINT
+
+    b, s = 2, 1
+    scheduler = GroupScheduler("async", b, max_staleness=s)
+    draws = 0
+
+    def started() -> int:
+        dropped = int(buffer.stats().get(f"dropped_groups:{DRAWN_AFTER_CHECKPOINT}", 0))
+        return buffer.counts()["groups_total"] - dropped
+
+    def run(first: int, last: int, version: int) -> int:
+        nonlocal draws
+        for step in range(first, last):
+            c = buffer.counts()
+            counts = GroupCounts(unfinished=c["groups_open"], ready=c["groups_ready"], started=started())
+            for _ in range(scheduler.groups_to_start(counts, version)):
+                draws += 1
+                buffer.add_group(PROMPT, n=1, max_new_tokens=4, metadata={}, draw=draws)
+                (sample,) = buffer.lease("w", 1)
+                buffer.append_chunk(sample.id, "w", [3], [-0.1], version=version)
+                buffer.finish(sample.id, "w", Status.COMPLETED, reward=1.0)
+            assert len(buffer.claim_groups(b, step, in_start_order=True)) == b, f"no batch at step {step}"
+            version += 1
+        return version
+
+    run(0, 5, 0)
+    buffer.commit_through(4)
+    checkpoint_draws = draws  # the checkpoint after step 4
+    run(5, 10, 5)  # killed at step 10
+    assert buffer.restore_to_checkpoint(5, checkpoint_draws, None) > 0
+    draws = checkpoint_draws
+    run(5, 12, 5)
+
+
+def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryStore) -> None:
+    """Streaming: the dropped group's samples stayed in stream:untrained; their segments trained (the
+    completed one with its reward) while the restored sampler drew the prompt again, and the group
+    became trained and dropped at once (groups_open -1)."""
+    gid = buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={}, draw=5)
+    buffer.track_streaming(gid)
+    done, running = buffer.lease("w", 2)
+    buffer.append_chunk(done.id, "w", [1, 2, 3], [-0.1] * 3, version=0)
+    buffer.finish(done.id, "w", Status.COMPLETED, reward=1.0)
+    buffer.append_chunk(running.id, "w", [1, 2], [-0.1] * 2, version=0)
+    assert buffer.restore_to_checkpoint(1, 3, None) == 1
+    assert buffer.claim_segments(1, 100) == []
+    counts = buffer.counts()
+    assert (counts["groups_dropped"], counts["groups_trained"], counts["groups_open"]) == (1, 0, 0)

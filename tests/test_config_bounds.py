@@ -171,3 +171,4 @@ def test_num_cpus_with_a_clusters_address_is_refused_at_load():
     msg = _refused("cluster.num_cpus=2", "cluster.ray_address=auto")
     assert "cluster.num_cpus=2" in msg and "cluster.ray_address=auto" in msg
     assert load_config(EXAMPLE, ["cluster.num_cpus=2"]) and load_config(EXAMPLE, ["cluster.ray_address=auto"])
+    assert load_config(EXAMPLE, ["cluster.num_cpus=2", "cluster.ray_address=local"])  # a Ray of its own

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import slime.export as export_module
 from envs import repeat
 from slime.cli import main
 from slime.config import EvalConfig, load_config
@@ -275,6 +278,57 @@ def test_an_export_replaces_the_old_one_whole_and_names_its_checkpoint(tiny_mode
     }
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert_greedy_tokens_match(out, model, _prompts(tokenizer))
+    # Readable as the umask allows (mkdtemp made it 0700 and safetensors 0600): a server of another
+    # user loads it.
+    umask = os.umask(0o022)
+    try:
+        export_checkpoint(find_checkpoint(run, 4), out)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    with pytest.raises(ExportError, match="is a symbolic link"):  # was a raw OSError from rmtree
+        export_checkpoint(find_checkpoint(run, 4), link)
+
+
+def test_a_checkpoint_written_again_holds_none_of_the_old_ones_files(tmp_path):
+    """A run resumed from an older checkpoint writes the later steps again: the old step_N's files
+    (another layout, its hf/) stayed beside the new ones, and export, eval and resume read them."""
+    from slime.export import clear_checkpoint_dir
+
+    step = tmp_path / "checkpoints" / "step_000003"
+    (step / "policy").mkdir(parents=True)
+    (step / "hf").mkdir()
+    (step / "driver_state.json").write_text("{}")
+    clear_checkpoint_dir(step)
+    assert not step.exists()
+    clear_checkpoint_dir(step)  # nothing there: nothing to do
+
+
+def test_an_export_of_a_checkpoint_pruned_while_it_is_read_is_one_line(tiny_model_dir, tmp_path, capsys):
+    """A running job with checkpoint.keep_last deleted the checkpoint an export had chosen: a traceback."""
+    from slime.config import dump_config
+
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step_000004"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).save_pretrained(checkpoint / "policy")
+    (checkpoint / "driver_state.json").write_text(json.dumps({"next_step": 4}))
+    dump_config(load_config(None, [f"model.path={tiny_model_dir}"]), run / "config.yaml")
+    real = export_module.load_checkpoint_policy
+
+    def pruned_meanwhile(*args, **kwargs):
+        model = real(*args, **kwargs)
+        shutil.rmtree(checkpoint)  # what prune_checkpoints does, between the weights and the state
+        return model
+
+    export_module.load_checkpoint_policy = pruned_meanwhile
+    try:
+        code, _, err = _cli(capsys, "export", str(run), "--out", str(tmp_path / "out"))
+    finally:
+        export_module.load_checkpoint_policy = real
+    assert code == 2 and "was deleted while it was read" in err and "Traceback" not in err
 
 
 @pytest.mark.slow

@@ -129,15 +129,18 @@ def test_segments_that_any_killed_job_left_in_dev_shm_are_freed_by_the_next_publ
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    orphan = Path(f"/dev/shm/slime_otherjob_{dead.pid}_w0")
-    live = Path(f"/dev/shm/slime_otherjob_{os.getppid()}_w3")
-    for path in (orphan, live):
+    from slime.weights.transports import _PID_NAMESPACE
+
+    orphan = Path(f"/dev/shm/slime_otherjob_{_PID_NAMESPACE}_{dead.pid}_w0")
+    live = Path(f"/dev/shm/slime_otherjob_{_PID_NAMESPACE}_{os.getppid()}_w3")
+    elsewhere = Path(f"/dev/shm/slime_otherjob_1{_PID_NAMESPACE}_{dead.pid}_w0")  # another pid namespace's
+    for path in (orphan, live, elsewhere):
         path.write_bytes(b"\0" * 64)
     transport = SharedMemoryTransport(f"slime_shmtest{os.getpid()}")
     try:
         transport.publish(1, [("w", torch.ones(4))])
-        assert not orphan.exists() and live.exists()
+        assert not orphan.exists() and live.exists() and elsewhere.exists()
     finally:
         transport.close()
-        live.unlink(missing_ok=True)
-        orphan.unlink(missing_ok=True)
+        for path in (orphan, live, elsewhere):
+            path.unlink(missing_ok=True)

@@ -1,9 +1,10 @@
 """One live run per job name on a Redis. A fresh run deletes every key of its job, so a second run
 that shares a Redis (buffer.url) and, by mistake, the job name would wipe the first run's buffer,
-then both would train on one mixed buffer. The run holds the job's owner key (`owner`: its host,
-output_dir and pid) with a short TTL that a thread renews; a run of another output_dir or host finds
-it held and stops before it touches anything. A restart of the same run (same host and output_dir,
-e.g. resume=auto after kill -9) takes it over at once."""
+then both would train on one mixed buffer. The run holds the job's owner key (`owner`: its
+output_dir, host and pid) with a short TTL that a thread renews; a run of another output_dir finds
+it held and stops before it touches anything (TrajectoryStore.delete_job leaves the key alone). A
+restart of the same run (the same output_dir, e.g. resume=auto after kill -9, on this host or a
+new pod) takes it over at once."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import socket
 import threading
 import time
 from pathlib import Path
-
-import redis
 
 from slime.buffer.connection import JobConnection
 from slime.errors import UserError
@@ -33,9 +32,9 @@ class JobNameInUseError(UserError, RuntimeError):
 class JobOwner:
     def __init__(self, connection: JobConnection, run_dir: Path, job: str) -> None:
         self.connection = connection
-        same = {"host": socket.gethostname(), "output_dir": str(Path(run_dir).resolve())}
-        self._same = json.dumps(same)[:-1] + ","  # the json of `me` up to its pid
-        self._me = json.dumps({**same, "pid": os.getpid()})
+        same = {"output_dir": str(Path(run_dir).resolve())}
+        self._same = json.dumps(same)[:-1] + ","  # the json of `me` up to its host and pid
+        self._me = json.dumps({**same, "host": socket.gethostname(), "pid": os.getpid()})
         self._script = connection.script("owner.lua")
         taken, holder, ttl_ms = self._call("claim")
         if not taken:
@@ -57,12 +56,12 @@ class JobOwner:
         warned = False
         while not self._stop.wait(RENEW_EVERY_S):
             try:
-                held = self._call("renew")[0]
-            except redis.RedisError:
-                continue  # the server restarts (the job's own) or fails over: the next renewal tries again
+                held = self._call("renew")[0]  # takes the key back if the server lost it
+            except Exception:  # noqa: BLE001 - a restart, a failover (cluster errors are not RedisErrors): retry
+                continue
             if not held and not warned:
                 warned = True
-                log.warning("this run lost its claim on the job name (renewed too late: was the process stopped?)")
+                log.warning("another run took this job name (this one renewed too late: was it stopped?)")
             if held:
                 warned = False
 
@@ -74,5 +73,5 @@ class JobOwner:
             try:
                 self._call("release")
                 return
-            except redis.RedisError:
+            except Exception:  # noqa: BLE001 - the claim then expires by itself
                 time.sleep(0.5)

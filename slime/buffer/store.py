@@ -51,6 +51,9 @@ def clip_failure(failure: str | None) -> str:
     return f"{failure[:half]} ...[{len(failure) - 2 * half} characters cut]... {failure[-half:]}"
 
 
+DRAWN_AFTER_CHECKPOINT = "drawn_after_checkpoint"  # the drop reason of a resume (restore_to_checkpoint)
+
+
 @dataclass
 class Finish:
     """One sample's final status, as `TrajectoryStore.finish` takes it (for `finish_many`)."""
@@ -401,14 +404,14 @@ class TrajectoryStore:
         dropped_groups:<reason> and dropped_tokens:<reason>."""
         return bool(self._drop_claimed(args=[self.prefix, group_id, reason]))
 
-    def restore_to_checkpoint(self, next_step: int, draws: int | None, keep_trained_steps: int | None) -> int:
+    def restore_to_checkpoint(self, next_step: int, draws: int, keep_trained_steps: int | None) -> int:
         """A job resumed from the checkpoint taken before `next_step`: claims of steps inside it are
         trained (the process may have died before it marked them); groups its sampler had not drawn
-        yet (`draws`; None: a checkpoint that did not record it) are dropped, since the restored
-        sampler draws them again; claims of later steps go back to the ready queue, to train on the
-        checkpoint's weights. Returns how many groups were dropped."""
+        yet (`draws`) are dropped, since the restored sampler draws them again; claims of later steps
+        go back to the ready queue, to train on the checkpoint's weights. Returns how many groups
+        were dropped."""
         self.commit_through(next_step - 1, keep_trained_steps)
-        dropped = 0 if draws is None else self.drop_drawn_after(draws, "drawn_after_checkpoint")[0]
+        dropped = self.drop_drawn_after(draws, DRAWN_AFTER_CHECKPOINT)[0]
         self.requeue_uncommitted()
         return dropped
 
@@ -480,11 +483,15 @@ class TrajectoryStore:
         self.redis.set(self._key("policy_version"), int(version))
 
     def delete_job(self) -> int:
-        """Delete every key of this job (and only this job). Returns how many keys were removed."""
+        """Delete every key of this job (and only this job), but the live run's claim on the job name
+        (buffer/owner.py). Returns how many keys were removed."""
         removed = 0
         batch: list[bytes] = []
+        owner = self._key("owner").encode()
         # Every key of the job lies on one server (on a cluster: its slot's master).
         for key in self.connection.node_client().scan_iter(match=self.prefix + "*", count=1000):
+            if key == owner:
+                continue
             batch.append(key)
             if len(batch) >= 1000:
                 removed += self.redis.unlink(*batch)

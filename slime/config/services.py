@@ -226,7 +226,7 @@ class ClusterConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
-        if self.num_cpus is not None and self.ray_address is not None:
+        if self.num_cpus is not None and self.ray_address not in (None, "local"):
             raise ValueError(
                 f"cluster.num_cpus={self.num_cpus} sizes a Ray the job starts itself; cluster.ray_address="
                 f"{self.ray_address} joins a running cluster, whose Ray counts its own CPUs: remove num_cpus"

@@ -313,17 +313,18 @@ def audit(chaos: ChaosRun, returncode: int | None) -> dict:
 
 def _prompts_trained_twice(samples: list, trained: set[str], run_dir: Path) -> int:
     """Trainings of a prompt beyond what the data's epochs allow (each prompt once per epoch: at most
-    ceil(trained groups / records) times): a resume that drew again prompts the buffer still held
+    ceil(prompts drawn / records) times): a resume that drew again prompts the buffer still held
     trained them twice. Groups whose trajectories were pruned are not seen."""
     latest = run_dir / "checkpoints" / "latest"
     try:
         state = json.loads((run_dir / "checkpoints" / latest.read_text().strip() / "driver_state.json").read_text())
         records = int(state["sampler"]["num_records"])
+        draws = int(state["sampler"].get("draws", len(trained)))
     except (OSError, ValueError, KeyError):
         return 0
     index_of_group = {s.group_id: s.metadata.get("record_index") for s in samples if s.group_id in trained}
     times = Counter(i for i in index_of_group.values() if i is not None)
-    allowed = -(-len(trained) // max(1, records))
+    allowed = -(-max(draws, 1) // max(1, records))
     return sum(max(0, n - allowed) for n in times.values())
 
 

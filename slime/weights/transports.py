@@ -21,13 +21,24 @@ from slime.weights.handles import (
 )
 
 
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+_PID_NAMESPACE = _pid_namespace()
+
+
 class SharedMemoryTransport:
     name = "shm"
 
     def __init__(self, prefix: str, bucket_mb: float = 64.0):
-        # The publisher's pid in the name: two live jobs never share a segment, and a segment whose
-        # publisher died (SIGKILL) can be recognised and freed.
-        self.prefix = f"{prefix}_{os.getpid()}"
+        # The publisher's pid namespace and pid in the name: two live jobs never share a segment, and
+        # a segment whose publisher died (SIGKILL) can be recognised and freed, by a process that
+        # sees the same pids (containers sharing /dev/shm have pid namespaces of their own).
+        self.prefix = f"{prefix}_{_PID_NAMESPACE}_{os.getpid()}"
         self.job_prefix = prefix
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._owned: list[shared_memory.SharedMemory] = []
@@ -49,18 +60,18 @@ class SharedMemoryTransport:
         return shared_memory.SharedMemory(name=name, create=True, size=size)
 
     def _free_orphans(self) -> None:
-        """Unlink this user's segments (slime_<job>_<pid>_w<N>, any job) whose publisher process is
-        gone: a run killed by SIGKILL leaves its weights in /dev/shm, which every job's shared-memory
-        transport on the machine needs."""
+        """Unlink this user's segments (slime_<job>_<pid namespace>_<pid>_w<N>, any job) of this pid
+        namespace whose publisher process is gone: a run killed by SIGKILL leaves its weights in
+        /dev/shm, which every job's shared-memory transport on the machine needs."""
         shm_dir = Path("/dev/shm")
         if not shm_dir.is_dir():
             return
         for path in shm_dir.glob("slime_*_w*"):
             if not SHM_SEGMENT_NAME.match(path.name):
                 continue
-            pid_text = path.name.rsplit("_w", 1)[0].rsplit("_", 1)[-1]
+            namespace, pid_text = path.name.rsplit("_w", 1)[0].rsplit("_", 2)[-2:]
             try:
-                mine = path.lstat().st_uid == os.getuid()
+                mine = path.lstat().st_uid == os.getuid() and namespace == _PID_NAMESPACE
             except OSError:
                 continue
             if mine and pid_text.isdigit() and not Path(f"/proc/{pid_text}").exists():

@@ -9,8 +9,9 @@ for _, sid in ipairs(redis.call('SMEMBERS', set)) do
   if count >= max_segments then break end
   local skey = P .. 'sample:' .. sid
   local status = redis.call('HGET', skey, 'status')
-  if not status then
-    redis.call('SREM', set, sid)
+  local gid = status and redis.call('HGET', skey, 'group_id')
+  if not status or redis.call('HGET', P .. 'group:' .. gid, 'status') == 'dropped' then
+    redis.call('SREM', set, sid)  -- gone, or its group dropped (a resume drew its prompt again)
   else
     local len = redis.call('STRLEN', skey .. ':mask')
     local upto = tonumber(redis.call('HGET', skey, 'trained_upto') or '0')
@@ -23,7 +24,6 @@ for _, sid in ipairs(redis.call('SMEMBERS', set)) do
         redis.call('HSET', skey, 'trained_upto', len)
         if final then
           redis.call('SREM', set, sid)
-          local gid = redis.call('HGET', skey, 'group_id')
           local gkey = P .. 'group:' .. gid
           if redis.call('HINCRBY', gkey, 'trained_members', 1) >= tonumber(redis.call('HGET', gkey, 'n')) then
             redis.call('LREM', P .. 'queue:ready', 0, gid)

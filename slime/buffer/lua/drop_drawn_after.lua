@@ -31,6 +31,7 @@ while not stop do
             move_count(s, 'failed')
           end
           tokens = tokens + redis.call('STRLEN', skey .. ':mask')
+          redis.call('SREM', P .. 'stream:untrained', sid)  -- streaming: none of it trains now
         end
         redis.call('HSET', gkey, 'status', 'dropped', 'drop_reason', reason)
         redis.call('HDEL', gkey, 'claimed_step')
