@@ -253,3 +253,17 @@ def test_a_plot_that_fails_midway_leaves_the_last_training_png_whole(tmp_path, m
         logger.plot()
     assert (tmp_path / "training.png").read_bytes() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "training.png"]
+
+
+def test_a_resume_from_an_older_checkpoint_rewrites_the_later_ones_whole(tiny_model_dir, tmp_path):
+    """Resumed from step 2 of a 4-step run: step 4 is written again. The old step 4's files stayed
+    beside the new ones (export read the abandoned branch's weights; a resume failed on a layout
+    mismatch), and `latest` named the abandoned step 4 until the new one was written."""
+    run = tmp_path / "run"
+    assert _train(run, tiny_model_dir, "steps=4") == 0
+    old_step_4 = run / "checkpoints" / "step_000004"
+    (old_step_4 / "hf").mkdir()  # a file of the abandoned branch only (its checkpoint.export_hf, say)
+    resume_from = run / "checkpoints" / "step_000002"
+    assert _train(run, tiny_model_dir, "steps=4", f"resume={resume_from}", "checkpoint.every_steps=100") == 0
+    assert not (old_step_4 / "hf").exists() and (old_step_4 / "driver_state.json").is_file()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000004"
