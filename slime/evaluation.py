@@ -291,7 +291,10 @@ def _job_config(path: Path, overrides: list[str], step: int | None = None) -> tu
             f"slime eval: the reward, data and rollout settings of {source_config} (what trained this export)",
             file=sys.stderr,
         )
-        return _run_settings(source_config, [f"model.path={path}", *overrides], sections=RUN_SECTIONS[1:]), None
+        # Its own model.path, but the precision its engines ran in (a bf16 run scores as in bf16).
+        dtype = ((yaml.safe_load(source_config.read_text()) or {}).get("model") or {}).get("dtype")
+        given = [f"model.path={path}", *([f"model.dtype={dtype}"] if dtype else []), *overrides]
+        return _run_settings(source_config, given, sections=RUN_SECTIONS[1:]), None
     if not any(o.startswith(("reward.", "env.")) for o in overrides):
         print(
             f"slime eval: {path} brings no reward settings, so the example task's reward scores it; "

@@ -286,6 +286,10 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
         if model is None:
             for path in (checkpoint / lora.ADAPTER_DIR).iterdir():
                 shutil.copy2(path, tmp / path.name)
+            # A causal LM's adapters: AutoPeftModelForCausalLM needs the task type to pick its class.
+            adapter_config = json.loads((tmp / "adapter_config.json").read_text())
+            adapter_config["task_type"] = adapter_config.get("task_type") or "CAUSAL_LM"
+            (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
             shutil.copy2(checkpoint / lora.BASE_INFO, tmp / lora.BASE_INFO)
         else:
             eos = eos_token_ids(tokenizer)  # the base directory's list too (Llama 3: <|eot_id|>), not one id

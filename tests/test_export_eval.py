@@ -336,7 +336,7 @@ def test_a_lora_job_exports_its_adapters_for_peft_and_merged_for_transformers(ti
     """learner.lora: `slime export` writes the adapters as a PEFT directory (PeftModel.from_pretrained
     on the base), `--merged` and checkpoint.export_hf the base with them merged; both give the same
     model, trained away from the base, and the engine's greedy tokens; `slime eval` scores it."""
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
 
     from slime.train import train
 
@@ -356,7 +356,28 @@ def test_a_lora_job_exports_its_adapters_for_peft_and_merged_for_transformers(ti
     assert moved and all(".self_attn." in n for n in moved)  # only the adapted projections moved
     for name, tensor in merged.state_dict().items():
         torch.testing.assert_close(with_adapters.state_dict()[name], tensor, rtol=0, atol=1e-6)
+    # peft's auto class reads the task type from adapter_config.json (it was null: a ValueError).
+    auto = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"), dtype=torch.float32).merge_and_unload()
+    for name, tensor in merged.state_dict().items():
+        torch.testing.assert_close(auto.state_dict()[name], tensor, rtol=0, atol=1e-6)
     assert_greedy_tokens_match(checkpoint / "hf", merged, _prompts(AutoTokenizer.from_pretrained(checkpoint / "hf")))
     data = write_jsonl(repeat.make_dataset(8, seed=5), tmp_path / "held_out.jsonl")
     out = _eval_json(capsys, [str(run), "--data", str(data)])
     assert out["prompts"] == 8 and 0 <= out["greedy_reward_mean"] <= 1
+
+
+def test_slime_eval_of_an_export_runs_in_the_precision_its_run_did(tiny_model_dir, tmp_path):
+    """A bf16 run's export scored in float32 (slime eval dropped the run's model section, dtype too),
+    so `slime eval EXPORT` and `slime eval RUN` gave different figures for one model."""
+    from slime.config import dump_config
+    from slime.evaluation import _job_config
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000001"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "driver_state.json").write_text(json.dumps({"next_step": 1}))
+    dump_config(load_config(None, [f"model.path={tiny_model_dir}", "model.dtype=bfloat16"]), checkpoint / "config.yaml")
+    export = Path(shutil.copytree(tiny_model_dir, tmp_path / "export"))
+    (export / "slime_export.json").write_text(json.dumps({"checkpoint": str(checkpoint)}))
+    job, run_dir = _job_config(export, [])
+    assert run_dir is None and job.model.path == str(export) and job.model.dtype == "bfloat16"
+    assert _job_config(export, ["model.dtype=float32"])[0].model.dtype == "float32"  # yours wins
