@@ -13,6 +13,7 @@ A LoRA checkpoint (`adapter/`, learner.lora) exports its adapters as a PEFT dire
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -306,6 +307,9 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
         }
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         _readable_as_umask_allows(tmp)  # mkdtemp makes 0700 and safetensors 0600: a server of another user reads it
+        if out.exists() and _exchange(tmp, out):
+            shutil.rmtree(tmp, ignore_errors=True)  # the earlier export, swapped out
+            return out
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -313,6 +317,17 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _exchange(new: Path, old: Path) -> bool:
+    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE), so a reader of `old` sees
+    the earlier export or the new one, never neither; False where the system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(new), at_fdcwd, os.fsencode(old), rename_exchange) == 0
 
 
 def _readable_as_umask_allows(folder: Path) -> None:
