@@ -659,13 +659,14 @@ def test_reward_serve_cli_generates_a_private_token_and_refuses_open_binds(tmp_p
     assert refused.returncode == 2 and "token" in refused.stderr and API_TOKEN_ENV in refused.stderr
 
     port = _free_port()
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
-    )
+
+    def serve() -> subprocess.Popen:
+        env = _env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+        return subprocess.Popen(
+            [*cmd, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+
+    proc = serve()
     try:
         line, printed = _wait_for_line(proc, r"generated a token in", 120)
         token_file = tmp_path / "cache" / "slime-april" / f"reward-serve-{port}.token"
@@ -697,13 +698,7 @@ def test_reward_serve_cli_generates_a_private_token_and_refuses_open_binds(tmp_p
     assert token not in "".join(printed) + out
 
     # Restarted on its port, the server keeps the token its clients have.
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
-    )
+    proc = serve()
     try:
         wait_for(lambda: _ok(f"{url}/health"), 60, "reward-serve to answer again")
         assert _score(url, headers={"Authorization": f"Bearer {token}"}).status_code == 200

@@ -4,7 +4,7 @@
 -- (queue entries left behind are skipped by lease.lua); the group leaves the ready queue or the
 -- claimed set. Groups are drawn in creation order: the scan goes from the newest back and stops at
 -- a window of 64 with none to drop (so groups created in one millisecond are all seen).
--- Returns {groups dropped, their tokens}.
+-- Returns {groups dropped, their tokens}; stats count them as dropped_groups/tokens:<reason>.
 local limit, reason = tonumber(ARGV[2]), ARGV[3]
 local groups, tokens, stop, pos = 0, 0, false, 0
 while not stop do
@@ -30,21 +30,14 @@ while not stop do
             redis.call('HSET', skey, 'status', 'failed', 'failure', reason, 'updated_at', fmt(now()))
             move_count(s, 'failed')
           end
-          tokens = tokens + redis.call('STRLEN', skey .. ':mask')
           redis.call('SREM', P .. 'stream:untrained', sid)  -- streaming: none of it trains now
         end
-        redis.call('HSET', gkey, 'status', 'dropped', 'drop_reason', reason)
-        redis.call('HDEL', gkey, 'claimed_step')
-        redis.call('ZADD', P .. 'dropped', fmt(now()), gid)
+        tokens = tokens + drop_group(gid, reason)
         groups = groups + 1
       end
     end
   end
   pos = pos + 64
 end
-if groups > 0 then
-  redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_groups:' .. reason, groups)
-  redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_tokens:' .. reason, tokens)
-  redis.call('DEL', P .. 'claim_cursor')  -- the in-order claim looks from the start again
-end
+if groups > 0 then redis.call('DEL', P .. 'claim_cursor') end  -- the in-order claim looks from the start again
 return {groups, tokens}

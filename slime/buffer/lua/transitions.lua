@@ -33,3 +33,18 @@ local function lost_lease(sid, worker)
   if owner == worker and redis.call('ZSCORE', P .. 'leases', sid) then return nil end
   return owner or ''
 end
+-- Group `gid` leaves training for good: dropped with the reason, in the dropped zset, its tokens
+-- counted in stats (dropped_groups:<reason>, dropped_tokens:<reason>). Returns those tokens.
+local function drop_group(gid, reason)
+  local gkey = P .. 'group:' .. gid
+  redis.call('HSET', gkey, 'status', 'dropped', 'drop_reason', reason)
+  redis.call('HDEL', gkey, 'claimed_step')
+  redis.call('ZADD', P .. 'dropped', fmt(now()), gid)
+  local tokens = 0
+  for _, sid in ipairs(redis.call('LRANGE', gkey .. ':samples', 0, -1)) do
+    tokens = tokens + redis.call('STRLEN', P .. 'sample:' .. sid .. ':mask')
+  end
+  redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_groups:' .. reason, 1)
+  redis.call('HINCRBYFLOAT', P .. 'stats', 'dropped_tokens:' .. reason, tokens)
+  return tokens
+end
