@@ -63,15 +63,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
     """The checkpoint a job resumes from: none (resume unset), the run's latest (auto; none yet
-    is a start at step 0 that keeps the buffer), or the checkpoint directory ``resume`` names."""
+    is a start at step 0 whose buffer drops its groups), or the checkpoint directory ``resume`` names."""
     if resume is None:
         return None
     if resume == "auto":
         latest = latest_checkpoint(run_dir)  # the last run's: not an earlier run's step_* beyond it
         if latest is None:
             print(
-                f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}: training starts at step 0 "
-                "(the buffer's unfinished trajectories are kept and resumed)",
+                f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}: training starts at step 0, "
+                "and the groups in the buffer are dropped (their prompts are drawn again)",
                 flush=True,
             )
         return latest

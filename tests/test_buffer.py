@@ -720,13 +720,21 @@ def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryS
     """Streaming: the dropped group's samples stayed in stream:untrained; their segments trained (the
     completed one with its reward) while the restored sampler drew the prompt again, and the group
     became trained and dropped at once (groups_open -1)."""
+    streamed = buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={}, draw=4)  # trained whole, after it
+    buffer.track_streaming(streamed)
+    (whole,) = buffer.lease("w", 1)
+    buffer.append_chunk(whole.id, "w", [1, 2], [-0.1] * 2, version=0)
+    buffer.finish(whole.id, "w", Status.COMPLETED, reward=1.0)
+    assert len(buffer.claim_segments(1, 100)) == 1 and buffer.counts()["groups_trained"] == 1
     gid = buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={}, draw=5)
     buffer.track_streaming(gid)
     done, running = buffer.lease("w", 2)
     buffer.append_chunk(done.id, "w", [1, 2, 3], [-0.1] * 3, version=0)
     buffer.finish(done.id, "w", Status.COMPLETED, reward=1.0)
     buffer.append_chunk(running.id, "w", [1, 2], [-0.1] * 2, version=0)
-    assert buffer.restore_to_checkpoint(1, 3, None) == 1
+    # The streamed group's update is not in the checkpoint either: it too is dropped and drawn again
+    # (it stayed trained, and the restored sampler's new group trained the same prompt a second time).
+    assert buffer.restore_to_checkpoint(1, 3, None) == 2
     assert buffer.claim_segments(1, 100) == []
     counts = buffer.counts()
-    assert (counts["groups_dropped"], counts["groups_trained"], counts["groups_open"]) == (1, 0, 0)
+    assert (counts["groups_dropped"], counts["groups_trained"], counts["groups_open"]) == (2, 0, 0)

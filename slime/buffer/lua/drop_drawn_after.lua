@@ -1,6 +1,8 @@
 -- ARGV: prefix, draws, reason. A resume from a checkpoint whose sampler had drawn `draws` prompts:
 -- every group drawn after it (its 'draw' count is higher) is dropped, whatever its state, since the
--- restored sampler draws those prompts again. Unfinished samples become FAILED with the reason
+-- restored sampler draws those prompts again. Trained ones too: streaming marks a group trained as
+-- its last segment trains, and a resume from an older checkpoint finds groups later checkpoints
+-- committed; either way the weights that learned from them are gone. Unfinished samples become FAILED with the reason
 -- (queue entries left behind are skipped by lease.lua); the group leaves the ready queue or the
 -- claimed set. Groups are drawn in creation order: the scan goes from the newest back and stops at
 -- a window of 64 with none to drop (so groups created in one millisecond are all seen).
@@ -17,9 +19,10 @@ while not stop do
     local status = redis.call('HGET', gkey, 'status')
     if draw and draw > limit then
       stop = false
-      if status ~= 'dropped' and status ~= 'trained' then
+      if status ~= 'dropped' then
         redis.call('LREM', P .. 'queue:ready', 0, gid)
         redis.call('ZREM', P .. 'claimed', gid)
+        redis.call('ZREM', P .. 'trained', gid)
         for _, sid in ipairs(redis.call('LRANGE', gkey .. ':samples', 0, -1)) do
           local skey = P .. 'sample:' .. sid
           local s = redis.call('HGET', skey, 'status')
