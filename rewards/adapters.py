@@ -261,17 +261,22 @@ def _verl(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         return (), {k: v for k, v in verl_fields(response, label, metadata).items() if accepts(k)}
 
     def post(value: Any, _: dict) -> Any:
-        if isinstance(value, Mapping):
-            if "score" not in value:
-                raise ValueError(
-                    f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
-                )
-            # verl logs a dict's other keys ("acc", "pred", ...); here they go to the sample's reward_info
-            extras = {str(k): v for k, v in value.items() if k != "score"}
-            return {"score": value["score"], "info": extras} if extras else value["score"]
-        return value
+        if isinstance(value, Mapping) and "score" not in value:
+            raise ValueError(
+                f"verl-style reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
+            )
+        return verl_value(value)
 
     return _native(fn, name, build, post)
+
+
+def verl_value(value: Any) -> Any:
+    """A verl reward's result as a native one: verl logs a dict's keys other than "score" ("acc",
+    "pred", ...); here they become its "info" (the sample's reward_info). Other values unchanged."""
+    if not isinstance(value, Mapping) or "score" not in value:
+        return value
+    extras = {str(k): v for k, v in value.items() if k != "score"}
+    return {"score": value["score"], "info": extras} if extras else value["score"]
 
 
 # The response again, as token ids and as text with its special tokens (slime.data.scored_metadata):

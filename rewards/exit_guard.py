@@ -4,21 +4,26 @@
 escaping a task would stop the event loop every later call waits on). `os._exit` raises nothing: it
 ended the rollout worker at once (under the local launcher, the whole job) with an error that named
 no reward. `guard_os_exit` replaces `os._exit` in this process with a function that, on a reward's
-own threads ("reward-worker", "reward-loop"), raises `RewardExited` instead; everywhere else, and in
-any child process forked from a reward thread (its exit is real), it exits as before.
+own threads ("reward-worker", "reward-loop", and any thread while it runs a reward inside
+`reward_thread()`: a mix's sync parts on asyncio's threads, group rewards), raises SystemExit
+instead; everywhere else, and in any child process forked from a reward thread (its exit is real),
+it exits as before.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Awaitable
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn, TypeVar
 
 REWARD_THREADS = ("reward-worker", "reward-loop")  # the threads RewardRunner runs a reward function on
 
 _real_os_exit = os._exit
 _guarded_pid: int | None = None
+_marked = threading.local()  # .depth > 0 while this thread runs a reward inside reward_thread()
+T = TypeVar("T")
 
 
 class RewardExited(Exception):
@@ -26,7 +31,8 @@ class RewardExited(Exception):
 
 
 def _exit_or_raise(code: int) -> NoReturn:
-    if os.getpid() == _guarded_pid and threading.current_thread().name in REWARD_THREADS:
+    on_reward = threading.current_thread().name in REWARD_THREADS or getattr(_marked, "depth", 0) > 0
+    if os.getpid() == _guarded_pid and on_reward:
         raise SystemExit(f"os._exit({code})")  # the runner turns it into the call's failure
     _real_os_exit(code)
 
@@ -39,10 +45,32 @@ def guard_os_exit() -> None:
         os._exit = _exit_or_raise
 
 
+@contextmanager
+def reward_thread() -> Iterator[None]:
+    """While inside, this thread runs a reward: an os._exit on it raises SystemExit (once guard_os_exit
+    is installed). For threads not named in REWARD_THREADS, such as asyncio.to_thread's."""
+    _marked.depth = getattr(_marked, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _marked.depth -= 1
+
+
+def call_as_reward(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) inside reward_thread()."""
+    with reward_thread():
+        return fn(*args)
+
+
+def exit_code(exc: SystemExit) -> str:
+    """What a reward's exit is shown as: its code, `os._exit(N)`, or `sys.exit()`."""
+    return str(exc.code) if exc.code is not None else "sys.exit()"
+
+
 async def no_exit(awaitable: Awaitable[Any]) -> Any:
     """Await a reward's coroutine; a SystemExit from it becomes `RewardExited`, an ordinary exception
     that fails the call (a SystemExit escaping a task stops its event loop)."""
     try:
         return await awaitable
     except SystemExit as exc:
-        raise RewardExited(f"the reward exited ({exc.code if exc.code is not None else 'sys.exit()'})") from exc
+        raise RewardExited(f"the reward exited ({exit_code(exc)})") from exc

@@ -14,10 +14,18 @@ rewards.
                                                           ground_truths, extra_infos)  (its batch
                                                           reward manager's call)
 
-Each returns one result per response, in order: a number, a dict with "score" (and "info"), or
-None for a response it does not score (that sample fails). A list of the wrong length, an
-exception or a call past `timeout_s` fails every sample of the group with the reason; other groups
-go on. `GroupScorer` runs the calls, `max_concurrency` groups at once.
+Each returns one result per response, in order: a number, a dict with "score" (and "info"; a verl
+dict's other keys become its info), or None for a response it does not score (that sample fails).
+A list of the wrong length, an exception, an exit (sys.exit, os._exit) or a call past `timeout_s`
+fails every sample of the group with the reason; other groups go on. `GroupScorer` runs the calls,
+`max_concurrency` groups at once.
+
+What the responses do not share is given per response: a native function's `metadata` holds the
+group's shared row, and each key the job writes per response (PER_RESPONSE_KEYS: finish_reason,
+response_ids, max_new_tokens, ...) or whose values differ between responses as a list, one value
+per response in order (None where one lacks it). slime's `args` holds only the shared keys (each
+sample has its own metadata; `args.rollout_max_response_len` is the group's largest budget); TRL
+gets every column as a list and verl an `extra_info` per response anyway.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from types import SimpleNamespace
 from typing import Any
 
 from rewards.adapters import (
@@ -46,7 +55,9 @@ from rewards.adapters import (
     slime_sample,
     trl_batch,
     verl_fields,
+    verl_value,
 )
+from rewards.exit_guard import call_as_reward, exit_code, guard_os_exit, no_exit, reward_thread
 from rewards.plugin import load_function
 from rewards.runner import RewardResult, _describe, _keyword_plan, check_reward_value
 from slime.errors import UserError
@@ -149,8 +160,9 @@ class GroupCall:
         pass_label, pass_metadata = _keyword_plan(self.fn, self.name, response_param="responses")
 
         def build(items: list[Item]) -> tuple[tuple, dict]:
-            prompt, _, label, metadata = items[0]  # a group shares its prompt, label and row
-            metadata = _shared(metadata)
+            prompt, _, label, _ = items[0]  # a group shares its prompt, label and row
+            shared, per_response = split_metadata([m for _, _, _, m in items])
+            metadata = {**shared, **per_response}
             kwargs: dict[str, Any] = {"prompt": prompt, "responses": [r for _, r, _, _ in items]}
             if pass_label:
                 kwargs["label"] = label
@@ -162,9 +174,8 @@ class GroupCall:
 
     def _slime(self) -> BatchCall:
         def build(items: list[Item]) -> tuple[tuple, dict]:
-            _, _, label, metadata = items[0]
-            samples = [slime_sample(p, r, lab, m) for p, r, lab, m in items]
-            return (slime_args(label, _shared(metadata)), samples), {}  # each sample keeps its own metadata
+            samples = [slime_sample(p, r, lab, m) for p, r, lab, m in items]  # each keeps its own metadata
+            return (group_slime_args(items[0][2], [m for _, _, _, m in items]), samples), {}
 
         return BatchCall(build, self._listed)
 
@@ -176,7 +187,10 @@ class GroupCall:
             offered = {f"{key}s": [f[key] for f in fields] for key in fields[0]}
             return (), {k: v for k, v in offered.items() if accepts(k)}
 
-        return BatchCall(build, self._listed)  # a dict per response gives its "score" (check_reward_value)
+        def post(value: Any, kwargs: dict, count: int) -> list[Any]:  # a dict's other keys: its info
+            return [verl_value(v) for v in self._listed(value, kwargs, count)]
+
+        return BatchCall(build, post)
 
     def _listed(self, value: Any, _: dict, count: int) -> list[Any]:
         values = _as_list(value)
@@ -192,9 +206,52 @@ class GroupCall:
         return values
 
 
-def _shared(metadata: dict[str, Any]) -> dict[str, Any]:
-    """What the responses of a group share of a sample's metadata: all but its own response."""
-    return {k: v for k, v in metadata.items() if k not in RESPONSE_KEYS}
+# What the job writes into a sample's metadata for its own response (slime.data.JOB_METADATA_KEYS
+# lists them all; the others, prompt_text, prompt_messages, record_index and model_prompt, are the
+# prompt's): never shared by a group's responses, even where their values happen to be equal.
+PER_RESPONSE_KEYS = (
+    *RESPONSE_KEYS,
+    "finish_reason",
+    "max_new_tokens",
+    "reward_latency_s",
+    "reward_info",
+    "env_turns",
+    "env_return",
+    "env_end",
+    "env_infos",
+    "loss_masked",
+    "generated_status",
+)
+
+
+def split_metadata(metadatas: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """What a group's responses share of their metadata, and the rest, one list per key with a value
+    per response (None where one lacks it): PER_RESPONSE_KEYS and any key whose values differ."""
+    first = metadatas[0]
+    shared: dict[str, Any] = {}
+    per_response: dict[str, list[Any]] = {}
+    for key in dict.fromkeys(k for m in metadatas for k in m):
+        if key in PER_RESPONSE_KEYS or not all(key in m and _same(m[key], first.get(key)) for m in metadatas):
+            per_response[key] = [m.get(key) for m in metadatas]
+        else:
+            shared[key] = first[key]
+    return shared, per_response
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # an array's == is elementwise
+        return False
+
+
+def group_slime_args(label: Any, metadatas: list[dict[str, Any]]) -> SimpleNamespace:
+    """slime's `args` for a group: what its responses share (split_metadata), and as
+    rollout_max_response_len the largest of their budgets (max_new_tokens)."""
+    args = slime_args(label, split_metadata(metadatas)[0])
+    budgets = [m["max_new_tokens"] for m in metadatas if isinstance(m.get("max_new_tokens"), int)]
+    args.rollout_max_response_len = max(budgets, default=None)
+    return args
 
 
 async def _awaited(value: Any) -> Any:
@@ -210,6 +267,7 @@ class GroupScorer:
         # metadata["model_prompt"] and ["model_response"] are made for an OpenRLHF-style call only
         self.reads_model_text = call.style == "openrlhf"
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="group-reward")
+        guard_os_exit()  # an os._exit in a group reward fails its group instead of ending this process
         self.hung = 0  # calls past their timeout still running (a thread cannot be stopped)
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # async functions' calls, started on first use
@@ -222,10 +280,11 @@ class GroupScorer:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
                 self._loop_thread = threading.Thread(
-                    target=self._loop.run_forever, name="group-reward-loop", daemon=True
+                    target=call_as_reward, args=(self._loop.run_forever,), name="group-reward-loop", daemon=True
                 )
                 self._loop_thread.start()
-        future = asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop)
+        # no_exit: a SystemExit escaping a task would stop the loop every later call waits on
+        future = asyncio.run_coroutine_threadsafe(no_exit(awaitable), self._loop)
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:  # (the builtin TimeoutError: a reward may raise one of its own)
@@ -241,10 +300,13 @@ class GroupScorer:
         box: list[list[RewardResult]] = []
 
         def run() -> None:
-            box.append(self._timed(items))
-            with self._lock:
-                if late.is_set():
-                    self.hung -= 1
+            try:
+                with reward_thread():  # an os._exit in the call raises here (exit_guard)
+                    box.append(self._timed(items))
+            finally:
+                with self._lock:
+                    if late.is_set():
+                        self.hung -= 1
 
         late = threading.Event()
         thread = threading.Thread(target=run, name="group-reward-call", daemon=True)
@@ -269,6 +331,9 @@ class GroupScorer:
             return [RewardResult(None, str(exc), time.monotonic() - t0) for _ in items]
         except _CancelledAtTimeout:
             return [RewardResult(None, self._too_slow(), self.timeout_s) for _ in items]
+        except SystemExit as exc:  # sys.exit, or os._exit turned into one: not a timeout, nor the thread's end
+            latency = time.monotonic() - t0
+            return [RewardResult(None, f"{who} exited ({exit_code(exc)})", latency) for _ in items]
         except Exception as exc:
             latency = time.monotonic() - t0
             return [RewardResult(None, f"{who} raised {type(exc).__name__}: {exc}", latency) for _ in items]
@@ -301,4 +366,13 @@ class GroupScorer:
             loop.close()
 
 
-__all__ = ["GROUP_STYLES", "GroupCall", "GroupRewardSpecError", "GroupScorer", "load_group_reward"]
+__all__ = [
+    "GROUP_STYLES",
+    "PER_RESPONSE_KEYS",
+    "GroupCall",
+    "GroupRewardSpecError",
+    "GroupScorer",
+    "group_slime_args",
+    "load_group_reward",
+    "split_metadata",
+]

@@ -4,7 +4,8 @@ april.filter_zero_variance).
 
 The function gets the group as slime's reward files see a sample (`slime.utils.types.Sample`:
 prompt, response, label, metadata, reward, status), in slime's form `f(args, samples, **kwargs)`
-or as `f(samples)`, and returns whether to keep the group: a bool, or an object with a `keep`
+(`args` as a slime-style group reward gets it: what the samples share, rewards/group.py) or as
+`f(samples)`, and returns whether to keep the group: a bool, or an object with a `keep`
 attribute (slime's DynamicFilterOutput). Anything else, or an exception, fails the step with the
 function's name and what it returned.
 """
@@ -15,7 +16,8 @@ import inspect
 from collections.abc import Callable, Collection
 from typing import Any
 
-from rewards.adapters import slime_args, slime_sample
+from rewards.adapters import slime_sample
+from rewards.group import group_slime_args
 from rewards.plugin import load_function
 from slime.data import sample_reward_inputs
 from slime.errors import UserError
@@ -43,7 +45,7 @@ class GroupFilter:
 
     def keep(self, group: list[Sample]) -> bool:
         samples = [self._as_slime(s) for s in group]
-        args = slime_args(samples[0].label, samples[0].metadata) if samples else None
+        args = group_slime_args(samples[0].label, [s.metadata for s in samples]) if samples else None
         try:
             answer = self.fn(args, samples) if self.with_args else self.fn(samples)
         except Exception as exc:

@@ -4,12 +4,17 @@
     RouteByField("task", {"math": math_answer, "code": "code_rm.py:run_tests"}, default=f1)
 
 Children may be callables or specs, in any style `rewards.adapters` accepts; each child returns a
-number, a bool or a dict with "score". Both return a native-signature callable
-`fn(prompt, response, label, metadata)`. If any child is async the combination is async: a
-WeightedSum then runs all children concurrently (sync ones on threads, off the event loop) and
-cancels the rest when one fails. A child's failure is re-raised as `RewardChildError` naming the
-child, so the runner's failure reason says which part broke. A RouteByField with no route for a
-sample's field value and no default raises `NoRouteError` naming the value and the known routes.
+number, a bool or a dict with "score" (and optionally "step_scores"/"step_ends" and "info"). Both
+return a native-signature callable `fn(prompt, response, label, metadata)`. A RouteByField returns
+its child's result unchanged. A WeightedSum returns the weighted sum of the scores, each child's
+info under "mix.I/KEY" (I: the child's place in the list, from 0), and, when any child gives
+per-step rewards, their weighted combination (`combined_steps`); a dict when there are either,
+else a number. If any child is async the combination is async: a WeightedSum then runs all
+children concurrently (sync ones on threads, off the event loop) and cancels the rest when one
+fails. A child's failure (an exception, an exit, a value that is no reward) is re-raised as
+`RewardChildError` naming the child, so the runner's failure reason says which part broke. A
+RouteByField with no route for a sample's field value and no default raises `NoRouteError` naming
+the value and the known routes.
 
 From config, `load_reward_spec(spec)` takes a spec string, or a dict (recursive):
 
@@ -24,13 +29,15 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rewards.adapters import STYLES, DoesNotApply, adapt, detect_style, load_reward, native_caller
+from rewards.exit_guard import call_as_reward, exit_code
 from rewards.plugin import load_function
-from rewards.runner import _describe, _is_async
+from rewards.runner import StepScores, _describe, _is_async, check_reward_value
 from slime.errors import UserError
 from slime.security import redact, redact_url
 
@@ -43,20 +50,49 @@ class NoRouteError(LookupError):
     """RouteByField found no route for a sample and has no default."""
 
 
-def as_score(value: Any, name: str) -> float:
-    """A child's return value as a finite float, or RewardChildError saying why not."""
-    if isinstance(value, Mapping):
-        if "score" not in value:
-            raise RewardChildError(
-                f"reward {name} returned a dict without a 'score' key (keys: {sorted(map(str, value))[:10]})"
-            )
-        value = value["score"]
-    if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        raise RewardChildError(f"reward {name} returned {type(value).__name__} {value!r:.80}, not a number")
-    score = float(value)
-    if not math.isfinite(score):
-        raise RewardChildError(f"reward {name} returned {score}, not a finite number")
-    return score
+@dataclass(frozen=True)
+class Scored:
+    """A part's result, checked: its score, per-step rewards and info, and the value it returned."""
+
+    score: float
+    steps: StepScores | None = None
+    info: dict[str, Any] | None = None
+    value: Any = None
+
+    def as_value(self) -> float | dict[str, Any]:
+        """As a reward returns it: the number, or a dict when there are steps or info."""
+        if self.steps is None and not self.info:
+            return self.score
+        out: dict[str, Any] = {"score": self.score}
+        if self.steps is not None:
+            out["step_scores"], out["step_ends"] = list(self.steps.scores), list(self.steps.ends)
+        if self.info:
+            out["info"] = self.info
+        return out
+
+
+def checked(value: Any, name: str, response: str) -> Scored:
+    """A part's return value checked as the runner checks a reward's (a finite number, or a dict with
+    "score" and optionally step rewards and info), or RewardChildError naming the part and why not."""
+    score, failure, extras = check_reward_value(value, f"reward {name}", response)
+    if score is None:
+        raise RewardChildError(failure)
+    return Scored(score, extras.get("steps"), extras.get("info"), value)
+
+
+def combined_steps(parts: Sequence[tuple[float, Scored]], response: str) -> StepScores | None:
+    """The per-step rewards of sum(weight * part), None when no part gives any. Token rewards add up
+    (PPO sums them with the outcome's), so each part's weighted step scores are kept at their
+    step_ends, summed where ends meet; a part without steps counts at the response's last character,
+    where its outcome would have been."""
+    if all(part.steps is None for _, part in parts):
+        return None
+    at: dict[int, float] = {}
+    for weight, part in parts:
+        steps = part.steps or StepScores((part.score,), (max(len(response) - 1, 0),))
+        for score, end in zip(steps.scores, steps.ends):
+            at[end] = at.get(end, 0.0) + weight * score
+    return StepScores(tuple(at[end] for end in sorted(at)), tuple(sorted(at)))
 
 
 class _Child:
@@ -74,29 +110,31 @@ class _Child:
     def _fail(self, exc: BaseException) -> RewardChildError:
         if isinstance(exc, (RewardChildError, NoRouteError)):
             return exc  # type: ignore[return-value]  # already names the failing part
+        if isinstance(exc, SystemExit):  # it must not end the thread, nor escape into the event loop
+            return RewardChildError(f"child reward {self.name} exited ({exit_code(exc)})")
         return RewardChildError(f"child reward {self.name} raised {type(exc).__name__}: {exc}")
 
-    def sync(self, prompt: str, response: str, label: Any, metadata: dict) -> float | None:
-        """The child's score; None when it does not apply to this sample (DoesNotApply)."""
+    def sync(self, prompt: str, response: str, label: Any, metadata: dict) -> Scored | None:
+        """The child's checked result; None when it does not apply to this sample (DoesNotApply)."""
         try:
             value = self._call(prompt, response, label, metadata)
         except DoesNotApply:
             return None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise self._fail(exc) from exc
-        return as_score(value, self.name)
+        return checked(value, self.name, response)
 
-    async def run(self, prompt: str, response: str, label: Any, metadata: dict) -> float | None:
+    async def run(self, prompt: str, response: str, label: Any, metadata: dict) -> Scored | None:
         try:
             if self.is_async:
                 value = await self._call(prompt, response, label, metadata)
-            else:
-                value = await asyncio.to_thread(self._call, prompt, response, label, metadata)
+            else:  # on asyncio's threads, marked so that an os._exit there fails this call (exit_guard)
+                value = await asyncio.to_thread(call_as_reward, self._call, prompt, response, label, metadata)
         except DoesNotApply:
             return None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise self._fail(exc) from exc
-        return as_score(value, self.name)
+        return checked(value, self.name, response)
 
 
 def _finish(fn: Callable[..., Any], qualname: str, **attrs: Any) -> Callable[..., Any]:
@@ -108,7 +146,8 @@ def _finish(fn: Callable[..., Any], qualname: str, **attrs: Any) -> Callable[...
 
 
 def WeightedSum(children: Sequence[tuple[Callable[..., Any] | str, float]]) -> Callable[..., Any]:
-    """sum(weight * child(...)); async if any child is."""
+    """sum(weight * child(...)); async if any child is. The parts' info and per-step rewards are
+    kept (see `_weighted`)."""
     if not children:
         raise ValueError("WeightedSum needs at least one (fn, weight) pair")
     parts: list[tuple[_Child, float]] = []
@@ -123,37 +162,44 @@ def WeightedSum(children: Sequence[tuple[Callable[..., Any] | str, float]]) -> C
 
     if any(c.is_async for c, _ in parts):
 
-        async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
+        async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> Any:
             meta = metadata if metadata is not None else {}
             tasks = [asyncio.ensure_future(c.run(prompt, response, label, meta)) for c, _ in parts]
             try:
-                scores = await asyncio.gather(*tasks)
+                results = await asyncio.gather(*tasks)
             except BaseException:  # one failure (or our own cancellation) cancels the others
                 for task in tasks:
                     task.cancel()
                 raise
-            return _weighted(parts, scores, label_)
+            return _weighted(parts, results, label_, response)
     else:
 
-        def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
+        def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> Any:
             meta = metadata if metadata is not None else {}
-            return _weighted(parts, [c.sync(prompt, response, label, meta) for c, _ in parts], label_)
+            results = [c.sync(prompt, response, label, meta) for c, _ in parts]
+            return _weighted(parts, results, label_, response)
 
     return _finish(reward, label_, children=[(c.fn, w) for c, w in parts])
 
 
-def _weighted(parts: list[tuple[_Child, float]], scores: list[float | None], name: str) -> float:
-    """The weighted sum of the children that scored (TRL's nansum); none scoring fails the sample."""
-    scored = [(w, score) for (_, w), score in zip(parts, scores) if score is not None]
+def _weighted(
+    parts: list[tuple[_Child, float]], results: list[Scored | None], name: str, response: str
+) -> float | dict[str, Any]:
+    """The weighted sum of the children that scored (TRL's nansum; none scoring fails the sample),
+    their weighted per-step rewards (combined_steps), and the info of child i under "mix.i/KEY"."""
+    scored = [(i, w, result) for i, ((_, w), result) in enumerate(zip(parts, results)) if result is not None]
     if not scored:
         raise DoesNotApply(f"{name}: none of its rewards applies to this sample (each returned None)")
-    return sum(w * score for w, score in scored)
+    info = {f"mix.{i}/{key}": value for i, _, result in scored for key, value in (result.info or {}).items()}
+    steps = combined_steps([(w, result) for _, w, result in scored], response)
+    return Scored(sum(w * result.score for _, w, result in scored), steps, info).as_value()
 
 
-def _applied(score: float | None, child: _Child) -> float:
-    if score is None:
+def _applied(result: Scored | None, child: _Child) -> Any:
+    """What the route's child returned, unchanged (its step rewards and info included)."""
+    if result is None:
         raise DoesNotApply(f"child reward {child.name} does not apply to this sample (it returned None)")
-    return score
+    return result.value
 
 
 def RouteByField(
@@ -161,7 +207,8 @@ def RouteByField(
     routes: Mapping[str, Callable[..., Any] | str] | None = None,
     default: Callable[..., Any] | str | None = None,
 ) -> Callable[..., Any]:
-    """Score each sample with routes[metadata[field]] (or `default`); async if any route is."""
+    """Score each sample with routes[metadata[field]] (or `default`), whose result it returns
+    unchanged; async if any route is."""
     if not routes and default is None:
         raise ValueError("RouteByField needs routes or a default")
     table = {str(key): _Child(fn) for key, fn in (routes or {}).items()}
@@ -181,13 +228,13 @@ def RouteByField(
     everyone = list(table.values()) + ([fallback] if fallback else [])
     if any(c.is_async for c in everyone):
 
-        async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
+        async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> Any:
             meta = metadata if metadata is not None else {}
             child = pick(meta)
             return _applied(await child.run(prompt, response, label, meta), child)
     else:
 
-        def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
+        def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> Any:
             meta = metadata if metadata is not None else {}
             child = pick(meta)
             return _applied(child.sync(prompt, response, label, meta), child)
@@ -323,8 +370,10 @@ __all__ = [
     "RewardChildError",
     "RewardSpecError",
     "RouteByField",
+    "Scored",
     "WeightedSum",
-    "as_score",
+    "checked",
+    "combined_steps",
     "describe_spec",
     "load_reward_spec",
 ]

@@ -24,7 +24,8 @@ Use them directly as `reward.fn` specs (`rewards.rule:exact_match`), combine the
                  expressions via sympy). Both run without signal-based timeouts, so they work on
                  the runner's worker threads; the runner's timeout bounds them.
 * `length_penalty(fn, budget, ...)` wraps another reward: subtracts `per_unit` for each char or
-                 token over `budget` (capped at `max_penalty`).
+                 token over `budget` (capped at `max_penalty`); the wrapped reward's info and
+                 per-step rewards are kept (the penalty then also on the last character's step).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from fractions import Fraction
 from typing import Any
 
 from rewards.adapters import adapt, load_reward, native_caller
-from rewards.mix import as_score
+from rewards.mix import Scored, checked, combined_steps
 from rewards.runner import _describe, _is_async
 
 try:  # optional: `pip install math-verify`
@@ -261,20 +262,21 @@ def length_penalty(
             return len(tokenizer.encode(response, add_special_tokens=False))
         return len(tokenizer(response))
 
-    def penalised(value: Any, response: str) -> float:
-        over = max(0, length(response) - budget)
-        penalty = per_unit * over
+    def penalised(value: Any, response: str) -> float | dict[str, Any]:
+        penalty = per_unit * max(0, length(response) - budget)
         if max_penalty is not None:
             penalty = min(penalty, max_penalty)
-        return as_score(value, inner_name) - penalty
+        result = checked(value, inner_name, response)  # its step rewards get the penalty at the end, as in a mix
+        steps = combined_steps([(1.0, result), (1.0, Scored(-penalty))], response) if penalty else result.steps
+        return Scored(result.score - penalty, steps, result.info).as_value()
 
     if _is_async(inner):
 
-        async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
+        async def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> Any:
             return penalised(await call(prompt, response, label, metadata), response)
     else:
 
-        def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> float:
+        def reward(prompt: str, response: str, label: Any = None, metadata: dict | None = None) -> Any:
             return penalised(call(prompt, response, label, metadata), response)
 
     reward.__qualname__ = f"length_penalty({inner_name}, budget={budget} {unit})"

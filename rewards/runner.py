@@ -33,6 +33,7 @@ import inspect
 import itertools
 import logging
 import math
+import numbers
 import queue
 import threading
 import time
@@ -477,6 +478,8 @@ def check_reward_value(value: Any, who: str, response: str) -> tuple[float | Non
             return None, f"{who} returned None (a missing return statement?)", {}
         if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
             return None, f"{who} returned {type(value).__name__} {value!r:.80}, not a number", {}
+        if _is_complex(value):  # numpy's float() of one keeps the real part and drops the rest
+            return None, f"{who} returned the complex number {value!r:.80}, not a real one", {}
         reward = float(value)  # bool -> 0.0/1.0; numpy scalars and 1-element tensors too
     except Exception as exc:
         return None, f"{who} returned an unusable {type(value).__name__}: {exc}", {}
@@ -485,6 +488,14 @@ def check_reward_value(value: Any, who: str, response: str) -> tuple[float | Non
     if abs(reward) > MAX_ABS_REWARD:
         return None, f"{who} returned {reward:g}, beyond ±{MAX_ABS_REWARD:g} (the float32 learner would overflow)", {}
     return reward, None, extras
+
+
+def _is_complex(value: Any) -> bool:
+    """A complex number: Python's or numpy's scalar, or an array or tensor of a complex dtype."""
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return getattr(dtype, "kind", None) == "c" or getattr(dtype, "is_complex", False) is True
 
 
 def _check_steps(scores: Any, ends: Any, response_chars: int) -> tuple[StepScores | None, str | None]:

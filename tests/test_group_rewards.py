@@ -5,6 +5,9 @@ held-out eval, and whole jobs under both launchers: the stored rewards are the g
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from rewards.adapters import RewardSignatureError
-from rewards.group import GroupCall, GroupRewardSpecError, GroupScorer, load_group_reward
+from rewards.group import (
+    PER_RESPONSE_KEYS,
+    GroupCall,
+    GroupRewardSpecError,
+    GroupScorer,
+    load_group_reward,
+    split_metadata,
+)
 from slime.buffer import TrajectoryStore
 from slime.config import ConfigError, load_config
 from slime.sample import Status
@@ -78,7 +88,8 @@ class LoopBound:
         self.loop = self.loop or asyncio.get_running_loop()  # where a client made on first use lives
         if self.loop is not asyncio.get_running_loop():
             raise RuntimeError("called on another event loop than the first call's")
-        assert "response_ids" not in metadata  # the group's shared row, not one response's tokens
+        assert metadata["prompt_text"] == "p"  # the group's shared row
+        assert metadata["response_ids"] == [[1], [1]]  # and what is each response's own, one per response
         return [1.0] * len(responses)
 
 
@@ -337,3 +348,153 @@ def test_held_out_eval_scores_each_prompts_answers_as_one_group(tiny_model_dir, 
     result = evaluate_model_dir(job, tiny_model_dir, held_out_records(job, tokenizer, tmp_path), tokenizer)
     # each prompt's greedy answer and its 2 samples: one group of 3
     assert result["greedy_reward_mean"] == 3.0 and result["sampled_reward_mean"] == 3.0
+
+
+def test_what_each_response_has_of_its_own_is_given_per_response_never_as_the_groups():
+    """A native group reward got the FIRST response's finish_reason (and other per-response keys)
+    as the group's: a rule penalising truncated responses penalised stopped ones."""
+    seen = {}
+    row = {"prompt_text": "q", "label": "ab", "task": "math"}
+    ends = [{"finish_reason": "stop", "max_new_tokens": 8}, {"finish_reason": "length", "max_new_tokens": 8}]
+    items = [("q", r, "ab", {**row, **end, "response_ids": ids}) for r, end, ids in zip(["ab", "a"], ends, [[1], [2]])]
+
+    def native(prompt, responses, metadata):
+        seen["native"] = metadata
+        return [-1.0 if end == "length" else 1.0 for end in metadata["finish_reason"]]
+
+    def slime_rm(args, samples):
+        seen["slime"] = args, samples
+        return [1.0, 1.0]
+
+    def trl_reward(completions, finish_reason, **kwargs):
+        return [-1.0 if end == "length" else 1.0 for end in finish_reason]
+
+    def verl_rm(data_sources, solution_strs, ground_truths, extra_infos):
+        return [-1.0 if info["finish_reason"] == "length" else 1.0 for info in extra_infos]
+
+    for fn in (native, trl_reward, verl_rm):
+        assert [r.reward for r in GroupScorer(GroupCall(fn, fn.__name__), 5, 1).score([items])[0]] == [1.0, -1.0]
+    metadata = seen["native"]
+    assert {k: metadata[k] for k in row} == row  # the row the group shares, as it is
+    assert metadata["finish_reason"] == ["stop", "length"] and metadata["max_new_tokens"] == [8, 8]
+    assert metadata["response_ids"] == [[1], [2]]
+
+    GroupScorer(GroupCall(slime_rm, "slime_rm"), 5, 1).score([items])
+    args, samples = seen["slime"]
+    assert not hasattr(args, "finish_reason") and "finish_reason" not in args.metadata and args.task == "math"
+    assert args.rollout_max_response_len == 8 and args.label == "ab"
+    assert [s.status.value for s in samples] == ["completed", "truncated"]  # each sample its own
+    assert [s.metadata["finish_reason"] for s in samples] == ["stop", "length"]
+
+    # a key the job does not list that differs between responses is not shown as shared either
+    shared, per_response = split_metadata([{"a": 1, "b": [1]}, {"a": 1, "b": [2], "c": 0}])
+    assert shared == {"a": 1} and per_response == {"b": [[1], [2]], "c": [None, 0]}
+
+
+def test_every_key_the_job_writes_is_the_groups_or_each_responses():
+    from slime.data import JOB_METADATA_KEYS
+
+    per_prompt = {"prompt_text", "prompt_messages", "record_index", "model_prompt"}
+    assert set(JOB_METADATA_KEYS) == per_prompt | set(PER_RESPONSE_KEYS), "classify the new key in rewards/group.py"
+
+
+KEEP_ALL_PY = """
+SEEN = []
+
+
+def keep_all(args, samples):
+    SEEN.append(args)
+    return True
+"""
+
+
+def test_a_group_filters_args_hold_what_the_group_shares(tmp_path: Path):
+    """april.group_filter's slime-style `args` came from the first sample's metadata alone."""
+    from rewards.group_filter import GroupFilter
+    from rewards.plugin import load_function
+    from slime.sample import Sample
+
+    class Letters:  # a tokenizer: token i is the letter chr(96 + i)
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(96 + int(i)) for i in ids)
+
+    def sample(i: int, ids: list[int], budget: int, status: Status) -> Sample:
+        n = len(ids)
+        arrays = {"response_ids": ids, "logprobs": [0.0] * n, "versions": [0] * n, "loss_mask": [1] * n}
+        return Sample("g", i, [1], budget, status=status, reward=1.0, metadata={"label": "ab"}, **arrays)
+
+    (tmp_path / "keep.py").write_text(KEEP_ALL_PY)
+    spec = f"{tmp_path / 'keep.py'}:keep_all"
+    group = [sample(0, [1, 2], 6, Status.COMPLETED), sample(1, [1, 2, 3, 4], 4, Status.TRUNCATED)]
+    assert GroupFilter(spec, Letters(), []).keep(group)
+    (args,) = load_function(spec).__globals__["SEEN"]
+    assert not hasattr(args, "finish_reason") and "response_ids" not in args.metadata
+    assert args.label == "ab" and args.rollout_max_response_len == 6  # the group's largest budget
+
+
+def verl_with_extras(data_sources, solution_strs, ground_truths, extra_infos):
+    return [{"score": float(s == g), "acc": s == g, "pred": s} for s, g in zip(solution_strs, ground_truths)]
+
+
+def test_a_verl_group_rewards_other_dict_keys_are_its_info_as_per_sample():
+    """They were dropped: no reward_info, no reward_info/acc metric, unlike a per-sample verl reward."""
+    right, wrong = GroupScorer(GroupCall(verl_with_extras, "compute_score"), 5, 1).score([_items(["ab", "a"])])[0]
+    assert (right.reward, right.info) == (1.0, {"acc": True, "pred": "ab"})
+    assert (wrong.reward, wrong.info) == (0.0, {"acc": False, "pred": "a"})
+
+
+def test_a_group_reward_that_exits_fails_its_group_and_no_call_is_counted_hung():
+    """sys.exit ended the call's thread: the group was reported as past reward.timeout_s at once and
+    counted in group_reward_hung_calls for ever."""
+
+    def soft(prompt, responses):
+        sys.exit(3)
+
+    async def soft_async(prompt, responses):
+        sys.exit("done")
+
+    for fn, code in ((soft, "3"), (soft_async, "done")):
+        scorer = GroupScorer(GroupCall(fn, fn.__name__), timeout_s=30, max_concurrency=1)
+        started = time.monotonic()
+        for _ in range(2):  # the scorer (and an async function's loop) serves on
+            results = scorer.score([_items(["a", "b"])])[0]
+            assert all(r.reward is None and "exited" in r.failure and code in r.failure for r in results), results
+            assert all("took longer" not in r.failure for r in results)
+        assert time.monotonic() - started < 10 and scorer.hung == 0
+        scorer.close()
+
+
+EXITING_GROUP_REWARDS = """
+import asyncio, os
+from rewards.group import GroupCall, GroupScorer
+
+def hard(prompt, responses):
+    os._exit(7)
+
+async def hard_async(prompt, responses):
+    await asyncio.sleep(0)
+    os._exit(7)
+
+for fn in (hard, hard_async):
+    scorer = GroupScorer(GroupCall(fn, fn.__name__), timeout_s=30, max_concurrency=1)
+    for _ in range(2):
+        (results,) = scorer.score([[("q", "a", None, {}), ("q", "b", None, {})]])
+        print(fn.__name__, "|", results[0].failure, "|", results[1].failure, "|", scorer.hung, flush=True)
+    scorer.close()
+print("still running", flush=True)
+"""
+
+
+def test_an_os_exit_in_a_group_reward_fails_its_group_and_the_process_lives(tmp_path: Path):
+    """Group rewards had no exit guard: os._exit in one ended the job (rc 7, no output)."""
+    script = tmp_path / "exiting_group.py"
+    script.write_text(EXITING_GROUP_REWARDS)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("still running"), done.stdout + done.stderr
+    lines = [line.split(" | ") for line in done.stdout.splitlines() if " | " in line]
+    assert [line[0] for line in lines] == ["hard", "hard", "hard_async", "hard_async"]
+    for name, first, second, hung in lines:
+        assert first == second and f"group reward {name}" in first and "os._exit(7)" in first, first
+        assert "exited" in first and hung == "0"

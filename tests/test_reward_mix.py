@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rewards.adapters import DoesNotApply, adapt
@@ -20,7 +24,7 @@ from rewards.mix import (
     load_reward_spec,
 )
 from rewards.rule import exact_match, f1
-from rewards.runner import RewardRunner
+from rewards.runner import RewardResult, RewardRunner, StepScores
 
 
 def half(prompt, response):
@@ -206,3 +210,122 @@ def test_a_trl_reward_that_does_not_apply_is_left_out_of_the_mix_as_trl_does():
         WeightedSum([(picky, 1.0)])("p", "skip", None, {})
     with pytest.raises(DoesNotApply, match="returned \\[None\\]: it does not apply to this sample"):
         adapt(picky)("p", "skip", None, {})
+
+
+STEPS_FILE = """
+def steps(prompt, response):
+    return {'score': 0.5, 'step_scores': [0.1, 0.9], 'step_ends': [0, len(response) - 1], 'info': {'why': 'x'}}
+
+def early(prompt, response):
+    return {'score': 1.0, 'step_scores': [2.0], 'step_ends': [1]}
+
+def logged(completions, log_extra, **kwargs):
+    log_extra('verdict', ['fine' for _ in completions])
+    return [0.25 for _ in completions]
+"""
+
+
+def test_a_route_passes_its_parts_whole_result_and_a_mix_keeps_step_rewards_and_info(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A route or mix kept only its parts' float: the per-step rewards (PPO's token rewards) and info
+    (verl's extra keys, TRL's log_extra, a judge's verdict) a part returned were lost."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "parts.py").write_text(STEPS_FILE)
+
+    def score(spec, response: str = "abcd", metadata=None) -> RewardResult:
+        with RewardRunner(load_reward_spec(spec), 5.0, 1) as runner:
+            result = runner.score("q", response, "abcd", metadata or {"task": "math"})
+        assert result.ok, result.failure
+        return result
+
+    direct = score("parts.py:steps")
+    route = score({"route": "task", "routes": {"math": "parts.py:steps", "code": "parts.py:steps"}})
+    assert (route.reward, route.steps, route.info) == (direct.reward, direct.steps, direct.info)
+    assert route.steps == StepScores((0.1, 0.9), (0, 3)) and route.info == {"why": "x"}
+
+    # every part at the same step_ends: the steps weighted like the scores; each part's info under mix.I/
+    same = score({"mix": [{"fn": "parts.py:steps", "weight": 0.5}, {"fn": "parts.py:steps", "weight": 2.0}]})
+    assert same.reward == pytest.approx(1.25) and same.steps.ends == (0, 3)
+    assert same.steps.scores == pytest.approx((0.25, 2.25))
+    assert same.info == {"mix.0/why": "x", "mix.1/why": "x"}
+
+    # other ends are kept beside them; a part without steps counts at the last character
+    mixed = score(
+        {
+            "mix": [
+                {"fn": "parts.py:steps", "weight": 1.0},
+                {"fn": "parts.py:early", "weight": 0.5},
+                {"fn": "rewards.rule:exact_match", "weight": 3.0},
+                {"fn": "parts.py:logged", "weight": 4.0},
+            ]
+        }
+    )
+    assert mixed.reward == pytest.approx(0.5 + 0.5 + 3.0 + 1.0)
+    assert mixed.steps.ends == (0, 1, 3) and mixed.steps.scores == pytest.approx((0.1, 1.0, 0.9 + 3.0 + 1.0))
+    assert mixed.info == {"mix.0/why": "x", "mix.3/verdict": "fine"}
+    assert score({"mix": [{"fn": "rewards.rule:exact_match", "weight": 2.0}]}).steps is None  # a plain number
+
+
+def test_an_async_mix_keeps_its_parts_step_rewards_and_info():
+    async def judge(prompt, response):
+        return {"score": 1.0, "info": {"judge": "[[8]]"}}
+
+    def prm(prompt, response):
+        return {"score": 0.5, "step_scores": [0.5], "step_ends": [len(response) - 1]}
+
+    value = asyncio.run(WeightedSum([(judge, 0.5), (prm, 1.0)])("q", "ab", None, {}))
+    assert value == {"score": 1.0, "step_scores": [1.0], "step_ends": [1], "info": {"mix.0/judge": "[[8]]"}}
+    routed = asyncio.run(RouteByField("task", {"chat": judge})("q", "ab", None, {"task": "chat"}))
+    assert routed == {"score": 1.0, "info": {"judge": "[[8]]"}}
+
+
+def test_a_part_returning_a_many_element_array_is_named():
+    """float() of the part's value was outside the error wrapping: the failure named the whole mix."""
+
+    def vector(prompt, response):
+        return np.array([1.0, 2.0])
+
+    with pytest.raises(RewardChildError, match=r"^reward .*vector returned an unusable ndarray: "):
+        WeightedSum([(half, 1.0), (vector, 1.0)])("q", "r", None, {})
+    with pytest.raises(RewardChildError, match=r"^reward .*vector returned an unusable ndarray: "):
+        RouteByField("task", default=vector)("q", "r", None, {})
+
+
+EXITING_PART = """
+import asyncio, os, sys
+from rewards.mix import WeightedSum
+from rewards.runner import RewardResult, RewardRunner, StepScores
+
+async def judge(prompt, response):
+    await asyncio.sleep(0)
+    return 1.0
+
+def hard(prompt, response):
+    os._exit(7)
+
+def soft(prompt, response):
+    sys.exit(3)
+
+for part in (hard, soft):
+    with RewardRunner(WeightedSum([(judge, 1.0), (part, 1.0)]), timeout_s=10, max_concurrency=2) as runner:
+        first, second = runner.score("p", "a"), runner.score("p", "b")  # the runner serves on after an exit
+        print(part.__name__, "|", first.failure, "|", second.failure, flush=True)
+print("still running", flush=True)
+"""
+
+
+def test_an_exit_in_a_sync_part_of_an_async_mix_fails_the_call_naming_the_part(tmp_path: Path):
+    """Such a part runs on asyncio's threads (asyncio_N), which the exit guard did not know: an
+    os._exit there ended the process, the whole job, without a word."""
+    script = tmp_path / "exiting_part.py"
+    script.write_text(EXITING_PART)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("still running"), done.stdout + done.stderr
+    lines = dict(line.split(" | ", 1) for line in done.stdout.splitlines() if " | " in line)
+    assert set(lines) == {"hard", "soft"}
+    for name, code in (("hard", "os._exit(7)"), ("soft", "3")):
+        first, second = lines[name].split(" | ")
+        assert first == second and f"child reward __main__.{name} exited ({code})" in first, lines[name]

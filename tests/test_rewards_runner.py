@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rewards.plugin import PluginError, load_function
@@ -226,6 +227,10 @@ def test_hanging_async_function_is_cancelled() -> None:
         (None, None, "returned None"),
         ({"acc": 1.0}, None, "returned a dict without a 'score' key (keys: ['acc'])"),
         ([1.0], None, "returned list [1.0], not a number"),
+        # numpy's float() of a complex number dropped its imaginary part: 1+2j scored 1.0
+        (np.complex128(1 + 2j), None, "returned the complex number np.complex128(1+2j), not a real one"),
+        ({"score": np.complex64(1)}, None, "returned the complex number np.complex64(1+0j), not a real one"),
+        (np.float64(0.5), 0.5, None),
     ],
 )
 def test_return_values(value, reward: float | None, failure: str | None) -> None:

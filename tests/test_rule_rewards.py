@@ -145,6 +145,29 @@ def test_length_penalty_wraps_async_and_other_styles():
     assert asyncio.run(wrapped("q", "abc", "abc", {})) == 0.5
 
 
+def test_length_penalty_keeps_the_wrapped_rewards_steps_and_info():
+    """It kept only the wrapped reward's number: a PRM's step rewards and a judge's info were lost."""
+
+    def prm(prompt, response):
+        return {"score": 0.8, "step_scores": [0.5, 0.3], "step_ends": [1, 3], "info": {"steps": 2}}
+
+    def early(prompt, response):
+        return {"score": 1.0, "step_scores": [1.0], "step_ends": [0]}
+
+    assert length_penalty(prm, budget=2, per_unit=0.1)("q", "abcd", None, {}) == {
+        "score": pytest.approx(0.6),
+        "step_scores": [0.5, pytest.approx(0.1)],  # the penalty on the last character's step, as PPO sums them
+        "step_ends": [1, 3],
+        "info": {"steps": 2},
+    }
+    assert length_penalty(early, budget=2, per_unit=0.1)("q", "abcd", None, {}) == {
+        "score": pytest.approx(0.8),
+        "step_scores": [1.0, pytest.approx(-0.2)],
+        "step_ends": [0, 3],
+    }
+    assert length_penalty(prm, budget=9, per_unit=0.1)("q", "abcd", None, {})["step_scores"] == [0.5, 0.3]
+
+
 def test_length_penalty_bad_arguments():
     with pytest.raises(ValueError, match=r"unit must be 'chars' or 'tokens', got 'bytes'"):
         length_penalty(exact_match, 1, 0.1, unit="bytes")
