@@ -64,7 +64,8 @@ def fill(buffer: TrajectoryStore, n_trajectories: int, group_size: int = 4, seed
             gid, sids = new_id(), [new_id() for _ in range(group_size)]
             groups.append(sids)
             prompt = rng.integers(6, 60, 24).astype(WIRE_TOKEN).tobytes()
-            calls.append([buffer.prefix, gid, group_size, 128, prompt, json.dumps({"prompt_text": "bench"}), *sids])
+            metadata = json.dumps({"prompt_text": "bench"})
+            calls.append([buffer.prefix, gid, group_size, 128, prompt, metadata, "", *sids])  # "": no draw count
         ScriptBatch(buffer._add_group, calls).replies()  # the groups, in one round trip
         for sids in groups:
             for sid in sids:

@@ -70,8 +70,8 @@ def resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
         latest = latest_checkpoint(run_dir)  # the last run's: not an earlier run's step_* beyond it
         if latest is None:
             print(
-                f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}: training starts at step 0, "
-                "and the groups in the buffer are dropped (their prompts are drawn again)",
+                f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}: training starts at step 0 "
+                "(the buffer's unfinished trajectories are kept and resumed)",
                 flush=True,
             )
         return latest
@@ -121,14 +121,13 @@ def checkpoint_due(cfg: JobConfig, step: int, last_checkpoint_at: float) -> bool
     return by_steps or by_time or step + 1 == cfg.steps
 
 
-def restore_point(checkpoint: Path | None) -> tuple[int, int]:
-    """(next step, prompts its sampler had drawn) of a checkpoint; (0, 0) for none (a resume before the
-    first checkpoint starts anew) and draws 0 for one written before draws were kept (every group
-    that records its draw was drawn after it)."""
+def restore_point(checkpoint: Path | None) -> tuple[int, dict[str, Any] | None]:
+    """(next step, its sampler's state) of a checkpoint; (0, None) for none (a resume before the
+    first checkpoint: the sampler starts anew)."""
     if checkpoint is None:
-        return 0, 0
+        return 0, None
     state = json.loads((checkpoint / "driver_state.json").read_text())
-    return int(state["next_step"]), int(state["sampler"].get("draws", 0))
+    return int(state["next_step"]), state["sampler"]
 
 
 def clear_checkpoint_dir(path: Path) -> None:

@@ -56,7 +56,7 @@ from slime.model import (
 )
 from slime.run_lock import lock_run_dir
 from slime.sample import new_id
-from slime.sampling import PromptSampler
+from slime.sampling import PromptSampler, fast_forward
 from slime.security import JobCredentials
 from slime.signals import GracefulStop
 from slime.tracking import require_packages
@@ -135,12 +135,15 @@ class RunningJob:
                 self.buffer.delete_job()  # a fresh run starts from an empty buffer
             else:
                 # The previous run's workers are gone: their trajectories go back to the queue now,
-                # tokens kept, instead of after their leases expire. Then the buffer as the checkpoint
-                # left it (store.restore_to_checkpoint), before any worker leases what it drops.
+                # tokens kept, instead of after their leases expire. Then, before any worker leases:
+                # the sampler goes past the groups drawn after the checkpoint that it would draw again
+                # (fast_forward), and the buffer drops the rest (store.restore_to_checkpoint).
                 self.buffer.requeue_all_leased()
-                if dropped := self.buffer.restore_to_checkpoint(
-                    *restore_point(checkpoint), cfg.buffer.keep_trained_steps
-                ):
+                next_step, sampler_state = restore_point(checkpoint)
+                if sampler_state is not None:
+                    self.sampler.load_state_dict(sampler_state)
+                kept = fast_forward(self.sampler, self.buffer.groups_drawn_after(self.sampler.draws))
+                if dropped := self.buffer.restore_to_checkpoint(next_step, kept, cfg.buffer.keep_trained_steps):
                     print(f"resume: {dropped} groups drawn after the checkpoint are dropped; their prompts come again")
             self._start_dashboard()
             if cfg.cluster.launcher == "ray":
@@ -488,8 +491,7 @@ class RunningJob:
         done, steps = int(state["next_step"]), self.cfg.steps
         left = f"at step {done} of {steps}" if done < steps else f"with nothing left to train (steps={steps})"
         print(f"resume={self.cfg.resume}: resuming from {checkpoint} {left}", flush=True)
-        self.learner.result(self.learner.load(str(checkpoint)))
-        self.sampler.load_state_dict(state["sampler"])
+        self.learner.result(self.learner.load(str(checkpoint)))  # the sampler's state loaded in __enter__
         if self.offpolicy is not None and "offpolicy_auto" in state:  # absent: a run without it, start afresh
             self.offpolicy.load_state_dict(state["offpolicy_auto"])
         write_resumed_config(self.cfg, self.run_dir, checkpoint)  # everything of the checkpoint took

@@ -229,3 +229,22 @@ class PromptSampler:
 
 def _matches(record: PromptRecord, stage: CurriculumStage) -> bool:
     return all(key in record.metadata and record.metadata[key] == value for key, value in stage.filter.items())
+
+
+def fast_forward(sampler: PromptSampler, later: dict[int, tuple[int | None, str]]) -> int:
+    """A resume's sampler, restored from its checkpoint, walks on over the groups the buffer holds from
+    after it (draw -> (record index, status): TrajectoryStore.groups_drawn_after), as long as it
+    draws exactly their prompts, in draw order: those groups go on (a partial from its stored tokens,
+    an agent episode from its stored state) and their prompts are not drawn again. It stops before
+    a gap, a trained or dropped group (its update is not in the checkpoint), or a prompt it would
+    draw differently (task weights that moved since); returns how many prompts it has drawn then:
+    the groups drawn after that are for the buffer to drop."""
+    for draw in sorted(later):
+        index, status = later[draw]
+        if draw != sampler.draws + 1 or index is None or status in ("trained", "dropped"):
+            break
+        before = sampler.state_dict()
+        if sampler.next().index != index:
+            sampler.load_state_dict(before)
+            break
+    return sampler.draws

@@ -78,9 +78,9 @@ def train(cfg: JobConfig) -> list[dict]:
     """Run the job; its metrics, one dict per step. SIGINT/SIGTERM end it after the current step
     with a checkpoint (a second signal at once, see GracefulStop). When a Ray actor dies (the
     learner or a rollout worker: killed, pre-empted, out of memory), the job restarts itself from
-    its last checkpoint and the buffer, up to `max_restarts` times: partials drawn before that
-    checkpoint keep their tokens, and the groups drawn after it are dropped (the restored sampler
-    draws their prompts again), so each prompt trains once per epoch."""
+    its last checkpoint and the buffer, up to `max_restarts` times: partials keep their tokens, and
+    the restored sampler walks over the groups drawn after the checkpoint instead of drawing their
+    prompts again (those it cannot are dropped), so each prompt trains once per epoch."""
     dump_stacks_on_sigusr1()
     if (notice := unused_reward_notice(cfg)) is not None:
         print(f"slime: {notice}", file=sys.stderr, flush=True)

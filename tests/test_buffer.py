@@ -261,6 +261,8 @@ def test_a_resume_drops_the_groups_drawn_after_its_checkpoint_in_every_state(buf
     assert [g[0].group_id for g in buffer.claim_groups(1, step=3)] == [gids[0]]  # the checkpoint's step
     assert [g[0].group_id for g in buffer.claim_groups(1, step=4)] == [gids[2]]  # after it
     untracked = buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={})  # no draw count: kept
+    later = buffer.groups_drawn_after(2)
+    assert sorted(later) == [3, 4, 5, 6] and later[3] == (2, "claimed") and later[6] == (5, "open")
     assert buffer.restore_to_checkpoint(next_step=4, draws=2, keep_trained_steps=None) == 4
     assert {gid for gid in gids[2:]} == {gid.decode() for gid in buffer.redis.zrange(f"{buffer.prefix}dropped", 0, -1)}
     counts = buffer.counts()
@@ -492,7 +494,7 @@ def test_every_lua_script_compiles(buffer: TrajectoryStore) -> None:
     rarely used one (a dashboard control, the streaming claim) fails here, not in a running job."""
     parts = (buffer, JobTelemetry(buffer.connection), BufferQueries(buffer.connection))
     scripts = [v for part in parts for v in vars(part).values() if hasattr(v, "sha") and hasattr(v, "script")]
-    assert len(scripts) == 24
+    assert len(scripts) == 25
     for script in scripts:
         assert buffer.redis.script_load(script.script) == script.sha
     assert "local function member_done" in lua_source("transitions.lua")

@@ -179,3 +179,34 @@ def test_the_sampler_counts_its_draws_across_a_resume() -> None:
     resumed.load_state_dict(state)
     assert sampler.draws == resumed.draws == 13
     assert draw(resumed, 5) == draw(sampler, 5) and resumed.draws == 18
+
+
+def test_a_resumed_sampler_walks_over_the_groups_the_buffer_kept_and_stops_where_they_differ() -> None:
+    """The groups drawn after a checkpoint survive in Redis: the restored sampler goes past the ones
+    it would draw again (they go on from their tokens), and stops before a trained group, a gap or a
+    prompt it would draw differently (the buffer drops those, and the sampler draws them anew)."""
+    from slime.sampling import fast_forward
+
+    def restored() -> tuple[PromptSampler, dict]:
+        sampler = PromptSampler(make_records(10), SamplingConfig(), "task", seed=0, shuffle=True)
+        draw(sampler, 5)
+        return sampler, json.loads(json.dumps(sampler.state_dict()))
+
+    original, checkpoint = restored()
+    later = {}
+    for _ in range(4):
+        draw_number = original.draws + 1
+        later[draw_number] = (original.next().index, "open")
+    follow = draw(PromptSampler(make_records(10), SamplingConfig(), "task", seed=0, shuffle=True), 12)
+
+    def resumed(groups: dict) -> PromptSampler:
+        sampler = PromptSampler(make_records(10), SamplingConfig(), "task", seed=0, shuffle=True)
+        sampler.load_state_dict(checkpoint)
+        fast_forward(sampler, groups)
+        return sampler
+
+    assert resumed(later).draws == 9 and draw(resumed(later), 3) == follow[9:12]
+    wrong = {**later, 8: (later[8][0] + 1, "open")}
+    assert resumed(wrong).draws == 7 and draw(resumed(wrong), 1) == follow[7:8]
+    assert resumed({**later, 7: (later[7][0], "trained")}).draws == 6
+    assert resumed({d: v for d, v in later.items() if d != 7}).draws == 6  # draw 7 never reached the buffer

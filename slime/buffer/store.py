@@ -133,6 +133,7 @@ class TrajectoryStore:
         self._drop_ready = connection.once_script("transitions.lua", "drop_ready.lua")
         self._drop_claimed = connection.once_script("transitions.lua", "drop_claimed.lua")
         self._drop_drawn_after = connection.once_script("transitions.lua", "drop_drawn_after.lua")
+        self._drawn_after = connection.script("drawn_after.lua")
         self._restart = connection.once_script("transitions.lua", "restart.lua")
         self._requeue_leased = connection.once_script("transitions.lua", "requeue_leased.lua")
         self._claim_segments = connection.once_script("claim_segments.lua")
@@ -406,14 +407,28 @@ class TrajectoryStore:
 
     def restore_to_checkpoint(self, next_step: int, draws: int, keep_trained_steps: int | None) -> int:
         """A job resumed from the checkpoint taken before `next_step`: claims of steps inside it are
-        trained (the process may have died before it marked them); groups its sampler had not drawn
-        yet (`draws`) are dropped, since the restored sampler draws them again; claims of later steps
-        go back to the ready queue, to train on the checkpoint's weights. Returns how many groups
-        were dropped."""
+        trained (the process may have died before it marked them); groups drawn after the sampler's
+        first `draws` prompts (the checkpoint's, or as far as fast_forward took it) are dropped, since
+        the sampler draws them again; claims of later steps go back to the ready queue, to train on
+        the checkpoint's weights. Returns how many groups were dropped."""
         self.commit_through(next_step - 1, keep_trained_steps)
         dropped = self.drop_drawn_after(draws, DRAWN_AFTER_CHECKPOINT)[0]
         self.requeue_uncommitted()
         return dropped
+
+    def groups_drawn_after(self, draws: int) -> dict[int, tuple[int | None, str]]:
+        """draw -> (its prompt's record_index, or None where unknown; its status) of every group the
+        sampler drew after its first `draws` prompts (a resume's view of what the checkpoint did not
+        see)."""
+        flat = self._drawn_after(args=[self.prefix, int(draws)])
+        out: dict[int, tuple[int | None, str]] = {}
+        for draw, status, metadata in zip(flat[::3], flat[1::3], flat[2::3]):
+            try:
+                index = json.loads(metadata).get("record_index") if metadata else None
+            except (ValueError, AttributeError):
+                index = None
+            out[int(draw)] = (index if isinstance(index, int) else None, status.decode())
+        return out
 
     def drop_drawn_after(self, draws: int, reason: str) -> tuple[int, int]:
         """Drop every group the sampler drew after its first `draws` prompts, whatever its state (a
