@@ -53,5 +53,6 @@ def test_slime_chaos_on_its_defaults_runs_to_a_clean_audit(subprocess_checks: di
     assert report["restarts"] == 3 and report["redis_restarts"] == 1
     for key in ("steps_missing", "steps_logged_twice", "groups_lost", "groups_trained_twice", "groups_left_claimed"):
         assert report[key] == 0, (key, report)
+    assert report["prompts_trained_twice"] == 0, report  # a restart drew again prompts the buffer held
     assert report["trajectories_lost"] == 0 and report["tokens_lost"] == 0 and report["tokens_stored"] > 0
     assert report["groups_trained"] > 0

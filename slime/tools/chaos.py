@@ -16,7 +16,7 @@ while every part retries; Ray restarts a dead reward actor, and the workers kill
 restarted, retrying their batches. Per fault: the time from the fault to the first output after
 the recovery (a token generated; for a reward fault, a sample scored) and to the first step
 trained after it (for a reward fault: after that first scored sample). Then the audit, from the job's Redis (its AOF) and its files:
-    groups lost or trained twice   groups_trained == steps x batch_size, none left claimed
+    groups lost or trained twice   groups_trained == steps x batch_size (not in streaming mode), none left claimed
     prompts trained twice          no prompt trained more often than the data's epochs allow
     steps logged twice or missing  metrics.jsonl holds 0..steps-1, each once
     trajectories lost              every sample final, or partial (its tokens kept), or failed with a reason
@@ -279,6 +279,7 @@ def audit(chaos: ChaosRun, returncode: int | None) -> dict:
         trained = {gid.decode() for gid in store.redis.zrange(store.connection.key("trained"), 0, -1)}
         store.connection.close()
     expected_groups = cfg.steps * cfg.rollout.batch_size
+    streaming = cfg.loop_mode == "streaming"
     unaccounted = [
         s.id
         for s in samples
@@ -299,8 +300,9 @@ def audit(chaos: ChaosRun, returncode: int | None) -> dict:
         "steps_missing": len(set(range(cfg.steps)) - set(steps)),
         "steps_logged_twice": len(steps) - len(set(steps)),
         "groups_trained": counts["groups_trained"],
-        "groups_lost": max(0, expected_groups - counts["groups_trained"]),
-        "groups_trained_twice": max(0, counts["groups_trained"] - expected_groups),
+        # Streaming trains segments as they come, not batch_size groups a step: no such count to meet.
+        "groups_lost": None if streaming else max(0, expected_groups - counts["groups_trained"]),
+        "groups_trained_twice": None if streaming else max(0, counts["groups_trained"] - expected_groups),
         "groups_left_claimed": counts["groups_claimed"],
         "prompts_trained_twice": _prompts_trained_twice(samples, trained, cfg.run_dir),
         "trajectories": len(samples) + int(stats.get("pruned_samples", 0.0)),
@@ -333,7 +335,7 @@ def clean(report: dict) -> bool:
     lost += ("prompts_trained_twice",)
     return (
         report["exit_code"] == 0
-        and all(report[k] == 0 for k in (*lost, "trajectories_lost", "tokens_lost"))
+        and all(report[k] in (0, None) for k in (*lost, "trajectories_lost", "tokens_lost"))
         and all(f["injected"] and f["recovered"] for f in report["faults"])
     )
 
