@@ -235,13 +235,17 @@ def fast_forward(sampler: PromptSampler, later: dict[int, tuple[int | None, str]
     """A resume's sampler, restored from its checkpoint, walks on over the groups the buffer holds from
     after it (draw -> (record index, status): TrajectoryStore.groups_drawn_after), as long as it
     draws exactly their prompts, in draw order: those groups go on (a partial from its stored tokens,
-    an agent episode from its stored state) and their prompts are not drawn again. It stops before
-    a gap, a trained or dropped group (its update is not in the checkpoint), or a prompt it would
-    draw differently (task weights that moved since); returns how many prompts it has drawn then:
-    the groups drawn after that are for the buffer to drop."""
+    an agent episode from its stored state) and their prompts are not drawn again (one a filter
+    dropped stays dropped, as in the run that drew it). It stops before a gap, a trained group (its
+    update is not in the checkpoint) or a prompt it would draw differently; returns how many prompts
+    it has drawn then: the groups drawn after that are for the buffer to drop. With a curriculum it
+    does not walk: a stage that advanced after the checkpoint draws from another pool, where the
+    same index may come up by chance."""
+    if sampler.cfg.curriculum:
+        return sampler.draws
     for draw in sorted(later):
         index, status = later[draw]
-        if draw != sampler.draws + 1 or index is None or status in ("trained", "dropped"):
+        if draw != sampler.draws + 1 or index is None or status == "trained":
             break
         before = sampler.state_dict()
         if sampler.next().index != index:

@@ -722,6 +722,12 @@ def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryS
     """Streaming: the dropped group's samples stayed in stream:untrained; their segments trained (the
     completed one with its reward) while the restored sampler drew the prompt again, and the group
     became trained and dropped at once (groups_open -1)."""
+    half = buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={"record_index": 7}, draw=6)
+    buffer.track_streaming(half)
+    (first, _) = buffer.lease("w", 2)
+    buffer.append_chunk(first.id, "w", [1, 2], [-0.1] * 2, version=0)
+    assert len(buffer.claim_segments(2, 100)) == 1  # one segment of an open group trained after it
+    assert buffer.groups_drawn_after(3)[6] == (7, "trained")  # so the resumed sampler stops before it
     streamed = buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={}, draw=4)  # trained whole, after it
     buffer.track_streaming(streamed)
     (whole,) = buffer.lease("w", 1)
@@ -736,7 +742,10 @@ def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryS
     buffer.append_chunk(running.id, "w", [1, 2], [-0.1] * 2, version=0)
     # The streamed group's update is not in the checkpoint either: it too is dropped and drawn again
     # (it stayed trained, and the restored sampler's new group trained the same prompt a second time).
-    assert buffer.restore_to_checkpoint(1, 3, None) == 2
+    assert buffer.restore_to_checkpoint(1, 3, None) == 3
     assert buffer.claim_segments(1, 100) == []
     counts = buffer.counts()
-    assert (counts["groups_dropped"], counts["groups_trained"], counts["groups_open"]) == (2, 0, 0)
+    assert (counts["groups_dropped"], counts["groups_trained"], counts["groups_open"]) == (3, 0, 0)
+    # The next resume reads the groups drawn anew under those draw numbers, not the dropped ones.
+    again = buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={"record_index": 9}, draw=4)
+    assert buffer.groups_drawn_after(3) == {4: (9, "open")} and again

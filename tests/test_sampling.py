@@ -209,4 +209,15 @@ def test_a_resumed_sampler_walks_over_the_groups_the_buffer_kept_and_stops_where
     wrong = {**later, 8: (later[8][0] + 1, "open")}
     assert resumed(wrong).draws == 7 and draw(resumed(wrong), 1) == follow[7:8]
     assert resumed({**later, 7: (later[7][0], "trained")}).draws == 6
+    assert resumed({**later, 7: (later[7][0], "dropped")}).draws == 9  # a filter's drop: walked over
     assert resumed({d: v for d, v in later.items() if d != 7}).draws == 6  # draw 7 never reached the buffer
+
+
+def test_a_resumed_sampler_with_a_curriculum_does_not_walk() -> None:
+    """A stage that advanced after the checkpoint draws from another pool, where the same record
+    index can come up by chance: walking over it trained that prompt twice."""
+    from slime.sampling import fast_forward
+
+    cfg = SamplingConfig(curriculum=[CurriculumStage(name="easy", filter={"level": "easy"})])
+    sampler = PromptSampler(make_records(10), cfg, "task", seed=0, shuffle=True)
+    assert fast_forward(sampler, {1: (0, "open")}) == 0

@@ -422,12 +422,8 @@ class TrajectoryStore:
         see)."""
         flat = self._drawn_after(args=[self.prefix, int(draws)])
         out: dict[int, tuple[int | None, str]] = {}
-        for draw, status, metadata in zip(flat[::3], flat[1::3], flat[2::3]):
-            try:
-                index = json.loads(metadata).get("record_index") if metadata else None
-            except (ValueError, AttributeError):
-                index = None
-            out[int(draw)] = (index if isinstance(index, int) else None, status.decode())
+        for draw, status, index in zip(flat[::3], flat[1::3], flat[2::3]):  # newest first: it wins a draw
+            out.setdefault(int(draw), (int(float(index)) if index else None, status.decode()))
         return out
 
     def drop_drawn_after(self, draws: int, reason: str) -> tuple[int, int]:
