@@ -132,3 +132,13 @@ def routers_choices(model: Any, ids: list[int]) -> Any:
     for h in hooks:
         h.remove()
     return torch.cat(captured, dim=1)  # each [positions, k], in layer order
+
+
+def run_until_still_running(script: Path, source: str) -> subprocess.CompletedProcess:
+    """Run `source` as a Python script with the repository importable; it must exit 0 with its last
+    line "still running" (what an exit-guard test prints once every exit it provoked was caught)."""
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("still running"), done.stdout + done.stderr
+    return done

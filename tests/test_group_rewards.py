@@ -5,8 +5,6 @@ held-out eval, and whole jobs under both launchers: the stored rewards are the g
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +24,7 @@ from rewards.group import (
 from slime.buffer import TrajectoryStore
 from slime.config import ConfigError, load_config
 from slime.sample import Status
-from tests.helpers import TINY_JOB
+from tests.helpers import TINY_JOB, run_until_still_running
 
 
 def _items(responses: list[str], label="ab", metadata=None) -> list[tuple]:
@@ -487,12 +485,7 @@ print("still running", flush=True)
 
 def test_an_os_exit_in_a_group_reward_fails_its_group_and_the_process_lives(tmp_path: Path):
     """Group rewards had no exit guard: os._exit in one ended the job (rc 7, no output)."""
-    script = tmp_path / "exiting_group.py"
-    script.write_text(EXITING_GROUP_REWARDS)
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root, env=env)
-    assert done.returncode == 0 and done.stdout.rstrip().endswith("still running"), done.stdout + done.stderr
+    done = run_until_still_running(tmp_path / "exiting_group.py", EXITING_GROUP_REWARDS)
     lines = [line.split(" | ") for line in done.stdout.splitlines() if " | " in line]
     assert [line[0] for line in lines] == ["hard", "hard", "hard_async", "hard_async"]
     for name, first, second, hung in lines:

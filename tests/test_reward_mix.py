@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,6 +22,7 @@ from rewards.mix import (
 )
 from rewards.rule import exact_match, f1
 from rewards.runner import RewardResult, RewardRunner, StepScores
+from tests.helpers import run_until_still_running
 
 
 def half(prompt, response):
@@ -318,12 +316,7 @@ print("still running", flush=True)
 def test_an_exit_in_a_sync_part_of_an_async_mix_fails_the_call_naming_the_part(tmp_path: Path):
     """Such a part runs on asyncio's threads (asyncio_N), which the exit guard did not know: an
     os._exit there ended the process, the whole job, without a word."""
-    script = tmp_path / "exiting_part.py"
-    script.write_text(EXITING_PART)
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root, env=env)
-    assert done.returncode == 0 and done.stdout.rstrip().endswith("still running"), done.stdout + done.stderr
+    done = run_until_still_running(tmp_path / "exiting_part.py", EXITING_PART)
     lines = dict(line.split(" | ", 1) for line in done.stdout.splitlines() if " | " in line)
     assert set(lines) == {"hard", "soft"}
     for name, code in (("hard", "os._exit(7)"), ("soft", "3")):
