@@ -161,15 +161,14 @@ class RolloutFleet:
         for _ in range(missing):
             record = self.sampler.next()
             metadata = {**reward_metadata(record), "record_index": record.index}
-            gid = self.buffer.add_group(
+            self.buffer.add_group(
                 record.prompt_ids,
                 cfg.rollout.n_samples_per_prompt,
                 cfg.rollout.max_new_tokens,
                 metadata,
                 draw=self.sampler.draws,
+                streaming=cfg.loop_mode == "streaming",
             )
-            if cfg.loop_mode == "streaming":
-                self.buffer.track_streaming(gid)
         return missing
 
     def staleness_held_share(self) -> float:

@@ -722,20 +722,18 @@ def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryS
     """Streaming: the dropped group's samples stayed in stream:untrained; their segments trained (the
     completed one with its reward) while the restored sampler drew the prompt again, and the group
     became trained and dropped at once (groups_open -1)."""
-    half = buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={"record_index": 7}, draw=6)
-    buffer.track_streaming(half)
+    buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={"record_index": 7}, draw=6, streaming=True)
     (first, _) = buffer.lease("w", 2)
     buffer.append_chunk(first.id, "w", [1, 2], [-0.1] * 2, version=0)
     assert len(buffer.claim_segments(2, 100)) == 1  # one segment of an open group trained after it
     assert buffer.groups_drawn_after(3)[6] == (7, "trained")  # so the resumed sampler stops before it
-    streamed = buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={}, draw=4)  # trained whole, after it
-    buffer.track_streaming(streamed)
+    # trained whole, after it
+    buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={}, draw=4, streaming=True)
     (whole,) = buffer.lease("w", 1)
     buffer.append_chunk(whole.id, "w", [1, 2], [-0.1] * 2, version=0)
     buffer.finish(whole.id, "w", Status.COMPLETED, reward=1.0)
     assert len(buffer.claim_segments(1, 100)) == 1 and buffer.counts()["groups_trained"] == 1
-    gid = buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={}, draw=5)
-    buffer.track_streaming(gid)
+    buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={}, draw=5, streaming=True)
     done, running = buffer.lease("w", 2)
     buffer.append_chunk(done.id, "w", [1, 2, 3], [-0.1] * 3, version=0)
     buffer.finish(done.id, "w", Status.COMPLETED, reward=1.0)

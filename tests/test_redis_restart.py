@@ -57,7 +57,7 @@ def test_a_script_sent_twice_changes_the_buffer_once(buffer: TrajectoryStore) ->
     raw = buffer.redis
     for script in (buffer._add_group, buffer._append, buffer._release):
         script.load()
-    call = buffer._add_group.call_args([buffer.prefix, "g1", 2, 8, b"\x05\x00\x00\x00", "{}", "", "s1", "s2"])
+    call = buffer._add_group.call_args([buffer.prefix, "g1", 2, 8, b"\x05\x00\x00\x00", "{}", "", "", "s1", "s2"])
     assert raw.evalsha(buffer._add_group.sha, *call) == raw.evalsha(buffer._add_group.sha, *call) == 1
     assert len(list(buffer.iter_samples())) == 2 and 0 < raw.ttl(call[1]) <= buffer.connection.reply_ttl_s
     # A fresh call (a new request id) is a new request: the group exists already.

@@ -14,8 +14,7 @@ from slime.train import train
 
 
 def test_segments_are_claimed_once_in_chunks(buffer):
-    gid = buffer.add_group([1, 2], 2, 32, {})
-    buffer.track_streaming(gid)
+    buffer.add_group([1, 2], 2, 32, {}, streaming=True)
     a, b = buffer.lease("w", 2)
     buffer.append_chunk(a.id, "w", [5] * 6, [-1.0] * 6, 0)
     buffer.append_chunk(b.id, "w", [5] * 3, [-1.0] * 3, 0)
@@ -34,8 +33,7 @@ def test_segments_are_claimed_once_in_chunks(buffer):
 
 
 def test_final_sample_with_everything_trained_yields_its_last_token(buffer):
-    gid = buffer.add_group([1, 2], 1, 32, {})
-    buffer.track_streaming(gid)
+    buffer.add_group([1, 2], 1, 32, {}, streaming=True)
     (a,) = buffer.lease("w", 1)
     buffer.append_chunk(a.id, "w", [5] * 4, [-1.0] * 4, 0)
     assert [start for _, start, _ in buffer.claim_segments(4, 10)] == [0]
@@ -52,8 +50,7 @@ def test_bootstrapped_advantages_by_hand(tiny_model_dir, redis_url, tmp_path, fi
     job = f"stream-adv-{final}"
     buffer = TrajectoryStore.open(redis_url, job)
     buffer.delete_job()
-    gid = buffer.add_group([6, 7, 77, 61, 86], 1, 32, {})
-    buffer.track_streaming(gid)
+    buffer.add_group([6, 7, 77, 61, 86], 1, 32, {}, streaming=True)
     (s,) = buffer.lease("w", 1)
     buffer.append_chunk(s.id, "w", [6, 7, 6, 7], [-0.5] * 4, 0)
     if final:

@@ -164,9 +164,11 @@ class TrajectoryStore:
         metadata: dict[str, Any],
         group_id: str | None = None,
         draw: int | None = None,
+        streaming: bool = False,
     ) -> str:
         """Create a group of n PENDING samples of one prompt, queued on `new`. Returns the group id.
-        `draw`: how many prompts the job's sampler had drawn with this one (drop_drawn_after)."""
+        `draw`: how many prompts the job's sampler had drawn with this one (drop_drawn_after).
+        `streaming`: its samples are trained segment by segment (claim_segments)."""
         if n < 1:
             raise ValueError(f"a group needs n >= 1 samples, got {n}")
         if max_new_tokens < 1:
@@ -183,6 +185,7 @@ class TrajectoryStore:
                 prompt,
                 json.dumps(metadata),
                 "" if draw is None else int(draw),
+                "1" if streaming else "",
                 *sample_ids,
             ]
         )
@@ -463,12 +466,6 @@ class TrajectoryStore:
         """Every RUNNING sample back to the resume queue, tokens kept: for a job restarted after its
         workers died, without waiting for their leases to expire."""
         return int(self._requeue_leased(args=[self.prefix]))
-
-    def track_streaming(self, group_id: str) -> None:
-        """Streaming mode: the group's samples are trained segment by segment (claim_segments)."""
-        sample_ids = self.redis.lrange(self._key("group", group_id, "samples"), 0, -1)
-        if sample_ids:
-            self.redis.sadd(self._key("stream", "untrained"), *sample_ids)
 
     def count_segments(self, chunk_tokens: int) -> int:
         return int(self._claim_segments(args=[self.prefix, int(chunk_tokens), 1 << 30, "1"]))
