@@ -65,9 +65,8 @@ def fill(buffer: TrajectoryStore, n_trajectories: int, group_size: int = 4, seed
             groups.append(sids)
             prompt = rng.integers(6, 60, 24).astype(WIRE_TOKEN).tobytes()
             metadata = json.dumps({"prompt_text": "bench"})
-            calls.append(
-                [buffer.prefix, gid, group_size, 128, prompt, metadata, "", "", *sids]
-            )  # no draw count, not streaming
+            no_draw, not_streaming = "", ""
+            calls.append([buffer.prefix, gid, group_size, 128, prompt, metadata, no_draw, not_streaming, *sids])
         ScriptBatch(buffer._add_group, calls).replies()  # the groups, in one round trip
         for sids in groups:
             for sid in sids:
