@@ -208,9 +208,9 @@ class RolloutFleet:
             # and the refill) does not wait out a polling interval; APRIL's rollout phases are short.
             self.buffer.wait_for_ready_signal(0.02)
 
-    def wait_for_segments(self, needed: int, on_wait: Callable[[dict[str, int], int], None]) -> None:
+    def wait_for_segments(self, step: int, needed: int, on_wait: Callable[[dict[str, int], int], None]) -> None:
         chunk = self.cfg.april.streaming_chunk_tokens
-        while (available := self.buffer.count_segments(chunk)) < needed:
+        while (available := self.buffer.count_segments(chunk, step)) < needed:
             counts = self._poll(needed, on_wait)
             if available and counts["groups_open"] == 0:
                 # Every group in flight has finished generating and its last segments are stored: no

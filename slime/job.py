@@ -143,8 +143,8 @@ class RunningJob:
                 if sampler_state is not None:
                     self.sampler.load_state_dict(sampler_state)
                 kept = fast_forward(self.sampler, self.buffer.groups_drawn_after(self.sampler.draws))
-                if dropped := self.buffer.restore_to_checkpoint(next_step, kept, cfg.buffer.keep_trained_steps):
-                    print(f"resume: {dropped} groups drawn after the checkpoint are dropped; their prompts come again")
+                if any(restored := self.buffer.restore_to_checkpoint(next_step, kept, cfg.buffer.keep_trained_steps)):
+                    print(f"resume: {restored.describe()}")
             self._start_dashboard()
             if cfg.cluster.launcher == "ray":
                 self.ray_session.start(cfg, self.credentials)
@@ -280,8 +280,8 @@ class RunningJob:
     def wait_for_batch(self) -> None:
         self.fleet.wait_for_batch(self.logger.waiting)  # scheduling as it waits
 
-    def wait_for_segments(self) -> None:
-        self.fleet.wait_for_segments(self._segments_per_step(), self.logger.waiting)  # scheduling as it waits
+    def wait_for_segments(self, step: int) -> None:
+        self.fleet.wait_for_segments(step, self._segments_per_step(), self.logger.waiting)  # scheduling as it waits
 
     def abort_tail(self) -> Abort:
         """APRIL's abort of the groups still generating at the batch boundary (without APRIL: none)."""

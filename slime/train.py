@@ -61,7 +61,7 @@ def streaming_loop(job: RunningJob) -> None:
     """Trajectories are trained chunk by chunk while they grow; later chunks come from newer
     policies; unfinished returns are bootstrapped by the critic."""
     for step in job.steps():
-        job.wait_for_segments()  # scheduling as it waits
+        job.wait_for_segments(step)  # scheduling as it waits
         metrics = job.train_segments(step)  # the workers keep generating meanwhile
         job.tune_offpolicy(step, metrics)  # algorithm.correction.auto: the next update's tis_cap
         job.push_weights(step)

@@ -263,7 +263,7 @@ def test_a_resume_drops_the_groups_drawn_after_its_checkpoint_in_every_state(buf
     untracked = buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={})  # no draw count: kept
     later = buffer.groups_drawn_after(2)
     assert sorted(later) == [3, 4, 5, 6] and later[3] == (2, "claimed") and later[6] == (5, "open")
-    assert buffer.restore_to_checkpoint(next_step=4, draws=2, keep_trained_steps=None) == 4
+    assert buffer.restore_to_checkpoint(next_step=4, draws=2, keep_trained_steps=None) == (4, 0, 0)
     assert {gid for gid in gids[2:]} == {gid.decode() for gid in buffer.redis.zrange(f"{buffer.prefix}dropped", 0, -1)}
     counts = buffer.counts()
     assert (counts["groups_trained"], counts["groups_claimed"], counts["groups_ready"]) == (1, 0, 0)
@@ -713,9 +713,35 @@ def test_async_admission_after_a_resume_does_not_count_the_groups_it_dropped(buf
     buffer.commit_through(4)
     checkpoint_draws = draws  # the checkpoint after step 4
     run(5, 10, 5)  # killed at step 10
-    assert buffer.restore_to_checkpoint(5, checkpoint_draws, None) > 0
+    assert buffer.restore_to_checkpoint(5, checkpoint_draws, None).dropped > 0
     draws = checkpoint_draws
     run(5, 12, 5)
+
+
+def test_a_resume_from_an_older_checkpoint_trains_again_what_later_ones_committed(buffer: TrajectoryStore) -> None:
+    """Three groups drawn before checkpoint C1 (after step 0, 3 draws) train at steps 0, 1 and 2;
+    C3 (keep_trained_steps=1) prunes the first two. The user resumes from C1 (resume=PATH): its
+    weights never learned from the groups of steps 1 and 2. The one with its trajectories trains
+    again; the pruned one cannot, and is counted lost."""
+    gids = [buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={"record_index": i}, draw=i + 1) for i in range(3)]
+    for s in buffer.lease("w", 3):
+        buffer.append_chunk(s.id, "w", [1], [-0.1], version=0)
+        buffer.finish(s.id, "w", Status.COMPLETED, reward=1.0)
+    for step, gid in enumerate(gids):
+        assert [g[0].group_id for g in buffer.claim_groups(1, step=step)] == [gid]
+    buffer.commit_through(2, keep_trained_steps=1)
+    assert buffer.stats()["pruned_groups"] == 2
+    assert buffer.restore_to_checkpoint(next_step=1, draws=3, keep_trained_steps=1) == (0, 1, 1)
+    assert [g[0].group_id for g in buffer.claim_groups(5, step=1)] == [gids[2]]
+    buffer.commit_through(1, keep_trained_steps=1)
+    counts = buffer.counts()
+    assert (counts["groups_trained"], counts["groups_claimed"], counts["groups_ready"]) == (3, 0, 0)
+
+
+def test_groups_drawn_after_keep_a_large_record_index_exact(buffer: TrajectoryStore) -> None:
+    index = 123_456_789_012_345  # exact in a double and in JSON; Lua's tostring keeps 14 digits
+    buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={"record_index": index}, draw=1)
+    assert buffer.groups_drawn_after(0) == {1: (index, "open")}
 
 
 def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryStore) -> None:
@@ -725,14 +751,14 @@ def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryS
     buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={"record_index": 7}, draw=6, streaming=True)
     (first, _) = buffer.lease("w", 2)
     buffer.append_chunk(first.id, "w", [1, 2], [-0.1] * 2, version=0)
-    assert len(buffer.claim_segments(2, 100)) == 1  # one segment of an open group trained after it
+    assert len(buffer.claim_segments(2, 100, 0)) == 1  # one segment of an open group trained after it
     assert buffer.groups_drawn_after(3)[6] == (7, "trained")  # so the resumed sampler stops before it
     # trained whole, after it
     buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={}, draw=4, streaming=True)
     (whole,) = buffer.lease("w", 1)
     buffer.append_chunk(whole.id, "w", [1, 2], [-0.1] * 2, version=0)
     buffer.finish(whole.id, "w", Status.COMPLETED, reward=1.0)
-    assert len(buffer.claim_segments(1, 100)) == 1 and buffer.counts()["groups_trained"] == 1
+    assert len(buffer.claim_segments(1, 100, 0)) == 1 and buffer.counts()["groups_trained"] == 1
     buffer.add_group(PROMPT, n=2, max_new_tokens=8, metadata={}, draw=5, streaming=True)
     done, running = buffer.lease("w", 2)
     buffer.append_chunk(done.id, "w", [1, 2, 3], [-0.1] * 3, version=0)
@@ -740,8 +766,8 @@ def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryS
     buffer.append_chunk(running.id, "w", [1, 2], [-0.1] * 2, version=0)
     # The streamed group's update is not in the checkpoint either: it too is dropped and drawn again
     # (it stayed trained, and the restored sampler's new group trained the same prompt a second time).
-    assert buffer.restore_to_checkpoint(1, 3, None) == 3
-    assert buffer.claim_segments(1, 100) == []
+    assert buffer.restore_to_checkpoint(1, 3, None) == (3, 0, 0)
+    assert buffer.claim_segments(1, 100, 0) == []
     counts = buffer.counts()
     assert (counts["groups_dropped"], counts["groups_trained"], counts["groups_open"]) == (3, 0, 0)
     # The next resume reads the groups drawn anew under those draw numbers, not the dropped ones.

@@ -190,8 +190,8 @@ def test_groups_are_claimed_exactly_once_and_commit_through_the_checkpoint(conne
 def test_streaming_continues_from_the_trained_segment(connection: JobConnection, v1: dict) -> None:
     roles = v1["facts"]["roles"]
     store = TrajectoryStore(connection)
-    assert store.count_segments(2) == 0  # 5 tokens, 4 of them trained under the old code
-    [(sample, start, final)] = store.claim_segments(1, 10)
+    assert store.count_segments(2, 0) == 0  # 5 tokens, 4 of them trained under the old code
+    [(sample, start, final)] = store.claim_segments(1, 10, 0)
     assert (sample.id, start, final, sample.response_length) == (roles["streamed"], 4, False, 5)
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from april.scheduler import GroupCounts, GroupScheduler
 from slime.buffer import TrajectoryStore
+from slime.buffer.telemetry import JobTelemetry
 from slime.config import ConfigError, load_config
 from slime.learner import Learner
 from slime.sample import Status
@@ -18,28 +20,78 @@ def test_segments_are_claimed_once_in_chunks(buffer):
     a, b = buffer.lease("w", 2)
     buffer.append_chunk(a.id, "w", [5] * 6, [-1.0] * 6, 0)
     buffer.append_chunk(b.id, "w", [5] * 3, [-1.0] * 3, 0)
-    assert buffer.count_segments(4) == 1  # b has only 3 new tokens
-    ((seg, start, final),) = buffer.claim_segments(4, 10)
+    assert buffer.count_segments(4, 0) == 1  # b has only 3 new tokens
+    ((seg, start, final),) = buffer.claim_segments(4, 10, 0)
     assert (seg.id, start, final, seg.response_length) == (a.id, 0, False, 6)
-    assert buffer.claim_segments(4, 10) == []  # nothing claimed twice
+    assert buffer.claim_segments(4, 10, 0) == []  # nothing claimed twice
 
     buffer.append_chunk(a.id, "w", [6, 7], [-1.0, -1.0], 1)
     buffer.finish(a.id, "w", Status.COMPLETED, reward=1.0)
     buffer.finish(b.id, "w", Status.TRUNCATED, reward=0.0)
-    segs = {s.id: (start, final, s.response_length) for s, start, final in buffer.claim_segments(4, 10)}
+    segs = {s.id: (start, final, s.response_length) for s, start, final in buffer.claim_segments(4, 10, 0)}
     assert segs == {a.id: (6, True, 8), b.id: (0, True, 3)}
     assert buffer.counts()["groups_trained"] == 1  # every member's last segment trained
-    assert buffer.count_segments(1) == 0
+    assert buffer.count_segments(1, 0) == 0
 
 
 def test_final_sample_with_everything_trained_yields_its_last_token(buffer):
     buffer.add_group([1, 2], 1, 32, {}, streaming=True)
     (a,) = buffer.lease("w", 1)
     buffer.append_chunk(a.id, "w", [5] * 4, [-1.0] * 4, 0)
-    assert [start for _, start, _ in buffer.claim_segments(4, 10)] == [0]
+    assert [start for _, start, _ in buffer.claim_segments(4, 10, 0)] == [0]
     buffer.finish(a.id, "w", Status.COMPLETED, reward=1.0)
-    ((seg, start, final),) = buffer.claim_segments(4, 10)
+    ((seg, start, final),) = buffer.claim_segments(4, 10, 0)
     assert (start, final, seg.response_length) == (3, True, 4)  # the reward still reaches the learner
+
+
+@pytest.mark.parametrize("how", ["finished FAILED before its first token", "dropped by the dashboard"])
+def test_a_group_with_a_tokenless_final_member_is_trained_and_frees_its_slot(buffer, how):
+    """A member final with no tokens has nothing to train but still counts toward its group: else the
+    group stays ready, the streaming scheduler counts it in flight for good, and a job whose
+    in-flight groups all end so waits forever."""
+    buffer.add_group([1, 2], n=2, max_new_tokens=8, metadata={}, streaming=True)
+    if how.startswith("finished"):
+        good, bad = buffer.lease("w", 2)
+        buffer.finish(bad.id, "w", Status.FAILED, failure="env raised at reset")
+    else:
+        (good,) = buffer.lease("w", 1)
+        (bad_id,) = [s.id for s in buffer.iter_samples(Status.PENDING)]
+        JobTelemetry(buffer.connection).drop_sample(bad_id, "operator")
+    buffer.append_chunk(good.id, "w", [5, 6], [-0.1, -0.2], version=0)
+    buffer.finish(good.id, "w", Status.COMPLETED, reward=1.0)
+    assert buffer.count_segments(1, 3) == 1
+    assert len(buffer.claim_segments(1, 100, 3)) == 1 and buffer.claim_segments(1, 100, 3) == []
+    counts = buffer.counts()
+    missing = GroupScheduler("streaming", batch_size=1).groups_to_start(
+        GroupCounts(unfinished=counts["groups_open"], ready=counts["groups_ready"], started=1)
+    )
+    assert (counts["groups_trained"], counts["groups_ready"], missing) == (1, 0, 1)
+
+
+def test_a_restarted_sample_trains_all_of_its_new_tokens(buffer):
+    """april.max_version_span's restart discards a partial whose first segment trained: the new
+    trajectory is trained from its first token, not from where the discarded one stopped."""
+    buffer.add_group([1, 2], n=1, max_new_tokens=16, metadata={}, streaming=True)
+    (s,) = buffer.lease("w", 1)
+    buffer.append_chunk(s.id, "w", [5, 6, 7, 8], [-0.1] * 4, version=0)
+    assert [(start, final) for _, start, final in buffer.claim_segments(4, 10, 0)] == [(0, False)]
+    assert buffer.restart_sample(s.id, "w") == 4
+    buffer.append_chunk(s.id, "w", [7, 8, 9], [-0.3] * 3, version=5)
+    buffer.finish(s.id, "w", Status.COMPLETED, reward=1.0)
+    ((sample, start, final),) = buffer.claim_segments(4, 10, 1)
+    assert (sample.response_ids.tolist(), start, final) == ([7, 8, 9], 0, True)
+
+
+def test_keep_trained_steps_prunes_streamed_groups_by_their_step(buffer):
+    buffer.add_group([1, 2], n=1, max_new_tokens=8, metadata={}, streaming=True)
+    (s,) = buffer.lease("w", 1)
+    buffer.append_chunk(s.id, "w", [5, 6], [-0.1, -0.2], version=0)
+    buffer.finish(s.id, "w", Status.COMPLETED, reward=1.0)
+    assert len(buffer.claim_segments(1, 10, 4)) == 1 and buffer.counts()["groups_trained"] == 1
+    buffer.commit_through(5, keep_trained_steps=2)
+    assert buffer.stats().get("pruned_groups", 0) == 0  # trained at step 4: kept through step 5
+    buffer.commit_through(6, keep_trained_steps=2)
+    assert buffer.stats()["pruned_groups"] == 1
 
 
 @pytest.mark.parametrize("final", [False, True])

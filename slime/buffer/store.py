@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -52,6 +52,20 @@ def clip_failure(failure: str | None) -> str:
 
 
 DRAWN_AFTER_CHECKPOINT = "drawn_after_checkpoint"  # the drop reason of a resume (restore_to_checkpoint)
+
+
+class Restored(NamedTuple):
+    """What a resume did to the groups the checkpoint had not trained (restore_to_checkpoint)."""
+
+    dropped: int  # drawn after the checkpoint: the restored sampler draws their prompts again
+    retrained: int  # trained by later steps (a resume from an older checkpoint): ready again
+    lost: int  # trained by later steps, but pruned or streamed: their update is lost with the weights
+
+    def describe(self) -> str:
+        return (
+            f"{self.dropped} groups drawn after the checkpoint are dropped (their prompts come again), "
+            f"{self.retrained} trained after it are ready again, {self.lost} trained after it cannot be"
+        )
 
 
 @dataclass
@@ -130,6 +144,7 @@ class TrajectoryStore:
         self._commit = connection.once_script("commit.lua")
         self._commit_through = connection.once_script("commit_through.lua")
         self._requeue = connection.once_script("requeue.lua")
+        self._retrain_after = connection.once_script("retrain_after.lua")
         self._drop_ready = connection.once_script("transitions.lua", "drop_ready.lua")
         self._drop_claimed = connection.once_script("transitions.lua", "drop_claimed.lua")
         self._drop_drawn_after = connection.once_script("transitions.lua", "drawn.lua", "drop_drawn_after.lua")
@@ -408,16 +423,17 @@ class TrajectoryStore:
         dropped_groups:<reason> and dropped_tokens:<reason>."""
         return bool(self._drop_claimed(args=[self.prefix, group_id, reason]))
 
-    def restore_to_checkpoint(self, next_step: int, draws: int, keep_trained_steps: int | None) -> int:
+    def restore_to_checkpoint(self, next_step: int, draws: int, keep_trained_steps: int | None) -> Restored:
         """A job resumed from the checkpoint taken before `next_step`: claims of steps inside it are
         trained (the process may have died before it marked them); groups drawn after the sampler's
         first `draws` prompts (the checkpoint's, or as far as fast_forward took it) are dropped, since
-        the sampler draws them again; claims of later steps go back to the ready queue, to train on
-        the checkpoint's weights. Returns how many groups were dropped."""
+        the sampler draws them again; claims of later steps, and groups later checkpoints committed
+        (a resume from an older one), go back to the ready queue, to train on the checkpoint's weights."""
         self.commit_through(next_step - 1, keep_trained_steps)
         dropped = self.drop_drawn_after(draws, DRAWN_AFTER_CHECKPOINT)[0]
         self.requeue_uncommitted()
-        return dropped
+        retrained, lost = (int(x) for x in self._retrain_after(args=[self.prefix, int(next_step)]))
+        return Restored(dropped, retrained, lost)
 
     def groups_drawn_after(self, draws: int) -> dict[int, tuple[int | None, str]]:
         """draw -> (its prompt's record_index, or None where unknown; its status) of every group the
@@ -467,13 +483,16 @@ class TrajectoryStore:
         workers died, without waiting for their leases to expire."""
         return int(self._requeue_leased(args=[self.prefix]))
 
-    def count_segments(self, chunk_tokens: int) -> int:
-        return int(self._claim_segments(args=[self.prefix, int(chunk_tokens), 1 << 30, "1"]))
+    def count_segments(self, chunk_tokens: int, step: int) -> int:
+        """How many segments claim_segments would take now; groups whose last members finished with
+        no tokens become trained at ``step``."""
+        return int(self._claim_segments(args=[self.prefix, int(chunk_tokens), 1 << 30, "1", int(step)]))
 
-    def claim_segments(self, chunk_tokens: int, max_segments: int) -> list[tuple[Sample, int, bool]]:
-        """Atomically take up to max_segments trainable segments: (sample as stored now, start, final).
-        The sample's tokens [start, response_length) are the segment; each token is claimed once."""
-        flat = self._claim_segments(args=[self.prefix, int(chunk_tokens), int(max_segments), "0"])
+    def claim_segments(self, chunk_tokens: int, max_segments: int, step: int) -> list[tuple[Sample, int, bool]]:
+        """Atomically take up to max_segments trainable segments of training step ``step``: (sample as
+        stored now, start, final). The sample's tokens [start, response_length) are the segment; each
+        token is claimed once."""
+        flat = self._claim_segments(args=[self.prefix, int(chunk_tokens), int(max_segments), "0", int(step)])
         out = []
         for i in range(0, len(flat), 4):
             sid, start, end, final = flat[i].decode(), int(flat[i + 1]), int(flat[i + 2]), flat[i + 3] == b"1"

@@ -596,11 +596,11 @@ class Learner:
     def train_segments(self, step: int, max_segments: int, chunk_tokens: int) -> dict:
         """Streaming variant: train on every trajectory's new tokens (>= chunk_tokens of them, or its
         end) before the trajectory finishes. Earlier tokens are context only (loss mask 0)."""
-        return self.train_claimed_segments(self.claim_segments(max_segments, chunk_tokens), step)
+        return self.train_claimed_segments(self.claim_segments(max_segments, chunk_tokens, step), step)
 
-    def claim_segments(self, max_segments: int, chunk_tokens: int) -> dict:
+    def claim_segments(self, max_segments: int, chunk_tokens: int, step: int) -> dict:
         """Rank 0: the segments of train_segments, claimed from the buffer."""
-        return {"started": time.time(), "segments": self.buffer.claim_segments(chunk_tokens, max_segments)}
+        return {"started": time.time(), "segments": self.buffer.claim_segments(chunk_tokens, max_segments, step)}
 
     def train_claimed_segments(self, claimed: dict, step: int) -> dict:
         """Every rank: one update on the segments claim_segments returned."""

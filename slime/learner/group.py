@@ -211,7 +211,7 @@ class LearnerGroup:
     def train_segments(self, step: int, max_segments: int, chunk_tokens: int) -> list:
         if len(self.ranks) == 1:
             return [self.ranks[0].train_segments.remote(step, max_segments, chunk_tokens)]
-        claimed = self.ranks[0].claim_segments.remote(max_segments, chunk_tokens)
+        claimed = self.ranks[0].claim_segments.remote(max_segments, chunk_tokens, step)
         return [r.train_claimed_segments.remote(claimed, step) for r in self.ranks]
 
     def set_correction_cap(self, tis_cap: float) -> list:

@@ -2,9 +2,21 @@
 -- a segment is every untrained token of a sample once there are >= chunk of them, or once the
 -- sample is final. A final sample whose tokens were all trained already yields its last token
 -- again (start = end - 1), so its reward still reaches the learner.
-local chunk, max_segments, dry = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1'
+-- ARGV[5]: the learner's step, the trained group's score (commit_through prunes by it).
+local chunk, max_segments, dry, step = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1', ARGV[5]
 local set = P .. 'stream:untrained'
 local out, count = {}, 0
+-- A final member leaves the set; the group is trained once all n have (tokenless ones included:
+-- a member failed before its first token still counts, or the group would stay ready for good).
+local function member_done(sid, gid)
+  redis.call('SREM', set, sid)
+  local gkey = P .. 'group:' .. gid
+  if redis.call('HINCRBY', gkey, 'trained_members', 1) >= tonumber(redis.call('HGET', gkey, 'n')) then
+    redis.call('LREM', P .. 'queue:ready', 0, gid)
+    redis.call('HSET', gkey, 'status', 'trained')
+    redis.call('ZADD', P .. 'trained', step, gid)
+  end
+end
 for _, sid in ipairs(redis.call('SMEMBERS', set)) do
   if count >= max_segments then break end
   local skey = P .. 'sample:' .. sid
@@ -22,22 +34,14 @@ for _, sid in ipairs(redis.call('SMEMBERS', set)) do
         local start = upto
         if final and start >= len then start = len - 1 end
         redis.call('HSET', skey, 'trained_upto', len)
-        if final then
-          redis.call('SREM', set, sid)
-          local gkey = P .. 'group:' .. gid
-          if redis.call('HINCRBY', gkey, 'trained_members', 1) >= tonumber(redis.call('HGET', gkey, 'n')) then
-            redis.call('LREM', P .. 'queue:ready', 0, gid)
-            redis.call('HSET', gkey, 'status', 'trained')
-            redis.call('ZADD', P .. 'trained', fmt(now()), gid)
-          end
-        end
+        if final then member_done(sid, gid) end
         out[#out + 1] = sid
         out[#out + 1] = tostring(start)
         out[#out + 1] = tostring(len)
         out[#out + 1] = final and '1' or '0'
       end
-    elseif final then
-      redis.call('SREM', set, sid)  -- final with no tokens at all: nothing to train
+    elseif final and not dry then
+      member_done(sid, gid)  -- final with no tokens at all: nothing to train
     end
   end
 end

@@ -15,7 +15,7 @@ for _, gid in ipairs(groups_drawn_after(tonumber(ARGV[2]))) do
     local index = ''
     local ok, meta = pcall(cjson.decode, f[3] or '')
     if ok and type(meta) == 'table' and type(meta['record_index']) == 'number' then
-      index = tostring(meta['record_index'])
+      index = string.format('%.17g', meta['record_index'])  -- tostring keeps 14 digits
     end
     out[#out + 1] = f[1]
     out[#out + 1] = status

@@ -9,4 +9,6 @@ redis.call('DEL', skey .. ':tok', skey .. ':lp', skey .. ':ver', skey .. ':mask'
 redis.call('HINCRBYFLOAT', P .. 'stats', 'restarted_tokens', n)
 redis.call('HINCRBYFLOAT', P .. 'stats', 'restarted_samples', 1)
 redis.call('HSET', skey, 'updated_at', fmt(now()))
+-- Streaming: the new trajectory's tokens are all untrained (the discarded ones' update stays made).
+redis.call('HDEL', skey, 'trained_upto')
 return {0, n}
