@@ -494,7 +494,7 @@ def test_every_lua_script_compiles(buffer: TrajectoryStore) -> None:
     rarely used one (a dashboard control, the streaming claim) fails here, not in a running job."""
     parts = (buffer, JobTelemetry(buffer.connection), BufferQueries(buffer.connection))
     scripts = [v for part in parts for v in vars(part).values() if hasattr(v, "sha") and hasattr(v, "script")]
-    assert len(scripts) == 25
+    assert len(scripts) == 27
     for script in scripts:
         assert buffer.redis.script_load(script.script) == script.sha
     assert "local function member_done" in lua_source("transitions.lua")

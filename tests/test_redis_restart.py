@@ -318,3 +318,32 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_claim_lost_with_the_unsynced_second_is_not_trained_twice(tmp_path: Path) -> None:
+    """The learner claims a group and trains it; the machine crashes before the claim reached disk,
+    so after the replay the group is ready again and the next step claims it. The learner's store
+    knows it trained that group: it keeps the first claim's step (committed by the checkpoint that
+    covers it) and fills the step with other groups."""
+    data_dir = tmp_path / "redis"
+    server = LocalRedisServer(data_dir, aof=True)
+    store = TrajectoryStore(JobConnection(server.url, "lostclaim", reconnect_timeout_s=30), 60.0)
+    try:
+        gids = [store.add_group(PROMPT, n=1, max_new_tokens=8, metadata={}) for _ in range(2)]
+        for s in store.lease("w", 2):
+            store.append_chunk(s.id, "w", [1, 2], [-0.1, -0.2], version=0, stored_length=0)
+            store.finish(s.id, "w", Status.COMPLETED, reward=1.0)
+        assert [g[0].group_id for g in store.claim_groups(1, step=0)] == gids[:1]  # trained at step 0
+        _kill(server)
+        server._process.wait()
+        _drop_last_transactions(_aof_tail_file(data_dir), 1)  # the claim was not fsynced yet
+        server._start(30.0, port=server.port)  # what keep_alive does: same port, the AOF replayed
+        assert store.counts()["groups_ready"] == 2  # the claim is lost
+        assert [g[0].group_id for g in store.claim_groups(2, step=1)] == gids[1:]
+        assert store.stats()["reclaimed_groups"] == 1
+        store.commit_through(0)
+        counts = store.counts()
+        assert (counts["groups_trained"], counts["groups_claimed"], counts["groups_ready"]) == (1, 1, 0)
+    finally:
+        store.close()
+        server.stop()

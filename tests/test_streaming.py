@@ -82,6 +82,29 @@ def test_a_restarted_sample_trains_all_of_its_new_tokens(buffer):
     assert (sample.response_ids.tolist(), start, final) == ([7, 8, 9], 0, True)
 
 
+def test_segments_whose_claim_redis_lost_are_not_trained_twice(buffer):
+    """A crash within the AOF's unsynced second loses the claim's trained_upto: the same tokens come
+    back as untrained. The learner's store remembers what it trained and takes only the new tokens;
+    a final segment it trained already does not come again."""
+    buffer.add_group([1, 2], n=1, max_new_tokens=16, metadata={}, streaming=True)
+    (s,) = buffer.lease("w", 1)
+    buffer.append_chunk(s.id, "w", [5, 6, 7, 8], [-0.1] * 4, version=0)
+    assert [start for _, start, _ in buffer.claim_segments(2, 10, 0)] == [0]
+    sample_key = f"{buffer.prefix}sample:{s.id}"
+    buffer.redis.hdel(sample_key, "trained_upto")  # the claim's write, lost
+    buffer.append_chunk(s.id, "w", [9, 10], [-0.1] * 2, version=1)
+    ((seg, start, final),) = buffer.claim_segments(2, 10, 1)
+    assert (start, seg.response_length, final) == (4, 6, False)
+    buffer.redis.hset(sample_key, "trained_upto", 4)  # lost again
+    assert buffer.claim_segments(2, 10, 2) == []  # [4, 6) was trained at step 1
+    buffer.finish(s.id, "w", Status.COMPLETED, reward=1.0)
+    ((seg, start, final),) = buffer.claim_segments(2, 10, 3)
+    assert (start, seg.response_length, final) == (5, 6, True)  # only the reward's token again
+    buffer.redis.hdel(sample_key, "trained_upto")
+    buffer.redis.sadd(f"{buffer.prefix}stream:untrained", s.id)  # the final claim, lost
+    assert buffer.claim_segments(2, 10, 4) == []
+
+
 def test_keep_trained_steps_prunes_streamed_groups_by_their_step(buffer):
     buffer.add_group([1, 2], n=1, max_new_tokens=8, metadata={}, streaming=True)
     (s,) = buffer.lease("w", 1)

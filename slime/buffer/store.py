@@ -51,6 +51,8 @@ def clip_failure(failure: str | None) -> str:
     return f"{failure[:half]} ...[{len(failure) - 2 * half} characters cut]... {failure[-half:]}"
 
 
+# How long a store remembers its claims, in steps: a claim Redis lost comes back at the next claims.
+CLAIM_MEMORY_STEPS = 64
 DRAWN_AFTER_CHECKPOINT = "drawn_after_checkpoint"  # the drop reason of a resume (restore_to_checkpoint)
 
 
@@ -139,6 +141,12 @@ class TrajectoryStore:
         self._reap = connection.once_script("transitions.lua", "reap.lua")
         self._claim = connection.once_script("claim.lua")
         self._claim_in_order = connection.once_script("claim_in_order.lua")
+        self._reclaim = connection.once_script("reclaim.lua")
+        # This store's claims of the last CLAIM_MEMORY_STEPS steps: group id -> step, and per
+        # streamed trajectory ("sample id:restarts") -> (step, tokens trained, final claimed). A claim Redis lost at a crash comes back as ready (or as
+        # untrained tokens) and is claimed again; these say it was trained already.
+        self._claimed_steps: dict[str, int] = {}
+        self._claimed_segments: dict[str, tuple[int, int, bool]] = {}
         # The dry run only reads (and moves a cursor): polled often, so no reply is stored.
         self._count_in_order = connection.once_script("claim_in_order.lua", stores_reply=False)
         self._commit = connection.once_script("commit.lua")
@@ -378,11 +386,29 @@ class TrajectoryStore:
         of the line of groups waiting for training, oldest started first (claim_in_order.lua)."""
         if max_groups <= 0:
             return []
-        if in_start_order:
-            claimed = self._claim_in_order(args=[self.prefix, int(max_groups), int(step), ""])
-        else:
-            claimed = self._claim(args=[self.prefix, int(max_groups), int(step)])
-        return self.get_groups([gid.decode() for gid in claimed])
+        fresh: list[str] = []
+        while len(fresh) < max_groups:
+            want = max_groups - len(fresh)
+            if in_start_order:
+                claimed = self._claim_in_order(args=[self.prefix, want, int(step), ""])
+            else:
+                claimed = self._claim(args=[self.prefix, want, int(step)])
+            gids = [gid.decode() for gid in claimed]
+            again = {gid: self._claimed_steps[gid] for gid in gids if self._claimed_steps.get(gid, step) < step}
+            if not again:
+                fresh += gids
+                break
+            self._reclaim(args=[self.prefix, *(x for pair in again.items() for x in pair)])
+            fresh += [gid for gid in gids if gid not in again]
+        self._claimed_steps.update(dict.fromkeys(fresh, step))
+        self._forget_claims(step)
+        return self.get_groups(fresh)
+
+    def _forget_claims(self, step: int) -> None:
+        if len(self._claimed_steps) + len(self._claimed_segments) > 4096:
+            oldest = step - CLAIM_MEMORY_STEPS
+            self._claimed_steps = {g: s for g, s in self._claimed_steps.items() if s >= oldest}
+            self._claimed_segments = {k: v for k, v in self._claimed_segments.items() if v[0] >= oldest}
 
     def ready_in_start_order(self, max_groups: int) -> int:
         """How many of the oldest groups waiting for training are ready, in a row (at most max_groups):
@@ -408,6 +434,7 @@ class TrajectoryStore:
 
     def requeue_uncommitted(self, after_step: int | None = None) -> int:
         """Put claimed-but-uncommitted groups (claimed by a step > after_step; all if None) back to ready."""
+        self._claimed_steps = {g: s for g, s in self._claimed_steps.items() if after_step is not None and s <= after_step}
         return int(self._requeue(args=[self.prefix, "" if after_step is None else int(after_step)]))
 
     def wait_for_ready_signal(self, timeout_s: float) -> bool:
@@ -494,13 +521,21 @@ class TrajectoryStore:
         token is claimed once."""
         flat = self._claim_segments(args=[self.prefix, int(chunk_tokens), int(max_segments), "0", int(step)])
         out = []
-        for i in range(0, len(flat), 4):
+        for i in range(0, len(flat), 5):
             sid, start, end, final = flat[i].decode(), int(flat[i + 1]), int(flat[i + 2]), flat[i + 3] == b"1"
+            key = f"{sid}:{int(flat[i + 4])}"  # a restarted trajectory (restart_sample) is a new one
+            _, trained, trained_final = self._claimed_segments.get(key, (step, 0, False))
+            self._claimed_segments[key] = (step, max(end, trained), final or trained_final)
+            if trained > start:  # this store trained [start, trained) already: a claim Redis lost
+                if trained_final or (trained >= end and not final):
+                    continue
+                start = min(trained, end - 1)  # a final segment's last token carries the reward
             sample = self.get_sample(sid)
             # A worker may have appended more since the claim: the segment ends where the claim did.
             sample.response_ids, sample.logprobs = sample.response_ids[:end], sample.logprobs[:end]
             sample.versions, sample.loss_mask = sample.versions[:end], sample.loss_mask[:end]
             out.append((sample, start, final))
+        self._forget_claims(step)
         return out
 
     def incr_stat(self, name: str, amount: float = 1.0) -> float:

@@ -39,6 +39,7 @@ for _, sid in ipairs(redis.call('SMEMBERS', set)) do
         out[#out + 1] = tostring(start)
         out[#out + 1] = tostring(len)
         out[#out + 1] = final and '1' or '0'
+        out[#out + 1] = redis.call('HGET', skey, 'restarts') or '0'
       end
     elseif final and not dry then
       member_done(sid, gid)  -- final with no tokens at all: nothing to train

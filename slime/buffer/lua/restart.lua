@@ -11,4 +11,5 @@ redis.call('HINCRBYFLOAT', P .. 'stats', 'restarted_samples', 1)
 redis.call('HSET', skey, 'updated_at', fmt(now()))
 -- Streaming: the new trajectory's tokens are all untrained (the discarded ones' update stays made).
 redis.call('HDEL', skey, 'trained_upto')
+redis.call('HINCRBY', skey, 'restarts', 1)
 return {0, n}
