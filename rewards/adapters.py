@@ -230,7 +230,10 @@ def slime_sample(prompt: Any, response: str, label: Any, metadata: dict[str, Any
     (metadata's `finish_reason` "length", as the rollout gives it), COMPLETED otherwise."""
     truncated = metadata.get("finish_reason") == "length"
     status = Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED
-    return RewardSample(prompt=prompt, response=response, label=label, metadata=metadata, status=status)
+    length = len(metadata.get("response_ids") or ())
+    return RewardSample(
+        prompt=prompt, response=response, label=label, metadata=metadata, status=status, response_length=length
+    )
 
 
 def _slime(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -51,6 +51,8 @@ class GroupFilter:
         except Exception as exc:
             raise GroupFilterError(f"april.group_filter {self.spec} raised {type(exc).__name__}: {exc}") from exc
         keep = getattr(answer, "keep", answer)
+        if getattr(keep, "shape", None) == () and hasattr(keep, "item"):  # a numpy or 0-d torch bool
+            keep = keep.item()
         if not isinstance(keep, bool):
             raise GroupFilterError(
                 f"april.group_filter {self.spec} returned {answer!r:.100}; it must return True (keep the group) "

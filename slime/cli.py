@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from slime.config import ConfigKeyDeprecated, JobConfig, config_for_display, load_config
-from slime.config.renames import flat_keys
+from slime.config.renames import flat_keys, slime_flag_hint
 from slime.errors import UserError, exception_behind, user_error_of
 from slime.metrics import TooManyFailures
 from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url
@@ -169,6 +169,8 @@ def _override_hint(unknown: list[str]) -> str:
     if not value and len(unknown) > 1 and not unknown[1].startswith("--"):
         value = unknown[1]
     keys = flat_keys(name, JobConfig)
+    if not keys and (slime := slime_flag_hint(name)):
+        return slime
     if not keys:
         return (
             f"config overrides are section.key=value (e.g. learner.lr=1e-5), and no config key is named "

@@ -5,6 +5,7 @@ that exist (subcommands, docs pages, README sections)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -195,10 +196,26 @@ def test_a_flag_no_config_key_fits_gets_the_overrides_form_not_a_key_that_fails(
     from slime.cli import main
 
     with pytest.raises(SystemExit):
-        main(["train", EXAMPLE, "--global-batch-size", "64"])
+        main(["train", EXAMPLE, "--rollout-speed", "64"])
     said = capsys.readouterr().err
     assert "config overrides are section.key=value (e.g. learner.lr=1e-5), and no config key is named " in said
-    assert "global_batch_size: `slime config` prints every key" in said and "global_batch_size=64" not in said
+    assert "rollout_speed: `slime config` prints every key" in said and "rollout_speed=64" not in said
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--global-batch-size", "64"], "--global-batch-size is THUDM slime's flag; here: learner.num_minibatches ="),
+        (["--eps-clip=0.2"], "--eps-clip is THUDM slime's flag; here: algorithm.clip_low"),
+        (["num_rollout=3"], "num_rollout: unknown field (--num-rollout is THUDM slime's flag; here: steps"),
+    ],
+)
+def test_a_slime_flag_with_no_key_of_its_name_says_what_to_write_here(capsys, args, said):
+    from slime.cli import main
+
+    with pytest.raises(SystemExit) if args[0].startswith("--") else contextlib.nullcontext():
+        assert main(["train", EXAMPLE, *args]) == 2
+    assert said in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

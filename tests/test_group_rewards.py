@@ -430,6 +430,45 @@ def test_a_group_filters_args_hold_what_the_group_shares(tmp_path: Path):
     assert args.label == "ab" and args.rollout_max_response_len == 6  # the group's largest budget
 
 
+SLIME_DAPO_FILTER_PY = """
+import torch
+
+from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+
+
+def check_reward_nonzero_std(args, samples, **kwargs):  # as slime's filters are written
+    rewards = [sample.get_reward_value(args) for sample in samples]
+    keep = torch.tensor(rewards, dtype=torch.float).std() > 0.0
+    return DynamicFilterOutput(keep=keep, reason=None if keep else "zero_std")
+"""
+
+
+@pytest.mark.parametrize("own_file", [True, False])
+def test_a_filter_written_for_slime_runs_unchanged(tmp_path: Path, own_file: bool):
+    """slime's DAPO filter imports slime.rollout.filter_hub, reads get_reward_value(args) and answers
+    with a 0-d torch bool; slime's own filter loads by its module path too."""
+    from rewards.group_filter import GroupFilter
+    from slime.sample import Sample
+
+    class Letters:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(96 + int(i)) for i in ids)
+
+    def group(*rewards: float) -> list[Sample]:
+        arrays = {"response_ids": [1], "logprobs": [0.0], "versions": [0], "loss_mask": [1]}
+        return [Sample("g", i, [1], 4, status=Status.COMPLETED, reward=r, **arrays) for i, r in enumerate(rewards)]
+
+    (tmp_path / "dapo_filter.py").write_text(SLIME_DAPO_FILTER_PY)
+    spec = (
+        f"{tmp_path / 'dapo_filter.py'}:check_reward_nonzero_std"
+        if own_file
+        else "slime.rollout.filter_hub.dynamic_sampling_filters:check_reward_nonzero_std"
+    )
+    check = GroupFilter(spec, Letters(), [])
+    assert check.keep(group(1.0, 0.0, 1.0)) is True
+    assert check.keep(group(1.0, 1.0, 1.0)) is False
+
+
 def verl_with_extras(data_sources, solution_strs, ground_truths, extra_infos):
     return [{"score": float(s == g), "acc": s == g, "pred": s} for s, g in zip(solution_strs, ground_truths)]
 

@@ -172,6 +172,28 @@ def test_a_reward_file_written_for_slime_loads_unchanged(tmp_path):
     assert asyncio.run(fn("2+2=", "5", "4", {})) == 0.0
 
 
+SLIME_OVERLONG_REWARD = """
+async def overlong_penalty(args, sample, **kwargs):
+    budget, cache = args.rollout_max_response_len, 4  # DAPO's soft overlong punishment
+    return min(0.0, (budget - cache - sample.response_length) / cache)
+"""
+
+
+def test_a_slime_reward_reads_the_response_length_and_is_told_where_the_token_arrays_are(tmp_path):
+    path = tmp_path / "overlong.py"
+    path.write_text(SLIME_OVERLONG_REWARD)
+    fn = load_reward(f"{path}:overlong_penalty")
+    assert asyncio.run(fn("p", "r", None, {"response_ids": [5] * 6, "max_new_tokens": 8})) == -0.5
+    assert asyncio.run(fn("p", "r", None, {"response_ids": [5] * 2, "max_new_tokens": 8})) == 0.0
+
+    from rewards.adapters import slime_sample
+
+    with pytest.raises(AttributeError, match=r"Sample.tokens: .* metadata\['response_ids'\]"):
+        _ = slime_sample("p", "r", None, {"response_ids": [5]}).tokens
+    with pytest.raises(AttributeError, match="no attribute 'respone'"):
+        _ = slime_sample("p", "r", None, {}).respone
+
+
 SLIME_TRUNCATION_REWARD = """
 from slime.utils.types import Sample
 

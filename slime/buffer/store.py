@@ -434,7 +434,9 @@ class TrajectoryStore:
 
     def requeue_uncommitted(self, after_step: int | None = None) -> int:
         """Put claimed-but-uncommitted groups (claimed by a step > after_step; all if None) back to ready."""
-        self._claimed_steps = {g: s for g, s in self._claimed_steps.items() if after_step is not None and s <= after_step}
+        self._claimed_steps = {
+            g: s for g, s in self._claimed_steps.items() if after_step is not None and s <= after_step
+        }
         return int(self._requeue(args=[self.prefix, "" if after_step is None else int(after_step)]))
 
     def wait_for_ready_signal(self, timeout_s: float) -> bool:

@@ -5,12 +5,15 @@ replay). slime/config/job.py checks the rules across sections."""
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from slime.config.base import StrictModel as _Strict
 from slime.config.base import check_device
+
+log = logging.getLogger(__name__)
 
 # Algorithms whose advantages come from per-token rewards with the KL penalty always in them.
 KL_ALWAYS_IN_REWARD = ("reinforce_pp", "reinforce_pp_baseline")
@@ -227,6 +230,15 @@ class AlgorithmConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
+        token_clips = sorted({"clip_low", "clip_high"} & self.model_fields_set)
+        if self.name in ("gspo", "cispo") and token_clips:  # slime's --eps-clip does reach GSPO
+            own = f"algorithm.{self.name}.clip_high" + (" and clip_low" if self.name == "gspo" else "")
+            log.warning(
+                "algorithm.name=%s ignores algorithm.%s (the token-ratio clip of the other algorithms); its clip is %s",
+                self.name,
+                " and algorithm.".join(token_clips),
+                own,
+            )
         if self.name in ("gspo", "dr_grpo") and self.loss_agg == "token_mean":  # learner weighs by sequences
             if "loss_agg" in self.model_fields_set:
                 default = "seq_mean_token_sum" if self.name == "dr_grpo" else "seq_mean_token_mean"

@@ -30,6 +30,42 @@ RENAMED: dict[str, str] = {
 }
 
 
+# THUDM slime's flags (underscored) whose name is not a key here: what to write instead. Flags that
+# match a key's name (`rollout_batch_size`, `n_samples_per_prompt`, `label_key`, ...) need no entry.
+SLIME_FLAGS: dict[str, str] = {
+    "num_rollout": "steps (training steps, one rollout each)",
+    "global_batch_size": "learner.num_minibatches = rollout.batch_size x rollout.n_samples_per_prompt / global_batch_size",
+    "num_steps_per_rollout": "learner.num_minibatches (optimizer steps per rollout)",
+    "partial_rollout": "april.enabled=true (aborted partials resume in a later step)",
+    "over_sampling_batch_size": "april.oversample_groups (groups kept in flight, >= rollout.batch_size; with april.enabled=true)",
+    "dynamic_sampling_filter_path": "april.group_filter=path.py:function (or april.filter_zero_variance=true)",
+    "custom_rm_path": "reward.fn=path.py:function (slime's `async def rm(args, sample)` loads as it is)",
+    "rm_type": "reward.fn (e.g. rewards.rule:math_answer), or a dataset column rm_type that a slime reward reads",
+    "custom_generate_function_path": "env.plugin (a multi-turn env: reset/step; docs/environments.md)",
+    "eps_clip": "algorithm.clip_low",
+    "eps_clip_high": "algorithm.clip_high",
+    "use_kl_loss": "algorithm.kl_coef > 0 (algorithm.kl_mode=loss, the default)",
+    "kl_loss_coef": "algorithm.kl_coef",
+    "kl_loss_type": "algorithm.kl_estimator",
+    "advantage_estimator": "algorithm.name (grpo, ppo, reinforce_pp, gspo, ...)",
+    "rollout_max_response_len": "rollout.max_new_tokens",
+    "input_key": "data.prompt_key",
+    "save": "output_dir (checkpoints go to output_dir/checkpoints)",
+    "load": "resume=PATH (a checkpoint), or resume=auto",
+    "save_interval": "checkpoint.every_steps",
+    "hf_checkpoint": "model.path (a local Hugging Face directory)",
+    "calculate_per_token_loss": "algorithm.loss_agg=token_mean (the default here; slime's default is seq_mean_token_mean)",
+    "debug_rollout_only": "nothing alike: `slime eval` generates and scores without training",
+    "debug_train_only": "nothing alike: the learner trains from rollouts of the same job",
+}
+
+
+def slime_flag_hint(name: str) -> str | None:
+    """For one of THUDM slime's flags that is no key here: `--flag` is slime's; write ... instead."""
+    meant = SLIME_FLAGS.get(name.lstrip("-").replace("-", "_"))
+    return f"--{name.lstrip('-').replace('_', '-')} is THUDM slime's flag; here: {meant}" if meant else None
+
+
 def flat_keys(name: str, model: type[BaseModel]) -> list[str]:
     """The dotted keys of `model` a flat name may stand for, as slime's flags and old configs write
     keys (`rollout-batch-size`, `checkpoint_every`, `lr`): an old key's new place, the key itself,
@@ -65,6 +101,8 @@ def suggested_key(model: type[BaseModel], loc: tuple[str | int, ...]) -> str | N
 
 def unknown_field(model: type[BaseModel] | None, loc: tuple[str | int, ...], prefix: str = "") -> str:
     """The message of an unknown key at `loc`: with the key it most likely meant, when `model` is given."""
+    if len(loc) == 1 and (slime := slime_flag_hint(str(loc[0]))):
+        return f"unknown field ({slime})"
     meant = suggested_key(model, loc) if model is not None else None
     return f"unknown field (did you mean {prefix}{meant}?)" if meant else "unknown field (check the spelling)"
 
