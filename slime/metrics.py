@@ -41,26 +41,31 @@ class FailureWatch:
 
     def __init__(self, max_share: float, window: int, say=tqdm.write):
         self.max_share, self.window, self.say = max_share, window, say
-        self.recent: list[tuple[int, int]] = []  # (failed, samples) of the last steps
-        self.reasons: dict[str, dict] = {}  # every reason seen: count, an example
+        # (failed, samples, their reasons: count and an example) of the last steps
+        self.recent: list[tuple[int, int, dict[str, dict]]] = []
+        self.seen: set[str] = set()  # every reason printed once
 
     def observe(self, metrics: dict[str, Any]) -> None:
-        for key, entry in metrics.get("failures_by_reason", {}).items():
-            seen = self.reasons.setdefault(key, {**entry, "count": 0})
-            if seen["count"] == 0:
+        reasons = metrics.get("failures_by_reason", {})
+        for key, entry in reasons.items():
+            if key not in self.seen:
+                self.seen.add(key)
                 self.say(f"failed sample ({key}): {entry['example']} [sample {entry['example_id']}]")
-            seen["count"] += entry["count"]
-        self.recent = [*self.recent, (int(metrics.get("failed_samples", 0)), int(metrics.get("samples", 0)))]
-        self.recent = self.recent[-self.window :]
+        step = (int(metrics.get("failed_samples", 0)), int(metrics.get("samples", 0)), reasons)
+        self.recent = [*self.recent, step][-self.window :]
 
     def check(self, last_step: bool = False) -> None:
         """Judged once the window is full (or at the run's last step, for a run shorter than it)."""
         if len(self.recent) < self.window and not last_step:
             return
-        failed, total = (sum(column) for column in zip(*self.recent)) if self.recent else (0, 0)
+        failed, total = sum(s[0] for s in self.recent), sum(s[1] for s in self.recent)
         if total == 0 or failed / total <= self.max_share:
             return
-        top = sorted(self.reasons.items(), key=lambda kv: -kv[1]["count"])[:3]
+        window: dict[str, dict] = {}  # the reasons of the same steps as the count above
+        for _, _, reasons in self.recent:
+            for key, entry in reasons.items():
+                window.setdefault(key, {**entry, "count": 0})["count"] += entry["count"]
+        top = sorted(window.items(), key=lambda kv: -kv[1]["count"])[:3]
         lines = [f"  {e['count']}x {key}\n      e.g. sample {e['example_id']}: {e['example']}" for key, e in top]
         raise TooManyFailures(
             f"{failed} of {total} samples failed over the last {len(self.recent)} steps "

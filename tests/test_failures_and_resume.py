@@ -87,6 +87,20 @@ def test_failure_watch_judges_a_full_window_and_names_the_commonest_reasons():
     assert "18x reward function f raised ValueError" in message and "e.g. sample s1: " in message
 
 
+def test_failure_watch_names_the_reasons_of_its_window_only():
+    """The reasons counted the whole run while the header counted the window: they added up to more."""
+    watch = FailureWatch(max_share=0.5, window=2, say=lambda _: None)
+    watch.observe(_step(9, 9, "env e raised ValueError: old"))
+    watch.observe(_step(6, 9, "env call exceeded env.step_timeout_s=2"))
+    watch.observe(_step(4, 9, "env e raised RuntimeError: new"))
+    with pytest.raises(TooManyFailures) as err:
+        watch.check()
+    message = str(err.value)
+    assert "10 of 18 samples failed over the last 2 steps" in message
+    assert "6x env call exceeded" in message and "4x env e raised RuntimeError" in message
+    assert "ValueError" not in message  # its step left the window
+
+
 def test_failure_watch_passes_at_the_threshold_and_judges_a_short_run_at_its_end():
     watch = FailureWatch(max_share=0.5, window=3, say=lambda _: None)
     for failed in (9, 0, 9, 0):  # the first step leaves the window: (0, 9, 0) is 9 of 27

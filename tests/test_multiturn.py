@@ -15,7 +15,7 @@ import pytest
 
 from slime.algorithms.batch import collate
 from slime.buffer import TrajectoryStore
-from slime.config import load_config
+from slime.config import ConfigError, load_config
 from slime.engines.builtin import BuiltinEngine
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.model import load_model, load_tokenizer
@@ -30,8 +30,11 @@ TURN_TOKENS = 5
 class ScriptedEnv:
     """Observation "[obs k]" after model turn k; done after `done_at` turns (0: never); 0.25 per step."""
 
-    def __init__(self, done_at: int = 0, sleep_s: float = 0.0, observation: str | None = None, fail_at: int = 0):
+    def __init__(
+        self, done_at: int = 0, sleep_s: float = 0.0, observation: str | None = None, fail_at: int = 0, exit_at: int = 0
+    ):
         self.done_at, self.sleep_s, self.observation, self.fail_at = done_at, sleep_s, observation, fail_at
+        self.exit_at = exit_at
         self.turn = 0
 
     def reset(self, sample: Sample) -> str:
@@ -43,6 +46,8 @@ class ScriptedEnv:
         time.sleep(self.sleep_s)
         if self.turn == self.fail_at:
             raise RuntimeError("scripted failure")
+        if self.turn == self.exit_at:
+            raise SystemExit("usage: tool [-h]")  # a wrapped command-line tool's argparse error
         observation = self.observation if self.observation is not None else f"[obs {self.turn}]"
         return observation, 0.25, self.turn == self.done_at, {"turn": self.turn, "action": action}
 
@@ -76,6 +81,20 @@ class SnapshotEnv(ScriptedEnv):
 
     def restore(self, sample: Sample, snapshot: dict) -> None:
         self.turn, self.tag = snapshot["turn"], f"restored from {snapshot['tag']}"
+
+
+class CountingSnapshotEnv(SnapshotEnv):
+    """SnapshotEnv that counts, per sample, the steps it really ran (a restore runs none)."""
+
+    steps: dict[str, int] = {}
+
+    def reset(self, sample: Sample) -> str:
+        self.sample_id = sample.id
+        return super().reset(sample)
+
+    def step(self, action: str):
+        CountingSnapshotEnv.steps[self.sample_id] = CountingSnapshotEnv.steps.get(self.sample_id, 0) + 1
+        return super().step(action)
 
 
 class HangsOnceEnv(ScriptedEnv):
@@ -333,6 +352,62 @@ def test_live_abort_while_env_steps_run_resumes_exactly(buffer, redis_url, tiny_
         assert_matches_reference(s, reference)
 
 
+def test_an_abort_stores_the_env_steps_that_returned_and_none_runs_twice(buffer, redis_url, tiny_model_dir, tmp_path):
+    """An env step that had returned when the abort came, but that the generation loop had not
+    collected yet, was dropped with the episode: the resumed episode ran that step a second time."""
+    from slime.rollout import RolloutWorker
+
+    CountingSnapshotEnv.steps = {}
+    cfg = job_config(
+        buffer, tmp_path, "env.plugin=tests.test_multiturn:CountingSnapshotEnv", "env.kwargs={done_at: 3, sleep_s: 0.3}"
+    )
+    groups = [buffer.add_group(PROMPT, 2, 80, {"label": "ababab"}) for _ in range(2)]
+    worker = RolloutWorker(cfg, str(tiny_model_dir), redis_url, "w-answered")
+    try:
+        wait_for(lambda: len(worker.multiturn.env_turn_ids()) == 4, 60, "all four episodes to wait on the env")
+        worker.paused.set()  # the loop collects no env result from here
+        wait_for(lambda: all(ep.job.done() for ep in worker.multiturn.episodes.values()), 30, "the steps to return")
+        assert worker.abort_all() == 4
+        for s in buffer.iter_samples():  # each turn's observation is stored with it
+            assert s.status == Status.ABORTED and s.loss_mask.tolist()[: TURN_TOKENS + 1] == [1] * TURN_TOKENS + [0]
+        worker.resume()
+        wait_for(lambda: worker.error or buffer.counts()["groups_ready"] == 2, 120, "resumed episodes to finish")
+        assert worker.error is None, worker.error
+    finally:
+        worker.stop()
+    samples = [s for gid in groups for s in buffer.get_group(gid)]
+    assert all(s.status == Status.COMPLETED and s.metadata["env_turns"] == 3 for s in samples)
+    assert sorted(CountingSnapshotEnv.steps.values()) == [3, 3, 3, 3]
+
+
+def test_a_resumed_turn_that_spent_the_episode_budget_is_answered_as_the_uninterrupted_one(
+    buffer, tiny_model_dir, tmp_path
+):
+    """A model turn cut short by env.max_episode_tokens is stepped by the env before the episode ends
+    truncated. Resumed between that turn and its step, the episode ended without the step (one turn
+    and its reward fewer), as the stored turn neither stopped nor filled max_turn_tokens."""
+    cfg = job_config(buffer, tmp_path, "env.max_episode_tokens=20", "env.kwargs={done_at: 0}", "env.max_turns=50")
+    tokenizer = load_tokenizer(tiny_model_dir)
+    observation = obs_ids(tokenizer, 1)
+    buffer.add_group(PROMPT, 1, 80, {"label": "ababab"})
+    (sample,) = buffer.lease("w-budget", 1)
+    second_turn = 20 - len(PROMPT) - TURN_TOKENS - len(observation)  # what the budget left it
+    assert 0 < second_turn < TURN_TOKENS
+    buffer.append_chunk(sample.id, "w-budget", [6] * TURN_TOKENS, [-0.5] * TURN_TOKENS, 0)
+    buffer.append_chunk(sample.id, "w-budget", observation, [0.0] * len(observation), 0, loss_mask=0)
+    buffer.append_chunk(sample.id, "w-budget", [7] * second_turn, [-0.5] * second_turn, 0)
+    rollout = MultiTurnRollout(cfg.env, tokenizer, SamplingParams(max_new_tokens=80), buffer, "w-budget")
+    try:
+        rollout.begin(buffer.get_sample(sample.id))
+        out = []
+        wait_for(lambda: out.extend(rollout.poll(0)) or out, 30, "the resumed episode's first env work")
+    finally:
+        rollout.close()
+    ((_, end),) = out
+    assert (end.status, end.reason, end.turns) == (Status.TRUNCATED, "max_episode_tokens", 2)
+    assert end.step_rewards == [0.25, 0.25]
+
+
 @pytest.mark.parametrize(
     "overrides, status, reason, check",
     [
@@ -370,6 +445,7 @@ def test_live_abort_while_env_steps_run_resumes_exactly(buffer, redis_url, tiny_
             lambda s: s.response_length == 5,
         ),
         (["env.kwargs={fail_at: 2}"], Status.FAILED, "RuntimeError: scripted failure", lambda s: s.response_length > 5),
+        (["env.kwargs={exit_at: 2}"], Status.FAILED, "raised SystemExit: usage: tool", lambda s: s.response_length > 5),
         (["env.kwargs={observation: ''}"], Status.FAILED, "empty observation", lambda s: s.response_length == 5),
         (
             ["env.max_turn_tokens=480", "env.max_turn_seconds=0.1", "rollout.max_new_tokens=480"],
@@ -415,24 +491,32 @@ def test_one_hung_env_call_fails_its_own_episode_only(buffer, redis_url, tiny_mo
     assert sorted(s.metadata.get("env_turns") for s in samples if s not in failed) == [2, 2, 2]
 
 
-def test_long_observations_keep_head_and_tail(buffer, redis_url, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("budget", [60, 200])
+def test_long_observations_keep_head_and_tail(buffer, redis_url, tiny_model_dir, tmp_path, budget):
+    """The marker says how much was cut; where it would take over a quarter of the budget (33 of a
+    character tokenizer's 60 tokens: 7 kept of a 40-token budget, in a trial) it only says "[...]"."""
     text = "HEAD:" + "m" * 300 + ":TAIL"
     cfg = job_config(
-        buffer, tmp_path, f"env.kwargs={{done_at: 2, observation: '{text}'}}", "env.max_observation_tokens=60"
+        buffer,
+        tmp_path,
+        f"env.kwargs={{done_at: 2, observation: '{text}'}}",
+        f"env.max_observation_tokens={budget}",
+        "rollout.max_new_tokens=400",
     )
-    groups = [buffer.add_group(PROMPT, 1, 80, {"label": "ababab"})]
+    groups = [buffer.add_group(PROMPT, 1, 400, {"label": "ababab"})]
     _, (s,) = run_worker(cfg, tiny_model_dir, redis_url, buffer, groups)
     observation = s.response_ids[s.loss_mask == 0].tolist()
-    assert len(observation) == 60
+    assert len(observation) == budget
     kept = load_tokenizer(tiny_model_dir).decode(observation)
     assert kept.startswith("HEAD:mmm") and kept.endswith("mmm:TAIL")
-    assert f"[...middle of {len(text)} tokens cut...]" in kept
+    marker = f"[...middle of {len(text)} tokens cut...]" if budget == 200 else "\n[...]\n"
+    assert marker in kept
 
 
 def test_a_huge_observation_is_cut_as_text_before_it_is_tokenised(buffer, redis_url, tiny_model_dir, tmp_path):
     """A 1 MB tool output was tokenised whole under the tokenizer lock: every episode's decoding
     waited seconds a turn (step time 1.0 s -> 32.5 s in a trial)."""
-    from slime.rollout.multiturn import CHARS_PER_KEPT_TOKEN
+    from slime.rollout.observations import CHARS_PER_KEPT_TOKEN, encode_observation
 
     cfg = job_config(buffer, tmp_path, "env.max_observation_tokens=60")
     tokenizer = load_tokenizer(tiny_model_dir)
@@ -441,8 +525,9 @@ def test_a_huge_observation_is_cut_as_text_before_it_is_tokenised(buffer, redis_
     text = "HEAD:" + "m" * 1_000_000 + ":TAIL"
     ids = rollout._encode_observation(text, sample)
     kept = tokenizer.decode(ids)
-    assert len(ids) == 60 and kept.startswith("HEAD:mmm") and kept.endswith("mmm:TAIL")
-    assert f"[...middle of {len(text) - 2 * CHARS_PER_KEPT_TOKEN * 60} characters cut...]" in kept
+    assert len(ids) == 60 and kept.startswith("HEAD:mmm") and kept.endswith("mmm:TAIL") and "\n[...]\n" in kept
+    ids = encode_observation(text, 400, rollout._ids, threading.Lock())  # a budget the long marker fits
+    assert f"[...middle of {len(text) - 2 * CHARS_PER_KEPT_TOKEN * 400} characters cut...]" in tokenizer.decode(ids)
 
 
 def test_an_observation_that_ends_in_a_stop_token_does_not_end_the_next_turn(
@@ -520,6 +605,9 @@ def test_bad_env_plugin_fails_at_config_and_at_load(buffer, tmp_path):
 
     cfg = job_config(buffer, tmp_path, "env.plugin=tests.test_multiturn:NoSuchEnv")
     with pytest.raises(PluginError, match="NoSuchEnv"):
+        MultiTurnRollout(cfg.env, None, SamplingParams(), buffer, "w")
+    cfg = job_config(buffer, tmp_path, "env.kwargs={done_at: 2, sleep: 1}")  # sleep_s meant
+    with pytest.raises(ConfigError, match=r"env.kwargs \['done_at', 'sleep'\] do not fit .*ScriptedEnv: .*'sleep'"):
         MultiTurnRollout(cfg.env, None, SamplingParams(), buffer, "w")
 
 

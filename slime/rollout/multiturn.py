@@ -10,7 +10,8 @@ Turn state lives in the stored sample itself, so an APRIL-aborted trajectory res
 turn on any worker: the model turns are the runs of loss mask 1, the observations the runs of
 mask 0 (so a non-final observation must be at least one token). A trailing mask-1 run is a finished
 turn whose observation is still owed when it ends with a stop token or has `max_turn_tokens`
-tokens (or the episode's token budget is spent); otherwise the model continues that turn.
+tokens, or left the episode no room (`room`: max_new_tokens, max_episode_tokens, the model's
+context; the uninterrupted episode stepped the env there too); otherwise the model continues it.
 
 The env's own state comes back one of two ways on resume:
 - snapshot: an env with `snapshot() -> dict` and `restore(sample, snapshot)` (envs/swe.py: a
@@ -26,16 +27,16 @@ The env's own state comes back one of two ways on resume:
 Either way the episode's return is the sum of the restored (or replayed) and the new step rewards
 (`env.turn_rewards`: each on its turn's last token).
 
-Env calls (construction, reset, replay, step) run on a small thread pool, never on the
-generation thread; `MultiTurnRollout.poll` collects finished ones between two decode steps.
-The limits (env.* in docs/configuration.md: turns, tokens per turn, per observation, per episode,
-seconds per turn and per episode) end an episode as truncated, naming the limit; `step_timeout_s`
-per env call fails the sample. An env that ends the episode itself may name why in
+Env calls (construction, reset, replay, step) run on a small thread pool, never on the generation
+thread; `MultiTurnRollout.poll` collects finished ones between two decode steps. The limits (env.*
+in docs/configuration.md) end an episode as truncated, naming the limit; `step_timeout_s` per env
+call fails the sample. An env that ends the episode itself may name why in
 `info["end_reason"]` (a policy that wrote outside its workspace, looped).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import numbers
@@ -51,9 +52,10 @@ import numpy as np
 from envs.contract import Env
 from rewards.plugin import load_function
 from slime.buffer import ChunksLostError, LeaseLostError, TrajectoryStore
-from slime.config import EnvConfig
+from slime.config import ConfigError, EnvConfig
 from slime.engines.contract import GenerationRequest, SamplingParams
 from slime.rollout.env_threads import EnvCall, EnvThreads, awaited
+from slime.rollout.observations import encode_observation
 from slime.sample import Sample, Status, as_json
 
 
@@ -66,7 +68,7 @@ class TurnLayout:
     open_turn_finished: bool  # that turn is over: its observation is owed
 
 
-def read_layout(sample: Sample, stop_ids: set[int], max_turn_tokens: int) -> TurnLayout:
+def read_layout(sample: Sample, stop_ids: set[int], max_turn_tokens: int, room: int) -> TurnLayout:
     mask = sample.loss_mask
     runs: list[tuple[int, int, int]] = []  # (mask value, start, end)
     start = 0
@@ -78,7 +80,7 @@ def read_layout(sample: Sample, stop_ids: set[int], max_turn_tokens: int) -> Tur
     if not runs or runs[-1][0] == 0:
         return TurnLayout(model_runs, None, False)
     s, e = model_runs[-1]
-    finished = int(sample.response_ids[e - 1]) in stop_ids or e - s >= max_turn_tokens or sample.remaining_tokens == 0
+    finished = int(sample.response_ids[e - 1]) in stop_ids or e - s >= max_turn_tokens or room <= 0
     return TurnLayout(model_runs[:-1], (s, e), finished)
 
 
@@ -118,11 +120,6 @@ class _EnvOutcome:
 
 
 ENV_SNAPSHOT_INFOS = 8  # step infos carried in a snapshot (the episode's metadata keeps as many)
-OBSERVATION_CUT = "\n[...middle of {n} tokens cut...]\n"
-OBSERVATION_CUT_CHARS = "\n[...middle of {n} characters cut...]\n"
-# An observation longer than this many characters per kept token is cut as text first: tokenising a
-# 1 MB tool output whole held the tokenizer lock (and so every episode's decoding) for seconds.
-CHARS_PER_KEPT_TOKEN = 16
 
 
 class EnvContractError(TypeError):
@@ -164,6 +161,12 @@ class MultiTurnRollout:
             raise ValueError("MultiTurnRollout needs env.plugin (the env class, `package.module:Class`)")
         self.cfg = cfg
         self.env_class = load_function(cfg.plugin)
+        try:  # a wrong keyword fails here, once, not every episode (and then the job) at its first turn
+            inspect.signature(self.env_class).bind(**cfg.kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"env.kwargs {sorted(cfg.kwargs)} do not fit {cfg.plugin}: {exc}") from None
+        except ValueError:  # no signature to read (a builtin): the first episode will tell
+            pass
         self.tokenizer = tokenizer
         # Fast tokenizers may raise "Already borrowed" when one is used by several threads at once.
         self.tokenizer_lock = threading.Lock()
@@ -194,7 +197,7 @@ class MultiTurnRollout:
         if ep.limit is not None:
             self._submit_done(ep, _EnvOutcome([], ep.end(Status.TRUNCATED, ep.limit)))
         else:
-            layout = read_layout(sample, self.stop_ids, self.cfg.max_turn_tokens)
+            layout = self._layout(sample)
             self._submit(ep, self._step, ep, self._action_text(sample, layout.open_turn))
         return True
 
@@ -215,7 +218,7 @@ class MultiTurnRollout:
                     outcome = ep.job.result()
                 except EnvContractError as exc:  # counted as "returned", not as an exception it raised
                     outcome = _EnvOutcome([], ep.end(Status.FAILED, f"env {self.cfg.plugin} returned {exc}"))
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:  # sys.exit in an env (a wrapped CLI) fails its sample
                     outcome = _EnvOutcome(
                         [], ep.end(Status.FAILED, f"env {self.cfg.plugin} raised {type(exc).__name__}: {exc}")
                     )
@@ -315,8 +318,11 @@ class MultiTurnRollout:
         self.threads.write_off(call)
         return f"env call exceeded env.step_timeout_s={limit}"
 
+    def _layout(self, sample: Sample) -> TurnLayout:
+        return read_layout(sample, self.stop_ids, self.cfg.max_turn_tokens, self._room(sample)[0])
+
     def _turn_budget(self, sample: Sample) -> int:
-        layout = read_layout(sample, self.stop_ids, self.cfg.max_turn_tokens)
+        layout = self._layout(sample)
         open_tokens = 0
         if layout.open_turn is not None and not layout.open_turn_finished:
             open_tokens = layout.open_turn[1] - layout.open_turn[0]
@@ -374,7 +380,7 @@ class MultiTurnRollout:
         sample = ep.sample
         if sample.response_length == 0:
             return _EnvOutcome(self._encode_observation(observation, sample))
-        layout = read_layout(sample, self.stop_ids, self.cfg.max_turn_tokens)
+        layout = self._layout(sample)
         if not self._restore_snapshot(ep, layout):
             if layout.answered:
                 self.buffer.incr_stat("env_replays")
@@ -464,35 +470,10 @@ class MultiTurnRollout:
     def _encode_observation(self, text: str, sample: Sample) -> list[int]:
         # Leave room for at least one model token after it.
         limit = max(0, min(self.cfg.max_observation_tokens, self._room(sample)[0] - 1))
-        side = CHARS_PER_KEPT_TOKEN * max(limit, 1)
-        if len(text) > 2 * side:  # far more text than fits: its middle goes before it is tokenised
-            with self.tokenizer_lock:
-                head = self._ids(text[:side])
-                tail = self._ids(text[-side:])
-                marker = self._ids(OBSERVATION_CUT_CHARS.format(n=len(text) - 2 * side))
-            return _head_marker_tail(head, marker, tail, limit)
-        with self.tokenizer_lock:
-            ids = self._ids(text) if text else []
-        if len(ids) <= limit:
-            return ids
-        # Head and tail: a tool's output opens with what it is and closes with its verdict (and a
-        # chat template's turn markers); the middle goes, and a marker says how much.
-        with self.tokenizer_lock:
-            marker = self._ids(OBSERVATION_CUT.format(n=len(ids)))
-        return _head_marker_tail(ids, marker, ids, limit)
+        return encode_observation(text, limit, self._ids, self.tokenizer_lock)
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _head_marker_tail(head: list[int], marker: list[int], tail: list[int], limit: int) -> list[int]:
-    """At most ``limit`` tokens: the start of ``head``, the marker, the end of ``tail``; with too
-    little room for a marker, the start of ``head`` alone."""
-    kept = limit - len(marker)
-    if kept < 2:
-        return head[:limit]
-    n_tail = kept // 2
-    return head[: kept - n_tail] + marker + tail[len(tail) - n_tail :]
 
 
 def _end_reason(info: dict[str, Any]) -> str:

@@ -518,13 +518,29 @@ class RolloutWorker:
         is written to the buffer and goes to the front of the resume queue. Returns how many."""
         self.paused.set()
         with self.lock:
+            answered = self._store_answered_env_turns()
             chunks = self.engine.abort(None)
             self._absorb(chunks, wait=True)
-            # Episodes waiting on the env: their stored tokens end with a finished model turn; the
-            # resumed episode redoes that env step.
+            # Episodes whose env step is still running: their stored tokens end with a finished model
+            # turn; the resumed episode redoes that env step.
             env_turns = self.multiturn.abort_env_turns() if self.multiturn is not None else []
-            self._release(env_turns)
-            return len(chunks) + len(env_turns)
+            self._release(answered + env_turns)
+            return len(chunks) + len(answered) + len(env_turns)
+
+    def _store_answered_env_turns(self) -> list[str]:
+        """Before an abort: env steps that already returned are stored (their observation, or the
+        episode's end), so that no resumed episode steps its env twice for one turn. Returns the
+        episodes to release, whose next model turn starts when they resume."""
+        if self.multiturn is None:
+            return []
+        answered = []
+        for sample, next_step in self.multiturn.poll(self.engine.version):
+            if isinstance(next_step, EpisodeEnd):
+                self._finish_episode(sample, next_step)
+            else:
+                self.multiturn.drop(sample.id)
+                answered.append(sample.id)
+        return answered
 
     def release_memory(self) -> int:
         """The engine frees its KV memory while the learner trains (rollout.release_memory); bytes freed."""
