@@ -16,7 +16,7 @@ from slime.config import ConfigKeyDeprecated, JobConfig, config_for_display, loa
 from slime.config.renames import flat_keys, slime_flag_hint
 from slime.errors import UserError, exception_behind, user_error_of
 from slime.metrics import TooManyFailures
-from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url
+from slime.security import API_TOKEN_ENV, JobCredentials, derive_token, read_token, redact_url, write_private
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -109,6 +109,17 @@ def _dashboard(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _token_file_for(token_file: Path, token: str) -> str:
+    """Where the user reads the control token: the file the job wrote, or (a job without its own
+    dashboard) the same file written now, 0600; "token" if the run directory takes no file."""
+    if not token_file.is_file():
+        try:
+            write_private(token_file, token + "\n")
+        except OSError:
+            return "token"
+    return f"the token in {token_file}"
+
+
 def _dashboard_run_dir(ns: argparse.Namespace) -> int:
     """`slime dashboard RUN_DIR`: attached to a running job's buffer, or serving a read-only copy
     of a finished run's, stopped and deleted when this command exits."""
@@ -134,7 +145,8 @@ def _dashboard_run_dir(ns: argparse.Namespace) -> int:
             if run.read_only:
                 how = f"finished run: serving a read-only copy of its buffer from {run.copy_dir}, deleted on exit"
             else:
-                how = f"running job: attached live to {redact_url(run.url)}; control routes need URL#token=<token>"
+                where = _token_file_for(token_file, token)
+                how = f"running job: attached live to {redact_url(run.url)}; control routes need URL#token=<{where}>"
             print(f"dashboard of job {run.job!r}: {server.url} ({how})", flush=True)
             server.run()
         finally:
@@ -330,10 +342,11 @@ def _run(argv: list[str]) -> int:
         return _interrupted(exc)
     if history:
         first, last = history[0], history[-1]
+        plot = cfg.run_dir / "training.png"
         print(
             f"done: {len(history)} steps, reward {first.get('reward_mean', float('nan')):.3f} -> "
-            f"{last.get('reward_mean', float('nan')):.3f}; metrics in {cfg.run_dir / 'metrics.jsonl'}, "
-            f"plot {cfg.run_dir / 'training.png'}"
+            f"{last.get('reward_mean', float('nan')):.3f}; metrics in {cfg.run_dir / 'metrics.jsonl'}"
+            + (f", plot {plot}" if cfg.logging.plot and plot.exists() else "")
         )
     return 0
 

@@ -91,6 +91,7 @@ RUN_FILES = (
     "tensorboard",
     "checkpoints",
     "wandb_run_id",
+    "wandb",  # W&B's own folder (logging.wandb.dir unset): the earlier run's offline files
     "mlflow_run_id",
 )
 

@@ -34,6 +34,16 @@ class TooManyFailures(RuntimeError):
     """More samples failed over the last steps than reward.max_failed_share allows."""
 
 
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Each point's mean over the last ``window`` finite values: a step without one (every sample
+    failed: NaN) neither blanks the next ``window`` points nor breaks the line."""
+    out = []
+    for i in range(len(values)):
+        finite = [v for v in values[max(0, i - window + 1) : i + 1] if math.isfinite(v)]
+        out.append(sum(finite) / len(finite) if finite else math.nan)
+    return out
+
+
 class FailureWatch:
     """Makes failed samples loud. Each new kind of failure is printed once, with an example; when
     the failed share of the samples of the last `window` steps passes `max_share`, `check`
@@ -229,11 +239,7 @@ class MetricsLogger:
         rewards = [h.get("reward_mean", math.nan) for h in self.history]
         ax1.plot(t, rewards, marker="o", ms=3, alpha=0.5, label="per step")
         window = 10
-        smooth = [
-            sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
-            for i in range(len(rewards))
-        ]
-        ax1.plot(t, smooth, color="tab:blue", lw=2, label=f"mean of last {window}")
+        ax1.plot(t, trailing_mean(rewards, window), color="tab:blue", lw=2, label=f"mean of last {window}")
         ax1.legend(loc="lower right")
         ax1.set_ylabel("mean reward")
         ax1.grid(alpha=0.3)

@@ -328,3 +328,20 @@ def test_fuzzing_the_schema_finds_no_server_errors(job):
                 case.validate_response(response)
 
         fuzz()
+
+
+def test_a_buffer_that_went_away_is_a_503_that_says_so_within_seconds(tmp_path):
+    """The job ended and took its Redis along: each request retried for 60 s, then a bare 500."""
+    import time
+
+    from slime.buffer.redis_server import LocalRedisServer
+
+    server = LocalRedisServer(tmp_path / "redis", aof=False)
+    client = TestClient(create_app(server.url, JOB), base_url=LOOPBACK)
+    assert client.get("/api/summary").status_code == 200
+    server.stop()
+    started = time.monotonic()
+    answer = client.get("/api/summary")
+    assert answer.status_code == 503 and time.monotonic() - started < 15
+    assert "its buffer's Redis does not answer" in answer.json()["detail"]
+    assert "slime dashboard RUN_DIR" in answer.json()["detail"]

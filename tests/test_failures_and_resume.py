@@ -6,12 +6,13 @@ tests/test_train_e2e.py (an all-failing reward) and tests/test_april.py (SIGKILL
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from slime import cli
 from slime.config import LoggingConfig, load_config
-from slime.metrics import FailureWatch, MetricsLogger, TooManyFailures
+from slime.metrics import FailureWatch, MetricsLogger, TooManyFailures, trailing_mean
 from slime.sample import failure_key
 
 QUIET = LoggingConfig(tensorboard=False, plot=False, progress=False)
@@ -155,3 +156,11 @@ def test_a_resumed_run_continues_the_metrics_series_without_duplicated_steps(tmp
     fresh = MetricsLogger(tmp_path, QUIET, total_steps=2, start_step=0)  # a run from step 0 starts a new series
     fresh.close()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_the_plots_trailing_mean_skips_steps_without_a_reward():
+    """A step whose samples all failed (reward NaN) blanked the next 10 points of the line."""
+    nan = float("nan")
+    smooth = trailing_mean([nan, 1.0, nan, 0.0, 0.5], window=3)
+    assert math.isnan(smooth[0])
+    assert smooth[1:] == [1.0, 1.0, 0.5, 0.25]

@@ -55,7 +55,9 @@ def test_a_fresh_run_sets_the_earlier_runs_files_aside_and_keeps_them(tmp_path):
     (tmp_path / "tensorboard").mkdir()
     (tmp_path / "tensorboard" / "events.out").write_text("events")
     (tmp_path / "repeat_task.jsonl").write_text("the generated dataset\n")
+    (tmp_path / "wandb" / "offline-run-1").mkdir(parents=True)  # W&B's own folder (logging.wandb.dir unset)
     first = set_earlier_run_aside(tmp_path)
+    assert (first / "wandb" / "offline-run-1").is_dir() and not (tmp_path / "wandb").exists()
     assert first == tmp_path / "earlier_runs" / "1"
     assert (first / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 1}\n'
     assert (first / "config.yaml").read_text() == "a run that stopped before training\n"

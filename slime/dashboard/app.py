@@ -22,6 +22,7 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Annotated, Any
 
+import redis.exceptions
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -38,6 +39,7 @@ from slime.security import GuardPolicy, HttpGuard, request_authenticated
 MAX_STREAMS = 32
 MAX_STREAMS_PER_CLIENT = 4
 MAX_BODY_BYTES = 64 << 10  # control bodies are a few bytes
+BUFFER_GONE_AFTER_S = 5.0  # how long a request retries a Redis that went away before its 503
 
 SampleId = Annotated[str, Path(pattern=S.ID_PATTERN, description="A trajectory (sample) id of this job.")]
 GroupId = Annotated[str, Path(pattern=S.ID_PATTERN, description="A group id of this job.")]
@@ -105,7 +107,9 @@ def create_app(
 ) -> FastAPI:
     """``bind_host``: where the server listens; it decides whether reads need the token.
     ``read_only``: why control routes are refused (409), e.g. a finished run's copy; None allows them."""
-    connection = JobConnection(redis_url, job, password=redis_password)
+    # A job's own Redis that stops (the job ended) is said at once, not after the job's 60 s of retries;
+    # a restart of that Redis (keep_alive) is back within a second or two.
+    connection = JobConnection(redis_url, job, password=redis_password, reconnect_timeout_s=BUFFER_GONE_AFTER_S)
     telemetry = JobTelemetry(connection)  # the dashboard's only writes: control records and events
     reader = BufferReader(BufferQueries(connection), telemetry, read_only=read_only is not None)
     token_streams = StreamSlots()
@@ -135,6 +139,15 @@ def create_app(
         # FastAPI's own 422 body echoes each bad value back ("input"); this one names the field only.
         detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()[:5]]
         return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.exception_handler(redis.exceptions.ConnectionError)
+    @app.exception_handler(redis.exceptions.TimeoutError)
+    async def buffer_gone(request: Request, exc: Exception) -> JSONResponse:
+        why = (
+            f"job {job!r}: its buffer's Redis does not answer ({type(exc).__name__}); if the job has ended, "
+            "`slime dashboard RUN_DIR` again serves a read-only copy of its finished buffer"
+        )
+        return JSONResponse({"detail": why}, status_code=503)
 
     def not_found(exc: KeyError) -> HTTPException:
         return HTTPException(404, exc.args[0] if exc.args else "not found")
