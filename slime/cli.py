@@ -222,6 +222,10 @@ def _run(argv: list[str]) -> int:
         from slime.tools.submit import main_jobs  # subcommand
 
         return main_jobs(argv)
+    if argv and argv[0] == "replay":
+        from slime.tools.replay import main_replay  # subcommand
+
+        return main_replay(argv[1:])
     if argv and argv[0] == "export":
         from slime.export import main_export  # subcommand
 
@@ -246,6 +250,7 @@ def _run(argv: list[str]) -> int:
     p_show = sub.add_parser("config", help="print the resolved config")
     p_show.add_argument("args", nargs="*")
     sub.add_parser("export", help="a checkpoint as a Hugging Face directory: export RUN_DIR [--step N] --out DIR")
+    sub.add_parser("replay", help="train a fresh learner on a run's own batches, no engines: replay RUN_DIR [k=v ...]")
     sub.add_parser(
         "eval", help="score a checkpoint on held-out prompts: eval RUN_DIR|MODEL_DIR --data FILE [--samples k]"
     )

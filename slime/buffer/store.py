@@ -580,6 +580,22 @@ class TrajectoryStore:
     def get_group(self, group_id: str) -> list[Sample]:
         return self.get_groups([group_id])[0]
 
+    def groups_trained_at(self, step: int) -> list[str]:
+        """The groups training step ``step`` took (trained, or claimed and not yet committed), in the
+        order the learner claimed them (`slime replay`)."""
+        gids = [
+            gid.decode()
+            for zset in ("trained", "claimed")
+            for gid in self.redis.zrangebyscore(self._key(zset), step, step)
+        ]
+        pipe = self.connection.pipeline(transaction=False)
+        for gid in gids:
+            pipe.hmget(self._key("group", gid), "claim_seq", "created_at", "trained_members")
+        fields = pipe.execute() if gids else []
+        order = {gid: (float(seq or 0), float(created or 0)) for gid, (seq, created, _) in zip(gids, fields)}
+        # Streamed groups (trained_members) trained segment by segment over several steps: not a batch.
+        return sorted((g for g, f in zip(gids, fields) if f[2] is None), key=order.__getitem__)
+
     def get_groups(self, group_ids: Sequence[str]) -> list[list[Sample]]:
         """Several groups, each by index: their sample lists in one round trip, then the samples in
         MULTI/EXECs of at most 256 (each sample a consistent snapshot; no one reply holds a whole

@@ -56,7 +56,8 @@ SLIME_FLAGS: dict[str, str] = {
     "hf_checkpoint": "model.path (a local Hugging Face directory)",
     "calculate_per_token_loss": "algorithm.loss_agg=token_mean (the default here; slime's default is seq_mean_token_mean)",
     "debug_rollout_only": "nothing alike: `slime eval` generates and scores without training",
-    "debug_train_only": "nothing alike: the learner trains from rollouts of the same job",
+    "debug_train_only": "`slime replay RUN_DIR [key=value ...]`: a fresh learner on a finished run's batches",
+    "load_debug_rollout_data": "`slime replay RUN_DIR`: the run's buffer holds its rollouts",
 }
 
 

@@ -32,7 +32,9 @@ class Summary(_Strict):
     groups: dict[str, int] = Field(description="Groups by stage: total, open, ready, claimed, trained, dropped.")
     queues: dict[str, int] = Field(description="Lengths of the resume, new and ready queues; running leases.")
     generated_tokens: float
-    tokens_per_s: float = Field(description="Generated tokens per second over the last ~10 s of this server's polls (0 until it has two).")
+    tokens_per_s: float = Field(
+        description="Generated tokens per second over the last ~10 s of this server's polls (0 until it has two)."
+    )
     staleness_max: int = Field(description="Policy version minus the oldest token version among unfinished samples.")
     staleness_mean: float
     server_time: float

@@ -29,7 +29,7 @@ redis.call('SET', P .. 'claim_cursor', cursor)
 if dry then return #head end
 for _, gid in ipairs(head) do
   redis.call('LREM', P .. 'queue:ready', 1, gid)
-  redis.call('HSET', P .. 'group:' .. gid, 'status', 'claimed', 'claimed_step', step)
+  redis.call('HSET', P .. 'group:' .. gid, 'status', 'claimed', 'claimed_step', step, 'claim_seq', redis.call('INCR', P .. 'claim_seq'))
   redis.call('ZADD', P .. 'claimed', step, gid)
 end
 return head
