@@ -88,13 +88,22 @@ def score_answers(
     stop: list[int],
     rewards: Any,
     timeout_s: float,
+    max_new_tokens: int,
     model_text: bool = False,
 ) -> dict[str, tuple[float | None, str | None]]:
     """request id -> (reward, failure), each response scored as the rollout worker scores it:
-    the stop token cut, the rest decoded without special tokens. `rewards`: the job's reward
-    service, or with reward.scope=group its GroupScorer (each prompt's answers scored together)."""
+    the stop token cut, the rest decoded without special tokens, the metadata told how it ended
+    (`finish_reason`, `max_new_tokens`: a slime reward's TRUNCATED status). `rewards`: the job's
+    reward service, or with reward.scope=group its GroupScorer (each prompt's answers scored together)."""
+
+    def metadata(record: PromptRecord, answer: dict[str, Any]) -> dict[str, Any]:
+        ended = "length" if answer["finish_reason"] == "length" else "stop"
+        return {**reward_metadata(record), "finish_reason": ended, "max_new_tokens": max_new_tokens}
+
     inputs = {
-        rid: reward_inputs(reward_metadata(record), record.prompt_ids, answer["token_ids"], tokenizer, stop, model_text)
+        rid: reward_inputs(
+            metadata(record, answer), record.prompt_ids, answer["token_ids"], tokenizer, stop, model_text
+        )
         for rid, answer in answers.items()
         for record in [records[int(rid.split("-")[1])]]
     }
@@ -215,7 +224,10 @@ class HeldOutEval:
         )
         answers = generate(requests)
         timeout = job.reward.timeout_s * 4 + 30
-        scores = score_answers(self.records, answers, self.tokenizer, self.stop, self.rewards, timeout, self.model_text)
+        max_new = job.eval.max_new_tokens or job.rollout.max_new_tokens
+        scores = score_answers(
+            self.records, answers, self.tokenizer, self.stop, self.rewards, timeout, max_new, self.model_text
+        )
         return {**summarize(self.records, answers, scores, job.eval), "seconds": time.time() - started}
 
     def close(self) -> None:
@@ -240,7 +252,9 @@ def evaluate_model_dir(
         engine.close()
     rewards, model_text = eval_rewards(job)
     try:
-        scores = score_answers(records, answers, tokenizer, stop, rewards, job.reward.timeout_s * 4 + 30, model_text)
+        scores = score_answers(
+            records, answers, tokenizer, stop, rewards, job.reward.timeout_s * 4 + 30, max_new, model_text
+        )
     finally:
         rewards.close()
     result = summarize(records, answers, scores, job.eval)

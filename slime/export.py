@@ -269,18 +269,23 @@ def load_checkpoint_policy(checkpoint: Path, model_dir: Path, dtype: str = "floa
     raise ExportError(f"{checkpoint}: neither a policy/ directory nor {CHECKPOINT_DIR}/ shards in it")
 
 
-def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None, merged: bool = True) -> Path:
+def export_checkpoint(
+    checkpoint: Path, out: Path, model_dir: Path | None = None, merged: bool = True, dtype: str | None = None
+) -> Path:
     """Write `checkpoint`'s policy to `out` as a Hugging Face directory (replaced if it exists, at
-    once: a reader sees the old export or the new one). A LoRA checkpoint with merged=False: its
-    adapters as a PEFT directory (`PeftModel.from_pretrained(base, out)`) and the tokenizer."""
+    once: a reader sees the old export or the new one), in ``dtype`` (default: the run's
+    model.dtype). A LoRA checkpoint with merged=False: its adapters as a PEFT directory
+    (`PeftModel.from_pretrained(base, out)`) and the tokenizer. The tokenizer is the base's as it
+    was (the job's pad-with-EOS fallback is not written into it)."""
     check_export_target(out, checkpoint)  # before the base model is found (or built, for the tiny MoE)
     model_dir = model_dir or base_model_dir(checkpoint)
     check_export_target(out, checkpoint, Path(model_dir))
     check_same_architecture(checkpoint, Path(model_dir))
-    dtype = model_config_of(config_of(checkpoint)).dtype if config_of(checkpoint).is_file() else "float32"
+    if dtype is None:
+        dtype = model_config_of(config_of(checkpoint)).dtype if config_of(checkpoint).is_file() else "float32"
     adapter_only = is_lora(checkpoint) and not merged
     model = None if adapter_only else load_checkpoint_policy(checkpoint, Path(model_dir), dtype)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, pad_with_eos=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
@@ -295,7 +300,8 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
         else:
             eos = eos_token_ids(tokenizer)  # the base directory's list too (Llama 3: <|eot_id|>), not one id
             model.generation_config.eos_token_id = eos if len(eos) > 1 else (eos[0] if eos else None)
-            model.generation_config.pad_token_id = tokenizer.pad_token_id
+            if model.generation_config.pad_token_id is None:  # the base's own pad id stays
+                model.generation_config.pad_token_id = tokenizer.pad_token_id
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         state = json.loads((checkpoint / "driver_state.json").read_text())
@@ -374,6 +380,12 @@ def main_export(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, default=None, help="the checkpoint after N steps (default: the newest)")
     parser.add_argument("--out", type=Path, required=True, help="the directory to write")
     parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="the weights' precision (default: the run's model.dtype; a bf16 base trained in float32 exports float32)",
+    )
+    parser.add_argument(
         "--merged",
         action="store_true",
         help="a LoRA checkpoint: the base with the adapters merged (default: the adapters as a PEFT directory)",
@@ -381,7 +393,8 @@ def main_export(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     checkpoint = find_checkpoint(ns.path.expanduser(), ns.step)
     try:
-        out = export_checkpoint(checkpoint, ns.out.expanduser(), merged=ns.merged or not is_lora(checkpoint))
+        merged = ns.merged or not is_lora(checkpoint)
+        out = export_checkpoint(checkpoint, ns.out.expanduser(), merged=merged, dtype=ns.dtype)
     except FileNotFoundError as exc:
         if (checkpoint / "driver_state.json").is_file():
             raise

@@ -257,9 +257,11 @@ def from_pretrained(cls, path: str | Path, **kwargs):
         return cls.from_pretrained(str(path), **kwargs)
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, pad_with_eos: bool = True):
+    """``pad_with_eos``: a tokenizer without a pad token pads with its EOS (batching needs one); an
+    export saves the tokenizer as the base had it."""
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if tokenizer.pad_token_id is None:
+    if pad_with_eos and tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

@@ -220,6 +220,26 @@ def test_slime_eval_exits_1_when_every_reward_call_failed(tiny_model_dir, tmp_pa
     assert "every reward call failed (6 of 6), so these figures measure nothing" in err and "TypeError" in err
 
 
+SLIME_NO_CREDIT_WHEN_CUT = """
+from slime.utils.types import Sample
+
+
+async def rm(args, sample, **kwargs):
+    cut = sample.status == Sample.Status.TRUNCATED and args.rollout_max_response_len == 2
+    return 0.0 if cut else 1.0
+"""
+
+
+def test_slime_eval_tells_a_reward_how_each_response_ended_as_training_does(tiny_model_dir, tmp_path, capsys):
+    """Eval scored every response as stopped: a reward that gives no credit to a cut response gave
+    eval 1.0 where training gave 0.0, on the same responses."""
+    data = write_jsonl(repeat.make_dataset(3, seed=1), tmp_path / "held_out.jsonl")
+    (tmp_path / "cut.py").write_text(SLIME_NO_CREDIT_WHEN_CUT)
+    args = [str(tiny_model_dir), "--data", str(data), "rollout.max_new_tokens=2", "--samples", "2"]
+    out = _eval_json(capsys, [*args, f"reward.fn={tmp_path / 'cut.py'}:rm", "rollout.ignore_eos=true"])
+    assert out["truncated_share"] == 1.0 and out["greedy_reward_mean"] == 0.0
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [
@@ -305,6 +325,34 @@ def test_a_checkpoint_written_again_holds_none_of_the_old_ones_files(tmp_path):
     clear_checkpoint_dir(step)
     assert not step.exists()
     clear_checkpoint_dir(step)  # nothing there: nothing to do
+
+
+def test_an_export_keeps_the_bases_tokenizer_and_pad_id_and_takes_a_dtype(tiny_model_dir, tmp_path):
+    """A base whose tokenizer has no pad token: the job pads with EOS, and the export wrote that
+    into the tokenizer and the generation config (pad 441 where the base said 439, in a trial);
+    a bf16 base trained in float32 exported float32 only."""
+    from slime.config import dump_config
+
+    base = Path(shutil.copytree(tiny_model_dir, tmp_path / "base"))
+    tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("pad_token", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    special = base / "special_tokens_map.json"
+    if special.is_file():
+        special.write_text(json.dumps({k: v for k, v in json.loads(special.read_text()).items() if k != "pad_token"}))
+    assert AutoTokenizer.from_pretrained(base).pad_token is None
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step_000001"
+    AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).save_pretrained(checkpoint / "policy")
+    (checkpoint / "driver_state.json").write_text(json.dumps({"next_step": 1}))
+    dump_config(load_config(None, [f"model.path={base}"]), run / "config.yaml")
+    out = export_checkpoint(find_checkpoint(run), tmp_path / "export", dtype="bfloat16")
+    assert AutoTokenizer.from_pretrained(out).pad_token is None
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation.get("pad_token_id") == json.loads(
+        (checkpoint / "policy" / "generation_config.json").read_text()
+    ).get("pad_token_id")
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
 
 
 def test_an_export_of_a_checkpoint_pruned_while_it_is_read_is_one_line(tiny_model_dir, tmp_path, capsys):
