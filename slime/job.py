@@ -54,7 +54,7 @@ from slime.model import (
     load_tokenizer,
     rollout_sampling_params,
 )
-from slime.run_lock import lock_run_dir
+from slime.run_lock import lock_run_dir, make_run_dir
 from slime.sample import new_id
 from slime.sampling import PromptSampler, fast_forward
 from slime.security import JobCredentials
@@ -95,7 +95,7 @@ class RunningJob:
                 load_reward_spec(cfg.reward.fn)
             check_local_resources(cfg)  # a learner that cannot fit fails before anything starts
             require_packages(cfg.logging)  # logging.wandb / logging.mlflow without the package
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            make_run_dir(self.run_dir)
             self.run_lock = lock_run_dir(self.run_dir)  # one job per output_dir, until __exit__
             # Model and dataset are checked before an earlier run is set aside: a mistake leaves output_dir as it was.
             self.model_dir = str(ensure_model_dir(cfg.model))

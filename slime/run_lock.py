@@ -68,6 +68,18 @@ def check_run_dir(run_dir: Path) -> list[str]:
     return warnings
 
 
+class RunDirNotADirectory(UserError, NotADirectoryError):
+    hint = "output_dir names the directory a run writes into: give a directory's path, new or existing"
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """Create output_dir (and its parents), or say in one line why it cannot be one."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise RunDirNotADirectory(f"output_dir {run_dir}: {exc.filename} exists and is not a directory") from None
+
+
 def lock_run_dir(run_dir: Path) -> int:
     """The held lock's file descriptor (close it to release); RunDirInUse naming the holder's pid,
     RunDirUnsafe when its job.lock is a symlink; warnings for an output_dir others could tamper with (`check_run_dir`)."""

@@ -172,3 +172,30 @@ def test_num_cpus_with_a_clusters_address_is_refused_at_load():
     assert "cluster.num_cpus=2" in msg and "cluster.ray_address=auto" in msg
     assert load_config(EXAMPLE, ["cluster.num_cpus=2"]) and load_config(EXAMPLE, ["cluster.ray_address=auto"])
     assert load_config(EXAMPLE, ["cluster.num_cpus=2", "cluster.ray_address=local"])  # a Ray of its own
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "learner.micro_batch_size=99999999999999999999999",  # loaded; "Overflow when unpacking long long" mid-run
+        "rollout.hang_timeout_s=1e30",  # loaded; OverflowError: timestamp out of range
+        "buffer.reconnect_timeout_s=1e30",  # loaded; OverflowError in the retry's deadline
+        "model.tiny.num_layers=100000000",  # loaded; the allocation failed after Redis and Ray were up
+        "data.num_generated=100000000000",  # loaded; MemoryError after ~100 s
+        "eval.num_prompts=100000000000",
+        "rollout.num_workers=100000",  # loaded; "can't start new thread", the process aborted
+        "rollout.batch_size=100000000",  # loaded; the first step never ended
+        "reward.timeout_s=1e10",  # loaded; the reward watchdog thread died of OverflowError
+        "job_name=" + "a" * 300,  # loaded; shm_open failed (the name is in the segment's)
+    ],
+)
+def test_numbers_past_any_real_use_are_refused_at_load(override):
+    key = override.split("=")[0]
+    assert key in _refused(override)
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
+    from slime.cli import main
+
+    (tmp_path / "file").write_text("not a directory")
+    assert main(["train", EXAMPLE, f"output_dir={tmp_path / 'file'}"]) == 2

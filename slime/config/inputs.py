@@ -10,18 +10,23 @@ from pydantic import Field, model_validator
 
 from slime.config.base import StrictModel as _Strict
 
+# Far past what a model built in code for a CPU test is, and short of an allocation that fails mid-run.
+MAX_TINY_DIM = 1 << 16
+# Rows, prompts, samples and workers: past these a value is a typo (1e23 loaded, then ran out of memory).
+MAX_COUNT = 10_000_000
+
 
 class TinyModelConfig(_Strict):
     """The built-in default policy: a Qwen3-MoE built in code with a character-level tokenizer."""
 
-    hidden_size: int = Field(128, gt=0)
-    num_layers: int = Field(4, gt=0)
-    num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
-    num_experts: int = Field(8, gt=0)
-    experts_per_token: int = Field(2, gt=0)
-    expert_hidden_size: int = Field(128, gt=0)
-    max_position_embeddings: int = Field(512, gt=0)
+    hidden_size: int = Field(128, gt=0, le=MAX_TINY_DIM)
+    num_layers: int = Field(4, gt=0, le=MAX_TINY_DIM)
+    num_heads: int = Field(4, gt=0, le=MAX_TINY_DIM)
+    num_kv_heads: int = Field(2, gt=0, le=MAX_TINY_DIM)
+    num_experts: int = Field(8, gt=0, le=MAX_TINY_DIM)
+    experts_per_token: int = Field(2, gt=0, le=MAX_TINY_DIM)
+    expert_hidden_size: int = Field(128, gt=0, le=MAX_TINY_DIM)
+    max_position_embeddings: int = Field(512, gt=0, le=MAX_TINY_DIM)
 
     @model_validator(mode="after")
     def _check(self) -> TinyModelConfig:
@@ -88,7 +93,9 @@ class DataConfig(_Strict):
     )
     shuffle: bool = True
     seed: int = 0
-    num_generated: int = Field(2000, gt=0, description="Prompts generated for the example task when path is None.")
+    num_generated: int = Field(
+        2000, gt=0, le=MAX_COUNT, description="Prompts generated for the example task when path is None."
+    )
 
     @model_validator(mode="after")
     def _one_prompt_format(self) -> DataConfig:
@@ -136,7 +143,10 @@ class EvalConfig(_Strict):
         None, description="Held-out prompts (read like data.path); None with the example task: new prompts of it."
     )
     num_prompts: int | None = Field(
-        None, gt=0, description="eval.data's first N rows (None: all); the example task's held-out set size (64)."
+        None,
+        gt=0,
+        le=MAX_COUNT,
+        description="eval.data's first N rows (None: all); the example task's held-out set size (64).",
     )
     samples: int = Field(0, ge=0, description="Sampled responses per prompt besides the greedy one (pass@1, pass@k).")
     temperature: float = Field(

@@ -64,7 +64,7 @@ class CheckpointConfig(_Strict):
 
 
 class JobConfig(_Strict):
-    job_name: str = Field("slime", pattern=r"^[A-Za-z0-9_.-]+$")
+    job_name: str = Field("slime", pattern=r"^[A-Za-z0-9_.-]+$", max_length=100)  # in shm and Redis key names
     output_dir: str = "outputs/slime"
     mode: Literal["sync", "async"] = "sync"
     steps: int = Field(30, gt=0)

@@ -341,7 +341,9 @@ class LearnerConfig(_Strict):
     )
     ppo_epochs: int = Field(1, gt=0)
     num_minibatches: int = Field(1, gt=0)
-    micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward; gradients accumulate.")
+    micro_batch_size: int = Field(
+        32, gt=0, le=1_000_000, description="Sequences per forward/backward; gradients accumulate."
+    )
     max_tokens_per_micro_batch: int | None = Field(
         None,
         gt=0,

@@ -152,8 +152,8 @@ class BehaviourPerturbationConfig(StrictModel):
 
 
 class RolloutConfig(StrictModel):
-    num_workers: int = Field(1, gt=0)
-    batch_size: int = Field(8, gt=0, description="Prompt groups per training step.")
+    num_workers: int = Field(1, gt=0, le=4096)
+    batch_size: int = Field(8, gt=0, le=1_000_000, description="Prompt groups per training step.")
     n_samples_per_prompt: int = Field(4, gt=0)
     max_new_tokens: int = Field(96, gt=0)
     temperature: Annotated[float, AfterValidator(check_temperature)] = Field(
@@ -209,6 +209,7 @@ class RolloutConfig(StrictModel):
     hang_timeout_s: float = Field(
         300.0,
         gt=0,
+        le=7 * 86400,
         description="A worker that does not answer its health check, or makes no decode step with requests "
         "queued, for this long is killed and the job restarts from its checkpoint (max_restarts).",
     )

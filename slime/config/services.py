@@ -23,7 +23,9 @@ class RewardConfig(_Strict):
         "each complete group's responses together (slime's --group-rm; rank, pairwise-judge, diversity rewards), "
         "once per group as the learner takes it (rewards/group.py).",
     )
-    timeout_s: float = Field(30.0, gt=0, description="Per-sample (scope=group: per-group) limit; a slower call fails.")
+    timeout_s: float = Field(
+        30.0, gt=0, le=86400, description="Per-sample (scope=group: per-group) limit; a slower call fails."
+    )
     max_concurrency: int = Field(8, gt=0, description="Calls at once (remote modes: batches in flight).")
     mode: Literal["in_process", "ray_actor", "http"] = Field(
         "in_process",
@@ -152,6 +154,7 @@ class BufferConfig(_Strict):
     reconnect_timeout_s: float = Field(
         60.0,
         gt=0,
+        le=86400,
         description="How long every part retries (with backoff) a Redis that went away before it "
         "gives up: long enough for a restart that replays the AOF.",
     )
