@@ -117,6 +117,7 @@ class RolloutFleet:
         self.controls_read_at = 0.0
         self.last_health = time.time()
         self.progress: dict[int, tuple[tuple, float]] = {}  # worker -> (engine counters, since when)
+        self.forward_said = False  # the engines' forward path, printed once
         self.kv_totals = WorkerTotals("kv_resumes", "kv_resumed_tokens")  # over the job, workers gone included
         # Groups a resume dropped never train: not "started" for async admission (its cap follows the
         # restored version), else a run that died a few steps after its checkpoint starts no group.
@@ -342,9 +343,22 @@ class RolloutFleet:
                 self._kill_hung(i, f"no decode step for {now - last[1]:.0f}s with {queued} requests queued")
             healths.append(h)
         self.telemetry.record_engine_health(healths)
+        self.note_forward(healths)
         if healths and not any(h.get("alive") for h in healths):
             raise WorkerFailed("every rollout worker has stopped")
         return healths
+
+    def wait_started(self, other_refs: list) -> None:
+        """Until every worker answers its first health call (it has started) and ``other_refs`` are done."""
+        self.note_forward(self.launcher.get([w.health.remote() for w in self.workers] + other_refs))
+
+    def note_forward(self, replies: list) -> None:
+        """Print once which forward the built-in engines took (it was only in their log, at INFO)."""
+        kinds = sorted({str(h["forward"]) for h in replies if isinstance(h, dict) and h.get("forward")})
+        if kinds and not self.forward_said:
+            self.forward_said = True
+            slow = " (the Hugging Face forward, the slowest; docs/engines.md says why one is refused)" * ("hf" in kinds)
+            print(f"rollout engines: the built-in engine's forward path is {'/'.join(kinds)}{slow}", flush=True)
 
     def _wait_all(self, refs: list, what: str) -> list:
         """The workers' replies to one call each (refs in worker order); a worker that has not

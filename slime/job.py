@@ -159,7 +159,7 @@ class RunningJob:
             self.start_step, self.lineage = 0, new_id()  # lineage: this run and its resumes (keep_last)
             if checkpoint is not None:
                 self.start_step = self._restore(checkpoint)
-            self.launcher.get([w.health.remote() for w in self.workers] + self.learner.publish_weights())
+            self.fleet.wait_started(self.learner.publish_weights())
             if self.offpolicy is not None:  # its start, or the checkpoint's decision
                 self._apply_offpolicy()
             if checkpoint is not None:

@@ -406,7 +406,36 @@ def checked_rollout_stops(rollout: RolloutConfig, tokenizer, model_dir: str) -> 
             model_dir,
             rollout.max_new_tokens,
         )
+    end = chat_turn_end(tokenizer)
+    if end is not None and end not in ids and not rollout.ignore_eos:
+        name = tokenizer.convert_ids_to_tokens(end)
+        log.warning(
+            "the chat template of %s ends an assistant turn with %r (id %d), which is no stop token here: a "
+            "chat prompt's response runs on past its turn, to rollout.max_new_tokens. Add rollout.stop=[%r]",
+            model_dir,
+            name,
+            end,
+            name,
+        )
     return ids
+
+
+def chat_turn_end(tokenizer) -> int | None:
+    """The special token the chat template closes an assistant turn with (`<|im_end|>`,
+    `<|eot_id|>`), or None: no template, or plain text after the turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "SLIME_TURN_END_PROBE"
+    try:
+        chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    except Exception:  # a template that wants other roles or fields: nothing to say
+        return None
+    tail = text[text.find(marker) + len(marker) :] if marker in text else ""
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail.strip() else []
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    return int(ids[0]) if ids and int(ids[0]) in special else None
 
 
 def rollout_stop_strings(rollout: RolloutConfig, tokenizer) -> list[str]:

@@ -588,6 +588,7 @@ class RolloutWorker:
             "engine_tokens_generated": engine["tokens_generated"],
             "decode_steps": engine.get("decode_steps", 0),
             "decode_rows": engine.get("decode_rows", 0),
+            "forward": engine.get("forward"),  # the built-in engine's path: fast, generic or hf
             "kv_resumes": engine.get("kv_resumes", 0),  # partials and next turns rejoined from a kept KV cache
             "kv_resumed_tokens": engine.get("kv_resumed_tokens", 0),
             "busy_seconds": self.busy_seconds,
