@@ -32,7 +32,8 @@ Interpreter: the system `/usr/bin/python3` by default. It lives entirely under `
 in `/usr/lib/python3.X`), so one read-only bind of `/usr` is enough; the project venv's base
 interpreter lives under `/root/.pyenv` here, which must stay invisible, and the venv's heavy
 packages (torch, ...) are not something untrusted code should get. Override with
-`SandboxConfig.python` (+ `extra_ro_binds` for the interpreter's prefix).
+`SandboxConfig.python` (+ `extra_ro_binds` for the interpreter's prefix). The settings and their
+bounds are in envs/sandbox_config.py, checked when a Sandbox is built.
 
 If `bwrap` is missing or cannot create namespaces, the sandbox refuses: every run returns status
 `sandbox_unavailable` with a message naming what failed and how to fix it, unless the user sets
@@ -56,8 +57,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
-
+from envs.sandbox_config import SandboxConfig, sandbox_config
 from envs.sandbox_host import (
     PLACES,
     acquire_uid,
@@ -86,30 +86,6 @@ class SandboxUnavailable(UserError, RuntimeError):
     """bwrap is missing or cannot create the namespaces we need."""
 
     hint = "install bubblewrap (apt-get install bubblewrap) where the sandbox runs (docs/security.md)"
-
-
-class SandboxConfig(BaseModel):
-    mode: Literal["bwrap", "unsafe_no_namespaces"] = "bwrap"
-    python: str = "/usr/bin/python3"
-    bwrap: str = "bwrap"
-    timeout_s: float = Field(10.0, gt=0, description="wall clock per run")
-    cpu_s: int | None = Field(None, description="RLIMIT_CPU; default ceil(timeout_s) + 1")
-    memory_mb: int = Field(512, ge=64, description="RLIMIT_AS of every process in the sandbox")
-    total_memory_mb: int = Field(
-        1024, ge=64, description="all the run's processes together (a memory cgroup, where one can be made)"
-    )
-    max_processes: int = Field(32, ge=1, description="RLIMIT_NPROC (threads count too)")
-    max_file_mb: int = Field(16, ge=1, description="RLIMIT_FSIZE")
-    max_open_files: int = Field(64, ge=16, description="RLIMIT_NOFILE")
-    max_output_bytes: int = Field(64 * 1024, ge=256, description="per stream; past it the run is killed")
-    write_quota_mb: int = Field(
-        64, ge=1, description="one limit for /work, /tmp and /dev/shm together (a tmpfs: memory, not disk)"
-    )
-    max_files: int = Field(4096, ge=16, description="files and directories the run may create, in all those places")
-    host_uid_base: int = Field(61000, ge=1000, description="dedicated host uids when run as root")
-    host_uid_count: int = Field(1000, ge=1)
-    extra_ro_binds: list[str] = Field(default_factory=list, description="host paths bound read-only at the same place")
-    env: dict[str, str] = Field(default_factory=dict, description="added to the minimal environment")
 
 
 @dataclass
@@ -168,11 +144,7 @@ def _fix_hint() -> str:
 
 class Sandbox:
     def __init__(self, config: SandboxConfig | dict | None = None):
-        if config is None:
-            config = SandboxConfig()
-        elif isinstance(config, dict):
-            config = SandboxConfig(**config)
-        self.config = config
+        self.config = sandbox_config(config)  # SandboxConfigError naming a setting that cannot work
 
     # -- availability ------------------------------------------------------------------
 

@@ -36,9 +36,10 @@ Misbehaviour ends the episode (done, reward 0, `info["end_reason"]`, details in
 `info["end_detail"]`): `path_outside_workspace` (an absolute path or `..` in any tool),
 `sandbox_timeout` / `sandbox_output_limit` / `sandbox_memory` / `sandbox_killed` (a test run that
 hit that limit: an infinite loop, an output flood), `loop` (the same call, name and arguments,
-`max_repeated_calls` times in a row). A malformed call, an unknown tool, a bad argument or a
-patch that does not apply is an error result, and the episode goes on. `finish` ends it with
-`end_reason="finish"`.
+`max_repeated_calls` times in a row). A malformed call (bad JSON, a number too long, nesting too
+deep, text that is not UTF-8: envs/model_text.py), an unknown tool, a bad argument, a patch that
+does not apply, or any other exception a file tool raises (named with its type) is an error
+result, and the episode goes on. `finish` ends it with `end_reason="finish"`.
 
 Snapshot/restore: `snapshot()` is the whole state after the last step as JSON-safe data (changed
 files, call history, repeat counter, failing-at-start set, turn count); `restore(sample, snap)`
@@ -50,17 +51,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from envs import model_text
 from envs.sandbox import MAIN_FILE, Sandbox, SandboxConfig
 from envs.swe_runner import SuiteRun, run_suite
 from envs.swe_workspace import PathOutsideWorkspace, ToolError, Workspace, normalize_path
 from slime.sample import Sample
+from slime.security import printable_excerpt
 
+logger = logging.getLogger(__name__)
 TESTS_DIR = "tests"
 MAX_SHOWN_FAILURES = 5
 MAX_SHOWN_TRACEBACK = 600
@@ -73,7 +78,10 @@ CALL_FORMAT = (
 
 
 def _explain(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )
 
 
 class SweEnvConfig(BaseModel):
@@ -170,24 +178,33 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 def _parse_call(body: str) -> ToolCall:
     raw = body.strip()
     try:
-        obj = json.loads(raw)
+        obj = model_text.loads(raw)
+    except RecursionError:
+        return ToolCall(None, {}, _digest(raw), f"the tool call is {model_text.NESTED_TOO_DEEPLY}")
     except ValueError as exc:
         return ToolCall(None, {}, _digest(raw), f"malformed JSON in <tool_call>: {exc}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ToolCall(None, {}, _digest(raw), 'a call is a JSON object {"name": TOOL, "arguments": {...}}')
+    name = obj["name"]
+    if not model_text.is_text(name):
+        return ToolCall(None, {}, _digest(raw), f"the tool name is {model_text.NOT_TEXT}")
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):  # OpenAI style: the arguments as a JSON string
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = model_text.loads(arguments) if arguments.strip() else {}
+        except RecursionError:
+            return ToolCall(name, {}, _digest(raw), f"{name}: arguments are {model_text.NESTED_TOO_DEEPLY}")
         except ValueError as exc:
-            return ToolCall(obj["name"], {}, _digest(raw), f"{obj['name']}: arguments are not JSON: {exc}")
+            return ToolCall(name, {}, _digest(raw), f"{name}: arguments are not JSON: {exc}")
     if not isinstance(arguments, dict):
-        return ToolCall(obj["name"], {}, _digest(raw), f"{obj['name']}: arguments must be a JSON object")
-    return ToolCall(obj["name"], arguments, _digest(json.dumps([obj["name"], arguments], sort_keys=True)))
+        return ToolCall(name, {}, _digest(raw), f"{name}: arguments must be a JSON object")
+    if not model_text.is_text(arguments):  # every file tool encodes what it is given (sizes, the sandbox)
+        return ToolCall(name, {}, _digest(raw), f"{name}: arguments are {model_text.NOT_TEXT}")
+    return ToolCall(name, arguments, _digest(json.dumps([name, arguments], sort_keys=True)))
 
 
 def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]  # the model's raw text
 
 
 def _short(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -323,15 +340,14 @@ class SweEnv:
         return body, entry.ok, reward, run
 
     def _run_tool(self, name: str, args: _Args) -> tuple[str, float, SuiteRun | None]:
-        ws = self.workspace
-        if isinstance(args, ListDirArgs):
-            return ws.list_dir(args.path), 0.0, None
-        if isinstance(args, ReadFileArgs):
-            return ws.read_file(args.path, args.start_line, args.end_line, self.cfg.max_read_lines), 0.0, None
-        if isinstance(args, WriteFileArgs):
-            return ws.write_file(args.path, args.content), 0.0, None
-        if isinstance(args, ApplyPatchArgs):
-            return ws.apply_patch(args.patch), 0.0, None
+        if name not in ("run_tests", "finish"):
+            try:  # a file tool changes the workspace all or nothing (Workspace.commit)
+                return self._file_tool(args), 0.0, None
+            except ToolError:
+                raise
+            except Exception as exc:  # the tool's own failure on what the model sent: an error result
+                logger.warning("SweEnv tool %s raised on the model's call", name, exc_info=True)
+                raise ToolError(f"the tool failed ({type(exc).__name__}: {printable_excerpt(str(exc), 200)})") from exc
         run = self._run_suite()
         if run.hit_limit is not None:
             self._end(f"sandbox_{run.hit_limit}", f"{name}: the test run hit the sandbox's {run.hit_limit} limit")
@@ -341,6 +357,18 @@ class SweEnv:
         reward = self._reward(run)
         self._end("finish", f"finished with reward {reward:.3f}")
         return f"{describe_run(run)}\nepisode finished; reward {reward:.3f}", reward, run
+
+    def _file_tool(self, args: _Args) -> str:
+        ws = self.workspace
+        if isinstance(args, ListDirArgs):
+            return ws.list_dir(args.path)
+        if isinstance(args, ReadFileArgs):
+            return ws.read_file(args.path, args.start_line, args.end_line, self.cfg.max_read_lines)
+        if isinstance(args, WriteFileArgs):
+            return ws.write_file(args.path, args.content)
+        if isinstance(args, ApplyPatchArgs):
+            return ws.apply_patch(args.patch)
+        raise TypeError(f"no file tool takes {type(args).__name__}")
 
     def _end(self, reason: str, detail: str) -> None:
         self.done, self.end_reason, self.end_detail = True, reason, detail

@@ -38,6 +38,8 @@ def normalize_path(raw: object, *, allow_root: bool = False) -> str:
     text = raw.strip()
     if "\x00" in text:
         raise ToolError("a path must not contain NUL characters")
+    if not _is_text(text):
+        raise ToolError("a path must be valid UTF-8 text (it holds a lone surrogate)")
     if len(text) > MAX_PATH_CHARS:
         raise ToolError(f"path longer than {MAX_PATH_CHARS} characters")
     if text.startswith(("/", "\\", "~")) or re.match(r"^[A-Za-z]:", text):
@@ -148,6 +150,8 @@ class Workspace:
         for path, text in changes.items():
             if text is None:
                 after.pop(path, None)
+            elif not _is_text(text):  # its size in bytes, and the sandbox's copy, need UTF-8
+                raise ToolError(f"{path}: the content must be valid UTF-8 text (it holds a lone surrogate)")
             else:
                 after[path] = text
         if len(after) > self.max_files:
@@ -155,6 +159,14 @@ class Workspace:
         if self.total_bytes(after) > self.max_bytes:
             raise ToolError(f"the workspace may hold at most {self.max_bytes} bytes")
         self.files = after
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _split_lines(text: str) -> list[str]:

@@ -15,13 +15,16 @@ Call styles accepted in a model turn (several calls per turn are allowed, in ord
 
 A call that cannot be parsed, names an unknown tool or lacks its argument becomes a ToolCallError
 whose message says what was wrong and what the right form is; the env sends it back as the
-observation, so the model can learn from it.
+observation, so the model can learn from it. So does a number too long, nesting too deep or text
+that is not UTF-8 (envs/model_text.py), and any other exception a tool raises on what the model
+sent (`ToolRegistry.call`: the tool's name and the exception's type and message).
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 import operator
 import re
@@ -31,7 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from envs import model_text
 from envs.sandbox import Sandbox, SandboxConfig
+from envs.sandbox_config import sandbox_config
+from slime.security import printable_excerpt
+
+logger = logging.getLogger(__name__)
 
 
 class ToolCallError(ValueError):
@@ -178,10 +186,19 @@ class ToolRegistry:
         self.tools[tool.name] = tool
 
     def call(self, name: str, argument: str) -> str:
+        """The tool's result; ToolCallError for anything that went wrong, the tool's own failures
+        included: a call the model made never fails the episode (the traceback goes to the log)."""
         tool = self.tools.get(name)
         if tool is None:
             raise ToolCallError(f"unknown tool {name!r}; tools: {', '.join(self.tools)}")
-        return tool.run(argument)
+        try:
+            return tool.run(argument)
+        except ToolCallError:
+            raise
+        except Exception as exc:
+            logger.warning("tool %s raised on the model's call", name, exc_info=True)
+            detail = printable_excerpt(str(exc), 200)
+            raise ToolCallError(f"{name}: the tool failed ({type(exc).__name__}: {detail})") from exc
 
 
 def calculator_tool() -> Tool:
@@ -217,6 +234,7 @@ def build_registry(
     names: list[str], docs_path: str | None = None, sandbox: SandboxConfig | dict | None = None
 ) -> ToolRegistry:
     registry = ToolRegistry()
+    settings = sandbox_config(sandbox)  # checked even where no tool uses them: a typo is named at once
     for name in names:
         if name == "calculator":
             registry.add(calculator_tool())
@@ -225,7 +243,7 @@ def build_registry(
                 raise ValueError("the search tool needs docs_path (a JSONL of documents)")
             registry.add(search_tool(DocumentIndex.from_jsonl(docs_path)))
         elif name == "python":
-            registry.add(python_tool(Sandbox(sandbox)))
+            registry.add(python_tool(Sandbox(settings)))
         else:
             raise ValueError(f"unknown tool {name!r}; built-in tools: calculator, search, python")
     return registry
@@ -340,7 +358,7 @@ def _blank(text: str, spans: list[tuple[int, int]]) -> str:
 
 
 def _parse_json_calls(text: str, registry: ToolRegistry, turn: ParsedTurn, require: bool) -> None:
-    decoder = json.JSONDecoder()
+    decoder = model_text.decoder  # numbers of at most MAX_NUMBER_DIGITS digits
     # Each failed decode may read to the end of the turn: at most MAX_FAILED_DECODES of each kind.
     i, found, failed_calls, failed_prose = 0, False, 0, 0
     while True:
@@ -360,7 +378,7 @@ def _parse_json_calls(text: str, registry: ToolRegistry, turn: ParsedTurn, requi
         try:
             obj, end = decoder.raw_decode(text, start)
         except RecursionError:  # the rest of the turn is not read: each brace would recurse again
-            turn.errors.append("malformed JSON tool call: nested too deeply")
+            turn.errors.append(f"malformed JSON tool call: {model_text.NESTED_TOO_DEEPLY}")
             found = True
             break
         except ValueError as exc:
@@ -368,7 +386,10 @@ def _parse_json_calls(text: str, registry: ToolRegistry, turn: ParsedTurn, requi
             if not (require or _CALL_LIKE.match(text, start)):
                 failed_prose += 1
                 continue
-            turn.errors.append(f"malformed JSON tool call: {exc.msg} at character {exc.pos - start}")
+            if isinstance(exc, json.JSONDecodeError):
+                turn.errors.append(f"malformed JSON tool call: {exc.msg} at character {exc.pos - start}")
+            else:  # model_text.NumberTooLong
+                turn.errors.append(f"malformed JSON tool call: {exc}")
             found = True
             failed_calls += 1
             if failed_calls == MAX_FAILED_DECODES:
@@ -389,11 +410,17 @@ def _parse_json_calls(text: str, registry: ToolRegistry, turn: ParsedTurn, requi
         if not isinstance(name, str):
             turn.errors.append('the "tool" field must be a tool name string')
             continue
+        if not model_text.is_text(name):
+            turn.errors.append(f'the "tool" field is {model_text.NOT_TEXT}')
+            continue
         args = obj.get("args", obj.get("arguments", ""))
         tool = registry.tools.get(name)
         if isinstance(args, str) and args.strip().startswith("{"):
             try:
-                args = json.loads(args)  # OpenAI style: arguments as a JSON string
+                args = model_text.loads(args)  # OpenAI style: arguments as a JSON string
+            except RecursionError:
+                turn.errors.append(f"{name}: arguments are {model_text.NESTED_TOO_DEEPLY}")
+                continue
             except ValueError:
                 pass
         if isinstance(args, dict):
@@ -412,5 +439,7 @@ def _parse_json_calls(text: str, registry: ToolRegistry, turn: ParsedTurn, requi
 def _add_call(turn: ParsedTurn, registry: ToolRegistry, name: str, argument: str) -> None:
     if name not in registry.tools:
         turn.errors.append(f"unknown tool {name!r}; tools: {', '.join(registry.tools)}")
+    elif not model_text.is_text(argument):  # every tool encodes its argument (ast.parse, the sandbox's files)
+        turn.errors.append(f"{name}: arguments are {model_text.NOT_TEXT}")
     else:
         turn.calls.append(ToolCall(name, argument.strip()))
