@@ -1,9 +1,18 @@
 """Reading a dataset file into (location, row) pairs: JSON Lines, Parquet, or a local Hugging Face
-dataset directory. The location (`file:line`, `file:row N`) is what every error about the row names."""
+dataset directory. The location (`file:line`, `file:row N`) is what every error about the row names.
+
+What no dataset may be: a path that is not a regular file or a directory (a device, a FIFO, a
+socket: /dev/zero read as one endless line, a FIFO waited on forever), a JSONL line longer than
+MAX_LINE_BYTES (read in bounded pieces), or a number that is not finite (NaN, Infinity, a literal
+beyond a float's range such as 1e999, a NaN or infinite Parquet float) or an integer longer than
+Python reads from text: each fails with the file and line or row."""
 
 from __future__ import annotations
 
 import json
+import math
+import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +37,9 @@ def read_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield (location, row) pairs; location is `file:line` or `file:row N` for error messages."""
     if p.is_dir():
         yield from _read_hf_dir(p)
-    elif p.suffix.lower() in JSONL_SUFFIXES:
+        return
+    _refuse_special_file(p)
+    if p.suffix.lower() in JSONL_SUFFIXES:
         yield from _read_jsonl(p)
     elif p.suffix.lower() in PARQUET_SUFFIXES:
         yield from _read_parquet(p)
@@ -36,7 +47,41 @@ def read_rows(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise DatasetError(f"{p}: unsupported dataset format {p.suffix!r}; supported: {SUPPORTED_FORMATS}")
 
 
+_SPECIAL_FILES = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _refuse_special_file(p: Path) -> None:
+    """A path (its symlinks followed) that is not a regular file: a device never ends (/dev/zero),
+    a FIFO blocks until a writer comes. Checked from stat, before anything opens it."""
+    try:
+        mode = p.stat().st_mode
+    except OSError as exc:
+        raise DatasetError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for is_kind, name in _SPECIAL_FILES if is_kind(mode)), f"file mode {stat.filemode(mode)}")
+    real = p.resolve()
+    target = f" ({real})" if real != p.absolute() else ""
+    raise DatasetError(
+        f"{p}: not a regular file: {kind}{target}; a dataset is read from a regular file or a directory",
+        hint="point data.path at the dataset file itself (a symlink to a regular file is fine)",
+    )
+
+
 # --- JSON Lines -----------------------------------------------------------------------------------
+
+# The longest JSONL line read (bytes, newline included). A line is read in pieces up to it, so a
+# huge file without a newline fails here instead of being read whole into memory.
+MAX_LINE_BYTES = 64 << 20  # 64 MiB
+
+# Python's own limit on an integer read from text (sys.int_info.default_max_str_digits): longer
+# ones fail there, and an unlimited interpreter would convert them in quadratic time.
+MAX_INT_DIGITS = 4300
 
 
 class _DuplicateKey(Exception):
@@ -45,6 +90,10 @@ class _DuplicateKey(Exception):
 
 class _NotANumber(Exception):
     """NaN, Infinity or -Infinity: not JSON, though Python's json reads them as floats."""
+
+
+class _BadNumber(Exception):
+    """A JSON number no row may hold: an integer too long to read, a literal beyond a float's range."""
 
 
 def _first_duplicate(keys: list[Any]) -> Any:
@@ -67,12 +116,58 @@ def _not_a_number(name: str) -> float:
     raise _NotANumber(name)
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_not_a_number)
+def _int(literal: str) -> int:
+    digits = len(literal) - (literal[0] == "-")
+    if digits <= MAX_INT_DIGITS:
+        try:
+            return int(literal)
+        except ValueError:  # this interpreter's own limit (sys.set_int_max_str_digits) is lower
+            pass
+    limit = min(MAX_INT_DIGITS, sys.get_int_max_str_digits() or MAX_INT_DIGITS)
+    raise _BadNumber(
+        f"an integer of {digits} digits, more than the {limit} Python reads as a number",
+        "write such a number as a string",
+    )
+
+
+_INFINITIES = (math.inf, -math.inf)
+
+
+def _float(literal: str) -> float:
+    value = float(literal)
+    if value in _INFINITIES:  # float() reads no NaN from a JSON number; an overflow reads as inf
+        shown = literal if len(literal) <= 40 else f"{literal[:20]}... ({len(literal)} characters)"
+        raise _BadNumber(
+            f"{shown} is not a finite number: beyond a float's range, Python's json would read it as {value}, "
+            "which reaches the reward",
+            "write null, or the number as a string",
+        )
+    return value
+
+
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_keys, parse_constant=_not_a_number, parse_int=_int, parse_float=_float
+)
+
+
+def _lines(p: Path, f: Any) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a binary file, each line read up to MAX_LINE_BYTES and no further."""
+    lineno = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            raise DatasetError(
+                f"{p}:{lineno}: the line is longer than {MAX_LINE_BYTES} bytes (MAX_LINE_BYTES, "
+                f"{MAX_LINE_BYTES / 2**20:g} MiB), the most one JSONL row may take",
+                hint="a JSON Lines file holds one JSON object per line; keep a row under the limit "
+                "(large media belong in files the row names)",
+            )
+        yield lineno, raw
 
 
 def _read_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     with p.open("rb") as f:  # decoded line by line: a bad byte is named by its line
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in _lines(p, f):
             where = f"{p}:{lineno}"
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # -sig: tolerate a BOM
@@ -107,6 +202,8 @@ def _parse_line(where: str, line: str, lineno: int) -> dict[str, Any]:
             "read it as a float that reaches the reward)",
             hint="write null, or the number as a string",
         ) from None
+    except _BadNumber as exc:
+        raise DatasetError(f"{where}: {exc.args[0]}", hint=exc.args[1]) from None
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
     try:  # JSON's \ud800-\udfff escapes decode to lone surrogates: not text, they break every encode
@@ -128,8 +225,46 @@ def _read_parquet(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         table = pq.read_table(p)
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise DatasetError(f"{p}: cannot read as Parquet: {exc}") from exc
+    floats = _has_float(table.schema)
     for i, row in enumerate(_table_rows(p, table)):
+        if floats:
+            _refuse_non_finite(f"{p}:row {i}", row)
         yield f"{p}:row {i}", row
+
+
+def _has_float(schema: Any) -> bool:
+    """Whether a column of `schema` holds floats, at any depth (only then are rows walked for NaN)."""
+    import pyarrow as pa
+
+    def floating(typ: Any) -> bool:
+        return pa.types.is_floating(typ) or any(floating(typ.field(i).type) for i in range(typ.num_fields))
+
+    return any(floating(field.type) for field in schema)
+
+
+def _refuse_non_finite(where: str, row: dict[str, Any]) -> None:
+    """A NaN or infinite float anywhere in a Parquet or HF row: refused as JSONL refuses NaN and
+    Infinity, since every column reaches the reward (the label, the rest as metadata)."""
+    for key, value in row.items():
+        found = _non_finite(value, str(key))
+        if found is not None:
+            raise DatasetError(
+                f"{where}: column {found[0]!r} holds {found[1]}, not a finite number (it would reach the reward "
+                "as a float; the JSONL reader refuses NaN and Infinity alike)",
+                hint="write null for a missing value (pandas' to_parquet writes NaN as null by default)",
+            )
+
+
+def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
+    """(where, value) of the first NaN or infinite float in `value`; None when there is none."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{path}[{k}]" if isinstance(value, list) else f"{path}.{k}")
+        if found is not None:
+            return found
+    return None
 
 
 def _table_rows(p: Path, table: Any) -> list[dict[str, Any]]:
@@ -175,5 +310,8 @@ def _read_hf_dir(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         if "train" not in ds:
             raise DatasetError(f"{p}: a DatasetDict without a 'train' split; its splits are {sorted(ds)}")
         ds = ds["train"]
+    floats = _has_float(ds.data.schema)
     for i, row in enumerate(ds):
+        if floats:
+            _refuse_non_finite(f"{p}:row {i}", row)
         yield f"{p}:row {i}", dict(row)

@@ -73,52 +73,113 @@ def check_device(value: str) -> str:
 
 
 MAX_YAML_VALUES = 100_000  # far more than any config holds; nested aliases expand to billions
+MAX_YAML_DEPTH = 100  # levels of lists and mappings, aliases expanded; a config holds a handful
+
+# YAML 1.1's base-60 numbers (`1:30` read as 90, `1:30.5` as 90.5): kept as the text they are, so a
+# number field refuses them by name instead of taking a value nobody wrote.
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
 
 
 def load_yaml_file(path: Path) -> Any:
-    """A config file's YAML (safe_load), refused with ConfigError naming the file when it is not
-    UTF-8 or not valid YAML, gives a key twice in one mapping (the last one silently won), or has
-    aliases that expand past MAX_YAML_VALUES values."""
+    """A config file's YAML (safe_load, less base-60 numbers), refused with ConfigError naming the
+    file when it is not UTF-8 or not valid YAML, gives a key twice in one mapping (the last one
+    silently won), has aliases that expand past MAX_YAML_VALUES values or an alias inside the very
+    collection it names, or nests past MAX_YAML_DEPTH levels (PyYAML's composer recurses per level)."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
         ) from None
+    loader = _ConfigLoader(text)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)  # the node graph: nothing constructed yet
-        values = _checked_size(root, {}) if root is not None else 0
+        root = loader.get_single_node()  # the node graph: nothing constructed yet
+        if root is None:
+            return None
+        values, _ = _checked_size(root, {})
         if values > MAX_YAML_VALUES:
             raise _Refused(f"its aliases (*name) expand to {values:.3g} values, over {MAX_YAML_VALUES}")
-        return yaml.safe_load(text)
+        return loader.construct_document(root)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
     except _Refused as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    except RecursionError:  # the limits above should leave none; a traceback would say less
+        raise ConfigError(f"{path}: too deeply nested or recursive to read") from None
+    finally:
+        loader.dispose()
 
 
 class _Refused(Exception):
     """Valid YAML that a config file must not be."""
 
 
-def _checked_size(node: yaml.Node, memo: dict[int, int]) -> int:
-    """How many values `node` holds once every alias is copied out (an alias is the same node,
-    counted once per use but walked once); raises on a mapping that gives a key twice."""
-    if id(node) in memo:
-        return memo[id(node)]
-    size = 1
-    if isinstance(node, yaml.MappingNode):
-        lines: dict[str, int] = {}
-        for key, value in node.value:
-            if isinstance(key, yaml.ScalarNode) and key.value in lines:
-                raise _Refused(
-                    f"key {key.value!r} is given twice in one mapping (lines {lines[key.value] + 1} and "
-                    f"{key.start_mark.line + 1})"
-                )
-            if isinstance(key, yaml.ScalarNode):
-                lines[key.value] = key.start_mark.line
-            size += _checked_size(key, memo) + _checked_size(value, memo)
-    elif isinstance(node, yaml.SequenceNode):
-        size += sum(_checked_size(child, memo) for child in node.value)
-    memo[id(node)] = size
-    return size
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that reads base-60 numbers as text and refuses, while composing, nesting past
+    MAX_YAML_DEPTH and an alias inside the collection it names (`a: &a [*a]`, a cycle)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._open: list[str | None] = []  # the anchors of the collections being composed
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
+        if kind is yaml.ScalarNode and implicit[0] and _SEXAGESIMAL.match(value):
+            return yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG
+        return super().resolve(kind, value, implicit)
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) and event.anchor in self._open:
+            raise _Refused(
+                f"recursive alias *{event.anchor} at line {event.start_mark.line + 1}: it stands inside the "
+                f"collection &{event.anchor} names, which would hold itself"
+            )
+        if not isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            return super().compose_node(parent, index)
+        if len(self._open) >= MAX_YAML_DEPTH:
+            raise _Refused(
+                f"too deeply nested (more than {MAX_YAML_DEPTH} levels of lists and mappings, at line "
+                f"{event.start_mark.line + 1})"
+            )
+        self._open.append(event.anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._open.pop()
+
+
+def _checked_size(node: yaml.Node, memo: dict[int, tuple[int, int]], above: int = 0) -> tuple[int, int]:
+    """(values, levels): how many values `node` holds once every alias is copied out (an alias is the
+    same node, counted once per use but walked once) and how many levels of collections; raises on a
+    mapping that gives a key twice, or past MAX_YAML_DEPTH levels with `above` levels over it."""
+    if id(node) not in memo:
+        if isinstance(node, yaml.CollectionNode) and above >= MAX_YAML_DEPTH:
+            raise _Refused(_too_deep_aliases())
+        size, children = 1, []
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value in lines:
+                    raise _Refused(
+                        f"key {key.value!r} is given twice in one mapping (lines {lines[key.value] + 1} and "
+                        f"{key.start_mark.line + 1})"
+                    )
+                if isinstance(key, yaml.ScalarNode):
+                    lines[key.value] = key.start_mark.line
+                children += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        counted = [_checked_size(child, memo, above + 1) for child in children]
+        size += sum(values for values, _ in counted)
+        levels = 1 + max((deep for _, deep in counted), default=0) if isinstance(node, yaml.CollectionNode) else 0
+        memo[id(node)] = (size, levels)
+    size, levels = memo[id(node)]
+    if above + levels > MAX_YAML_DEPTH:
+        raise _Refused(_too_deep_aliases())
+    return size, levels
+
+
+def _too_deep_aliases() -> str:
+    return (
+        f"too deeply nested (more than {MAX_YAML_DEPTH} levels of lists and mappings once its aliases are copied out)"
+    )
