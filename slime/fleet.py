@@ -24,7 +24,6 @@ from april.elastic import ElasticPolicy
 from april.scheduler import BudgetHold, GroupCounts, GroupScheduler, ZeroVarianceFilter
 from rewards.group_filter import GroupFilter
 from slime.buffer import JobTelemetry, TrajectoryStore
-from slime.buffer.store import DRAWN_AFTER_CHECKPOINT
 from slime.config import JobConfig
 from slime.data import reward_metadata
 from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker, worker_resources
@@ -119,9 +118,6 @@ class RolloutFleet:
         self.progress: dict[int, tuple[tuple, float]] = {}  # worker -> (engine counters, since when)
         self.forward_said = False  # the engines' forward path, printed once
         self.kv_totals = WorkerTotals("kv_resumes", "kv_resumed_tokens")  # over the job, workers gone included
-        # Groups a resume dropped never train: not "started" for async admission (its cap follows the
-        # restored version), else a run that died a few steps after its checkpoint starts no group.
-        self.resume_dropped = int(buffer.stats().get(f"dropped_groups:{DRAWN_AFTER_CHECKPOINT}", 0))
         # Elastic rollout (rollout.elastic): april decides, the methods under "elastic rollout" act.
         e = cfg.rollout.elastic
         self.elastic = (
@@ -155,7 +151,10 @@ class RolloutFleet:
         self.peak_queued = max(self.peak_queued, unfinished - slots)
         # The engines' version, not the learner's (async admission): see engine_version.
         version = self.engine_version
-        started = c["groups_total"] - self.resume_dropped
+        # Dropped groups never train (a filter's, the learner's stale ones, a resume's): not "started"
+        # for async admission, whose cap assumes the k-th group trains at step k // B. Counted, the
+        # filter's drops alone reached the cap with nothing in flight, and the job waited for good.
+        started = c["groups_total"] - c["groups_dropped"]
         counts = GroupCounts(unfinished=c["groups_open"], ready=c["groups_ready"], started=started)
         missing = self.scheduler.groups_to_start(counts, version)
         self.admission_held = self.scheduler.held_by_staleness(counts, version) > 0

@@ -138,6 +138,36 @@ def test_async_ppo_bounded_staleness(ray_session, tiny_model_dir, redis_url, tmp
     buffer.delete_job()
 
 
+@pytest.mark.timeout(600)
+def test_async_with_a_filter_that_drops_groups_goes_on(tiny_model_dir, redis_url, tmp_path):
+    """Async admission counted the groups a filter dropped as started: once more than
+    max_staleness x batch_size were dropped, its cap was reached with nothing in flight, and the job
+    waited for good without a word. Greedy rollouts make every group zero-variance: all dropped
+    until the fallback (max_filtered_per_step) keeps some."""
+    job = "e2e-async-filter"
+    history = train(
+        load_config(
+            None,
+            [
+                f"job_name={job}",
+                "cluster.launcher=local",
+                f"output_dir={tmp_path}",
+                f"model.path={tiny_model_dir}",
+                f"buffer.url={redis_url}",
+                *SMALL,
+                "steps=3",
+                "mode=async",
+                "max_staleness=1",
+                "rollout.temperature=0",
+                "april.filter_zero_variance=true",
+            ],
+        )
+    )
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert sum(h.get("filtered_zero_variance", 0) for h in history) > 3  # past max_staleness x batch_size
+    TrajectoryStore.open(redis_url, job).delete_job()
+
+
 @pytest.mark.parametrize("launcher", ["ray", "local"])
 def test_failing_reward_fails_only_its_samples(ray_session, tiny_model_dir, redis_url, tmp_path, launcher):
     # The reward file imports a helper beside it, as a script would (in the rollout worker). One name

@@ -110,6 +110,15 @@ def load_yaml_file(path: Path) -> Any:
         loader.dispose()
 
 
+def yaml_value(text: str) -> Any:
+    """An override's value, read as a config file's values are (base-60 numbers stay text)."""
+    loader = _ConfigLoader(text)  # a SafeLoader: what yaml.safe_load does, with this loader
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 class _Refused(Exception):
     """Valid YAML that a config file must not be."""
 

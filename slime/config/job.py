@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
-from slime.config.base import ConfigError, load_yaml_file
+from slime.config.base import ConfigError, load_yaml_file, yaml_value
 from slime.config.base import StrictModel as _Strict
 from slime.config.inputs import DataConfig, EvalConfig, ModelConfig, SamplingConfig
 from slime.config.learner import TIS_CAP_CORRECTIONS, AlgorithmConfig, LearnerConfig
@@ -401,7 +401,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml_value(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(
             f"override {text!r}: value is not valid YAML ({_yaml_problem(exc)}); quote the value, e.g. "
