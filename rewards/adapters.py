@@ -64,6 +64,7 @@ from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
+from rewards.failure_text import exception_text, shown, type_name
 from rewards.plugin import load_function
 from rewards.runner import _describe, _is_async, _keyword_plan
 from slime.errors import UserError
@@ -188,7 +189,12 @@ def _native(
 
     def raised(exc: Exception, kwargs: dict) -> Exception:
         why = explain(exc, kwargs)
-        return type(exc)(f"{exc} ({why})") if why else exc
+        if not why:
+            return exc
+        try:
+            return type(exc)(f"{exception_text(exc)} ({why})")
+        except Exception:  # an exception class that takes other arguments
+            return exc
 
     if _is_async(fn):
 
@@ -364,7 +370,7 @@ def trl_batch(fn: Callable[..., Any], name: str) -> BatchCall:
         values = _as_list(value)
         if values is None:
             raise TypeError(
-                f"TRL-style reward {name} returned {type(value).__name__} {value!r:.80}; "
+                f"TRL-style reward {name} returned {type_name(value)} {shown(value)}; "
                 f"expected a list with one score per completion"
             )
         if len(values) != count:
@@ -437,7 +443,7 @@ def openrlhf_results(reply: Any, count: int, who: str) -> list[dict[str, Any]]:
         values = [_plain(rewards)]  # one query, one number: OpenRLHF takes it too
     if values is None:
         raise TypeError(
-            f"{who} gave rewards as {type(rewards).__name__}, not a list or 1-d tensor (one per query): {rewards!r:.80}"
+            f"{who} gave rewards as {type_name(rewards)}, not a list or 1-d tensor (one per query): {shown(rewards)}"
         )
     rewards = values
     if any(isinstance(r, Mapping) for r in rewards):

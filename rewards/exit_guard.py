@@ -8,15 +8,24 @@ own threads ("reward-worker", "reward-loop", and any thread while it runs a rewa
 `reward_thread()`: a mix's sync parts on asyncio's threads, group rewards), raises SystemExit
 instead; everywhere else, and in any child process forked from a reward thread (its exit is real),
 it exits as before.
+
+Nor may a reward end the event loop its async calls share: on a `RewardLoop`, a `loop.stop()` made
+inside a call (`calling`) leaves the loop running and tells the call, which then fails saying so;
+a KeyboardInterrupt or SystemExit escaping a task ends `run_forever`, and `serve` runs it again
+(the task keeps the exception, and its call fails with it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, NoReturn, TypeVar
+
+from rewards.failure_text import exception_text
 
 REWARD_THREADS = ("reward-worker", "reward-loop")  # the threads RewardRunner runs a reward function on
 
@@ -64,7 +73,7 @@ def call_as_reward(fn: Callable[..., T], *args: Any) -> T:
 
 def exit_code(exc: SystemExit) -> str:
     """What a reward's exit is shown as: its code, `os._exit(N)`, or `sys.exit()`."""
-    return str(exc.code) if exc.code is not None else "sys.exit()"
+    return exception_text(exc) if exc.code is not None else "sys.exit()"  # str(exc) is str(exc.code)
 
 
 async def no_exit(awaitable: Awaitable[Any]) -> Any:
@@ -74,3 +83,45 @@ async def no_exit(awaitable: Awaitable[Any]) -> Any:
         return await awaitable
     except SystemExit as exc:
         raise RewardExited(f"the reward exited ({exit_code(exc)})") from exc
+
+
+# The loop a call runs on and what to do if it stops it; tasks copy it from where they are created.
+_stop_hook: ContextVar[tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None] = ContextVar(
+    "reward_stop_hook", default=None
+)
+
+
+@contextmanager
+def calling(loop: asyncio.AbstractEventLoop, on_stop: Callable[[], None]) -> Iterator[None]:
+    """Tasks created inside (or from callbacks scheduled inside) belong to one call: a `loop.stop()`
+    they make runs `on_stop` instead of stopping `loop`, a RewardLoop."""
+    token = _stop_hook.set((loop, on_stop))
+    try:
+        yield
+    finally:
+        _stop_hook.reset(token)
+
+
+class RewardLoop(asyncio.SelectorEventLoop):
+    """An event loop serving reward calls until `halt()`; see the module docstring."""
+
+    _halted = False
+
+    def stop(self) -> None:
+        hook = _stop_hook.get()
+        if hook is not None and hook[0] is self:
+            hook[1]()
+        else:  # the owner's stop, run_until_complete's
+            super().stop()
+
+    def halt(self) -> None:
+        """End `serve` (on the loop's thread: `loop.call_soon_threadsafe(loop.halt)`)."""
+        self._halted = True
+        super().stop()
+
+    def serve(self) -> None:
+        while not self._halted:
+            try:
+                self.run_forever()
+            except (KeyboardInterrupt, SystemExit):
+                pass  # raised by a reward's task, which holds it: its call fails with it

@@ -16,9 +16,9 @@ rewards.
 
 Each returns one result per response, in order: a number, a dict with "score" (and "info"; a verl
 dict's other keys become its info), or None for a response it does not score (that sample fails).
-A list of the wrong length, an exception, an exit (sys.exit, os._exit) or a call past `timeout_s`
-fails every sample of the group with the reason; other groups go on. `GroupScorer` runs the calls,
-`max_concurrency` groups at once.
+A list of the wrong length, an exception (KeyboardInterrupt too), an exit (sys.exit, os._exit), a
+`loop.stop()` or a call past `timeout_s` fails every sample of the group with the reason; other
+groups go on. `GroupScorer` runs the calls, `max_concurrency` groups at once.
 
 What the responses do not share is given per response: a native function's `metadata` holds the
 group's shared row, and each key the job writes per response (PER_RESPONSE_KEYS: finish_reason,
@@ -35,8 +35,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor, wait
 from types import SimpleNamespace
 from typing import Any
 
@@ -57,7 +56,8 @@ from rewards.adapters import (
     verl_fields,
     verl_value,
 )
-from rewards.exit_guard import call_as_reward, exit_code, guard_os_exit, no_exit, reward_thread
+from rewards.exit_guard import RewardLoop, call_as_reward, calling, exit_code, guard_os_exit, no_exit, reward_thread
+from rewards.failure_text import describe_exception, exception_text, shown, type_name
 from rewards.plugin import load_function
 from rewards.runner import RewardResult, _describe, _keyword_plan, check_reward_value
 from slime.errors import UserError
@@ -74,6 +74,10 @@ GROUP_SIGNATURES = (
 
 class _CancelledAtTimeout(Exception):
     """An async group call cancelled at reward.timeout_s (GroupScorer._run_async)."""
+
+
+class _StoppedLoop(Exception):
+    """An async group call ran `loop.stop()` on the scorer's loop (GroupScorer._run_async)."""
 
 
 class BadGroupReply(ValueError):
@@ -154,7 +158,7 @@ class GroupCall:
         try:
             return self.batch.post(value, kwargs, len(items))
         except (TypeError, ValueError) as exc:
-            raise BadGroupReply(str(exc)) from None
+            raise BadGroupReply(exception_text(exc)) from None
 
     def _native(self) -> BatchCall:
         pass_label, pass_metadata = _keyword_plan(self.fn, self.name, response_param="responses")
@@ -196,7 +200,7 @@ class GroupCall:
         values = _as_list(value)
         if values is None:
             raise TypeError(
-                f"group reward {self.name} returned {type(value).__name__} {value!r:.80}, "
+                f"group reward {self.name} returned {type_name(value)} {shown(value)}, "
                 f"not a list with one reward per response"
             )
         if len(values) != count:
@@ -270,7 +274,7 @@ class GroupScorer:
         guard_os_exit()  # an os._exit in a group reward fails its group instead of ending this process
         self.hung = 0  # calls past their timeout still running (a thread cannot be stopped)
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None  # async functions' calls, started on first use
+        self._loop: RewardLoop | None = None  # async functions' calls, started on first use
         self._loop_thread: threading.Thread | None = None
 
     def _run_async(self, awaitable: Any) -> Any:
@@ -278,18 +282,20 @@ class GroupScorer:
         coroutine can be stopped), so it ends at its next await."""
         with self._lock:
             if self._loop is None:
-                self._loop = asyncio.new_event_loop()
+                self._loop = RewardLoop()
                 self._loop_thread = threading.Thread(
-                    target=call_as_reward, args=(self._loop.run_forever,), name="group-reward-loop", daemon=True
+                    target=call_as_reward, args=(self._loop.serve,), name="group-reward-loop", daemon=True
                 )
                 self._loop_thread.start()
-        # no_exit: a SystemExit escaping a task would stop the loop every later call waits on
-        future = asyncio.run_coroutine_threadsafe(no_exit(awaitable), self._loop)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:  # (the builtin TimeoutError: a reward may raise one of its own)
+        stopped = threading.Event()
+        with calling(self._loop, stopped.set):  # a loop.stop() in the call sets `stopped` instead
+            # no_exit: a SystemExit escaping a task would stop the loop every later call waits on
+            future = asyncio.run_coroutine_threadsafe(no_exit(awaitable), self._loop)
+        wait([future], timeout=self.timeout_s)
+        if stopped.is_set() or not future.done():
             future.cancel()
-            raise _CancelledAtTimeout from None
+            raise _StoppedLoop if stopped.is_set() else _CancelledAtTimeout
+        return future.result()  # its value, or what it raised (a TimeoutError of its own is not a timeout)
 
     def score(self, groups: list[list[Item]]) -> list[list[RewardResult]]:
         return [f.result() for f in [self.pool.submit(self._limited, items) for items in groups]]
@@ -302,11 +308,14 @@ class GroupScorer:
         def run() -> None:
             try:
                 with reward_thread():  # an os._exit in the call raises here (exit_guard)
-                    box.append(self._timed(items))
-            finally:
-                with self._lock:
-                    if late.is_set():
-                        self.hung -= 1
+                    results = self._timed(items)
+            except BaseException as exc:  # the thread must end with results, or it would count as hung
+                failure = f"group reward {self.call.name} failed: {describe_exception(exc)}"
+                results = [RewardResult(None, failure, 0.0) for _ in items]
+            with self._lock:
+                box.append(results)
+                if late.is_set():
+                    self.hung -= 1
 
         late = threading.Event()
         thread = threading.Thread(target=run, name="group-reward-call", daemon=True)
@@ -331,12 +340,15 @@ class GroupScorer:
             return [RewardResult(None, str(exc), time.monotonic() - t0) for _ in items]
         except _CancelledAtTimeout:
             return [RewardResult(None, self._too_slow(), self.timeout_s) for _ in items]
+        except _StoppedLoop:
+            failure = f"{who} stopped the event loop (loop.stop()); its async calls share that loop, so the call fails"
+            return [RewardResult(None, failure, time.monotonic() - t0) for _ in items]
         except SystemExit as exc:  # sys.exit, or os._exit turned into one: not a timeout, nor the thread's end
             latency = time.monotonic() - t0
             return [RewardResult(None, f"{who} exited ({exit_code(exc)})", latency) for _ in items]
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt too: on this thread, only the reward raises it
             latency = time.monotonic() - t0
-            return [RewardResult(None, f"{who} raised {type(exc).__name__}: {exc}", latency) for _ in items]
+            return [RewardResult(None, f"{who} raised {describe_exception(exc)}", latency) for _ in items]
         latency = time.monotonic() - t0
         results = []
         for (_, response, _, _), value in zip(items, values):
@@ -358,7 +370,7 @@ class GroupScorer:
         def cancel_all() -> None:
             for task in asyncio.all_tasks(loop):
                 task.cancel()
-            loop.call_soon(loop.stop)  # after the cancellations have run one step
+            loop.call_soon(loop.halt)  # after the cancellations have run one step
 
         loop.call_soon_threadsafe(cancel_all)
         thread.join(timeout=5)

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rewards.adapters import STYLES, DoesNotApply, adapt, detect_style, load_reward, native_caller
 from rewards.exit_guard import call_as_reward, exit_code
+from rewards.failure_text import describe_exception
 from rewards.plugin import load_function
 from rewards.runner import StepScores, _describe, _is_async, check_reward_value
 from slime.errors import UserError
@@ -112,7 +113,7 @@ class _Child:
             return exc  # type: ignore[return-value]  # already names the failing part
         if isinstance(exc, SystemExit):  # it must not end the thread, nor escape into the event loop
             return RewardChildError(f"child reward {self.name} exited ({exit_code(exc)})")
-        return RewardChildError(f"child reward {self.name} raised {type(exc).__name__}: {exc}")
+        return RewardChildError(f"child reward {self.name} raised {describe_exception(exc)}")
 
     def sync(self, prompt: str, response: str, label: Any, metadata: dict) -> Scored | None:
         """The child's checked result; None when it does not apply to this sample (DoesNotApply)."""
@@ -120,7 +121,7 @@ class _Child:
             value = self._call(prompt, response, label, metadata)
         except DoesNotApply:
             return None
-        except (Exception, SystemExit) as exc:
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
             raise self._fail(exc) from exc
         return checked(value, self.name, response)
 
@@ -132,7 +133,8 @@ class _Child:
                 value = await asyncio.to_thread(call_as_reward, self._call, prompt, response, label, metadata)
         except DoesNotApply:
             return None
-        except (Exception, SystemExit) as exc:
+        # KeyboardInterrupt too: escaping a child's task, it would stop the event loop
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
             raise self._fail(exc) from exc
         return checked(value, self.name, response)
 

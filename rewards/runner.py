@@ -22,7 +22,12 @@ fails at once, naming the cause. Async functions run on one event loop owned by 
 most `max_concurrency` at a time; a timed-out coroutine is cancelled. An `async def` that blocks
 (time.sleep instead of asyncio.sleep) stalls the loop: once a call is past its deadline and the loop
 does not answer a ping, every call on that loop fails, naming the cause, and a new loop serves the
-next ones (the blocked one is written off, like a hung thread, up to `max_hung_calls`).
+next ones (the blocked one is written off, like a hung thread, up to `max_hung_calls`). A coroutine
+that stops the loop (`loop.stop()`) fails its own call; the loop serves on (rewards/exit_guard.py).
+
+Failure reasons hold the reward's own text (an exception's message, a returned value's repr) escaped
+(rewards/failure_text.py): an escape code or a line break in them cannot drive a terminal or
+forge a log line, and a `__str__` or `__repr__` that raises is named instead of ending the worker.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rewards.exit_guard import guard_os_exit, no_exit
+from rewards.exit_guard import RewardLoop, calling, guard_os_exit, no_exit
+from rewards.failure_text import describe_exception, exception_text, shown, type_name
 from slime.errors import UserError
 from slime.sample import as_json
 
@@ -92,6 +98,7 @@ class _Call:
     started: float | None = None  # time.monotonic() when it began running
     settled: bool = False  # guarded by RewardRunner._lock: the future is (being) resolved
     timed_out: bool = False
+    stopped_loop: bool = False  # an async call ran loop.stop()
 
 
 class RewardRunner:
@@ -136,7 +143,7 @@ class RewardRunner:
         self._live = 0  # worker threads serving the queue
         self._hung = 0  # written-off threads still inside a timed-out call
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: RewardLoop | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._blocked_loops = 0  # event loops written off: a coroutine blocked them
         if self._is_async:
@@ -204,7 +211,7 @@ class RewardRunner:
         if self._is_async:
             assert self._loop is not None
             try:
-                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop.call_soon_threadsafe(self._loop.halt)
             except RuntimeError:
                 pass  # already closed
             self._loop_thread.join(timeout=2.0)
@@ -251,8 +258,8 @@ class RewardRunner:
             value = self._fn(**kwargs)
             if inspect.isawaitable(value):  # a sync wrapper that returned a coroutine
                 value = asyncio.run(_await(value))
-        # BaseException: a SystemExit from user code must not silently end the worker thread
-        # (KeyboardInterrupt is only ever raised in the main thread).
+        # BaseException: a SystemExit or KeyboardInterrupt from user code must not end the worker thread
+        # (a real Ctrl-C reaches only the main thread).
         except BaseException as exc:
             return None, self._raised_message(exc), {}
         return self._check(value, kwargs["response"])
@@ -260,14 +267,14 @@ class RewardRunner:
     # --- async path --------------------------------------------------------------------------
 
     def _start_loop(self) -> None:  # at start, or holding self._lock
-        self._loop = asyncio.new_event_loop()
+        self._loop = RewardLoop()
         self._semaphore = None
         self._loop_thread = threading.Thread(target=self._run_loop, args=(self._loop,), name="reward-loop", daemon=True)
         self._loop_thread.start()
 
-    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _run_loop(self, loop: RewardLoop) -> None:
         asyncio.set_event_loop(loop)
-        loop.run_forever()
+        loop.serve()
         tasks = asyncio.all_tasks(loop)
         for task in tasks:
             task.cancel()
@@ -311,18 +318,19 @@ class RewardRunner:
                     return
                 self._start(call)
             try:
-                task = asyncio.ensure_future(no_exit(self._fn(**call.kwargs)))
-            except Exception as exc:  # bad arguments, or it did not return an awaitable
+                with calling(asyncio.get_running_loop(), lambda: setattr(call, "stopped_loop", True)):
+                    task = asyncio.ensure_future(no_exit(self._fn(**call.kwargs)))
+            except BaseException as exc:  # bad arguments, or it did not return an awaitable
                 self._settle(call, None, self._raised_message(exc))
                 return
             done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
-            if not done:
+            if not done or call.stopped_loop:
                 task.cancel()
-                self._settle(call, None, self._timeout_message(), timed_out=True)
+                self._settle(call, None, self._deadline_message(call), timed_out=not done)
                 return
             try:
                 value = task.result()
-            except (Exception, asyncio.CancelledError) as exc:
+            except BaseException as exc:  # KeyboardInterrupt too: the loop's serve() outlived it
                 self._settle(call, None, self._raised_message(exc))
                 return
             reward, failure, extras = self._check(value, call.kwargs["response"])
@@ -389,7 +397,7 @@ class RewardRunner:
                 elif self._live == 0:
                     drained = self._drain_queue()
             hung = self._hung
-        call.future.set_result(RewardResult(None, self._timeout_message(), _elapsed(call)))
+        call.future.set_result(RewardResult(None, self._deadline_message(call), _elapsed(call)))
         if self._is_async and self._loop is not None:
             loop = self._loop
             threading.Thread(target=self._check_loop, args=(loop,), name="reward-loop-check", daemon=True).start()
@@ -419,16 +427,32 @@ class RewardRunner:
 
     def _check(self, value: Any, response: str) -> tuple[float | None, str | None, dict[str, Any]]:
         """A returned value as (finite float, None, extras), or (None, the reason it is not one, {})."""
-        return check_reward_value(value, f"reward function {self.name}", response)
+        who = f"reward function {self.name}"
+        try:
+            return check_reward_value(value, who, response)
+        except BaseException as exc:  # its __float__ or __repr__ raised what check_reward_value lets pass
+            return (
+                None,
+                f"{who} returned a value of type {type_name(value)} that could not be read: {describe_exception(exc)}",
+                {},
+            )
 
     def _raised_message(self, exc: BaseException) -> str:
         where = ""
-        frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).name != "exit_guard.py"]
-        if frames:
-            where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})"
-        return f"reward function {self.name} raised {type(exc).__name__}: {exc}{where}"
+        try:
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).name != "exit_guard.py"]
+            if frames:
+                where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})"
+        except Exception:  # a loader's get_source that raises: no location then
+            pass
+        return f"reward function {self.name} raised {describe_exception(exc)}{where}"
 
-    def _timeout_message(self) -> str:
+    def _deadline_message(self, call: _Call) -> str:
+        if call.stopped_loop:
+            return (
+                f"reward function {self.name} stopped the event loop (loop.stop()); its async calls share "
+                "that loop, so the call fails and the loop runs on"
+            )
         return f"reward function {self.name} timed out after {self.timeout_s:g}s"
 
     def _blocked_loop_message(self) -> str:
@@ -461,7 +485,7 @@ def check_reward_value(value: Any, who: str, response: str) -> tuple[float | Non
     try:
         if isinstance(value, Mapping):
             if "score" not in value:
-                keys = sorted(str(k) for k in value)[:10]
+                keys = shown(sorted(str(k) for k in value)[:10], 400)
                 return None, f"{who} returned a dict without a 'score' key (keys: {keys})", {}
             if value.get("step_scores") is not None or value.get("step_ends") is not None:
                 steps, why = _check_steps(value.get("step_scores"), value.get("step_ends"), len(response))
@@ -477,12 +501,12 @@ def check_reward_value(value: Any, who: str, response: str) -> tuple[float | Non
         if value is None:
             return None, f"{who} returned None (a missing return statement?)", {}
         if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-            return None, f"{who} returned {type(value).__name__} {value!r:.80}, not a number", {}
+            return None, f"{who} returned {type_name(value)} {shown(value)}, not a number", {}
         if _is_complex(value):  # numpy's float() of one keeps the real part and drops the rest
-            return None, f"{who} returned the complex number {value!r:.80}, not a real one", {}
+            return None, f"{who} returned the complex number {shown(value)}, not a real one", {}
         reward = float(value)  # bool -> 0.0/1.0; numpy scalars and 1-element tensors too
     except Exception as exc:
-        return None, f"{who} returned an unusable {type(value).__name__}: {exc}", {}
+        return None, f"{who} returned an unusable {type_name(value)}: {exception_text(exc)}", {}
     if not math.isfinite(reward):
         return None, f"{who} returned {reward}, not a finite number", {}
     if abs(reward) > MAX_ABS_REWARD:
@@ -506,22 +530,36 @@ def _check_steps(scores: Any, ends: Any, response_chars: int) -> tuple[StepScore
         )
     if len(scores) != len(ends):
         return None, f"{len(scores)} step_scores but {len(ends)} step_ends"
-    out_scores, out_ends = [], []
+    out_scores: list[float] = []
+    out_ends: list[int] = []
     for i, (s, e) in enumerate(zip(scores, ends)):
-        if isinstance(s, (str, bytes, bool)) or not isinstance(s, (int, float)) or not math.isfinite(float(s)):
-            return None, f"step_scores[{i}] = {s!r:.40} is not a finite number"
-        if abs(float(s)) > MAX_ABS_REWARD:
-            return None, f"step_scores[{i}] = {float(s):g} is beyond ±{MAX_ABS_REWARD:g}"
-        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < max(response_chars, 1):
+        score = _step_score(s)
+        if score is None:
+            return None, f"step_scores[{i}] = {shown(s, 40)} is not a finite number"
+        if abs(score) > MAX_ABS_REWARD:
+            return None, f"step_scores[{i}] = {score:g} is beyond ±{MAX_ABS_REWARD:g}"
+        if isinstance(e, bool) or not isinstance(e, numbers.Integral) or not 0 <= e < max(response_chars, 1):
             return (
                 None,
-                f"step_ends[{i}] = {e!r:.40} is not a character index into the {response_chars}-character response",
+                f"step_ends[{i}] = {shown(e, 40)} is not a character index into the {response_chars}-character response",
             )
         if out_ends and e < out_ends[-1]:
             return None, f"step_ends must not decrease (step_ends[{i}] = {e} < {out_ends[-1]})"
-        out_scores.append(float(s))
+        out_scores.append(score)
         out_ends.append(int(e))
     return StepScores(tuple(out_scores), tuple(out_ends)), None
+
+
+def _step_score(value: Any) -> float | None:
+    """A step score as a finite float, taken as the top-level score is (numpy and torch scalars
+    too), or None; a bool is not one."""
+    if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__") or _is_complex(value):
+        return None
+    try:
+        score = float(value)
+    except Exception:  # a tensor of several numbers
+        return None
+    return score if math.isfinite(score) else None
 
 
 def _elapsed(call: _Call) -> float:
