@@ -18,7 +18,7 @@ from envs import repeat
 from rewards.group import load_group_reward
 from rewards.group_filter import GroupFilter
 from rewards.mix import load_reward_spec
-from slime.algorithms.mismatch import probe_kl
+from slime.algorithms.mismatch import probe_kl, weight_probe
 from slime.algorithms.offpolicy_controller import Measurement, OffPolicyController
 from slime.buffer import JobConnection, JobTelemetry, TrajectoryStore
 from slime.buffer.owner import JobOwner
@@ -401,8 +401,7 @@ class RunningJob:
     def check_weights(self) -> float:
         """Engine and learner must give the same logprobs for a fixed probe after an update."""
         record = self.records[0]
-        probe = self.tokenizer(str(record.label or "probe"), add_special_tokens=False)["input_ids"] or [0]
-        probe = [int(t) for t in probe]
+        probe = weight_probe(self.tokenizer, self.records, self.cfg.rollout.max_new_tokens)
         learner_probe = self.learner.probe_logprobs(record.prompt_ids, probe)  # runs beside the engines'
         engine_probes, worst = self.fleet.probe_logprobs(record.prompt_ids, probe), 0.0
         expected = self.learner.result(learner_probe)

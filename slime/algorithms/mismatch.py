@@ -78,3 +78,25 @@ class MismatchMeter:
                 out[f"mismatch_{kind}_logp_abs_diff"] = abs_sum / n
                 out[f"mismatch_{kind}_kl"] = kl_sum / n
         return out
+
+
+# The weight check scores the first record's label after its prompt, then more records' prompts and
+# labels: one short answer routes through a few experts of an MoE only, and an engine that kept one
+# expert's old weights passed (3 of 8 experts of a layer in a trial); the data's own text reaches
+# the experts training does.
+PROBE_RECORDS = 16
+
+
+def weight_probe(tokenizer, records: list, budget: int) -> list[int]:
+    """The tokens the weight check scores after ``records[0]``'s prompt, ``budget`` at most (a
+    response's room: the context fits it)."""
+
+    def label_ids(record) -> list[int]:
+        return [int(t) for t in tokenizer(str(record.label or "probe"), add_special_tokens=False)["input_ids"]]
+
+    ids = label_ids(records[0]) or [0]
+    for record in records[1:PROBE_RECORDS]:
+        if len(ids) >= budget:
+            break
+        ids += [int(t) for t in record.prompt_ids] + label_ids(record)
+    return ids[: max(1, budget)]
