@@ -10,13 +10,7 @@ for _, gid in ipairs(gids) do
   local f = redis.call('HMGET', P .. 'group:' .. gid, 'pruned', 'trained_members')
   if f[1] or f[2] then lost = lost + 1 else again[#again + 1] = gid end
 end
-for i = #again, 1, -1 do
-  local gid = again[i]
-  redis.call('ZREM', P .. 'trained', gid)
-  redis.call('HSET', P .. 'group:' .. gid, 'status', 'ready')
-  redis.call('HDEL', P .. 'group:' .. gid, 'claimed_step')
-  redis.call('LPUSH', P .. 'queue:ready', gid)
-end
+for i = #again, 1, -1 do back_to_ready('trained', again[i]) end
 if #again > 0 then
   redis.call('DEL', P .. 'claim_cursor')
   -- commit_through prunes trained groups by step from here: they train at new steps, maybe lower.

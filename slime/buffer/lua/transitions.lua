@@ -27,6 +27,14 @@ local function member_done(gid)
   redis.call('LTRIM', P .. 'signal:ready', -1, -1)
   return true
 end
+-- Group `gid` leaves `zset` (claimed or trained) and waits for training again, at the front of the
+-- ready queue (callers go from the last group to the first, so the earliest is first in line).
+local function back_to_ready(zset, gid)
+  redis.call('ZREM', P .. zset, gid)
+  redis.call('HSET', P .. 'group:' .. gid, 'status', 'ready')
+  redis.call('HDEL', P .. 'group:' .. gid, 'claimed_step')
+  redis.call('LPUSH', P .. 'queue:ready', gid)
+end
 -- nil when `worker` holds the lease on `sid`, else the current owner ('' for none)
 local function lost_lease(sid, worker)
   local owner = redis.call('HGET', P .. 'sample:' .. sid, 'lease_owner')
