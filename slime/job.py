@@ -53,6 +53,7 @@ from slime.model import (
     ensure_model_dir,
     load_tokenizer,
     rollout_sampling_params,
+    warn_unstopped_turn_end,
 )
 from slime.run_lock import lock_run_dir, make_run_dir
 from slime.sample import new_id
@@ -108,9 +109,7 @@ class RunningJob:
             self.records = self._load_records()
             self.sampler = PromptSampler(self.records, cfg.sampling, cfg.data.task_key, cfg.data.seed, cfg.data.shuffle)
             if cfg.resume is None and (aside := set_earlier_run_aside(self.run_dir)) is not None:
-                print(
-                    f"a fresh run in {self.run_dir}: the earlier run's metrics, plot and checkpoints moved to {aside}"
-                )
+                print(f"a fresh run in {self.run_dir}: the earlier run's files moved to {aside}")
             checkpoint = resume_checkpoint(cfg.resume, self.run_dir)
             if checkpoint is None:  # a resume's config is written once its checkpoint has loaded (_restore)
                 dump_config(cfg, self.run_dir / "config.yaml")
@@ -265,6 +264,7 @@ class RunningJob:
             if not Path(path).exists():
                 write_jsonl(repeat.make_dataset(cfg.data.num_generated, cfg.data.seed), path)
         records = load_prompts(cfg.data, self.tokenizer, path)
+        warn_unstopped_turn_end(self.tokenizer, cfg, records, self.model_dir)
         check_prompts_fit([len(r.prompt_ids) for r in records], self.model_dir)
         return records
 

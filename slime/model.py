@@ -406,8 +406,18 @@ def checked_rollout_stops(rollout: RolloutConfig, tokenizer, model_dir: str) -> 
             model_dir,
             rollout.max_new_tokens,
         )
-    end = chat_turn_end(tokenizer)
-    if end is not None and end not in ids and not rollout.ignore_eos:
+    return ids
+
+
+def warn_unstopped_turn_end(tokenizer, cfg: JobConfig, records: list, model_dir: str) -> None:
+    """Prompts that go through the chat template (data.apply_chat_template, or chat-message rows)
+    whose assistant turn ends with a token that is no stop token here (a base model's EOS
+    <|endoftext|>, turns closed by <|im_end|>): every response ran on past its turn to the budget,
+    and the job said nothing. Text prompts of a base model are not its business."""
+    rollout = cfg.rollout
+    chat = bool(cfg.data.apply_chat_template) or any(not isinstance(r.prompt, str) for r in records)
+    end = chat_turn_end(tokenizer) if chat and not rollout.ignore_eos else None
+    if end is not None and end not in rollout_stop_token_ids(rollout, tokenizer):
         name = tokenizer.convert_ids_to_tokens(end)
         log.warning(
             "the chat template of %s ends an assistant turn with %r (id %d), which is no stop token here: a "
@@ -417,7 +427,6 @@ def checked_rollout_stops(rollout: RolloutConfig, tokenizer, model_dir: str) -> 
             end,
             name,
         )
-    return ids
 
 
 def chat_turn_end(tokenizer) -> int | None:

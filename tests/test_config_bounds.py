@@ -199,3 +199,12 @@ def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
 
     (tmp_path / "file").write_text("not a directory")
     assert main(["train", EXAMPLE, f"output_dir={tmp_path / 'file'}"]) == 2
+
+
+def test_gspo_says_it_ignores_token_clips_set_to_other_values_only(caplog):
+    """slime's --eps-clip reaches GSPO; here GSPO reads algorithm.gspo.*: a value set for the token
+    clip is said to be unused, but not the defaults a run's own config.yaml writes out."""
+    load_config(None, ["algorithm.name=gspo", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28"])
+    assert "ignores" not in caplog.text
+    load_config(None, ["algorithm.name=gspo", "algorithm.clip_low=0.1"])
+    assert "algorithm.name=gspo ignores algorithm.clip_low" in caplog.text

@@ -238,18 +238,29 @@ def test_a_tokenizer_without_eos_and_no_stop_is_said_at_start(tmp_path, caplog):
 
 def test_a_chat_turn_end_that_is_no_stop_token_is_said_at_start(tmp_path, caplog):
     """A Qwen-base-style directory: EOS <|endoftext|>, the chat template ends a turn with <|im_end|>:
-    every chat response ran past its turn to the budget, and the job said nothing."""
-    from slime.model import chat_turn_end, checked_rollout_stops
+    every chat response ran past its turn to the budget, and the job said nothing. Text prompts
+    (no chat template applied) are not warned about: a base model never writes the turn's end."""
+    from types import SimpleNamespace
+
+    from slime.config import load_config
+    from slime.model import chat_turn_end, warn_unstopped_turn_end
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     base_like = load_tokenizer(llama3_style_dir(tmp_path / "a", None))  # <|eot_id|> is not in generation_config
     assert chat_turn_end(base_like) == 2
-    assert checked_rollout_stops(RolloutConfig(), base_like, str(tmp_path / "a")) == [1]
+    chat_rows = [SimpleNamespace(prompt=[{"role": "user", "content": "hi"}])]
+    text_rows = [SimpleNamespace(prompt="hi")]
+    warn_unstopped_turn_end(base_like, load_config(None, []), text_rows, str(tmp_path / "a"))
+    assert "assistant turn" not in caplog.text
+    warn_unstopped_turn_end(base_like, load_config(None, []), chat_rows, str(tmp_path / "a"))
     assert "ends an assistant turn with '<|eot_id|>' (id 2), which is no stop token" in caplog.text
     assert "rollout.stop=['<|eot_id|>']" in caplog.text
     caplog.clear()
-    assert checked_rollout_stops(RolloutConfig(stop=["<|eot_id|>"]), base_like, str(tmp_path / "a")) == [1, 2]
+    warn_unstopped_turn_end(base_like, load_config(None, ["data.apply_chat_template=true"]), text_rows, "a")
+    assert "assistant turn" in caplog.text
+    caplog.clear()
+    warn_unstopped_turn_end(base_like, load_config(None, ["rollout.stop=['<|eot_id|>']"]), chat_rows, "a")
     instruct = load_tokenizer(llama3_style_dir(tmp_path / "b"))  # generation_config lists both
-    assert checked_rollout_stops(RolloutConfig(), instruct, str(tmp_path / "b")) == [1, 2]
+    warn_unstopped_turn_end(instruct, load_config(None, []), chat_rows, str(tmp_path / "b"))
     assert "assistant turn" not in caplog.text

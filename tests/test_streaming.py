@@ -68,6 +68,17 @@ def test_a_group_with_a_tokenless_final_member_is_trained_and_frees_its_slot(buf
     assert (counts["groups_trained"], counts["groups_ready"], missing) == (1, 0, 1)
 
 
+def test_a_group_whose_members_all_end_without_tokens_frees_its_slot_in_a_count(buffer):
+    """Every member failed before its first token (an env's reset raised): no segment ever comes, so
+    only counts run (fleet.wait_for_segments), and the group must leave its slot there."""
+    buffer.add_group([1, 2], n=2, max_new_tokens=8, metadata={}, streaming=True)
+    for s in buffer.lease("w", 2):
+        buffer.finish(s.id, "w", Status.FAILED, failure="env raised at reset")
+    assert buffer.count_segments(1, 2) == 0
+    counts = buffer.counts()
+    assert (counts["groups_trained"], counts["groups_ready"]) == (1, 0)
+
+
 def test_a_restarted_sample_trains_all_of_its_new_tokens(buffer):
     """april.max_version_span's restart discards a partial whose first segment trained: the new
     trajectory is trained from its first token, not from where the discarded one stopped."""

@@ -85,6 +85,7 @@ class MismatchMeter:
 # expert's old weights passed (3 of 8 experts of a layer in a trial); the data's own text reaches
 # the experts training does.
 PROBE_RECORDS = 16
+PROBE_MAX_TOKENS = 64  # scored every check on both sides (vLLM: full-vocabulary logprobs per position)
 
 
 def weight_probe(tokenizer, records: list, budget: int) -> list[int]:
@@ -99,4 +100,4 @@ def weight_probe(tokenizer, records: list, budget: int) -> list[int]:
         if len(ids) >= budget:
             break
         ids += [int(t) for t in record.prompt_ids] + label_ids(record)
-    return ids[: max(1, budget)]
+    return ids[: max(1, min(budget, PROBE_MAX_TOKENS))]

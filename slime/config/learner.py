@@ -230,7 +230,11 @@ class AlgorithmConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
-        token_clips = sorted({"clip_low", "clip_high"} & self.model_fields_set)
+        defaults = type(self).model_fields
+        # Set and not the default (a run's own config.yaml writes the defaults out: no warning then).
+        token_clips = sorted(
+            k for k in {"clip_low", "clip_high"} & self.model_fields_set if getattr(self, k) != defaults[k].default
+        )
         if self.name in ("gspo", "cispo") and token_clips:  # slime's --eps-clip does reach GSPO
             own = f"algorithm.{self.name}.clip_high" + (" and clip_low" if self.name == "gspo" else "")
             log.warning(

@@ -149,7 +149,7 @@ class BufferConfig(_Strict):
         "Redis when a checkpoint is written, and so are those of groups the filter dropped before the checkpoint "
         "of that step (their group records, less the row's metadata, and group counts stay: ~0.7 KB a group; stats "
         "count pruned_groups, pruned_samples, pruned_tokens), so a long job's buffer stays small. None keeps every trajectory. Streaming mode "
-        "(april.streaming_chunk_tokens) keeps them all.",
+        "(april.streaming_chunk_tokens) prunes a streamed group by the step that trained its last segment.",
     )
     reconnect_timeout_s: float = Field(
         60.0,

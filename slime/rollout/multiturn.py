@@ -280,8 +280,10 @@ class MultiTurnRollout:
         return waiting
 
     def env_turn_ids(self) -> list[str]:
-        """Samples waiting on the env (their leases need renewing like the engine's)."""
-        return [sid for sid, ep in self.episodes.items() if ep.job is not None]
+        """Samples waiting on the env (their leases need renewing like the engine's). Read off the
+        generation thread's lock (lease renewal): the copy is one C call, so an abort that removes
+        episodes meanwhile cannot change the dict under the loop."""
+        return [sid for sid, ep in list(self.episodes.items()) if ep.job is not None]
 
     def drop(self, sample_id: str) -> None:
         self.episodes.pop(sample_id, None)

@@ -41,8 +41,10 @@ for _, sid in ipairs(redis.call('SMEMBERS', set)) do
         out[#out + 1] = final and '1' or '0'
         out[#out + 1] = redis.call('HGET', skey, 'restarts') or '0'
       end
-    elseif final and not dry then
-      member_done(sid, gid)  -- final with no tokens at all: nothing to train
+    elseif final then
+      -- Final with no tokens at all: nothing to train. Done in a count too: when every group in
+      -- flight ends so, no segment ever comes and only a count runs (fleet.wait_for_segments).
+      member_done(sid, gid)
     end
   end
 end
