@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -84,16 +85,20 @@ class SnapshotEnv(ScriptedEnv):
 
 
 class CountingSnapshotEnv(SnapshotEnv):
-    """SnapshotEnv that counts, per sample, the steps it really ran (a restore runs none)."""
+    """SnapshotEnv that writes a line per step it really runs (a restore runs none) to ``log``: a
+    file, since the plugin loader may import this module apart from pytest's copy."""
 
-    steps: dict[str, int] = {}
+    def __init__(self, log: str, **kwargs):
+        super().__init__(**kwargs)
+        self.log = log
 
     def reset(self, sample: Sample) -> str:
         self.sample_id = sample.id
         return super().reset(sample)
 
     def step(self, action: str):
-        CountingSnapshotEnv.steps[self.sample_id] = CountingSnapshotEnv.steps.get(self.sample_id, 0) + 1
+        with open(self.log, "a") as f:
+            f.write(self.sample_id + "\n")
         return super().step(action)
 
 
@@ -357,9 +362,12 @@ def test_an_abort_stores_the_env_steps_that_returned_and_none_runs_twice(buffer,
     collected yet, was dropped with the episode: the resumed episode ran that step a second time."""
     from slime.rollout import RolloutWorker
 
-    CountingSnapshotEnv.steps = {}
+    log = tmp_path / "steps.log"
     cfg = job_config(
-        buffer, tmp_path, "env.plugin=tests.test_multiturn:CountingSnapshotEnv", "env.kwargs={done_at: 3, sleep_s: 0.3}"
+        buffer,
+        tmp_path,
+        "env.plugin=tests.test_multiturn:CountingSnapshotEnv",
+        f"env.kwargs={{done_at: 3, sleep_s: 0.3, log: '{log}'}}",
     )
     groups = [buffer.add_group(PROMPT, 2, 80, {"label": "ababab"}) for _ in range(2)]
     worker = RolloutWorker(cfg, str(tiny_model_dir), redis_url, "w-answered")
@@ -377,7 +385,7 @@ def test_an_abort_stores_the_env_steps_that_returned_and_none_runs_twice(buffer,
         worker.stop()
     samples = [s for gid in groups for s in buffer.get_group(gid)]
     assert all(s.status == Status.COMPLETED and s.metadata["env_turns"] == 3 for s in samples)
-    assert sorted(CountingSnapshotEnv.steps.values()) == [3, 3, 3, 3]
+    assert sorted(Counter(log.read_text().split()).values()) == [3, 3, 3, 3]
 
 
 def test_a_resumed_turn_that_spent_the_episode_budget_is_answered_as_the_uninterrupted_one(
