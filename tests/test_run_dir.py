@@ -93,9 +93,7 @@ def test_resume_after_a_fresh_run_over_an_earlier_one_continues_the_fresh_run(ti
     run = tmp_path / "run"
     assert _train(run, tiny_model_dir, "steps=4") == 0  # checkpoints 2 and 4
     assert _train(run, tiny_model_dir, "steps=2", "seed=1") == 0  # fresh: its own step_000002
-    assert f"the earlier run's files moved to {run / 'earlier_runs' / '1'}" in (
-        capsys.readouterr().out
-    )
+    assert f"the earlier run's files moved to {run / 'earlier_runs' / '1'}" in (capsys.readouterr().out)
     assert _steps(run / "earlier_runs" / "1") == [0, 1, 2, 3]  # the earlier run's, kept whole
     assert (run / "earlier_runs" / "1" / "checkpoints" / "step_000004" / "driver_state.json").is_file()
     assert find_checkpoint(run).name == "step_000002"
