@@ -1,8 +1,8 @@
 """The job configuration, one module per reader: base.py (the strict model, ConfigError),
 inputs.py (model, data, sampling), rollout.py (rollout workers, engines, APRIL's scheduling),
 learner.py (algorithm, its settings and corrections, learner), services.py (reward, env, buffer,
-weights, cluster, logging, dashboard), job.py (the JobConfig root, loading, overrides, env
-references, display), renames.py (keys that moved). Everything public is importable from
+weights, cluster, logging, dashboard), job.py (the JobConfig root, loading, env
+references, display), overrides.py (`key=value` on the command line), renames.py (keys that moved). Everything public is importable from
 `slime.config`."""
 
 from slime.config.base import ConfigError, StrictModel
@@ -20,12 +20,10 @@ from slime.config.job import (
     ENV_REFERENCE,
     CheckpointConfig,
     JobConfig,
-    apply_overrides,
     config_for_display,
     dump_config,
     format_validation_error,
     load_config,
-    parse_override,
 )
 from slime.config.learner import (
     TIS_CAP_CORRECTIONS,
@@ -40,6 +38,7 @@ from slime.config.learner import (
     LoraSettings,
     StagedKL,
 )
+from slime.config.overrides import apply_overrides, parse_override
 from slime.config.renames import RENAMED, ConfigKeyDeprecated
 from slime.config.rollout import (
     AprilConfig,

@@ -20,11 +20,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
-from slime.config.base import ConfigError, load_yaml_file, yaml_value
+from slime.config.base import ConfigError, load_yaml_file
 from slime.config.base import StrictModel as _Strict
 from slime.config.inputs import DataConfig, EvalConfig, ModelConfig, SamplingConfig
 from slime.config.learner import TIS_CAP_CORRECTIONS, AlgorithmConfig, LearnerConfig
-from slime.config.renames import RENAMED, conflict_error, move_renamed_keys, renamed_key, unknown_field
+from slime.config.overrides import apply_overrides
+from slime.config.renames import move_renamed_keys, unknown_field
 from slime.config.rollout import MAX_OVERSAMPLE, AprilConfig, RolloutConfig, SglangConfig, VllmConfig
 from slime.config.services import (
     BufferConfig,
@@ -196,7 +197,30 @@ class JobConfig(_Strict):
         self._check_lora()
         self._check_offpolicy_tuning()
         self._warn_example_reward_on_own_data()
+        self._warn_offpolicy_combinations()
         return self
+
+    def _warn_offpolicy_combinations(self) -> None:
+        """Combinations that run, but not as their names suggest."""
+        if self.loop_mode == "async" and self.april.enabled:
+            unused = [
+                f"april.{key}" for key in ("max_version_span", "beyond_budget") if key in self.april.model_fields_set
+            ]
+            log.info(
+                "mode=async with april.enabled: april.oversample sets how many groups stay in flight; the async "
+                "loop has no batch boundary, so nothing is aborted and resumed, and max_staleness is the staleness "
+                "budget%s",
+                f" ({' and '.join(unused)}: sync loop only, ignored here)" if unused else "",
+            )
+        if self.algorithm.correction.name == "mask_stale" and (self.april.enabled or self.loop_mode != "sync"):
+            log.warning(
+                "algorithm.correction.name=mask_stale removes every token sampled by an older policy version from "
+                "the loss; %s, so most of each batch may go untrained (metric offpolicy_masked_share). "
+                "behaviour_clip or tis keep such tokens, weighted",
+                "APRIL's resumed partials are mostly such tokens (88-99% masked in a trial)"
+                if self.april.enabled and self.loop_mode == "sync"
+                else f"in the {self.loop_mode} loop a batch is generated while the previous one trains",
+            )
 
     def _warn_example_reward_on_own_data(self) -> None:
         """Not an error: the example task's rows may be the user's. But a job on one's own prompts
@@ -383,64 +407,6 @@ def format_validation_error(err: ValidationError, title: str = "invalid config",
     return f"{title}:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML error in one line: its problem and the column it was found at."""
-    problem = getattr(exc, "problem", None)
-    mark = getattr(exc, "problem_mark", None)
-    if problem is None:
-        return " ".join(str(exc).split())
-    return problem if mark is None else f"{problem} at column {mark.column + 1}"
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`learner.lr=1e-5` -> (['learner', 'lr'], 1e-05). Values are parsed as YAML scalars/lists."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like key.path=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml_value(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(
-            f"override {text!r}: value is not valid YAML ({_yaml_problem(exc)}); quote the value, e.g. "
-            f"'{key}=\"...\"' (double quotes inside the shell's single quotes; \\n in them is a newline)"
-        ) from exc
-    # YAML reads 1e-5 as a string; users mean a number.
-    if isinstance(value, str):
-        try:
-            value = float(value) if any(c in value for c in ".eE") else value
-        except ValueError:
-            pass
-    return key.split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """`data` with each `key.path=value` set; an old key (slime/config/renames.py) sets its new place."""
-    given: dict[tuple[str, ...], tuple[str, Any]] = {}  # path set -> (the key as written, value)
-    for text in overrides:
-        written, value = parse_override(text)
-        path = renamed_key(written)
-        earlier = given.get(tuple(path))
-        if earlier is not None and earlier[0] != ".".join(written) and earlier[1] != value:
-            (old, old_value), (new, new_value) = sorted(
-                [earlier, (".".join(written), value)], key=lambda kv: kv[0] not in RENAMED
-            )
-            raise conflict_error(old, old_value, new, new_value)
-        given[tuple(path)] = (".".join(written), value)
-        node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {part} is not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     data: dict[str, Any] = {}
     if path is not None:
@@ -451,7 +417,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = move_renamed_keys(loaded or {})
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(data, overrides or [], JobConfig)
     refs: dict[str, str] = {}
     data = _resolve_env_refs(data, "", refs)
     try:
