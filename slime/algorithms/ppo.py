@@ -69,6 +69,15 @@ def token_level_rewards(
 
 
 @torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the trainable tokens: 1 when the critic predicts the returns, 0
+    when it predicts no better than their mean, below 0 when worse (verl's critic/vf_explained_var)."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return float("nan") if var_returns <= 1e-12 else (1.0 - var_residual / var_returns).item()
+
+
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -221,6 +230,7 @@ class PPO:
         metrics = {
             "advantage_mean": masked_mean(advantages, batch.mask).item(),
             "return_mean": masked_mean(returns, batch.mask).item(),
+            "vf_explained_var": explained_variance(old_values, returns, batch.mask),
             **shaping,
         }
         if kl_reward is not None:  # KL(π_behaviour ‖ π_ref) per token: what kl_coef penalises

@@ -17,6 +17,16 @@ log = logging.getLogger(__name__)
 
 # Algorithms whose advantages come from per-token rewards with the KL penalty always in them.
 KL_ALWAYS_IN_REWARD = ("reinforce_pp", "reinforce_pp_baseline")
+# Keys that only some algorithms read (slime/algorithms/*.py): key -> the algorithms that read it.
+UNUSED_UNLESS: dict[str, tuple[str, ...]] = {
+    "lam": ("ppo",),
+    "value_clip": ("ppo",),
+    "vf_coef": ("ppo",),
+    "normalize_advantages": ("ppo",),
+    "gamma": ("ppo", *KL_ALWAYS_IN_REWARD),
+    "grpo_std_normalize": ("grpo", "gspo", "cispo"),
+    "dual_clip": ("ppo", "grpo", "gspo", "rloo", "dr_grpo", *KL_ALWAYS_IN_REWARD),
+}
 
 
 class StagedKL(_Strict):
@@ -256,6 +266,15 @@ class AlgorithmConfig(_Strict):
         # score function, E[grad log pi * k]: that is grad KL(pi||pi_ref) only for k1. With k3 it is
         # grad KL(pi||ref) - grad KL(ref||pi): ~0 near pi_ref, and it may point away from it.
         # verl's in-reward default and OpenRLHF's are k1, as is REINFORCE++'s definition.
+        if self.name in KL_ALWAYS_IN_REWARD and self.kl_mode == "loss":
+            if "kl_mode" in self.model_fields_set and (self.kl_coef > 0 or self.kl_schedule):
+                log.warning(
+                    "algorithm.name=%s puts the KL in the reward (REINFORCE++'s definition): algorithm.kl_mode=loss "
+                    "is not used; for a KL in the loss take grpo, rloo or dr_grpo",
+                    self.name,
+                )
+            self.kl_mode = "reward"  # what it does; the run's config.yaml says so
+        self._warn_unused_keys()
         kl_in_reward = self.kl_mode == "reward" or self.name in KL_ALWAYS_IN_REWARD
         if kl_in_reward and "kl_estimator" not in self.model_fields_set:
             self.kl_estimator = "k1"
@@ -276,6 +295,22 @@ class AlgorithmConfig(_Strict):
                 "and no kl_schedule"
             )
         return self
+
+    def _warn_unused_keys(self) -> None:
+        """A key set to a value of its own that this algorithm never reads (a verl habit: a critic's
+        keys on GRPO), named in one warning instead of being dropped silently."""
+        defaults = type(self).model_fields
+        unused = [
+            f"{key}={getattr(self, key)}"
+            for key, readers in UNUSED_UNLESS.items()
+            if self.name not in readers and key in self.model_fields_set and getattr(self, key) != defaults[key].default
+        ]
+        if unused:
+            log.warning(
+                "algorithm.name=%s does not use algorithm.%s: ignored (docs/learner.md says which algorithm reads what)",
+                self.name,
+                ", algorithm.".join(unused),
+            )
 
 
 class LoraSettings(_Strict):

@@ -61,6 +61,38 @@ SLIME_FLAGS: dict[str, str] = {
 }
 
 
+# verl's config keys (its trainer YAML's leaf names) whose name is not a key here: what to write
+# instead. docs/learner.md has the whole table.
+VERL_KEYS: dict[str, str] = {
+    "adv_estimator": "algorithm.name (gae: ppo; grpo, rloo, reinforce_plus_plus: reinforce_pp, ...)",
+    "norm_adv_by_std_in_grpo": "algorithm.grpo_std_normalize (or algorithm.name=dr_grpo)",
+    "clip_ratio": "algorithm.clip_low and algorithm.clip_high",
+    "clip_ratio_low": "algorithm.clip_low",
+    "clip_ratio_high": "algorithm.clip_high",
+    "clip_ratio_c": "algorithm.dual_clip (off unless set; verl applies 3.0)",
+    "cliprange_value": "algorithm.value_clip",
+    "loss_agg_mode": "algorithm.loss_agg (token_mean, seq_mean_token_sum, seq_mean_token_mean)",
+    "entropy_coeff": "algorithm.entropy_coef",
+    "use_kl_loss": "algorithm.kl_coef > 0 with algorithm.kl_mode=loss (the default)",
+    "kl_loss_coef": "algorithm.kl_coef",
+    "kl_loss_type": "algorithm.kl_estimator (k1, k2, k3, low_var_kl)",
+    "use_kl_in_reward": "algorithm.kl_mode=reward (PPO; REINFORCE++ always)",
+    "kl_ctrl": "algorithm.kl_coef, algorithm.kl_target and algorithm.kl_horizon",
+    "ppo_mini_batch_size": "learner.num_minibatches = samples per step / mini-batch size",
+    "ppo_micro_batch_size_per_gpu": "learner.micro_batch_size",
+    "ppo_max_token_len_per_gpu": "learner.max_tokens_per_micro_batch",
+    "critic_warmup": "learner.critic_warmup_steps",
+    "train_batch_size": "rollout.batch_size (prompts per step)",
+    "max_response_length": "rollout.max_new_tokens",
+    "max_prompt_length": "data.max_prompt_tokens",
+    "total_training_steps": "steps",
+    "filter_groups": "april.filter_zero_variance=true (or april.group_filter=path.py:function)",
+    "overlong_buffer_len": "algorithm.overlong_buffer",
+    "actor_rollout_ref": "the sections model, rollout and learner (docs/learner.md maps verl's keys)",
+    "trainer": "steps, output_dir, checkpoint.every_steps, logging.* (docs/learner.md maps verl's keys)",
+}
+
+
 def slime_flag_hint(name: str) -> str | None:
     """For one of THUDM slime's flags that is no key here: `--flag` is slime's; write ... instead."""
     meant = SLIME_FLAGS.get(name.lstrip("-").replace("-", "_"))
@@ -104,6 +136,8 @@ def unknown_field(model: type[BaseModel] | None, loc: tuple[str | int, ...], pre
     """The message of an unknown key at `loc`: with the key it most likely meant, when `model` is given."""
     if len(loc) == 1 and (slime := slime_flag_hint(str(loc[0]))):
         return f"unknown field ({slime})"
+    if (leaf := str(loc[-1])) in VERL_KEYS:
+        return f"unknown field ({leaf} is verl's key; here: {VERL_KEYS[leaf]})"
     meant = suggested_key(model, loc) if model is not None else None
     return f"unknown field (did you mean {prefix}{meant}?)" if meant else "unknown field (check the spelling)"
 
