@@ -57,7 +57,7 @@ class DrGRPO(GRPO):
         """Â_{i,t} = r_i − mean of its group; rows without trainable tokens take no part."""
         valid = batch.mask.sum(-1) > 0
         scores, metrics = shape_scores(batch.scores, batch, self.cfg)
-        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device)
+        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device, dtype=scores.dtype)
         if valid.any():
             adv_seq[valid] = group_advantages(scores[valid], batch.group_index[valid], std_normalize=False)
         advantages = broadcast_to_tokens(adv_seq, batch.mask)

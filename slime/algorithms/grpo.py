@@ -119,7 +119,7 @@ class GRPO:
         take no part in their group's mean and std. No critic: values and bootstrap are unused."""
         valid = batch.mask.sum(-1) > 0
         scores, metrics = shape_scores(batch.scores, batch, self.cfg)  # DAPO overlong shaping, when set
-        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device)
+        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device, dtype=scores.dtype)
         if valid.any():
             adv_seq[valid] = group_advantages(
                 scores[valid], batch.group_index[valid], std_normalize=self.cfg.grpo_std_normalize
