@@ -290,6 +290,10 @@ class RolloutFleet:
     def probe_logprobs(self, prompt_ids: list[int], probe: list[int]) -> list:
         return self._wait_all([w.probe_logprobs.remote(prompt_ids, probe) for w in self.workers], "probe_logprobs")
 
+    def weight_checksums(self) -> list:
+        """Each engine's per-tensor checksums (None from an engine that cannot give them)."""
+        return self._wait_all([w.weight_checksums.remote() for w in self.workers], "weight_checksums")
+
     def generate_for_eval(self, requests: list) -> dict[str, dict]:
         """Held-out requests dealt over the workers, each share run alone on its engine (what the
         engines were generating is stored and resumed later): request id -> its answer."""

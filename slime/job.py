@@ -61,6 +61,7 @@ from slime.sampling import PromptSampler, fast_forward
 from slime.security import JobCredentials
 from slime.signals import GracefulStop
 from slime.tracking import require_packages
+from slime.weights.checksum import checksum_mismatch
 
 
 class WeightSyncError(RuntimeError):
@@ -116,12 +117,9 @@ class RunningJob:
             # One secret per run (run_dir/job.secret, 0600): the job's Redis password and every
             # service token derive from it; actors get it as an argument, children by environment.
             self.credentials = JobCredentials.create(self.run_dir, own_redis=cfg.buffer.url is None)
+            redis_files, password = self.run_dir / "redis", self.credentials.redis_password
             self.redis_url, self.redis_server = connect_or_start(
-                cfg.buffer.url,
-                self.run_dir / "redis",
-                cfg.buffer.aof,
-                self.credentials.redis_password,
-                cfg.buffer.appendfsync,
+                cfg.buffer.url, redis_files, cfg.buffer.aof, password, cfg.buffer.appendfsync
             )
             connection = JobConnection.of_job(cfg, self.redis_url, self.credentials.redis_password)
             self.owner = JobOwner(connection, self.run_dir, cfg.job_name)  # not a live run's job name (owner.py)
@@ -133,10 +131,9 @@ class RunningJob:
             if cfg.resume is None:
                 self.buffer.delete_job()  # a fresh run starts from an empty buffer
             else:
-                # The previous run's workers are gone: their trajectories go back to the queue now,
-                # tokens kept, instead of after their leases expire. Then, before any worker leases:
-                # the sampler goes past the groups drawn after the checkpoint that it would draw again
-                # (fast_forward), and the buffer drops the rest (store.restore_to_checkpoint).
+                # The previous run's workers are gone: their trajectories go back to the queue now, tokens
+                # kept. Then, before any worker leases: the sampler goes past the groups drawn after the
+                # checkpoint (fast_forward), and the buffer drops the rest (store.restore_to_checkpoint).
                 self.buffer.requeue_all_leased()
                 next_step, sampler_state = restore_point(checkpoint)
                 if sampler_state is not None:
@@ -257,8 +254,7 @@ class RunningJob:
                 self.learner.kill()
 
     def _load_records(self) -> list[PromptRecord]:
-        cfg = self.cfg
-        path = cfg.data.path
+        cfg, path = self.cfg, self.cfg.data.path
         if path is None:
             path = str(self.run_dir / "repeat_task.jsonl")
             if not Path(path).exists():
@@ -326,11 +322,8 @@ class RunningJob:
         metrics = self.learner.result(refs)
         # The engines never pause here: count what they made over the whole step, training included.
         generated = self.clock.tokens_since_rollout_start()
-        metrics.update(
-            rollout_seconds=rollout_seconds,
-            generated_tokens=generated,
-            rollout_tokens_per_s=generated / max(self.clock.rollout_elapsed(), 1e-9),
-        )
+        metrics.update(rollout_seconds=rollout_seconds, generated_tokens=generated)
+        metrics["rollout_tokens_per_s"] = generated / max(self.clock.rollout_elapsed(), 1e-9)
         return metrics
 
     def tune_offpolicy(self, step: int, metrics: dict) -> None:
@@ -394,28 +387,38 @@ class RunningJob:
         self.fleet.update_weights(handle)
         self.clock.weight_sync_seconds = time.time() - t0
         self.weight_push_bytes = handle.total_bytes  # learner.lora: the adapters only
-        every = self.cfg.weights.check_every
+        every, sums = self.cfg.weights.check_every, self.cfg.weights.checksum_every
         if every and (step + 1) % every == 0:
             self.check_weights()
+        if sums and (step + 1) % sums == 0:
+            self.check_checksums()
 
     def check_weights(self) -> float:
         """Engine and learner must give the same logprobs for a fixed probe after an update."""
         record = self.records[0]
         probe = weight_probe(self.tokenizer, self.records, self.cfg.rollout.max_new_tokens)
         learner_probe = self.learner.probe_logprobs(record.prompt_ids, probe)  # runs beside the engines'
-        engine_probes, worst = self.fleet.probe_logprobs(record.prompt_ids, probe), 0.0
+        engine_probes, tolerance = self.fleet.probe_logprobs(record.prompt_ids, probe), self.cfg.weight_check_tolerance
         expected = self.learner.result(learner_probe)
-        for got in engine_probes:
-            diff = float(np.max(np.abs(got - expected)))
-            worst = max(worst, diff)
-            if not diff <= self.cfg.weight_check_tolerance:  # NaN too: diverged weights used to pass
-                why = "the engine does not hold the learner's weights (e.g. tied embeddings not refreshed)"
-                raise WeightSyncError(
-                    f"after the weight update the engine's probe logprobs differ from the learner's by {diff:.2e} "
-                    f"(weights.check_tolerance={self.cfg.weight_check_tolerance}); "
-                    + (why if np.isfinite(diff) else "they are not finite: the weights diverged (lower learner.lr?)")
-                )
+        worst = max(float(np.max(np.abs(got - expected))) for got in engine_probes)
+        if not worst <= tolerance:  # NaN too: diverged weights used to pass
+            why = "the engine does not hold the learner's weights (e.g. tied embeddings not refreshed)"
+            raise WeightSyncError(
+                f"after the weight update the engine's probe logprobs differ from the learner's by {worst:.2e} "
+                f"(weights.check_tolerance={tolerance}); "
+                + (why if np.isfinite(worst) else "they are not finite: the weights diverged (lower learner.lr?)")
+            )
         return worst
+
+    def check_checksums(self) -> None:
+        """Every tensor the learner pushed, as each engine holds it (slime/weights/checksum.py): what
+        the probe cannot reach too (an expert only the responses route to). Engines that keep their
+        weights under other names (vLLM, SGLang) or merge LoRA adapters give none."""
+        engines = self.fleet.weight_checksums()
+        if (first := next((got for got in engines if got), None)) is not None:
+            expected = self.learner.result(self.learner.weight_checksums({k: v[0] for k, v in first.items()}))
+            if problem := checksum_mismatch(expected, engines):
+                raise WeightSyncError(f"after the weight update {problem}")
 
     # ---- metrics ---------------------------------------------------------------------------------
     def end_step(self, step: int, metrics: dict) -> None:
@@ -443,10 +446,8 @@ class RunningJob:
         if self.sampler.task_weights:
             metrics["task_weight"] = self.sampler.task_weights
         if self.held_out is not None and self.held_out.due(step):
-            metrics["eval"] = {
-                **self.held_out.run(self.fleet.generate_for_eval),
-                "policy_version": self.fleet.engine_version,
-            }
+            evaluated = self.held_out.run(self.fleet.generate_for_eval)
+            metrics["eval"] = {**evaluated, "policy_version": self.fleet.engine_version}
         self.failures.observe(metrics)
         self.logger.log(step, metrics)
         self.telemetry.record_step(step, self.logger.history[-1])

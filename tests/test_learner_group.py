@@ -220,7 +220,7 @@ def test_engine_memory_release_is_refused_where_it_cannot_work():
 @pytest.mark.slow
 def test_a_two_rank_job_trains_pushes_checkpoints_and_resumes(ray_session, tiny_model_dir, redis_url, tmp_path):
     """The example job with 2 learner ranks: APRIL sync steps, the gathered weights reach the
-    engine (the probe check after every push), a sharded checkpoint, and resume=auto from it."""
+    engine (the probe and checksum checks after every push), a sharded checkpoint, and resume=auto from it."""
     base = [
         "job_name=two-ranks",
         f"output_dir={tmp_path}",
@@ -231,6 +231,7 @@ def test_a_two_rank_job_trains_pushes_checkpoints_and_resumes(ray_session, tiny_
         "rollout.n_samples_per_prompt=4",
         "rollout.max_new_tokens=16",
         "weights.check_every=1",
+        "weights.checksum_every=1",  # every tensor, each gathered from both ranks
         "checkpoint.every_steps=2",
         "logging.tensorboard=false",
         "logging.plot=false",

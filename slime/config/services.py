@@ -196,6 +196,13 @@ class WeightsConfig(_Strict):
     check_every: int = Field(
         1, ge=0, description="Compare engine and learner logprobs on a probe after every Nth update (0: never)."
     )
+    checksum_every: int = Field(
+        10,
+        ge=0,
+        description="Compare a checksum of every weight tensor, learner against engine, after every Nth update "
+        "(0: never): it sees what the probe cannot, such as an MoE expert only the responses route to. The "
+        "built-in engine only (vLLM and SGLang fuse and shard their tensors), not with learner.lora.",
+    )
     check_tolerance: float = Field(
         1e-3,
         gt=0,

@@ -312,6 +312,12 @@ class RolloutEngine(Protocol):
         weight-sync probe the driver compares with the learner."""
         ...
 
+    def weight_checksums(self) -> dict[str, tuple[str, float, float, float]] | None:
+        """Each weight tensor's checksum under its own name (slime/weights/checksum.py), the names
+        being the learner's as ``update_weights`` takes them; None when the engine keeps its weights
+        under other names (fused or sharded by vLLM and SGLang) or merges LoRA adapters into them."""
+        ...
+
     def health(self) -> dict:
         """At least ``running``, ``waiting``, ``version`` and ``tokens_generated``."""
         ...

@@ -459,6 +459,10 @@ class VllmEngine:
             )
         self._version = int(version)
 
+    def weight_checksums(self) -> None:
+        """None: its weights live under its own fused and sharded names; the probe check stands alone."""
+        return None
+
     def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """log_softmax(logits / T) of each response token given its prefix, under the current
         weights: prompt logprobs of one request. Other requests advance meanwhile; their chunks

@@ -45,6 +45,7 @@ from slime.model import disable_dropout, load_model, train_mode_gap
 from slime.sample import Sample, Status, failure_key
 from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
+from slime.weights.checksum import Checksum, checksums_as
 
 log = logging.getLogger(__name__)
 
@@ -640,6 +641,18 @@ class Learner:
                 sharding.full_tensor(param.detach())
             return None
         return self.transport.publish(self.version, named)
+
+    @torch.no_grad()
+    def weight_checksums(self, dtypes: dict[str, str]) -> dict[str, Checksum]:
+        """The policy's checksums (slime/weights/checksum.py) of the tensors an engine reported, cast to
+        its dtypes; tied aliases under each of their names. Sharded, every rank joins each gather."""
+        full = (
+            (name, sharding.full_tensor(p.detach()))
+            for name, p in self.policy.named_parameters(remove_duplicate=False)
+            if name in dtypes
+        )
+        found = checksums_as(full, dtypes)
+        return found if self.rank == 0 else {}
 
     @torch.no_grad()
     def probe_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> np.ndarray:

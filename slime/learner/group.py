@@ -223,6 +223,9 @@ class LearnerGroup:
     def probe_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list:
         return [r.probe_logprobs.remote(prompt_ids, response_ids) for r in self.ranks]
 
+    def weight_checksums(self, dtypes: dict[str, str]) -> list:
+        return [r.weight_checksums.remote(dtypes) for r in self.ranks]
+
     def save(self, directory: str) -> list:
         return [r.save.remote(directory) for r in self.ranks]
 

@@ -562,6 +562,10 @@ class RolloutWorker:
         with self.lock:
             return np.asarray(self.engine.score_logprobs(prompt_ids, response_ids, self.params.temperature), np.float32)
 
+    def weight_checksums(self) -> dict | None:
+        with self.lock:
+            return self.engine.weight_checksums()
+
     def generate_for_eval(self, requests: list[GenerationRequest]) -> dict[str, dict]:
         """Held-out prompts on the weights this engine holds (eval.every_steps): what it was
         generating is aborted first, as APRIL aborts (stored, tokens kept, resumed later); the eval

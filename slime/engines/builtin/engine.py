@@ -77,6 +77,7 @@ from slime.engines.contract import (
 )
 from slime.engines.routing import RoutingRecorder
 from slime.model import load_model, load_tokenizer
+from slime.weights.checksum import Checksum, checksums
 
 __all__ = ["BuiltinEngine"]
 
@@ -496,6 +497,14 @@ class BuiltinEngine:
 
     def resume_memory(self) -> None:
         """Nothing to do: the cache is allocated again by the next prefill (release_memory)."""
+
+    def weight_checksums(self) -> dict[str, Checksum] | None:
+        """Every tensor update_weights writes, under its name (None with LoRA: the base and the merged
+        adapters are not what the learner holds under those names)."""
+        if self._lora is not None:
+            return None
+        with _synchronized(self.device):
+            return checksums(self._tensors.items())
 
     def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Logprob of each response token given the prefix, under the current weights (one

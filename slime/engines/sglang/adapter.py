@@ -619,6 +619,10 @@ class SglangEngine:
                 old.rmdir()
         return {"model_path": str(directory), "weight_version": str(version)}
 
+    def weight_checksums(self) -> None:
+        """None: its weights live under its own fused and sharded names; the probe check stands alone."""
+        return None
+
     def score_logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Asked of every server directly (not through the router, which would pick one): servers
         that disagree by more than ``probe_tolerance`` (``weights.check_tolerance``) raise, naming
