@@ -14,8 +14,8 @@ random weights inside a `slime.engines.builtin.BuiltinEngine`. Then:
 4. a real job (`--job-steps`, 3) with the local launcher (no Ray: the learner and the rollout
    worker on threads of this process, weights pushed in-process): the built-in defaults with the
    learner as an FSDP2 group of one in bf16 mixed precision, its shards gathered into the push, the
-   probe check after every push, and the colocated engines freeing their KV memory while the learner
-   trains.
+   probe check and the per-tensor checksums after every push, and the colocated engines freeing their
+   KV memory while the learner trains.
 
 Prints a short table and one JSON line last; exits 1 if a probe check fails or the job does.
 With ``--engine-bench`` it then runs `benchmarks/gpu_engine.py` (its own table and JSON line last).
@@ -113,7 +113,8 @@ def engine_process(args: argparse.Namespace, jobs: mp.Queue, results: mp.Queue) 
                     )
                     for i in range(batch)
                 ]
-                engine.generate(reqs[:1])  # warm-up (kernels, allocator)
+                # Warm-up at the timed batch: kernels, the allocator, and this batch size's graphs captured
+                engine.generate([GenerationRequest("w" + r.request_id, r.prompt_ids, r.params) for r in reqs])
                 if args.device.startswith("cuda"):
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -136,7 +137,7 @@ def expect(results: mp.Queue, kind: str, timeout: float = 600):
     return value
 
 
-def run_job(device: str, steps: int) -> dict:
+def run_job(device: str, steps: int, model_path: str | None = None) -> dict:
     """A real job on the built-in defaults (tiny MoE, GRPO, APRIL) with the learner as an FSDP2 group
     of one in bf16 mixed precision: the weight push gathers its shards (CUDA IPC on a GPU, shared
     memory on CPU), the probe check runs after every push, and the colocated engines free their KV
@@ -150,11 +151,13 @@ def run_job(device: str, steps: int) -> dict:
         "cluster.launcher=local",  # no Ray on the GPU box: threads of this process
         f"output_dir={tempfile.mkdtemp(prefix='gpu_check_job_')}",
         f"steps={steps}",
+        *([f"model.path={model_path}"] if model_path else []),
         f"learner.device={device}",
         f"rollout.device={device}",
         "learner.mixed_precision=true",
         "rollout.release_memory=true",
         "weights.check_every=1",
+        "weights.checksum_every=1",  # every tensor, gathered from the shards, against the engine's
         "logging.progress=false",
         "logging.tensorboard=false",
         "logging.plot=false",
@@ -171,6 +174,7 @@ def run_job(device: str, steps: int) -> dict:
         "reward_first": float(history[0]["reward_mean"]),
         "reward_last": float(history[-1]["reward_mean"]),
         "learner_seconds": sum(h["learner_seconds"] for h in history) / len(history),
+        "push_seconds": sum(h["weight_sync_seconds"] for h in history) / len(history),
         "released_mb": sum(h.get("engine_memory_released_bytes", 0) for h in history) / len(history) / 2**20,
     }
 
@@ -183,6 +187,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--job-steps", type=int, default=3, help="then a real job of this many steps (0: none)")
+    ap.add_argument("--job-model", default=None, help="the job's model directory (default: the tiny MoE, built)")
     ap.add_argument(
         "--engine-bench",
         action="store_true",
@@ -256,7 +261,7 @@ def main() -> int:
     proc.join(timeout=60)
     transport.close()
 
-    job = run_job(a.device, a.job_steps) if a.job_steps else None
+    job = run_job(a.device, a.job_steps, a.job_model) if a.job_steps else None
     total = time.perf_counter() - started
     probe_ok = probe_diff <= tolerance < diff_before
     ok = probe_ok and (job is None or job["ok"])
@@ -281,12 +286,13 @@ def main() -> int:
                 f"{job['steps']} steps, {job['launcher']} launcher, FSDP2 learner (1 rank, bf16 mixed precision), "
                 f"{job['transport']} push",
             ),
-            ("  probe check after each push", "OK" if job["ok"] else "FAILED: " + job.get("error", "")),
+            ("  probe and checksum checks after each push", "OK" if job["ok"] else "FAILED: " + job.get("error", "")),
             (
                 "  reward first -> last step",
                 f"{job.get('reward_first', float('nan')):.3f} -> {job.get('reward_last', float('nan')):.3f}",
             ),
             ("  learner seconds per step", f"{job.get('learner_seconds', float('nan')):.2f}"),
+            ("  push seconds per step", f"{job.get('push_seconds', float('nan')):.3f}"),
             ("  engine memory released per step", f"{job.get('released_mb', float('nan')):.1f} MB"),
         ]
     rows.append(("total wall", f"{total:.1f} s"))
@@ -338,6 +344,9 @@ def run_job_bench(device: str, rounds: int, steps: int) -> bool:
         f"--set=rollout.device={device}",
         f"--set=learner.device={device}",
         "--set=weights.check_every=1",
+        # Every arm keeps its engine memory (async cannot release it): a release drops the CUDA graphs
+        # and APRIL's kept caches each step, which would penalise sync and APRIL alone.
+        "--set=rollout.release_memory=false",
     ]
     print("\n$ " + " ".join(cmd[1:]), flush=True)
     return subprocess.run(cmd, cwd=root).returncode == 0

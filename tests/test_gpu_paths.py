@@ -276,3 +276,20 @@ def test_colocated_cuda_engines_beside_a_cpu_learner_of_more_ranks_start(tmp_pat
     ]
     got = _placement_probe(overrides)
     assert [ids for ids, _ in got["workers"]] == [["0"]] and len(got["ranks"]) == 2, got
+
+
+@pytest.mark.slow
+def test_the_gpu_check_script_passes_on_cpu_with_its_mixed_precision_job(tiny_model_dir):
+    """deploy/gpu_check.py is what a lent GPU runs first, once: its CPU path must pass here. Its job
+    (bf16 mixed precision, probe and checksums after every push) failed its own probe check once the
+    probe grew to 64 tokens (6.95e-2 against a 5e-2 floor)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "deploy/gpu_check.py", "--device", "cpu", "--tiny", "--syncs", "1", "--job-steps", "2"]
+    done = subprocess.run(
+        [*cmd, "--job-model", str(tiny_model_dir)], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "probe and checksum checks after each push  OK" in done.stdout

@@ -372,10 +372,11 @@ class JobConfig(_Strict):
 
     @property
     def weight_check_tolerance(self) -> float:
-        """weights.check_tolerance; at least 5e-2 when the learner's forward is bf16 (mixed precision):
-        a probe in bf16 differs from the same weights in fp32 by about 2e-2 (2.0e-2 measured on CPU, tiny MoE)."""
+        """weights.check_tolerance; at least 0.15 when the learner's forward is bf16 (mixed precision): the
+        64-token probe in bf16 differs from the same weights in fp32 by up to 6.95e-2 (CPU, tiny MoE; the
+        one-answer probe, 2.0e-2). The per-tensor checksums (weights.checksum_every) compare exactly."""
         tol = self.weights.check_tolerance
-        return max(tol, 5e-2) if self.learner.mixed_precision else tol
+        return max(tol, 0.15) if self.learner.mixed_precision else tol
 
     @property
     def releases_engine_memory(self) -> bool:

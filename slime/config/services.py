@@ -207,7 +207,7 @@ class WeightsConfig(_Strict):
         1e-3,
         gt=0,
         description="Largest probe logprob difference allowed. With learner.mixed_precision the learner's probe "
-        "runs in bf16 against the engine's own precision: at least 5e-2 then (JobConfig.weight_check_tolerance).",
+        "runs in bf16 against the engine's own precision: at least 0.15 then (JobConfig.weight_check_tolerance).",
     )
 
 

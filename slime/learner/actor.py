@@ -663,6 +663,7 @@ class Learner:
         self.policy.eval()
         logp = response_logprobs(self.policy, batch, self.temperature, packed=self.packed)[0][0]
         self.policy.train()
+        sharding.reshard(self.policy)  # the parameters a push or a checksum reads are the master weights
         return logp.cpu().numpy()
 
     def memory(self) -> dict[str, float]:

@@ -65,6 +65,17 @@ def shard(model: torch.nn.Module, mixed_precision: bool) -> None:
     fully_shard(model, **kwargs)
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Back to the sharded parameters after a forward without backward. FSDP2 keeps the root's
+    parameters unsharded after a forward (the backward would need them at once): until then
+    `named_parameters()` gives the unsharded compute copies, in bf16 under mixed precision."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in model.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A parameter's whole value: gathered from the ranks when it is sharded (a collective: every
     rank calls it for the same tensors in the same order)."""
