@@ -117,7 +117,9 @@ class RolloutFleet:
         self.last_health = time.time()
         self.progress: dict[int, tuple[tuple, float]] = {}  # worker -> (engine counters, since when)
         self.forward_said = False  # the engines' forward path, printed once
-        self.kv_totals = WorkerTotals("kv_resumes", "kv_resumed_tokens")  # over the job, workers gone included
+        # over the job, workers gone included
+        self.engine_totals = WorkerTotals("kv_resumes", "kv_resumed_tokens", "cuda_graph_replays")
+        self.graphs_failed_said = False
         # Elastic rollout (rollout.elastic): april decides, the methods under "elastic rollout" act.
         e = cfg.rollout.elastic
         self.elastic = (
@@ -381,6 +383,10 @@ class RolloutFleet:
     def healths(self) -> list[dict]:
         healths = self._wait_all([w.health.remote() for w in self.workers], "health")
         self.telemetry.record_engine_health(healths)
+        failed = next((h["cuda_graphs_failed"] for h in healths if h.get("cuda_graphs_failed")), None)
+        if failed and not self.graphs_failed_said:  # the decode goes on eagerly, host-bound on a GPU
+            self.graphs_failed_said = True
+            print(f"rollout engines: CUDA graphs were given up, decode runs eagerly: {failed}", flush=True)
         return healths
 
     # ---- elastic rollout (rollout.elastic) --------------------------------------------------------

@@ -436,9 +436,8 @@ class RunningJob:
         healths = self.fleet.healths()
         uptime = sum(h["uptime_seconds"] for h in healths)
         metrics["engine_busy_fraction"] = sum(h["busy_seconds"] for h in healths) / max(uptime, 1e-9)
-        # Partials resumed from the KV cache their engine kept at the abort (no re-prefill).
-        kv = self.fleet.kv_totals.update(healths)
-        metrics["kv_resumes_total"], metrics["kv_resumed_tokens_total"] = kv["kv_resumes"], kv["kv_resumed_tokens"]
+        # Partials resumed from the KV cache their engine kept at the abort (no re-prefill); graph replays.
+        metrics.update({f"{name}_total": n for name, n in self.fleet.engine_totals.update(healths).items()})
         rewards_by_task = metrics.get("reward_by_task", {})
         self.sampler.observe({k: [v] for k, v in rewards_by_task.items()})
         if self.sampler.current_stage_index is not None:  # its name is text, which metrics drop
