@@ -1,10 +1,8 @@
 """The policy model: any local Hugging Face causal LM directory, or the built-in tiny MoE.
 
-The tiny MoE is a Qwen3-MoE (8 experts, top-2, ~2M parameters) with a character-level
-tokenizer, built in code (nothing is downloaded). It is warm-started on the example task by a
-short supervised pass on generated demonstrations and cached as an ordinary HF directory, so
-every other part of the system only ever sees "a local model directory".
-"""
+The tiny MoE (Qwen3-MoE, 8 experts, top-2, ~2M parameters, character-level tokenizer) is built in
+code, warm-started by a short supervised pass on the example task's demonstrations and cached as an
+ordinary HF directory: every other part only ever sees "a local model directory"."""
 
 from __future__ import annotations
 
@@ -278,6 +276,13 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
             f"model's tensors are not in the checkpoint ({shown}), and would start at random"
         )
     return model.to(device)
+
+
+def no_cudnn_attention(device: torch.device) -> None:
+    """On CUDA, SDPA never picks cuDNN (a plan per new key length, ~8 ms host time on an H200), for
+    engine and learner; process-wide, as a per-call context would race across local-launcher threads."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def disable_dropout(model: torch.nn.Module) -> list[str]:

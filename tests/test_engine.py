@@ -496,6 +496,7 @@ def test_every_engine_class_implements_the_contract(engine_class):
         "step",
         "update_weights",
         "version",
+        "weight_checksums",
     ]
     for name in CONTRACT:
         want, got = getattr(RolloutEngine, name), getattr(engine_class, name, None)

@@ -41,7 +41,7 @@ from slime.learner import lora, sharding
 from slime.learner.forwards import ValueModel, checkpoint_activations, response_logprobs, use_logit_chunks
 from slime.learner.group_rewards import GroupRewards
 from slime.learner.packing import packing_misfit, use_packed_attention
-from slime.model import disable_dropout, load_model, train_mode_gap
+from slime.model import disable_dropout, load_model, no_cudnn_attention, train_mode_gap
 from slime.sample import Sample, Status, failure_key
 from slime.security import JobCredentials
 from slime.weights import WeightHandle, make_transport
@@ -189,6 +189,7 @@ class Learner:
         lc = cfg.learner
         self.model_dir, self.lora = model_dir, lc.lora
         self.device = torch.device(lc.device)
+        no_cudnn_attention(self.device)
         self.rank, self.world_size = rank, world_size
         # FSDP2 also for one rank with mixed precision: its policy casts to bf16 around fp32 masters.
         self.sharded = world_size > 1 or lc.mixed_precision

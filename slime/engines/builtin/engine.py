@@ -76,7 +76,7 @@ from slime.engines.contract import (
     validate_sampling,
 )
 from slime.engines.routing import RoutingRecorder
-from slime.model import load_model, load_tokenizer
+from slime.model import load_model, load_tokenizer, no_cudnn_attention
 from slime.weights.checksum import Checksum, checksums
 
 __all__ = ["BuiltinEngine"]
@@ -186,6 +186,7 @@ class BuiltinEngine:
         self.perturbation, self.perturbation_scale = perturbation, float(perturbation_scale)
         self._decode = decode
         self.device = torch.device(device)
+        no_cudnn_attention(self.device)
         self.model = model.to(self.device).eval()
         self.max_running_requests = max_running_requests
         config = model.config
@@ -338,7 +339,7 @@ class BuiltinEngine:
         if not self._waiting and not self._running:
             return []
         chunks: dict[str, GenerationChunk] = {}
-        with torch.inference_mode(), attention_backends(self.device):
+        with torch.inference_mode():
             groups: list[list[_Seq]] = []
             if self._waiting and len(self._running) < self.max_running_requests:
                 groups = self._admit(chunks)
@@ -510,8 +511,7 @@ class BuiltinEngine:
         """Logprob of each response token given the prefix, under the current weights (one
         forward pass, no cache): the probe the driver compares with the learner after an update."""
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
-        with attention_backends(self.device):
-            logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
         logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
         start = len(prompt_ids) - 1
         pos = torch.arange(start, start + len(response_ids), device=self.device)
@@ -763,17 +763,6 @@ def _synchronized(device: torch.device):
     finally:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-
-
-def attention_backends(device: torch.device):
-    """On CUDA, SDPA (prefill, the Hugging Face path) may pick flash or memory-efficient attention
-    (or the math fallback), never cuDNN's: cuDNN builds a plan per new key length, every step of a
-    growing cache (~8 ms of host time per call on an H200). Nothing to choose elsewhere."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _graph_health(static) -> dict:
