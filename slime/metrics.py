@@ -8,7 +8,9 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ from tqdm import tqdm
 from slime.config import LoggingConfig
 from slime.security import redact
 from slime.tracking import build_sinks
+
+HISTORY_ROWS = 1000  # full rows MetricsLogger keeps in memory (train() returns them)
 
 
 def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -176,14 +180,16 @@ class MetricsLogger:
             shown = redact(config)  # the caller redacted it (config_for_display); once more costs nothing
             for sink in self.sinks:
                 sink.log_config(shown)
+        # Memory stays bounded over a long job: the last HISTORY_ROWS steps' rows, and the plot's three
+        # series of every step (24 bytes a step); metrics.jsonl holds every row.
+        self.history: deque[dict[str, float]] = deque(maxlen=HISTORY_ROWS)
+        self.curve = (array("d"), array("d"), array("d"))  # wall seconds, reward_mean, rollout_tokens_per_s
         # A resumed run continues the series: the steps it will redo are dropped from metrics.jsonl
         # (and from TensorBoard by purge_step), and its wall clock goes on from the last kept step.
-        self.history: list[dict[str, float]] = _kept_history(run_dir / "metrics.jsonl", start_step)
+        for row in _kept_rows(run_dir / "metrics.jsonl", start_step, rewrite=cfg.jsonl):
+            self._remember(row)
         self.started = time.time() - (self.history[-1]["wall_seconds"] if self.history else 0.0)
-        self.jsonl = None
-        if cfg.jsonl:
-            write_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in self.history))
-            self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        self.jsonl = open(run_dir / "metrics.jsonl", "a") if cfg.jsonl else None
         self.bar = (
             tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True) if cfg.progress else None
         )
@@ -202,12 +208,12 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        # history keeps every step for the job's life: one copy of each metric's name, not one per
-        # step (names come fresh from Ray's unpickling and from flatten's f-strings; 9.1 -> 3.6 KB a step)
+        # One copy of each metric's name, not one per kept step (names come fresh from Ray's unpickling
+        # and from flatten's f-strings; 9.1 -> 3.6 KB a step)
         flat = {sys.intern(key): value for key, value in flatten(metrics).items()}
         flat["step"] = step
         flat["wall_seconds"] = time.time() - self.started
-        self.history.append(flat)
+        self._remember(flat)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(flat) + "\n")
             self.jsonl.flush()
@@ -226,6 +232,11 @@ class MetricsLogger:
                 refresh=True,
             )
 
+    def _remember(self, row: dict[str, float]) -> None:
+        self.history.append(row)
+        for series, key in zip(self.curve, ("wall_seconds", "reward_mean", "rollout_tokens_per_s")):
+            series.append(float(row.get(key, math.nan)))
+
     def plot(self) -> Path | None:
         if not self.history:
             return None
@@ -234,18 +245,15 @@ class MetricsLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        t = [h["wall_seconds"] for h in self.history]
+        t, rewards, tokens_per_s = (list(series) for series in self.curve)
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-        rewards = [h.get("reward_mean", math.nan) for h in self.history]
         ax1.plot(t, rewards, marker="o", ms=3, alpha=0.5, label="per step")
         window = 10
         ax1.plot(t, trailing_mean(rewards, window), color="tab:blue", lw=2, label=f"mean of last {window}")
         ax1.legend(loc="lower right")
         ax1.set_ylabel("mean reward")
         ax1.grid(alpha=0.3)
-        ax2.plot(
-            t, [h.get("rollout_tokens_per_s", math.nan) for h in self.history], marker="o", ms=3, color="tab:orange"
-        )
+        ax2.plot(t, tokens_per_s, marker="o", ms=3, color="tab:orange")
         ax2.set_ylabel("rollout tokens/s")
         ax2.set_xlabel("wall-clock seconds")
         ax2.grid(alpha=0.3)
@@ -272,20 +280,27 @@ class MetricsLogger:
             self.plot()
 
 
-def _kept_history(path: Path, start_step: int) -> list[dict[str, float]]:
-    """The metrics of the steps before start_step from an earlier run of this run dir (a resume);
-    nothing for a fresh run. A torn last line (the process died while writing it) is skipped."""
+def _kept_rows(path: Path, start_step: int, rewrite: bool) -> Iterator[dict[str, float]]:
+    """The rows of the steps before start_step from an earlier run of this run dir (a resume), in
+    order; nothing for a fresh run. With `rewrite`, metrics.jsonl is replaced by those rows, line by
+    line (a long run's file is never held whole). A torn last line (the process died while writing
+    it) is skipped."""
     if start_step == 0 or not path.exists():
-        return []
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("step", start_step) < start_step:
-            kept.append({sys.intern(key): value for key, value in row.items()})
-    return kept
+        if rewrite:
+            write_atomic(path, "")
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with open(path) as lines, open(tmp, "w") if rewrite else open(os.devnull, "w") as kept:
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("step", start_step) < start_step:
+                kept.write(json.dumps(row) + "\n")
+                yield {sys.intern(key): value for key, value in row.items()}
+    if rewrite:
+        os.replace(tmp, path)
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -127,7 +127,7 @@ def _run(cfg: JobConfig, stop: GracefulStop) -> list[dict]:
             trained = bool(job.logger.history)  # a signal during start-up: no step, so no checkpoint
             said = "with a checkpoint; resume=auto goes on from it" if trained else "before its first step"
             job.logger.say(f"stopped by {job.stop.requested} {said}")
-        return job.logger.history
+        return list(job.logger.history)  # the last HISTORY_ROWS steps (metrics.jsonl has every one)
 
 
 def _actor_lost(exc: BaseException, cfg: JobConfig) -> bool:

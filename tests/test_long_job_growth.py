@@ -14,7 +14,7 @@ import pytest
 from slime.buffer import TrajectoryStore
 from slime.config import LoggingConfig, load_config
 from slime.export import checkpoints_of, prune_checkpoints
-from slime.metrics import MetricsLogger
+from slime.metrics import HISTORY_ROWS, MetricsLogger
 from slime.sample import Status
 from slime.train import train
 from tests.helpers import TINY_JOB
@@ -103,22 +103,43 @@ def test_a_pruned_group_keeps_no_metadata(buffer: TrajectoryStore):
     assert len(raw.hget(buffer._key("group", gids[2]), "metadata")) > 8000  # not pruned yet: kept whole
 
 
-def test_the_metrics_history_costs_little_per_step(tmp_path):
-    """The driver keeps every step's metrics (MetricsLogger.history, what train() returns). Measured
-    before the fix: the driver's RSS grew 520 -> 546 MB over 2,570 steps of the local example job,
-    10 KB a step, and the history of that run held 9.1 KB a step, most of it each step's own copy of
-    ~85 metric names."""
+def test_the_metrics_history_stops_growing_and_the_plot_keeps_every_step(tmp_path):
+    """The driver kept every step's metrics (MetricsLogger.history, what train() returns). Measured
+    before the first fix: the driver's RSS grew 520 -> 546 MB over 2,570 steps of the local example
+    job, 10 KB a step, most of it each step's own copy of ~85 metric names; after it, a trial's
+    20,000 steps still held 2.4-5 KB a step. Now the last HISTORY_ROWS rows are kept and the plot's
+    three series (24 bytes a step); metrics.jsonl has every row."""
     logger = MetricsLogger(tmp_path, LoggingConfig(jsonl=False, tensorboard=False, plot=False, progress=False), 10**6)
     names = [f"metric_name_number_{i}" for i in range(60)]
     metrics = {"reward_stats": {"repeat": {n: 0.5 for n in names[:20]}}, **{n: 1.0 for n in names[20:]}}
-    for step in range(50):  # warm up: the sinks' and dict's first allocations
+    for step in range(HISTORY_ROWS + 50):  # the kept rows full; the sinks' and dict's first allocations
         logger.log(step, pickle.loads(pickle.dumps(metrics)))  # fresh name strings, as from a Ray actor
     tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    for step in range(50, 1050):
+    for step in range(HISTORY_ROWS + 50, 2 * HISTORY_ROWS + 50):  # every kept row now allocated while traced
         logger.log(step, pickle.loads(pickle.dumps(metrics)))
-    per_step = (tracemalloc.get_traced_memory()[0] - before) / 1000
+    before = tracemalloc.get_traced_memory()[0]
+    for step in range(2 * HISTORY_ROWS + 50, 2 * HISTORY_ROWS + 3050):
+        logger.log(step, pickle.loads(pickle.dumps(metrics)))
+    per_step = (tracemalloc.get_traced_memory()[0] - before) / 3000
     tracemalloc.stop()
     logger.close()
-    assert len(logger.history) == 1050 and logger.history[-1]["reward_stats/repeat/metric_name_number_0"] == 0.5
-    assert per_step < 4500, per_step  # 60 values and their dict; before: ~8 KB with the names
+    assert len(logger.history) == HISTORY_ROWS and logger.history[-1]["step"] == 2 * HISTORY_ROWS + 3049
+    assert [len(series) for series in logger.curve] == [2 * HISTORY_ROWS + 3050] * 3
+    assert per_step < 200, per_step  # the plot's 3 floats (array growth); before: 2.4-4.5 KB
+
+
+def test_a_resume_keeps_the_earlier_rows_in_the_file_and_the_plot(tmp_path):
+    cfg = LoggingConfig(tensorboard=False, plot=False, progress=False)
+    first = MetricsLogger(tmp_path, cfg, 10**6)
+    for step in range(HISTORY_ROWS + 200):
+        first.log(step, {"reward_mean": step / 1e4})
+    first.close()
+    (tmp_path / "metrics.jsonl").open("a").write('{"step": 99999, "rew')  # a torn last line
+    resumed = MetricsLogger(tmp_path, cfg, 10**6, start_step=HISTORY_ROWS + 100)  # steps from there redone
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(HISTORY_ROWS + 100))
+    assert list(resumed.curve[1]) == [r["reward_mean"] for r in rows]
+    assert [r["step"] for r in resumed.history] == list(range(100, HISTORY_ROWS + 100))
+    resumed.log(HISTORY_ROWS + 100, {"reward_mean": 1.0})
+    resumed.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == HISTORY_ROWS + 100

@@ -48,6 +48,9 @@ class RaySession:
                 include_dashboard=False,
                 logging_level="warning",
                 log_to_driver=True,
+                # Ray's GCS keeps an event per actor call, up to 100k by default: ~22 KB a step of its
+                # memory for days. The job's own Ray keeps the last 10k (nothing here reads them).
+                _system_config={"task_events_max_num_task_in_gcs": 10_000} if address == "local" else None,
             )
         except (ConnectionError, RuntimeError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
