@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from transformers import AutoConfig
 
-from slime.config import DataConfig
+from slime.config import ConfigError, DataConfig, JobConfig
 from slime.data_files import DatasetError, read_rows
 from slime.errors import UserError
 from slime.sample import Sample, Status
@@ -451,3 +452,39 @@ def _as_id_list(ids: Any) -> list[int]:
     if len(ids) == 1 and isinstance(ids[0], list):  # a batch of one
         ids = ids[0]
     return [int(t) for t in ids]
+
+
+def check_prompts_fit(prompt_lengths: list[int], model_dir: str) -> None:
+    """A prompt as long as the model's context leaves no room for one response token: every
+    response was empty (truncated at once, reward called on ""), and the job trained nothing."""
+    context = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    too_long = [n for n in prompt_lengths if context is not None and n >= context]
+    if too_long:
+        raise ConfigError(
+            f"{len(too_long)} of {len(prompt_lengths)} prompts (the longest {max(too_long)} tokens) fill the model's "
+            f"context (max_position_embeddings={context} in {model_dir}): no room for a response. Set "
+            f"data.max_prompt_tokens below {context} (with data.overlong_prompts=drop to skip those rows)"
+        )
+
+
+def check_context_fits(cfg: JobConfig, model_dir: str) -> None:
+    """The engines refuse a response budget longer than the model reads and a top_k beyond its
+    vocabulary (validate_sampling in the engine contract): say so at start, naming the field,
+    instead of failing every request (eval's only at its first evaluation, after training). With
+    rollout.engine=vllm, vllm.max_model_len is the context (vLLM refuses one past the model's in
+    the worker's constructor)."""
+    model_config = AutoConfig.from_pretrained(model_dir)
+    context = getattr(model_config, "max_position_embeddings", None)
+    where = f"the model's context (max_position_embeddings={context} in {model_dir})"
+    own = cfg.vllm.max_model_len if cfg.rollout.engine == "vllm" else None
+    if own is not None and context is not None and own > context:
+        raise ConfigError(f"vllm.max_model_len={own} exceeds {where}")
+    if own is not None:
+        context, where = own, f"vllm.max_model_len={own}"
+    budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens, "eval.max_new_tokens": cfg.eval.max_new_tokens}
+    for key, budget in budgets.items():
+        if context is not None and budget is not None and budget > context:
+            raise ConfigError(f"{key}={budget} exceeds {where}")
+    vocab = getattr(model_config, "vocab_size", None)
+    if vocab is not None and cfg.rollout.top_k > vocab:
+        raise ConfigError(f"rollout.top_k={cfg.rollout.top_k} exceeds the model's vocabulary (vocab_size={vocab})")

@@ -25,7 +25,7 @@ from slime.buffer.owner import JobOwner
 from slime.buffer.redis_server import connect_or_start
 from slime.config import JobConfig, config_for_display, dump_config
 from slime.dashboard.server import DashboardProcess
-from slime.data import PromptRecord, load_prompts, write_jsonl
+from slime.data import PromptRecord, check_context_fits, check_prompts_fit, load_prompts, write_jsonl
 from slime.engines.contract import GenerationRequest
 from slime.evaluation import HeldOutEval
 from slime.export import (
@@ -47,8 +47,6 @@ from slime.learner import LearnerGroup
 from slime.learner.lora import check_model_dir
 from slime.metrics import FailureWatch, MetricsLogger, StepClock, write_atomic
 from slime.model import (
-    check_context_fits,
-    check_prompts_fit,
     checked_rollout_stops,
     ensure_model_dir,
     load_tokenizer,
@@ -160,6 +158,7 @@ class RunningJob:
                 self._apply_offpolicy()
             if checkpoint is not None:
                 self.push_weights(self.start_step - 1)
+            self.fleet.resume()  # workers start paused: no token before the engines hold the run's weights
             if cfg.eval.every_steps:  # after the actors: a reward in a Ray actor needs Ray started
                 self.held_out = HeldOutEval(cfg, self.tokenizer, self.run_dir)
             self.logger = MetricsLogger(
@@ -184,7 +183,7 @@ class RunningJob:
         self.learner = LearnerGroup(cfg, self.model_dir, self.redis_url, self.credentials, launcher)
         launch = WorkerLaunch(self.model_dir, self.redis_url, self.credentials, run_id)
         self.workers = [
-            start_rollout_worker(launcher, cfg, launch, i, shared_gpu=self.learner.worker_placement(i))
+            start_rollout_worker(launcher, cfg, launch, i, paused=True, shared_gpu=self.learner.worker_placement(i))
             for i in range(cfg.rollout.num_workers)
         ]
         self.fleet = RolloutFleet(

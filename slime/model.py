@@ -468,33 +468,3 @@ def rollout_sampling_params(rollout: RolloutConfig, tokenizer) -> SamplingParams
         stop_token_ids=rollout_stop_token_ids(rollout, tokenizer),
         stop_strings=rollout_stop_strings(rollout, tokenizer),
     )
-
-
-def check_prompts_fit(prompt_lengths: list[int], model_dir: str) -> None:
-    """A prompt as long as the model's context leaves no room for one response token: every
-    response was empty (truncated at once, reward called on ""), and the job trained nothing."""
-    context = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
-    too_long = [n for n in prompt_lengths if context is not None and n >= context]
-    if too_long:
-        raise ConfigError(
-            f"{len(too_long)} of {len(prompt_lengths)} prompts (the longest {max(too_long)} tokens) fill the model's "
-            f"context (max_position_embeddings={context} in {model_dir}): no room for a response. Set "
-            f"data.max_prompt_tokens below {context} (with data.overlong_prompts=drop to skip those rows)"
-        )
-
-
-def check_context_fits(cfg: JobConfig, model_dir: str) -> None:
-    """The engines refuse a response budget longer than the model reads and a top_k beyond its
-    vocabulary (validate_sampling in the engine contract): say so at start, naming the field,
-    instead of failing every request (eval's only at its first evaluation, after training)."""
-    model_config = AutoConfig.from_pretrained(model_dir)
-    context = getattr(model_config, "max_position_embeddings", None)
-    budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens, "eval.max_new_tokens": cfg.eval.max_new_tokens}
-    for key, budget in budgets.items():
-        if context is not None and budget is not None and budget > context:
-            raise ConfigError(
-                f"{key}={budget} exceeds the model's context (max_position_embeddings={context} in {model_dir})"
-            )
-    vocab = getattr(model_config, "vocab_size", None)
-    if vocab is not None and cfg.rollout.top_k > vocab:
-        raise ConfigError(f"rollout.top_k={cfg.rollout.top_k} exceeds the model's vocabulary (vocab_size={vocab})")

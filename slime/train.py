@@ -17,7 +17,7 @@ import signal
 import sys
 
 from slime.config import JobConfig
-from slime.errors import dump_stacks_on_sigusr1
+from slime.errors import UserError, dump_stacks_on_sigusr1
 from slime.fleet import WorkerHung
 from slime.job import RunningJob
 from slime.signals import GracefulStop
@@ -92,6 +92,8 @@ def train(cfg: JobConfig) -> list[dict]:
             try:
                 return _run(cfg, stop)
             except Exception as exc:
+                if (failed := _start_failure(exc)) is not None:
+                    raise ActorStartError(failed) from exc
                 if not _actor_lost(exc, cfg) or restarts == cfg.max_restarts or stop.requested:
                     raise
                 restarts += 1
@@ -128,6 +130,23 @@ def _run(cfg: JobConfig, stop: GracefulStop) -> list[dict]:
             said = "with a checkpoint; resume=auto goes on from it" if trained else "before its first step"
             job.logger.say(f"stopped by {job.stop.requested} {said}")
         return list(job.logger.history)  # the last HISTORY_ROWS steps (metrics.jsonl has every one)
+
+
+class ActorStartError(UserError, RuntimeError):
+    """A Ray actor failed in its constructor (an engine option the engine refuses, a model it cannot
+    load): the same start would fail the same way, so the job is not restarted."""
+
+    hint = "the last lines above are the actor's own error: fix what they name and run again"
+
+
+def _start_failure(exc: BaseException) -> str | None:
+    """What a Ray actor that died in its constructor said (its error's last lines); None otherwise."""
+    ray = sys.modules.get("ray")
+    if ray is None or not isinstance(exc, ray.exceptions.RayActorError) or not exc.actor_init_failed:
+        return None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = " | ".join(lines[-3:])
+    return f"a Ray actor failed while it started; not restarted (the same start would fail again): {said[-600:]}"
 
 
 def _actor_lost(exc: BaseException, cfg: JobConfig) -> bool:

@@ -100,7 +100,7 @@ def test_edge_values_that_still_load():
     ],
 )
 def test_budgets_beyond_the_model_fail_at_start(tmp_path, override, named):
-    from slime.model import check_context_fits
+    from slime.data import check_context_fits
 
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "llama", "max_position_embeddings": 128, "vocab_size": 100})
@@ -109,6 +109,29 @@ def test_budgets_beyond_the_model_fail_at_start(tmp_path, override, named):
     with pytest.raises(ConfigError, match=re.escape(named)):
         check_context_fits(cfg, str(tmp_path))
     check_context_fits(load_config(EXAMPLE, ["eval.max_new_tokens=128", "rollout.top_k=100"]), str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        # vLLM refused it in the worker's constructor under Ray: three restarts, then a traceback (exit 1)
+        (["vllm.max_model_len=100000"], "vllm.max_model_len=100000 exceeds the model's context"),
+        # every request failed in the worker thread with a raw ValueError
+        (
+            ["vllm.max_model_len=64", "rollout.max_new_tokens=96"],
+            "rollout.max_new_tokens=96 exceeds vllm.max_model_len=64",
+        ),
+    ],
+)
+def test_a_vllm_context_that_cannot_hold_the_budgets_fails_at_start(tmp_path, overrides, named):
+    from slime.data import check_context_fits
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "max_position_embeddings": 128, "vocab_size": 100})
+    )
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        check_context_fits(load_config(EXAMPLE, ["rollout.engine=vllm", *overrides]), str(tmp_path))
+    check_context_fits(load_config(EXAMPLE, ["rollout.engine=vllm", "vllm.max_model_len=128"]), str(tmp_path))
 
 
 @pytest.mark.parametrize(

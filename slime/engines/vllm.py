@@ -138,6 +138,7 @@ class _Live:
     generated: list[int]
     stops: StopStrings | None = None  # params.stop_strings, matched here
     response: list[int] = field(default_factory=list)  # with stop strings: this model turn's tokens so far
+    drawn: int = 0  # response tokens before ``ids`` ends: a seeded request draws from seed + drawn
 
 
 def to_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -242,6 +243,9 @@ class VllmEngine:
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",
+            # vLLM's default on GPUs: a step returns the previous step's tokens, so a token sampled
+            # before update_weights would come out after it, labelled with the new version.
+            async_scheduling=False,
             max_logprobs=-1,  # the probe asks for whole-vocabulary prompt logprobs when T != 1
             enable_sleep_mode=enable_sleep_mode,  # release_memory (colocated placement); GPUs only
             **memory,
@@ -352,7 +356,7 @@ class VllmEngine:
                 "vLLM with top_k/top_p: behaviour logprobs are of the truncated distribution, not the full "
                 "tempered one the learner uses (see slime/engines/vllm.py)"
             )
-        self._add(rid, _Live(ids, p, remaining, [], stops, own if stops is not None else []))
+        self._add(rid, _Live(ids, p, remaining, [], stops, own if stops is not None else [], len(response)))
 
     def _add(self, rid: str, live: _Live) -> None:
         """Into vLLM, under the newest adapter (if any)."""
@@ -372,7 +376,7 @@ class VllmEngine:
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
-            seed=p.seed,
+            seed=None if p.seed is None else p.seed + live.drawn,  # the contract's resumed stream
         )
         self._engine.add_request(rid, TokensPrompt(prompt_token_ids=live.ids), params, lora_request=self._lora_request)
         self._ids.add(rid)
@@ -597,7 +601,13 @@ class VllmEngine:
         for rid, req in live:
             self._live.pop(rid)
             again = _Live(
-                req.ids + req.generated, req.params, req.remaining - len(req.generated), [], req.stops, req.response
+                req.ids + req.generated,
+                req.params,
+                req.remaining - len(req.generated),
+                [],
+                req.stops,
+                req.response,
+                req.drawn + len(req.generated),
             )
             if again.remaining <= 0:  # vLLM had not reported it finished yet
                 self._ready.append(GenerationChunk(rid, [], [], int(version), True, "length"))
