@@ -34,7 +34,10 @@ class VllmConfig(StrictModel):
     enable_prefix_caching: bool = Field(
         False, description="Reuse KV of shared prefixes; stale after a weight update until the cache can be reset."
     )
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
+    enforce_eager: bool = Field(
+        False,
+        description="Disable CUDA graphs and torch.compile (faster start, slower decode; a model vLLM cannot compile).",
+    )
 
 
 class SglangConfig(StrictModel):

