@@ -175,6 +175,7 @@ def run_job(device: str, steps: int, model_path: str | None = None) -> dict:
         "reward_last": float(history[-1]["reward_mean"]),
         "learner_seconds": sum(h["learner_seconds"] for h in history) / len(history),
         "push_seconds": sum(h["weight_sync_seconds"] for h in history) / len(history),
+        "learner_tokens_per_s": sum(h["batch_tokens"] for h in history) / sum(h["learner_seconds"] for h in history),
         "released_mb": sum(h.get("engine_memory_released_bytes", 0) for h in history) / len(history) / 2**20,
     }
 
@@ -293,6 +294,10 @@ def main() -> int:
             ),
             ("  learner seconds per step", f"{job.get('learner_seconds', float('nan')):.2f}"),
             ("  push seconds per step", f"{job.get('push_seconds', float('nan')):.3f}"),
+            (
+                "  learner tokens/s (batch tokens / learner seconds)",
+                f"{job.get('learner_tokens_per_s', float('nan')):.0f}",
+            ),
             ("  engine memory released per step", f"{job.get('released_mb', float('nan')):.1f} MB"),
         ]
     rows.append(("total wall", f"{total:.1f} s"))

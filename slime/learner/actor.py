@@ -588,6 +588,7 @@ class Learner:
             response_len_p50=float(np.percentile(lengths, 50)),
             response_len_p99=float(np.percentile(lengths, 99)),
             trained_tokens=int(batch.mask.sum().item()),
+            batch_tokens=int(batch.attention_mask.sum().item()),  # prompts and responses: what the forwards read
             # Share of the batch's generated tokens that an older policy produced (before any masking).
             off_policy_token_share=float(stale.float().sum() / max(1, sum(s.response_length for s in samples))),
             version_lag_hist=_histogram([self.version - s.min_version for s in samples if s.min_version is not None]),
