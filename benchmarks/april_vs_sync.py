@@ -320,10 +320,12 @@ def summarize(run: dict, warmup: int) -> dict:
 # --------------------------------------------------------------------------- calibration
 
 
-def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int = 3) -> dict:
+def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int = 3, device: str = "cpu") -> dict:
     """Decode step time at batch 1..256 (best of `repeats` interleaved runs of 15 steps, fair under
     background load), least squares t(b) = t0 + k*b over batch 1/8/32/64; prefill time per token
-    from admitting 128 requests of 30 context tokens (the size of a resumed partial)."""
+    from admitting 128 requests of 30 context tokens (the size of a resumed partial). On the runs'
+    rollout.device: a GPU run's simulator is calibrated on the GPU. Each step hands its tokens to the
+    host, so a step's time is the device's."""
     import torch
 
     from slime.engines.builtin import BuiltinEngine
@@ -331,7 +333,7 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
     from slime.model import load_model
 
     torch.set_num_threads(threads)
-    model = load_model(model_dir)
+    model = load_model(model_dir, device=device)
     # A distinct context per request: the engine feeds identical contexts once (a group's shared
     # prompt), which would hide the per-token prefill cost measured here.
     rng = np.random.default_rng(0)
@@ -342,7 +344,7 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
     prefill = math.inf
     for r in range(repeats):
         for b in batches:
-            engine = BuiltinEngine(model, max_running_requests=b, seed=r)
+            engine = BuiltinEngine(model, device=device, max_running_requests=b, seed=r)
             for i in range(b):
                 engine.add_request(GenerationRequest(f"{r}-{i}", context(prompt_len), params))
             for _ in range(4):  # prefill + warm-up
@@ -351,7 +353,7 @@ def measure_engine(model_dir: str, threads: int, prompt_len: int, repeats: int =
             for _ in range(15):
                 engine.step()
             step_s[b] = min(step_s[b], (time.perf_counter() - t) / 15)
-        engine = BuiltinEngine(model, max_running_requests=128, seed=r)
+        engine = BuiltinEngine(model, device=device, max_running_requests=128, seed=r)
         for i in range(128):
             engine.add_request(GenerationRequest(f"p{r}-{i}", context(prompt_len), params, context(30 - prompt_len)))
         t = time.perf_counter()
@@ -672,7 +674,13 @@ def main() -> None:
     calibrate = S0 in arms and A0 in arms
     t = time.time()
     engine = (
-        measure_engine(model_dir, args.threads, round(runs[S0][0]["prompt_tokens"]), 1 if args.smoke else 3)
+        measure_engine(
+            model_dir,
+            args.threads,
+            round(runs[S0][0]["prompt_tokens"]),
+            1 if args.smoke else 3,
+            next((o.split("=", 1)[1] for o in reversed(args.set) if o.startswith("rollout.device=")), "cpu"),
+        )
         if calibrate
         else None
     )
