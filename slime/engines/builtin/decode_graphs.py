@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,7 @@ import torch
 from slime.engines.routing import routers_of
 
 log = logging.getLogger(__name__)
+_CAPTURING = threading.Lock()
 
 MIN_LENGTH_BUCKET = 64
 
@@ -163,6 +165,10 @@ class StaticDecode:
         dec = self.decoder
         layout = self._layout(shape)
         calls: list = [None] * len(self.routers)
+        # One capture at a time in this process: torch.cuda.graph empties the allocator's cache on
+        # entry, which must not happen while another engine thread (two workers on one GPU under
+        # cluster.launcher=local) is inside its own capture.
+        _CAPTURING.acquire()
         try:
             stream = torch.cuda.Stream(device=dec.device)
             stream.wait_stream(torch.cuda.current_stream(dec.device))
@@ -183,6 +189,8 @@ class StaticDecode:
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("built-in engine: CUDA graphs off, capture failed (%s)", self.failed)
             return
+        finally:
+            _CAPTURING.release()
         shape.graph, shape.logits, shape.router_calls, shape.layout = graph, logits, calls, layout
 
     @contextlib.contextmanager
