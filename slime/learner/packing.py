@@ -84,8 +84,13 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         # [1, heads, rows * length, D] -> [rows, heads, length, D]
         return t[0, :, start : start + rows * length].unflatten(1, (rows, length)).transpose(0, 1)
 
+    # Every layer gets the same cu_seq_lens_q: its runs are read off the device once per forward,
+    # not once per layer (a host sync each on a GPU).
+    runs = getattr(bounds, "_slime_runs", None)
+    if runs is None:
+        runs = bounds._slime_runs = _runs(bounds.tolist())
     parts = []
-    for start, rows, length in _runs(bounds.tolist()):
+    for start, rows, length in runs:
         q, k, v = (rows_of(t, start, rows, length) for t in (query, key, value))
         out = _row_attention(q, k, v, scaling, dropout, window, softcap, sinks)  # [rows, heads, length, Dv]
         parts.append(out.transpose(0, 1).flatten(1, 2))  # [heads, rows * length, Dv]
