@@ -393,12 +393,13 @@ GOLDEN_SAMPLE_METRICS = {
     "reward_std",
     "samples",
     "trained_tokens",
+    "batch_tokens",
     "truncated_share",
     "version_lag_hist",
     "version_span_hist",
 }
 # PPO's, added later still: its KL to the reference in the reward, the critic's lr, the critic warmup
-GOLDEN_PPO_METRICS = {"kl_reward_mean", "critic_lr", "policy_frozen"}
+GOLDEN_PPO_METRICS = {"kl_reward_mean", "critic_lr", "policy_frozen", "vf_explained_var"}
 
 
 @pytest.fixture(scope="module")
