@@ -288,7 +288,8 @@ def test_the_gpu_check_script_passes_on_cpu_with_its_mixed_precision_job(tiny_mo
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "deploy/gpu_check.py", "--device", "cpu", "--tiny", "--syncs", "1", "--job-steps", "2"]
+    cmd = [sys.executable, "deploy/gpu_check.py", "--device", "cpu", "--tiny", "--syncs", "1", "--new-tokens", "16"]
+    cmd += ["--job-steps", "2"]
     done = subprocess.run(
         [*cmd, "--job-model", str(tiny_model_dir)], cwd=root, capture_output=True, text=True, timeout=600
     )

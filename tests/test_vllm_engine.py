@@ -446,8 +446,9 @@ def test_vllm_async_scheduling_is_off(tiny_model_dir, monkeypatch):
         raise Stop
 
     monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(capture))
-    with pytest.raises(Stop):
+    with pytest.raises(RuntimeError, match="vLLM could not start") as failed:  # a failed start, named
         VllmEngine(str(tiny_model_dir))
+    assert isinstance(failed.value.__cause__, Stop)
     assert seen["args"].async_scheduling is False
 
 
