@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.spread import mean_sd  # noqa: E402
+from deploy.gpu_check import QWEN3_06B, TINY_QWEN3  # noqa: E402  the GPU check's two shapes
 from slime.algorithms.batch import Batch, collate  # noqa: E402
 from slime.config.learner import LearnerConfig  # noqa: E402
 from slime.learner.forwards import logit_chunk_misfit, response_logprobs, use_logit_chunks  # noqa: E402
@@ -63,24 +64,6 @@ PEAK_TFLOPS = [  # bf16 dense, by a substring of torch.cuda.get_device_name(); f
     ("A100", 312.0),
     ("L40S", 362.0),
 ]
-QWEN3_06B = dict(  # Qwen3-0.6B's shape with untied embeddings: ~0.75B parameters (deploy/gpu_check.py)
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-)
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
 FULL_BATCH = dict(rows=16, min_len=264, max_len=1536, response=256)
 SMOKE_BATCH = dict(rows=4, min_len=24, max_len=64, response=16)
 
@@ -90,7 +73,7 @@ def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0) -> t
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        **(TINY if tiny else QWEN3_06B),
+        **(TINY_QWEN3 if tiny else QWEN3_06B),
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         pad_token_id=0,

@@ -39,33 +39,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+# Qwen3-0.6B's shape with untied embeddings (~0.75B parameters), and a tiny one; benchmarks/gpu_learner.py
+# builds the same two.
+QWEN3_06B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+TINY_QWEN3 = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
+
 def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    if tiny:
-        cfg = Qwen3Config(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=1024,
-            tie_word_embeddings=False,
-        )
-    else:  # Qwen3-0.6B's shape with untied embeddings: ~0.75B parameters
-        cfg = Qwen3Config(
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        )
+    shape = TINY_QWEN3 if tiny else QWEN3_06B
+    cfg = Qwen3Config(**shape, max_position_embeddings=1024 if tiny else 4096, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device):  # initialise directly on the device: seconds, not minutes, for 0.75B
