@@ -653,8 +653,11 @@ class Learner:
             for name, p in self.policy.named_parameters(remove_duplicate=False)
             if name in dtypes
         )
-        found = checksums_as(full, dtypes)
-        return found if self.rank == 0 else {}
+        if self.rank != 0:  # it joins the gathers; rank 0 alone sums
+            for _ in full:
+                pass
+            return {}
+        return checksums_as(full, dtypes)
 
     @torch.no_grad()
     def probe_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> np.ndarray:
