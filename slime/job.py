@@ -137,7 +137,8 @@ class RunningJob:
                 if sampler_state is not None:
                     self.sampler.load_state_dict(sampler_state)
                 kept = fast_forward(self.sampler, self.buffer.groups_drawn_after(self.sampler.draws))
-                if any(restored := self.buffer.restore_to_checkpoint(next_step, kept, cfg.buffer.keep_trained_steps)):
+                args = (next_step, kept, cfg.buffer.keep_trained_steps, cfg.buffer.keep_group_records_steps)
+                if any(restored := self.buffer.restore_to_checkpoint(*args)):
                     print(f"resume: {restored.describe()}")
             self._start_dashboard()
             if cfg.cluster.launcher == "ray":
@@ -478,7 +479,8 @@ class RunningJob:
         write_atomic(self.run_dir / "checkpoints" / LATEST, path.name)
         # Groups become "trained" only once the weights that learned from them are on disk. A crash
         # between the line above and this one is repaired by _restore (commit_through).
-        self.buffer.commit_through(step, self.cfg.buffer.keep_trained_steps)
+        keep = self.cfg.buffer
+        self.buffer.commit_through(step, keep.keep_trained_steps, keep.keep_group_records_steps)
         prune_checkpoints(path, self.cfg.checkpoint.keep_last)  # after `latest` moved past them
         self.last_checkpoint_at = time.time()
         return path

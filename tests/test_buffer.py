@@ -263,7 +263,7 @@ def test_a_resume_drops_the_groups_drawn_after_its_checkpoint_in_every_state(buf
     untracked = buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={})  # no draw count: kept
     later = buffer.groups_drawn_after(2)
     assert sorted(later) == [3, 4, 5, 6] and later[3] == (2, "claimed") and later[6] == (5, "open")
-    assert buffer.restore_to_checkpoint(next_step=4, draws=2, keep_trained_steps=None) == (4, 0, 0)
+    assert buffer.restore_to_checkpoint(next_step=4, draws=2, keep_trained_steps=None) == (4, 0, 0, False)
     assert {gid for gid in gids[2:]} == {gid.decode() for gid in buffer.redis.zrange(f"{buffer.prefix}dropped", 0, -1)}
     counts = buffer.counts()
     assert (counts["groups_trained"], counts["groups_claimed"], counts["groups_ready"]) == (1, 0, 0)
@@ -601,6 +601,49 @@ def test_dropped_groups_are_pruned_with_the_checkpoint_they_preceded(buffer: Tra
     assert buffer.stats()["pruned_groups"] == 3 and buffer.counts()["completed"] == 0
 
 
+def test_a_long_jobs_group_records_stop_growing_and_the_counts_keep_them(buffer: TrajectoryStore) -> None:
+    """keep_group_records_steps=3: the records of pruned groups trained 3 steps before the checkpoint
+    (dropped ones: before that step's checkpoint) are deleted, so Redis stops growing; the group
+    counts still count them. Measured before: ~0.8 KB of Redis per group for good."""
+    raw = buffer.redis
+    keys_after_step = []
+    for step in range(8):
+        complete_group(buffer, n=2)
+        complete_group(buffer, n=2)
+        assert buffer.drop_ready_group(complete_group(buffer, n=2), "zero_variance")
+        assert len(buffer.claim_groups(2, step)) == 2
+        buffer.commit_through(step, keep_trained_steps=1, prune_batch=1, keep_group_records_steps=3)
+        # Each call's stored reply (connection.OnceScript) expires on its own.
+        keys_after_step.append(sum(b":reply:" not in key for key in raw.scan_iter(match=buffer._key("") + "*")))
+    assert len(set(keys_after_step[3:])) == 1, keys_after_step  # flat once step 0 is 3 steps back
+    counts, stats = buffer.counts(), buffer.stats()
+    assert (counts["groups_total"], counts["groups_trained"], counts["groups_dropped"]) == (24, 16, 8)
+    assert counts["groups_open"] == 0 and counts["groups_ready"] == 0
+    # Trained at steps 0..4, dropped before step 4's checkpoint: 10 and 5 records gone.
+    assert (stats["forgotten_groups_trained"], stats["forgotten_groups_dropped"]) == (10, 5)
+    assert stats["forgotten_through_step"] == 4
+    assert raw.zcard(buffer._key("groups")) == 24 - 15
+    assert buffer.stats()["pruned_groups"] == 2 * 7 + 7  # trained through step 6, dropped before its checkpoint
+    # A resume from a checkpoint older than the records: it cannot count what trained after it, and says so.
+    restored = buffer.restore_to_checkpoint(3, 9, keep_trained_steps=1, keep_group_records_steps=3)
+    assert restored.records_forgotten and "keep_group_records_steps" in restored.describe()
+
+
+def test_async_claims_in_start_order_survive_forgotten_records(buffer: TrajectoryStore) -> None:
+    """The in-order claim keeps a cursor: a rank in the set of groups. Records deleted below it
+    move it back, so the next claim still takes the oldest group waiting."""
+    waiting = []
+    for step in range(6):
+        waiting += [complete_group(buffer, n=1) for _ in range(2)]
+        time.sleep(0.002)
+        claimed = [g[0].group_id for g in buffer.claim_groups(1, step, in_start_order=True)]
+        assert claimed == waiting[:1]
+        waiting = waiting[1:]
+        buffer.commit_through(step, keep_trained_steps=0, prune_batch=2, keep_group_records_steps=1)
+    assert buffer.stats()["forgotten_groups_trained"] == 5
+    assert buffer.ready_in_start_order(10) == len(waiting) == 6
+
+
 def test_without_keep_trained_steps_nothing_is_pruned(buffer: TrajectoryStore) -> None:
     gid = complete_group(buffer, n=2)
     buffer.claim_groups(1, step=0)
@@ -731,7 +774,7 @@ def test_a_resume_from_an_older_checkpoint_trains_again_what_later_ones_committe
         assert [g[0].group_id for g in buffer.claim_groups(1, step=step)] == [gid]
     buffer.commit_through(2, keep_trained_steps=1)
     assert buffer.stats()["pruned_groups"] == 2
-    assert buffer.restore_to_checkpoint(next_step=1, draws=3, keep_trained_steps=1) == (0, 1, 1)
+    assert buffer.restore_to_checkpoint(next_step=1, draws=3, keep_trained_steps=1) == (0, 1, 1, False)
     assert [g[0].group_id for g in buffer.claim_groups(5, step=1)] == [gids[2]]
     buffer.commit_through(1, keep_trained_steps=1)
     counts = buffer.counts()
@@ -766,7 +809,7 @@ def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryS
     buffer.append_chunk(running.id, "w", [1, 2], [-0.1] * 2, version=0)
     # The streamed group's update is not in the checkpoint either: it too is dropped and drawn again
     # (it stayed trained, and the restored sampler's new group trained the same prompt a second time).
-    assert buffer.restore_to_checkpoint(1, 3, None) == (3, 0, 0)
+    assert buffer.restore_to_checkpoint(1, 3, None) == (3, 0, 0, False)
     assert buffer.claim_segments(1, 100, 0) == []
     counts = buffer.counts()
     assert (counts["groups_dropped"], counts["groups_trained"], counts["groups_open"]) == (3, 0, 0)

@@ -57,11 +57,16 @@ def test_prune_checkpoints_leaves_an_earlier_runs_checkpoints_alone(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_long_job_keeps_only_its_last_checkpoints(tiny_model_dir, redis_url, tmp_path):
+def test_a_long_job_keeps_only_its_last_checkpoints_and_group_records(tiny_model_dir, redis_url, tmp_path):
     """Measured before the fix: 3000 steps with a checkpoint every 50 left 60 checkpoints (1.3 GB for
-    the 2M-parameter model); nothing ever deleted one. checkpoint.keep_last bounds them."""
+    the 2M-parameter model); nothing ever deleted one. checkpoint.keep_last bounds them. The same
+    for the group records a pruned group left in Redis (~0.5 KB each): buffer.keep_group_records_steps
+    bounds them, here under async claims in start order (a cursor into the groups) and a resume."""
     common = [
         "job_name=keep-last",
+        "mode=async",
+        "buffer.keep_trained_steps=0",
+        "buffer.keep_group_records_steps=1",
         "cluster.launcher=local",
         f"output_dir={tmp_path}",
         f"model.path={tiny_model_dir}",
@@ -77,6 +82,13 @@ def test_a_long_job_keeps_only_its_last_checkpoints(tiny_model_dir, redis_url, t
     history = train(load_config(None, [*common, "steps=6", "resume=auto"]))
     assert [h["step"] for h in history] == list(range(6))
     assert [p.name for p in checkpoints_of(tmp_path)] == ["step_000005", "step_000006"]
+    store = TrajectoryStore.open(redis_url, "keep-last")
+    counts, stats = store.counts(), store.stats()
+    assert counts["groups_trained"] == 6 * 2 and counts["groups_claimed"] == 0
+    # The last checkpoint (after step 5) forgot the groups trained at steps 0..4: only step 5's remain.
+    assert stats["forgotten_groups_trained"] == 5 * 2
+    assert store.redis.zcard(store.connection.key("trained")) == 2
+    store.connection.close()
 
 
 def test_a_pruned_group_keeps_no_metadata(buffer: TrajectoryStore):

@@ -38,7 +38,8 @@ Cluster the prefix is `slime:{<job>}:`: the hash tag keeps every key of the job 
     stream:untrained            set of sample ids trained segment by segment (streaming mode)
     status_counts               hash status -> number of samples
     stats                       hash name -> float (generated_tokens, dropped_*, restarted_*, pruned_*,
-                                pruned_through_step)
+                                pruned_through_step, forgotten_*: groups whose records a long job deleted,
+                                buffer.keep_group_records_steps after pruning; the counts add them)
     policy_version              string
     events, control, engines, expert_load, steps, job_info: the telemetry (telemetry.py)
 

@@ -55,7 +55,13 @@ def read_counts(connection: JobConnection) -> dict[str, int]:
     pipe.zcard(key("trained"))
     pipe.zcard(key("leases"))
     pipe.zcard(key("dropped"))
-    by_status, resume, new, ready, groups, claimed, trained, leases, dropped = pipe.execute()
+    pipe.hmget(key("stats"), "forgotten_groups_trained", "forgotten_groups_dropped")
+    by_status, resume, new, ready, groups, claimed, trained, leases, dropped, forgotten = pipe.execute()
+    # Groups whose records a long job deleted (buffer.keep_group_records_steps) still count.
+    forgotten_trained, forgotten_dropped = (int(float(x or 0)) for x in forgotten)
+    groups += forgotten_trained + forgotten_dropped
+    trained += forgotten_trained
+    dropped += forgotten_dropped
     counts = {status.value: int(by_status.get(status.value.encode(), 0)) for status in Status}
     counts.update(
         queue_resume=resume,

@@ -62,12 +62,21 @@ class Restored(NamedTuple):
     dropped: int  # drawn after the checkpoint: the restored sampler draws their prompts again
     retrained: int  # trained by later steps (a resume from an older checkpoint): ready again
     lost: int  # trained by later steps, but pruned or streamed: their update is lost with the weights
+    # Records of groups trained after the checkpoint were deleted (buffer.keep_group_records_steps):
+    # `lost` cannot count those groups.
+    records_forgotten: bool = False
 
     def describe(self) -> str:
-        return (
+        text = (
             f"{self.dropped} groups drawn after the checkpoint are dropped (their prompts come again), "
             f"{self.retrained} trained after it are ready again, {self.lost} trained after it cannot be"
         )
+        if self.records_forgotten:
+            text += (
+                "; more groups were trained after it, whose records are deleted (buffer.keep_group_records_steps): "
+                "their updates are lost too, and not counted here"
+            )
+        return text
 
 
 @dataclass
@@ -419,17 +428,27 @@ class TrajectoryStore:
         """Mark the groups claimed by `step` as trained. Returns how many."""
         return int(self._commit(args=[self.prefix, int(step)]))
 
-    def commit_through(self, step: int, keep_trained_steps: int | None = None, prune_batch: int = 256) -> int:
+    def commit_through(
+        self,
+        step: int,
+        keep_trained_steps: int | None = None,
+        keep_group_records_steps: int | None = None,
+        prune_batch: int = 256,
+    ) -> int:
         """Mark every group claimed by a step <= `step` as trained. Returns how many. With
         ``keep_trained_steps``, delete the trajectories of groups trained at a step <= step -
         keep_trained_steps, and of groups dropped before that step's checkpoint (their group
         records stay; stats count them as pruned_*), `prune_batch` groups per script call so that
-        no call holds the server long."""
+        no call holds the server long. With ``keep_group_records_steps`` too, the records of pruned
+        groups that far back go as well (the group counts keep counting them: stats forgotten_*)."""
         keep = "" if keep_trained_steps is None else int(keep_trained_steps)
+        records = ""
+        if keep_trained_steps is not None and keep_group_records_steps is not None:
+            records = max(int(keep_group_records_steps), int(keep_trained_steps))
         args = [self.prefix, int(step), keep, int(prune_batch)]
-        committed, offset = (int(x) for x in self._commit_through(args=[*args, 0, "1"]))
+        committed, offset = (int(x) for x in self._commit_through(args=[*args, 0, "1", records]))
         while offset >= 0:
-            offset = int(self._commit_through(args=[*args, offset, ""])[1])
+            offset = int(self._commit_through(args=[*args, offset, "", records])[1])
         return committed
 
     def requeue_uncommitted(self, after_step: int | None = None) -> int:
@@ -452,17 +471,24 @@ class TrajectoryStore:
         dropped_groups:<reason> and dropped_tokens:<reason>."""
         return bool(self._drop_claimed(args=[self.prefix, group_id, reason]))
 
-    def restore_to_checkpoint(self, next_step: int, draws: int, keep_trained_steps: int | None) -> Restored:
+    def restore_to_checkpoint(
+        self,
+        next_step: int,
+        draws: int,
+        keep_trained_steps: int | None,
+        keep_group_records_steps: int | None = None,
+    ) -> Restored:
         """A job resumed from the checkpoint taken before `next_step`: claims of steps inside it are
         trained (the process may have died before it marked them); groups drawn after the sampler's
         first `draws` prompts (the checkpoint's, or as far as fast_forward took it) are dropped, since
         the sampler draws them again; claims of later steps, and groups later checkpoints committed
         (a resume from an older one), go back to the ready queue, to train on the checkpoint's weights."""
-        self.commit_through(next_step - 1, keep_trained_steps)
+        self.commit_through(next_step - 1, keep_trained_steps, keep_group_records_steps)
         dropped = self.drop_drawn_after(draws, DRAWN_AFTER_CHECKPOINT)[0]
         self.requeue_uncommitted()
         retrained, lost = (int(x) for x in self._retrain_after(args=[self.prefix, int(next_step)]))
-        return Restored(dropped, retrained, lost)
+        forgotten_through = self.stats().get("forgotten_through_step", -1.0)
+        return Restored(dropped, retrained, lost, next_step <= forgotten_through)
 
     def groups_drawn_after(self, draws: int) -> dict[int, tuple[int | None, str]]:
         """draw -> (its prompt's record_index, or None where unknown; its status) of every group the

@@ -147,9 +147,19 @@ class BufferConfig(_Strict):
         ge=0,
         description="Trajectories of groups trained this many steps before the last checkpoint are deleted from "
         "Redis when a checkpoint is written, and so are those of groups the filter dropped before the checkpoint "
-        "of that step (their group records, less the row's metadata, and group counts stay: ~0.7 KB a group; stats "
+        "of that step (their group records, less the row's metadata, stay until keep_group_records_steps; stats "
         "count pruned_groups, pruned_samples, pruned_tokens), so a long job's buffer stays small. None keeps every trajectory. Streaming mode "
         "(april.streaming_chunk_tokens) prunes a streamed group by the step that trained its last segment.",
+    )
+    keep_group_records_steps: int | None = Field(
+        1000,
+        ge=0,
+        description="The records of pruned groups (their hash and their place in the group sets, ~0.8 KB a group) "
+        "are deleted too once they were trained this many steps before the last checkpoint (dropped groups: "
+        "dropped before that step's checkpoint; at least keep_trained_steps). The group counts go on counting them "
+        "(stats forgotten_groups_trained, forgotten_groups_dropped). A resume from a checkpoint older than this "
+        "cannot count the groups trained after it, and says so. None keeps every record (a week-long job at 2 s "
+        "a step and 32 groups a step: ~8 GB of Redis); nothing is deleted when keep_trained_steps is None.",
     )
     reconnect_timeout_s: float = Field(
         60.0,

@@ -1,10 +1,15 @@
--- ARGV: prefix, step, keep ('' = keep every trajectory), budget, offset, first ('1' on the first call). Every claim of a step <=
+-- ARGV: prefix, step, keep ('' = keep every trajectory), budget, offset, first ('1' on the first call),
+-- records ('' = keep every group record; else >= keep). Every claim of a step <=
 -- step becomes trained (their update is in a checkpoint). With keep, the trajectories of groups
 -- trained at a step <= step - keep are deleted (hashes and per-token arrays), and so are those of
 -- groups the filter dropped before that step's checkpoint: the buffer's memory stays bounded over a
 -- long job. The group's hash (less its metadata) and its place in the stage sets stay (~300 bytes), so the group counts
 -- go on counting it; the sample counts drop the pruned samples, which the stats count.
--- At most `budget` groups are pruned per call, so that no call holds the server long: the reply is
+-- With records, the group records of pruned groups trained at a step <= step - records (dropped ones:
+-- before that step's checkpoint) are deleted too, their hash and their place in the group sets; the
+-- group counts go on counting them through stats forgotten_groups_trained / _dropped. Without this a
+-- long job's Redis grew ~0.8 KB a group for good.
+-- At most `budget` groups are pruned (or forgotten) per call, so that no call holds the server long: the reply is
 -- {groups committed, the offset to call again with, or -1 when nothing is left to prune}.
 local stats = P .. 'stats'
 local gids = redis.call('ZRANGEBYSCORE', P .. 'claimed', '-inf', ARGV[2])
@@ -71,6 +76,55 @@ if mark then
   for _, gid in ipairs(dropped) do prune(gid) end
   if #dropped == budget then return counted(offset + budget) end
   redis.call('HSET', stats, 'pruned_dropped_through', mark)
-  redis.call('ZREMRANGEBYSCORE', P .. 'commit_times', '-inf', '(' .. upto)  -- older marks: never needed again
+  budget = budget - #dropped
 end
-return counted(-1)
+if ARGV[7] == '' then
+  redis.call('ZREMRANGEBYSCORE', P .. 'commit_times', '-inf', '(' .. upto)  -- older marks: never needed again
+  return counted(-1)
+end
+
+-- Then the records of pruned groups beyond the records horizon. Each one forgotten leaves the sets,
+-- so every call scans from the start; a group not pruned (none expected) is stepped over.
+local records_upto = tonumber(ARGV[2]) - tonumber(ARGV[7])
+local cursor = redis.call('GET', P .. 'claim_cursor')  -- async claims in start order: a rank in 'groups'
+cursor = cursor and tonumber(cursor)
+local forgotten = {trained = 0, dropped = 0}
+local function forget(gid, stage)
+  local gkey = P .. 'group:' .. gid
+  if not redis.call('HGET', gkey, 'pruned') then return false end
+  if cursor then
+    local rank = redis.call('ZRANK', P .. 'groups', gid)
+    if rank and rank < cursor then cursor = cursor - 1 end
+  end
+  redis.call('ZREM', P .. 'groups', gid)
+  redis.call('ZREM', P .. stage, gid)
+  redis.call('UNLINK', gkey)
+  forgotten[stage] = forgotten[stage] + 1
+  return true
+end
+local function forget_range(stage, upper)
+  local skipped = 0
+  while budget > 0 do
+    local gids = redis.call('ZRANGEBYSCORE', P .. stage, '-inf', upper, 'LIMIT', skipped, budget)
+    if #gids == 0 then return end
+    for _, gid in ipairs(gids) do
+      if forget(gid, stage) then budget = budget - 1 else skipped = skipped + 1 end
+    end
+  end
+end
+local function forgotten_counted(next_offset)
+  if cursor then redis.call('SET', P .. 'claim_cursor', cursor) end
+  redis.call('HINCRBY', stats, 'forgotten_groups_trained', forgotten.trained)
+  redis.call('HINCRBY', stats, 'forgotten_groups_dropped', forgotten.dropped)
+  return counted(next_offset)
+end
+if records_upto >= 0 then
+  forget_range('trained', records_upto)
+  local records_mark = redis.call('ZREVRANGEBYSCORE', P .. 'commit_times', records_upto, '-inf', 'LIMIT', 0, 1)[1]
+  if records_mark then forget_range('dropped', records_mark) end
+  if budget == 0 then return forgotten_counted(0) end
+  redis.call('HSET', stats, 'forgotten_through_step', records_upto)
+end
+-- Marks older than both horizons are never needed again.
+redis.call('ZREMRANGEBYSCORE', P .. 'commit_times', '-inf', '(' .. math.min(upto, records_upto))
+return forgotten_counted(-1)
