@@ -286,6 +286,8 @@ def summarize(run: dict, warmup: int) -> dict:
         "rollout_s_mean": rollout_s / len(h),
         "abort_s_mean": abort_s / len(h),
         "learner_s_mean": learner_s / len(h),
+        "learner_model_tflops": statistics.mean(m.get("learner_model_tflops", math.nan) for m in h),
+        "learner_mfu": statistics.mean(m.get("learner_mfu", math.nan) for m in h),  # nan: CPU or an unknown GPU
         # The abort is inside the rollout window and overlaps the learner: counted once here.
         # Async: the window overlaps the learner and the rest of the step.
         "other_s_mean": (step_s - (0.0 if overlapped else rollout_s - abort_s) - learner_s) / len(h),
@@ -765,6 +767,9 @@ def main() -> None:
     row("  rollout s / step (window)", lambda s, c: s["rollout_s_mean"], 3)
     row("    of which abort (overlaps learner)", lambda s, c: s["abort_s_mean"], 3)
     row("  learner s / step", lambda s, c: s["learner_s_mean"], 3)
+    row("    learner model TFLOPS (6N x tokens)", lambda s, c: s["learner_model_tflops"], 3)
+    row("    learner MFU, % (nan: no known peak)", lambda s, c: 100 * s["learner_mfu"], 1)
+    row("  weight push s / step", lambda s, c: s["sync_s_mean"], 3)
     row("  other s / step (sync, driver)", lambda s, c: s["other_s_mean"], 3)
     row("generated tok / step", lambda s, c: s["generated_tokens"] / s["steps"])
     row("trained tok / step", lambda s, c: s["trained_tokens_per_step"])
@@ -918,6 +923,10 @@ def main() -> None:
         put(f"{arm}_rollout_s_per_step", fig(arm, "rollout_s_mean"), 4)
         put(f"{arm}_abort_s_per_step", fig(arm, "abort_s_mean"), 4)
         put(f"{arm}_learner_s_per_step", fig(arm, "learner_s_mean"), 4)
+        put(f"{arm}_weight_push_s_per_step", fig(arm, "sync_s_mean"), 4)
+        put(f"{arm}_learner_model_tflops", fig(arm, "learner_model_tflops"), 4)
+        if not any(math.isnan(s["learner_mfu"]) for s in sums[arm]):
+            put(f"{arm}_learner_mfu", fig(arm, "learner_mfu"), 4)
         put(f"{arm}_engine_busy_fraction", fig(arm, "engine_busy"), 3)
         if not any(math.isnan(s["engine_busy_in_rollout"]) for s in sums[arm]):
             put(f"{arm}_engine_busy_fraction_during_rollout", fig(arm, "engine_busy_in_rollout"), 3)

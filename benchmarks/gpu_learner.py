@@ -19,8 +19,8 @@ timed with torch.cuda.synchronize on CUDA. One warm-up step per arm, then the ar
 and sd), real tokens per second (prompt + response tokens, padding not counted), and the share of
 the GPU's bf16 dense peak, MFU = 6 * N * real tokens / seconds / peak, N the parameters without the
 embedding and the output head (attention and the head not counted); the peak from the device's name
-(H100 SXM / H200 989.4, H100 PCIe 756, A100 312, L40S 362 TFLOPS) or `--peak-tflops`; null on CPU or
-an unknown GPU. Correctness: the largest |packed - padded| log-prob over the response tokens (the
+(`slime.learner.flops.PEAK_TFLOPS`, which the job's `learner_mfu` metric uses too) or `--peak-tflops`;
+null on CPU or an unknown GPU. Correctness: the largest |packed - padded| log-prob over the response tokens (the
 warm-up steps'), against the tolerance the project's forward checks use (5e-2 in bf16; float32:
 `logit_chunk_misfit`'s 1e-4). Goal (issue 34): packed >= 35% of peak, within the tolerance.
 
@@ -46,6 +46,7 @@ from benchmarks.spread import mean_sd  # noqa: E402
 from deploy.gpu_check import QWEN3_06B, TINY_QWEN3  # noqa: E402  the GPU check's two shapes
 from slime.algorithms.batch import Batch, collate  # noqa: E402
 from slime.config.learner import LearnerConfig  # noqa: E402
+from slime.learner import flops  # noqa: E402
 from slime.learner.forwards import logit_chunk_misfit, response_logprobs, use_logit_chunks  # noqa: E402
 from slime.learner.packing import PACKED, packing_misfit  # noqa: E402
 from slime.model import disable_dropout, no_cudnn_attention  # noqa: E402
@@ -56,14 +57,6 @@ from slime.sample import Sample, Status  # noqa: E402
 LOWER_PRECISION_TOLERANCE = 5e-2
 FLOAT32_TOLERANCE = float(inspect.signature(logit_chunk_misfit).parameters["tol"].default)
 GOAL_MFU = 0.35  # issue 34: the packed step reaches at least 35% of the bf16 peak
-PEAK_TFLOPS = [  # bf16 dense, by a substring of torch.cuda.get_device_name(); first match wins
-    ("H100 PCIe", 756.0),
-    ("H100 80GB HBM3", 989.4),  # H100 SXM
-    ("H100 SXM", 989.4),
-    ("H200", 989.4),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-]
 FULL_BATCH = dict(rows=16, min_len=264, max_len=1536, response=256)
 SMOKE_BATCH = dict(rows=4, min_len=24, max_len=64, response=16)
 
@@ -92,12 +85,6 @@ def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0) -> t
     model = model.to(device=device, dtype=dtype)
     disable_dropout(model)
     return model.train()
-
-
-def body_parameters(model: torch.nn.Module) -> int:
-    """N of 6 * N * tokens: the parameters without the input embedding and the output head."""
-    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
-    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
 
 
 def make_batch(vocab: int, rows: int, min_len: int, max_len: int, response: int, seed: int) -> Batch:
@@ -141,9 +128,7 @@ def peak_tflops(device: str, override: float | None) -> tuple[str, float | None]
     if not device.startswith("cuda"):
         return "cpu", override
     name = torch.cuda.get_device_name(torch.device(device))
-    if override is not None:
-        return name, override
-    return name, next((tf for key, tf in PEAK_TFLOPS if key in name), None)
+    return name, override if override is not None else flops.peak_tflops(device)
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -168,7 +153,7 @@ def measure(model: torch.nn.Module, batch: Batch, runs: int, device: str) -> dic
 
 def figures(model: torch.nn.Module, batch: Batch, got: dict, a: argparse.Namespace, extra: dict) -> dict:
     real = int(batch.attention_mask.sum())
-    n_body = body_parameters(model)
+    n_body = flops.active_parameters(model)
     device_name, peak = peak_tflops(a.device, a.peak_tflops)
     mask = batch.mask > 0
     diff = (got["logp"]["packed"] - got["logp"]["padded"]).abs()[mask.to(a.device)].max().item()
@@ -193,7 +178,7 @@ def figures(model: torch.nn.Module, batch: Batch, got: dict, a: argparse.Namespa
         out[f"{arm}_seconds_per_step"] = mean
         out[f"{arm}_seconds_per_step_sd"] = sd
         out[f"{arm}_tokens_per_s"] = real / mean
-        out[f"{arm}_mfu"] = 6 * n_body * real / mean / (peak * 1e12) if peak else None
+        out[f"{arm}_mfu"] = flops.training_flops(n_body, real) / mean / (peak * 1e12) if peak else None
         out[f"{arm}_peak_memory_gib"] = got["peak_gib"][arm]
     out["packed_speedup_x"] = out["padded_seconds_per_step"] / out["packed_seconds_per_step"]
     out["max_abs_logp_diff"] = diff

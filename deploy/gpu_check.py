@@ -177,6 +177,9 @@ def run_job(device: str, steps: int, model_path: str | None = None) -> dict:
         "push_seconds": sum(h["weight_sync_seconds"] for h in history) / len(history),
         "learner_tokens_per_s": sum(h["batch_tokens"] for h in history) / sum(h["learner_seconds"] for h in history),
         "released_mb": sum(h.get("engine_memory_released_bytes", 0) for h in history) / len(history) / 2**20,
+        "learner_model_tflops": sum(h["learner_model_tflops"] for h in history) / len(history),
+        # None on CPU or a GPU slime.learner.flops does not know
+        "learner_mfu": sum(h["learner_mfu"] for h in history) / len(history) if "learner_mfu" in history[0] else None,
     }
 
 
@@ -297,6 +300,11 @@ def main() -> int:
             (
                 "  learner tokens/s (batch tokens / learner seconds)",
                 f"{job.get('learner_tokens_per_s', float('nan')):.0f}",
+            ),
+            (
+                "  learner model TFLOPS, MFU (6 x active params x tokens)",
+                f"{job.get('learner_model_tflops', float('nan')):.3f}, "
+                + ("n/a" if job.get("learner_mfu") is None else f"{job['learner_mfu']:.1%}"),
             ),
             ("  engine memory released per step", f"{job.get('released_mb', float('nan')):.1f} MB"),
         ]

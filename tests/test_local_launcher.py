@@ -176,6 +176,8 @@ def test_a_local_job_trains_without_importing_ray(tiny_model_dir, tmp_path):
     history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [0, 1]
     assert history[-1]["policy_version"] == 2 and all(h["samples"] == 4 for h in history)
+    # The learner's model FLOPs each step; no MFU on a CPU (no known peak).
+    assert all(h["learner_model_tflops"] > 0 and "learner_mfu" not in h for h in history)
 
 
 @pytest.mark.slow

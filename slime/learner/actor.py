@@ -37,7 +37,7 @@ from slime.buffer import JobConnection, TrajectoryStore
 from slime.config import JobConfig
 from slime.engines.routing import replay_misfit
 from slime.errors import UserError, dump_stacks_on_sigusr1
-from slime.learner import lora, sharding
+from slime.learner import flops, lora, sharding
 from slime.learner.forwards import ValueModel, checkpoint_activations, response_logprobs, use_logit_chunks
 from slime.learner.group_rewards import GroupRewards
 from slime.learner.packing import packing_misfit, use_packed_attention
@@ -225,6 +225,8 @@ class Learner:
         if lc.activation_checkpointing:
             checkpoint_activations(self.policy)  # recomputes with the forward's replayed experts
         self.is_moe = hasattr(self.policy.config, "num_experts") or hasattr(self.policy.config, "num_local_experts")
+        # learner_model_tflops and learner_mfu (flops.py): counted once, before the shards
+        self.active_params, self.peak_tflops = flops.active_parameters(self.policy), flops.peak_tflops(self.device)
         self.replay = lc.routing_replay
         if self.replay and (misfit := replay_misfit(self.policy)):
             raise ValueError(f"learner.routing_replay: {misfit}")
@@ -333,6 +335,7 @@ class Learner:
     ) -> dict:
         """One update on `samples` (group_ids: each sample's group). `unfinished` (streaming): rows
         whose trajectory goes on; their return is bootstrapped with the critic's V(s_end)."""
+        started = time.perf_counter()
         batch = collate(samples, group_ids, self.pad_id).to(self.device)
         kl_coef = staged_kl_coef(step, self.algo_cfg.kl_schedule, self.algo_cfg.kl_coef)
         if self.kl_ctrl is not None:
@@ -386,6 +389,15 @@ class Learner:
             lr=self.optim.param_groups[0]["lr"],
             learner_packed=float(self.packed),
         )
+        # The policy's training passes over the whole batch, per rank (the ranks share it); LoRA's frozen
+        # base computes no weight gradients: 4 x N a token, not 6 x N.
+        passes = 0 if policy_frozen else self.cfg.learner.ppo_epochs
+        model_flops = flops.training_flops(self.active_params, out["batch_tokens"], passes) * (
+            4 / 6 if self.lora else 1
+        )
+        out["learner_model_tflops"] = model_flops / (time.perf_counter() - started) / self.world_size / 1e12
+        if self.peak_tflops:
+            out["learner_mfu"] = out["learner_model_tflops"] / self.peak_tflops
         if self.critic is not None:
             out["critic_lr"] = self.critic_optim.param_groups[0]["lr"]
             out["policy_frozen"] = float(policy_frozen)
