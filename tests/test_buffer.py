@@ -644,6 +644,72 @@ def test_async_claims_in_start_order_survive_forgotten_records(buffer: Trajector
     assert buffer.ready_in_start_order(10) == len(waiting) == 6
 
 
+def test_a_resume_from_a_checkpoint_older_than_the_records_says_so(buffer: TrajectoryStore) -> None:
+    """Steps 0..9, records kept 2 steps: groups trained at steps <= 7 are forgotten. A resume from
+    the checkpoint before step 5 cannot retrain (or count) those of steps 5..7 and must say so; the
+    resume's own commit_through(4) must not move forgotten_through_step back to 2."""
+    for step in range(10):
+        complete_group(buffer, n=1)
+        assert len(buffer.claim_groups(1, step)) == 1
+        buffer.commit_through(step, keep_trained_steps=0, keep_group_records_steps=2)
+    assert buffer.stats()["forgotten_through_step"] == 7
+    restored = buffer.restore_to_checkpoint(5, 100, keep_trained_steps=0, keep_group_records_steps=2)
+    assert buffer.stats()["forgotten_through_step"] == 7
+    assert restored.records_forgotten
+
+
+def test_groups_trained_again_below_the_pruned_horizon_are_pruned_and_forgotten(buffer: TrajectoryStore) -> None:
+    """Sync job, one group a step, a checkpoint each step (keep 1, records 6). A resume from the
+    checkpoint after step 4 (resume=PATH): drop_drawn_after drops the groups of steps 5..9 (drawn
+    after it), so retrain_after finds none ready again and leaves pruned_through_step at 8: the groups
+    the resumed run trains at steps 5..8 are never pruned, nor forgotten, and every later
+    commit_through call steps over them again in forget_range."""
+    draws = 0
+
+    def train(step: int) -> None:
+        nonlocal draws
+        draws += 1
+        buffer.add_group([5, 6, 7], n=1, max_new_tokens=8, metadata={"record_index": draws}, draw=draws)
+        for s in buffer.lease("w", 1):
+            buffer.append_chunk(s.id, "w", [1, 2], [-0.1, -0.2], version=step)
+            buffer.finish(s.id, "w", Status.COMPLETED, reward=1.0)
+        assert len(buffer.claim_groups(1, step)) == 1
+        buffer.commit_through(step, keep_trained_steps=1, keep_group_records_steps=6)
+
+    for step in range(10):
+        train(step)
+    restored = buffer.restore_to_checkpoint(5, 5, keep_trained_steps=1, keep_group_records_steps=6)
+    assert (restored.dropped, restored.retrained, restored.records_forgotten) == (5, 0, False)
+    draws = 5
+    for step in range(5, 13):
+        train(step)
+    assert buffer.counts()["completed"] == 1  # only step 12's group keeps its trajectory
+    assert buffer.redis.zcard(buffer._key("trained")) == 6  # records of steps 7..12 only
+
+
+def test_the_listings_next_page_after_a_checkpoint_forgot_old_groups(buffer: TrajectoryStore) -> None:
+    """The dashboard pages newest first by creation rank (reader.trajectories: cursor 'rank.pos').
+    Forgetting old groups between two pages shifted every rank down: the next page repeated rows.
+    Ranks count the forgotten groups, so the page goes on where it stopped; so does the groups page."""
+    for _ in range(4):
+        complete_group(buffer, n=1)
+    assert len(buffer.claim_groups(4, 0)) == 4
+    buffer.commit_through(0, keep_trained_steps=0)  # pruned, records kept
+    live = []
+    for _ in range(6):
+        time.sleep(0.002)
+        live.append(complete_group(buffer, n=1))
+    queries = BufferQueries(buffer.connection)
+    rows, rank, pos, *_ = queries.scan_rows(rank=1 << 40, pos=0, limit=3, max_scan=100)
+    assert [r["group_id"] for r in rows] == live[:2:-1]
+    buffer.commit_through(1, keep_trained_steps=0, keep_group_records_steps=0)  # forgets the 4 of step 0
+    rows, *_ = queries.scan_rows(rank=rank, pos=pos, limit=3, max_scan=100)
+    assert [r["group_id"] for r in rows] == live[2::-1]
+    # The groups listing's ranks count them too.
+    assert queries.group_count() == 10
+    assert queries.group_ids_by_rank(4, 5) == live[:2] and queries.group_ids_by_rank(0, 3) == []
+
+
 def test_without_keep_trained_steps_nothing_is_pruned(buffer: TrajectoryStore) -> None:
     gid = complete_group(buffer, n=2)
     buffer.claim_groups(1, step=0)

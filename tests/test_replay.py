@@ -41,3 +41,26 @@ def test_a_directory_with_no_trained_step_is_refused(tmp_path):
     (tmp_path / "config.yaml").write_text("job_name: x\n")
     with pytest.raises(ReplayError, match="has no metrics.jsonl"):
         replay(tmp_path, [])
+
+
+def test_a_replay_stops_at_a_step_whose_group_records_are_forgotten(buffer) -> None:
+    """slime replay trains a fresh learner on the run's steps in order and stops, naming the step,
+    at one whose trajectories are pruned. A step whose records are forgotten has no groups left at
+    all: it was skipped as 'a step the run did not train', and the later steps replayed on weights
+    that never learned from it. Now it stops there too."""
+    from slime.tools.replay import _replay_steps
+    from tests.test_buffer import complete_group
+
+    for step in range(4):
+        complete_group(buffer, n=1)
+        assert len(buffer.claim_groups(1, step)) == 1
+        buffer.commit_through(step, keep_trained_steps=1, keep_group_records_steps=0)  # records: max -> 1
+
+    class Learner:
+        version = 0
+
+        def update(self, samples, group_index, step):
+            return {"loss": 0.0, "grad_norm": 0.0}
+
+    with pytest.raises(ReplayError, match="step 0"):
+        _replay_steps(buffer, Learner(), {s: {"loss": 0.0, "grad_norm": 0.0} for s in range(4)}, None, None)

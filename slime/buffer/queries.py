@@ -100,13 +100,25 @@ class BufferQueries:
 
     # ---- groups -------------------------------------------------------------------------------------
 
+    def _forgotten_groups(self) -> int:
+        """Groups whose records a long job deleted (buffer.keep_group_records_steps): the oldest, as a
+        rule. Creation ranks count them, so a page cursor stays on its group when they go."""
+        values = self.redis.hmget(self._key("stats"), "forgotten_groups_trained", "forgotten_groups_dropped")
+        return sum(int(float(v or 0)) for v in values)
+
     def group_count(self) -> int:
-        return int(self.redis.zcard(self._key("groups")))
+        return int(self.redis.zcard(self._key("groups"))) + self._forgotten_groups()
 
     def group_ids_by_rank(self, lo: int, hi: int) -> list[str]:
-        """Group ids of creation ranks lo..hi (0 = oldest; the `groups` zset is the index, no SCAN).
-        Ranks are stable while groups are added, so they make page cursors."""
-        return [g.decode() for g in self.redis.zrange(self._key("groups"), max(0, lo), hi)]
+        """Group ids of creation ranks lo..hi (0 = oldest, forgotten groups counted; the `groups` zset
+        is the index, no SCAN). Ranks are stable while groups are added and old ones forgotten, so
+        they make page cursors."""
+        forgotten = self._forgotten_groups()
+        if hi >= 0:  # a negative hi counts from the newest, as ZRANGE's
+            if hi < forgotten:
+                return []
+            hi -= forgotten
+        return [g.decode() for g in self.redis.zrange(self._key("groups"), max(0, lo - forgotten), hi)]
 
     def group_rows(self, group_ids: Sequence[str]) -> list[tuple[dict[str, str], list[str]]]:
         """Per group: its hash fields and its sample ids, in one round trip."""

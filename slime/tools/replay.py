@@ -82,9 +82,17 @@ def _replay_steps(
     history: list[dict] = []
     sink = out.open("w") if out is not None else None
     print(f"{'step':>5} {'samples':>8} " + " ".join(f"{k + ' replay':>16} {k + ' run':>14}" for k in SHOWN))
+    stats = store.stats()
+    # Groups trained through this step left no record (buffer.keep_group_records_steps).
+    forgotten = int(stats.get("forgotten_through_step", -1)) if stats.get("forgotten_groups_trained") else -1
     try:
         for step in range(last):
             gids = store.groups_trained_at(step)
+            if not gids and step <= forgotten:
+                raise ReplayError(
+                    f"step {step}: the records of the groups trained through step {forgotten} are deleted "
+                    "(buffer.keep_group_records_steps)"
+                )
             if not gids:
                 continue  # a step the run did not train (every group filtered, or before a resume)
             try:

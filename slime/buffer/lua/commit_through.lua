@@ -123,7 +123,9 @@ if records_upto >= 0 then
   local records_mark = redis.call('ZREVRANGEBYSCORE', P .. 'commit_times', records_upto, '-inf', 'LIMIT', 0, 1)[1]
   if records_mark then forget_range('dropped', records_mark) end
   if budget == 0 then return forgotten_counted(0) end
-  redis.call('HSET', stats, 'forgotten_through_step', records_upto)
+  -- Never back: a resume's commit_through (an older checkpoint's step) forgets nothing new.
+  local through = tonumber(redis.call('HGET', stats, 'forgotten_through_step') or '-1')
+  if records_upto > through then redis.call('HSET', stats, 'forgotten_through_step', records_upto) end
 end
 -- Marks older than both horizons are never needed again.
 redis.call('ZREMRANGEBYSCORE', P .. 'commit_times', '-inf', '(' .. math.min(upto, records_upto))

@@ -11,10 +11,10 @@ for _, gid in ipairs(gids) do
   if f[1] or f[2] then lost = lost + 1 else again[#again + 1] = gid end
 end
 for i = #again, 1, -1 do back_to_ready('trained', again[i]) end
-if #again > 0 then
-  redis.call('DEL', P .. 'claim_cursor')
-  -- commit_through prunes trained groups by step from here: they train at new steps, maybe lower.
-  local done = tonumber(redis.call('HGET', P .. 'stats', 'pruned_through_step') or '-1')
-  if done >= from then redis.call('HSET', P .. 'stats', 'pruned_through_step', from - 1) end
-end
+if #again > 0 then redis.call('DEL', P .. 'claim_cursor') end
+-- commit_through prunes trained groups by step from here: the resumed run trains at steps >= from,
+-- maybe lower than the horizon already pruned, whether or not any group is ready again (keep 0 and
+-- streaming leave none).
+local done = tonumber(redis.call('HGET', P .. 'stats', 'pruned_through_step') or '-1')
+if done >= from then redis.call('HSET', P .. 'stats', 'pruned_through_step', from - 1) end
 return {#again, lost}

@@ -2,7 +2,9 @@
 -- length, reward, version span, age in seconds ('' = unbounded). Read-only listing for the dashboard:
 -- walks groups from creation rank `rank` down (newest first), samples from position `pos`, and
 -- returns {next rank, next pos, scanned, rows, server time}; a row is sid, the 8 ROW_FIELDS (queries.py)
--- ('' = absent), response length, first and last token version ('' when no tokens).
+-- ('' = absent), response length, first and last token version ('' when no tokens). Ranks count the
+-- groups whose records were deleted (stats forgotten_*, the oldest as a rule), so a page cursor
+-- stays on its group when a checkpoint forgets old ones.
 local rank, pos = tonumber(ARGV[2]), tonumber(ARGV[3])
 local limit, max_scan, statuses = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local function bound(i) if ARGV[i] == '' then return nil end return tonumber(ARGV[i]) end
@@ -14,6 +16,11 @@ local function outside(x, lo, hi)
   if x == nil then return true end
   return (lo ~= nil and x < lo) or (hi ~= nil and x > hi)
 end
+local forgotten = 0
+for _, v in ipairs(redis.call('HMGET', P .. 'stats', 'forgotten_groups_trained', 'forgotten_groups_dropped')) do
+  forgotten = forgotten + (tonumber(v or '0') or 0)
+end
+rank = rank - forgotten
 local total = redis.call('ZCARD', P .. 'groups')
 if rank >= total then rank, pos = total - 1, 0 end
 local rows, found, scanned = {}, 0, 0
@@ -50,4 +57,5 @@ while rank >= 0 and found < limit and scanned < max_scan do
   end
   if i >= #sids then rank, pos = rank - 1, 0 else pos = pos + i end
 end
+if rank >= 0 then rank = rank + forgotten else rank = -1 end
 return {rank, pos, scanned, rows, fmt(t)}
