@@ -656,7 +656,7 @@ def main() -> None:
     if args.launcher == "ray":
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     try:
         for r in range(args.runs):

@@ -239,7 +239,7 @@ def rollout_overhead(steps: int, poll: str = "pages", shape: list[str] | None = 
     tmp = Path(tempfile.mkdtemp(prefix="dash-bench-job-"))
     atexit.register(shutil.rmtree, tmp, True)
     server = LocalRedisServer(tmp / "redis", aof=False)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     port = _free_port()
     try:
         cfg = load_config(

@@ -98,7 +98,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="learner_scaling_"))
     server = LocalRedisServer(work / "redis", aof=False)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     figures: dict[str, float] = {"smoke": True} if args.smoke else {}
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; 1 torch thread per rank")
     try:

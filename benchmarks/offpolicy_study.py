@@ -362,7 +362,7 @@ def main() -> None:
         args.set = [f"model.path={model_dir}", *args.set]
 
     server = LocalRedisServer(out / "redis", aof=False)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     runs: dict[tuple[str, str, str], list[dict]] = {}
     try:
         for seed in range(args.seeds):

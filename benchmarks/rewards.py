@@ -99,7 +99,7 @@ def reward_throughput(n: int) -> dict[str, float]:
         server.terminate()
         server.wait(timeout=10)
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
         actor = make_reward_service(RewardConfig(mode="ray_actor", fn=spec, cache_size=0), "bench")
         _throughput(actor, min(n, 200))

@@ -100,7 +100,7 @@ class Probe:
 
 group_mod.Learner = Probe
 launch_mod.RolloutWorker = Probe
-ray.init(num_cpus=2, num_gpus=4, include_dashboard=False)
+ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False)
 cfg = load_config("examples/repeat_grpo.yaml", sys.argv[1:])
 launcher = RayLauncher()
 learner = group_mod.LearnerGroup(cfg, "m", "redis://x", None, launcher)

@@ -439,7 +439,7 @@ from slime.launch.ray_cluster import ray_token_auth
 
 assert ray_token_auth(JobCredentials.read(sys.argv[1], own_redis=False), None)  # as the job, before `import ray`
 import ray
-ctx = ray.init(num_cpus=1, include_dashboard=False, logging_level="error")
+ctx = ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="error")
 print(json.dumps({"gcs": ctx.address_info["gcs_address"]}), flush=True)
 sys.stdin.read()  # until the test closes our stdin
 ray.shutdown()
