@@ -23,7 +23,6 @@ PEAK_TFLOPS = [  # bf16 dense, by a substring of torch.cuda.get_device_name(); f
     ("A100", 312.0),
     ("L40S", 362.0),
     ("L40", 181.0),
-    ("A10G", 70.0),
     ("L4", 121.0),
 ]
 
