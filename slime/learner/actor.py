@@ -320,7 +320,9 @@ class Learner:
         kept, metrics = claimed["groups"], dict(claimed["metrics"])
         samples = [s for g in kept for s in g]
         if samples:
+            started = time.perf_counter()
             metrics.update(self.update(samples, [gi for gi, g in enumerate(kept) for _ in g], step))
+            metrics.update(self._model_flops(metrics["batch_tokens"], time.perf_counter() - started, step))
         self.version += 1
         if self.rank == 0:
             self.buffer.set_policy_version(self.version)
@@ -335,7 +337,6 @@ class Learner:
     ) -> dict:
         """One update on `samples` (group_ids: each sample's group). `unfinished` (streaming): rows
         whose trajectory goes on; their return is bootstrapped with the critic's V(s_end)."""
-        started = time.perf_counter()
         batch = collate(samples, group_ids, self.pad_id).to(self.device)
         kl_coef = staged_kl_coef(step, self.algo_cfg.kl_schedule, self.algo_cfg.kl_coef)
         if self.kl_ctrl is not None:
@@ -389,15 +390,6 @@ class Learner:
             lr=self.optim.param_groups[0]["lr"],
             learner_packed=float(self.packed),
         )
-        # The policy's training passes over the whole batch, per rank (the ranks share it); LoRA's frozen
-        # base computes no weight gradients: 4 x N a token, not 6 x N.
-        passes = 0 if policy_frozen else self.cfg.learner.ppo_epochs
-        model_flops = flops.training_flops(self.active_params, out["batch_tokens"], passes) * (
-            4 / 6 if self.lora else 1
-        )
-        out["learner_model_tflops"] = model_flops / (time.perf_counter() - started) / self.world_size / 1e12
-        if self.peak_tflops:
-            out["learner_mfu"] = out["learner_model_tflops"] / self.peak_tflops
         if self.critic is not None:
             out["critic_lr"] = self.critic_optim.param_groups[0]["lr"]
             out["policy_frozen"] = float(policy_frozen)
@@ -407,6 +399,18 @@ class Learner:
         if info_means := _reward_info_means(samples):
             out["reward_info"] = info_means
         return out
+
+    def _model_flops(self, batch_tokens: int, seconds: float, step: int) -> dict[str, float]:
+        """learner_model_tflops (and learner_mfu on a GPU of known peak) of an update that took
+        `seconds`: the policy's training passes over the whole batch, per rank (the ranks share it).
+        LoRA's frozen base computes no weight gradients: 4 x N a token, not 6 x N."""
+        policy_frozen = self.critic is not None and step < self.cfg.learner.critic_warmup_steps
+        passes = 0 if policy_frozen else self.cfg.learner.ppo_epochs
+        model_flops = flops.training_flops(self.active_params, batch_tokens, passes) * (4 / 6 if self.lora else 1)
+        tflops = model_flops / max(seconds, 1e-9) / self.world_size / 1e12
+        return {"learner_model_tflops": tflops} | (
+            {"learner_mfu": tflops / self.peak_tflops} if self.peak_tflops else {}
+        )
 
     def _prepare(self, batch: Batch, kl_coef: float, unfinished: list[bool] | None) -> UpdateTensors:
         """The quantities fixed for the whole update: π_ref, V_old, π_old (when recomputed), then
@@ -629,7 +633,9 @@ class Learner:
             unfinished.append(not final)
         metrics: dict = {"step": step, "segments": len(samples), "final_segments": unfinished.count(False)}
         if samples:
+            started = time.perf_counter()
             metrics.update(self.update(samples, list(range(len(samples))), step, unfinished))
+            metrics.update(self._model_flops(metrics["batch_tokens"], time.perf_counter() - started, step))
         self.version += 1
         if self.rank == 0:
             self.buffer.set_policy_version(self.version)
