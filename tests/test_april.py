@@ -250,8 +250,10 @@ def _run_cli(args: list[str], env: dict, stdout=subprocess.DEVNULL) -> subproces
         ("SIGTERM", "ray"),
         ("SIGKILL", "local"),
         ("SIGTERM", "local"),
+        # The second SIGTERM's stop at once is the driver's own handler under either launcher (SIGTERM
+        # under Ray checks that handler is the one in place after ray.init): one launcher is enough
+        # (40 s of the suite's time).
         ("SIGTERM twice", "local"),
-        ("SIGTERM twice", "ray"),
     ],
 )
 def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tmp_path, how, launcher):
