@@ -101,51 +101,69 @@ class Probe:
 group_mod.Learner = Probe
 launch_mod.RolloutWorker = Probe
 ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False)
-cfg = load_config("examples/repeat_grpo.yaml", sys.argv[1:])
 launcher = RayLauncher()
-learner = group_mod.LearnerGroup(cfg, "m", "redis://x", None, launcher)
-launch = WorkerLaunch("m", "redis://x", None, "probe")
-workers = [
-    start_rollout_worker(launcher, cfg, launch, i, shared_gpu=learner.worker_placement(i))
-    for i in range(cfg.rollout.num_workers)
-]
-print(json.dumps({
-    "ranks": ray.get([r.gpus.remote() for r in learner.ranks], timeout=60),
-    "workers": ray.get([w.gpus.remote() for w in workers], timeout=60),
-}))
+found = []
+for overrides in json.loads(sys.argv[1]):  # one Ray for every layout: each is placed, read, then freed
+    cfg = load_config("examples/repeat_grpo.yaml", overrides)
+    learner = group_mod.LearnerGroup(cfg, "m", "redis://x", None, launcher)
+    launch = WorkerLaunch("m", "redis://x", None, "probe")
+    workers = [
+        start_rollout_worker(launcher, cfg, launch, i, shared_gpu=learner.worker_placement(i))
+        for i in range(cfg.rollout.num_workers)
+    ]
+    found.append({
+        "ranks": ray.get([r.gpus.remote() for r in learner.ranks], timeout=60),
+        "workers": ray.get([w.gpus.remote() for w in workers], timeout=60),
+    })
+    for w in workers:
+        ray.kill(w)
+    learner.kill()
+print(json.dumps(found))
 """
 
 
-def _placement_probe(overrides: list[str]) -> dict:
-    """Each learner rank's and rollout worker's GPU ids and CUDA_VISIBLE_DEVICES, as Ray (4 GPUs
-    declared) gives them to actors placed as the job places its own."""
+# The layouts the placement tests read: (learner device, learner ranks, rollout workers), all colocated.
+PLACEMENT_LAYOUTS = [("cuda", 2, 2), ("cuda", 1, 3), ("cuda", 3, 1), ("cpu", 2, 1)]
+
+
+@pytest.fixture(scope="module")
+def placements(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, int], dict]:
+    """Per layout, each learner rank's and rollout worker's GPU ids and CUDA_VISIBLE_DEVICES, as Ray
+    (4 GPUs declared) gives them to actors placed as the job places its own; one Ray for all of them
+    (a Ray start per layout cost the suite ~15 s each)."""
     import json
     import subprocess
     import sys
 
+    layouts = [
+        [
+            f"learner.device={device}",
+            "rollout.device=cuda",
+            "cluster.placement=colocated",
+            f"learner.num_ranks={ranks}",
+            f"rollout.num_workers={workers}",
+            f"output_dir={tmp_path_factory.mktemp('placement')}",
+        ]
+        for device, ranks, workers in PLACEMENT_LAYOUTS
+    ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "RAY_AUTH_MODE": "disabled"}
     done = subprocess.run(
-        [sys.executable, "-c", _PLACEMENT_PROBE, *overrides], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", _PLACEMENT_PROBE, json.dumps(layouts)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return dict(zip(PLACEMENT_LAYOUTS, json.loads(done.stdout.strip().splitlines()[-1])))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("ranks", "workers"), [(2, 2), (1, 3), (3, 1)])
-def test_colocated_ranks_and_engines_share_one_gpu_each_pair(tmp_path, ranks, workers):
+def test_colocated_ranks_and_engines_share_one_gpu_each_pair(placements, ranks, workers):
     """Colocated on Ray (4 GPUs declared): rank i and engine i are given the same GPU, and no two
     pairs the same one. Reserving no GPU, every engine saw all of them and ran on GPU 0."""
-
-    overrides = [
-        "learner.device=cuda",
-        "rollout.device=cuda",
-        "cluster.placement=colocated",
-        f"learner.num_ranks={ranks}",
-        f"rollout.num_workers={workers}",
-        f"output_dir={tmp_path}",
-    ]
-    got = _placement_probe(overrides)
+    got = placements[("cuda", ranks, workers)]
     rank_gpus = [ids for ids, _ in got["ranks"]]
     worker_gpus = [ids for ids, _ in got["workers"]]
     assert all(len(ids) == 1 for ids in rank_gpus + worker_gpus), got
@@ -264,18 +282,9 @@ def test_colocated_cuda_engines_beside_a_cpu_learner_of_more_ranks_leave_each_ra
 
 
 @pytest.mark.slow
-def test_colocated_cuda_engines_beside_a_cpu_learner_of_more_ranks_start(tmp_path):
+def test_colocated_cuda_engines_beside_a_cpu_learner_of_more_ranks_start(placements):
     """The same on Ray, the ranks reserving nothing: they run outside the group, the engine on its GPU."""
-
-    overrides = [
-        "learner.device=cpu",
-        "rollout.device=cuda",
-        "cluster.placement=colocated",
-        "learner.num_ranks=2",
-        "rollout.num_workers=1",
-        f"output_dir={tmp_path}",
-    ]
-    got = _placement_probe(overrides)
+    got = placements[("cpu", 2, 1)]
     assert [ids for ids, _ in got["workers"]] == [["0"]] and len(got["ranks"]) == 2, got
 
 
