@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from slime.buffer.connection import JobConnection
-from slime.buffer.records import WIRE_VERSION, load_samples, read_counts, read_policy_version
+from slime.buffer.records import (
+    FORGOTTEN_GROUP_STATS,
+    WIRE_VERSION,
+    load_samples,
+    read_counts,
+    read_policy_version,
+)
 from slime.sample import Sample
 from slime.security import redact_url
 
@@ -103,7 +109,7 @@ class BufferQueries:
     def _forgotten_groups(self) -> int:
         """Groups whose records a long job deleted (buffer.keep_group_records_steps): the oldest, as a
         rule. Creation ranks count them, so a page cursor stays on its group when they go."""
-        values = self.redis.hmget(self._key("stats"), "forgotten_groups_trained", "forgotten_groups_dropped")
+        values = self.redis.hmget(self._key("stats"), *FORGOTTEN_GROUP_STATS)
         return sum(int(float(v or 0)) for v in values)
 
     def group_count(self) -> int:

@@ -42,6 +42,11 @@ def load_samples(connection: JobConnection, sample_ids: Sequence[str]) -> list[S
     return samples
 
 
+# Stats of the groups whose records a long job deleted (buffer.keep_group_records_steps): counts and
+# listing ranks add them back (scan_rows.lua reads the same two).
+FORGOTTEN_GROUP_STATS = ("forgotten_groups_trained", "forgotten_groups_dropped")
+
+
 def read_counts(connection: JobConnection) -> dict[str, int]:
     """Samples by status, queue lengths, groups by stage and running leases (all O(1) reads)."""
     key = connection.key
@@ -55,7 +60,7 @@ def read_counts(connection: JobConnection) -> dict[str, int]:
     pipe.zcard(key("trained"))
     pipe.zcard(key("leases"))
     pipe.zcard(key("dropped"))
-    pipe.hmget(key("stats"), "forgotten_groups_trained", "forgotten_groups_dropped")
+    pipe.hmget(key("stats"), *FORGOTTEN_GROUP_STATS)
     by_status, resume, new, ready, groups, claimed, trained, leases, dropped, forgotten = pipe.execute()
     # Groups whose records a long job deleted (buffer.keep_group_records_steps) still count.
     forgotten_trained, forgotten_dropped = (int(float(x or 0)) for x in forgotten)

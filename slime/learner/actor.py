@@ -343,7 +343,7 @@ class Learner:
             kl_coef = self.kl_ctrl.coef
         self._set_lr(step)
         # PPO's critic warmup: the critic learns the returns first; the policy is not stepped
-        policy_frozen = self.critic is not None and step < self.cfg.learner.critic_warmup_steps
+        policy_frozen = self._policy_frozen(step)
         stale = stale_tokens(batch.versions, batch.mask, self.version)
         trainable_before = batch.mask.sum().clamp_min(1)
         batch.mask = off_policy_mask(batch.mask, stale, self.cfg.algorithm.correction.name)
@@ -400,12 +400,14 @@ class Learner:
             out["reward_info"] = info_means
         return out
 
+    def _policy_frozen(self, step: int) -> bool:
+        return self.critic is not None and step < self.cfg.learner.critic_warmup_steps
+
     def _model_flops(self, batch_tokens: int, seconds: float, step: int) -> dict[str, float]:
         """learner_model_tflops (and learner_mfu on a GPU of known peak) of an update that took
         `seconds`: the policy's training passes over the whole batch, per rank (the ranks share it).
         LoRA's frozen base computes no weight gradients: 4 x N a token, not 6 x N."""
-        policy_frozen = self.critic is not None and step < self.cfg.learner.critic_warmup_steps
-        passes = 0 if policy_frozen else self.cfg.learner.ppo_epochs
+        passes = 0 if self._policy_frozen(step) else self.cfg.learner.ppo_epochs
         model_flops = flops.training_flops(self.active_params, batch_tokens, passes) * (4 / 6 if self.lora else 1)
         tflops = model_flops / max(seconds, 1e-9) / self.world_size / 1e12
         return {"learner_model_tflops": tflops} | (
