@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -405,7 +406,7 @@ def test_a_job_runs_the_controller_in_its_loop_writes_its_metrics_and_resumes_it
 
 
 @pytest.mark.slow
-def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_url, tmp_path) -> None:
+def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_url, tmp_path, monkeypatch) -> None:
     """mode=async: the knob is max_staleness (the fleet's admission); the learner drops only beyond the
     hard cap, so a tightening never throws away a group admitted before it. The first batch is all
     fresh: its KL is the engine's numerics, taken as the gap, so nothing is tightened (the cap
@@ -415,7 +416,23 @@ def test_an_async_job_admits_under_the_controllers_budget(tiny_model_dir, redis_
     batch without fresh tokens (gap_probe_every=1) the engine samples a gap probe right after the push
     and the learner scores it at the same version: in float32 on CPU its KL is numerics only.
     Replaying the logged measurements through a fresh controller gives the logged decisions: the job
-    acted on what it measured, gap, probes and held share included."""
+    acted on what it measured, gap, probes and held share included.
+
+    Step 0's update waits until the next batch is complete, so step 1 trains tokens of version 0
+    (stale) whatever the machine's speed: on a loaded machine the learner could otherwise outrun the
+    rollout at every step and no batch would hold a stale token."""
+    from slime.learner import Learner
+
+    train_claimed = Learner.train_claimed
+
+    def step_0_outrun_by_the_rollout(self, claimed: dict, step: int, commit: bool = True) -> dict:
+        deadline = time.monotonic() + 120
+        while step == 0 and len(self.buffer.ready_group_ids()) < len(claimed["groups"]):
+            assert time.monotonic() < deadline, "the rollout made no second batch in 120 s"
+            time.sleep(0.05)
+        return train_claimed(self, claimed, step, commit)
+
+    monkeypatch.setattr(Learner, "train_claimed", step_0_outrun_by_the_rollout)
     job = "auto-offpolicy-async"
     cfg = tiny_local_job(
         job,
