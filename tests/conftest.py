@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -107,3 +108,27 @@ def subprocess_checks(request: pytest.FixtureRequest) -> Iterator[dict[str, Futu
         yield {key: pool.submit(run) for key, run in _selected_subprocess_checks(request.session.items).items()}
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # a session cut short starts no further check
+
+
+@pytest.fixture
+def slime_main(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., subprocess.CompletedProcess]:
+    """The `slime` command's main() in this process, answering as a `slime` subprocess would: its exit
+    code and what it printed. A subprocess spends ~6 s importing torch, transformers and Ray before the first
+    check; the errors a real process prints (exit code, no traceback, --debug's traceback) are
+    checked in real processes in tests/test_cli_errors.py."""
+    from slime.cli import main
+
+    def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+        said = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, said.out, said.err)
+
+    return run

@@ -1,7 +1,8 @@
 """The `slime` command on bad input: one line naming the cause (and a hint of what to do), exit
 code 2, no traceback; `--debug` or SLIME_DEBUG=1 gives the traceback. Each kind of user error is
-tried through the real CLI in a subprocess, as a user would meet it. The hints point to things
-that exist (subcommands, docs pages, README sections)."""
+tried through the CLI's main() as a user would meet it (the `slime_main` fixture; a real `slime`
+process where what the process itself prints is the point). The hints point to things that exist
+(subcommands, docs pages, README sections)."""
 
 from __future__ import annotations
 
@@ -52,19 +53,22 @@ def test_config_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "ConfigError" in debug.stderr
 
 
-def test_dataset_error(tmp_path):
-    done = slime("train", EXAMPLE, "data.path=/nope.jsonl", f"output_dir={tmp_path}")
+def test_dataset_error(tmp_path, slime_main, monkeypatch):
+    from slime.data import DatasetError
+
+    done = slime_main("train", EXAMPLE, "data.path=/nope.jsonl", f"output_dir={tmp_path}")
     assert_one_clean_error(done, "dataset not found: /nope.jsonl")
-    debug = slime("train", EXAMPLE, "data.path=/nope.jsonl", f"output_dir={tmp_path}", env={"SLIME_DEBUG": "1"})
-    assert "Traceback" in debug.stderr and "DatasetError" in debug.stderr
+    monkeypatch.setenv("SLIME_DEBUG", "1")  # the error itself, for its traceback
+    with pytest.raises(DatasetError, match="dataset not found"):
+        slime_main("train", EXAMPLE, "data.path=/nope.jsonl", f"output_dir={tmp_path}")
 
 
-def test_prompts_that_fill_the_models_context_are_refused_at_start(tmp_path):
+def test_prompts_that_fill_the_models_context_are_refused_at_start(tmp_path, slime_main):
     """The tiny MoE reads 512 positions; prompts of 600 characters (tokens) left no room for a response: the
     job ran to the end on empty responses (truncated_share 1.0, nothing trained) without a word."""
     data = tmp_path / "long.jsonl"
     data.write_text("".join(json.dumps({"prompt": "ab" * 300 + "=", "label": "ab"}) + "\n" for _ in range(4)))
-    done = slime(
+    done = slime_main(
         "train",
         EXAMPLE,
         f"data.path={data}",
@@ -76,28 +80,28 @@ def test_prompts_that_fill_the_models_context_are_refused_at_start(tmp_path):
     assert "max_position_embeddings=512" in done.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_plugin_with_a_syntax_error(tmp_path):
+def test_plugin_with_a_syntax_error(tmp_path, slime_main):
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def score(prompt, response:\n    return 1\n")
-    done = slime("train", EXAMPLE, f"reward.fn={bad}:score", f"output_dir={tmp_path / 'run'}")
+    done = slime_main("train", EXAMPLE, f"reward.fn={bad}:score", f"output_dir={tmp_path / 'run'}")
     assert_one_clean_error(done, "SyntaxError")
     assert str(bad) in done.stderr
 
 
-def test_reward_spec_error(tmp_path):
-    done = slime("train", EXAMPLE, "reward.fn={mix: 3}", f"output_dir={tmp_path}")
+def test_reward_spec_error(tmp_path, slime_main):
+    done = slime_main("train", EXAMPLE, "reward.fn={mix: 3}", f"output_dir={tmp_path}")
     assert_one_clean_error(done, "invalid reward spec: reward.mix")
 
 
 @pytest.mark.slow
-def test_checkpoint_error(tmp_path):
-    done = slime("train", EXAMPLE, f"resume={tmp_path}", f"output_dir={tmp_path / 'run'}")
+def test_checkpoint_error(tmp_path, slime_main):
+    done = slime_main("train", EXAMPLE, f"resume={tmp_path}", f"output_dir={tmp_path / 'run'}")
     assert_one_clean_error(done, "not a checkpoint directory")
 
 
 @pytest.mark.slow
-def test_resource_error(tmp_path):
-    done = slime("train", EXAMPLE, "learner.cpus_per_rank=512", f"output_dir={tmp_path}")
+def test_resource_error(tmp_path, slime_main):
+    done = slime_main("train", EXAMPLE, "learner.cpus_per_rank=512", f"output_dir={tmp_path}")
     assert_one_clean_error(done, "CPU: needs 512")
 
 
@@ -149,10 +153,10 @@ def test_every_hint_points_to_what_exists():
             assert shown.value.code == 0, (cls.__name__, command)
 
 
-def test_an_empty_stop_string(tmp_path):
+def test_an_empty_stop_string(tmp_path, slime_main):
     """Checked against the tokenizer before any worker starts (a string of several tokens is fine:
     it is matched in the response's text)."""
-    done = slime("train", EXAMPLE, "rollout.stop=['']", "cluster.launcher=local", f"output_dir={tmp_path}")
+    done = slime_main("train", EXAMPLE, "rollout.stop=['']", "cluster.launcher=local", f"output_dir={tmp_path}")
     assert_one_clean_error(done, "rollout.stop: '' is no token at all (an empty stop string)")
 
 
@@ -253,14 +257,14 @@ def test_an_unknown_key_in_a_yaml_file_names_the_key_meant_and_none_is_made_up(t
     ("config", "cause"),
     [(None, "no such directory"), ({"hidden_size": 8}, "config.json has no model_type")],
 )
-def test_a_model_path_that_is_no_model(tmp_path, config, cause):
+def test_a_model_path_that_is_no_model(tmp_path, config, cause, slime_main):
     """model.path without a config.json, or with one transformers cannot read: one line naming
     model.path and the cause, before anything starts."""
     model = tmp_path / "model"
     if config is not None:
         model.mkdir()
         (model / "config.json").write_text(json.dumps(config))
-    done = slime("train", EXAMPLE, f"model.path={model}", "steps=1", f"output_dir={tmp_path / 'run'}")
+    done = slime_main("train", EXAMPLE, f"model.path={model}", "steps=1", f"output_dir={tmp_path / 'run'}")
     assert_one_clean_error(done, f"model.path={model}: ")
     assert cause in done.stderr
 
@@ -310,13 +314,13 @@ def test_a_full_disk_is_one_line_naming_where_and_leaves_no_partial_file(tmp_pat
     assert user_error_of(OSError(errno.EACCES, "denied")) is None  # other OS errors keep their traceback
 
 
-def test_a_sampling_mistake_is_one_line_and_leaves_the_earlier_run_where_it_was(tmp_path, tiny_model_dir):
+def test_a_sampling_mistake_is_one_line_and_leaves_the_earlier_run_where_it_was(tmp_path, tiny_model_dir, slime_main):
     """A curriculum stage that matches no prompt raised a traceback (exit 1), after the earlier run in
     the output_dir had been moved to earlier_runs/1."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
-    done = slime(
+    done = slime_main(
         "train",
         EXAMPLE,
         f"output_dir={run}",

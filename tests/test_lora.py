@@ -15,7 +15,7 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from test_cli_errors import EXAMPLE, assert_one_clean_error, slime
+from test_cli_errors import EXAMPLE, assert_one_clean_error
 from test_learner import _fill
 
 from slime.algorithms.batch import collate
@@ -128,9 +128,11 @@ def test_bad_targets_are_refused_before_injecting_naming_the_cause(tiny_model_di
     assert names == [f"model.layers.{i}.self_attn.{m}_proj" for i in (1, 3) for m in "qv"]
 
 
-def test_a_job_with_a_bad_target_fails_at_start_in_one_line(tmp_path):
+def test_a_job_with_a_bad_target_fails_at_start_in_one_line(tmp_path, slime_main):
     """Checked on the model's architecture (meta device) before Ray or any actor starts."""
-    done = slime("train", EXAMPLE, "learner.lora.target_modules=[q_proj, qkv]", f"output_dir={tmp_path}", "steps=1")
+    done = slime_main(
+        "train", EXAMPLE, "learner.lora.target_modules=[q_proj, qkv]", f"output_dir={tmp_path}", "steps=1"
+    )
     assert_one_clean_error(done, "learner.lora.target_modules: 'qkv' matches no module of Qwen3MoeForCausalLM")
 
 
