@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -334,6 +335,19 @@ def test_every_observation_is_stored_with_its_snapshot(buffer, redis_url, tiny_m
     assert seen == {1, 2}
 
 
+def _wait_for_env_steps(worker, buffer: TrajectoryStore, stored: Callable[[int], bool]) -> None:
+    """Until all four episodes wait on an env step with `stored(response_length)` tokens stored. An
+    episode waits on the env in its reset too, before any token: a slow machine's first look can
+    land there."""
+    wait_for(
+        lambda: (
+            len(worker.multiturn.env_turn_ids()) == 4 and all(stored(s.response_length) for s in buffer.iter_samples())
+        ),
+        60,
+        "all four episodes to wait on an env step",
+    )
+
+
 def test_live_abort_while_env_steps_run_resumes_exactly(buffer, redis_url, tiny_model_dir, tmp_path, reference):
     from slime.rollout import RolloutWorker
 
@@ -342,7 +356,7 @@ def test_live_abort_while_env_steps_run_resumes_exactly(buffer, redis_url, tiny_
     worker = RolloutWorker(cfg, str(tiny_model_dir), redis_url, "w-live")
     try:
         # Wait until every episode is inside an env step (model turn 1 done, no observation yet).
-        wait_for(lambda: len(worker.multiturn.env_turn_ids()) == 4, 60, "all four episodes to wait on the env")
+        _wait_for_env_steps(worker, buffer, lambda length: length == TURN_TOKENS)
         assert worker.abort_all() == 4
         stored = list(buffer.iter_samples())
         assert all(s.status == Status.ABORTED for s in stored)
@@ -372,7 +386,7 @@ def test_an_abort_stores_the_env_steps_that_returned_and_none_runs_twice(buffer,
     groups = [buffer.add_group(PROMPT, 2, 80, {"label": "ababab"}) for _ in range(2)]
     worker = RolloutWorker(cfg, str(tiny_model_dir), redis_url, "w-answered")
     try:
-        wait_for(lambda: len(worker.multiturn.env_turn_ids()) == 4, 60, "all four episodes to wait on the env")
+        _wait_for_env_steps(worker, buffer, lambda length: length >= TURN_TOKENS)
         worker.paused.set()  # the loop collects no env result from here
         wait_for(lambda: all(ep.job.done() for ep in worker.multiturn.episodes.values()), 30, "the steps to return")
         assert worker.abort_all() == 4
