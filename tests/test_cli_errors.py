@@ -1,8 +1,8 @@
 """The `slime` command on bad input: one line naming the cause (and a hint of what to do), exit
 code 2, no traceback; `--debug` or SLIME_DEBUG=1 gives the traceback. Each kind of user error is
-tried through the CLI's main() as a user would meet it (the `slime_main` fixture; a real `slime`
-process where what the process itself prints is the point). The hints point to things that exist
-(subcommands, docs pages, README sections)."""
+tried through the CLI's main() as a user would meet it (the `slime_main` fixture); a real `slime`
+process prints the one line, the --debug traceback and an unexpected error's traceback. The hints
+point to things that exist (subcommands, docs pages, README sections)."""
 
 from __future__ import annotations
 
@@ -114,10 +114,10 @@ def test_cluster_error(tmp_path):
     assert_one_clean_error(done, f"cluster.ray_address={address}: Ray could not start or join")
 
 
-def test_an_unexpected_exception_keeps_its_traceback(tmp_path):
+def test_an_unexpected_exception_keeps_its_traceback(tmp_path, slime_main):
     broken = tmp_path / "broken_reward.py"
     broken.write_text("raise RuntimeError('not a user error')\n")  # fails at import: a PluginError
-    done = slime("train", EXAMPLE, f"reward.fn={broken}:score", f"output_dir={tmp_path / 'run'}")
+    done = slime_main("train", EXAMPLE, f"reward.fn={broken}:score", f"output_dir={tmp_path / 'run'}")
     assert_one_clean_error(done, "not a user error")  # wrapped: the plugin names the file
     code = "import slime.cli as c; c._run = lambda argv: 1 / 0; raise SystemExit(c.main(['train']))"
     crash = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
