@@ -352,7 +352,12 @@ def test_killed_job_resumes_partials_and_trains_nothing_twice(tiny_model_dir, tm
 
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     drawn_by_checkpoint = json.loads((latest / "driver_state.json").read_text())["sampler"]["draws"]
-    resumed = _run_cli([*args, f"steps={steps_done + 3}", "resume=auto"], env, stdout=subprocess.PIPE)
+    # The resume runs under `local` whatever the killed job ran under: what it continues is in Redis
+    # and the checkpoint, written the same way by both launchers (a Ray job's resume under Ray:
+    # tests/test_train_e2e.py), and a second Ray start would cost the suite ~20 s.
+    resumed = _run_cli(
+        [*args, f"steps={steps_done + 3}", "resume=auto", "cluster.launcher=local"], env, stdout=subprocess.PIPE
+    )
     said, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err.decode()[-3000:]
     assert f"resume=auto: resuming from {out / 'checkpoints'}/step_" in said.decode()  # says where from
