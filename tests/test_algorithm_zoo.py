@@ -16,7 +16,9 @@ from slime.algorithms.cispo import CISPO, cispo_policy_loss
 from slime.algorithms.core import policy_loss
 from slime.algorithms.corrections import Correction, make_correction
 from slime.algorithms.dr_grpo import DrGRPO
+from slime.algorithms.grpo_passk import best_of_group_advantages
 from slime.algorithms.gspo import GSPO, gspo_policy_loss
+from slime.algorithms.opo import length_weighted_baseline_advantages
 from slime.algorithms.reinforce_pp import ReinforcePP, ReinforcePPBaseline, discounted_returns
 from slime.algorithms.rloo import RLOO, leave_one_out_advantages
 from slime.algorithms.shaping import overlong_penalty, shape_scores
@@ -27,6 +29,8 @@ from slime.sample import Sample, Status
 from slime.train import train
 
 NEW = ["gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo"]
+# Their own advantages on GRPO's loss: the loss's micro-batching is GRPO's (not tested again).
+ADVANTAGES_ON_GRPO = ["opo", "grpo_passk"]
 
 
 def t(rows) -> torch.Tensor:
@@ -60,7 +64,7 @@ def _forward(logp: torch.Tensor, entropy: torch.Tensor | None = None) -> Forward
 
 
 def test_every_algorithm_is_registered_and_criticless() -> None:
-    for name in NEW:
+    for name in [*NEW, *ADVANTAGES_ON_GRPO]:
         algo = make_algorithm(load_config(None, [f"algorithm.name={name}"]))
         assert isinstance(algo, ALGORITHMS[name]) and not algo.needs_critic
 
@@ -119,7 +123,8 @@ def test_overlong_shaping_moves_grpo_advantages() -> None:
     assert on.metrics["overlong_penalty_mean"] == pytest.approx(-0.25)
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo", *NEW])
+# grpo_passk: its own test (the best's margin over the runner-up may not move with these scores)
+@pytest.mark.parametrize("name", ["grpo", "ppo", *NEW, "opo"])
 def test_every_algorithm_reports_the_shaping(name: str) -> None:
     # three distinct shaped scores: REINFORCE++'s whitening would undo a shift of two values
     batch = _batch([(1.0, 3), (0.0, 8), (0.0, 4)], [0, 0, 0], max_new_tokens=8)
@@ -275,6 +280,56 @@ def test_rloo_prepare_and_loss_by_hand() -> None:
     loss, stats = rloo.loss(batch, fixed, _forward(logp), clip_low=0.2, clip_high=0.28, kl_coef=0.0)
     # ratio 1: ℓ = −Â per trainable token; token mean of −(1 + 1 − 1 + 0) over the 4 trainable tokens
     assert loss.item() == pytest.approx(-(1 + 1 - 1) / 4) and stats["clipfrac"] == 0.0
+
+
+# ---------------------------------------------------------------- OPO and pass@k
+
+
+def test_opo_baseline_is_the_length_weighted_group_mean_by_hand() -> None:
+    # group 0: r 1 over 2 tokens, r 0 over 6, a failed row; b = (2·1 + 6·0) / 8 = 0.25
+    # group 1: equal rewards (0 exactly); group 2: a single response (its own baseline: 0)
+    batch = _batch([(1.0, 2), (0.0, 6), (None, 3), (0.5, 1), (0.5, 4), (2.0, 3)], [0, 0, 0, 1, 1, 2])
+    opo = ALGORITHMS["opo"](AlgorithmConfig(name="opo"), _none())
+    fixed = opo.prepare(batch, kl_coef=0.0, old_logp=None, ref_logp=None)
+    close(fixed.advantages[:, 0], [0.75, -0.25, 0.0, 0.0, 0.0, 0.0], atol=1e-7)
+    close(fixed.advantages[:2], [[0.75] * 2 + [0.0] * 4, [-0.25] * 6], atol=1e-7)  # Â_i on each token of o_i
+    # against GRPO without std: the plain mean 0.5 would give ±0.5
+    weights = torch.tensor([2.0, 6.0])
+    assert length_weighted_baseline_advantages(t([1.0, 0.0]), weights, torch.tensor([0, 0])).tolist() == [0.75, -0.25]
+    logp = torch.full((6, 6), -1.0, requires_grad=True)
+    loss, stats = opo.loss(batch, fixed, _forward(logp), clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    # ratio 1: ℓ = −Â per token, token mean over the 16 trainable tokens (failed row: none)
+    assert loss.item() == pytest.approx(-(2 * 0.75 - 6 * 0.25) / 16, abs=1e-7) and stats["clipfrac"] == 0.0
+
+
+def test_passk_reinforces_only_the_best_by_its_margin_by_hand() -> None:
+    # group 0: best 0.9 (row 1) over the runner-up 0.5; group 1: tied best: 0; group 2: one response
+    scores = t([0.2, 0.9, 0.5, 0.7, 0.7, 0.1, 3.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])
+    close(best_of_group_advantages(scores, groups, std_normalize=False), [0, 0.4, 0, 0, 0, 0, 0], atol=1e-7)
+    std = float(np.std([0.2, 0.9, 0.5]))  # population std
+    close(best_of_group_advantages(scores, groups), [0, 0.4 / (std + 1e-6), 0, 0, 0, 0, 0], atol=1e-6)
+    # any group ids in any order: the same per group
+    shuffled = best_of_group_advantages(t([0.5, 0.1, 0.9, 0.2]), torch.tensor([7, 3, 7, 3]), std_normalize=False)
+    close(shuffled, [0, 0, 0.4, 0.1], atol=1e-7)
+
+
+def test_passk_job_side_skips_failed_rows_and_takes_the_shaping() -> None:
+    # the failed row (reward None) would be the best; L_max 8, buffer 2: length 8 pays 0.5
+    batch = _batch([(1.0, 8), (0.8, 3), (None, 2), (0.0, 4)], [0, 0, 0, 0], max_new_tokens=8)
+    for buffer, expected in ((None, 0.2), (2, 0.3)):  # 1 − 0.8; then 0.8 − (1 − 0.5)
+        cfg = AlgorithmConfig(name="grpo_passk", overlong_buffer=buffer, overlong_penalty=0.5, grpo_std_normalize=False)
+        fixed = ALGORITHMS["grpo_passk"](cfg, _none()).prepare(batch, kl_coef=0.0, old_logp=None, ref_logp=None)
+        best = 0 if buffer is None else 1
+        expected_rows = [0.0] * 4
+        expected_rows[best] = expected
+        close(fixed.advantages[:, 0], expected_rows, atol=1e-7)
+
+
+def test_opo_and_passk_need_groups() -> None:
+    for name in ADVANTAGES_ON_GRPO:
+        with pytest.raises(ConfigError, match="n_samples_per_prompt must be >= 2"):
+            load_config(None, [f"algorithm.name={name}", "rollout.n_samples_per_prompt=1"])
 
 
 # ---------------------------------------------------------------- REINFORCE++
@@ -439,11 +494,13 @@ EXPECTED_METRICS = {
     "reinforce_pp": {"return_mean", "kl_reward_mean"},
     "reinforce_pp_baseline": {"return_mean", "kl_reward_mean"},
     "dr_grpo": {"dr_grpo_norm"},
+    "opo": {"pg_loss", "clipfrac"},
+    "grpo_passk": {"pg_loss", "clipfrac"},
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("name", [*NEW, *ADVANTAGES_ON_GRPO])
 def test_two_step_job(tiny_model_dir, redis_url, tmp_path, name: str) -> None:
     job = f"zoo-e2e-{name}"
     kl = ["algorithm.kl_coef=0.01"] if name.startswith("reinforce_pp") else []

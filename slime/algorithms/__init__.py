@@ -17,6 +17,8 @@ To add an algorithm: a file here with a class of that shape, and its name in ALG
   reinforce_pp           discounted token returns (KL in the reward), batch-whitened (reinforce_pp.py)
   reinforce_pp_baseline  the same on group-centred scores                            (reinforce_pp.py)
   dr_grpo                centred Â_i (no std), Σ_t ℓ / C with a constant C           (dr_grpo.py)
+  opo                    r_i − the group's length-weighted mean, clipped surrogate   (opo.py)
+  grpo_passk             the group's best alone, by its margin over the runner-up    (grpo_passk.py)
 Any of them can add DAPO's overlong length penalty to the scores (shaping.py).
 """
 
@@ -31,7 +33,9 @@ from slime.algorithms.cispo import CISPO
 from slime.algorithms.corrections import Correction, make_correction
 from slime.algorithms.dr_grpo import DrGRPO
 from slime.algorithms.grpo import GRPO
+from slime.algorithms.grpo_passk import GRPOPassK
 from slime.algorithms.gspo import GSPO
+from slime.algorithms.opo import OPO
 from slime.algorithms.ppo import PPO
 from slime.algorithms.reinforce_pp import ReinforcePP, ReinforcePPBaseline
 from slime.algorithms.rloo import RLOO
@@ -68,6 +72,8 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "reinforce_pp": ReinforcePP,
     "reinforce_pp_baseline": ReinforcePPBaseline,
     "dr_grpo": DrGRPO,
+    "opo": OPO,
+    "grpo_passk": GRPOPassK,
 }
 
 

@@ -119,7 +119,7 @@ class JobConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> JobConfig:
         # Their baseline is the other responses to the same prompt: a group of one has none.
-        group_baseline = ("grpo", "gspo", "cispo", "rloo", "dr_grpo", "reinforce_pp_baseline")
+        group_baseline = ("grpo", "gspo", "cispo", "rloo", "dr_grpo", "reinforce_pp_baseline", "opo", "grpo_passk")
         if self.algorithm.name in group_baseline and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(
                 f"rollout.n_samples_per_prompt must be >= 2 for algorithm.name={self.algorithm.name} "

@@ -24,8 +24,8 @@ UNUSED_UNLESS: dict[str, tuple[str, ...]] = {
     "vf_coef": ("ppo",),
     "normalize_advantages": ("ppo",),
     "gamma": ("ppo", *KL_ALWAYS_IN_REWARD),
-    "grpo_std_normalize": ("grpo", "gspo", "cispo"),
-    "dual_clip": ("ppo", "grpo", "gspo", "rloo", "dr_grpo", *KL_ALWAYS_IN_REWARD),
+    "grpo_std_normalize": ("grpo", "gspo", "cispo", "grpo_passk"),
+    "dual_clip": ("ppo", "grpo", "gspo", "rloo", "dr_grpo", "opo", "grpo_passk", *KL_ALWAYS_IN_REWARD),
 }
 
 
@@ -201,7 +201,9 @@ class DrGrpoConfig(_Strict):
 
 
 class AlgorithmConfig(_Strict):
-    name: Literal["ppo", "grpo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo"] = "grpo"
+    name: Literal[
+        "ppo", "grpo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "opo", "grpo_passk"
+    ] = "grpo"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     clip_low: float = Field(0.2, gt=0, lt=1)

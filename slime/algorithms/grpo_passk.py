@@ -1,0 +1,77 @@
+"""GRPO for pass@k: only the best response of each group is reinforced (arXiv:2503.19595, as
+verl's `grpo_passk`).
+
+Pass@k rewards a prompt by the best of its k samples, so a response matters only when it is the
+group's best, and then by how much it beats the runner-up. For the G responses to one prompt, with
+rewards r_1..r_G, b the first index of the largest reward and r_(2) the largest of the others:
+
+  Â_b = (r_b − r_(2)) / (std(r_1..r_G) + eps)        Â_i = 0 for i ≠ b        Â_{i,t} = Â_i
+
+std is the population std, as in grpo.py; algorithm.grpo_std_normalize=false keeps r_b − r_(2).
+Tied best responses give Â = 0 (the runner-up is as good); a group of one has no runner-up: 0.
+The loss is GRPO's clipped surrogate with the regularisers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime.algorithms.batch import Batch, UpdateTensors
+from slime.algorithms.grpo import GRPO, broadcast_to_tokens
+from slime.algorithms.shaping import shape_scores
+
+
+@torch.no_grad()
+def best_of_group_advantages(
+    scores: torch.Tensor, group_index: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Â_i [N] from scores [N] and integer group ids [N] (any ids, any order); valid samples only."""
+    if scores.numel() == 0:
+        return scores.clone()
+    scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
+    _, group = torch.unique(group_index, return_inverse=True)
+    num_groups = int(group.max().item()) + 1
+    rows = torch.arange(scores.numel(), device=scores.device)
+    best_score = torch.full((num_groups,), -torch.inf, dtype=scores.dtype, device=scores.device)
+    best_score = best_score.scatter_reduce(0, group, scores, "amax")
+    # the first row of each group that holds its best score
+    candidates = torch.where(scores == best_score[group], rows, scores.numel())
+    best_row = torch.full((num_groups,), scores.numel(), device=scores.device).scatter_reduce(
+        0, group, candidates, "amin"
+    )
+    is_best = rows == best_row[group]
+    others = torch.where(is_best, -torch.inf, scores)
+    runner_up = torch.full_like(best_score, -torch.inf).scatter_reduce(0, group, others, "amax")
+    margin = best_score - runner_up  # +inf for a group of one
+    if std_normalize:
+        count = torch.zeros_like(best_score).index_add_(0, group, torch.ones_like(scores))
+        mean = torch.zeros_like(best_score).index_add_(0, group, scores) / count
+        var = torch.zeros_like(best_score).index_add_(0, group, (scores - mean[group]) ** 2) / count
+        margin = margin / (var.sqrt() + eps)
+    return torch.where(is_best & torch.isfinite(runner_up[group]), margin[group], 0.0)
+
+
+class GRPOPassK(GRPO):
+    """Best-of-group advantages, then GRPO's clipped-surrogate loss; no critic."""
+
+    @torch.no_grad()
+    def prepare(
+        self,
+        batch: Batch,
+        *,
+        kl_coef: float,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        old_values: torch.Tensor | None = None,
+        bootstrap_values: torch.Tensor | None = None,
+    ) -> UpdateTensors:
+        """Â_{i,t} = Â_i; rows without trainable tokens take no part in their group."""
+        valid = batch.mask.sum(-1) > 0
+        scores, metrics = shape_scores(batch.scores, batch, self.cfg)
+        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device, dtype=scores.dtype)
+        if valid.any():
+            adv_seq[valid] = best_of_group_advantages(
+                scores[valid], batch.group_index[valid], std_normalize=self.cfg.grpo_std_normalize
+            ).to(adv_seq.dtype)
+        advantages = broadcast_to_tokens(adv_seq, batch.mask)
+        return UpdateTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, metrics=metrics)

@@ -1,0 +1,68 @@
+"""OPO: on-policy RL with the optimal reward baseline (Hao et al. 2025).
+
+The baseline that minimises the policy gradient's variance, when a response's gradient norm grows
+with its length, is the length-weighted mean reward of the group. For the G responses o_1..o_G to
+one prompt, with rewards r_1..r_G and |o_i| trainable tokens each:
+
+  b = Σ_j |o_j| r_j / Σ_j |o_j|        Â_i = r_i − b        Â_{i,t} = Â_i
+
+No std normalisation (it would reintroduce the per-group scaling the baseline is chosen to avoid).
+A group whose rewards are all equal, or a group of one, gets Â = 0. OPO's other half is exact
+on-policy training, one gradient step per batch: the learner's defaults (learner.ppo_epochs=1,
+learner.num_minibatches=1). The loss is GRPO's clipped surrogate with the regularisers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime.algorithms.batch import Batch, UpdateTensors
+from slime.algorithms.grpo import GRPO, broadcast_to_tokens
+from slime.algorithms.shaping import shape_scores
+
+
+@torch.no_grad()
+def length_weighted_baseline_advantages(
+    scores: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor
+) -> torch.Tensor:
+    """Â_i [N] from scores [N], response lengths [N] (> 0) and integer group ids [N]; valid samples only."""
+    if scores.numel() == 0:
+        return scores.clone()
+    scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
+    lengths = lengths.to(scores.dtype)
+    _, group = torch.unique(group_index, return_inverse=True)
+    num_groups = int(group.max().item()) + 1
+    weighted = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, group, lengths * scores)
+    total = torch.zeros_like(weighted).index_add_(0, group, lengths)
+    adv = scores - (weighted / total)[group]
+    # A constant group would keep float round-off from its baseline.
+    high = torch.full_like(total, -torch.inf).scatter_reduce(0, group, scores, "amax")
+    low = torch.full_like(total, torch.inf).scatter_reduce(0, group, scores, "amin")
+    return torch.where((high == low)[group], 0.0, adv)
+
+
+class OPO(GRPO):
+    """Length-weighted group baseline, then GRPO's clipped-surrogate loss; no critic."""
+
+    @torch.no_grad()
+    def prepare(
+        self,
+        batch: Batch,
+        *,
+        kl_coef: float,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        old_values: torch.Tensor | None = None,
+        bootstrap_values: torch.Tensor | None = None,
+    ) -> UpdateTensors:
+        """Â_{i,t} = Â_i; rows without trainable tokens take no part in their group's baseline."""
+        lengths = batch.mask.sum(-1)
+        valid = lengths > 0
+        scores, metrics = shape_scores(batch.scores, batch, self.cfg)
+        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device, dtype=scores.dtype)
+        if valid.any():
+            adv_seq[valid] = length_weighted_baseline_advantages(
+                scores[valid], lengths[valid], batch.group_index[valid]
+            ).to(adv_seq.dtype)
+        advantages = broadcast_to_tokens(adv_seq, batch.mask)
+        return UpdateTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, metrics=metrics)
