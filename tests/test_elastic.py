@@ -227,7 +227,7 @@ def test_elastic_job_adds_a_worker_when_dry_removes_it_when_full_and_loses_nothi
         "import os, time\n"
         "from envs.repeat import score\n"
         "def wait_for(path):\n"
-        "    deadline = time.time() + 25\n"
+        "    deadline = time.time() + 100\n"
         "    while not os.path.exists(path) and time.time() < deadline:\n"
         "        time.sleep(0.05)\n"
         "def reward(prompt, response, label, metadata):\n"
@@ -241,7 +241,7 @@ def test_elastic_job_adds_a_worker_when_dry_removes_it_when_full_and_loses_nothi
     telemetry = JobTelemetry.open(redis_url, job)
 
     def release_when_joined() -> None:
-        deadline = time.time() + 120
+        deadline = time.time() + 150
         while time.time() < deadline and not telemetry.step_history(1):
             time.sleep(0.1)
         step0_logged.touch()
@@ -271,6 +271,9 @@ def test_elastic_job_adds_a_worker_when_dry_removes_it_when_full_and_loses_nothi
                 "data.shuffle=false",
                 f"reward.fn={reward}:reward",
                 "reward.max_concurrency=1",
+                # the stalled calls wait up to 100 s: an added worker's start on a loaded machine (under
+                # two busy loops it took over 25 s, the wait's bound before, and joined after the release)
+                "reward.timeout_s=120",
                 "learner.ppo_epochs=8",  # a learner slower than the rollout once the reward is quick
                 "weights.check_every=1",  # every worker, the added one too, holds the learner's weights
                 "logging.progress=false",
