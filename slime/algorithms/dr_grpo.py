@@ -25,9 +25,8 @@ import torch
 from slime.algorithms.batch import Batch, Forward, UpdateTensors
 from slime.algorithms.core import add_regularizers, masked_mean, policy_loss
 from slime.algorithms.corrections import surrogate_terms
-from slime.algorithms.grpo import GRPO, broadcast_to_tokens, group_advantages
+from slime.algorithms.grpo import GRPO, group_advantages
 from slime.algorithms.kl import kl_penalty
-from slime.algorithms.shaping import shape_scores
 
 
 def norm_constants(batch: Batch, norm_tokens: int | None) -> torch.Tensor:
@@ -43,25 +42,9 @@ def norm_constants(batch: Batch, norm_tokens: int | None) -> torch.Tensor:
 class DrGRPO(GRPO):
     """Centred group advantages (no std) and a loss summed over tokens over a constant."""
 
-    @torch.no_grad()
-    def prepare(
-        self,
-        batch: Batch,
-        *,
-        kl_coef: float,
-        old_logp: torch.Tensor | None,
-        ref_logp: torch.Tensor | None,
-        old_values: torch.Tensor | None = None,
-        bootstrap_values: torch.Tensor | None = None,
-    ) -> UpdateTensors:
-        """Â_{i,t} = r_i − mean of its group; rows without trainable tokens take no part."""
-        valid = batch.mask.sum(-1) > 0
-        scores, metrics = shape_scores(batch.scores, batch, self.cfg)
-        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device, dtype=scores.dtype)
-        if valid.any():
-            adv_seq[valid] = group_advantages(scores[valid], batch.group_index[valid], std_normalize=False)
-        advantages = broadcast_to_tokens(adv_seq, batch.mask)
-        return UpdateTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, metrics=metrics)
+    def sequence_advantages(self, scores: torch.Tensor, batch: Batch, valid: torch.Tensor) -> torch.Tensor:
+        """Â_i = r_i − mean of its group."""
+        return group_advantages(scores, batch.group_index[valid], std_normalize=False)
 
     def loss(
         self, batch: Batch, fixed: UpdateTensors, out: Forward, *, clip_low: float, clip_high: float, kl_coef: float

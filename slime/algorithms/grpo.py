@@ -115,17 +115,20 @@ class GRPO:
         old_values: torch.Tensor | None = None,
         bootstrap_values: torch.Tensor | None = None,
     ) -> UpdateTensors:
-        """Â_{i,t} = Â_i of row i's group. Rows without trainable tokens (failed, fully masked)
-        take no part in their group's mean and std. No critic: values and bootstrap are unused."""
+        """Â_{i,t} = Â_i of row i (sequence_advantages). Rows without trainable tokens (failed,
+        fully masked) take no part in their group. No critic: values and bootstrap are unused."""
         valid = batch.mask.sum(-1) > 0
         scores, metrics = shape_scores(batch.scores, batch, self.cfg)  # DAPO overlong shaping, when set
         adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device, dtype=scores.dtype)
         if valid.any():
-            adv_seq[valid] = group_advantages(
-                scores[valid], batch.group_index[valid], std_normalize=self.cfg.grpo_std_normalize
-            )
+            adv_seq[valid] = self.sequence_advantages(scores[valid], batch, valid).to(adv_seq.dtype)
         advantages = broadcast_to_tokens(adv_seq, batch.mask)
         return UpdateTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, metrics=metrics)
+
+    def sequence_advantages(self, scores: torch.Tensor, batch: Batch, valid: torch.Tensor) -> torch.Tensor:
+        """Â_i of the `valid` rows from their (shaped) scores; the algorithms built on GRPO's loss
+        that differ only here (RLOO, Dr. GRPO, OPO, pass@k) override this."""
+        return group_advantages(scores, batch.group_index[valid], std_normalize=self.cfg.grpo_std_normalize)
 
     def loss(
         self, batch: Batch, fixed: UpdateTensors, out: Forward, *, clip_low: float, clip_high: float, kl_coef: float

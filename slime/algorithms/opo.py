@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from slime.algorithms.batch import Batch, UpdateTensors
-from slime.algorithms.grpo import GRPO, broadcast_to_tokens
-from slime.algorithms.shaping import shape_scores
+from slime.algorithms.batch import Batch
+from slime.algorithms.grpo import GRPO
 
 
 @torch.no_grad()
@@ -44,25 +43,5 @@ def length_weighted_baseline_advantages(
 class OPO(GRPO):
     """Length-weighted group baseline, then GRPO's clipped-surrogate loss; no critic."""
 
-    @torch.no_grad()
-    def prepare(
-        self,
-        batch: Batch,
-        *,
-        kl_coef: float,
-        old_logp: torch.Tensor | None,
-        ref_logp: torch.Tensor | None,
-        old_values: torch.Tensor | None = None,
-        bootstrap_values: torch.Tensor | None = None,
-    ) -> UpdateTensors:
-        """Â_{i,t} = Â_i; rows without trainable tokens take no part in their group's baseline."""
-        lengths = batch.mask.sum(-1)
-        valid = lengths > 0
-        scores, metrics = shape_scores(batch.scores, batch, self.cfg)
-        adv_seq = torch.zeros(batch.mask.shape[0], device=batch.mask.device, dtype=scores.dtype)
-        if valid.any():
-            adv_seq[valid] = length_weighted_baseline_advantages(
-                scores[valid], lengths[valid], batch.group_index[valid]
-            ).to(adv_seq.dtype)
-        advantages = broadcast_to_tokens(adv_seq, batch.mask)
-        return UpdateTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, metrics=metrics)
+    def sequence_advantages(self, scores: torch.Tensor, batch: Batch, valid: torch.Tensor) -> torch.Tensor:
+        return length_weighted_baseline_advantages(scores, batch.mask[valid].sum(-1), batch.group_index[valid])
