@@ -7,7 +7,8 @@ An algorithm is built from the config and answers three things for the learner:
 
 The learner does everything else (micro-batching, accumulation, optimizers, clipping, weights).
 To add an algorithm: a file here with a class of that shape, and its name in ALGORITHMS (and in
-`AlgorithmConfig.name`).
+`AlgorithmConfig.name`). One that keeps GRPO's loss and differs only in each response's advantage
+subclasses GRPO and overrides `sequence_advantages` (rloo.py, dr_grpo.py, opo.py, grpo_passk.py).
 
   ppo                    critic + token-level GAE, clipped surrogate, value loss     (ppo.py)
   grpo                   group-normalised Â_i, clipped surrogate                    (grpo.py)
