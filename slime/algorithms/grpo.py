@@ -30,6 +30,33 @@ from slime.config import AlgorithmConfig
 
 
 @torch.no_grad()
+def dense_groups(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Group ids 0..G-1 [N] for integer group ids [N] (any ids, in any order), and G."""
+    _, group = torch.unique(group_index, return_inverse=True)
+    return group, int(group.max().item()) + 1 if group.numel() else 0
+
+
+def group_sum(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Σ of `values` [N] per group: [G]."""
+    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, group, values)
+
+
+def group_mean_std(scores: torch.Tensor, group: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's mean and population std [G]."""
+    count = group_sum(torch.ones_like(scores), group, num_groups)
+    mean = group_sum(scores, group, num_groups) / count
+    return mean, (group_sum((scores - mean[group]) ** 2, group, num_groups) / count).sqrt()
+
+
+def in_constant_group(scores: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[N] bool: the row's group has one score only. Its advantage is set to exactly 0: float
+    round-off in a baseline would leave tiny non-zero values."""
+    high = torch.full((num_groups,), -torch.inf, dtype=scores.dtype, device=scores.device)
+    low = torch.full_like(high, torch.inf)
+    return (high.scatter_reduce(0, group, scores, "amax") == low.scatter_reduce(0, group, scores, "amin"))[group]
+
+
+@torch.no_grad()
 def group_advantages(
     scores: torch.Tensor,
     group_index: torch.Tensor,
@@ -43,20 +70,12 @@ def group_advantages(
     exactly 0.
     """
     scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
-    _, group = torch.unique(group_index, return_inverse=True)
-    num_groups = int(group.max().item()) + 1 if group.numel() else 0
-    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
-    count.index_add_(0, group, torch.ones_like(scores))
-    mean = torch.zeros_like(count).index_add_(0, group, scores) / count
+    group, num_groups = dense_groups(group_index)
+    mean, std = group_mean_std(scores, group, num_groups)
     centered = scores - mean[group]
     if std_normalize:
-        var = torch.zeros_like(count).index_add_(0, group, centered**2) / count
-        centered = centered / (var.sqrt()[group] + eps)
-    # Float round-off in the mean would leave tiny non-zero advantages in a constant group.
-    high = torch.full_like(count, -torch.inf).scatter_reduce(0, group, scores, "amax")
-    low = torch.full_like(count, torch.inf).scatter_reduce(0, group, scores, "amin")
-    constant = (high == low)[group]
-    return torch.where(constant, 0.0, centered)
+        centered = centered / (std[group] + eps)
+    return torch.where(in_constant_group(scores, group, num_groups), 0.0, centered)
 
 
 def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

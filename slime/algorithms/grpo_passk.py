@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from slime.algorithms.batch import Batch
-from slime.algorithms.grpo import GRPO
+from slime.algorithms.grpo import GRPO, dense_groups, group_mean_std
 
 
 @torch.no_grad()
@@ -28,8 +28,7 @@ def best_of_group_advantages(
     if scores.numel() == 0:
         return scores.clone()
     scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
-    _, group = torch.unique(group_index, return_inverse=True)
-    num_groups = int(group.max().item()) + 1
+    group, num_groups = dense_groups(group_index)
     rows = torch.arange(scores.numel(), device=scores.device)
     best_score = torch.full((num_groups,), -torch.inf, dtype=scores.dtype, device=scores.device)
     best_score = best_score.scatter_reduce(0, group, scores, "amax")
@@ -43,10 +42,7 @@ def best_of_group_advantages(
     runner_up = torch.full_like(best_score, -torch.inf).scatter_reduce(0, group, others, "amax")
     margin = best_score - runner_up  # +inf for a group of one
     if std_normalize:
-        count = torch.zeros_like(best_score).index_add_(0, group, torch.ones_like(scores))
-        mean = torch.zeros_like(best_score).index_add_(0, group, scores) / count
-        var = torch.zeros_like(best_score).index_add_(0, group, (scores - mean[group]) ** 2) / count
-        margin = margin / (var.sqrt() + eps)
+        margin = margin / (group_mean_std(scores, group, num_groups)[1] + eps)
     return torch.where(is_best & torch.isfinite(runner_up[group]), margin[group], 0.0)
 
 

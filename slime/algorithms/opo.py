@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from slime.algorithms.batch import Batch
-from slime.algorithms.grpo import GRPO
+from slime.algorithms.grpo import GRPO, dense_groups, group_sum, in_constant_group
 
 
 @torch.no_grad()
@@ -29,15 +29,9 @@ def length_weighted_baseline_advantages(
         return scores.clone()
     scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
     lengths = lengths.to(scores.dtype)
-    _, group = torch.unique(group_index, return_inverse=True)
-    num_groups = int(group.max().item()) + 1
-    weighted = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, group, lengths * scores)
-    total = torch.zeros_like(weighted).index_add_(0, group, lengths)
-    adv = scores - (weighted / total)[group]
-    # A constant group would keep float round-off from its baseline.
-    high = torch.full_like(total, -torch.inf).scatter_reduce(0, group, scores, "amax")
-    low = torch.full_like(total, torch.inf).scatter_reduce(0, group, scores, "amin")
-    return torch.where((high == low)[group], 0.0, adv)
+    group, num_groups = dense_groups(group_index)
+    baseline = group_sum(lengths * scores, group, num_groups) / group_sum(lengths, group, num_groups)
+    return torch.where(in_constant_group(scores, group, num_groups), 0.0, scores - baseline[group])
 
 
 class OPO(GRPO):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from slime.algorithms.batch import Batch
-from slime.algorithms.grpo import GRPO
+from slime.algorithms.grpo import GRPO, dense_groups, group_sum, in_constant_group
 
 
 @torch.no_grad()
@@ -27,18 +27,13 @@ def leave_one_out_advantages(scores: torch.Tensor, group_index: torch.Tensor) ->
     if scores.numel() == 0:
         return scores.clone()
     scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
-    _, group = torch.unique(group_index, return_inverse=True)
-    num_groups = int(group.max().item()) + 1
-    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(
-        0, group, torch.ones_like(scores)
-    )
-    mean = torch.zeros_like(count).index_add_(0, group, scores) / count
+    group, num_groups = dense_groups(group_index)
+    count = group_sum(torch.ones_like(scores), group, num_groups)
+    mean = group_sum(scores, group, num_groups) / count
     size = count[group]
     adv = size / (size - 1).clamp_min(1.0) * (scores - mean[group])
-    # A constant group would keep float round-off from its mean; a group of one has no baseline.
-    high = torch.full_like(count, -torch.inf).scatter_reduce(0, group, scores, "amax")
-    low = torch.full_like(count, torch.inf).scatter_reduce(0, group, scores, "amin")
-    return torch.where((high == low)[group] | (size < 2), 0.0, adv)
+    # a group of one has no baseline
+    return torch.where(in_constant_group(scores, group, num_groups) | (size < 2), 0.0, adv)
 
 
 class RLOO(GRPO):
