@@ -16,7 +16,11 @@ from slime.model import ensure_model_dir
 from slime.sample import new_id
 from tests.helpers import run_benchmark_smoke, run_slime_chaos
 
-SUBPROCESS_CHECKS_AT_ONCE = 2
+# One at a time: they then fill the core that the in-process tests leave idle (most run on one
+# thread, or wait on a timeout), 546 s of them in the first 9 minutes. Two at a time kept both cores
+# saturated for 7 minutes, slowed everything beside them, and left the rest of the suite at ~60% CPU:
+# 24 min 40 s against 21 min 53 s for the whole suite, the same machine and commit.
+SUBPROCESS_CHECKS_AT_ONCE = 1
 
 
 @pytest.fixture(scope="session")
