@@ -23,7 +23,7 @@ from typing import Any
 from april.elastic import ElasticPolicy
 from april.scheduler import BudgetHold, GroupCounts, GroupScheduler, ZeroVarianceFilter
 from rewards.group_filter import GroupFilter
-from slime.buffer import JobTelemetry, TrajectoryStore
+from slime.buffer import JobTelemetry, NewGroup, TrajectoryStore
 from slime.config import JobConfig
 from slime.data import reward_metadata
 from slime.launch.launcher import Launcher, WorkerLaunch, start_rollout_worker, worker_resources
@@ -160,17 +160,20 @@ class RolloutFleet:
         counts = GroupCounts(unfinished=c["groups_open"], ready=c["groups_ready"], started=started)
         missing = self.scheduler.groups_to_start(counts, version)
         self.admission_held = self.scheduler.held_by_staleness(counts, version) > 0
+        groups = []
         for _ in range(missing):
             record = self.sampler.next()
-            metadata = {**reward_metadata(record), "record_index": record.index}
-            self.buffer.add_group(
-                record.prompt_ids,
-                cfg.rollout.n_samples_per_prompt,
-                cfg.rollout.max_new_tokens,
-                metadata,
-                draw=self.sampler.draws,
-                streaming=cfg.loop_mode == "streaming",
+            groups.append(
+                NewGroup(
+                    record.prompt_ids,
+                    cfg.rollout.n_samples_per_prompt,
+                    cfg.rollout.max_new_tokens,
+                    {**reward_metadata(record), "record_index": record.index},
+                    draw=self.sampler.draws,
+                    streaming=cfg.loop_mode == "streaming",
+                )
             )
+        self.buffer.add_groups(groups)  # one round trip: an idle worker leases them together
         return missing
 
     def staleness_held_share(self) -> float:

@@ -18,7 +18,7 @@ import redis
 from slime.buffer.connection import JobConnection, lua_source
 from slime.buffer.queries import BufferQueries
 from slime.buffer.redis_server import LocalRedisServer, connect_or_start, find_redis_server
-from slime.buffer.store import Finish, LeaseLostError, TrajectoryStore
+from slime.buffer.store import Finish, LeaseLostError, NewGroup, TrajectoryStore
 from slime.buffer.telemetry import JobTelemetry
 from slime.sample import ChunkLengthError, Status, new_id
 
@@ -882,3 +882,25 @@ def test_a_streamed_group_a_resume_dropped_trains_no_segment(buffer: TrajectoryS
     # The next resume reads the groups drawn anew under those draw numbers, not the dropped ones.
     again = buffer.add_group(PROMPT, n=1, max_new_tokens=8, metadata={"record_index": 9}, draw=4)
     assert buffer.groups_drawn_after(3) == {4: (9, "open")} and again
+
+
+def test_groups_added_together_are_leased_together_and_wake_an_idle_worker(buffer: TrajectoryStore) -> None:
+    """A step's groups go in with one round trip (`add_groups`), so an idle worker woken by the first
+    finds them all; the wake is one signal, whatever the number of groups, and nothing without one."""
+    assert buffer.wait_for_work_signal(0.01) is False  # nothing added: the wait times out
+    ids = buffer.add_groups(
+        [NewGroup([1, 2, 3], 2, 8, {"label": str(i)}, draw=i + 1) for i in range(3)]
+        + [NewGroup([4], 1, 4, {}, group_id="named", streaming=True)]
+    )
+    assert ids[3] == "named" and len(set(ids)) == 4
+    woke = time.monotonic()
+    assert buffer.wait_for_work_signal(5.0) is True
+    assert time.monotonic() - woke < 1.0  # at once, not at the timeout
+    assert buffer.wait_for_work_signal(0.01) is False  # one signal for the whole batch
+    leased = buffer.lease("w0", 100)
+    assert [s.group_id for s in leased] == [ids[0]] * 2 + [ids[1]] * 2 + [ids[2]] * 2 + ["named"]
+    assert [s.metadata.get("label") for s in leased[::2][:3]] == ["0", "1", "2"]
+    with pytest.raises(ValueError, match="'named' already exists"):
+        buffer.add_groups([NewGroup([5], 1, 4, {}), NewGroup([6], 1, 4, {}, group_id="named")])
+    with pytest.raises(ValueError, match="n >= 1"):
+        buffer.add_groups([NewGroup([5], 0, 4, {})])

@@ -50,7 +50,7 @@ the job (connection.py).
 
 from slime.buffer.connection import JOB_NAME_PATTERN, JobConnection, ReplicaAckError, is_cluster_url, open_client
 from slime.buffer.queries import BufferQueries
-from slime.buffer.store import ChunksLostError, Finish, LeaseLostError, PendingReplies, TrajectoryStore
+from slime.buffer.store import ChunksLostError, Finish, LeaseLostError, NewGroup, PendingReplies, TrajectoryStore
 from slime.buffer.telemetry import JobTelemetry
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "JobConnection",
     "JobTelemetry",
     "LeaseLostError",
+    "NewGroup",
     "PendingReplies",
     "ReplicaAckError",
     "TrajectoryStore",

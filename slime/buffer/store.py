@@ -80,6 +80,19 @@ class Restored(NamedTuple):
 
 
 @dataclass
+class NewGroup:
+    """One group to create, as `TrajectoryStore.add_group` takes it (for `add_groups`)."""
+
+    prompt_ids: np.ndarray | Sequence[int]
+    n: int
+    max_new_tokens: int
+    metadata: dict[str, Any]
+    group_id: str | None = None
+    draw: int | None = None
+    streaming: bool = False
+
+
+@dataclass
 class Finish:
     """One sample's final status, as `TrajectoryStore.finish` takes it (for `finish_many`)."""
 
@@ -201,29 +214,38 @@ class TrajectoryStore:
         """Create a group of n PENDING samples of one prompt, queued on `new`. Returns the group id.
         `draw`: how many prompts the job's sampler had drawn with this one (drop_drawn_after).
         `streaming`: its samples are trained segment by segment (claim_segments)."""
-        if n < 1:
-            raise ValueError(f"a group needs n >= 1 samples, got {n}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        group_id = group_id or new_id()
-        prompt = np.asarray(prompt_ids, dtype=TOKEN_DTYPE).reshape(-1).astype(WIRE_TOKEN).tobytes()
-        sample_ids = [new_id() for _ in range(n)]
-        created = self._add_group(
-            args=[
-                self.prefix,
-                group_id,
-                n,
-                int(max_new_tokens),
-                prompt,
-                json.dumps(metadata),
-                "" if draw is None else int(draw),
-                "1" if streaming else "",
-                *sample_ids,
-            ]
-        )
-        if not created:
-            raise ValueError(f"group {group_id!r} already exists in job {self.job!r}")
-        return group_id
+        return self.add_groups([NewGroup(prompt_ids, n, max_new_tokens, metadata, group_id, draw, streaming)])[0]
+
+    def add_groups(self, groups: Sequence[NewGroup]) -> list[str]:
+        """`add_group` for many groups in one round trip, in order; their ids. An idle worker that
+        the first group wakes finds them all: added one by one, it leased the first and started
+        decoding it while the others waited for its next look at the queue (20 ms)."""
+        ids, calls = [], []
+        for group in groups:
+            if group.n < 1:
+                raise ValueError(f"a group needs n >= 1 samples, got {group.n}")
+            if group.max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be >= 1, got {group.max_new_tokens}")
+            group_id = group.group_id or new_id()
+            prompt = np.asarray(group.prompt_ids, dtype=TOKEN_DTYPE).reshape(-1).astype(WIRE_TOKEN).tobytes()
+            ids.append(group_id)
+            calls.append(
+                [
+                    self.prefix,
+                    group_id,
+                    group.n,
+                    int(group.max_new_tokens),
+                    prompt,
+                    json.dumps(group.metadata),
+                    "" if group.draw is None else int(group.draw),
+                    "1" if group.streaming else "",
+                    *(new_id() for _ in range(group.n)),
+                ]
+            )
+        for group_id, created in zip(ids, ScriptBatch(self._add_group, calls).replies()):
+            if not created:
+                raise ValueError(f"group {group_id!r} already exists in job {self.job!r}")
+        return ids
 
     def lease(self, worker_id: str, max_items: int) -> list[Sample]:
         """Lease up to max_items samples, resume queue first, then new prompts; they become RUNNING."""
@@ -461,6 +483,12 @@ class TrajectoryStore:
     def wait_for_ready_signal(self, timeout_s: float) -> bool:
         """Block until a group turned ready since the last call (True), or ``timeout_s`` passed."""
         return self.redis.blpop([self._key("signal", "ready")], timeout=timeout_s) is not None
+
+    def wait_for_work_signal(self, timeout_s: float) -> bool:
+        """An idle worker's wait: until a group was added since the last call, by any worker's take
+        (True), or ``timeout_s`` passed. One signal wakes one waiter; the others find the work at
+        their timeout."""
+        return self.redis.blpop([self._key("signal", "work")], timeout=timeout_s) is not None
 
     def ready_group_ids(self) -> list[str]:
         return [gid.decode() for gid in self.redis.lrange(self._key("queue", "ready"), 0, -1)]

@@ -146,6 +146,9 @@ class RolloutWorker:
         self.scored: collections.deque[tuple[Sample, Status, RewardResult]] = collections.deque()
         self.paused = threading.Event()
         self.stopped = threading.Event()
+        # Set by a reward as it completes: an idle loop wakes for it at once, rather than after its
+        # 10 ms wait (the last group's reward held every sync step's end by up to that).
+        self.scored_event = threading.Event()
         self.error: str | None = None
         self.generated_tokens = 0
         self.last_empty_lease = 0.0
@@ -178,6 +181,7 @@ class RolloutWorker:
                     continue
                 with self.lock:
                     t0 = time.time()
+                    self.scored_event.clear()  # before the look at `scored`: a later reward sets it again
                     self._finish_scored()
                     self._admit()
                     if self.multiturn is not None:
@@ -202,7 +206,10 @@ class RolloutWorker:
                         self.telemetry.add_expert_load(self.expert_load.take())
                     last_renew = time.time()
                 if idle:
-                    time.sleep(0.01)
+                    if self.scoring or self.multiturn is not None:
+                        self.scored_event.wait(0.01)
+                    else:  # only new groups can give it work: woken the moment the driver adds them
+                        self.buffer.wait_for_work_signal(0.01)
         except Exception:  # surfaced through health(); the driver stops the job with it
             self.error = traceback.format_exc()
 
@@ -210,8 +217,12 @@ class RolloutWorker:
         free = self.cfg.rollout.max_running_requests - self.engine.num_running() - self.engine.num_waiting()
         if self.multiturn is not None:
             free -= len(self.multiturn.env_turn_ids())
-        # An empty queue is asked again only every 20 ms, not on every decode step.
-        if free <= 0 or time.time() - self.last_empty_lease < 0.02:
+        # While the engine decodes, an empty queue is asked again only every 20 ms, not on every
+        # decode step. An idle engine asks on every turn of the loop (every 10 ms at most): with the
+        # 20 ms wait there too, a sync step's groups waited ~20 ms for their first lease, since the
+        # idle worker had just found the queue empty while the driver ended the previous step.
+        busy = self.engine.has_unfinished()
+        if free <= 0 or (busy and time.time() - self.last_empty_lease < 0.02):
             return
         leased = self.buffer.lease(self.worker_id, free)
         if not leased:
@@ -378,7 +389,12 @@ class RolloutWorker:
         inputs = sample_reward_inputs(sample, status, self.tokenizer, stop, self.model_text)
         future = self.rewards.submit(*inputs)
         self.scoring[sample.id] = future
-        future.add_done_callback(lambda f, s=sample, st=status: self.scored.append((s, st, f.result())))
+        future.add_done_callback(lambda f, s=sample, st=status: self._scored(s, st, f.result()))
+
+    def _scored(self, sample: Sample, status: Status, result: RewardResult) -> None:
+        """A reward thread's callback: queue the sample to finish, wake an idle generation loop."""
+        self.scored.append((sample, status, result))
+        self.scored_event.set()
 
     def _advance_episodes(self) -> None:
         """Multi-turn: abort model turns past their time limit, start the turns whose env step finished

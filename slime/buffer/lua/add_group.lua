@@ -17,5 +17,8 @@ for i = 1, n do
   redis.call('RPUSH', P .. 'queue:new', sid)
 end
 redis.call('HINCRBY', P .. 'status_counts', 'pending', n)
+-- Wakes an idle worker waiting on it (TrajectoryStore.wait_for_work_signal); at most one element.
+redis.call('RPUSH', P .. 'signal:work', '1')
+redis.call('LTRIM', P .. 'signal:work', -1, -1)
 if ARGV[8] == '1' then redis.call('SADD', P .. 'stream:untrained', unpack(ARGV, 9, 8 + n)) end
 return 1
