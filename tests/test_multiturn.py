@@ -683,3 +683,21 @@ def test_a_reward_fn_beside_env_reward_env_is_said_to_be_unused():
     assert unused_reward_notice(load_config(None, env)) is None  # the default fn: nothing was asked for
     assert unused_reward_notice(load_config(None, [*env, "env.reward=reward_fn", "reward.fn=rewards.rule:f1"])) is None
     assert unused_reward_notice(load_config(None, ["reward.fn=rewards.rule:f1"])) is None  # no env
+
+
+def test_an_env_call_that_completes_wakes_the_generation_loop(buffer, redis_url, tiny_model_dir, tmp_path):
+    """The idle generation loop waits on an event that a completed env call sets (as a completed
+    reward does): it picks the env's turn up at once, not at its 10 ms timeout."""
+    cfg = job_config(buffer, tmp_path)
+    woken = threading.Event()
+    rollout = MultiTurnRollout(
+        cfg.env, load_tokenizer(tiny_model_dir), SamplingParams(), buffer, "w-wake", on_env_done=woken.set
+    )
+    try:
+        buffer.add_group(PROMPT, 1, 80, {})
+        (sample,) = buffer.lease("w-wake", 1)
+        rollout.begin(sample)  # the env's reset, on an env thread
+        assert woken.wait(30), "the completed env reset did not wake the loop"
+        assert [s.id for s, _ in rollout.poll(0)] == [sample.id]
+    finally:
+        rollout.close()

@@ -485,9 +485,9 @@ class TrajectoryStore:
         return self.redis.blpop([self._key("signal", "ready")], timeout=timeout_s) is not None
 
     def wait_for_work_signal(self, timeout_s: float) -> bool:
-        """An idle worker's wait: until a group was added since the last call, by any worker's take
-        (True), or ``timeout_s`` passed. One signal wakes one waiter; the others find the work at
-        their timeout."""
+        """An idle worker's wait: until groups were added since the signal was last taken (True), or
+        ``timeout_s`` passed. One signal wakes one waiter; other idle workers find the work at their
+        timeout."""
         return self.redis.blpop([self._key("signal", "work")], timeout=timeout_s) is not None
 
     def ready_group_ids(self) -> list[str]:

@@ -42,7 +42,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -156,6 +156,7 @@ class MultiTurnRollout:
         buffer: TrajectoryStore,
         worker_id: str,
         max_seq_len: int | None = None,
+        on_env_done: Callable[[], None] = lambda: None,
     ):
         if cfg.plugin is None:
             raise ValueError("MultiTurnRollout needs env.plugin (the env class, `package.module:Class`)")
@@ -175,6 +176,7 @@ class MultiTurnRollout:
         self.buffer = buffer
         self.worker_id = worker_id
         self.max_seq_len = max_seq_len
+        self.on_env_done = on_env_done  # wakes the generation loop when an env call completes
         self.threads = EnvThreads(cfg.max_concurrency, max_hung=4 * cfg.max_concurrency)
         self.episodes: dict[str, _Episode] = {}
 
@@ -295,10 +297,12 @@ class MultiTurnRollout:
     def _submit(self, ep: _Episode, fn, *args) -> None:
         ep.call = self.threads.submit(fn, *args)
         ep.job = ep.call.future
+        ep.job.add_done_callback(lambda _: self.on_env_done())
 
     def _submit_done(self, ep: _Episode, outcome: _EnvOutcome) -> None:
         ep.job, ep.call = Future(), None
         ep.job.set_result(outcome)
+        self.on_env_done()
 
     def _overdue(self, call: EnvCall | None, now: float) -> str | None:
         """Why a call still running fails its sample now, or None. Its limit counts from its start: a

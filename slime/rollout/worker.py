@@ -120,10 +120,19 @@ class RolloutWorker:
         self.model_text = self.rewards is not None and wants_model_text(cfg.reward)  # a decode more per response
         self.staleness_budget = StalenessBudget(cfg.april.max_version_span, cfg.april.beyond_budget)
         self.chunk_sampler = load_function(cfg.april.chunk_sampler) if cfg.april.chunk_sampler else None
+        # Set by a reward or an env call as it completes: an idle loop wakes for it at once, rather
+        # than after its 10 ms wait (the last group's reward held every sync step's end by up to that).
+        self.wake = threading.Event()
         # Multi-turn episodes (env.plugin set): slime/rollout/multiturn.py owns the turn state machine.
         self.multiturn = (
             MultiTurnRollout(
-                cfg.env, self.tokenizer, self.params, self.buffer, worker_id, getattr(self.engine, "max_seq_len", None)
+                cfg.env,
+                self.tokenizer,
+                self.params,
+                self.buffer,
+                worker_id,
+                getattr(self.engine, "max_seq_len", None),
+                on_env_done=self.wake.set,
             )
             if cfg.env.plugin
             else None
@@ -146,9 +155,6 @@ class RolloutWorker:
         self.scored: collections.deque[tuple[Sample, Status, RewardResult]] = collections.deque()
         self.paused = threading.Event()
         self.stopped = threading.Event()
-        # Set by a reward as it completes: an idle loop wakes for it at once, rather than after its
-        # 10 ms wait (the last group's reward held every sync step's end by up to that).
-        self.scored_event = threading.Event()
         self.error: str | None = None
         self.generated_tokens = 0
         self.last_empty_lease = 0.0
@@ -181,7 +187,7 @@ class RolloutWorker:
                     continue
                 with self.lock:
                     t0 = time.time()
-                    self.scored_event.clear()  # before the look at `scored`: a later reward sets it again
+                    self.wake.clear()  # before the look at what completed: a later completion sets it again
                     self._finish_scored()
                     self._admit()
                     if self.multiturn is not None:
@@ -207,7 +213,7 @@ class RolloutWorker:
                     last_renew = time.time()
                 if idle:
                     if self.scoring or self.multiturn is not None:
-                        self.scored_event.wait(0.01)
+                        self.wake.wait(0.01)
                     else:  # only new groups can give it work: woken the moment the driver adds them
                         self.buffer.wait_for_work_signal(0.01)
         except Exception:  # surfaced through health(); the driver stops the job with it
@@ -394,7 +400,7 @@ class RolloutWorker:
     def _scored(self, sample: Sample, status: Status, result: RewardResult) -> None:
         """A reward thread's callback: queue the sample to finish, wake an idle generation loop."""
         self.scored.append((sample, status, result))
-        self.scored_event.set()
+        self.wake.set()
 
     def _advance_episodes(self) -> None:
         """Multi-turn: abort model turns past their time limit, start the turns whose env step finished
